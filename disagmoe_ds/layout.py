@@ -1,0 +1,191 @@
+"""Where every rank sits: attention groups, FFN groups, lanes and expert shards (pure Python).
+
+Rank order (global ranks):
+    [0, M)        attention ranks; A-group g holds ranks g*d .. g*d + d - 1 (d = lanes per A-group)
+    [M, M + N)    FFN ranks; F-group g holds a contiguous block of N/p ranks. Inside a block the
+                  expert-parallel index runs fastest (DeepSpeed's "E + D" order), so an expert-parallel
+                  group is a run of consecutive ranks and its expert-data-parallel replicas are strided.
+
+Layer l is owned by A-group and F-group ``l % p``. The final norm, LM head and loss run on A-group
+``L % p`` (A-group 0 when p divides L, which also keeps tied embeddings on one group).
+
+>>> lay = Layout(attention_gpus=4, ffn_gpus=2, depth=2, num_layers=4, num_experts=8)
+>>> lay.lanes, lay.ep_size, lay.layers_of_group(1)
+(2, 1, (1, 3))
+>>> lay.role_of(5)
+RankRole(role='ffn', group=1, index=0, ep_rank=0, edp_rank=0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from disagmoe_ds.errors import LayoutError
+
+Role = Literal["attention", "ffn"]
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """What one global rank does. ``index`` is the lane (attention) or the rank inside the F-group."""
+
+    role: Role
+    group: int
+    index: int
+    ep_rank: int = 0
+    edp_rank: int = 0
+
+    @property
+    def is_attention(self) -> bool:
+        return self.role == "attention"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A validated disaggregated layout.
+
+    Args:
+        attention_gpus: M, total attention ranks (p A-groups of M/p lanes each).
+        ffn_gpus: N, total FFN ranks (p F-groups of N/p ranks each).
+        depth: p, number of A-groups (= number of F-groups).
+        num_layers: L, decoder layers of the model.
+        num_experts: E, routed experts per MoE layer.
+        expert_data_parallel: replicas of each expert shard inside an F-group.
+    """
+
+    attention_gpus: int
+    ffn_gpus: int
+    num_layers: int
+    num_experts: int
+    depth: int = 1
+    expert_data_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("attention_gpus", "ffn_gpus", "num_layers", "num_experts", "depth", "expert_data_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        p = self.depth
+        if self.attention_gpus % p:
+            raise LayoutError(
+                f"attention_gpus ({self.attention_gpus}) must be divisible by depth ({p}): every A-group needs the "
+                f"same number of lanes; use attention_gpus = {p} * lanes"
+            )
+        if self.ffn_gpus % p:
+            raise LayoutError(
+                f"ffn_gpus ({self.ffn_gpus}) must be divisible by depth ({p}): every F-group needs the same number "
+                f"of ranks; use ffn_gpus = {p} * ranks_per_group"
+            )
+        if self.num_layers % p:
+            raise LayoutError(
+                f"num_hidden_layers ({self.num_layers}) must be divisible by depth ({p}): group g owns layers "
+                f"g, g+p, ...; pick a depth that divides {self.num_layers}"
+            )
+        if self.ffn_ranks_per_group % self.expert_data_parallel:
+            raise LayoutError(
+                f"FFN ranks per group ({self.ffn_ranks_per_group}) must be divisible by expert_data_parallel "
+                f"({self.expert_data_parallel})"
+            )
+        if self.num_experts % self.ep_size:
+            raise LayoutError(
+                f"num_experts ({self.num_experts}) must be divisible by the expert-parallel size ({self.ep_size} = "
+                f"ffn_gpus {self.ffn_gpus} / depth {p} / expert_data_parallel {self.expert_data_parallel}); "
+                f"choose ffn_gpus so that each F-group splits the experts evenly"
+            )
+
+    # ----- sizes -----
+    @property
+    def world_size(self) -> int:
+        return self.attention_gpus + self.ffn_gpus
+
+    @property
+    def lanes(self) -> int:
+        """d: data-parallel attention ranks per A-group."""
+        return self.attention_gpus // self.depth
+
+    @property
+    def ffn_ranks_per_group(self) -> int:
+        return self.ffn_gpus // self.depth
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel ranks per F-group (each holds num_experts / ep_size experts)."""
+        return self.ffn_ranks_per_group // self.expert_data_parallel
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def layers_per_group(self) -> int:
+        """v: layers owned by each group."""
+        return self.num_layers // self.depth
+
+    @property
+    def head_group(self) -> int:
+        """A-group that runs the final norm, LM head and loss."""
+        return self.num_layers % self.depth
+
+    # ----- maps -----
+    def group_of_layer(self, layer: int) -> int:
+        return layer % self.depth
+
+    def layers_of_group(self, group: int) -> tuple[int, ...]:
+        return tuple(range(group, self.num_layers, self.depth))
+
+    def attention_ranks(self, group: int) -> tuple[int, ...]:
+        start = group * self.lanes
+        return tuple(range(start, start + self.lanes))
+
+    def ffn_ranks(self, group: int) -> tuple[int, ...]:
+        start = self.attention_gpus + group * self.ffn_ranks_per_group
+        return tuple(range(start, start + self.ffn_ranks_per_group))
+
+    def ep_group_ranks(self, group: int, edp_rank: int) -> tuple[int, ...]:
+        """The F-group ranks that together hold one full copy of the experts."""
+        block = self.ffn_ranks(group)
+        return block[edp_rank * self.ep_size : (edp_rank + 1) * self.ep_size]
+
+    def edp_group_ranks(self, group: int, ep_rank: int) -> tuple[int, ...]:
+        """The F-group ranks that hold the same expert shard (they average its gradients)."""
+        return self.ffn_ranks(group)[ep_rank :: self.ep_size]
+
+    def expert_range(self, ep_rank: int) -> range:
+        """Global ids of the routed experts held by expert-parallel rank ``ep_rank``."""
+        start = ep_rank * self.experts_per_rank
+        return range(start, start + self.experts_per_rank)
+
+    def ffn_peer_of_lane(self, group: int, lane: int, ep_rank: int) -> int:
+        """The F-group replica a lane sends to for shard ``ep_rank`` (lanes spread over the replicas)."""
+        return self.ep_group_ranks(group, lane % self.expert_data_parallel)[ep_rank]
+
+    def role_of(self, rank: int) -> RankRole:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside the layout's world of {self.world_size} ranks")
+        if rank < self.attention_gpus:
+            return RankRole("attention", group=rank // self.lanes, index=rank % self.lanes)
+        i = rank - self.attention_gpus
+        index = i % self.ffn_ranks_per_group
+        return RankRole(
+            "ffn",
+            group=i // self.ffn_ranks_per_group,
+            index=index,
+            ep_rank=index % self.ep_size,
+            edp_rank=index // self.ep_size,
+        )
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise LayoutError(
+                f"world size {world_size} does not match the layout: attention_gpus {self.attention_gpus} + "
+                f"ffn_gpus {self.ffn_gpus} = {self.world_size}; launch {self.world_size} ranks or change the layout"
+            )
+
+    def describe(self) -> str:
+        return (
+            f"M={self.attention_gpus} attention ranks ({self.depth} A-groups x {self.lanes} lanes), "
+            f"N={self.ffn_gpus} FFN ranks ({self.depth} F-groups x EP {self.ep_size} x EDP "
+            f"{self.expert_data_parallel}), {self.layers_per_group} layers per group, "
+            f"{self.experts_per_rank} experts per FFN rank"
+        )

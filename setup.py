@@ -1,0 +1,34 @@
+"""DisagMoE-DS: disaggregated attention/expert MoE training on DeepSpeed."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="disagmoe_ds",
+    version="0.1.0",
+    description="Disaggregated attention/expert (AF-Pipe) Mixture-of-Experts training on DeepSpeed",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["disagmoe_ds", "disagmoe_ds.*"]),
+    package_data={"disagmoe_ds": ["data/corpus/*", "py.typed"]},
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is deliberately unpinned here: CI pins the CPU build, GPU machines keep theirs.
+        "torch>=2.6",
+        "deepspeed==0.19.8",
+        "transformers>=5.17,<6",
+        "huggingface-hub>=1.5",
+        "accelerate>=1.0",
+        "datasets>=3.0",
+        "sentencepiece>=0.2",
+        "safetensors>=0.4",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "ruff>=0.6"],
+        "flash": ["flash-attn>=2.6"],
+        "plot": ["matplotlib>=3.7"],
+    },
+    entry_points={
+        "console_scripts": [],
+    },
+)
