@@ -1,0 +1,81 @@
+"""Load a Hugging Face MoE model (weights or config only) through HF's normal loading path, with clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from disagmoe_ds.errors import CheckpointError, ConfigError
+from disagmoe_ds.models.families import family_of
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def load_config(path: str | Path):
+    """The HF config of a model directory; rejects unsupported architectures before anything heavy happens."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"no config.json in {path}: pass an HF model directory or one of hf_models/*")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{config_file} is not valid JSON: {err}") from err
+    family_of(SimpleNamespace(model_type=raw.get("model_type")))  # reject unsupported families first
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as err:  # transformers raises several unrelated types for a bad config
+        raise ConfigError(f"cannot read {config_file}: {str(err).splitlines()[0]}") from err
+
+
+def has_weights(path: str | Path) -> bool:
+    return any((Path(path) / name).is_file() for name in WEIGHT_FILES)
+
+
+def _check_shards(path: Path) -> None:
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.is_file():
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+            missing = sorted(s for s in shards if not (path / s).is_file())
+            if missing:
+                raise CheckpointError(f"{index} lists weight files that are missing: {', '.join(missing)}")
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    require_weights: bool = False,
+    seed: int = 0,
+) -> nn.Module:
+    """An ``XForCausalLM`` from an HF directory.
+
+    With weights in the directory they are loaded by ``from_pretrained``. A config-only directory (the tiny and
+    real-size configs in ``hf_models/``) gives a model initialised by HF's ``_init_weights`` under ``seed``, unless
+    ``require_weights`` asks for real weights.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    config = load_config(path)
+    if not has_weights(path):
+        if require_weights:
+            raise CheckpointError(
+                f"no weight file in {path} (expected one of {', '.join(WEIGHT_FILES)}); "
+                "point --model at a directory written by save_pretrained"
+            )
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    _check_shards(path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    except (OSError, RuntimeError, ValueError) as err:
+        raise CheckpointError(f"cannot load weights from {path}: {str(err).splitlines()[0]}") from err

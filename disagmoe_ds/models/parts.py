@@ -1,0 +1,283 @@
+"""The two halves of every decoder layer, cut out of a Hugging Face MoE model with HF's own modules.
+
+Attention side (``AttentionPart``): input norm, self-attention, residual, post-attention norm, then either the
+dense MLP (dense layers) or the router and shared experts (MoE layers). Expert side (``ExpertShard``): a contiguous
+slice of the routed experts, computed by HF's own experts module so every family's expert math is HF's.
+
+``AttentionStage`` / ``ExpertStage`` hold the parts one rank owns (any subset of layers, plus the embedding and
+the head on the attention side). Their parameter names mirror HF's so checkpoints convert by a prefix map.
+
+Shape suffixes: B batch, S sequence, T = B*S tokens, H hidden, E experts, K top-k, R rows received by an expert
+shard, P (row, expert) pairs routed to local experts, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from disagmoe_ds.models.families import Family, family_of, is_moe_layer, router_of
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-micro-batch context (mask and rotary embeddings), computed locally on every attention rank
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What every attention part of one micro-batch needs besides the hidden states."""
+
+    position_ids: torch.Tensor
+    position_embeddings: object  # (cos, sin) tuple, or DeepSeek-V2's complex freqs
+    masks: dict[str, object]  # keyed by layer type: "full_attention" / "sliding_attention"
+
+    def mask_for(self, config, layer: int):
+        return self.masks[_layer_type(config, layer)]
+
+
+def _layer_type(config, layer: int) -> str:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[layer]
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+def build_context(config, rotary_emb: nn.Module, h_BSH: torch.Tensor, position_ids: torch.Tensor | None) -> LayerContext:
+    """Masks and rotary embeddings exactly as ``XModel.forward`` builds them (no KV cache, no padding mask).
+
+    Passing ``position_ids`` lets HF detect packed documents (position restarts) and build a block-diagonal mask.
+    """
+    if position_ids is None:
+        position_ids = torch.arange(h_BSH.shape[1], device=h_BSH.device).unsqueeze(0)
+    needed = {_layer_type(config, i) for i in range(config.num_hidden_layers)}
+    builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    # The cache argument is passed positionally: it is named past_key_values in transformers 5.17, cache in 5.2x.
+    masks = {kind: builders[kind](config, h_BSH, None, None, position_ids=position_ids) for kind in needed}
+    return LayerContext(position_ids, rotary_emb(h_BSH, position_ids), masks)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention side
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionOutput:
+    """One attention part's results for one micro-batch.
+
+    ``residual_BSH`` is everything of the layer's output except the routed experts' sum (for dense layers: the
+    whole layer output). The rest is None on dense layers.
+    """
+
+    residual_BSH: torch.Tensor
+    x_TH: torch.Tensor | None = None  # post-attention-norm tokens, sent to the experts
+    topk_w_TK: torch.Tensor | None = None
+    topk_idx_TK: torch.Tensor | None = None
+    router_logits_TE: torch.Tensor | None = None
+
+
+class AttentionPart(nn.Module):
+    """Attention side of one decoder layer. Keeps HF's attribute names (``mlp.gate``, ``mlp.shared_expert``...)."""
+
+    def __init__(self, layer: nn.Module, family: Family, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.family = family
+        self.is_moe = is_moe_layer(layer)
+        self.input_layernorm = layer.input_layernorm
+        self.self_attn = layer.self_attn
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.mlp = _without_experts(layer.mlp) if self.is_moe else layer.mlp
+
+    @property
+    def router(self) -> nn.Module:
+        return getattr(self.mlp, self.family.router_attr)
+
+    def forward(self, h_BSH: torch.Tensor, ctx: LayerContext, config) -> AttentionOutput:
+        attn_BSH, _ = self.self_attn(
+            hidden_states=self.input_layernorm(h_BSH),
+            attention_mask=ctx.mask_for(config, self.layer_idx),
+            position_embeddings=ctx.position_embeddings,
+            position_ids=ctx.position_ids,
+        )
+        a_BSH = h_BSH + attn_BSH
+        x_BSH = self.post_attention_layernorm(a_BSH)
+        if not self.is_moe:
+            return AttentionOutput(residual_BSH=a_BSH + self.mlp(x_BSH))
+        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        jitter = getattr(self.mlp, "jitter_noise", 0.0)
+        if self.training and jitter > 0:  # Mixtral's router jitter, as HF applies it (in place, before routing)
+            x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - jitter, 1.0 + jitter)
+        logits_TE, w_TK, idx_TK = self.router(x_TH)
+        residual_BSH = a_BSH
+        if self.family.shared is not None:
+            residual_BSH = a_BSH + self.family.shared(self.mlp, x_TH).view_as(a_BSH)
+        return AttentionOutput(residual_BSH, x_TH, w_TK, idx_TK, logits_TE)
+
+
+def _without_experts(block: nn.Module) -> nn.Module:
+    """A shallow copy of an MoE block that keeps its router and shared experts but not the routed experts.
+
+    The routed experts live on the FFN side. The HF model itself is left intact, so the FFN side can still be cut
+    from it.
+    """
+    pruned = copy.copy(block)
+    pruned._modules = OrderedDict((name, m) for name, m in block._modules.items() if name != "experts")
+    return pruned
+
+
+class Head(nn.Module):
+    """Final norm + LM head + HF's causal-LM loss."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.norm = model.model.norm
+        self.lm_head = model.lm_head
+        self._loss_function = model.loss_function
+        self.vocab_size = model.config.vocab_size
+
+    def forward(self, h_BSH: torch.Tensor, labels_BS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits_BSV = self.lm_head(self.norm(h_BSH))
+        loss = None if labels_BS is None else self._loss_function(logits_BSV, labels_BS, self.vocab_size)
+        return logits_BSV, loss
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Router aux loss, decomposed so that layers on different ranks can contribute
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RouterStats:
+    """One MoE layer's share of HF's Switch-style ``load_balancing_loss_func``.
+
+    HF computes, over the router logits of all MoE layers concatenated (R rows in total):
+    ``aux = E * sum_e (counts_e / R) * (probs_e / R)`` where counts are top-k assignments of the re-computed
+    softmax (no gradient) and probs the summed softmax probabilities. Both sums split over layers, so each
+    layer contributes its own ``counts_E`` and ``prob_sum_E`` and the head combines them.
+    """
+
+    counts_E: torch.Tensor
+    prob_sum_E: torch.Tensor  # differentiable
+    rows: int
+
+
+def router_stats(logits_TE: torch.Tensor, top_k: int) -> RouterStats:
+    probs_TE = torch.softmax(logits_TE, dim=-1)
+    _, selected_TK = torch.topk(probs_TE, top_k, dim=-1)
+    num_experts = logits_TE.shape[-1]
+    counts_E = torch.zeros(num_experts, dtype=torch.float32, device=logits_TE.device)
+    counts_E.index_add_(0, selected_TK.reshape(-1), torch.ones(selected_TK.numel(), device=logits_TE.device))
+    return RouterStats(counts_E, probs_TE.float().sum(dim=0), logits_TE.shape[0])
+
+
+def aux_loss_from_stats(stats: list[RouterStats]) -> torch.Tensor:
+    rows = sum(s.rows for s in stats)
+    counts_E = torch.stack([s.counts_E for s in stats]).sum(0)
+    prob_sum_E = torch.stack([s.prob_sum_E for s in stats]).sum(0)
+    return (counts_E / rows * prob_sum_E / rows).sum() * counts_E.numel()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Expert side
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class ExpertShard(nn.Module):
+    """Routed experts ``[first_expert, first_expert + num_local)`` of one layer, computed by HF's experts module.
+
+    ``forward`` takes the R tokens this shard received, their local expert ids (``num_local`` is the sentinel for
+    experts held elsewhere) and routing weights, and returns each token's weighted sum over its local experts.
+    Only real (row, expert) pairs reach HF's module, so no compute is spent on sentinels and HF versions that do not
+    know the sentinel work too.
+    """
+
+    def __init__(self, experts: nn.Module, first_expert: int, num_local: int):
+        super().__init__()
+        self.experts = experts
+        self.first_expert = first_expert
+        self.num_local = num_local
+
+    def forward(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
+        rows_P, slots_P = (local_idx_RK < self.num_local).nonzero(as_tuple=True)
+        out_PH = self.experts(
+            x_RH.index_select(0, rows_P),
+            local_idx_RK[rows_P, slots_P].unsqueeze(1),
+            w_RK[rows_P, slots_P].unsqueeze(1),
+        )
+        return torch.zeros_like(x_RH).index_add(0, rows_P, out_PH.to(x_RH.dtype))
+
+
+def slice_experts(experts: nn.Module, config, family: Family, start: int, stop: int) -> nn.Module:
+    """A new HF experts module of the same class holding experts ``[start, stop)`` (copied, not views)."""
+    local_config = copy.deepcopy(config)
+    setattr(local_config, family.num_experts_attr, stop - start)
+    with torch.device("meta"):
+        shard = type(experts)(local_config)
+    for name, param in experts.named_parameters(recurse=False):
+        setattr(shard, name, nn.Parameter(param.detach()[start:stop].clone(), requires_grad=param.requires_grad))
+    return shard
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What one rank holds
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class AttentionStage(nn.Module):
+    """The attention parts of the layers one A-group owns, plus embedding (A-group 0) and head (A-group L % p)."""
+
+    def __init__(self, model: nn.Module, layers: tuple[int, ...], *, with_embedding: bool, with_head: bool):
+        super().__init__()
+        self.config = model.config
+        self.family = family_of(model.config)
+        self.embed_tokens = model.model.embed_tokens if with_embedding else None
+        self.rotary_emb = model.model.rotary_emb
+        hf_layers = model.model.layers
+        self.layers = nn.ModuleDict({str(i): AttentionPart(hf_layers[i], self.family, i) for i in layers})
+        self.head = Head(model) if with_head else None
+
+    def context(self, h_BSH: torch.Tensor, position_ids: torch.Tensor | None) -> LayerContext:
+        return build_context(self.config, self.rotary_emb, h_BSH, position_ids)
+
+    def part(self, layer: int) -> AttentionPart:
+        return self.layers[str(layer)]
+
+
+class ExpertStage(nn.Module):
+    """The expert shards ``[start, stop)`` of the MoE layers one F-group owns."""
+
+    def __init__(self, model: nn.Module, layers: tuple[int, ...], start: int, stop: int):
+        super().__init__()
+        family = family_of(model.config)
+        hf_layers = model.model.layers
+        self.first_expert, self.num_local = start, stop - start
+        self.layers = nn.ModuleDict(
+            {
+                str(i): ExpertShard(
+                    slice_experts(hf_layers[i].mlp.experts, model.config, family, start, stop), start, stop - start
+                )
+                for i in layers
+                if is_moe_layer(hf_layers[i])
+            }
+        )
+
+    def shard(self, layer: int) -> ExpertShard:
+        return self.layers[str(layer)]
+
+
+def moe_layers(model: nn.Module) -> tuple[bool, ...]:
+    return tuple(is_moe_layer(layer) for layer in model.model.layers)
+
+
+def num_routed_experts(model: nn.Module) -> int:
+    family = family_of(model.config)
+    for layer in model.model.layers:
+        if is_moe_layer(layer):
+            return router_of(family, layer).num_experts
+    raise ValueError("the model has no MoE layer")

@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny HF MoE checkpoints written by save_pretrained, one per family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_FAMILIES = ("qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "olmoe")
+
+
+def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0) -> Path:
+    """Random tiny weights for ``hf_models/tiny-<family>``, saved in the Hub layout by ``save_pretrained``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # exercise DeepSeek-V3's biased top-k choice
+                buf.copy_(torch.randn_like(buf) * 0.05)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(family) -> Path`` of a saved tiny model, written once per session."""
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            cache[family] = write_tiny_checkpoint(family, tmp_path_factory.mktemp(f"tiny-{family}"))
+        return cache[family]
+
+    return get

@@ -1,0 +1,119 @@
+"""The split (attention parts + R expert shards) equals the HF model: logits, loss with aux loss, every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagmoe_ds.errors import CheckpointError, LayoutError, UnsupportedModelError
+from disagmoe_ds.models.families import FAMILIES, router_of
+from disagmoe_ds.models.loading import load_model
+from disagmoe_ds.models.parts import num_routed_experts
+from disagmoe_ds.models.split import SplitModel
+from tests.conftest import TINY_FAMILIES
+
+# fp32: the split only re-associates sums (expert partials per shard, shared expert added to the residual first),
+# so differences are a few ulps of O(1) values.
+FP32_TOL = 1e-5
+# bf16: the same re-association rounds to 8 mantissa bits; logits of the tiny models are O(1), so a few bf16 ulps.
+BF16_TOL = 3e-2
+
+
+def skew_router(model: torch.nn.Module, expert: int = 0) -> None:
+    """Make every token choose ``expert`` first, through a pre-hook on HF's router module (same math after it)."""
+    family = FAMILIES[model.config.model_type]
+    for layer in model.model.layers:
+        if not hasattr(layer.mlp, "experts"):
+            continue
+        router = router_of(family, layer)
+        with torch.no_grad():
+            router.weight[:, 0] = 0.0
+            router.weight[expert, 0] = 1.0
+        router.register_forward_pre_hook(lambda mod, args: (args[0] + 50.0 * _unit(args[0]),))
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    e0 = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
+    e0[0] = 1.0
+    return e0
+
+
+def run_pair(path, num_shards: int, *, dtype=torch.float32, skew: bool = False, seed: int = 0):
+    ref = load_model(path, dtype=dtype)
+    split_src = load_model(path, dtype=dtype)
+    if skew:
+        skew_router(ref)
+        skew_router(split_src)
+    split = SplitModel(split_src, num_shards)
+    torch.manual_seed(seed)
+    input_ids = torch.randint(3, ref.config.vocab_size, (2, 12))
+    out_ref = ref(input_ids=input_ids, labels=input_ids)
+    out_split = split(input_ids, labels=input_ids)
+    out_ref.loss.backward()
+    out_split.loss.backward()
+    return ref, split, out_ref, out_split
+
+
+def max_grad_diff(ref, split) -> float:
+    grads = split.hf_named_grads()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    assert set(grads) == set(ref_grads)
+    return max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("shards", ["1", "2", "all"])
+@pytest.mark.parametrize("skew", [False, True], ids=["random", "skewed"])
+def test_split_equals_hf_fp32(tiny_checkpoint, family, shards, skew):
+    path = tiny_checkpoint(family)
+    ref, split, out_ref, out_split = run_pair(path, _num_shards(path, shards), skew=skew)
+    assert (out_ref.logits - out_split.logits).abs().max().item() <= FP32_TOL
+    assert abs(out_ref.loss.item() - out_split.loss.item()) <= FP32_TOL
+    if out_split.aux_loss is not None:
+        assert abs(out_ref.aux_loss.item() - out_split.aux_loss.item()) <= FP32_TOL
+    assert max_grad_diff(ref, split) <= FP32_TOL
+
+
+def _num_shards(path, shards: str) -> int:
+    return num_routed_experts(load_model(path)) if shards == "all" else int(shards)
+
+
+@pytest.mark.parametrize("family", ["qwen2-moe", "deepseek-v3", "mixtral"])
+def test_split_equals_hf_bf16(tiny_checkpoint, family):
+    ref, split, out_ref, out_split = run_pair(tiny_checkpoint(family), 2, dtype=torch.bfloat16)
+    assert (out_ref.logits.float() - out_split.logits.float()).abs().max().item() <= BF16_TOL
+    assert abs(out_ref.loss.item() - out_split.loss.item()) <= BF16_TOL
+
+
+def test_skew_routes_everything_to_one_expert(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("qwen3-moe"))
+    skew_router(model, expert=3)
+    seen = []
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[2]))
+    model(input_ids=torch.randint(3, 128, (2, 12)))
+    assert seen and all((idx[:, 0] == 3).all() for idx in seen)
+
+
+def test_indivisible_shards_error(tiny_checkpoint):
+    with pytest.raises(LayoutError, match=r"num_experts \(8\) must be divisible by the number of expert shards \(3\)"):
+        SplitModel(load_model(tiny_checkpoint("olmoe")), 3)
+
+
+def test_unsupported_architecture_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    with pytest.raises(UnsupportedModelError, match="model_type 'llama' is not supported by DisagMoE-DS"):
+        load_model(tmp_path)
+
+
+def test_missing_weight_file_error(tiny_checkpoint, tmp_path):
+    import shutil
+
+    src = tiny_checkpoint("mixtral")
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="no weight file in"):
+        load_model(tmp_path, require_weights=True)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00001-of-00002.safetensors"}}')
+    with pytest.raises(CheckpointError, match="lists weight files that are missing: model-00001-of-00002"):
+        load_model(tmp_path)
