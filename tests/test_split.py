@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from disagmoe_ds.errors import CheckpointError, LayoutError, UnsupportedModelError
-from disagmoe_ds.models.families import FAMILIES, router_of
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.parts import num_routed_experts
+from disagmoe_ds.models.skew import skew_router
 from disagmoe_ds.models.split import SplitModel
 from tests.conftest import TINY_FAMILIES
 
@@ -17,25 +17,6 @@ from tests.conftest import TINY_FAMILIES
 FP32_TOL = 1e-5
 # bf16: the same re-association rounds to 8 mantissa bits; logits of the tiny models are O(1), so a few bf16 ulps.
 BF16_TOL = 3e-2
-
-
-def skew_router(model: torch.nn.Module, expert: int = 0) -> None:
-    """Make every token choose ``expert`` first, through a pre-hook on HF's router module (same math after it)."""
-    family = FAMILIES[model.config.model_type]
-    for layer in model.model.layers:
-        if not hasattr(layer.mlp, "experts"):
-            continue
-        router = router_of(family, layer)
-        with torch.no_grad():
-            router.weight[:, 0] = 0.0
-            router.weight[expert, 0] = 1.0
-        router.register_forward_pre_hook(lambda mod, args: (args[0] + 50.0 * _unit(args[0]),))
-
-
-def _unit(x: torch.Tensor) -> torch.Tensor:
-    e0 = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
-    e0[0] = 1.0
-    return e0
 
 
 def run_pair(path, num_shards: int, *, dtype=torch.float32, skew: bool = False, seed: int = 0):

@@ -1,0 +1,97 @@
+"""Our own knobs: the ``"disagmoe"`` section of a DeepSpeed config, parsed once and validated at the entry point.
+
+The rest of the ds_config stays DeepSpeed's. Command-line overrides (``--attention-gpus`` ...) replace section
+values before validation, so a bad value fails with the same message wherever it came from.
+
+>>> cfg = DisagMoEConfig.from_ds_config({"disagmoe": {"attention_gpus": 2, "ffn_gpus": 2}}, {"micro_batches": 4})
+>>> cfg.attention_gpus, cfg.micro_batches, cfg.world_size
+(2, 4, 4)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.layout import Layout
+
+SECTION = "disagmoe"
+
+
+@dataclass(frozen=True)
+class DisagMoEConfig:
+    """The disaggregated layout and pipeline settings.
+
+    Attributes:
+        attention_gpus: M, attention ranks in total.
+        ffn_gpus: N, FFN (expert) ranks in total.
+        depth: p, A-groups (= F-groups); group g owns layers g, g+p, ...
+        micro_batches: micro-batches per optimizer step per lane (DeepSpeed's gradient_accumulation_steps).
+        expert_data_parallel: replicas of each expert shard inside an F-group.
+        max_in_flight: cap on micro-batches in flight per worker (memory); None lets the schedule choose.
+        comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging.
+    """
+
+    attention_gpus: int = 1
+    ffn_gpus: int = 1
+    depth: int = 1
+    micro_batches: int = 1
+    expert_data_parallel: int = 1
+    max_in_flight: int | None = None
+    comm_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "max_in_flight" and value is None:
+                continue
+            kind = float if f.name == "comm_timeout_s" else int
+            allowed = (int, float) if kind is float else (int,)
+            if isinstance(value, bool) or not isinstance(value, allowed) or value <= 0:
+                raise ConfigError(f'"{SECTION}.{f.name}" must be a positive {kind.__name__}, got {value!r}')
+
+    @property
+    def world_size(self) -> int:
+        return self.attention_gpus + self.ffn_gpus
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict[str, Any], overrides: dict[str, Any] | None = None) -> DisagMoEConfig:
+        section = dict(ds_config.get(SECTION, {}))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ConfigError(f'unknown key(s) in "{SECTION}": {", ".join(unknown)}; known: {", ".join(sorted(known))}')
+        section.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls(**section)
+
+    def layout(self, *, num_layers: int, num_experts: int) -> Layout:
+        return Layout(
+            attention_gpus=self.attention_gpus,
+            ffn_gpus=self.ffn_gpus,
+            num_layers=num_layers,
+            num_experts=num_experts,
+            depth=self.depth,
+            expert_data_parallel=self.expert_data_parallel,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_ds_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed config as a dict, from a JSON file or an in-memory dict (copied)."""
+    if isinstance(path_or_dict, dict):
+        return json.loads(json.dumps(path_or_dict))
+    path = Path(path_or_dict)
+    if not path.is_file():
+        raise ConfigError(f"DeepSpeed config {path} does not exist; see ds_configs/ for examples")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"DeepSpeed config {path} is not valid JSON: line {err.lineno}: {err.msg}") from err
+    if not isinstance(config, dict):
+        raise ConfigError(f"DeepSpeed config {path} must hold a JSON object, got {type(config).__name__}")
+    return config

@@ -1,0 +1,173 @@
+"""Build everything one rank needs for disaggregated training, in a fixed order on every rank.
+
+Order (each step collective where it creates process groups, so every rank runs all of them):
+    1. layout from the model and the ``disagmoe`` section, checked against the world size;
+    2. data-parallel groups (lanes of each A-group, replicas of each expert shard) and the exchange groups;
+    3. the rank's role module cut from the HF model (attention stage or expert stage);
+    4. its DeepSpeed engine (``deepspeed_role``), the AF-Pipe schedule of its worker, mailbox and runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disagmoe_ds.comm.exchange import build_exchange_groups
+from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.engine.deepspeed_role import build_role_engine
+from disagmoe_ds.engine.executor import AFPipeExecutor
+from disagmoe_ds.engine.instructions import AFPipeSchedule
+from disagmoe_ds.engine.mailbox import Mailbox
+from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
+from disagmoe_ds.errors import ConfigError, LayoutError
+from disagmoe_ds.layout import Layout, RankRole
+from disagmoe_ds.models.families import family_of, router_of
+from disagmoe_ds.models.loading import load_model
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, moe_layers, num_routed_experts
+from disagmoe_ds.models.split import aux_loss_enabled
+from disagmoe_ds.schedule import PipeShape, Worker, check_streams, generate
+
+
+@dataclass(frozen=True)
+class DataParallelGroups:
+    """The group whose ranks hold replicas of this rank's parameters (DeepSpeed's data-parallel group)."""
+
+    group: dist.ProcessGroup
+    size: int
+
+
+def build_data_parallel_groups(layout: Layout, rank: int) -> DataParallelGroups:
+    """Lanes of every A-group, then the replicas of every expert shard; created on every rank in this order."""
+    mine = None
+    candidates = [layout.attention_ranks(g) for g in range(layout.depth)]
+    candidates += [layout.edp_group_ranks(g, e) for g in range(layout.depth) for e in range(layout.ep_size)]
+    for ranks in candidates:
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine = DataParallelGroups(group, len(ranks))
+    return mine
+
+
+@dataclass
+class RankRuntime:
+    """Everything one rank built; ``executor.train_batch`` runs a step."""
+
+    layout: Layout
+    role: RankRole
+    executor: AFPipeExecutor
+    module: nn.Module
+    engine: Any
+
+
+def build_rank(
+    model_dir: str | Path,
+    ds_config: dict[str, Any],
+    cfg: DisagMoEConfig,
+    *,
+    micro_batch_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    model: nn.Module | None = None,
+) -> RankRuntime:
+    """Build this rank's part of the disaggregated job. ``model`` may be passed to skip loading ``model_dir``."""
+    rank = dist.get_rank()
+    device = device or torch.device("cpu")
+    model = model if model is not None else load_model(model_dir, dtype=dtype)
+    layout = cfg.layout(num_layers=model.config.num_hidden_layers, num_experts=num_routed_experts(model))
+    layout.check_world_size(dist.get_world_size())
+    moe = moe_layers(model)
+    _check_layout_fits(layout, moe, ds_config)
+    role = layout.role_of(rank)
+    dp = build_data_parallel_groups(layout, rank)
+    exchange = build_exchange_groups(layout, device=device)
+    top_k, weight_dtype = _router_facts(model, moe)
+    stage = _build_stage(model, layout, role)
+    del model
+    stage.to(device)
+    engine, global_norm = build_role_engine(
+        stage,
+        ds_config,
+        cfg,
+        data_parallel_group=dp.group,
+        micro_batch_size=micro_batch_size,
+        norm_domain_size=dp.size,
+        # Expert grads sum over the tokens of all lanes; DeepSpeed averages over the edp replicas only.
+        grad_scale=1.0 if role.is_attention else layout.expert_data_parallel / layout.lanes,
+    )
+    schedule = generate(PipeShape(layout.depth, layout.num_layers, moe), cfg.micro_batches, max_in_flight=cfg.max_in_flight)
+    check_streams(schedule.streams)
+    worker = Worker("A" if role.is_attention else "F", role.group)
+    mailbox = Mailbox(
+        exchange,
+        hidden=stage.config.hidden_size if role.is_attention else _hidden_of(stage),
+        top_k=top_k,
+        num_experts=layout.num_experts,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        device=device,
+    )
+    if role.is_attention:
+        aux_coef = stage.config.router_aux_loss_coef if aux_loss_enabled(stage.config) else None
+        runner = AttentionRunner(
+            engine,
+            stage,
+            layout,
+            moe_layers=moe,
+            top_k=top_k,
+            num_micro_batches=cfg.micro_batches,
+            micro_batch_size=micro_batch_size,
+            aux_coef=aux_coef,
+        )
+    else:
+        runner = ExpertRunner(engine, stage)
+    name = f"rank {rank} {worker} {'lane' if role.is_attention else 'ffn'} {role.index}"
+    executor = AFPipeExecutor(
+        engine=engine, runner=runner, mailbox=mailbox, schedule=AFPipeSchedule(schedule, worker),
+        global_norm=global_norm, name=name,
+    )
+    return RankRuntime(layout, role, executor, stage, engine)
+
+
+def _check_layout_fits(layout: Layout, moe: tuple[bool, ...], ds_config: dict[str, Any]) -> None:
+    for g in range(layout.depth):
+        if not any(moe[layer] for layer in layout.layers_of_group(g)):
+            raise LayoutError(
+                f"F-group {g} would own no MoE layer (layers {layout.layers_of_group(g)} are dense); "
+                "choose a depth whose groups all contain an MoE layer"
+            )
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage >= 2 and layout.expert_data_parallel > 1:
+        raise ConfigError(
+            "ZeRO stage 2 with expert_data_parallel > 1 is not supported: replicas routing different tokens "
+            "produce gradients in different orders; use zero_optimization.stage 1"
+        )
+
+
+def _build_stage(model: nn.Module, layout: Layout, role: RankRole) -> nn.Module:
+    layers = layout.layers_of_group(role.group)
+    if role.is_attention:
+        return AttentionStage(
+            model, layers, with_embedding=role.group == 0, with_head=role.group == layout.head_group
+        )
+    experts = layout.expert_range(role.ep_rank)
+    return ExpertStage(model, layers, experts.start, experts.stop)
+
+
+def _router_facts(model: nn.Module, moe: tuple[bool, ...]) -> tuple[int, torch.dtype]:
+    """Top-k and the dtype of the routing weights (fp32 for Mixtral/DeepSeek even in bf16 models)."""
+    layer = model.model.layers[moe.index(True)]
+    router = router_of(family_of(model.config), layer)
+    param = next(model.parameters())
+    with torch.no_grad():
+        _, weights, _ = router(torch.zeros(1, model.config.hidden_size, dtype=param.dtype, device=param.device))
+    return router.top_k, weights.dtype
+
+
+def _hidden_of(stage: ExpertStage) -> int:
+    shard = next(iter(stage.layers.values()))
+    return shard.experts.hidden_dim if hasattr(shard.experts, "hidden_dim") else shard.experts.hidden_size

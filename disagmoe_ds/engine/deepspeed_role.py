@@ -1,0 +1,162 @@
+"""One DeepSpeed engine per rank over its role's module (attention stage or expert stage).
+
+Why role engines: DeepSpeed's PipelineEngine assumes a Cartesian pipe x data grid (equal rank counts per stage)
+and ZeRO <= 1, while the allocator needs unequal attention/FFN groups and ZeRO-2. Each rank therefore builds a
+plain ``DeepSpeedEngine`` with a role mpu whose data-parallel group is:
+
+* attention rank: the lanes of its A-group (the attention parameters' replicas);
+* FFN rank: the expert-data-parallel replicas of its expert shard. An FFN engine holds nothing but its shard, so
+  the role's data-parallel group *is* DeepSpeed's expert-data-parallel group: ZeRO shards the optimizer state and
+  averages the gradients over it, exactly what DeepSpeed's MoE parameter groups do inside a mixed engine.
+
+Two corrections make the result equal to one HF model trained on the whole batch:
+
+* expert gradients are sums over the tokens of all d lanes of the A-group, while DeepSpeed averages over the
+  ``edp`` replicas only; a gradient hook scales them by ``edp / d``;
+* gradient clipping must use the norm over *all* unique parameters. Each engine computes its role's norm as
+  usual; ``GlobalGradNorm`` combines them with one world all-reduce and hands the global norm back to DeepSpeed's
+  own clipping code.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disagmoe_ds.config import SECTION, DisagMoEConfig
+from disagmoe_ds.errors import ConfigError
+
+
+class RoleMPU:
+    """The ``mpu`` DeepSpeed consults: data parallel = the role's replica group, no model parallelism."""
+
+    def __init__(self, data_parallel_group: dist.ProcessGroup):
+        self._dp = data_parallel_group
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self._dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._dp)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._dp)
+
+    def get_model_parallel_group(self) -> None:
+        return None
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+
+def role_ds_config(ds_config: dict[str, Any], cfg: DisagMoEConfig, *, micro_batch_size: int, dp_size: int) -> dict:
+    """The user's ds_config adapted to one role engine.
+
+    Gradient accumulation is owned by the AF-Pipe executor (one ``step()`` per batch after many partial
+    backwards), so ``managed_gradient_accumulation`` is off and the batch sizes are made consistent.
+    """
+    config = copy.deepcopy(ds_config)
+    config.pop(SECTION, None)
+    if config.get("fp16", {}).get("enabled"):
+        raise ConfigError('"fp16" is not supported by DisagMoE-DS; use "bf16": {"enabled": true} or fp32')
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = cfg.micro_batches
+    config["train_batch_size"] = micro_batch_size * cfg.micro_batches * dp_size
+    config["managed_gradient_accumulation"] = False
+    config.setdefault("steps_per_print", 10**9)
+    config.setdefault("gradient_clipping", 0.0)
+    optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
+    if not torch.cuda.is_available() and optimizer.get("type", "").lower() in ("adam", "adamw"):
+        optimizer.setdefault("params", {})["torch_adam"] = True  # FusedAdam would JIT-compile for minutes on CPU
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ConfigError(f'"zero_optimization.stage" {stage} is not supported; use 0, 1 or 2')
+    if config.get("bf16", {}).get("enabled") and stage == 0:
+        raise ConfigError('bf16 needs "zero_optimization.stage" 1 or 2 in DisagMoE-DS (set stage 1)')
+    return config
+
+
+def scale_gradients(module: nn.Module, factor: float) -> None:
+    """Multiply every parameter gradient by ``factor`` as autograd produces it (before DeepSpeed sees it)."""
+    if factor == 1.0:
+        return
+    for param in module.parameters():
+        if param.requires_grad:
+            param.register_hook(lambda grad, f=factor: grad * f)
+
+
+class GlobalGradNorm:
+    """Turns each role engine's norm into the norm over all unique parameters of the model.
+
+    Every rank of a *norm domain* (the ranks that hold the same role norm: the lanes of an A-group, or the
+    replicas of an expert shard) contributes ``norm**2 / domain_size`` to one world all-reduce, so every unique
+    parameter is counted exactly once.
+    """
+
+    def __init__(self, domain_size: int):
+        self.domain_size = domain_size
+        self.last_norm: float | None = None
+
+    def combine(self, role_norm: torch.Tensor) -> torch.Tensor:
+        total = (role_norm.detach().double() ** 2 / self.domain_size).reshape(1)
+        dist.all_reduce(total)
+        norm = total.sqrt().to(role_norm.dtype).reshape(role_norm.shape)
+        self.last_norm = norm.item()
+        return norm
+
+    def install(self, engine) -> None:
+        """Route the engine's clipping norm through ``combine`` (ZeRO optimizer, or the fp32 engine path)."""
+        optimizer = engine.optimizer
+        if hasattr(optimizer, "scaled_global_norm"):  # ZeRO stage 1/2
+            role_norm = optimizer.scaled_global_norm
+            optimizer.scaled_global_norm = lambda *a, **k: self.combine(role_norm(*a, **k))
+        else:  # plain fp32 engine: DeepSpeed clips with torch's clip_grad_norm_ in clip_fp32_gradients
+            engine.clip_fp32_gradients = lambda: self._clip_fp32(engine)
+
+    def _clip_fp32(self, engine) -> None:
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        role_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        norm = self.combine(role_norm)
+        coef = engine.gradient_clipping() / (norm + 1e-6)
+        if coef < 1:
+            for g in grads:
+                g.mul_(coef)
+
+
+def build_role_engine(
+    module: nn.Module,
+    ds_config: dict[str, Any],
+    cfg: DisagMoEConfig,
+    *,
+    data_parallel_group: dist.ProcessGroup,
+    micro_batch_size: int,
+    norm_domain_size: int,
+    grad_scale: float = 1.0,
+):
+    """``deepspeed.initialize`` over one role module, with the corrections described in the module docstring.
+
+    Returns:
+        ``(engine, global_norm)``; ``global_norm.last_norm`` is the global gradient norm of the last step.
+    """
+    import deepspeed
+
+    mpu = RoleMPU(data_parallel_group)
+    config = role_ds_config(ds_config, cfg, micro_batch_size=micro_batch_size, dp_size=mpu.get_data_parallel_world_size())
+    scale_gradients(module, grad_scale)
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config, mpu=mpu
+    )
+    global_norm = GlobalGradNorm(norm_domain_size)
+    global_norm.install(engine)
+    return engine, global_norm

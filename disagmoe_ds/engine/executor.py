@@ -1,0 +1,136 @@
+"""Execute one rank's AF-Pipe instruction stream inside its role DeepSpeed engine.
+
+The executor decides nothing: it walks the DeepSpeed ``PipeSchedule`` of its worker and maps every instruction
+type to an ``_exec_*`` method (DeepSpeed's ``_INSTRUCTION_MAP`` pattern). Compute goes to the role runner,
+communication to the mailbox; the only state here is the messages between the two.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule as ds_schedule
+
+from disagmoe_ds.engine import instructions as ins
+from disagmoe_ds.engine.mailbox import Mailbox, message_key
+from disagmoe_ds.schedule import TimelineEvent
+
+_CATEGORY = {
+    ins.PostRecv: "recv",
+    ins.WaitRecv: "wait",
+    ins.SendMessage: "send",
+    ds_schedule.ReduceGrads: "optimizer",
+    ds_schedule.OptimizerStep: "optimizer",
+}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step, identical on every rank."""
+
+    loss: float  # mean over lanes and micro-batches of (LM loss + coef * aux loss), as HF reports it
+    lm_loss: float
+    aux_loss: float
+    grad_norm: float | None  # global, over every unique parameter (None when clipping is off with ZeRO-0)
+    seconds: float
+
+
+class AFPipeExecutor:
+    """Runs ``train_batch`` for one rank: attention or FFN side, any layout, any number of micro-batches."""
+
+    def __init__(self, *, engine, runner, mailbox: Mailbox, schedule: ins.AFPipeSchedule, global_norm, name: str):
+        self.engine = engine
+        self.runner = runner
+        self.mailbox = mailbox
+        self.schedule = schedule
+        self.global_norm = global_norm
+        self.name = name
+        self.timeline: list[TimelineEvent] | None = None
+        self._incoming: dict[tuple[str, int, int], dict[str, Any]] = defaultdict(dict)
+        self._outgoing: dict[tuple[str, int, int], Any] = {}
+
+    def record_timeline(self, enabled: bool = True) -> None:
+        self.timeline = [] if enabled else None
+
+    def train_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> StepResult:
+        """One optimizer step. ``batches`` (K micro-batches of input_ids/labels[/position_ids]) on A-group 0."""
+        start = time.perf_counter()
+        self.runner.start_step(batches)
+        for step in self.schedule.steps():
+            for cmd in step:
+                self._execute(cmd)
+        if self._outgoing or self._incoming:
+            raise RuntimeError(f"{self.name}: the stream left messages unsent {list(self._outgoing)}")
+        return self._result(time.perf_counter() - start)
+
+    def _execute(self, cmd: ds_schedule.PipeInstruction) -> None:
+        handler = self._INSTRUCTION_MAP.get(type(cmd))
+        if handler is None:
+            raise RuntimeError(f"{type(self).__name__} has no handler for instruction {cmd!r}")
+        t0 = time.perf_counter()
+        handler(self, **cmd.kwargs)
+        if self.timeline is not None:
+            category = _CATEGORY.get(type(cmd), "compute")
+            self.timeline.append(TimelineEvent(self.name, repr(cmd), category, t0, time.perf_counter(), {}))
+
+    # ----- communication -----
+    def _exec_post_recv(self, message) -> None:
+        self.mailbox.post(message)
+
+    def _exec_wait_recv(self, message) -> None:
+        dst = message.dst
+        self._incoming[(dst.kind, dst.layer, dst.micro_batch)][message.kind] = self.mailbox.wait(message)
+
+    def _exec_send(self, message) -> None:
+        self.mailbox.send(message, self._outgoing.pop(message_key(message)))
+
+    # ----- compute -----
+    def _compute(self, kind: str, fn, layer: int, micro_batch: int) -> None:
+        incoming = self._incoming.pop((kind, layer, micro_batch), {})
+        for msg_kind, payload in fn(layer, micro_batch, incoming).items():
+            self._outgoing[(msg_kind, layer, micro_batch)] = payload
+
+    def _exec_forward_attn(self, layer: int, micro_batch: int) -> None:
+        self._compute("A_fwd", self.runner.forward, layer, micro_batch)
+
+    def _exec_backward_attn(self, layer: int, micro_batch: int) -> None:
+        self._compute("A_bwd", self.runner.backward, layer, micro_batch)
+
+    def _exec_forward_experts(self, layer: int, micro_batch: int) -> None:
+        self._compute("F_fwd", self.runner.forward, layer, micro_batch)
+
+    def _exec_backward_experts(self, layer: int, micro_batch: int) -> None:
+        self._compute("F_bwd", self.runner.backward, layer, micro_batch)
+
+    # ----- step -----
+    def _exec_reduce_grads(self) -> None:
+        # With managed_gradient_accumulation off, DeepSpeed reduces inside step(): nothing to do here.
+        self.mailbox.flush()
+
+    def _exec_optimizer_step(self) -> None:
+        self.engine.step()
+
+    def _result(self, seconds: float) -> StepResult:
+        stats = getattr(self.runner, "stats", None)
+        values = [stats.loss, stats.lm_loss, stats.aux_loss, stats.micro_batches] if stats else [0.0] * 4
+        sums = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(sums)  # only the head lanes contribute
+        loss, lm, aux, count = sums.tolist()
+        return StepResult(loss / count, lm / count, aux / count, self.global_norm.last_norm, seconds)
+
+    _INSTRUCTION_MAP = {
+        ins.PostRecv: _exec_post_recv,
+        ins.WaitRecv: _exec_wait_recv,
+        ins.SendMessage: _exec_send,
+        ins.ForwardAttn: _exec_forward_attn,
+        ins.BackwardAttn: _exec_backward_attn,
+        ins.ForwardExperts: _exec_forward_experts,
+        ins.BackwardExperts: _exec_backward_experts,
+        ds_schedule.ReduceGrads: _exec_reduce_grads,
+        ds_schedule.OptimizerStep: _exec_optimizer_step,
+    }

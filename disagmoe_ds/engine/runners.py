@@ -1,0 +1,225 @@
+"""What the compute instructions do on each side: chunk forward/backward with explicit gradient hand-off.
+
+Every chunk boundary is cut: a chunk's inputs become fresh leaves and its backward is one autograd pass from the
+gradients received for its outputs (a pseudo-loss ``sum(out * grad)``, whose gradient is exactly ``grad``). So
+chunks of one micro-batch can run on different ranks, and many micro-batches can be in flight.
+
+Gradient scaling: the head backpropagates ``loss / K`` (K micro-batches); DeepSpeed averages attention
+gradients over the lanes; expert gradients are rescaled in ``deepspeed_role``.
+
+Router aux loss (HF's Switch-style ``load_balancing_loss_func`` over all MoE layers of a micro-batch): the
+forward carries the running expert counts and probability sums to the head, which computes the value; its
+gradient with respect to each layer's probability sums is the vector ``coef * E * counts / rows**2 / K``, which
+travels back with the residual gradient and enters each MoE layer's backward.
+
+Shape suffixes: B micro-batch size, S sequence, T = B*S, H hidden, K top-k, E experts, R/S rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from disagmoe_ds.comm.exchange import dispatch_messages
+from disagmoe_ds.comm.routing import DispatchPlan, combine, pack, plan_dispatch
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, router_stats
+
+Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_()
+
+
+def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+@dataclass
+class _Chunk:
+    """What A_fwd(l, m) keeps for A_bwd(l, m)."""
+
+    resid_leaf: torch.Tensor | None = None
+    y_leaves: list[torch.Tensor] = field(default_factory=list)
+    residual_out: torch.Tensor | None = None
+    pieces: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    prob_sum_E: torch.Tensor | None = None
+    scaled_loss: torch.Tensor | None = None
+    aux_grad_E: torch.Tensor | None = None
+
+
+@dataclass
+class HeadStats:
+    """Per-step loss bookkeeping on the head lanes (sums over micro-batches)."""
+
+    loss: float = 0.0
+    lm_loss: float = 0.0
+    aux_loss: float = 0.0
+    micro_batches: int = 0
+
+
+class AttentionRunner:
+    """Attention side of one rank: embedding (A-group 0), attention parts of its layers, head and loss."""
+
+    def __init__(
+        self,
+        engine,
+        stage: AttentionStage,
+        layout: Layout,
+        *,
+        moe_layers: tuple[bool, ...],
+        top_k: int,
+        num_micro_batches: int,
+        micro_batch_size: int,
+        aux_coef: float | None,
+    ):
+        self.engine, self.stage, self.layout = engine, stage, layout
+        self.config = stage.config
+        self.moe_layers = moe_layers
+        self.num_layers = len(moe_layers)
+        self.top_k = top_k
+        self.K = num_micro_batches
+        self.B = micro_batch_size
+        self.aux_coef = aux_coef  # None: the family/config has no aux loss
+        self.num_experts = layout.num_experts
+        self.chunks: dict[tuple[int, int], _Chunk] = {}
+        self.local: dict[tuple[str, int, int], Any] = {}  # hand-offs that stay on this rank (p == 1)
+        self.batches: list[dict[str, torch.Tensor]] | None = None
+        self.stats = HeadStats()
+
+    def start_step(self, batches: list[dict[str, torch.Tensor]] | None) -> None:
+        self.batches, self.stats = batches, HeadStats()
+
+    # ----- forward -----
+    def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+        chunk = _Chunk()
+        if layer == 0:
+            h_BSH, position_ids_BS, counts_E, probs_E = self._embed(mb)
+        else:
+            h_BSH, position_ids_BS, counts_E, probs_E = self._combine(layer, mb, incoming, chunk)
+        if layer == self.num_layers:
+            self._head(mb, h_BSH, counts_E, probs_E, chunk)
+            self.chunks[(layer, mb)] = chunk
+            return {}
+        out = self.stage.part(layer)(h_BSH, self.stage.context(h_BSH, position_ids_BS), self.config)
+        chunk.residual_out = out.residual_BSH
+        outgoing: Outgoing = {}
+        T, H = h_BSH.shape[0] * h_BSH.shape[1], h_BSH.shape[2]
+        topk_idx_TK = torch.zeros(T, self.top_k, dtype=torch.int64, device=h_BSH.device)
+        if out.x_TH is not None:
+            topk_idx_TK = out.topk_idx_TK.long()
+            if self.aux_coef is not None:
+                stats = router_stats(out.router_logits_TE, self.top_k)
+                chunk.prob_sum_E = stats.prob_sum_E
+                counts_E, probs_E = counts_E + stats.counts_E, probs_E + stats.prob_sum_E.detach()
+            plan = plan_dispatch(topk_idx_TK, self.layout.ep_size, self.layout.experts_per_rank)
+            chunk.pieces = pack(out.x_TH, out.topk_w_TK, plan)
+            outgoing["m2n"] = dispatch_messages(chunk.pieces, plan)
+        resid = (out.residual_BSH.detach().reshape(T, H), topk_idx_TK, position_ids_BS.reshape(T), counts_E, probs_E)
+        self._hand_off("resid", layer, mb, resid, outgoing)
+        self.chunks[(layer, mb)] = chunk
+        return outgoing
+
+    def _embed(self, mb: int):
+        batch = self.batches[mb]
+        input_ids_BS = batch["input_ids"]
+        h_BSH = self.stage.embed_tokens(input_ids_BS)
+        position_ids_BS = batch.get("position_ids")
+        if position_ids_BS is None:
+            position_ids_BS = torch.arange(input_ids_BS.shape[1], device=h_BSH.device).expand_as(input_ids_BS)
+        zeros_E = torch.zeros(self.num_experts, dtype=torch.float32, device=h_BSH.device)
+        return h_BSH, position_ids_BS, zeros_E, zeros_E
+
+    def _combine(self, layer: int, mb: int, incoming: dict[str, Any], chunk: _Chunk):
+        residual_TH, topk_idx_TK, position_ids_T, counts_E, probs_E = self._take("resid", layer - 1, mb, incoming)
+        S = residual_TH.shape[0] // self.B
+        chunk.resid_leaf = _leaf(residual_TH.view(self.B, S, -1))
+        h_BSH = chunk.resid_leaf
+        if self.moe_layers[layer - 1]:
+            plan = plan_dispatch(topk_idx_TK, self.layout.ep_size, self.layout.experts_per_rank)
+            chunk.y_leaves = [_leaf(y_RH) for (y_RH,) in incoming["n2m"]]
+            h_BSH = h_BSH + combine(chunk.y_leaves, plan).view_as(h_BSH)
+        return h_BSH, position_ids_T.view(self.B, S), counts_E, probs_E
+
+    def _head(self, mb: int, h_BSH: torch.Tensor, counts_E: torch.Tensor, probs_E: torch.Tensor, chunk: _Chunk) -> None:
+        _, lm_loss = self.stage.head(h_BSH, self.batches[mb]["labels"])
+        loss = lm_loss
+        chunk.aux_grad_E = torch.zeros_like(counts_E)
+        if self.aux_coef is not None:
+            rows = h_BSH.shape[0] * h_BSH.shape[1] * sum(self.moe_layers)
+            aux = (counts_E / rows * probs_E / rows).sum() * self.num_experts
+            chunk.aux_grad_E = self.aux_coef * self.num_experts * counts_E / rows**2 / self.K
+            loss = loss + self.aux_coef * aux
+            self.stats.aux_loss += aux.item()
+        self.stats.loss += loss.item()
+        self.stats.lm_loss += lm_loss.item()
+        self.stats.micro_batches += 1
+        chunk.scaled_loss = loss / self.K
+
+    # ----- backward -----
+    def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+        chunk = self.chunks.pop((layer, mb))
+        if layer == self.num_layers:
+            aux_grad_E = chunk.aux_grad_E
+            self.engine.backward(chunk.scaled_loss, scale_wrt_gas=False)
+        else:
+            d_residual_TH, aux_grad_E = self._take("resid_grad", layer + 1, mb, incoming)
+            terms = [(chunk.residual_out * d_residual_TH.view_as(chunk.residual_out)).sum()]
+            for (x_RH, w_RK), (dx_RH, dw_RK) in zip(chunk.pieces, incoming.get("m2n_grad", [])):
+                terms += [(x_RH * dx_RH).sum(), (w_RK * dw_RK).sum()]
+            if chunk.prob_sum_E is not None:
+                terms.append((chunk.prob_sum_E * aux_grad_E).sum())
+            self.engine.backward(torch.stack([t.float() for t in terms]).sum(), scale_wrt_gas=False)
+        outgoing: Outgoing = {}
+        if layer > 0:
+            d_resid_TH = _grad_or_zeros(chunk.resid_leaf).reshape(-1, chunk.resid_leaf.shape[-1])
+            self._hand_off("resid_grad", layer, mb, (d_resid_TH, aux_grad_E), outgoing)
+            if chunk.y_leaves:
+                outgoing["n2m_grad"] = [(_grad_or_zeros(y),) for y in chunk.y_leaves]
+        return outgoing
+
+    # ----- residual hand-off: a message when p > 1, a local value when p == 1 -----
+    def _hand_off(self, kind: str, layer: int, mb: int, payload, outgoing: Outgoing) -> None:
+        if self.layout.depth > 1:
+            outgoing[kind] = payload
+        else:
+            self.local[(kind, layer, mb)] = payload
+
+    def _take(self, kind: str, layer: int, mb: int, incoming: dict[str, Any]):
+        return incoming[kind] if self.layout.depth > 1 else self.local.pop((kind, layer, mb))
+
+
+@dataclass
+class _ExpertChunk:
+    x_SH: torch.Tensor
+    w_SK: torch.Tensor
+    y_SH: torch.Tensor
+    rows: Any
+
+
+class ExpertRunner:
+    """FFN side of one rank: its expert shard of every MoE layer its F-group owns."""
+
+    def __init__(self, engine, stage: ExpertStage):
+        self.engine, self.stage = engine, stage
+        self.chunks: dict[tuple[int, int], _ExpertChunk] = {}
+
+    def start_step(self, batches) -> None:
+        del batches  # the FFN side reads no data
+
+    def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+        (x_SH, local_idx_SK, w_SK), rows = incoming["m2n"]
+        x_SH, w_SK = _leaf(x_SH), _leaf(w_SK)
+        y_SH = self.stage.shard(layer)(x_SH, local_idx_SK, w_SK)
+        self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows)
+        return {"n2m": ((y_SH,), rows)}
+
+    def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+        chunk = self.chunks.pop((layer, mb))
+        (dy_SH,), _ = incoming["n2m_grad"]
+        if chunk.y_SH.requires_grad:
+            self.engine.backward((chunk.y_SH * dy_SH).float().sum(), scale_wrt_gas=False)
+        return {"m2n_grad": ((_grad_or_zeros(chunk.x_SH), _grad_or_zeros(chunk.w_SK)), chunk.rows)}

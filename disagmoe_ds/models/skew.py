@@ -1,0 +1,34 @@
+"""A deliberately skewed router for tests and ``disagmoe-verify --skew``: every token picks one expert first.
+
+It changes the router's *input* through a forward pre-hook (a large push along hidden dim 0, with only the chosen
+expert's router weight reading that dim), so everything after it is still HF's own routing math.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from disagmoe_ds.models.families import family_of, is_moe_layer, router_of
+
+PUSH = 50.0
+
+
+def _push(module: nn.Module, args: tuple) -> tuple:
+    x = args[0]
+    shift = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
+    shift[0] = PUSH
+    return (x + shift, *args[1:])
+
+
+def skew_router(model: nn.Module, expert: int = 0) -> None:
+    """Make every token of every MoE layer choose ``expert`` (with its highest score)."""
+    family = family_of(model.config)
+    for layer in model.model.layers:
+        if not is_moe_layer(layer):
+            continue
+        router = router_of(family, layer)
+        with torch.no_grad():
+            router.weight[:, 0] = 0.0
+            router.weight[expert, 0] = 1.0
+        router.register_forward_pre_hook(_push)

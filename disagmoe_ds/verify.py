@@ -1,0 +1,247 @@
+"""disagmoe-verify: train a few steps disaggregated and compare with the single-process HF model.
+
+    disagmoe-verify --model hf_models/tiny-qwen2-moe --attention-gpus 2 --ffn-gpus 2 --micro-batches 3 --json
+
+Without a launcher it starts attention_gpus + ffn_gpus CPU ranks itself (gloo); under ``deepspeed`` or
+``torchrun`` it runs as one of the launched ranks. The reference is the HF model on the same batches: the mean
+loss over lanes and micro-batches, global-norm clipping, the same AdamW. It prints a JSON summary with the max
+abs difference of the losses, the gradient norms and the parameters after every step; exit code 0 only on pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# fp32: only the order of sums differs from the reference (expert partials, lane reduction); bf16: see README.
+TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+# Adam's first steps move each weight by about lr * g / (|g| + eps): where |g| is near eps, an ulp-level change of g
+# (another summation order) changes the update by up to lr * dg / eps, and later steps inherit it. lr / eps = 10
+# keeps that below the tolerance; the gradients of every step are compared directly as well.
+ADAM_EPS = 1e-4
+
+
+@dataclass(frozen=True)
+class VerifyArgs:
+    model: str
+    cfg: DisagMoEConfig
+    zero: int
+    steps: int
+    dtype: str
+    seq_len: int
+    micro_batch_size: int
+    clip: float
+    lr: float
+    seed: int
+    skew: bool
+
+    def ds_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "disagmoe": self.cfg.to_dict(),
+            "zero_optimization": {"stage": self.zero},
+            "gradient_clipping": self.clip,
+            "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.0, "eps": ADAM_EPS}},
+        }
+        if self.dtype == "bf16":
+            config["bf16"] = {"enabled": True}
+        return config
+
+
+def make_batches(args: VerifyArgs, vocab_size: int, step: int, lane: int) -> list[dict[str, torch.Tensor]]:
+    """The K micro-batches lane ``lane`` trains on at ``step`` (deterministic, shared with the reference)."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + lane)
+    batches = []
+    for _ in range(args.cfg.micro_batches):
+        ids = torch.randint(3, vocab_size, (args.micro_batch_size, args.seq_len), generator=gen)
+        batches.append({"input_ids": ids, "labels": ids.clone()})
+    return batches
+
+
+def load_for_verify(args: VerifyArgs):
+    from disagmoe_ds.models.loading import load_model
+
+    model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
+    if args.skew:
+        from disagmoe_ds.models.skew import skew_router
+
+        skew_router(model)
+    return model
+
+
+def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
+    """One rank: build, train ``steps`` steps, return losses, grad norms and its parameters under HF names."""
+    from disagmoe_ds.engine.build import build_rank
+
+    runtime = build_rank(
+        args.model, args.ds_config(), args.cfg, micro_batch_size=args.micro_batch_size,
+        dtype=DTYPES[args.dtype], model=load_for_verify(args),
+    )
+    role = runtime.role
+    vocab = runtime.module.config.vocab_size if role.is_attention else 0
+    losses, norms = [], []
+    grads = capture_grads(runtime)
+    for step in range(args.steps):
+        batches = make_batches(args, vocab, step, role.index) if role.is_attention and role.group == 0 else None
+        result = runtime.executor.train_batch(batches)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    writer = role.index == 0 if role.is_attention else role.edp_rank == 0  # one copy of every parameter
+    params = _hf_named(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()}) if writer else {}
+    return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads if writer else []}
+
+
+def capture_grads(runtime) -> list[dict[str, tuple[int, torch.Tensor]]]:
+    """Record, at every step, the gradients the optimizer is about to apply (reduced and clipped), by HF name."""
+    optimizer = runtime.engine.optimizer
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps a torch optimizer
+    captured: list[dict[str, tuple[int, torch.Tensor]]] = []
+
+    def hook(*_):
+        named = {n: _full_grad(optimizer, p) for n, p in runtime.module.named_parameters()}
+        captured.append(_hf_named(runtime, {n: g for n, g in named.items() if g is not None}))
+
+    inner.register_step_pre_hook(hook)
+    return captured
+
+
+def _full_grad(optimizer, param: torch.Tensor) -> torch.Tensor | None:
+    """The reduced, clipped gradient the optimizer applies to ``param`` (assembled from ZeRO partitions)."""
+    mapping = getattr(param, "_hp_mapping", "plain")
+    if mapping == "plain":
+        return param.grad
+    full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+    if mapping is not None:  # this rank's ZeRO partition holds a fragment of the parameter
+        flat = optimizer.single_partition_of_fp32_groups[mapping.param_group_index].grad
+        hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+        full.narrow(0, lp.start, lp.numel).copy_(flat.narrow(0, hp.start, hp.numel))
+    torch.distributed.all_reduce(full, group=param._dp_group)
+    return full.view_as(param)
+
+
+def _hf_named(runtime, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, torch.Tensor]]:
+    """This rank's tensors under HF names; expert slices carry their first expert id (to reassemble them)."""
+    if runtime.role.is_attention:
+        return {attention_name_to_hf(n): (0, t.float().clone()) for n, t in tensors.items()}
+    return {expert_name_to_hf(n): (runtime.module.first_expert, t.float().clone()) for n, t in tensors.items()}
+
+
+def reference(args: VerifyArgs, lanes: int) -> dict[str, Any]:
+    """The single-process HF model trained on the same batches."""
+    model = load_for_verify(args)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, eps=ADAM_EPS)
+    losses, norms, grads = [], [], []
+    vocab = model.config.vocab_size
+    for step in range(args.steps):
+        opt.zero_grad()
+        total = 0.0
+        count = lanes * args.cfg.micro_batches
+        for lane in range(lanes):
+            for batch in make_batches(args, vocab, step, lane):
+                out = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
+                (out.loss / count).backward()
+                total += out.loss.item() / count
+        losses.append(total)
+        norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf"))
+        norms.append(norm.item())
+        grads.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+    params = {n: p.detach().float() for n, p in model.named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "params": params}
+
+
+def _assemble(pieces_by_rank: list[dict[str, tuple[int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Join the ranks' tensors into HF's: expert slices concatenated in expert order."""
+    merged: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for pieces in pieces_by_rank:
+        for name, (first, value) in pieces.items():
+            merged.setdefault(name, []).append((first, value))
+    return {n: torch.cat([v for _, v in sorted(p, key=lambda x: x[0])]) for n, p in merged.items()}
+
+
+def _max_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    missing = sorted(set(ref) - set(ours))
+    if missing:
+        raise RuntimeError(f"the disaggregated run has no values for {missing[:3]}...")
+    return max((ours[n] - ref[n]).abs().max().item() for n in ref)
+
+
+def compare(ranks: list[dict[str, Any]], ref: dict[str, Any], args: VerifyArgs) -> dict[str, Any]:
+    param_diff = _max_diff(_assemble([r["params"] for r in ranks]), ref["params"])
+    grad_diff = max(
+        _max_diff(_assemble([r["grads"][step] for r in ranks if r["grads"]]), ref["grads"][step])
+        for step in range(args.steps)
+    )
+    loss_diff = max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref["losses"]))
+    norms = ranks[0]["grad_norms"]
+    norm_diff = (
+        max(abs(a - b) for a, b in zip(norms, ref["grad_norms"])) if all(n is not None for n in norms) else None
+    )
+    tol = TOLERANCE[args.dtype]
+    ok = loss_diff <= tol and param_diff <= tol and grad_diff <= tol and (norm_diff is None or norm_diff <= tol * max(1.0, *norms))
+    return {
+        "model": args.model,
+        "layout": args.cfg.to_dict(),
+        "zero": args.zero,
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "losses": ranks[0]["losses"],
+        "reference_losses": ref["losses"],
+        "max_abs_diff": {"loss": loss_diff, "grad_norm": norm_diff, "grads": grad_diff, "params": param_diff},
+        "tolerance": tol,
+        "pass": ok,
+    }
+
+
+def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
+    from disagmoe_ds.launch.local import spawn_local
+
+    ranks = spawn_local(rank_main, args.cfg.world_size, args=(args,), timeout_s=timeout_s)
+    return compare(ranks, reference(args, args.cfg.attention_gpus // args.cfg.depth), args)
+
+
+def parse_args(argv: list[str] | None) -> VerifyArgs:
+    p = argparse.ArgumentParser(prog="disagmoe-verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="hf_models/tiny-qwen3-moe", help="HF model directory or config-only directory")
+    p.add_argument("--attention-gpus", type=int, default=1, help="M: attention ranks")
+    p.add_argument("--ffn-gpus", type=int, default=1, help="N: FFN (expert) ranks")
+    p.add_argument("--depth", type=int, default=1, help="p: A-groups = F-groups (must divide the layer count)")
+    p.add_argument("--expert-data-parallel", type=int, default=1, help="replicas of each expert shard")
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per lane")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage inside each group")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", action="store_true", help="route every token to expert 0 first (load imbalance)")
+    p.add_argument("--json", action="store_true", help="print only the JSON summary")
+    a = p.parse_args(argv)
+    cfg = DisagMoEConfig(
+        attention_gpus=a.attention_gpus, ffn_gpus=a.ffn_gpus, depth=a.depth, micro_batches=a.micro_batches,
+        expert_data_parallel=a.expert_data_parallel,
+    )
+    return VerifyArgs(a.model, cfg, a.zero, a.steps, a.dtype, a.seq_len, a.micro_batch_size, a.clip, a.lr, a.seed, a.skew)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    summary = run_verify(args)
+    print(json.dumps(summary, indent=None if "--json" in (argv or sys.argv) else 2))
+    return 0 if summary["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
