@@ -22,6 +22,7 @@ setup(
         "sentencepiece>=0.2",
         "safetensors>=0.4",
         "tqdm>=4.60",
+        "numpy>=1.24",
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6"],

@@ -197,6 +197,8 @@ def compare(ranks: list[dict[str, Any]], ref: dict[str, Any], args: VerifyArgs) 
         "steps": args.steps,
         "losses": ranks[0]["losses"],
         "reference_losses": ref["losses"],
+        "grad_norms": norms,
+        "reference_grad_norms": ref["grad_norms"],
         "max_abs_diff": {"loss": loss_diff, "grad_norm": norm_diff, "grads": grad_diff, "params": param_diff},
         "tolerance": tol,
         "pass": ok,

@@ -11,11 +11,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_FAMILIES = ("qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "olmoe")
 
 
-def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0) -> Path:
-    """Random tiny weights for ``hf_models/tiny-<family>``, saved in the Hub layout by ``save_pretrained``."""
+def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Random tiny weights for ``hf_models/tiny-<family>`` (config fields overridden by ``overrides``), saved in
+    the Hub layout by ``save_pretrained``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
+    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}", **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -29,11 +30,12 @@ def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """``tiny_checkpoint(family) -> Path`` of a saved tiny model, written once per session."""
-    cache: dict[str, Path] = {}
+    cache: dict[tuple, Path] = {}
 
-    def get(family: str) -> Path:
-        if family not in cache:
-            cache[family] = write_tiny_checkpoint(family, tmp_path_factory.mktemp(f"tiny-{family}"))
-        return cache[family]
+    def get(family: str, **overrides) -> Path:
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = write_tiny_checkpoint(family, tmp_path_factory.mktemp(f"tiny-{family}"), **overrides)
+        return cache[key]
 
     return get

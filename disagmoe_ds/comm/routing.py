@@ -83,9 +83,7 @@ def plan_dispatch(topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int
     )
 
 
-def pack(
-    x_TH: torch.Tensor, topk_w_TK: torch.Tensor, plan: DispatchPlan
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def pack(x_TH: torch.Tensor, topk_w_TK: torch.Tensor, plan: DispatchPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Gather each ep rank's rows and weights (differentiable in x and w; weights keep their dtype).
 
     Returns:

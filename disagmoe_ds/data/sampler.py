@@ -1,0 +1,88 @@
+"""Deterministic, resumable sample order, split across the data-parallel lanes of an attention group.
+
+Epoch e visits the samples in the order ``randperm(N, seed + e)``; lane j of d takes every d-th entry of it,
+starting at j, so lanes are disjoint and each gets ``N // d`` samples (the last ``N % d`` of the permutation,
+different samples every epoch, are skipped so that every lane runs the same number of steps). The sampler is
+an endless iterator over epochs; its state is (epoch, position in the lane's share), so a run resumed from
+``state_dict()`` draws exactly the indices an uninterrupted run would have drawn.
+
+>>> lanes = [ShardedSampler(10, num_lanes=2, lane=j, seed=0) for j in range(2)]
+>>> a, b = ([next(s) for _ in range(5)] for s in lanes)
+>>> sorted(a + b) == list(range(10))
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from disagmoe_ds.data.errors import DataError
+
+_STATE_KEYS = ("num_samples", "num_lanes", "seed", "shuffle", "epoch", "position")
+
+
+class ShardedSampler:
+    """An endless iterator of sample indices for one lane.
+
+    Args:
+        num_samples: N, the dataset size.
+        num_lanes: d, data-parallel lanes reading the dataset.
+        lane: this lane's index in [0, d).
+        seed: fixes every epoch's permutation; all lanes must use the same seed.
+        shuffle: False visits samples in index order every epoch (still split across lanes).
+    """
+
+    def __init__(self, num_samples: int, *, num_lanes: int = 1, lane: int = 0, seed: int = 0, shuffle: bool = True):
+        if num_lanes < 1 or not 0 <= lane < num_lanes:
+            raise DataError(f"lane ({lane}) must be in [0, num_lanes) with num_lanes ({num_lanes}) >= 1")
+        if num_samples < num_lanes:
+            raise DataError(
+                f"the dataset has {num_samples} samples, fewer than num_lanes ({num_lanes}); every lane needs one: "
+                f"use more data or a shorter seq_len"
+            )
+        self.num_samples, self.num_lanes, self.lane = num_samples, num_lanes, lane
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._indices: list[int] | None = None  # this lane's share of self.epoch, built on first use
+
+    @property
+    def samples_per_lane(self) -> int:
+        """Samples each lane reads per epoch."""
+        return self.num_samples // self.num_lanes
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        """This lane's indices for ``epoch``, in visiting order."""
+        if self.shuffle:
+            order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+        else:
+            order = torch.arange(self.num_samples)
+        return order[self.lane :: self.num_lanes][: self.samples_per_lane].tolist()
+
+    def __iter__(self) -> ShardedSampler:
+        return self
+
+    def __next__(self) -> int:
+        if self.position == self.samples_per_lane:
+            self.epoch, self.position, self._indices = self.epoch + 1, 0, None
+        if self._indices is None:
+            self._indices = self.epoch_indices(self.epoch)
+        index = self._indices[self.position]
+        self.position += 1
+        return index
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the iteration stands, plus the settings a resume must match."""
+        return {key: getattr(self, key) for key in _STATE_KEYS}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues from ``state``; the dataset size, lanes, seed and shuffle must match the saved run."""
+        for key in ("num_samples", "num_lanes", "seed", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise DataError(
+                    f"sampler state has {key}={state[key]} but this run has {key}={getattr(self, key)}; "
+                    f"resume with the same data, seq_len, lanes and seed"
+                )
+        self.epoch, self.position, self._indices = int(state["epoch"]), int(state["position"]), None

@@ -1,0 +1,64 @@
+"""Joining a job that an external launcher (torchrun, deepspeed, mpirun) started."""
+
+from __future__ import annotations
+
+import os
+
+import deepspeed
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from disagmoe_ds.errors import ConfigError
+
+# Set by torchrun and by DeepSpeed's local launcher (deepspeed.launcher.launch) for every rank.
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# MPI-family runners (DeepSpeed's openmpi/mpich/impi/mvapich runners, srun with PMI) set these instead;
+# deepspeed.init_distributed then discovers the ranks through mpi4py.
+_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def detect_launcher(environ: dict[str, str] | None = None) -> str | None:
+    """Name the launcher that started this process, or None when it was started by hand.
+
+    Returns "torchrun", "deepspeed", "env" (RANK/WORLD_SIZE/LOCAL_RANK set by something else, e.g.
+    ``spawn_local``), "mpi", or None. A caller that gets None starts its own ranks (``spawn_local``).
+
+    >>> detect_launcher({})
+    >>> detect_launcher({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"})
+    'torchrun'
+    """
+    env = os.environ if environ is None else environ
+    present = [name for name in _RANK_VARS if name in env]
+    if present and len(present) < len(_RANK_VARS):
+        missing = [name for name in _RANK_VARS if name not in env]
+        raise ConfigError(
+            f"partial launcher environment: {present} set but {missing} missing; set all of {list(_RANK_VARS)} "
+            f"or none (then the job starts its own ranks)"
+        )
+    if present:
+        if "TORCHELASTIC_RUN_ID" in env:
+            return "torchrun"
+        # deepspeed.launcher.launch exports the node rank as CROSS_RANK.
+        return "deepspeed" if "CROSS_RANK" in env else "env"
+    if any(name in env for name in _MPI_VARS):
+        return "mpi"
+    return None
+
+
+def disable_shm_op() -> None:
+    """Keep init_distributed from JIT-compiling deepspeed_shm_comm (35-120 s on CPU; only inference uses it)."""
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def init_from_env(backend: str | None = None) -> None:
+    """Initialise torch.distributed through DeepSpeed from the launcher's environment and bind the device.
+
+    Args:
+        backend: "gloo", "nccl", ...; None lets DeepSpeed pick the accelerator's backend (gloo on CPU).
+    """
+    disable_shm_op()
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    # gloo ranks may outnumber the devices (CPU tests); device backends need one device per local rank, set
+    # before the first collective so NCCL builds its communicators on the right GPU.
+    if dist.get_backend() != "gloo":
+        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))

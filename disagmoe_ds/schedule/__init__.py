@@ -1,0 +1,61 @@
+"""AF-Pipe schedule: task graph, generator, instruction streams, contract checker, traces (pure Python, no torch).
+
+>>> schedule = generate(PipeShape(depth=1, num_layers=1, moe_layers=(True,)), num_micro_batches=1)
+>>> check_streams(schedule.streams)
+>>> print(schedule.render())
+A0: F0.0 F1.0 B1.0 B0.0
+F0: F0.0 B0.0
+"""
+
+from disagmoe_ds.schedule.checker import check_streams, render
+from disagmoe_ds.schedule.generator import Costs, Schedule, default_max_in_flight, generate
+from disagmoe_ds.schedule.instructions import (
+    BackwardAttn,
+    BackwardExperts,
+    CommInstruction,
+    ComputeInstruction,
+    ForwardAttn,
+    ForwardExperts,
+    Instruction,
+    OptimizerStep,
+    PostRecv,
+    ReduceGrads,
+    Send,
+    WaitRecv,
+)
+from disagmoe_ds.schedule.streams import build_streams
+from disagmoe_ds.schedule.tasks import Channel, Message, PipeShape, ScheduleError, Task, TaskGraph, Worker, build_graph
+from disagmoe_ds.schedule.trace import TimelineEvent, to_chrome_trace, write_chrome_trace
+
+__all__ = [
+    "BackwardAttn",
+    "BackwardExperts",
+    "Channel",
+    "CommInstruction",
+    "ComputeInstruction",
+    "Costs",
+    "ForwardAttn",
+    "ForwardExperts",
+    "Instruction",
+    "Message",
+    "OptimizerStep",
+    "PipeShape",
+    "PostRecv",
+    "ReduceGrads",
+    "Schedule",
+    "ScheduleError",
+    "Send",
+    "Task",
+    "TaskGraph",
+    "TimelineEvent",
+    "WaitRecv",
+    "Worker",
+    "build_graph",
+    "build_streams",
+    "check_streams",
+    "default_max_in_flight",
+    "generate",
+    "render",
+    "to_chrome_trace",
+    "write_chrome_trace",
+]

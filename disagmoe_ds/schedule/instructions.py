@@ -1,0 +1,106 @@
+"""The instructions of AF-Pipe streams: behaviour-free values that the engine maps to ``_exec_*`` methods.
+
+A worker's stream is, for each compute task in order: ``WaitRecv`` for each remote input (and for messages sent
+ahead of it on the same channel), the compute, ``Send`` for each remote output; ``PostRecv`` placed ahead of
+need; then ``ReduceGrads`` and ``OptimizerStep``. Compute
+instructions pair with nothing directly: their inputs arrive by ``WaitRecv`` and outputs leave by ``Send``. This
+mirrors DeepSpeed's ``PipeInstruction`` classes but does not import deepspeed, so schedules stay testable anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagmoe_ds.schedule.tasks import Message, TaskKind
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """Base class: one step of a worker's stream."""
+
+
+@dataclass(frozen=True)
+class CommInstruction(Instruction):
+    """Base class of the instructions that move one message."""
+
+    message: Message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message})"
+
+
+@dataclass(frozen=True, repr=False)
+class PostRecv(CommInstruction):
+    """Post a non-blocking receive on the message's channel (at run time: counts first, then the payload).
+
+    Pairs with ``Send`` on ``message.src_worker``, posted in its send order per channel: p2p matches FIFO, no tags.
+    """
+
+
+@dataclass(frozen=True, repr=False)
+class WaitRecv(CommInstruction):
+    """Block until the receive has landed; its tensors are held until the compute that reads them.
+
+    Pairs with ``Send`` on ``message.src_worker``, in its send order per channel; needs ``PostRecv`` earlier.
+    """
+
+
+@dataclass(frozen=True, repr=False)
+class Send(CommInstruction):
+    """Start a non-blocking send of a computed tensor; it never blocks the stream.
+
+    Pairs with ``PostRecv`` and ``WaitRecv`` of the same message on ``message.dst_worker``.
+    """
+
+
+@dataclass(frozen=True)
+class ComputeInstruction(Instruction):
+    """Base class of the instructions that run one task (a chunk of one micro-batch)."""
+
+    layer: int
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class ForwardAttn(ComputeInstruction):
+    """A-side chunk forward: combine, attention, router, shared/dense MLP (``layer == L``: norm, head, loss)."""
+
+
+@dataclass(frozen=True)
+class BackwardAttn(ComputeInstruction):
+    """Autograd through a ForwardAttn chunk; its activations live from that ForwardAttn until here."""
+
+
+@dataclass(frozen=True)
+class ForwardExperts(ComputeInstruction):
+    """F-side forward: the routed experts of one MoE layer on the tokens received by M2N."""
+
+
+@dataclass(frozen=True)
+class BackwardExperts(ComputeInstruction):
+    """Autograd through ForwardExperts: expert weight grads, and token grads for the A-group."""
+
+
+@dataclass(frozen=True)
+class ReduceGrads(Instruction):
+    """Reduce gradients inside the group (over lanes, or over expert-data-parallel replicas).
+
+    Pairs with ``ReduceGrads`` on every other rank of the same group.
+    """
+
+
+@dataclass(frozen=True)
+class OptimizerStep(Instruction):
+    """Clip by the global grad norm and step the optimizer.
+
+    Pairs with ``OptimizerStep`` on every worker, since the global norm spans all groups.
+    """
+
+
+COMPUTE_OF_KIND: dict[TaskKind, type[ComputeInstruction]] = {
+    "A_fwd": ForwardAttn,
+    "A_bwd": BackwardAttn,
+    "F_fwd": ForwardExperts,
+    "F_bwd": BackwardExperts,
+}
+KIND_OF_COMPUTE: dict[type[Instruction], TaskKind] = {cls: kind for kind, cls in COMPUTE_OF_KIND.items()}

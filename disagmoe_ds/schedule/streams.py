@@ -1,0 +1,68 @@
+"""Lower each worker's task order to an instruction stream that keeps every channel first-in first-out.
+
+NCCL and torch.distributed match point-to-point messages in posting order per (src, dst, group), with no
+tags, and our receivers complete a channel's messages oldest first. So on every channel the receiver posts
+and waits in exactly the sender's send order. When a task needs a message that was sent after others on the
+same channel, it first waits for those too: they were sent earlier, so this never blocks longer, and their
+tensors are held until their own task runs. Each receive is posted ``lookahead`` compute tasks before its wait.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+from disagmoe_ds.schedule.instructions import (
+    COMPUTE_OF_KIND,
+    Instruction,
+    OptimizerStep,
+    PostRecv,
+    ReduceGrads,
+    Send,
+    WaitRecv,
+)
+from disagmoe_ds.schedule.tasks import Channel, Message, Task, TaskGraph, Worker
+
+
+def build_streams(
+    graph: TaskGraph, order: Mapping[Worker, tuple[Task, ...]], *, lookahead: int
+) -> dict[Worker, tuple[Instruction, ...]]:
+    """One instruction stream per worker that runs the worker's tasks in ``order`` (execution order)."""
+    sent: dict[Channel, list[Message]] = defaultdict(list)  # every channel's messages in send order
+    for tasks in order.values():
+        for task in tasks:
+            for message in graph.outputs[task]:
+                sent[message.channel].append(message)
+    return {w: _stream(graph, order[w], sent, lookahead) for w in sorted(order)}
+
+
+def _wait_slots(
+    graph: TaskGraph, tasks: tuple[Task, ...], sent: Mapping[Channel, list[Message]]
+) -> list[list[Message]]:
+    """For each compute task, the messages waited just before it: its inputs and any sent ahead of them."""
+    rank = {message: k for queue in sent.values() for k, message in enumerate(queue)}
+    num_waited: dict[Channel, int] = defaultdict(int)
+    slots: list[list[Message]] = [[] for _ in tasks]
+    for slot, task in zip(slots, tasks):
+        for message in graph.inputs[task]:
+            channel = message.channel
+            while num_waited[channel] <= rank[message]:
+                slot.append(sent[channel][num_waited[channel]])
+                num_waited[channel] += 1
+    return slots
+
+
+def _stream(
+    graph: TaskGraph, tasks: tuple[Task, ...], sent: Mapping[Channel, list[Message]], lookahead: int
+) -> tuple[Instruction, ...]:
+    waits = _wait_slots(graph, tasks, sent)
+    posts: list[list[Message]] = [[] for _ in tasks]
+    for i, messages in enumerate(waits):
+        posts[max(0, i - lookahead)] += messages  # waits keep send order per channel, so posts do too
+    stream: list[Instruction] = []
+    for task, post, wait in zip(tasks, posts, waits):
+        stream += [PostRecv(message) for message in post]
+        stream += [WaitRecv(message) for message in wait]
+        stream.append(COMPUTE_OF_KIND[task.kind](task.layer, task.micro_batch))
+        stream += [Send(message) for message in graph.outputs[task]]
+    return (*stream, ReduceGrads(), OptimizerStep())

@@ -1,0 +1,205 @@
+"""The AF-Pipe task graph: what each worker computes per micro-batch and what it sends to whom (pure Python).
+
+Per micro-batch m, with L layers, depth p and g(l) = l % p:
+
+    A_fwd(l, m)  on A_g(l)   l < L: combine layer l-1's output, attention (+ router, shared or dense MLP) of l
+                             l = L: combine the last layer's output, final norm, LM head, loss
+    F_fwd(l, m)  on F_g(l)   routed experts of MoE layer l
+    A_bwd, F_bwd             the mirror images, on the same workers
+
+A dependency between two different workers is a message on the channel (kind, src worker, dst worker):
+
+    resid  A_fwd(l-1) -> A_fwd(l)      m2n  A_fwd(l) -> F_fwd(l)    n2m  F_fwd(l-1) -> A_fwd(l)
+    resid_grad  A_bwd(l+1) -> A_bwd(l)     m2n_grad  F_bwd(l) -> A_bwd(l)     n2m_grad  A_bwd(l+1) -> F_bwd(l)
+
+With p = 1, resid and resid_grad stay on A0 as local hand-offs; so a micro-batch sends 4 messages per MoE
+layer, plus 2 * L when p > 1.
+
+>>> graph = build_graph(PipeShape(depth=2, num_layers=2, moe_layers=(True, True)), num_micro_batches=1)
+>>> [str(w) for w in graph.tasks], len(graph.messages)
+(['A0', 'A1', 'F0', 'F1'], 12)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from disagmoe_ds.errors import DisagMoEError
+
+TaskKind = Literal["A_fwd", "F_fwd", "A_bwd", "F_bwd"]
+MessageKind = Literal["m2n", "n2m", "resid", "m2n_grad", "n2m_grad", "resid_grad"]
+
+
+class ScheduleError(DisagMoEError):
+    """A schedule input is invalid, or instruction streams break the send/receive contract."""
+
+
+@dataclass(frozen=True, order=True)
+class Worker:
+    """One A-group or F-group: all its lanes (or ranks) run the same instruction stream."""
+
+    side: Literal["A", "F"]
+    group: int
+
+    def __str__(self) -> str:
+        return f"{self.side}{self.group}"
+
+
+@dataclass(frozen=True, order=True)
+class Task:
+    """One chunk of compute; on the A side ``layer == num_layers`` is the head chunk (norm, LM head, loss)."""
+
+    kind: TaskKind
+    layer: int
+    micro_batch: int
+
+    @property
+    def is_forward(self) -> bool:
+        return self.kind.endswith("fwd")
+
+    @property
+    def label(self) -> str:
+        """``F<layer>.<micro_batch>`` for a forward, ``B<layer>.<micro_batch>`` for a backward."""
+        return f"{'F' if self.is_forward else 'B'}{self.layer}.{self.micro_batch}"
+
+    def __str__(self) -> str:
+        return f"{self.kind}({self.layer}.{self.micro_batch})"
+
+
+@dataclass(frozen=True, order=True)
+class Channel:
+    """A one-way link with its own process group at run time, so no kind queues behind another."""
+
+    kind: MessageKind
+    src: Worker
+    dst: Worker
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.src}->{self.dst}"
+
+
+@dataclass(frozen=True, order=True)
+class Message:
+    """``src`` produces a tensor that ``dst`` consumes on another worker."""
+
+    kind: MessageKind
+    src: Task
+    dst: Task
+    src_worker: Worker
+    dst_worker: Worker
+
+    @property
+    def channel(self) -> Channel:
+        return Channel(self.kind, self.src_worker, self.dst_worker)
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.src.layer}.{self.src.micro_batch} {self.src_worker}->{self.dst_worker}"
+
+
+@dataclass(frozen=True)
+class PipeShape:
+    """All the schedule needs to know of the model and layout.
+
+    Args:
+        depth: p, number of A-groups (= F-groups); group g owns layers g, g+p, ...
+        num_layers: L, decoder layers.
+        moe_layers: one bool per layer, True where it has routed experts (False: dense MLP, on the A side).
+    """
+
+    depth: int
+    num_layers: int
+    moe_layers: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "num_layers"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ScheduleError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.num_layers % self.depth:
+            raise ScheduleError(
+                f"num_layers ({self.num_layers}) must be divisible by depth ({self.depth}): group g owns layers "
+                f"g, g+p, ...; pick a depth that divides {self.num_layers}"
+            )
+        if len(self.moe_layers) != self.num_layers:
+            raise ScheduleError(
+                f"moe_layers has {len(self.moe_layers)} entries, need one per layer ({self.num_layers})"
+            )
+        if not any(self.moe_layers):
+            raise ScheduleError("moe_layers marks no MoE layer, so the F-groups would idle; use the co-located mode")
+        idle = [g for g in range(self.depth) if not any(self.moe_layers[g :: self.depth])]
+        if idle:
+            warnings.warn(
+                f"F-groups {idle} own no MoE layer (depth {self.depth}, moe_layers {self.moe_layers}): their GPUs "
+                "idle the whole step; pick a depth that gives every group a MoE layer",
+                stacklevel=3,
+            )
+
+    def worker_of(self, task: Task) -> Worker:
+        return Worker(task.kind[0], task.layer % self.depth)
+
+    @property
+    def workers(self) -> tuple[Worker, ...]:
+        return tuple(Worker(side, g) for side in ("A", "F") for g in range(self.depth))
+
+
+@dataclass(frozen=True, eq=False)
+class TaskGraph:
+    """Every task of a step: ``tasks`` per worker (canonical order, not execution order), ``deps`` (every
+    predecessor, local or remote), and ``inputs``/``outputs`` (a task's remote messages, in a fixed order)."""
+
+    shape: PipeShape
+    num_micro_batches: int
+    tasks: dict[Worker, tuple[Task, ...]]
+    deps: dict[Task, tuple[Task, ...]]
+    messages: tuple[Message, ...]
+    inputs: dict[Task, tuple[Message, ...]]
+    outputs: dict[Task, tuple[Message, ...]]
+
+
+def _edges(shape: PipeShape, m: int) -> Iterator[tuple[str, Task, Task]]:
+    """(message kind, producer, consumer) for every dependency of micro-batch ``m``."""
+    for layer in range(shape.num_layers + 1):
+        a_fwd, a_bwd = Task("A_fwd", layer, m), Task("A_bwd", layer, m)
+        yield "local", a_fwd, a_bwd
+        if layer >= 1:
+            yield "resid", Task("A_fwd", layer - 1, m), a_fwd
+        if layer < shape.num_layers:
+            yield "resid_grad", Task("A_bwd", layer + 1, m), a_bwd
+        if layer < shape.num_layers and shape.moe_layers[layer]:
+            f_fwd, f_bwd = Task("F_fwd", layer, m), Task("F_bwd", layer, m)
+            yield "m2n", a_fwd, f_fwd
+            yield "n2m", f_fwd, Task("A_fwd", layer + 1, m)
+            yield "local", f_fwd, f_bwd
+            yield "n2m_grad", Task("A_bwd", layer + 1, m), f_bwd
+            yield "m2n_grad", f_bwd, a_bwd
+
+
+def build_graph(shape: PipeShape, num_micro_batches: int) -> TaskGraph:
+    """The dependency graph of one training step over ``num_micro_batches`` micro-batches."""
+    if not isinstance(num_micro_batches, int) or num_micro_batches < 1:
+        raise ScheduleError(f"num_micro_batches must be a positive integer, got {num_micro_batches!r}")
+    deps: dict[Task, list[Task]] = {}
+    messages: list[Message] = []
+    for m in range(num_micro_batches):
+        for kind, src, dst in _edges(shape, m):
+            deps.setdefault(src, [])
+            deps.setdefault(dst, []).append(src)
+            if shape.worker_of(src) != shape.worker_of(dst):
+                messages.append(Message(kind, src, dst, shape.worker_of(src), shape.worker_of(dst)))
+    tasks: dict[Worker, list[Task]] = {w: [] for w in shape.workers}
+    inputs: dict[Task, list[Message]] = {t: [] for t in deps}
+    outputs: dict[Task, list[Message]] = {t: [] for t in deps}
+    for task in sorted(deps):
+        tasks[shape.worker_of(task)].append(task)
+    for msg in messages:
+        inputs[msg.dst].append(msg)
+        outputs[msg.src].append(msg)
+    return TaskGraph(
+        shape, num_micro_batches, _tuples(tasks), _tuples(deps), tuple(messages), _tuples(inputs), _tuples(outputs)
+    )
+
+
+def _tuples(lists: dict) -> dict:
+    return {key: tuple(value) for key, value in lists.items()}

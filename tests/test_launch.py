@@ -1,0 +1,90 @@
+"""Local launcher: results in rank order, fail fast on a raise or a dead rank, a hard timeout on a hang."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.launch import RankFailedError, detect_launcher, spawn_local
+
+# Upper bound for "fail fast": forking 2-3 ranks and one failure report take ~1-2 s on 2 cores; the jobs below
+# would otherwise run until their 60 s timeout.
+FAST_S = 15.0
+
+
+def _rank_info(rank: int, scale: float) -> tuple[int, int, str | None, list[float], torch.Tensor]:
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    env = (int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    assert env == (rank, dist.get_world_size())
+    return rank, dist.get_rank(), detect_launcher(), total.tolist(), torch.full((2,), rank * scale)
+
+
+def test_results_come_back_in_rank_order() -> None:
+    results = spawn_local(_rank_info, 3, args=(0.5,))
+    assert [r[:4] for r in results] == [(rank, rank, "env", [3.0]) for rank in range(3)]
+    # Tensors survive the child's exit: results are plain pickles, not shared-memory handles.
+    assert [r[4].tolist() for r in results] == [[0.0, 0.0], [0.5, 0.5], [1.0, 1.0]]
+
+
+def _raise_in_rank_1(rank: int) -> int:
+    if rank == 1:
+        raise KeyError("boom in rank 1")
+    dist.barrier()  # rank 0 would wait here forever; the parent must kill it
+    return rank
+
+
+def test_exception_surfaces_with_traceback_fast() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1 raised") as info:
+        spawn_local(_raise_in_rank_1, 2, timeout_s=60.0)
+    assert time.monotonic() - start < FAST_S
+    assert info.value.rank == 1
+    assert "boom in rank 1" in str(info.value) and "_raise_in_rank_1" in str(info.value)
+
+
+def _hang_in_rank_0(rank: int) -> int:
+    if rank == 0:
+        time.sleep(600)
+    return rank
+
+
+def test_hang_ends_with_timeout_naming_the_rank() -> None:
+    timeout_s = 4.0
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] were still running") as info:
+        spawn_local(_hang_in_rank_0, 2, timeout_s=timeout_s)
+    # The deadline plus the stack dump (0.3 s) and the kill.
+    assert time.monotonic() - start < timeout_s + 3.0
+    assert "stack of rank 0" in str(info.value) and "_hang_in_rank_0" in str(info.value)
+
+
+def _exit_in_rank_2(rank: int) -> int:
+    if rank == 2:
+        os._exit(7)
+    dist.barrier()
+    return rank
+
+
+def test_dead_rank_fails_fast() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 2 exited with code 7 before returning") as info:
+        spawn_local(_exit_in_rank_2, 3, timeout_s=60.0)
+    assert time.monotonic() - start < FAST_S
+    assert info.value.rank == 2
+
+
+def test_detect_launcher() -> None:
+    assert detect_launcher({}) is None
+    ranks = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    assert detect_launcher(ranks) == "env"
+    assert detect_launcher({**ranks, "TORCHELASTIC_RUN_ID": "1"}) == "torchrun"
+    assert detect_launcher({**ranks, "CROSS_RANK": "0"}) == "deepspeed"
+    assert detect_launcher({"OMPI_COMM_WORLD_SIZE": "4"}) == "mpi"
+    with pytest.raises(ConfigError, match=r"\['RANK'\] set but \['WORLD_SIZE', 'LOCAL_RANK'\] missing"):
+        detect_launcher({"RANK": "0"})
