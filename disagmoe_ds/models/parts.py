@@ -254,6 +254,7 @@ class ExpertStage(nn.Module):
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...], start: int, stop: int):
         super().__init__()
+        self.config = model.config
         family = family_of(model.config)
         hf_layers = model.model.layers
         self.first_expert, self.num_local = start, stop - start
