@@ -30,6 +30,9 @@ setup(
         "plot": ["matplotlib>=3.7"],
     },
     entry_points={
-        "console_scripts": [],
+        "console_scripts": [
+            "disagmoe-verify = disagmoe_ds.verify:main",
+            "disagmoe-plan = disagmoe_ds.planner.cli:main",
+        ],
     },
 )

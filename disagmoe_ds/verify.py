@@ -43,6 +43,7 @@ class VerifyArgs:
     lr: float
     seed: int
     skew: bool
+    timeline: str | None = None
 
     def ds_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
@@ -80,6 +81,7 @@ def load_for_verify(args: VerifyArgs):
 def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     """One rank: build, train ``steps`` steps, return losses, grad norms and its parameters under HF names."""
     from disagmoe_ds.engine.build import build_rank
+    from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
 
     runtime = build_rank(
         args.model, args.ds_config(), args.cfg, micro_batch_size=args.micro_batch_size,
@@ -91,9 +93,14 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     grads = capture_grads(runtime)
     for step in range(args.steps):
         batches = make_batches(args, vocab, step, role.index) if role.is_attention and role.group == 0 else None
+        last = step == args.steps - 1
+        runtime.executor.record_timeline(bool(args.timeline) and last)
+        t0 = start_clock()
         result = runtime.executor.train_batch(batches)
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        if args.timeline and last:
+            write_job_timeline(runtime.executor.timeline, t0, args.timeline)
     writer = role.index == 0 if role.is_attention else role.edp_rank == 0  # one copy of every parameter
     params = _hf_named(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()}) if writer else {}
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads if writer else []}
@@ -206,7 +213,10 @@ def compare(ranks: list[dict[str, Any]], ref: dict[str, Any], args: VerifyArgs) 
 
 
 def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
+    from disagmoe_ds.engine.build import preflight
     from disagmoe_ds.launch.local import spawn_local
+
+    preflight(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
 
     ranks = spawn_local(rank_main, args.cfg.world_size, args=(args,), timeout_s=timeout_s)
     return compare(ranks, reference(args, args.cfg.attention_gpus // args.cfg.depth), args)
@@ -229,18 +239,27 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", action="store_true", help="route every token to expert 0 first (load imbalance)")
-    p.add_argument("--json", action="store_true", help="print only the JSON summary")
+    p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
+    p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
     a = p.parse_args(argv)
     cfg = DisagMoEConfig(
         attention_gpus=a.attention_gpus, ffn_gpus=a.ffn_gpus, depth=a.depth, micro_batches=a.micro_batches,
         expert_data_parallel=a.expert_data_parallel,
     )
-    return VerifyArgs(a.model, cfg, a.zero, a.steps, a.dtype, a.seq_len, a.micro_batch_size, a.clip, a.lr, a.seed, a.skew)
+    return VerifyArgs(
+        a.model, cfg, a.zero, a.steps, a.dtype, a.seq_len, a.micro_batch_size, a.clip, a.lr, a.seed, a.skew, a.timeline
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    summary = run_verify(args)
+    from disagmoe_ds.errors import DisagMoEError
+
+    try:
+        args = parse_args(argv)
+        summary = run_verify(args)
+    except DisagMoEError as err:
+        print(f"disagmoe-verify: error: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=None if "--json" in (argv or sys.argv) else 2))
     return 0 if summary["pass"] else 1
 

@@ -27,7 +27,7 @@ from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.families import family_of, router_of
-from disagmoe_ds.models.loading import load_model
+from disagmoe_ds.models.loading import load_config, load_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, moe_layers, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.schedule import PipeShape, Worker, check_streams, generate
@@ -133,6 +133,16 @@ def build_rank(
     return RankRuntime(layout, role, executor, stage, engine)
 
 
+def preflight(model_dir: str | Path, cfg: DisagMoEConfig, ds_config: dict[str, Any], world_size: int) -> Layout:
+    """Validate the layout against the model config and the world size before any rank starts (no weights read)."""
+    config = load_config(model_dir)
+    family = family_of(config)
+    layout = cfg.layout(num_layers=config.num_hidden_layers, num_experts=getattr(config, family.num_experts_attr))
+    layout.check_world_size(world_size)
+    _check_zero(layout, ds_config)
+    return layout
+
+
 def _check_layout_fits(layout: Layout, moe: tuple[bool, ...], ds_config: dict[str, Any]) -> None:
     for g in range(layout.depth):
         if not any(moe[layer] for layer in layout.layers_of_group(g)):
@@ -140,6 +150,10 @@ def _check_layout_fits(layout: Layout, moe: tuple[bool, ...], ds_config: dict[st
                 f"F-group {g} would own no MoE layer (layers {layout.layers_of_group(g)} are dense); "
                 "choose a depth whose groups all contain an MoE layer"
             )
+    _check_zero(layout, ds_config)
+
+
+def _check_zero(layout: Layout, ds_config: dict[str, Any]) -> None:
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     if stage >= 2 and layout.expert_data_parallel > 1:
         raise ConfigError(

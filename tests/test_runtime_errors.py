@@ -1,0 +1,64 @@
+"""Bad layouts fail before any rank starts; a rank that dies mid-step ends the whole job quickly."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.engine.build import build_rank, preflight
+from disagmoe_ds.engine.runners import ExpertRunner
+from disagmoe_ds.errors import ConfigError, LayoutError
+from disagmoe_ds.launch.local import RankFailedError, spawn_local
+from disagmoe_ds.verify import VerifyArgs, load_for_verify, main, make_batches
+
+MODEL = "hf_models/tiny-qwen2-moe"  # 4 layers, 8 experts, layer 0 dense
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ffn-gpus", "3"], r"num_experts \(8\) must be divisible by the expert-parallel size \(3"),
+        (["--depth", "3", "--attention-gpus", "3", "--ffn-gpus", "3"], r"must be divisible by depth \(3\)"),
+        (["--attention-gpus", "3", "--depth", "2", "--ffn-gpus", "2"], r"attention_gpus \(3\) must be divisible"),
+        (["--ffn-gpus", "4", "--expert-data-parallel", "2", "--zero", "2"], "ZeRO stage 2 with expert_data_parallel"),
+    ],
+)
+def test_bad_layout_fails_before_launch(capsys, flags, message):
+    start = time.monotonic()
+    assert main(["--model", MODEL, *flags]) == 2
+    assert time.monotonic() - start < 10  # no rank was started
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("disagmoe-verify: error: ")
+    assert re.search(message, err[0])
+
+
+def test_world_size_mismatch_is_rejected():
+    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2)
+    with pytest.raises(LayoutError, match=r"world size 3 does not match the layout: attention_gpus 2 \+ ffn_gpus 2"):
+        preflight(MODEL, cfg, {}, world_size=3)
+
+
+def test_unknown_config_key():
+    with pytest.raises(ConfigError, match='unknown key\\(s\\) in "disagmoe": atention_gpus'):
+        DisagMoEConfig.from_ds_config({"disagmoe": {"atention_gpus": 2}})
+
+
+def _dies_mid_step(rank: int, args: VerifyArgs) -> None:
+    rt = build_rank(args.model, args.ds_config(), args.cfg, micro_batch_size=1, model=load_for_verify(args))
+    if isinstance(rt.executor.runner, ExpertRunner):
+        rt.executor.runner.forward = lambda *a: os._exit(3)  # the FFN rank dies at its first expert forward
+    batches = make_batches(args, rt.module.config.vocab_size, 0, 0) if rt.role.is_attention else None
+    rt.executor.train_batch(batches)
+
+
+def test_dead_rank_ends_the_job(tiny_checkpoint):
+    cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=1, micro_batches=2)
+    args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, 0, 1, "fp32", 8, 1, 0.0, 1e-3, 0, False)
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1"):
+        spawn_local(_dies_mid_step, 2, args=(args,), timeout_s=60)
+    assert time.monotonic() - start < 30
