@@ -84,8 +84,12 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
 
     runtime = build_rank(
-        args.model, args.ds_config(), args.cfg, micro_batch_size=args.micro_batch_size,
-        dtype=DTYPES[args.dtype], model=load_for_verify(args),
+        args.model,
+        args.ds_config(),
+        args.cfg,
+        micro_batch_size=args.micro_batch_size,
+        dtype=DTYPES[args.dtype],
+        model=load_for_verify(args),
     )
     role = runtime.role
     vocab = runtime.module.config.vocab_size if role.is_attention else 0
@@ -191,11 +195,14 @@ def compare(ranks: list[dict[str, Any]], ref: dict[str, Any], args: VerifyArgs) 
     )
     loss_diff = max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref["losses"]))
     norms = ranks[0]["grad_norms"]
-    norm_diff = (
-        max(abs(a - b) for a, b in zip(norms, ref["grad_norms"])) if all(n is not None for n in norms) else None
-    )
+    norm_diff = max(abs(a - b) for a, b in zip(norms, ref["grad_norms"])) if all(n is not None for n in norms) else None
     tol = TOLERANCE[args.dtype]
-    ok = loss_diff <= tol and param_diff <= tol and grad_diff <= tol and (norm_diff is None or norm_diff <= tol * max(1.0, *norms))
+    ok = (
+        loss_diff <= tol
+        and param_diff <= tol
+        and grad_diff <= tol
+        and (norm_diff is None or norm_diff <= tol * max(1.0, *norms))
+    )
     return {
         "model": args.model,
         "layout": args.cfg.to_dict(),
@@ -223,7 +230,9 @@ def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> VerifyArgs:
-    p = argparse.ArgumentParser(prog="disagmoe-verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="disagmoe-verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="hf_models/tiny-qwen3-moe", help="HF model directory or config-only directory")
     p.add_argument("--attention-gpus", type=int, default=1, help="M: attention ranks")
     p.add_argument("--ffn-gpus", type=int, default=1, help="N: FFN (expert) ranks")
@@ -243,7 +252,10 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
     p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
     a = p.parse_args(argv)
     cfg = DisagMoEConfig(
-        attention_gpus=a.attention_gpus, ffn_gpus=a.ffn_gpus, depth=a.depth, micro_batches=a.micro_batches,
+        attention_gpus=a.attention_gpus,
+        ffn_gpus=a.ffn_gpus,
+        depth=a.depth,
+        micro_batches=a.micro_batches,
         expert_data_parallel=a.expert_data_parallel,
     )
     return VerifyArgs(

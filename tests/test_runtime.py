@@ -31,8 +31,17 @@ CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-no
 def test_disaggregated_equals_hf(tiny_checkpoint, family, overrides, M, N, p, edp, K, zero, skew):
     cfg = DisagMoEConfig(attention_gpus=M, ffn_gpus=N, depth=p, micro_batches=K, expert_data_parallel=edp)
     args = VerifyArgs(
-        model=str(tiny_checkpoint(family, **overrides)), cfg=cfg, zero=zero, steps=2, dtype="fp32", seq_len=8,
-        micro_batch_size=1, clip=CLIP, lr=1e-3, seed=0, skew=skew,
+        model=str(tiny_checkpoint(family, **overrides)),
+        cfg=cfg,
+        zero=zero,
+        steps=2,
+        dtype="fp32",
+        seq_len=8,
+        micro_batch_size=1,
+        clip=CLIP,
+        lr=1e-3,
+        seed=0,
+        skew=skew,
     )
     summary = run_verify(args, timeout_s=240)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"

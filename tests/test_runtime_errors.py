@@ -62,3 +62,20 @@ def test_dead_rank_ends_the_job(tiny_checkpoint):
     with pytest.raises(RankFailedError, match="rank 1"):
         spawn_local(_dies_mid_step, 2, args=(args,), timeout_s=60)
     assert time.monotonic() - start < 30
+
+
+def _peer_stops_responding(rank: int, args: VerifyArgs) -> None:
+    rt = build_rank(args.model, args.ds_config(), args.cfg, micro_batch_size=1, model=load_for_verify(args))
+    if rt.role.is_attention:  # waits for expert outputs that never come
+        rt.executor.train_batch(make_batches(args, rt.module.config.vocab_size, 0, 0))
+    else:
+        time.sleep(60)  # alive but silent: only the communication timeout can end the wait
+
+
+def test_silent_peer_times_out(tiny_checkpoint):
+    cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=1, micro_batches=1, comm_timeout_s=4.0)
+    args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, 0, 1, "fp32", 8, 1, 0.0, 1e-3, 0, False)
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 0"):
+        spawn_local(_peer_stops_responding, 2, args=(args,), timeout_s=60)
+    assert time.monotonic() - start < 30

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum
 from types import MappingProxyType
 
@@ -134,7 +135,7 @@ class ExchangeGroups:
         return self.links[key]
 
 
-def build_exchange_groups(layout: Layout, *, device: torch.device) -> ExchangeGroups:
+def build_exchange_groups(layout: Layout, *, device: torch.device, timeout: timedelta | None = None) -> ExchangeGroups:
     """Create the header and payload groups of every exchange pair, on every rank, in the same order.
 
     ``new_group`` is collective over the world, so every rank calls it for every pair, and keeps the links
@@ -146,14 +147,15 @@ def build_exchange_groups(layout: Layout, *, device: torch.device) -> ExchangeGr
     Args:
         layout: the validated layout; its world size must match torch.distributed's.
         device: where headers live (the current CUDA device with NCCL, CPU with gloo).
+        timeout: how long a send or receive may wait for its peer before it fails (None: torch's default).
     """
     layout.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
     pairs = exchange_pairs(layout)
     links: dict[Pair, Link] = {}
     for kind, src, dst in pairs:
-        header_group = dist.new_group([src, dst])
-        payload_group = dist.new_group([src, dst])
+        header_group = dist.new_group([src, dst], timeout=timeout)
+        payload_group = dist.new_group([src, dst], timeout=timeout)
         if rank in (src, dst):
             links[(kind, src, dst)] = Link(src, dst, header_group, payload_group)
     for link in links.values():

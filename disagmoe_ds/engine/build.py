@@ -10,6 +10,7 @@ Order (each step collective where it creates process groups, so every rank runs 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,13 @@ class DataParallelGroups:
     size: int
 
 
-def build_data_parallel_groups(layout: Layout, rank: int) -> DataParallelGroups:
+def build_data_parallel_groups(layout: Layout, rank: int, timeout: timedelta | None = None) -> DataParallelGroups:
     """Lanes of every A-group, then the replicas of every expert shard; created on every rank in this order."""
     mine = None
     candidates = [layout.attention_ranks(g) for g in range(layout.depth)]
     candidates += [layout.edp_group_ranks(g, e) for g in range(layout.depth) for e in range(layout.ep_size)]
     for ranks in candidates:
-        group = dist.new_group(list(ranks))
+        group = dist.new_group(list(ranks), timeout=timeout)
         if rank in ranks:
             mine = DataParallelGroups(group, len(ranks))
     return mine
@@ -83,8 +84,10 @@ def build_rank(
     moe = moe_layers(model)
     _check_layout_fits(layout, moe, ds_config)
     role = layout.role_of(rank)
-    dp = build_data_parallel_groups(layout, rank)
-    exchange = build_exchange_groups(layout, device=device)
+    # A rank waiting longer than this for a peer fails (and the launcher ends the job) instead of hanging.
+    timeout = timedelta(seconds=cfg.comm_timeout_s)
+    dp = build_data_parallel_groups(layout, rank, timeout)
+    exchange = build_exchange_groups(layout, device=device, timeout=timeout)
     top_k, weight_dtype = _router_facts(model, moe)
     stage = _build_stage(model, layout, role)
     del model
@@ -99,7 +102,9 @@ def build_rank(
         # Expert grads sum over the tokens of all lanes; DeepSpeed averages over the edp replicas only.
         grad_scale=1.0 if role.is_attention else layout.expert_data_parallel / layout.lanes,
     )
-    schedule = generate(PipeShape(layout.depth, layout.num_layers, moe), cfg.micro_batches, max_in_flight=cfg.max_in_flight)
+    schedule = generate(
+        PipeShape(layout.depth, layout.num_layers, moe), cfg.micro_batches, max_in_flight=cfg.max_in_flight
+    )
     check_streams(schedule.streams)
     worker = Worker("A" if role.is_attention else "F", role.group)
     mailbox = Mailbox(
@@ -127,8 +132,12 @@ def build_rank(
         runner = ExpertRunner(engine, stage)
     name = f"rank {rank} {worker} {'lane' if role.is_attention else 'ffn'} {role.index}"
     executor = AFPipeExecutor(
-        engine=engine, runner=runner, mailbox=mailbox, schedule=AFPipeSchedule(schedule, worker),
-        global_norm=global_norm, name=name,
+        engine=engine,
+        runner=runner,
+        mailbox=mailbox,
+        schedule=AFPipeSchedule(schedule, worker),
+        global_norm=global_norm,
+        name=name,
     )
     return RankRuntime(layout, role, executor, stage, engine)
 
@@ -165,9 +174,7 @@ def _check_zero(layout: Layout, ds_config: dict[str, Any]) -> None:
 def _build_stage(model: nn.Module, layout: Layout, role: RankRole) -> nn.Module:
     layers = layout.layers_of_group(role.group)
     if role.is_attention:
-        return AttentionStage(
-            model, layers, with_embedding=role.group == 0, with_head=role.group == layout.head_group
-        )
+        return AttentionStage(model, layers, with_embedding=role.group == 0, with_head=role.group == layout.head_group)
     experts = layout.expert_range(role.ep_rank)
     return ExpertStage(model, layers, experts.start, experts.stop)
 

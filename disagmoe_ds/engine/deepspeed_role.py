@@ -152,7 +152,9 @@ def build_role_engine(
     import deepspeed
 
     mpu = RoleMPU(data_parallel_group)
-    config = role_ds_config(ds_config, cfg, micro_batch_size=micro_batch_size, dp_size=mpu.get_data_parallel_world_size())
+    config = role_ds_config(
+        ds_config, cfg, micro_batch_size=micro_batch_size, dp_size=mpu.get_data_parallel_world_size()
+    )
     scale_gradients(module, grad_scale)
     engine, *_ = deepspeed.initialize(
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config, mpu=mpu

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from disagmoe_ds.comm.exchange import dispatch_messages
-from disagmoe_ds.comm.routing import DispatchPlan, combine, pack, plan_dispatch
+from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, router_stats
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import deepspeed
 import torch.distributed as dist
@@ -50,14 +51,17 @@ def disable_shm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def init_from_env(backend: str | None = None) -> None:
+def init_from_env(backend: str | None = None, *, comm_timeout_s: float | None = None) -> None:
     """Initialise torch.distributed through DeepSpeed from the launcher's environment and bind the device.
 
     Args:
         backend: "gloo", "nccl", ...; None lets DeepSpeed pick the accelerator's backend (gloo on CPU).
+        comm_timeout_s: every collective and point-to-point wait on every group fails after this long, so a
+            rank whose peer died ends with an error instead of hanging; None keeps DeepSpeed's default.
     """
     disable_shm_op()
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    kwargs = {} if comm_timeout_s is None else {"timeout": timedelta(seconds=comm_timeout_s)}
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, **kwargs)
     # gloo ranks may outnumber the devices (CPU tests); device backends need one device per local rank, set
     # before the first collective so NCCL builds its communicators on the right GPU.
     if dist.get_backend() != "gloo":

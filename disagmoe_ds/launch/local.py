@@ -12,6 +12,8 @@ tensors as long as they are on the CPU.
 from __future__ import annotations
 
 import faulthandler
+import functools
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -68,7 +70,8 @@ def spawn_local(
     world_size: int,
     *,
     args: Sequence[Any] = (),
-    timeout_s: float = 120.0,
+    timeout_s: float | None = 120.0,
+    comm_timeout_s: float | None = None,
     backend: str = "gloo",
     env: dict[str, str] | None = None,
 ) -> list[Any]:
@@ -83,8 +86,10 @@ def spawn_local(
         fn: called as ``fn(rank, *args)``; its return value must pickle (CPU tensors are fine).
         world_size: number of ranks.
         args: extra positional arguments; inherited through fork, so they need not pickle.
-        timeout_s: wall-clock limit for the whole job.
+        timeout_s: wall-clock limit for the whole job; None for none (a training run started without a
+            launcher), where only a failing rank ends the job early.
         backend: torch.distributed backend.
+        comm_timeout_s: per-operation timeout of every process group (see ``init_from_env``).
         env: extra environment variables for every rank.
 
     Returns:
@@ -111,8 +116,9 @@ def spawn_local(
         children = []
         try:
             for rank in range(world_size):
-                children.append(_start(ctx, fn, rank, args, base_env, backend, stack_dir))
-            _watch(children, time.monotonic() + timeout_s, timeout_s)
+                init = functools.partial(init_from_env, backend, comm_timeout_s=comm_timeout_s)
+                children.append(_start(ctx, fn, rank, args, base_env, init, stack_dir))
+            _watch(children, timeout_s)
         finally:
             _kill(children)
     return [child.value for child in children]
@@ -131,7 +137,7 @@ def _start(
     rank: int,
     args: Sequence[Any],
     base_env: dict[str, str],
-    backend: str,
+    init: Callable[[], None],
     stack_dir: str,
 ) -> _Child:
     reader, writer = ctx.Pipe(duplex=False)
@@ -139,7 +145,7 @@ def _start(
     rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
     process = ctx.Process(
         target=_rank_main,
-        args=(fn, rank, tuple(args), rank_env, backend, writer, stack_path),
+        args=(fn, rank, tuple(args), rank_env, init, writer, stack_path),
         name=f"rank{rank}",
     )
     process.start()
@@ -152,7 +158,7 @@ def _rank_main(
     rank: int,
     args: tuple[Any, ...],
     rank_env: dict[str, str],
-    backend: str,
+    init: Callable[[], None],
     conn: Connection,
     stack_path: str,
 ) -> None:
@@ -162,7 +168,7 @@ def _rank_main(
     faulthandler.register(_DUMP_SIGNAL, file=stack_file, all_threads=True)
     _share_cores(int(rank_env["WORLD_SIZE"]))
     try:
-        init_from_env(backend)
+        init()  # init_from_env with the job's backend and timeout
         message = pickle.dumps(("ok", fn(rank, *args)))
     except BaseException:
         conn.send_bytes(pickle.dumps(("error", (time.monotonic(), traceback.format_exc()))))
@@ -180,13 +186,14 @@ def _share_cores(world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
 
-def _watch(children: list[_Child], deadline: float, timeout_s: float) -> None:
+def _watch(children: list[_Child], timeout_s: float | None) -> None:
     """Wait until every rank reported and exited; raise on the first failure or at the deadline."""
+    deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
     while not all(child.exited for child in children):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _timeout_error(children, timeout_s)
-        _poll(children, remaining)
+        _poll(children, None if remaining == math.inf else remaining)
         if any(_has_failed(child) for child in children):
             _absorb_until(children, time.monotonic() + _GRACE_S)
             raise _failure_error(children)
@@ -198,7 +205,7 @@ def _absorb_until(children: list[_Child], until: float) -> None:
         _poll(children, remaining)
 
 
-def _poll(children: list[_Child], timeout: float) -> None:
+def _poll(children: list[_Child], timeout: float | None) -> None:
     """Block up to ``timeout`` for a report or an exit, then absorb everything that is ready."""
     by_handle: dict[Any, _Child] = {}
     for child in children:
@@ -254,11 +261,11 @@ def _failure_error(children: list[_Child]) -> RankFailedError:
     return RankFailedError(failed[0].rank, "\n".join(lines))
 
 
-def _timeout_error(children: list[_Child], timeout_s: float) -> TimeoutError:
+def _timeout_error(children: list[_Child], timeout_s: float | None) -> TimeoutError:
     inside = [child.rank for child in children if not child.reported]
     teardown = [child.rank for child in children if child.reported and not child.exited]
     lines = [
-        f"local job of {len(children)} ranks timed out after {timeout_s:.1f} s; ranks {inside} were still running "
+        f"local job of {len(children)} ranks timed out after {timeout_s} s; ranks {inside} were still running "
         f"fn; ranks {teardown} had returned and were waiting in the teardown barrier"
     ]
     lines += _stack_dumps([child for child in children if not child.exited])

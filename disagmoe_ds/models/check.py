@@ -38,7 +38,14 @@ def compare(model_dir: str, shards: int, dtype: str, seq_len: int, batch: int, s
         "grads": max((grads[n].float() - p.grad.float()).abs().max().item() for n, p in ref_grads.items()),
     }
     ok = all(v <= TOLERANCE[dtype] for v in diffs.values())
-    return {"model": model_dir, "shards": shards, "dtype": dtype, "reference_loss": out_ref.loss.item(), **diffs, "pass": ok}
+    return {
+        "model": model_dir,
+        "shards": shards,
+        "dtype": dtype,
+        "reference_loss": out_ref.loss.item(),
+        **diffs,
+        "pass": ok,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,12 @@ from torch import nn
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.models.families import family_of
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def load_config(path: str | Path):

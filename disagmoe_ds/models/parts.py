@@ -47,7 +47,9 @@ def _layer_type(config, layer: int) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
 
 
-def build_context(config, rotary_emb: nn.Module, h_BSH: torch.Tensor, position_ids: torch.Tensor | None) -> LayerContext:
+def build_context(
+    config, rotary_emb: nn.Module, h_BSH: torch.Tensor, position_ids: torch.Tensor | None
+) -> LayerContext:
     """Masks and rotary embeddings exactly as ``XModel.forward`` builds them (no KV cache, no padding mask).
 
     Passing ``position_ids`` lets HF detect packed documents (position restarts) and build a block-diagonal mask.
