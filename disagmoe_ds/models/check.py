@@ -21,11 +21,11 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def compare(model_dir: str, shards: int, dtype: str, seq_len: int, batch: int, seed: int) -> dict:
-    ref = load_model(model_dir, dtype=DTYPES[dtype], seed=seed)
-    split = SplitModel(load_model(model_dir, dtype=DTYPES[dtype], seed=seed), shards)
+def compare(model_dir: str, shards: int, dtype: str, seq_len: int, batch: int, seed: int, device: str = "cpu") -> dict:
+    ref = load_model(model_dir, dtype=DTYPES[dtype], seed=seed).to(device)
+    split = SplitModel(load_model(model_dir, dtype=DTYPES[dtype], seed=seed), shards).to(device)
     torch.manual_seed(seed)
-    input_ids = torch.randint(0, ref.config.vocab_size, (batch, seq_len))
+    input_ids = torch.randint(0, ref.config.vocab_size, (batch, seq_len), device=device)
     out_ref = ref(input_ids=input_ids, labels=input_ids)
     out_split = split(input_ids, labels=input_ids)
     out_ref.loss.backward()
@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
-    summary = compare(args.model, args.shards, args.dtype, args.seq_len, args.batch, args.seed)
+    summary = compare(args.model, args.shards, args.dtype, args.seq_len, args.batch, args.seed, args.device)
     print(json.dumps(summary, indent=2))
     return 0 if summary["pass"] else 1
 
