@@ -52,7 +52,9 @@ def one_layer_model(model_dir: str, *, device: str, experts: str):
 
 def _hf_step(model, h_BSH, ctx, grad_BSH):
     out = model.model.layers[0](
-        h_BSH, attention_mask=ctx.mask_for(model.config, 0), position_embeddings=ctx.position_embeddings,
+        h_BSH,
+        attention_mask=ctx.mask_for(model.config, 0),
+        position_embeddings=ctx.position_embeddings,
         position_ids=ctx.position_ids,
     )
     out.backward(grad_BSH)
@@ -102,16 +104,33 @@ def bench_model(model_dir: str, seq_len: int, batch: int, *, device: str, warmup
         ctx = build_context(model.config, model.model.rotary_emb, h_BSH, None)
         if name == "ours":
             n_exp = spec.num_experts
-            args = ((AttentionStage(model, (0,), with_embedding=False, with_head=False),
-                     ExpertStage(model, (0,), 0, n_exp), model.config), h_BSH, ctx, grad_BSH)
+            args = (
+                (
+                    AttentionStage(model, (0,), with_embedding=False, with_head=False),
+                    ExpertStage(model, (0,), 0, n_exp),
+                    model.config,
+                ),
+                h_BSH,
+                ctx,
+                grad_BSH,
+            )
             step = _ours_step
         else:
             args, step = (model, h_BSH, ctx, grad_BSH), _hf_step
         seconds = time_step(step, *args, warmup=warmup, iters=iters, device=device)
         tflops = flops_per_token * tokens / seconds / 1e12
-        rows.append({"model": Path(model_dir).name, "seq_len": seq_len, "batch": batch, "path": name,
-                     "ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "tflops": tflops,
-                     "mfu": tflops / PEAK_TFLOPS})
+        rows.append(
+            {
+                "model": Path(model_dir).name,
+                "seq_len": seq_len,
+                "batch": batch,
+                "path": name,
+                "ms": seconds * 1e3,
+                "tokens_per_s": tokens / seconds,
+                "tflops": tflops,
+                "mfu": tflops / PEAK_TFLOPS,
+            }
+        )
         if profile and name == "ours" and device == "cuda":
             print_profile(step, args)
         del model, args
@@ -135,8 +154,10 @@ def print_table(rows: list[dict]) -> None:
     base = {(r["model"], r["seq_len"]): r["tokens_per_s"] for r in rows if r["path"] == "hf-grouped"}
     for r in rows:
         ratio = r["tokens_per_s"] / base[(r["model"], r["seq_len"])]
-        print(f"{r['model']:<18}{r['seq_len']:>6}{r['path']:>12}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}"
-              f"{r['tflops']:>10.1f}{r['mfu']:>7.1%}{ratio:>14.2f}x")
+        print(
+            f"{r['model']:<18}{r['seq_len']:>6}{r['path']:>12}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}"
+            f"{r['tflops']:>10.1f}{r['mfu']:>7.1%}{ratio:>14.2f}x"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model_dir in a.model:
         for seq_len in a.seq_len:
-            new = bench_model(model_dir, seq_len, a.batch, device=a.device, warmup=a.warmup, iters=a.iters,
-                              profile=a.profile)
+            new = bench_model(
+                model_dir, seq_len, a.batch, device=a.device, warmup=a.warmup, iters=a.iters, profile=a.profile
+            )
             print(", ".join(f"{r['path']} {r['tokens_per_s']:.0f} tok/s" for r in new), flush=True)
             rows += new
     print_table(rows)

@@ -89,9 +89,21 @@ class AttentionRunner:
         self.local: dict[tuple[str, int, int], Any] = {}  # hand-offs that stay on this rank (p == 1)
         self.batches: list[dict[str, torch.Tensor]] | None = None
         self.stats = HeadStats()
+        self.expert_counts: dict[int, torch.Tensor] = {}  # layer -> [E] (token, expert) pairs routed this step
 
     def start_step(self, batches: list[dict[str, torch.Tensor]] | None) -> None:
-        self.batches, self.stats = batches, HeadStats()
+        self.batches, self.stats, self.expert_counts = batches, HeadStats(), {}
+
+    def step_expert_counts(self) -> torch.Tensor:
+        """[L, E] int64: tokens this lane routed to each expert in the step so far, per layer (top-k choices).
+
+        Rows of layers this A-group does not own, and of dense layers, are zero; summing the result over all
+        ranks (FFN ranks contribute zeros) gives the whole batch's load of every layer.
+        """
+        counts_LE = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64, device=self.engine.device)
+        for layer, counts_E in self.expert_counts.items():
+            counts_LE[layer] = counts_E
+        return counts_LE
 
     # ----- forward -----
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
@@ -111,6 +123,8 @@ class AttentionRunner:
         topk_idx_TK = torch.zeros(T, self.top_k, dtype=torch.int64, device=h_BSH.device)
         if out.x_TH is not None:
             topk_idx_TK = out.topk_idx_TK.long()
+            load_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
+            self.expert_counts[layer] = self.expert_counts.get(layer, 0) + load_E
             if self.aux_coef is not None:
                 stats = router_stats(out.router_logits_TE, self.top_k)
                 chunk.prob_sum_E = stats.prob_sum_E

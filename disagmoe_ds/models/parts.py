@@ -22,6 +22,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer, router_of
+from disagmoe_ds.models.grouped_experts import grouped_gated_experts, supports_grouped
 
 # ----------------------------------------------------------------------------------------------------------------
 # Per-micro-batch context (mask and rotary embeddings), computed locally on every attention rank
@@ -199,13 +200,21 @@ class ExpertShard(nn.Module):
     know the sentinel work too.
     """
 
-    def __init__(self, experts: nn.Module, first_expert: int, num_local: int):
+    def __init__(self, experts: nn.Module, first_expert: int, num_local: int, family: str):
         super().__init__()
         self.experts = experts
         self.first_expert = first_expert
         self.num_local = num_local
+        self.family = family
 
     def forward(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
+        if supports_grouped(self.family, self.experts, x_RH):
+            e = self.experts
+            return grouped_gated_experts(x_RH, local_idx_RK, w_RK, e.gate_up_proj, e.down_proj, e.act_fn)
+        return self.forward_hf(x_RH, local_idx_RK, w_RK)
+
+    def forward_hf(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
+        """Through HF's own experts module (its configured implementation): the reference path."""
         rows_P, slots_P = (local_idx_RK < self.num_local).nonzero(as_tuple=True)
         out_PH = self.experts(
             x_RH.index_select(0, rows_P),
@@ -263,7 +272,10 @@ class ExpertStage(nn.Module):
         self.layers = nn.ModuleDict(
             {
                 str(i): ExpertShard(
-                    slice_experts(hf_layers[i].mlp.experts, model.config, family, start, stop), start, stop - start
+                    slice_experts(hf_layers[i].mlp.experts, model.config, family, start, stop),
+                    start,
+                    stop - start,
+                    family.model_type,
                 )
                 for i in layers
                 if is_moe_layer(hf_layers[i])

@@ -91,6 +91,7 @@ class SplitModel(nn.Module):
         pieces: dict[str, list[torch.Tensor]] = {}
         for stage in self.shards:
             for name, p in stage.named_parameters():
-                pieces.setdefault(expert_name_to_hf(name), []).append(p.grad)
+                # An expert shard no token reached has no gradient: it is zero, as in HF's fused tensor.
+                pieces.setdefault(expert_name_to_hf(name), []).append(torch.zeros_like(p) if p.grad is None else p.grad)
         grads.update({name: torch.cat(parts) for name, parts in pieces.items()})
         return grads

@@ -1,0 +1,61 @@
+"""Fast expert compute: one sort of the (row, expert) pairs, two grouped GEMMs, one weighted scatter-add.
+
+Used by ``ExpertShard`` for the families whose experts are gated MLPs stored as HF's fused tensors
+(``gate_up_proj [e, 2I, H]`` with gate rows first, ``down_proj [e, H, I]``): Qwen2/3-MoE, Mixtral, OLMoE,
+DeepSeek-V2/V3. GPT-OSS (transposed, interleaved, biased, clamped) keeps HF's own module.
+
+No per-expert Python loop; pairs whose local id is the sentinel (expert on another rank) are sorted last and
+dropped before any compute. The math is HF's: ``act(x W_g^T) * (x W_u^T) W_d^T``, times the routing weight in the
+weight's dtype, summed per row in the activation dtype.
+
+Shape suffixes: R rows, H hidden, K top-k, P routed (row, expert) pairs, I expert intermediate size, e experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GATED_FUSED_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3")
+
+
+def _grouped_mm(x_PD: torch.Tensor, w_eDN: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:
+    """``x_PD[rows of group i] @ w_eDN[i]`` for every group i, rows grouped by ``offsets_e`` (end offsets)."""
+    return F.grouped_mm(x_PD, w_eDN, offs=offsets_e)
+
+
+def supports_grouped(family: str, experts: nn.Module, x_RH: torch.Tensor) -> bool:
+    """Grouped GEMMs need 16-byte aligned rows and, on CUDA, bf16 (the fp32 path keeps HF's module)."""
+    if family not in GATED_FUSED_FAMILIES:
+        return False
+    itemsize = x_RH.element_size()
+    aligned = all(d * itemsize % 16 == 0 for d in experts.down_proj.shape[1:])
+    return aligned and (x_RH.device.type == "cpu" or x_RH.dtype == torch.bfloat16)
+
+
+def grouped_gated_experts(
+    x_RH: torch.Tensor,
+    local_idx_RK: torch.Tensor,
+    w_RK: torch.Tensor,
+    gate_up_eFH: torch.Tensor,
+    down_eHI: torch.Tensor,
+    act_fn: nn.Module,
+) -> torch.Tensor:
+    """Each row's sum over its local experts of ``w * expert(x)``; sentinel ids (>= e) are skipped."""
+    num_experts, K = gate_up_eFH.shape[0], local_idx_RK.shape[1]
+    flat_ids = local_idx_RK.reshape(-1)
+    order_P = torch.argsort(flat_ids, stable=True)  # sentinels (== e) sort last
+    counts_e = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]
+    num_pairs = int(counts_e.sum())  # host sync: the number of real pairs sizes the buffers
+    if num_pairs == 0:
+        return x_RH * 0  # nothing routed here; keeps the autograd edge to x
+    order_P = order_P[:num_pairs]
+    offsets_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
+    rows_P = order_P // K
+    x_PH = x_RH.index_select(0, rows_P)
+    gate_up_PF = _grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offsets_e)
+    gate_PI, up_PI = gate_up_PF.chunk(2, dim=-1)
+    out_PH = _grouped_mm(act_fn(gate_PI) * up_PI, down_eHI.transpose(1, 2), offsets_e)
+    weighted_PH = out_PH * w_RK.reshape(-1).index_select(0, order_P).unsqueeze(1)
+    return torch.zeros_like(x_RH).index_add(0, rows_P, weighted_PH.to(x_RH.dtype))
