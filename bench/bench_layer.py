@@ -8,6 +8,7 @@ forward + backward of:
     hf-eager      HF ``XDecoderLayer`` with the per-expert Python loop (``experts_implementation="eager"``)
     hf-grouped    HF ``XDecoderLayer`` with ``grouped_mm`` experts
     ours          ``AttentionPart`` -> dispatch plan -> ``ExpertShard`` (all experts, one rank) -> combine
+    ours-compiled the same with the attention part under ``torch.compile`` (fused norms, rotary, residuals)
 
 and prints tokens/s, TFLOP/s and MFU (model FLOPs, Megatron convention: active experts, causal attention,
 training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs). ``--json`` writes the table;
@@ -61,8 +62,8 @@ def _hf_step(model, h_BSH, ctx, grad_BSH):
 
 
 def _ours_step(parts, h_BSH, ctx, grad_BSH):
-    attention, experts, config = parts
-    out = attention.part(0)(h_BSH, ctx, config)
+    attention_part, experts, config = parts
+    out = attention_part(h_BSH, ctx, config)
     plan = plan_dispatch(out.topk_idx_TK, 1, experts.num_local)
     ((x_RH, w_RK),) = pack(out.x_TH, out.topk_w_TK, plan)
     y_RH = experts.shard(0)(x_RH, plan.local_idx_RK[0], w_RK)
@@ -91,29 +92,24 @@ def time_step(step, *args, warmup: int, iters: int, device: str) -> float:
     return statistics.median(times)
 
 
-def bench_model(model_dir: str, seq_len: int, batch: int, *, device: str, warmup: int, iters: int, profile: bool):
+def bench_model(
+    model_dir: str, seq_len: int, batch: int, *, device: str, warmup: int, iters: int, profile: bool, paths: list[str]
+):
     spec = load_model_spec(model_dir)
     flops_per_token = 3 * (spec.attention_side_flops(seq_len, 0) + spec.expert_side_flops(0))
     tokens = batch * seq_len
     rows = []
-    for name in ("hf-eager", "hf-grouped", "ours"):
+    for name in paths:
         model = one_layer_model(model_dir, device=device, experts="eager" if name == "hf-eager" else "grouped_mm")
         h_BSH = torch.randn(batch, seq_len, model.config.hidden_size, device=device, dtype=model.dtype) * 0.5
         h_BSH.requires_grad_()
         grad_BSH = torch.randn_like(h_BSH) * 1e-3
         ctx = build_context(model.config, model.model.rotary_emb, h_BSH, None)
-        if name == "ours":
-            n_exp = spec.num_experts
-            args = (
-                (
-                    AttentionStage(model, (0,), with_embedding=False, with_head=False),
-                    ExpertStage(model, (0,), 0, n_exp),
-                    model.config,
-                ),
-                h_BSH,
-                ctx,
-                grad_BSH,
-            )
+        if name.startswith("ours"):
+            part = AttentionStage(model, (0,), with_embedding=False, with_head=False).part(0)
+            if name == "ours-compiled":
+                part = torch.compile(part)
+            args = ((part, ExpertStage(model, (0,), 0, spec.num_experts), model.config), h_BSH, ctx, grad_BSH)
             step = _ours_step
         else:
             args, step = (model, h_BSH, ctx, grad_BSH), _hf_step
@@ -169,13 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--profile", action="store_true", help="print the top kernels of our path")
+    p.add_argument("--paths", nargs="+", default=["hf-eager", "hf-grouped", "ours", "ours-compiled"])
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
     rows = []
     for model_dir in a.model:
         for seq_len in a.seq_len:
             new = bench_model(
-                model_dir, seq_len, a.batch, device=a.device, warmup=a.warmup, iters=a.iters, profile=a.profile
+                model_dir,
+                seq_len,
+                a.batch,
+                device=a.device,
+                warmup=a.warmup,
+                iters=a.iters,
+                profile=a.profile,
+                paths=a.paths,
             )
             print(", ".join(f"{r['path']} {r['tokens_per_s']:.0f} tok/s" for r in new), flush=True)
             rows += new
