@@ -33,6 +33,7 @@ setup(
         "console_scripts": [
             "disagmoe-verify = disagmoe_ds.verify:main",
             "disagmoe-plan = disagmoe_ds.planner.cli:main",
+            "disagmoe-convert = disagmoe_ds.convert:main",
         ],
     },
 )

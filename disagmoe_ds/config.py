@@ -33,6 +33,7 @@ class DisagMoEConfig:
         expert_data_parallel: replicas of each expert shard inside an F-group.
         max_in_flight: cap on micro-batches in flight per worker (memory); None lets the schedule choose.
         comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging.
+        compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
     """
 
     attention_gpus: int = 1
@@ -42,11 +43,14 @@ class DisagMoEConfig:
     expert_data_parallel: int = 1
     max_in_flight: int | None = None
     comm_timeout_s: float = 300.0
+    compile: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f'"{SECTION}.compile" must be true or false, got {self.compile!r}')
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "max_in_flight" and value is None:
+            if f.name == "compile" or (f.name == "max_in_flight" and value is None):
                 continue
             kind = float if f.name == "comm_timeout_s" else int
             allowed = (int, float) if kind is float else (int,)

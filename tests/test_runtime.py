@@ -23,6 +23,7 @@ CASES = [
     ("mixtral", {}, 2, 2, 2, 1, 8, 1, True),
     ("qwen3-moe", {"num_experts": 6}, 2, 3, 1, 1, 3, 1, True),
     ("olmoe", {}, 2, 4, 1, 2, 3, 1, False),
+    ("deepseek-v3", {}, 2, 4, 1, 2, 3, 1, True),  # replicas where some experts get no token: zero-filled grads
 ]
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active
 

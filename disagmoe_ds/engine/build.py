@@ -28,6 +28,7 @@ from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.families import family_of, router_of
+from disagmoe_ds.models.grouped_experts import compile_elementwise
 from disagmoe_ds.models.loading import load_config, load_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, moe_layers, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
@@ -92,6 +93,8 @@ def build_rank(
     stage = _build_stage(model, layout, role)
     del model
     stage.to(device)
+    if cfg.compile:
+        compile_stage(stage)
     engine, global_norm = build_role_engine(
         stage,
         ds_config,
@@ -148,8 +151,28 @@ def preflight(model_dir: str | Path, cfg: DisagMoEConfig, ds_config: dict[str, A
     family = family_of(config)
     layout = cfg.layout(num_layers=config.num_hidden_layers, num_experts=getattr(config, family.num_experts_attr))
     layout.check_world_size(world_size)
-    _check_zero(layout, ds_config)
+    _check_layout_fits(layout, _moe_pattern(config), ds_config)
     return layout
+
+
+def _moe_pattern(config) -> tuple[bool, ...]:
+    """Which layers have routed experts, from the config alone (the rules of hf-notes section 1)."""
+    L = config.num_hidden_layers
+    if hasattr(config, "first_k_dense_replace"):
+        return tuple(i >= config.first_k_dense_replace for i in range(L))
+    if hasattr(config, "mlp_only_layers"):
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        return tuple(i not in config.mlp_only_layers and (i + 1) % step == 0 for i in range(L))
+    return (True,) * L
+
+
+def compile_stage(stage: nn.Module) -> None:
+    """``torch.compile`` in place (parameter names unchanged): attention parts, and the experts' elementwise middle."""
+    if isinstance(stage, AttentionStage):
+        for part in stage.layers.values():
+            part.compile()
+    else:
+        compile_elementwise()
 
 
 def _check_layout_fits(layout: Layout, moe: tuple[bool, ...], ds_config: dict[str, Any]) -> None:

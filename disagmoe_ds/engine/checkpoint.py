@@ -35,7 +35,19 @@ def role_dir(role: RankRole) -> str:
 
 def model_fingerprint(config) -> str:
     """Identifies the architecture (not the weights): a checkpoint of another model must not load."""
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+    keys = (
+        "model_type",
+        "hidden_size",
+        "num_hidden_layers",
+        "vocab_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_experts",
+        "num_local_experts",
+        "n_routed_experts",
+    )
     text = json.dumps({k: getattr(config, k, None) for k in keys}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -47,9 +59,20 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save_checkpoint(
-    engine, role: RankRole, layout: Layout, config, root: str | Path, tag: str, client_state: dict[str, Any]
+    engine,
+    role: RankRole,
+    layout: Layout,
+    config,
+    root: str | Path,
+    tag: str,
+    client_state: dict[str, Any],
+    *,
+    ds_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Save every rank's engine under ``root/tag`` atomically. Collective: every rank must call it."""
+    """Save every rank's engine under ``root/tag`` atomically. Collective: every rank must call it.
+
+    ``ds_config`` (the user's DeepSpeed config) goes into the manifest so conversions can rebuild the engines.
+    """
     root = Path(root)
     partial = root / f".partial-{tag}"
     if dist.get_rank() == 0:
@@ -73,6 +96,7 @@ def save_checkpoint(
             "model": model_fingerprint(config),
             "roles": sorted({role_dir(layout.role_of(r)) for r in range(layout.world_size)}),
             "client_state": {k: v for k, v in client_state.items() if isinstance(v, (int, float, str))},
+            "ds_config": None if ds_config is None else {k: v for k, v in ds_config.items() if k != "disagmoe"},
         }
         _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=2))
         if final.exists():
@@ -114,7 +138,7 @@ def load_checkpoint(engine, role: RankRole, layout: Layout, config, root: str | 
     if saved != current:
         raise CheckpointError(
             f"checkpoint {Path(root) / tag} has layout {saved}, this job has {current}; "
-            "convert it with disagmoe-convert --relayout"
+            "convert it with `disagmoe-convert relayout`"
         )
     path = Path(root) / tag / role_dir(role)
     load_path, client_state = engine.load_checkpoint(str(path), tag=_DS_TAG)

@@ -109,8 +109,12 @@ class AFPipeExecutor:
 
     # ----- step -----
     def _exec_reduce_grads(self) -> None:
-        # With managed_gradient_accumulation off, DeepSpeed reduces inside step(): nothing to do here.
+        # With managed_gradient_accumulation off, DeepSpeed reduces inside step(). Parameters no token reached
+        # this step (an expert nobody chose) get a zero gradient, so every replica reduces the same buckets.
         self.mailbox.flush()
+        for param in self.engine.module.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
 
     def _exec_optimizer_step(self) -> None:
         self.engine.step()

@@ -5,8 +5,10 @@ Used by ``ExpertShard`` for the families whose experts are gated MLPs stored as 
 DeepSeek-V2/V3. GPT-OSS (transposed, interleaved, biased, clamped) keeps HF's own module.
 
 No per-expert Python loop; pairs whose local id is the sentinel (expert on another rank) are sorted last and
-dropped before any compute. The math is HF's: ``act(x W_g^T) * (x W_u^T) W_d^T``, times the routing weight in the
-weight's dtype, summed per row in the activation dtype.
+dropped before any compute. The math is HF's, ``w * (act(x W_g^T) * (x W_u^T)) W_d^T`` summed per row, with one
+re-association: the routing weight scales the I-wide intermediate before the down projection instead of the
+H-wide output after it (linear, so equal up to rounding; it saves an H-wide multiply and its backward). The
+elementwise middle (activation, gating, weighting) is one function that ``compile_elementwise`` can fuse.
 
 Shape suffixes: R rows, H hidden, K top-k, P routed (row, expert) pairs, I expert intermediate size, e experts.
 """
@@ -55,7 +57,24 @@ def grouped_gated_experts(
     rows_P = order_P // K
     x_PH = x_RH.index_select(0, rows_P)
     gate_up_PF = _grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offsets_e)
+    w_P = w_RK.reshape(-1).index_select(0, order_P)
+    hidden_PI = _gated(gate_up_PF, w_P, act_fn)
+    out_PH = _grouped_mm(hidden_PI, down_eHI.transpose(1, 2), offsets_e)
+    return torch.zeros_like(x_RH).index_add(0, rows_P, out_PH)
+
+
+def _gated_eager(gate_up_PF: torch.Tensor, w_P: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
     gate_PI, up_PI = gate_up_PF.chunk(2, dim=-1)
-    out_PH = _grouped_mm(act_fn(gate_PI) * up_PI, down_eHI.transpose(1, 2), offsets_e)
-    weighted_PH = out_PH * w_RK.reshape(-1).index_select(0, order_P).unsqueeze(1)
-    return torch.zeros_like(x_RH).index_add(0, rows_P, weighted_PH.to(x_RH.dtype))
+    return (act_fn(gate_PI) * up_PI * w_P.unsqueeze(1)).to(gate_up_PF.dtype)
+
+
+_gated = _gated_eager
+
+
+def compile_elementwise() -> None:
+    """Fuse the activation, gating and weighting into one kernel (and its backward) with ``torch.compile``.
+
+    Off by default: compiling costs seconds per new shape class on first use, which CPU tests do not need.
+    """
+    global _gated
+    _gated = torch.compile(_gated_eager, dynamic=True)

@@ -1,0 +1,625 @@
+"""disagmoe-convert: Hugging Face directory <-> DisagMoE checkpoint, and re-layout of a checkpoint.
+
+    disagmoe-convert hf-to-disagmoe --model HF_DIR --out CKPT --attention-gpus 2 --ffn-gpus 2 [--zero 1]
+    disagmoe-convert disagmoe-to-hf --ckpt CKPT --model HF_DIR --out OUT_DIR
+    disagmoe-convert relayout --ckpt CKPT --model HF_DIR --out CKPT_1x3 --attention-gpus 1 --ffn-gpus 3
+
+Every conversion runs a layout's ranks as CPU processes (``spawn_local``, gloo) through the same ``build_rank``,
+``load_checkpoint`` and ``save_checkpoint`` as training, so what it writes is exactly what training writes and
+reads. The HF model is loaded once in this process; the forked ranks share it copy-on-write.
+
+Between layouts the state travels as a ``TrainState``: full tensors under HF's in-memory names (expert slices are
+rows of HF's fused expert tensors, joined by expert id), the fp32 master weights, the optimizer's per-element
+state (Adam: exp_avg, exp_avg_sq) and its shared scalars (Adam: step), the LR scheduler and the engine counters.
+With ZeRO 1/2 the masters and moments are read from and written to each rank's flat fp32 partition at the
+parameter's ``_hp_mapping`` fragment, the addresses ``deepspeed.utils.safe_get_full_fp32_param`` uses; DeepSpeed's
+``safe_*_optimizer_state`` helpers cannot be used here because they need the state fragments that only
+``step()`` links, and a freshly built engine has no optimizer state to write into.
+
+A checkpoint's manifest records the DeepSpeed config it was trained with (``save_checkpoint(..., ds_config=)``): it
+is loaded again under its own ZeRO stage and precision.
+The client state a re-layout carries is the manifest's (its int/float/str entries, e.g. ``step``): what
+DeepSpeed's ``load_checkpoint`` returns as client state also holds DeepSpeed's own entries of the old layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disagmoe_ds.config import SECTION, DisagMoEConfig, load_ds_config
+from disagmoe_ds.engine.checkpoint import (
+    load_checkpoint,
+    model_fingerprint,
+    read_manifest,
+    resolve_tag,
+    save_checkpoint,
+)
+from disagmoe_ds.errors import CheckpointError, DisagMoEError
+from disagmoe_ds.models.families import family_of
+from disagmoe_ds.models.loading import load_config, load_model
+from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
+
+# engine.build, engine.deepspeed_role and launch.local import deepspeed (~5 s): they are imported where they are
+# used, so that --help and bad arguments answer at once.
+
+# Not "ds_config": DeepSpeed keeps its own entry of that name in the model-states file, and client state would
+# replace it.
+FIRST_TAG = "step0"
+# Conversions of real models load and save many GiB per rank; a rank that fails still ends the job at once.
+TIMEOUT_S = 3600.0
+# Files of an HF model directory that are not weights and that save_pretrained does not write.
+CARRIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+Weights = Literal["module", "master"]  # what an HF export holds / what a re-layout carries
+Pieces = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the rows it holds, tensor)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What travels between layouts
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One layout to run: the model directory, the layout and the user's DeepSpeed config (no ``disagmoe``)."""
+
+    model_dir: str
+    cfg: DisagMoEConfig
+    ds_config: dict[str, Any]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.ds_config.get("bf16", {}).get("enabled") else torch.float32
+
+
+@dataclass
+class TrainState:
+    """A job's training state without its layout, by HF in-memory name.
+
+    ``params`` are the module weights (``weights="module"``) or the fp32 masters (``weights="master"``).
+    ``moments`` is empty before the first optimizer step.
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    moments: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # key -> HF name -> tensor
+    scalars: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. Adam's step, one value for all params
+    hyper: dict[str, Any] = field(default_factory=dict)  # optimizer param-group values (the scheduled lr, ...)
+    scheduler: dict[str, Any] | None = None
+    counters: dict[str, int] = field(default_factory=dict)
+    client_state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A checkpoint opened for reading: where it is and the job that wrote it."""
+
+    root: Path
+    tag: str
+    job: Job
+    client_state: dict[str, Any]  # the manifest's copy: the trainer's int/float/str entries
+
+
+def _without_section(ds_config: dict[str, Any]) -> dict[str, Any]:
+    # The layout lives in the manifest; a stale "disagmoe" section would contradict a re-layout.
+    return {k: v for k, v in ds_config.items() if k != SECTION}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The three conversions
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def hf_to_disagmoe(job: Job, out: str | Path, *, tag: str = FIRST_TAG) -> Path:
+    """Write the weights of the HF directory ``job.model_dir`` as a checkpoint of ``job``'s layout (step 0)."""
+    from disagmoe_ds.launch.local import spawn_local
+
+    _check_job(job)
+    _refuse_existing(Path(out) / tag, "checkpoint tag")
+    model = load_model(job.model_dir, dtype=job.dtype, require_weights=True)
+    spawn_local(_save_initial_rank, job.cfg.world_size, args=(job, model, str(out), tag), timeout_s=TIMEOUT_S)
+    return Path(out) / tag
+
+
+def disagmoe_to_hf(source: Source, out: str | Path) -> Path:
+    """Write a checkpoint's module weights as an HF directory (``from_pretrained`` loads it), atomically."""
+    out = Path(out)
+    _refuse_existing(out, "output directory")
+    state = read_state(source, weights="module")
+    return write_hf(source.job.model_dir, {**state.params, **state.buffers}, out, dtype=source.job.dtype)
+
+
+def relayout(source: Source, job: Job, out: str | Path) -> Path:
+    """Write ``source`` under ``job``'s layout with the same masters, optimizer state, scheduler and step."""
+    from disagmoe_ds.launch.local import spawn_local
+
+    _check_job(job)
+    _refuse_existing(Path(out) / source.tag, "checkpoint tag")
+    state = read_state(source, weights="master")
+    model = load_model(job.model_dir, dtype=job.dtype)
+    spawn_local(_restore_rank, job.cfg.world_size, args=(job, model, state, str(out), source.tag), timeout_s=TIMEOUT_S)
+    return Path(out) / source.tag
+
+
+def open_checkpoint(
+    root: str | Path, model_dir: str | Path, *, tag: str | None = None, ds_config: dict[str, Any] | None = None
+) -> Source:
+    """Check that ``root`` holds a complete checkpoint of the model in ``model_dir`` and read its job.
+
+    A checkpoint is always read under the DeepSpeed config it records; ``ds_config`` is used only for one that
+    records none (saved without ``ds_config``).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist; pass --ckpt the --out of a training run")
+    tag = resolve_tag(root, tag)
+    manifest = read_manifest(root, tag)
+    _check_same_model(manifest, model_dir, root / tag)
+    saved = manifest["layout"]
+    cfg = DisagMoEConfig(
+        attention_gpus=saved["attention_gpus"],
+        ffn_gpus=saved["ffn_gpus"],
+        depth=saved["depth"],
+        expert_data_parallel=saved["expert_data_parallel"],
+    )
+    recorded = manifest.get("ds_config")
+    if recorded is None and ds_config is None:
+        raise CheckpointError(
+            f"checkpoint {root / tag} does not record its DeepSpeed config; pass --ds-config with the one it was "
+            "trained with (its ZeRO stage and precision)"
+        )
+    job = Job(str(model_dir), cfg, _without_section(recorded if recorded is not None else ds_config))
+    return Source(root, tag, job, dict(manifest["client_state"]))
+
+
+def _check_same_model(manifest: dict[str, Any], model_dir: str | Path, path: Path) -> None:
+    """The fingerprint covers type, sizes and layer count, the manifest's layout the expert count."""
+    config = load_config(model_dir)
+    num_experts = getattr(config, family_of(config).num_experts_attr)
+    saved = manifest["layout"]
+    if manifest["model"] != model_fingerprint(config) or saved["num_experts"] != num_experts:
+        raise CheckpointError(
+            f"checkpoint {path} was written for another model than {model_dir} ({config.model_type}, "
+            f"{config.num_hidden_layers} layers, {num_experts} experts; the checkpoint has {saved['num_layers']} "
+            f"layers, {saved['num_experts']} experts); pass --model the directory the checkpoint was trained from"
+        )
+
+
+def _check_job(job: Job) -> None:
+    """Fail in this process, before any rank starts, on a layout or DeepSpeed config that cannot run."""
+    from disagmoe_ds.engine.build import preflight
+    from disagmoe_ds.engine.deepspeed_role import role_ds_config
+
+    preflight(job.model_dir, job.cfg, job.ds_config, job.cfg.world_size)
+    role_ds_config(job.ds_config, job.cfg, micro_batch_size=1, dp_size=1)
+
+
+def _refuse_existing(path: Path, what: str) -> None:
+    if path.exists():
+        raise CheckpointError(
+            f"{what} {path} already exists; remove it or choose another --out (nothing is overwritten)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rank bodies (run by spawn_local in forked ranks)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _build(job: Job, model: nn.Module):
+    from disagmoe_ds.engine.build import build_rank
+
+    return build_rank(job.model_dir, job.ds_config, job.cfg, micro_batch_size=1, dtype=job.dtype, model=model)
+
+
+def _save_initial_rank(rank: int, job: Job, model: nn.Module, out: str, tag: str) -> None:
+    rt = _build(job, model)
+    save_checkpoint(rt.engine, rt.role, rt.layout, rt.module.config, out, tag, {"step": 0}, ds_config=job.ds_config)
+
+
+def _read_rank(rank: int, source: Source, model: nn.Module, weights: Weights) -> dict[str, Any]:
+    """Load the checkpoint under its own layout; return this rank's share of the state (writers only)."""
+    rt = _build(source.job, model)
+    load_checkpoint(rt.engine, rt.role, rt.layout, rt.module.config, source.root, source.tag)
+    share = _rank_share(rt, weights)  # collective inside each data-parallel group: every rank runs it
+    writer = rt.role.index == 0 if rt.role.is_attention else rt.role.edp_rank == 0  # one copy of every tensor
+    if not writer:
+        return {}
+    if rank == 0:
+        share["extras"] = _engine_extras(rt.engine)
+    return share
+
+
+def _restore_rank(rank: int, job: Job, model: nn.Module, state: TrainState, out: str, tag: str) -> None:
+    rt = _build(job, model)
+    _set_rank_state(rt, state)
+    save_checkpoint(
+        rt.engine, rt.role, rt.layout, rt.module.config, out, tag, state.client_state, ds_config=job.ds_config
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading: one rank's share, then the job's state
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def read_state(source: Source, *, weights: Weights) -> TrainState:
+    """Load ``source`` under its own layout and gather its state by HF name.
+
+    Args:
+        weights: "module" (the module weights, what an HF export holds) or "master" (fp32 masters, plus the
+            optimizer state, the scheduler and the counters: what a re-layout carries).
+    """
+    from disagmoe_ds.launch.local import spawn_local
+
+    model = load_model(source.job.model_dir, dtype=source.job.dtype)
+    shares = spawn_local(_read_rank, source.job.cfg.world_size, args=(source, model, weights), timeout_s=TIMEOUT_S)
+    shares = [s for s in shares if s]
+    extras = next(s["extras"] for s in shares if "extras" in s)
+    moments = {key: _join([s["moments"].get(key, {}) for s in shares]) for key in shares[0]["moments"]}
+    return TrainState(
+        params=_join([s["params"] for s in shares]),
+        buffers=_join([s["buffers"] for s in shares]),
+        moments=moments,
+        scalars=_one_scalar_set([s["scalars"] for s in shares]),
+        client_state=dict(source.client_state),
+        **extras,
+    )
+
+
+def _join(pieces_by_rank: list[Pieces]) -> dict[str, torch.Tensor]:
+    """Full HF tensors: attention tensors as they are, expert slices concatenated by first expert id."""
+    merged: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for pieces in pieces_by_rank:
+        for name, piece in pieces.items():
+            merged.setdefault(name, []).append(piece)
+    return {name: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for name, parts in merged.items()}
+
+
+def _one_scalar_set(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The optimizer scalars shared by every parameter (Adam's step); every engine must agree on them."""
+    first = per_rank[0]
+    for scalars in per_rank[1:]:
+        if scalars.keys() != first.keys() or any(not torch.equal(scalars[k], first[k]) for k in first):
+            raise CheckpointError(
+                f"the checkpoint's engines disagree on optimizer scalars ({first} vs {scalars}): it mixes "
+                "engines at different steps and cannot be re-laid out"
+            )
+    return first
+
+
+def _rank_share(rt, weights: Weights) -> dict[str, Any]:
+    """This rank's weights, buffers, moments and scalars under HF names (collective for ZeRO masters).
+
+    Module weights come from ``state_dict`` so that tied weights appear under every name HF expects; masters and
+    moments exist once per parameter (``named_parameters`` drops the tied alias).
+    """
+    engine, module = rt.engine, rt.module
+    buffers = dict(_persistent_buffers(module))
+    share = {"buffers": _hf_pieces(rt, {n: b.clone() for n, b in buffers.items()}), "moments": {}, "scalars": {}}
+    if weights == "module":
+        tensors = {n: t.detach().clone() for n, t in module.state_dict().items() if n not in buffers}
+        return {**share, "params": _hf_pieces(rt, tensors)}
+    params = dict(module.named_parameters())
+    moment_keys, scalars = _optimizer_layout(engine)
+    moments = {k: _hf_pieces(rt, {n: _full_state(engine, p, k) for n, p in params.items()}) for k in moment_keys}
+    masters = _hf_pieces(rt, {n: _full_state(engine, p, None) for n, p in params.items()})
+    return {**share, "params": masters, "moments": moments, "scalars": scalars}
+
+
+def _hf_pieces(rt, tensors: dict[str, torch.Tensor]) -> Pieces:
+    first = 0 if rt.role.is_attention else rt.module.first_expert
+    return {_hf_name(rt, n): (first, t) for n, t in tensors.items()}
+
+
+def _engine_extras(engine) -> dict[str, Any]:
+    """What every engine of the job shares: param-group values, scheduler, counters."""
+    hyper = {k: v for k, v in engine.optimizer.param_groups[0].items() if k != "params"}
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    counters = {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps}
+    return {"hyper": hyper, "scheduler": scheduler, "counters": counters}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where the optimizer keeps a parameter's state: ZeRO 1/2 flat partitions, or per parameter (ZeRO 0)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _is_zero(engine) -> bool:
+    return engine.zero_optimization_stage() > 0
+
+
+def _inner_state(engine) -> dict:
+    """The torch optimizer's ``state``: keyed by flat fp32 partition (ZeRO) or by parameter (ZeRO 0)."""
+    return engine.optimizer.optimizer.state if _is_zero(engine) else engine.optimizer.state
+
+
+def _state_owners(engine) -> list[torch.Tensor]:
+    if _is_zero(engine):
+        return list(engine.optimizer.single_partition_of_fp32_groups)
+    return [p for group in engine.optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_layout(engine) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """This rank's per-element state keys and its scalars (none before the first step).
+
+    Every owner of state (flat partition or parameter) must hold the same scalars, since one set is carried.
+    """
+    state = _inner_state(engine)
+    entries = [state[owner] for owner in _state_owners(engine) if owner in state]
+    if not entries:
+        return [], {}
+    keys = sorted(k for k, v in entries[0].items() if torch.is_tensor(v) and v.dim() > 0)
+    scalars = {k: v.clone() for k, v in entries[0].items() if k not in keys}
+    for entry in entries[1:]:
+        if any(not torch.equal(torch.as_tensor(entry[k]), torch.as_tensor(v)) for k, v in scalars.items()):
+            raise CheckpointError(
+                "parameters of one engine are at different optimizer steps (some never received a gradient); "
+                "a re-layout carries one step count for all of them"
+            )
+    return keys, scalars
+
+
+def _full_state(engine, param: torch.Tensor, key: str | None) -> torch.Tensor:
+    """The fp32 master (``key`` None) or optimizer state ``key`` of the whole parameter.
+
+    ZeRO: each rank of the parameter's data-parallel group holds a fragment; one all-reduce (every other rank
+    contributes zeros) assembles it, so every rank of the group must call this for the same parameters in order.
+    """
+    if not _is_zero(engine):
+        return (param.detach() if key is None else engine.optimizer.state[param][key]).float().clone()
+    full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+    for src, dst in _fragments(engine, param, key):
+        full.narrow(0, dst.start, dst.numel).copy_(src)
+    dist.all_reduce(full, group=param._dp_group)
+    return full.view(param.shape)
+
+
+def _fragments(engine, param: torch.Tensor, key: str | None) -> Iterator[tuple[torch.Tensor, Any]]:
+    """This rank's ZeRO fragment of ``param`` (view into the flat partition) and its address in the param."""
+    mapping = param._hp_mapping
+    if mapping is None:  # the parameter lies wholly in other ranks' partitions
+        return
+    flat = engine.optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
+    source = flat if key is None else engine.optimizer.optimizer.state[flat][key]
+    hp = mapping.hp_fragment_address
+    yield source.narrow(0, hp.start, hp.numel), mapping.lp_fragment_address
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Writing a state into a freshly built rank
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _set_rank_state(rt, state: TrainState) -> None:
+    engine = rt.engine
+    if state.moments:
+        _create_optimizer_state(engine, list(state.moments), state.scalars)
+    for name, param in rt.module.named_parameters():
+        hf_name = _hf_name(rt, name)
+        _set_full(engine, param, _my_rows(rt, state.params[hf_name]), None)
+        for key, values in state.moments.items():
+            _set_full(engine, param, _my_rows(rt, values[hf_name]), key)
+    with torch.no_grad():
+        for name, buf in _persistent_buffers(rt.module):
+            buf.copy_(_my_rows(rt, state.buffers[_hf_name(rt, name)]))
+    for group in engine.optimizer.param_groups:
+        group.update(state.hyper)
+    if engine.lr_scheduler is not None and state.scheduler is not None:
+        engine.lr_scheduler.load_state_dict(state.scheduler)
+    engine.global_steps = state.counters["global_steps"]
+    engine.skipped_steps = state.counters["skipped_steps"]
+    engine.global_samples = engine.global_steps * engine.train_batch_size()
+
+
+def _create_optimizer_state(engine, keys: list[str], scalars: dict[str, torch.Tensor]) -> None:
+    """Give every state owner the optimizer's entries (torch optimizers create them lazily in ``step``)."""
+    state = _inner_state(engine)
+    for owner in _state_owners(engine):
+        entry = {k: torch.zeros_like(owner, dtype=torch.float32) for k in keys}
+        entry.update({k: v.clone() for k, v in scalars.items()})
+        state[owner] = entry
+
+
+def _set_full(engine, param: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+    """Write the whole parameter's master (and module weight) or state ``key`` from the full tensor ``value``."""
+    with torch.no_grad():
+        if key is None:
+            param.data.copy_(value)  # the module weight; rounds to bf16 exactly as DeepSpeed's step does
+        if not _is_zero(engine):
+            if key is not None:
+                engine.optimizer.state[param][key].copy_(value)
+            return
+        flat_value = value.reshape(-1)
+        for dst, src in _fragments(engine, param, key):
+            dst.copy_(flat_value.narrow(0, src.start, src.numel))
+
+
+def _my_rows(rt, full: torch.Tensor) -> torch.Tensor:
+    """The rows of a full HF tensor this rank holds (all of it on the attention side)."""
+    if rt.role.is_attention:
+        return full
+    return full[rt.module.first_expert : rt.module.first_expert + rt.module.num_local]
+
+
+def _hf_name(rt, name: str) -> str:
+    return attention_name_to_hf(name) if rt.role.is_attention else expert_name_to_hf(name)
+
+
+def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Buffers that belong to the checkpoint (DeepSeek-V3's expert bias; not the rotary tables)."""
+    saved = module.state_dict()
+    for name, buf in module.named_buffers():
+        if name in saved:
+            yield name, buf
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HF output
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def write_hf(model_dir: str | Path, tensors: dict[str, torch.Tensor], out: Path, *, dtype: torch.dtype) -> Path:
+    """``save_pretrained`` of the model in ``model_dir`` holding ``tensors``, into ``out`` (temp dir, then rename).
+
+    ``save_pretrained`` reverts HF's load-time weight conversion, so the files have the original per-expert keys.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(model_dir)
+    with torch.device("meta"):  # no random init: every persistent tensor is assigned below
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _load_into(model, tensors, model_dir)
+    partial = out.with_name(f".partial-{out.name}")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    for name in CARRIED_FILES:
+        if (Path(model_dir) / name).is_file():
+            shutil.copy2(Path(model_dir) / name, partial / name)
+    os.replace(partial, out)
+    return out
+
+
+def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], model_dir: str | Path) -> None:
+    """Assign ``tensors`` to the (meta) model: same key set and shapes, HF's dtypes, ties kept.
+
+    Tensors are cast to the dtype HF gives each one (``_keep_in_fp32_modules`` keeps some in fp32 in a bf16
+    model). ``assign`` replaces tied parameters by separate tensors, so the ties are restored afterwards; a tie
+    whose two names hold different values in the checkpoint cannot be written as a tied model.
+    """
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = sorted(n for n in set(expected) & set(tensors) if tensors[n].shape != expected[n].shape)
+    if missing or unexpected or wrong:
+        raise CheckpointError(
+            f"the checkpoint does not match the model in {model_dir}: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}, wrong shape {wrong[:3]}; pass --model the directory it was trained from"
+        )
+    diverged = sorted(t for t, s in model.all_tied_weights_keys.items() if not torch.equal(tensors[t], tensors[s]))
+    if diverged:
+        raise CheckpointError(
+            f"{diverged} should be tied to {[model.all_tied_weights_keys[t] for t in diverged]} but differ in the "
+            "checkpoint (the head and the embedding were trained on different A-groups); set tie_word_embeddings "
+            "false in the config passed as --model to export them untied"
+        )
+    model.load_state_dict({n: t.to(expected[n].dtype) for n, t in tensors.items()}, strict=True, assign=True)
+    model.tie_weights()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="disagmoe-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    to_ds = sub.add_parser("hf-to-disagmoe", help="HF directory -> DisagMoE checkpoint of a layout (step 0)")
+    to_ds.add_argument("--model", required=True, help="HF model directory with weights")
+    to_ds.add_argument("--out", required=True, help="checkpoint root to write (tag step0)")
+    _add_layout_args(to_ds, ds_config_help="DeepSpeed config JSON (optimizer, scheduler, ZeRO, precision)")
+    to_hf = sub.add_parser("disagmoe-to-hf", help="DisagMoE checkpoint -> HF directory (original key names)")
+    to_hf.add_argument("--ckpt", required=True, help="checkpoint root")
+    to_hf.add_argument("--tag", help="tag to convert (default: the one named by <ckpt>/latest)")
+    to_hf.add_argument("--model", required=True, help="HF directory (or config-only directory) of the model")
+    to_hf.add_argument("--out", required=True, help="new HF directory")
+    to_hf.add_argument("--ds-config", help="DeepSpeed config JSON, for checkpoints that do not record theirs")
+    re = sub.add_parser("relayout", help="checkpoint -> checkpoint of another layout (weights + optimizer state)")
+    re.add_argument("--ckpt", required=True, help="source checkpoint root")
+    re.add_argument("--tag", help="tag to convert (default: latest); the output keeps the tag")
+    re.add_argument("--model", required=True, help="HF directory (or config-only directory) of the model")
+    re.add_argument("--out", required=True, help="destination checkpoint root")
+    _add_layout_args(
+        re,
+        ds_config_help="DeepSpeed config JSON for the new layout (default: the source's); also used to read a "
+        "source that records none",
+    )
+    return p
+
+
+def _add_layout_args(p: argparse.ArgumentParser, *, ds_config_help: str) -> None:
+    p.add_argument("--attention-gpus", type=int, required=True, help="M: attention ranks")
+    p.add_argument("--ffn-gpus", type=int, required=True, help="N: FFN (expert) ranks")
+    p.add_argument("--depth", type=int, default=1, help="p: A-groups = F-groups")
+    p.add_argument("--expert-data-parallel", type=int, default=1, help="replicas of each expert shard")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), help="ZeRO stage; overrides --ds-config")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="training precision; overrides --ds-config")
+    p.add_argument("--ds-config", help=ds_config_help)
+
+
+def _layout_cfg(a: argparse.Namespace) -> DisagMoEConfig:
+    return DisagMoEConfig(
+        attention_gpus=a.attention_gpus,
+        ffn_gpus=a.ffn_gpus,
+        depth=a.depth,
+        expert_data_parallel=a.expert_data_parallel,
+    )
+
+
+def resolve_ds_config(base: dict[str, Any] | None, *, zero: int | None, dtype: str | None) -> dict[str, Any]:
+    """``base`` (or DeepSpeed's defaults) with the ``--zero`` / ``--dtype`` flags applied.
+
+    >>> resolve_ds_config(None, zero=1, dtype="bf16")
+    {'zero_optimization': {'stage': 1}, 'bf16': {'enabled': True}}
+    """
+    config = _without_section(json.loads(json.dumps(base or {})))
+    if zero is not None:
+        config.setdefault("zero_optimization", {})["stage"] = zero
+    if dtype is not None:
+        config["bf16"] = {"enabled": dtype == "bf16"}
+    return config
+
+
+def _run(a: argparse.Namespace) -> Path:
+    ds_file = load_ds_config(a.ds_config) if a.ds_config else None
+    if a.command == "hf-to-disagmoe":
+        job = Job(a.model, _layout_cfg(a), resolve_ds_config(ds_file, zero=a.zero, dtype=a.dtype))
+        return hf_to_disagmoe(job, a.out)
+    if a.command == "disagmoe-to-hf":
+        return disagmoe_to_hf(open_checkpoint(a.ckpt, a.model, tag=a.tag, ds_config=ds_file), a.out)
+    source = open_checkpoint(a.ckpt, a.model, tag=a.tag, ds_config=ds_file)
+    base = ds_file if ds_file is not None else source.job.ds_config
+    job = replace(source.job, cfg=_layout_cfg(a), ds_config=resolve_ds_config(base, zero=a.zero, dtype=a.dtype))
+    return relayout(source, job, a.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        written = _run(a)
+    except DisagMoEError as err:
+        print(f"disagmoe-convert: error: {err}", file=sys.stderr)
+        return 2
+    print(f"disagmoe-convert: wrote {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""The adaptive worker allocator (paper section 6): choose M:N, the NIC split, depth p, expert-DP and the
+micro-batches, and compare with the best co-located EP+DP interleaved-1F1B configuration (pure Python).
+
+Search (paper-notes.md section 6, "recommended re-implementation"): enumerate every attention/FFN split
+M + N = W, every depth p dividing L, every expert-DP that the ``Layout`` accepts, both placements and every
+NIC split they allow (``placement.py``). Reject what does not divide or does not fit memory; rank the rest
+by the roofline bottleneck T* = max(T_a, T_f) (paper section 4.3) plus the exposed gradient sync, after
+those that fit a full ring of micro-batches in flight; simulate the best of each (depth, placement,
+recompute) family with the AF-Pipe schedule generator and keep the highest throughput (equivalently MFU,
+the paper's second criterion). The co-located baseline is searched the same way (``best_baseline``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from disagmoe_ds.errors import LayoutError
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner.cluster import Cluster, Rates
+from disagmoe_ds.planner.memory import (
+    RankMemory,
+    Recompute,
+    Workload,
+    attention_rank_memory,
+    baseline_rank_memory,
+    ffn_rank_memory,
+)
+from disagmoe_ds.planner.model import ModelSpec
+from disagmoe_ds.planner.placement import Placement, placements
+from disagmoe_ds.planner.simulate import SimResult, simulate_af, simulate_baseline
+from disagmoe_ds.planner.stages import (
+    AfRoofline,
+    BaselineChunkCosts,
+    af_roofline,
+    af_sync_s,
+    af_task_costs,
+    baseline_chunk_costs,
+    baseline_sync_s,
+    compute_multiplier,
+    exposed_sync_s,
+)
+
+PAYS_THRESHOLD = 1.05  # below this predicted speed-up, disaggregation is not worth its complexity
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything the allocator needs.
+
+    Args:
+        global_batch: sequences per step (both systems are compared per token, so rounding is harmless).
+        recompute: "none", "full" or "auto" (full recompute only where nothing fits without it).
+        granularity: contiguous placements move the split in steps of this many GPUs (gpus_per_node: whole nodes).
+        placement: "contiguous", "spread" or "auto" (both; see ``placement.py``).
+        baseline_overlap: share of the co-located all-to-all hidden behind compute (besides shared experts).
+        baseline_ep: pin the co-located expert-parallel size (None: search it).
+        simulate_top: how many roofline-best candidates of each system to simulate.
+    """
+
+    spec: ModelSpec
+    cluster: Cluster
+    rates: Rates
+    work: Workload
+    global_batch: int
+    recompute: Recompute | Literal["auto"] = "auto"
+    granularity: int = 1
+    placement: str = "auto"
+    baseline_overlap: float = 0.25
+    baseline_ep: int | None = None
+    simulate_top: int = 6
+
+    @property
+    def recompute_options(self) -> tuple[Recompute, ...]:
+        return ("none", "full") if self.recompute == "auto" else (self.recompute,)
+
+
+@dataclass(frozen=True)
+class AfCandidate:
+    """A feasible AF-Pipe layout with its NIC split, roofline, memory (1 micro-batch in flight) and sync."""
+
+    layout: Layout
+    placement: Placement
+    nics: tuple[int, int]
+    work: Workload
+    micro_batches: int
+    max_in_flight: int
+    roofline: AfRoofline
+    memory_attention: RankMemory
+    memory_ffn: RankMemory
+    sync_s: tuple[float, float]  # gradient sync per step: A lane, F rank
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batches * self.layout.lanes * self.work.tokens_per_micro_batch
+
+    @property
+    def exposed_sync_s(self) -> float:
+        """The slower side's gradient sync that does not hide behind its backward compute."""
+        share = (compute_multiplier(self.work) - 1) / compute_multiplier(self.work)
+        sides = zip(self.sync_s, (self.roofline.attention, self.roofline.ffn))
+        return max(exposed_sync_s(sync, share * side.compute_s) for sync, side in sides)
+
+
+@dataclass(frozen=True)
+class AfPlan:
+    """A simulated AF-Pipe plan. ``step_time_s`` is never below the roofline bottleneck T*."""
+
+    candidate: AfCandidate
+    sim: SimResult
+    in_flight: int
+
+    @property
+    def step_time_s(self) -> float:
+        """Simulated step (at least the roofline T*) plus the exposed gradient sync."""
+        c = self.candidate
+        return max(self.sim.step_time_s, c.roofline.bottleneck_s) + c.exposed_sync_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.candidate.tokens / self.step_time_s
+
+
+@dataclass(frozen=True)
+class BaselineCandidate:
+    """A feasible co-located EP+DP x PP (x virtual stages) configuration with its per-chunk costs."""
+
+    pp: int
+    vpp: int
+    ep: int
+    work: Workload
+    micro_batches: int
+    memory: RankMemory
+    costs: BaselineChunkCosts
+    data_parallel: int
+    sync_s: float
+
+    @property
+    def exposed_sync_s(self) -> float:
+        backward = self.micro_batches * sum(self.costs.bwd_compute) / self.pp
+        return exposed_sync_s(self.sync_s, backward)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batches * self.data_parallel * self.work.tokens_per_micro_batch
+
+    @property
+    def estimate_s(self) -> float:
+        """(m*v + pp - 1) x the slowest chunk's fwd+bwd, plus the p2p hops: for ranking before simulation."""
+        chunk = max(
+            f + b + fx + bx
+            for f, b, fx, bx in zip(self.costs.fwd_compute, self.costs.bwd_compute, self.costs.fwd_comm,
+                                    self.costs.bwd_comm)
+        )
+        hops = 2 * (self.pp - 1) * self.costs.p2p_s
+        return (self.micro_batches * self.vpp + self.pp - 1) * chunk + hops + self.exposed_sync_s
+
+
+@dataclass(frozen=True)
+class BaselinePlan:
+    """A simulated co-located plan."""
+
+    candidate: BaselineCandidate
+    sim: SimResult
+
+    @property
+    def step_time_s(self) -> float:
+        """Simulated step plus the exposed gradient sync."""
+        return self.sim.step_time_s + self.candidate.exposed_sync_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.candidate.tokens / self.step_time_s
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The chosen AF-Pipe plan and co-located baseline (None where nothing fits), with rejection counts."""
+
+    request: PlanRequest
+    af: AfPlan | None
+    baseline: BaselinePlan | None
+    rejected: Counter = field(default_factory=Counter)
+    baseline_rejected: Counter = field(default_factory=Counter)
+
+    @property
+    def speedup(self) -> float | None:
+        """Throughput ratio AF-Pipe / co-located (tokens per second; equal to step-time ratio at equal batch)."""
+        if self.af is None or self.baseline is None:
+            return None
+        return self.af.tokens_per_s / self.baseline.tokens_per_s
+
+    @property
+    def pays(self) -> bool:
+        return self.af is not None and (self.speedup is None or self.speedup >= PAYS_THRESHOLD)
+
+
+# ----- AF-Pipe search -----
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(req: PlanRequest, counter: Counter) -> list[Layout]:
+    """Every layout the Layout class accepts (placements filter the splits further)."""
+    spec, world = req.spec, req.cluster.world_size
+    out = []
+    for m in range(1, world):
+        n = world - m
+        for p in divisors(spec.num_layers):
+            if m % p or n % p:
+                counter["depth does not divide M or N"] += 1
+                continue
+            if not all(any(spec.moe_layers[g::p]) for g in range(p)):
+                counter["an F-group would own no MoE layer"] += 1
+                continue
+            for edp in divisors(n // p):
+                try:
+                    out.append(Layout(m, n, spec.num_layers, spec.num_experts, depth=p, expert_data_parallel=edp))
+                except LayoutError:
+                    counter["experts do not divide over the F-group"] += 1
+    return out
+
+
+def af_candidates(req: PlanRequest) -> tuple[list[AfCandidate], Counter]:
+    """All feasible AF-Pipe candidates (memory-checked), and a count of rejections by reason."""
+    rejected: Counter = Counter()
+    usable, out = req.rates.usable_hbm, []
+    for layout in _layouts(req, rejected):
+        micro_batches = max(1, round(req.global_batch / (layout.lanes * req.work.micro_batch_size)))
+        for recompute in req.recompute_options:
+            work = replace(req.work, recompute=recompute)
+            mem_a = attention_rank_memory(req.spec, layout, work)
+            mem_f = ffn_rank_memory(req.spec, layout, work)
+            cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable))
+            if cap < 1:
+                rejected[f"does not fit memory (recompute {recompute})"] += 1
+                continue
+            for place in placements(req.cluster, layout.attention_gpus, req.placement, req.granularity):
+                for nics in place.nic_splits(req.cluster, layout.attention_gpus):
+                    roof = af_roofline(req.spec, layout, work, placement=place, rates=req.rates, nics=nics,
+                                       micro_batches=micro_batches)
+                    sync = af_sync_s(req.spec, layout, work, placement=place, rates=req.rates, nics=nics)
+                    out.append(AfCandidate(layout, place, nics, work, micro_batches, cap, roof, mem_a, mem_f, sync))
+            if req.recompute == "auto" and cap >= 2 * (2 * layout.depth + 1):
+                break  # twice the ring in flight without recompute: recompute would only cost time
+    return out, rejected
+
+
+def fills_ring(c: AfCandidate) -> bool:
+    """Memory admits the 2p + 1 micro-batches in flight that keep the 2p-stage ring busy (fewer when the step
+    has fewer); below that the pipeline is latency-bound and the roofline is far too optimistic."""
+    return c.max_in_flight >= min(c.micro_batches, 2 * c.layout.depth + 1)
+
+
+def _rank_key(c: AfCandidate) -> tuple[bool, float, float, int]:
+    """Ring-filling candidates first; then roofline bottleneck per token; then the most network slack
+    (transfers hide better in the pipeline); then the most micro-batches that fit in flight."""
+    network = max(c.roofline.attention.network_s, c.roofline.ffn.network_s)
+    step = c.roofline.bottleneck_s + c.exposed_sync_s
+    return (not fills_ring(c), step / c.tokens, network / c.tokens, -c.max_in_flight)
+
+
+def simulate_candidate(req: PlanRequest, c: AfCandidate, *, exposed_comm: bool = False) -> AfPlan:
+    """Simulate with the schedule's default ring cap (2p + 1 micro-batches in flight) and with twice that, as far
+    as memory allows; keep the smaller cap unless the larger one is at least 1% faster."""
+    costs = af_task_costs(req.spec, c.layout, c.work, placement=c.placement, rates=req.rates, nics=c.nics)
+    ring = 2 * c.layout.depth + 1
+    best: AfPlan | None = None
+    for cap in sorted({min(c.max_in_flight, c.micro_batches, k * ring) for k in (1, 2)}):
+        sim = simulate_af(req.spec, c.layout, costs, micro_batches=c.micro_batches, max_in_flight=cap,
+                          exposed_comm=exposed_comm)
+        plan = AfPlan(c, sim, cap)
+        if best is None or plan.step_time_s < 0.99 * best.step_time_s:
+            best = plan
+    assert best is not None
+    return best
+
+
+def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
+    """Best roofline candidate of each (depth, placement, recompute) family, simulated; highest throughput wins."""
+    candidates, rejected = af_candidates(req)
+    families: dict[tuple, AfCandidate] = {}
+    for c in sorted(candidates, key=_rank_key):
+        families.setdefault((c.layout.depth, c.placement.kind, c.work.recompute, fills_ring(c)), c)
+    ranked = sorted(families.values(), key=_rank_key)
+    shortlist = [c for c in ranked if fills_ring(c)] or ranked  # a starved ring loses to any filled one
+    shortlist = shortlist[: req.simulate_top]
+    plans = [simulate_candidate(req, c) for c in shortlist]
+    if not plans:
+        return None, rejected
+    best = max(plans, key=lambda p: p.tokens_per_s)
+    final = simulate_candidate(req, best.candidate, exposed_comm=True)
+    return final, rejected
+
+
+# ----- co-located baseline search -----
+def warmup_chunks(pp: int, vpp: int, micro_batches: int) -> int:
+    """Chunks alive on the first rank at the end of Megatron's warm-up (activations held), plus one."""
+    warm = pp - 1 if vpp == 1 else (pp - 1) * 2 + (vpp - 1) * pp
+    return min(warm, micro_batches * vpp) + 1
+
+
+def baseline_candidates(req: PlanRequest) -> tuple[list[BaselineCandidate], Counter]:
+    """Co-located EP+DP x PP (x virtual stages up to 8) configurations that divide and fit memory."""
+    spec, world, rejected, out = req.spec, req.cluster.world_size, Counter(), []
+    for pp in (p for p in divisors(spec.num_layers) if world % p == 0):
+        dp = world // pp
+        eps = [e for e in divisors(spec.num_experts) if dp % e == 0 and e in (req.baseline_ep or e,)]
+        if not eps:
+            rejected["expert-parallel size does not divide the stage"] += 1
+        for vpp in (v for v in divisors(spec.num_layers // pp) if v <= 8 and (v == 1 or pp > 1)):
+            micro_batches = max(1, round(req.global_batch / (dp * req.work.micro_batch_size)))
+            if vpp > 1:
+                micro_batches = max(pp, -(-micro_batches // pp) * pp)  # Megatron: a multiple of pp
+            for ep in eps:
+                out += _baseline_fits(req, pp, vpp, ep, micro_batches, rejected)
+    return out, rejected
+
+
+def _baseline_fits(
+    req: PlanRequest, pp: int, vpp: int, ep: int, micro_batches: int, rejected: Counter
+) -> list[BaselineCandidate]:
+    for recompute in req.recompute_options:
+        work = replace(req.work, recompute=recompute)
+        alive = warmup_chunks(pp, vpp, micro_batches)
+        mem = baseline_rank_memory(req.spec, work, world_size=req.cluster.world_size, pp=pp, vpp=vpp, ep=ep,
+                                   chunks_alive=alive)
+        if mem.total > req.rates.usable_hbm:
+            rejected[f"does not fit memory (recompute {recompute})"] += 1
+            continue
+        costs = baseline_chunk_costs(req.spec, work, pp=pp, vpp=vpp, ep=ep, cluster=req.cluster, rates=req.rates,
+                                     overlap=req.baseline_overlap)
+        sync = baseline_sync_s(req.spec, work, pp=pp, vpp=vpp, ep=ep, cluster=req.cluster, rates=req.rates)
+        return [BaselineCandidate(pp, vpp, ep, work, micro_batches, mem, costs, req.cluster.world_size // pp, sync)]
+    return []
+
+
+def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
+    candidates, rejected = baseline_candidates(req)
+    ranked = sorted(candidates, key=lambda c: c.estimate_s / c.tokens)[: req.simulate_top]
+    plans = [
+        BaselinePlan(c, simulate_baseline(c.costs, pp=c.pp, vpp=c.vpp, micro_batches=c.micro_batches))
+        for c in ranked
+    ]
+    return (max(plans, key=lambda p: p.tokens_per_s) if plans else None), rejected
+
+
+def plan(req: PlanRequest) -> PlanResult:
+    """Best AF-Pipe plan, best co-located baseline, and what was rejected on the way."""
+    af, rejected = best_af(req)
+    baseline, baseline_rejected = best_baseline(req)
+    return PlanResult(req, af, baseline, rejected, baseline_rejected)

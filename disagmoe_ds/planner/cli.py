@@ -1,0 +1,174 @@
+"""``disagmoe-plan``: size the attention and FFN sides of a disaggregated MoE job and say whether it pays.
+
+    disagmoe-plan --model hf_models/Qwen3-235B-A22B --seq-len 8192 --micro-batch-size 1 --cluster h800 --nodes 16
+    disagmoe-plan profile --model hf_models/Qwen3-30B-A3B --seq-len 4096 --out profile.json
+
+Console-script entry point: ``disagmoe-plan = disagmoe_ds.planner.cli:main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from disagmoe_ds.errors import DisagMoEError
+from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, plan
+from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
+from disagmoe_ds.planner.memory import Workload
+from disagmoe_ds.planner.model import load_model_spec
+from disagmoe_ds.planner.profile import load_profile, profile_warnings, rates_from_profile
+from disagmoe_ds.planner.report import ds_config, hostfile, to_json, to_text
+from disagmoe_ds.planner.simulate import simulate_af, simulate_baseline, write_timeline
+from disagmoe_ds.planner.stages import af_task_costs
+
+_EPILOG = """\
+Subcommand: `disagmoe-plan profile --help` measures per-layer attention/expert times on this machine and writes
+a profile JSON for --profile.
+
+How it decides: T_a = max(C_a/(M P), V/(M_a B)) and T_f = max(C_f/(N P), V/(M_f B)) (DisagMoE paper, sec. 4.3)
+rank every split that divides and fits memory; the best few are simulated with the AF-Pipe schedule generator
+and compared with the best co-located EP+DP interleaved-1F1B configuration, simulated too. Details and the
+cluster JSON format: docs/planner.md.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="disagmoe-plan", description=__doc__.split("\n")[0], epilog=_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF model directory holding config.json (or the json itself)")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per attention lane per micro-batch")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="sequences per step (default 8 x GPUs x micro-batch size); both systems are compared per token")
+    p.add_argument("--cluster", default="h800",
+                   help=f"a preset ({', '.join(PRESETS)}: 8 GPUs, 8 x 400 Gb/s NICs per node) or a cluster JSON file")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (required with a preset)")
+    p.add_argument("--profile", default=None,
+                   help="profile JSON from `disagmoe-plan profile`: measured FLOP/s replace peak x efficiency")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    p.add_argument("--write-ds-config", metavar="PATH",
+                   help="write a ds_config JSON with the plan's \"disagmoe\" section")
+    p.add_argument("--write-hostfile", metavar="PATH", help="write a DeepSpeed hostfile, attention ranks first")
+    p.add_argument("--timeline", metavar="PATH",
+                   help="draw the predicted AF-Pipe timeline (.png/.svg via matplotlib, .json Chrome trace); the "
+                        "baseline's goes next to it with a -baseline suffix")
+    p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2), help="ZeRO stage inside each group")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training precision")
+    p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"),
+                   help="activation recomputation; auto uses full recompute only where nothing fits without it")
+    p.add_argument("--placement", default="auto", choices=("auto", "contiguous", "spread"),
+                   help="contiguous: attention nodes first (plain hostfile); spread: both sides on every node with a "
+                        "per-node NIC split; auto: try both")
+    p.add_argument("--split-granularity", default="gpu", choices=("gpu", "node"),
+                   help="contiguous splits move by one GPU or by whole nodes")
+    eff = Efficiency()
+    p.add_argument("--compute-efficiency", type=float, default=eff.compute,
+                   help=f"achievable share of peak FLOP/s (default {eff.compute})")
+    p.add_argument("--network-efficiency", type=float, default=eff.network,
+                   help=f"achievable share of NIC bandwidth (default {eff.network})")
+    p.add_argument("--nvlink-efficiency", type=float, default=eff.nvlink,
+                   help=f"achievable share of NVLink bandwidth (default {eff.nvlink})")
+    p.add_argument("--memory-efficiency", type=float, default=eff.memory,
+                   help=f"usable share of GPU memory (default {eff.memory})")
+    p.add_argument("--baseline-overlap", type=float, default=0.25,
+                   help="share of the co-located all-to-all hidden behind compute, besides shared experts "
+                        "(default 0.25)")
+    p.add_argument("--baseline-ep", type=int, default=None,
+                   help="pin the co-located expert-parallel size (default: search; the paper used 16)")
+    return p
+
+
+def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
+    spec = load_model_spec(args.model)
+    cluster = load_cluster(args.cluster, args.nodes)
+    eff = Efficiency(args.compute_efficiency, args.network_efficiency, args.nvlink_efficiency, args.memory_efficiency)
+    warnings: list[str] = []
+    if args.profile:
+        profile = load_profile(args.profile)
+        rates = rates_from_profile(profile, cluster, eff)
+        warnings = profile_warnings(profile, spec, args.seq_len)
+    else:
+        rates = Rates.from_cluster(cluster, eff)
+    for name in ("seq_len", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            raise DisagMoEError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise DisagMoEError(f"--global-batch-size must be at least 1, got {args.global_batch_size}")
+    if args.baseline_ep is not None and (args.baseline_ep < 1 or spec.num_experts % args.baseline_ep):
+        raise DisagMoEError(f"--baseline-ep {args.baseline_ep} must divide the expert count ({spec.num_experts})")
+    if not 0 <= args.baseline_overlap <= 1:
+        raise DisagMoEError(f"--baseline-overlap must be in [0, 1], got {args.baseline_overlap}")
+    global_batch = args.global_batch_size or 8 * cluster.world_size * args.micro_batch_size
+    req = PlanRequest(
+        spec=spec, cluster=cluster, rates=rates,
+        work=Workload(args.seq_len, args.micro_batch_size, zero_stage=args.zero_stage, precision=args.precision),
+        global_batch=global_batch, recompute=args.recompute,
+        granularity=cluster.gpus_per_node if args.split_granularity == "node" else 1,
+        placement=args.placement, baseline_overlap=args.baseline_overlap, baseline_ep=args.baseline_ep,
+    )
+    return req, warnings
+
+
+def _write_outputs(args: argparse.Namespace, result: PlanResult) -> list[str]:
+    notes = []
+    if (args.write_ds_config or args.write_hostfile or args.timeline) and result.af is None:
+        raise DisagMoEError("no AF-Pipe plan fits, so there is no ds_config, hostfile or timeline to write")
+    if args.write_ds_config:
+        Path(args.write_ds_config).write_text(json.dumps(ds_config(result), indent=2) + "\n", encoding="utf-8")
+        notes.append(f"wrote ds_config {args.write_ds_config}")
+    if args.write_hostfile:
+        Path(args.write_hostfile).write_text(hostfile(result), encoding="utf-8")
+        notes.append(f"wrote hostfile {args.write_hostfile}")
+    if args.timeline:
+        notes += _write_timelines(result, Path(args.timeline))
+    return notes
+
+
+def _write_timelines(result: PlanResult, path: Path) -> list[str]:
+    req, af = result.request, result.af
+    assert af is not None
+    c = af.candidate
+    costs = af_task_costs(req.spec, c.layout, c.work, placement=c.placement, rates=req.rates, nics=c.nics)
+    sim = simulate_af(req.spec, c.layout, costs, micro_batches=c.micro_batches, max_in_flight=af.in_flight,
+                      exposed_comm=False)
+    lay = c.layout
+    title = (f"AF-Pipe {req.spec.name} seq {req.work.seq_len}: M={lay.attention_gpus} N={lay.ffn_gpus} p={lay.depth}, "
+             f"{c.micro_batches} micro-batches, {af.in_flight} in flight")
+    write_timeline(sim.events, path, title=title)
+    notes = [f"wrote AF-Pipe timeline {path}"]
+    if result.baseline is not None:
+        b = result.baseline.candidate
+        base_path = path.with_name(f"{path.stem}-baseline{path.suffix}")
+        base = simulate_baseline(b.costs, pp=b.pp, vpp=b.vpp, micro_batches=b.micro_batches)
+        write_timeline(base.events, base_path, title=f"co-located 1F1B {req.spec.name}: {base.system}")
+        notes.append(f"wrote baseline timeline {base_path}")
+    return notes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["profile"]:
+            from disagmoe_ds.planner import profile
+
+            return profile.main(argv[1:])
+        args = build_parser().parse_args(argv)
+        req, warnings = _request(args)
+        result = plan(req)
+        notes = _write_outputs(args, result)
+    except DisagMoEError as err:
+        print(f"disagmoe-plan: error: {err}", file=sys.stderr)
+        return 2
+    for w in warnings:
+        print(f"disagmoe-plan: warning: {w}", file=sys.stderr)
+    print(json.dumps(to_json(result), indent=2) if args.json else to_text(result), end="" if not args.json else "\n")
+    for note in notes:
+        print(note, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Cluster descriptions (presets and a JSON file format) and the achievable-rate model (pure Python).
+
+Bandwidths are bytes per second in one direction: ``nvlink_bw`` per GPU, ``nic_bw`` per NIC. The planner
+never uses peak numbers directly: ``Rates`` multiplies them by documented efficiency factors, or replaces
+the compute rates by FLOP/s measured with ``disagmoe-plan profile``.
+
+>>> c = preset("h800", nodes=4)
+>>> c.world_size, c.total_nics, c.nic_bw / 1e9
+(32, 32, 50.0)
+>>> Cluster.from_dict(c.to_dict()) == c
+True
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from disagmoe_ds.errors import ConfigError
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A homogeneous GPU cluster.
+
+    Args:
+        name: label for reports.
+        nodes: number of nodes.
+        gpus_per_node: GPUs in each node.
+        peak_flops: dense bf16 FLOP/s of one GPU.
+        hbm_bytes: memory of one GPU in bytes.
+        nvlink_bw: intra-node bandwidth of one GPU, bytes/s, one direction.
+        nics_per_node: RDMA NICs of one node.
+        nic_bw: bandwidth of one NIC, bytes/s, one direction.
+        hosts: optional host names, one per node, used for the hostfile.
+    """
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    peak_flops: float
+    hbm_bytes: float
+    nvlink_bw: float
+    nics_per_node: int
+    nic_bw: float
+    hosts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for f in ("nodes", "gpus_per_node", "nics_per_node"):
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"cluster field {f} must be a positive integer, got {value!r}")
+        for f in ("peak_flops", "hbm_bytes", "nvlink_bw", "nic_bw"):
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"cluster field {f} must be a positive number, got {value!r}")
+        if self.hosts and len(self.hosts) != self.nodes:
+            raise ConfigError(f"cluster hosts lists {len(self.hosts)} names but nodes is {self.nodes}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def total_nics(self) -> int:
+        return self.nodes * self.nics_per_node
+
+    @property
+    def nic_bw_per_gpu(self) -> float:
+        return self.nics_per_node * self.nic_bw / self.gpus_per_node
+
+    def host(self, node: int) -> str:
+        return self.hosts[node] if self.hosts else f"node-{node}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["hosts"] = list(self.hosts)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cluster:
+        """Validated construction from a JSON object; unknown or missing keys are errors."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a cluster JSON must be an object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown cluster field(s) {unknown}; allowed: {sorted(known)}")
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name != "hosts")
+        if missing:
+            raise ConfigError(f"cluster JSON lacks field(s) {missing}")
+        return cls(**{**data, "hosts": tuple(data.get("hosts") or ())})
+
+
+def _h800(nodes: int) -> Cluster:
+    # H800 SXM: 989 TFLOP/s dense bf16, 80 GB (81559 MiB reported), NVLink 400 GB/s total (200 one way),
+    # 8 x ConnectX-7 400 Gb/s per node (the paper's testbed, paper-notes.md section 9.1).
+    return Cluster("h800", nodes, 8, 989e12, 81559 * _MIB, 200e9, 8, 50e9)
+
+
+def _h100(nodes: int) -> Cluster:
+    # H100 SXM: 989 TFLOP/s dense bf16, 80 GB, NVLink 900 GB/s total (450 one way), 8 x 400 Gb/s NICs.
+    return Cluster("h100", nodes, 8, 989e12, 81559 * _MIB, 450e9, 8, 50e9)
+
+
+def _h200(nodes: int) -> Cluster:
+    # H200 SXM: 989 TFLOP/s dense bf16, 141 GB (143771 MiB reported), NVLink 450 GB/s one way, 8 x 400 Gb/s.
+    return Cluster("h200", nodes, 8, 989e12, 143771 * _MIB, 450e9, 8, 50e9)
+
+
+PRESETS = {"h800": _h800, "h100": _h100, "h200": _h200}
+
+
+def preset(name: str, nodes: int) -> Cluster:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown cluster preset {name!r}; presets: {', '.join(PRESETS)}, or a JSON file")
+    return PRESETS[name](nodes)
+
+
+def load_cluster(spec: str, nodes: int | None = None) -> Cluster:
+    """A preset name or a JSON file path; ``nodes`` (if given) overrides the file's node count."""
+    if spec in PRESETS:
+        if nodes is None:
+            raise ConfigError(f"cluster preset {spec!r} needs --nodes")
+        return preset(spec, nodes)
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"--cluster {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing JSON file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--cluster {path}: not valid JSON ({err})") from err
+    cluster = Cluster.from_dict(data)
+    if nodes is not None and nodes != cluster.nodes:
+        cluster = replace(cluster, nodes=nodes, hosts=cluster.hosts[:nodes] if len(cluster.hosts) >= nodes else ())
+    return cluster
+
+
+def save_cluster(cluster: Cluster, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cluster.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of peak that real kernels and collectives reach (defaults, overridable on the command line).
+
+    compute 0.5: large bf16 GEMMs and flash attention reach 50-60% of peak on Hopper (platform-notes.md:
+    grouped_mm experts 525-605 of 989 TFLOP/s, SDPA fwd+bwd 480-575 on an H200); whole HF layers reach less.
+    network 0.8: NCCL send/recv and all-to-all bus bandwidth on 400 Gb/s RDMA with large messages.
+    nvlink 0.8: NCCL intra-node bus bandwidth relative to the NVLink line rate.
+    memory 0.9: usable share of HBM after the CUDA context, NCCL buffers and allocator fragmentation.
+    """
+
+    compute: float = 0.5
+    network: float = 0.8
+    nvlink: float = 0.8
+    memory: float = 0.9
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not 0 < value <= 1:
+                raise ConfigError(f"efficiency {f.name} must be in (0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class PartModel:
+    """Seconds of one call of a layer part on one GPU, from its forward FLOPs (a fitted roofline):
+
+        t = per_flop * linear_flops + per_core_flop * core_flops + per_call
+
+    ``linear_flops`` scale with tokens (projections, router, MLPs); ``core_flops`` are the attention core
+    (s^2). From peak numbers both per-FLOP terms are 1 / (peak x efficiency) (x2 for backward) and per_call is 0;
+    a profile fits all three to measurements (``profile.py``)."""
+
+    per_flop: float
+    per_core_flop: float
+    per_call: float = 0.0
+
+    def seconds(self, linear_flops: float, core_flops: float = 0.0, calls: float = 1.0) -> float:
+        return self.per_flop * linear_flops + self.per_core_flop * core_flops + self.per_call * calls
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Achievable speeds: per-call time models of the attention part and the expert part (forward and
+    backward, both in terms of the part's forward FLOPs), bytes/s per NIC and over NVLink, usable memory."""
+
+    attention_fwd: PartModel
+    attention_bwd: PartModel
+    experts_fwd: PartModel
+    experts_bwd: PartModel
+    nic_bw: float
+    nvlink_bw: float
+    usable_hbm: float
+    source: str
+
+    @classmethod
+    def from_cluster(cls, cluster: Cluster, eff: Efficiency) -> Rates:
+        per = 1.0 / (cluster.peak_flops * eff.compute)
+        fwd, bwd = PartModel(per, per), PartModel(2 * per, 2 * per)
+        return cls(
+            attention_fwd=fwd,
+            attention_bwd=bwd,
+            experts_fwd=fwd,
+            experts_bwd=bwd,
+            nic_bw=cluster.nic_bw * eff.network,
+            nvlink_bw=cluster.nvlink_bw * eff.nvlink,
+            usable_hbm=cluster.hbm_bytes * eff.memory,
+            source=f"peak x efficiency (compute {eff.compute:g}, network {eff.network:g}, nvlink {eff.nvlink:g})",
+        )

@@ -1,0 +1,224 @@
+"""disagmoe-convert: bit-identical HF round trips for every family, re-layout with optimizer state, clear errors.
+
+Layouts are written (M, N, p): attention ranks, FFN ranks, depth.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.convert import (
+    Job,
+    _full_state,
+    disagmoe_to_hf,
+    hf_to_disagmoe,
+    main,
+    open_checkpoint,
+)
+from disagmoe_ds.engine.build import build_rank
+from disagmoe_ds.engine.checkpoint import load_checkpoint, save_checkpoint
+from disagmoe_ds.errors import CheckpointError
+from disagmoe_ds.launch.testing import run_ranks
+from disagmoe_ds.verify import VerifyArgs, load_for_verify, make_batches
+
+# fp32: layouts differ only in the order of sums (lane reduction, expert partials, ZeRO partitions).
+RESUME_TOL = 1e-5
+
+# Hub key of expert 0's first projection in layer 1 (an MoE layer in every tiny config), as save_pretrained writes.
+EXPERT_KEY = {
+    "qwen2-moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "qwen3-moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "olmoe": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "deepseek-v2": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "deepseek-v3": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "mixtral": "model.layers.1.block_sparse_moe.experts.0.w1.weight",
+    "gpt-oss": "model.layers.1.mlp.experts.gate_up_proj",  # GPT-OSS is fused on the Hub too
+}
+
+# (family, layout, ZeRO stage, config overrides): one layout per family with the ZeRO stages spread over them, and
+# a second qwen3-moe run at depth 2 with tied embeddings (save_pretrained writes one tensor for the tied pair).
+ROUND_TRIPS = [
+    ("qwen2-moe", (2, 2, 1), 0, {}),
+    ("qwen3-moe", (2, 2, 1), 1, {}),
+    ("qwen3-moe", (2, 2, 2), 2, {"tie_word_embeddings": True}),
+    ("mixtral", (1, 2, 1), 2, {}),
+    ("deepseek-v2", (2, 2, 1), 1, {}),
+    ("deepseek-v3", (1, 2, 1), 0, {}),
+    ("gpt-oss", (1, 2, 1), 1, {}),
+    ("olmoe", (1, 2, 1), 2, {}),
+]
+
+
+@pytest.mark.parametrize("family,layout,zero,overrides", ROUND_TRIPS)
+def test_hf_round_trip_is_bit_identical(tiny_checkpoint, tmp_path, family, layout, zero, overrides):
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_checkpoint(family, **overrides), src)
+    (src / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')  # carried byte for byte
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    m, n, p = layout
+    to_disagmoe = (
+        f"hf-to-disagmoe --model {src} --out {ckpt} --zero {zero} --attention-gpus {m} --ffn-gpus {n} --depth {p}"
+    )
+    assert main(to_disagmoe.split()) == 0
+    assert main(f"disagmoe-to-hf --ckpt {ckpt} --model {src} --out {out}".split()) == 0
+
+    before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(after) == sorted(before)
+    assert EXPERT_KEY[family] in after
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    assert (out / "tokenizer_config.json").read_text() == (src / "tokenizer_config.json").read_text()
+    assert not list(tmp_path.glob(".partial-*"))
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Re-layout: (2,2,1) after 2 steps -> (1,3,1) continues like the uninterrupted (2,2,1) run
+# ----------------------------------------------------------------------------------------------------------------
+
+
+# The learning rate changes every step, so a re-layout that lost the scheduler state or the scheduled lr shows.
+SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 8}}
+
+
+def _ds_config(args: VerifyArgs) -> dict:
+    return {**args.ds_config(), "scheduler": SCHEDULER}
+
+
+def _args(model: str, cfg: DisagMoEConfig) -> VerifyArgs:
+    return VerifyArgs(
+        model, cfg, zero=1, steps=5, dtype="fp32", seq_len=8, micro_batch_size=1, clip=0.05, lr=1e-3, seed=0, skew=False
+    )
+
+
+def _train_and_save(rank: int, args: VerifyArgs, ckpt: str) -> dict:
+    """Train all steps, saving after step 2; also checks that ZeRO's module weights equal its fp32 masters."""
+    rt = build_rank(args.model, _ds_config(args), args.cfg, micro_batch_size=1, model=load_for_verify(args))
+    losses, masters_equal = [], True
+    for step in range(args.steps):
+        vocab = rt.module.config.vocab_size if rt.role.is_attention else 0
+        batches = make_batches(args, vocab, step, rt.role.index) if rt.role.is_attention else None
+        losses.append(rt.executor.train_batch(batches).loss)
+        if step == 1:
+            for param in rt.module.parameters():
+                masters_equal &= torch.equal(_full_state(rt.engine, param, None), param.detach())
+            save_checkpoint(
+                rt.engine,
+                rt.role,
+                rt.layout,
+                rt.module.config,
+                ckpt,
+                f"step{step + 1}",
+                {"step": step + 1},
+                ds_config=_ds_config(args),
+            )
+    return {"losses": losses, "masters_equal": masters_equal}
+
+
+def _lanes(cfg: DisagMoEConfig) -> int:
+    return cfg.attention_gpus // cfg.depth
+
+
+def _resume(rank: int, args: VerifyArgs, data_args: VerifyArgs, ckpt: str) -> list[float]:
+    """Load ``ckpt`` under ``args``' layout and train to step 5 on the global batches of ``data_args``' run.
+
+    A step's loss is the mean over all lanes' micro-batches, so one lane with 2K micro-batches (lane 0's, then
+    lane 1's) trains on the same sequences as two lanes with K each.
+    """
+    rt = build_rank(args.model, _ds_config(args), args.cfg, micro_batch_size=1, model=load_for_verify(args))
+    _, client_state = load_checkpoint(rt.engine, rt.role, rt.layout, rt.module.config, ckpt)
+    lanes_per_lane = _lanes(data_args.cfg) // _lanes(args.cfg)
+    losses = []
+    for step in range(client_state["step"], args.steps):
+        batches = None
+        if rt.role.is_attention:
+            vocab = rt.module.config.vocab_size
+            first = rt.role.index * lanes_per_lane
+            batches = [
+                b for lane in range(first, first + lanes_per_lane) for b in make_batches(data_args, vocab, step, lane)
+            ]
+        losses.append(rt.executor.train_batch(batches).loss)
+    return losses
+
+
+def test_relayout_continues_training_like_the_original_layout(tiny_checkpoint, tmp_path):
+    model = str(tiny_checkpoint("qwen3-moe", num_experts=6))  # 6 experts split over 2 and over 3 FFN ranks
+    args_221 = _args(model, DisagMoEConfig(attention_gpus=2, ffn_gpus=2, micro_batches=2))
+    args_131 = _args(model, DisagMoEConfig(attention_gpus=1, ffn_gpus=3, micro_batches=4))
+    src, dst, back = tmp_path / "src", tmp_path / "dst", tmp_path / "back"
+    full = run_ranks(_train_and_save, 4, args=(args_221, str(src)), timeout_s=120)
+    assert all(r["masters_equal"] for r in full)  # fp32 ZeRO-1: module weights == assembled fp32 masters, bitwise
+    reference = full[0]["losses"][2:]
+
+    # ZeRO 1 -> 0 on the way there (per-parameter state), 0 -> 1 on the way back (flat partitions).
+    relayout = f"relayout --ckpt {src} --model {model} --out {dst} --zero 0 --attention-gpus 1 --ffn-gpus 3"
+    assert main(relayout.split()) == 0
+    resumed = run_ranks(_resume, 4, args=(replace(args_131, zero=0), args_221, str(dst)), timeout_s=120)[0]
+    assert max(abs(a - b) for a, b in zip(resumed, reference)) <= RESUME_TOL, (resumed, reference)
+
+    relayout = f"relayout --ckpt {dst} --model {model} --out {back} --zero 1 --attention-gpus 2 --ffn-gpus 2"
+    assert main(relayout.split()) == 0
+    assert run_ranks(_resume, 4, args=(args_221, args_221, str(back)), timeout_s=120)[0] == reference  # lossless
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_ckpt(tiny_checkpoint, tmp_path_factory):
+    model = tiny_checkpoint("qwen3-moe")
+    root = tmp_path_factory.mktemp("qwen3-ckpt")
+    hf_to_disagmoe(Job(str(model), DisagMoEConfig(attention_gpus=1, ffn_gpus=1), {}), root)
+    return root
+
+
+def test_checkpoint_of_another_model_is_refused(tiny_checkpoint, qwen3_ckpt, tmp_path, capsys):
+    other = tiny_checkpoint("mixtral")
+    assert main(f"disagmoe-to-hf --ckpt {qwen3_ckpt} --model {other} --out {tmp_path / 'o'}".split()) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("disagmoe-convert")]
+    assert len(errors) == 1 and "was written for another model" in errors[0]
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(CheckpointError, match="6 experts; the checkpoint has 4 layers, 8 experts"):
+        open_checkpoint(qwen3_ckpt, tiny_checkpoint("qwen3-moe", num_experts=6))  # same fingerprint, other experts
+
+
+def test_missing_and_incomplete_checkpoints_are_refused(tiny_checkpoint, qwen3_ckpt, tmp_path):
+    model = tiny_checkpoint("qwen3-moe")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        open_checkpoint(tmp_path / "nowhere", model)
+    (tmp_path / "step3" / "attention_g0").mkdir(parents=True)
+    (tmp_path / "latest").write_text("step3")
+    with pytest.raises(CheckpointError, match="incomplete or missing"):
+        open_checkpoint(tmp_path, model)
+    unrecorded = tmp_path / "unrecorded"
+    shutil.copytree(qwen3_ckpt, unrecorded)
+    manifest = json.loads((unrecorded / "step0" / "manifest.json").read_text())
+    manifest["ds_config"] = None
+    (unrecorded / "step0" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="does not record its DeepSpeed config; pass --ds-config"):
+        open_checkpoint(unrecorded, model)
+    assert open_checkpoint(unrecorded, model, ds_config={"zero_optimization": {"stage": 0}}).job.ds_config
+
+
+def test_hf_directory_without_weights_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="no weight file in"):
+        hf_to_disagmoe(Job("hf_models/tiny-qwen3-moe", DisagMoEConfig(), {}), tmp_path)  # a config-only directory
+
+
+def test_existing_output_is_never_overwritten(tiny_checkpoint, qwen3_ckpt, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(CheckpointError, match="already exists"):
+        disagmoe_to_hf(open_checkpoint(qwen3_ckpt, tiny_checkpoint("qwen3-moe")), tmp_path / "out")
+    with pytest.raises(CheckpointError, match="already exists"):
+        hf_to_disagmoe(Job(str(tiny_checkpoint("qwen3-moe")), DisagMoEConfig(), {}), qwen3_ckpt)  # its tag step0

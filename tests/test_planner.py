@@ -1,0 +1,373 @@
+"""disagmoe-plan: FLOP/param/memory model, allocator decisions, both simulators, the CLI and the profile command."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from disagmoe_ds.errors import ConfigError, UnsupportedModelError
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner import (
+    Cluster,
+    Efficiency,
+    ModelSpec,
+    PartModel,
+    PlanRequest,
+    Precision,
+    Rates,
+    Workload,
+    causal_pairs,
+    load_cluster,
+    load_model_spec,
+    megatron_order,
+    plan,
+    preset,
+    save_cluster,
+    simulate_baseline,
+)
+from disagmoe_ds.planner.cli import main
+from disagmoe_ds.planner.memory import attention_rank_memory, ffn_rank_memory
+from disagmoe_ds.planner.simulate import baseline_closed_form
+from disagmoe_ds.planner.stages import BaselineChunkCosts
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ("qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "olmoe")
+# FLOP identities are exact integer arithmetic up to float rounding of the s^2/2 term.
+FLOP_RTOL = 1e-12
+# The issue's bound for the memory model against what PyTorch allocates.
+MEMORY_RTOL = 0.15
+
+TINY_QWEN3 = {
+    "model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "intermediate_size": 96,
+    "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0],
+}
+
+
+# ----- FLOPs -----
+def test_flops_by_hand_on_a_tiny_config():
+    spec = ModelSpec.from_config(TINY_QWEN3)
+    s = 16
+    # q, k, v, o: 2*64*64 + 2*2*64*32 + 2*64*64
+    assert spec.attention_projection_flops() == 8192 + 8192 + 8192
+    # s^2/2 = 128 pairs per sequence -> 8 per token; a pair costs 2 * 4 heads * (16 + 16)
+    assert spec.attention_core_flops(s, 1) == 8 * 256
+    assert spec.router_flops() == 2 * 64 * 8
+    assert spec.routed_flops_per_token() == 2 * 6 * 64 * 32
+    assert spec.dense_mlp_flops() == 6 * 64 * 96
+    assert spec.moe_layers == (False, True, True, True)
+    dense_layer = 24576 + 2048 + 36864
+    moe_layer_a, moe_layer_f = 24576 + 2048 + 1024, 24576
+    assert spec.attention_side_flops(s, 0) == dense_layer and spec.expert_side_flops(0) == 0
+    assert spec.attention_side_flops(s, 1) == moe_layer_a and spec.expert_side_flops(1) == moe_layer_f
+    head = 2 * 64 * 128
+    assert spec.step_flops_per_token(s) == 3 * (dense_layer + 3 * (moe_layer_a + moe_layer_f) + head)
+
+
+def test_causal_convention_halves_the_square_and_windows_cap_it():
+    assert causal_pairs(4096) == 4096**2 / 2
+    assert causal_pairs(100, window=128) == 100**2 / 2  # window longer than the sequence: plain causal
+    assert causal_pairs(4096, window=128) == 4096 * 128 - 128**2 / 2
+    spec = load_model_spec(ROOT / "hf_models" / "GPT-OSS-120B")
+    assert spec.windows[:4] == (128, 0, 128, 0)
+    assert spec.attention_core_flops(8192, 0) < spec.attention_core_flops(8192, 1) / 30
+
+
+def megatron_flops_per_token(s: int, *, h: int, layers: int, heads: int, groups: int, head_dim: int, ffn: int,
+                             k: int, vocab: int) -> float:
+    """Megatron-LM num_floating_point_operations / (batch * s): Narayanan et al. 2021 with GQA, SwiGLU (3/2),
+    MoE with k active experts and the causal half of the attention matrix."""
+    q = heads * head_dim
+    attention = (1 + groups / heads + s / h / 2) * q / h
+    mlp = ffn / h * k * 3 / 2
+    logit = vocab / (2 * layers * h)
+    return 12 * layers * h * h * (attention + mlp + logit)
+
+
+def test_flops_match_megatron_closed_form_for_qwen3_235b_like():
+    cfg = dict(json.loads((ROOT / "hf_models" / "Qwen3-235B-A22B" / "config.json").read_text()))
+    spec = ModelSpec.from_config(cfg)
+    for s in (4096, 32768):
+        closed = megatron_flops_per_token(s, h=4096, layers=94, heads=64, groups=4, head_dim=128, ffn=1536, k=8,
+                                          vocab=151936)
+        router = 3 * 2 * 4096 * 128 * 94  # the planner counts the router GEMM, Megatron's formula does not
+        assert math.isclose(spec.step_flops_per_token(s), closed + router, rel_tol=FLOP_RTOL)
+
+
+def test_flops_match_megatron_mla_closed_form_for_deepseek_v3_like():
+    cfg = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+           "vocab_size": 129280, "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+           "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "q_lora_rank": 1536,
+           "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+    spec = ModelSpec.from_config(cfg)
+    h, n, qr, kvr, dn, dr, dv, s = 7168, 128, 1536, 512, 128, 64, 128, 4096
+    # Megatron-LM's multi_latent_attention term without its "+1" norm terms, per layer and token, forward MACs
+    mla = (qr * (h + n * (dn + dr)) + kvr * (h + n * (dn + dv)) + h * dr + n * dv * h
+           + s * n * (dn + dr) / 2 + s * n * dv / 2)
+    dense_mlp, moe_mlp = 3 * h * 18432, 3 * h * 2048 * (8 + 1) + h * 256  # routed + shared, plus the router
+    closed = 6 * (61 * mla + 3 * dense_mlp + 58 * moe_mlp + h * 129280)
+    assert math.isclose(spec.step_flops_per_token(s), closed, rel_tol=FLOP_RTOL)
+
+
+# ----- parameters and memory -----
+def build_tiny(family: str, device: str = "cpu"):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def test_parameter_counts_equal_hf_for_every_family():
+    for family in TINY:
+        model = build_tiny(family, device="meta")  # shapes only
+        spec = load_model_spec(ROOT / "hf_models" / f"tiny-{family}")
+        assert spec.total_params() == sum(p.numel() for p in model.parameters()), family
+        experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+        assert experts == spec.num_moe_layers * spec.num_experts * spec.expert_params(), family
+
+
+def test_memory_estimate_within_15_percent_of_torch_adamw():
+    torch = pytest.importorskip("torch")
+    model = build_tiny("qwen3-moe")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    measured = sum(t.numel() * t.element_size() for t in tensors)
+    spec = load_model_spec(ROOT / "hf_models" / "tiny-qwen3-moe")
+    layout = Layout(1, 1, spec.num_layers, spec.num_experts)
+    work = Workload(16, 2, zero_stage=0, precision="fp32")
+    estimate = attention_rank_memory(spec, layout, work).state + ffn_rank_memory(spec, layout, work).state
+    assert abs(estimate - measured) / measured < MEMORY_RTOL
+
+
+def test_zero_sharding_and_state_bytes():
+    bf16 = Precision.named("bf16")
+    assert bf16.per_param(zero_stage=0, dp=8) == 16
+    assert bf16.per_param(zero_stage=1, dp=4) == 2 + 2 + 12 / 4
+    assert bf16.per_param(zero_stage=2, dp=4) == 2 + (2 + 12) / 4
+    with pytest.raises(ConfigError, match="ZeRO-3"):
+        bf16.per_param(zero_stage=3, dp=2)
+
+
+def test_a_token_goes_to_an_ffn_rank_once():
+    spec = ModelSpec.from_config(TINY_QWEN3)  # 8 experts, top-2
+    for ep in (1, 2, 4, 8):
+        local = 8 // ep
+        combos = list(itertools.combinations(range(8), 2))
+        exact = sum(len({e // local for e in c}) for c in combos) / len(combos)
+        assert math.isclose(spec.distinct_ranks_per_token(ep), exact)
+    wire = spec.wire_bytes_per_token(8)
+    assert wire.n2m == spec.distinct_ranks_per_token(8) * 2 * 64
+
+
+def test_unsupported_and_malformed_configs_name_the_field():
+    with pytest.raises(UnsupportedModelError, match="llama"):
+        ModelSpec.from_config({"model_type": "llama"})
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        ModelSpec.from_config({k: v for k, v in TINY_QWEN3.items() if k != "num_experts_per_tok"})
+
+
+# ----- cluster -----
+def test_cluster_presets_and_json_round_trip(tmp_path):
+    h200 = preset("h200", nodes=2)
+    assert (h200.world_size, h200.total_nics, h200.nic_bw) == (16, 16, 50e9)
+    path = tmp_path / "cluster.json"
+    save_cluster(h200, path)
+    assert load_cluster(str(path)) == h200
+    assert load_cluster(str(path), nodes=4).nodes == 4
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**h200.to_dict(), "nic_bw": -1}))
+    with pytest.raises(ConfigError, match="nic_bw"):
+        load_cluster(str(bad))
+    bad.write_text(json.dumps({**h200.to_dict(), "nic_speed": 1}))
+    with pytest.raises(ConfigError, match="unknown cluster field"):
+        load_cluster(str(bad))
+    with pytest.raises(ConfigError, match="needs --nodes"):
+        load_cluster("h800")
+
+
+# ----- simulators -----
+@pytest.mark.parametrize("pp,vpp,m", [(1, 1, 4), (4, 1, 8), (4, 1, 2), (4, 2, 8), (2, 3, 4), (8, 4, 16)])
+def test_baseline_1f1b_equals_closed_form(pp, vpp, m):
+    n = pp * vpp
+    costs = BaselineChunkCosts((1.0,) * n, (2.0,) * n, (0.0,) * n, (0.0,) * n, 0.0, 0.0)
+    result = simulate_baseline(costs, pp=pp, vpp=vpp, micro_batches=m)
+    assert result.step_time_s == pytest.approx(baseline_closed_form(costs, pp=pp, vpp=vpp, micro_batches=m))
+    assert result.bubble_fraction == pytest.approx((pp - 1) / (m * vpp + pp - 1))
+
+
+def test_megatron_order_runs_every_chunk_once_and_exposes_comm():
+    for pp, vpp, m, rank in [(4, 2, 8, 0), (4, 2, 8, 3), (2, 1, 5, 1)]:
+        ops = megatron_order(pp, vpp, m, rank)
+        assert sorted((o.forward, o.chunk, o.micro_batch) for o in ops) == sorted(
+            (f, c, b) for f in (True, False) for c in range(vpp) for b in range(m))
+    costs = BaselineChunkCosts((1.0,) * 2, (2.0,) * 2, (0.5,) * 2, (0.5,) * 2, 0.25, 0.0)
+    result = simulate_baseline(costs, pp=2, vpp=1, micro_batches=4)
+    assert result.exposed_comm_fraction == pytest.approx(5 * 1.0 / result.step_time_s)
+
+
+# ----- allocator -----
+def small_cluster(**overrides) -> Cluster:
+    base = Cluster("test", nodes=2, gpus_per_node=4, peak_flops=400e12, hbm_bytes=80e9, nvlink_bw=200e9,
+                   nics_per_node=4, nic_bw=50e9)
+    return replace(base, **overrides)
+
+
+def mid_model(**overrides) -> ModelSpec:
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+           "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000, "intermediate_size": 4096,
+           "moe_intermediate_size": 512, "num_experts": 16, "num_experts_per_tok": 4}
+    return ModelSpec.from_config({**cfg, **overrides})
+
+
+def plan_for(spec: ModelSpec, cluster: Cluster, seq_len: int, **kwargs):
+    rates = Rates.from_cluster(cluster, Efficiency())
+    req = PlanRequest(spec, cluster, rates, Workload(seq_len, 1), global_batch=8 * cluster.world_size, **kwargs)
+    return plan(req)
+
+
+def test_long_sequences_get_more_attention_gpus():
+    spec, cluster = mid_model(), small_cluster()
+    short, long = plan_for(spec, cluster, 1024), plan_for(spec, cluster, 32768)
+    m_short = short.af.candidate.layout.attention_gpus
+    m_long = long.af.candidate.layout.attention_gpus
+    assert m_long > m_short
+    ra = long.af.candidate.roofline
+    assert ra.attention.flops / ra.ffn.flops > 3  # the s^2 core dominates at 32K
+
+
+def test_compute_bound_split_follows_the_flop_ratio():
+    spec, cluster = mid_model(), small_cluster(nic_bw=1e12, nvlink_bw=1e12)  # bandwidth is free
+    result = plan_for(spec, cluster, 8192, placement="contiguous")
+    c = result.af.candidate
+    share = c.roofline.attention.flops / (c.roofline.attention.flops + c.roofline.ffn.flops)
+    assert abs(c.layout.attention_gpus / cluster.world_size - share) <= 1.5 / cluster.world_size * c.layout.depth
+
+
+def test_plans_divide_and_fit_memory():
+    spec = mid_model(num_hidden_layers=6)
+    cluster = small_cluster(hbm_bytes=3e9)
+    result = plan_for(spec, cluster, 4096)
+    c = result.af.candidate
+    Layout(c.layout.attention_gpus, c.layout.ffn_gpus, spec.num_layers, spec.num_experts, depth=c.layout.depth,
+           expert_data_parallel=c.layout.expert_data_parallel)  # re-validates
+    usable = result.request.rates.usable_hbm
+    assert c.memory_attention.total_at(result.af.in_flight) <= usable
+    assert c.memory_ffn.total_at(result.af.in_flight) <= usable
+    assert result.baseline.candidate.memory.total <= usable
+    assert result.rejected["does not fit memory (recompute none)"] > 0
+    tiny_hbm = plan_for(spec, small_cluster(hbm_bytes=1e9), 4096)
+    assert tiny_hbm.af is None and tiny_hbm.baseline is None
+
+
+def test_bandwidth_starved_cluster_says_disaggregation_does_not_pay():
+    from disagmoe_ds.planner.report import verdict
+
+    result = plan_for(mid_model(), small_cluster(nic_bw=0.5e9), 4096)
+    head, reasons = verdict(result)
+    assert not result.pays and result.speedup < 1
+    assert "does not pay" in head and "co-located EP" in head
+    assert any(re.search("dead zone|NICs", r) for r in reasons)
+
+
+# ----- CLI -----
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_json_and_written_files(tmp_path, capsys):
+    cluster = tmp_path / "cluster.json"
+    save_cluster(small_cluster(), cluster)
+    ds, hosts, trace = tmp_path / "ds.json", tmp_path / "hostfile", tmp_path / "timeline.json"
+    rc, out, _ = run_cli(capsys, "--model", str(ROOT / "hf_models" / "tiny-qwen3-moe"), "--seq-len", "256",
+                         "--micro-batch-size", "2", "--cluster", str(cluster), "--json", "--write-ds-config", str(ds),
+                         "--write-hostfile", str(hosts), "--timeline", str(trace))
+    assert rc == 0
+    plan_json = json.loads(out)
+    for key in ("attention_gpus", "ffn_gpus", "attention_nics", "ffn_nics", "depth", "micro_batches",
+                "step_time_s", "baseline_step_time_s", "speedup"):
+        assert plan_json[key] is not None, key
+    assert plan_json["attention_gpus"] + plan_json["ffn_gpus"] == 8
+    section = json.loads(ds.read_text())["disagmoe"]
+    assert {"attention_gpus", "ffn_gpus", "depth", "micro_batches", "expert_data_parallel"} <= set(section)
+    lines = [ln for ln in hosts.read_text().splitlines() if ln and not ln.startswith("#")]
+    assert all(re.match(r"^\S+\s+slots=\d+$", ln) for ln in lines) and len(lines) == 2
+    assert "A0.lane0" in hosts.read_text().splitlines()[2]  # the first node starts with attention rank 0
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert (tmp_path / "timeline-baseline.json").exists()
+
+
+def test_cli_text_and_one_line_errors(capsys):
+    model = str(ROOT / "hf_models" / "tiny-mixtral")
+    rc, out, _ = run_cli(capsys, "--model", model, "--seq-len", "128", "--cluster", "h800", "--nodes", "1")
+    assert rc == 0 and "AF-Pipe plan" in out and "verdict" in out
+    rc, _, err = run_cli(capsys, "--model", "/nonexistent", "--seq-len", "128", "--nodes", "1")
+    assert rc == 2 and err.count("\n") == 1 and "config.json" in err
+    rc, _, err = run_cli(capsys, "--model", model, "--seq-len", "128", "--cluster", "a100", "--nodes", "1")
+    assert rc == 2 and "h800" in err
+    rc, _, err = run_cli(capsys, "--model", model, "--seq-len", "0", "--nodes", "1")
+    assert rc == 2 and "--seq-len" in err
+
+
+def test_cli_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--model", "--seq-len", "--micro-batch-size", "--cluster", "--nodes", "--profile", "--json",
+                 "--write-ds-config", "--write-hostfile", "--timeline", "profile"):
+        assert flag in out
+
+
+def test_planner_imports_neither_torch_nor_deepspeed():
+    code = ("import sys, disagmoe_ds.planner, disagmoe_ds.planner.cli, disagmoe_ds.planner.profile; "
+            "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_profile_fit_recovers_a_known_time_model():
+    from disagmoe_ds.planner.profile import fit_part
+
+    true = PartModel(per_flop=1 / 400e12, per_core_flop=1 / 600e12, per_call=3e-4)
+    points = [(lin, core, true.seconds(lin, core)) for lin, core in ((1e11, 1e11), (2e11, 4e11), (4e11, 16e11))]
+    fit = fit_part(points)
+    for got, want in ((fit.per_flop, true.per_flop), (fit.per_core_flop, true.per_core_flop),
+                      (fit.per_call, true.per_call)):
+        assert got == pytest.approx(want, rel=1e-6)
+    one = fit_part(points[:1])  # a single point: one rate, no per-call term
+    assert one.per_call == 0 and one.seconds(*points[0][:2]) == pytest.approx(points[0][2])
+
+
+def test_profile_on_cpu_feeds_the_planner(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    model = str(ROOT / "hf_models" / "tiny-qwen3-moe")
+    profile = tmp_path / "profile.json"
+    rc, out, _ = run_cli(capsys, "profile", "--model", model, "--seq-len", "32,64", "--out", str(profile),
+                         "--device", "cpu", "--dtype", "float32", "--warmup", "1", "--repeats", "1")
+    assert rc == 0 and "TFLOP/s" in out
+    data = json.loads(profile.read_text())
+    assert [pt["seq_len"] for pt in data["points"]] == [32, 64]
+    assert data["points"][0]["attention"]["fwd_s"] > 0 and data["points"][1]["experts"]["bwd_s"] > 0
+    rc, out, _ = run_cli(capsys, "profile", "--model", model, "--seq-len", "48", "--out", str(tmp_path / "p2.json"),
+                         "--device", "cpu", "--dtype", "float32", "--warmup", "0", "--repeats", "1",
+                         "--predict-from", str(profile))
+    assert rc == 0 and "predicted" in out and "error" in out
+    rc, out, err = run_cli(capsys, "--model", model, "--seq-len", "128", "--cluster", "h800", "--nodes", "1",
+                           "--profile", str(profile), "--json")
+    assert rc == 0 and "profile of tiny-qwen3-moe" in json.loads(out)["rates"]
+    assert "extrapolating" in err  # 128 lies outside the measured 32..64
