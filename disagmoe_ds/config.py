@@ -61,6 +61,11 @@ class DisagMoEConfig:
     def world_size(self) -> int:
         return self.attention_gpus + self.ffn_gpus
 
+    @property
+    def lanes(self) -> int:
+        """Data-parallel attention ranks per A-group (how many distinct batches one step consumes)."""
+        return self.attention_gpus // self.depth
+
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any], overrides: dict[str, Any] | None = None) -> DisagMoEConfig:
         section = dict(ds_config.get(SECTION, {}))

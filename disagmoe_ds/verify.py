@@ -220,13 +220,38 @@ def compare(ranks: list[dict[str, Any]], ref: dict[str, Any], args: VerifyArgs) 
 
 
 def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Start the ranks on this machine (CPU, gloo), then compare with the reference."""
     from disagmoe_ds.engine.build import preflight
     from disagmoe_ds.launch.local import spawn_local
 
     preflight(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
-
     ranks = spawn_local(rank_main, args.cfg.world_size, args=(args,), timeout_s=timeout_s)
-    return compare(ranks, reference(args, args.cfg.attention_gpus // args.cfg.depth), args)
+    return compare(ranks, reference(args, args.cfg.lanes), args)
+
+
+def run_launched(args: VerifyArgs) -> dict[str, Any] | None:
+    """Run as one rank of a job a launcher started; the summary on global rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    from disagmoe_ds.engine.build import preflight
+    from disagmoe_ds.launch.env import init_from_env
+
+    init_from_env(comm_timeout_s=args.cfg.comm_timeout_s)
+    preflight(args.model, args.cfg, args.ds_config(), dist.get_world_size())
+    result = rank_main(dist.get_rank(), args)
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(_to_cpu(result), gathered, dst=0)
+    return compare(gathered, reference(args, args.cfg.lanes), args) if gathered is not None else None
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def parse_args(argv: list[str] | None) -> VerifyArgs:
@@ -250,6 +275,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
     p.add_argument("--skew", action="store_true", help="route every token to expert 0 first (load imbalance)")
     p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
     p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     a = p.parse_args(argv)
     cfg = DisagMoEConfig(
         attention_gpus=a.attention_gpus,
@@ -265,13 +291,16 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
 
 def main(argv: list[str] | None = None) -> int:
     from disagmoe_ds.errors import DisagMoEError
+    from disagmoe_ds.launch.env import detect_launcher
 
     try:
         args = parse_args(argv)
-        summary = run_verify(args)
+        summary = run_launched(args) if detect_launcher() else run_verify(args)
     except DisagMoEError as err:
         print(f"disagmoe-verify: error: {err}", file=sys.stderr)
         return 2
+    if summary is None:  # not global rank 0 of a launched job
+        return 0
     print(json.dumps(summary, indent=None if "--json" in (argv or sys.argv) else 2))
     return 0 if summary["pass"] else 1
 

@@ -6,6 +6,12 @@ the HF reference on the same batches; loss, global grad norm, every gradient and
 
 from __future__ import annotations
 
+import json
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from disagmoe_ds.config import DisagMoEConfig
@@ -16,6 +22,9 @@ from disagmoe_ds.verify import VerifyArgs, run_verify
 # a dense layer (qwen2), grouped top-k with a bias (deepseek-v3) and all-tokens-to-one-expert routing.
 CASES = [
     ("qwen3-moe", {}, 1, 1, 1, 1, 1, 0, False),
+    ("qwen3-moe", {}, 2, 2, 1, 1, 1, 0, False),
+    ("qwen2-moe", {}, 1, 2, 1, 1, 8, 1, True),
+    ("qwen3-moe", {"num_experts": 6}, 2, 3, 1, 1, 8, 0, False),
     ("qwen2-moe", {}, 2, 2, 1, 1, 3, 1, False),
     ("qwen3-moe", {}, 2, 1, 1, 1, 8, 2, True),
     ("deepseek-v3", {}, 1, 2, 1, 1, 3, 0, True),
@@ -25,6 +34,7 @@ CASES = [
     ("olmoe", {}, 2, 4, 1, 2, 3, 1, False),
     ("deepseek-v3", {}, 2, 4, 1, 2, 3, 1, True),  # replicas where some experts get no token: zero-filled grads
 ]
+ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active
 
 
@@ -47,3 +57,60 @@ def test_disaggregated_equals_hf(tiny_checkpoint, family, overrides, M, N, p, ed
     summary = run_verify(args, timeout_s=240)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary
+
+
+def test_timeline_has_every_rank(tiny_checkpoint, tmp_path):
+    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=2, micro_batches=3)
+    trace = tmp_path / "trace.json"
+    args = VerifyArgs(
+        model=str(tiny_checkpoint("qwen2-moe")),
+        cfg=cfg,
+        zero=0,
+        steps=1,
+        dtype="fp32",
+        seq_len=8,
+        micro_batch_size=1,
+        clip=0.0,
+        lr=1e-3,
+        seed=0,
+        skew=False,
+        timeline=str(trace),
+    )
+    assert run_verify(args, timeout_s=120)["pass"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert len(names) == cfg.world_size
+    kinds = {e["name"].split("(")[0] for e in events if e["ph"] == "X"}
+    assert {"ForwardAttn", "BackwardAttn", "ForwardExperts", "BackwardExperts", "WaitRecv", "SendMessage"} <= kinds
+
+
+def test_verify_under_the_deepspeed_launcher(tiny_checkpoint):
+    """The real launcher on CPU: 4 processes, gloo, rank 0 prints the summary."""
+    cmd = [
+        shutil.which("deepspeed") or "deepspeed",
+        "--num_gpus",
+        "4",
+        "--master_port",
+        str(_free_port()),
+        str(ROOT / "disagmoe_ds" / "verify.py"),
+        "--model",
+        str(tiny_checkpoint("qwen2-moe")),
+        "--attention-gpus",
+        "2",
+        "--ffn-gpus",
+        "2",
+        "--micro-batches",
+        "2",
+        "--zero",
+        "1",
+        "--json",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 0 and len(summaries) == 1 and summaries[0]["pass"], out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -109,12 +109,22 @@ class AFPipeExecutor:
 
     # ----- step -----
     def _exec_reduce_grads(self) -> None:
-        # With managed_gradient_accumulation off, DeepSpeed reduces inside step(). Parameters no token reached
-        # this step (an expert nobody chose) get a zero gradient, so every replica reduces the same buckets.
+        # With managed_gradient_accumulation off, DeepSpeed reduces inside step(): nothing to send here.
         self.mailbox.flush()
-        for param in self.engine.module.parameters():
-            if param.requires_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
+        self._zero_grads_of_untouched()
+
+    def _zero_grads_of_untouched(self) -> None:
+        """Give parameters no token reached this step (an expert nobody chose) a zero gradient.
+
+        Replicas must reduce the same buckets; a zero backward through DeepSpeed (not ``p.grad = 0``) also sets
+        up its reduction buffers on a rank where no gradient was produced at all. ZeRO-2 reduces (and clears
+        ``p.grad``) during backward, and is only used without expert replicas, so it needs none of this.
+        """
+        if self.engine.zero_optimization_stage() >= 2:
+            return
+        missing = [p for p in self.engine.module.parameters() if p.requires_grad and p.grad is None]
+        if missing:
+            self.engine.backward(torch.stack([p.reshape(-1)[0] for p in missing]).sum() * 0, scale_wrt_gas=False)
 
     def _exec_optimizer_step(self) -> None:
         self.engine.step()

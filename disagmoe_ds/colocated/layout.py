@@ -1,0 +1,129 @@
+"""Where every rank sits in co-located EP+DP mode, and the mode's own knobs (pure Python).
+
+Every rank holds the whole attention side (data parallel over all W ranks) and a 1/ep slice of every MoE layer's
+routed experts. Rank order is DeepSpeed's "E + D" order: the expert-parallel index runs fastest, so an
+expert-parallel (EP) group is a run of ``ep_size`` consecutive ranks and the ranks holding the same expert slice
+(its expert-data-parallel replicas, EDP) are strided by ``ep_size``.
+
+>>> lay = ColocatedLayout(world_size=4, ep_size=2, num_experts=8)
+>>> lay.ep_group_ranks(1), lay.edp_group_ranks(1), lay.expert_range(lay.ep_rank(3))
+((2, 3), (1, 3), range(4, 8))
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from disagmoe_ds.errors import ConfigError, LayoutError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColocatedConfig:
+    """The co-located EP+DP run.
+
+    Attributes:
+        world_size: W, ranks in the job; every rank is an attention lane and an expert-parallel rank.
+        ep_size: expert-parallel ranks that together hold one copy of every MoE layer's experts; divides W.
+        micro_batches: micro-batches per optimizer step per rank (DeepSpeed's gradient_accumulation_steps).
+        comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging.
+        compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
+    """
+
+    world_size: int = 1
+    ep_size: int = 1
+    micro_batches: int = 1
+    comm_timeout_s: float = 300.0
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "compile":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"colocated.compile must be true or false, got {value!r}")
+                continue
+            allowed = (int, float) if f.name == "comm_timeout_s" else (int,)
+            if isinstance(value, bool) or not isinstance(value, allowed) or value <= 0:
+                raise ConfigError(f"colocated.{f.name} must be a positive number, got {value!r}")
+        if self.world_size % self.ep_size:
+            raise LayoutError(
+                f"ep_size ({self.ep_size}) must divide world_size ({self.world_size}): the ranks form "
+                f"world_size / ep_size expert-data-parallel replicas of the experts; pick an ep_size that divides it"
+            )
+
+    @property
+    def lanes(self) -> int:
+        """Data-parallel attention ranks (how many distinct batches one step consumes): every rank."""
+        return self.world_size
+
+    def layout(self, *, num_experts: int) -> ColocatedLayout:
+        return ColocatedLayout(world_size=self.world_size, ep_size=self.ep_size, num_experts=num_experts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColocatedLayout:
+    """A validated co-located layout: W ranks, EP groups of ``ep_size`` ranks, E routed experts per MoE layer."""
+
+    world_size: int
+    ep_size: int
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        if self.world_size % self.ep_size:
+            raise LayoutError(f"ep_size ({self.ep_size}) must divide world_size ({self.world_size})")
+        if self.num_experts % self.ep_size:
+            raise LayoutError(
+                f"num_experts ({self.num_experts}) must be divisible by ep_size ({self.ep_size}): every "
+                f"expert-parallel rank holds the same number of experts; choose an ep_size that divides it"
+            )
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Replicas of each expert slice (= number of EP groups)."""
+        return self.world_size // self.ep_size
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def expert_group_name(self) -> str:
+        """The name DeepSpeed keys its expert groups and expert parameters by (``MoE.expert_group_name``)."""
+        return f"ep_size_{self.ep_size}"
+
+    def ep_rank(self, rank: int) -> int:
+        return rank % self.ep_size
+
+    def edp_rank(self, rank: int) -> int:
+        """Which replica of the experts ``rank`` belongs to (the index of its EP group)."""
+        return rank // self.ep_size
+
+    def ep_group_ranks(self, replica: int) -> tuple[int, ...]:
+        """The ranks that together hold one full copy of the experts (they exchange tokens)."""
+        return tuple(range(replica * self.ep_size, (replica + 1) * self.ep_size))
+
+    def edp_group_ranks(self, ep_rank: int) -> tuple[int, ...]:
+        """The ranks that hold the same expert slice (they reduce its gradients)."""
+        return tuple(range(ep_rank, self.world_size, self.ep_size))
+
+    def expert_range(self, ep_rank: int) -> range:
+        """Global ids of the routed experts held by expert-parallel rank ``ep_rank``."""
+        start = ep_rank * self.experts_per_rank
+        return range(start, start + self.experts_per_rank)
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise LayoutError(
+                f"world size {world_size} does not match the co-located layout's world_size {self.world_size}; "
+                f"launch {self.world_size} ranks or change world_size"
+            )
+
+    def describe(self) -> str:
+        return (
+            f"co-located EP+DP: {self.world_size} ranks, EP {self.ep_size} x EDP {self.expert_data_parallel}, "
+            f"{self.experts_per_rank} experts per rank"
+        )

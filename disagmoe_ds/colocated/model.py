@@ -1,0 +1,124 @@
+"""What one co-located rank holds: the whole attention side and a slice of every MoE layer's routed experts.
+
+``ColocatedModel.forward`` runs one micro-batch of this rank exactly as ``models.split.SplitModel`` does in one
+process (same attention parts, same dispatch plan, same expert shards, same combine, same aux loss), with the
+expert shards spread over the ranks of the expert-parallel group and reached through a dispatcher.
+
+``ExpertStageMoE`` makes DeepSpeed treat the expert slice as MoE parameters: the engine sees a
+``deepspeed.moe.layer.MoE`` instance (``has_moe_layers``), and every expert parameter carries ``allreduce=False``
+and ``group_name``, so DeepSpeed reduces (and ZeRO partitions) them over the expert-data-parallel group and puts
+them in their own optimizer parameter groups.
+
+Shape suffixes: B micro-batch size, S sequence, T = B*S tokens, H hidden, R rows received by the expert shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from deepspeed.moe.layer import MoE
+from torch import nn
+
+from disagmoe_ds.colocated.dispatch import LocalDispatcher
+from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
+from disagmoe_ds.models.parts import (
+    AttentionStage,
+    ExpertShard,
+    ExpertStage,
+    RouterStats,
+    aux_loss_from_stats,
+    router_stats,
+)
+
+
+class ExpertStageMoE(MoE):
+    """An ``ExpertStage`` dressed as DeepSpeed's ``MoE`` (``MoE.__init__`` is skipped: it builds a gate and experts
+    of its own). The expert process groups must already be in DeepSpeed's registry (``register_with_deepspeed``).
+    """
+
+    def __init__(self, stage: ExpertStage, *, num_experts: int, ep_size: int, group_name: str):
+        nn.Module.__init__(self)
+        self.stage = stage
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = group_name
+        self.use_residual = False
+        self.enable_expert_tensor_parallelism = False
+        for param in stage.parameters():
+            param.allreduce = False
+            param.group_name = group_name
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Called by the engine; the groups are registered already, so there is nothing to create."""
+        from deepspeed.utils import groups as ds_groups
+
+        assert self.expert_group_name in ds_groups._get_expert_parallel_group_dict(), "register_with_deepspeed first"
+
+    def shard(self, layer: int) -> ExpertShard:
+        return self.stage.shard(layer)
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("ExpertStageMoE is a parameter holder; call shard(layer) for an MoE layer's experts")
+
+
+@dataclass
+class ColocatedOutput:
+    """One micro-batch's losses (``loss`` = LM loss + coef * aux loss, as HF computes it)."""
+
+    loss: torch.Tensor
+    lm_loss: torch.Tensor
+    aux_loss: torch.Tensor | None
+
+
+class ColocatedModel(nn.Module):
+    """The module of one co-located rank's DeepSpeed engine.
+
+    Args:
+        attention: every layer's attention part, the embedding and the head.
+        experts: this rank's expert slice of every MoE layer.
+        dispatcher: routes tokens to the expert-parallel ranks and back (not a module: it holds no parameters).
+        aux_coef: router aux-loss coefficient, or None when the family/config has no aux loss.
+    """
+
+    def __init__(self, attention: AttentionStage, experts: ExpertStageMoE, dispatcher: LocalDispatcher, aux_coef):
+        super().__init__()
+        self.attention = attention
+        self.experts = experts
+        self.dispatcher = dispatcher
+        self.aux_coef = aux_coef
+        self.config = attention.config
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> ColocatedOutput:
+        h_BSH = self.attention.embed_tokens(input_ids)
+        ctx = self.attention.context(h_BSH, position_ids)
+        stats: list[RouterStats] = []
+        for layer in range(self.config.num_hidden_layers):
+            part = self.attention.part(layer)
+            out = part(h_BSH, ctx, self.config)
+            if out.x_TH is None:  # dense layer
+                h_BSH = out.residual_BSH
+                continue
+            stats.append(router_stats(out.router_logits_TE, part.router.top_k))
+            routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
+            y_RH = self.experts.shard(layer)(routed.x_RH, routed.local_idx_RK, routed.w_RK)
+            h_BSH = out.residual_BSH + self.dispatcher.combine(y_RH, meta).view_as(out.residual_BSH)
+        _, lm_loss = self.attention.head(h_BSH, labels)
+        if self.aux_coef is None:
+            return ColocatedOutput(lm_loss, lm_loss, None)
+        aux = aux_loss_from_stats(stats)
+        return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux)
+
+    def hf_names(self) -> dict[str, tuple[str, int]]:
+        """Parameter name -> (HF name, first expert of the slice; 0 for attention-side parameters)."""
+        names = {}
+        for name, _ in self.named_parameters():
+            if name.startswith("attention."):
+                names[name] = (attention_name_to_hf(name.removeprefix("attention.")), 0)
+            else:
+                stage_name = name.removeprefix("experts.stage.")
+                names[name] = (expert_name_to_hf(stage_name), self.experts.stage.first_expert)
+        return names

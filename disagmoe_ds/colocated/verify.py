@@ -1,0 +1,150 @@
+"""Co-located EP+DP mode against the single-process HF model (the co-located twin of ``disagmoe-verify``).
+
+    python -m disagmoe_ds.colocated.verify --model hf_models/tiny-qwen2-moe --world-size 4 --ep-size 2 --zero 1
+
+Starts ``world_size`` CPU ranks (gloo), trains ``steps`` steps, and compares loss, global gradient norm, every
+gradient and every parameter with the HF model trained on the same batches (rank r trains on lane r's batches).
+The batches, the reference and the comparison are ``disagmoe_ds.verify``'s own; only the runtime differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from disagmoe_ds.colocated.build import ColocatedRuntime, build_colocated_rank, preflight_colocated
+from disagmoe_ds.colocated.layout import ColocatedConfig
+from disagmoe_ds.config import SECTION
+from disagmoe_ds.verify import DTYPES, VerifyArgs, _full_grad, compare, load_for_verify, make_batches, reference
+
+Named = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the slice, value)
+
+
+@dataclass(frozen=True)
+class ColocatedVerifyArgs(VerifyArgs):
+    """``VerifyArgs`` with the co-located config in place of the disaggregated layout."""
+
+    cfg: ColocatedConfig
+
+    def ds_config(self) -> dict[str, Any]:
+        config = super().ds_config()
+        config.pop(SECTION)
+        return config
+
+
+def rank_main(rank: int, args: ColocatedVerifyArgs) -> dict[str, Any]:
+    """One rank: build, train, return losses, grad norms, and its share of the parameters and gradients."""
+    from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
+
+    runtime = build_colocated_rank(
+        args.model,
+        args.ds_config(),
+        args.cfg,
+        micro_batch_size=args.micro_batch_size,
+        dtype=DTYPES[args.dtype],
+        model=load_for_verify(args),
+    )
+    grads = capture_grads(runtime)
+    vocab = runtime.module.config.vocab_size
+    losses, norms = [], []
+    for step in range(args.steps):
+        last = step == args.steps - 1
+        runtime.executor.record_timeline(bool(args.timeline) and last)
+        t0 = start_clock()
+        result = runtime.executor.train_batch(make_batches(args, vocab, step, lane=rank))
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        if args.timeline and last:
+            write_job_timeline(runtime.executor.timeline, t0, args.timeline)
+    params = _written(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()})
+    return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads}
+
+
+def capture_grads(runtime: ColocatedRuntime) -> list[Named]:
+    """Record, at every step, the reduced and clipped gradients the optimizer applies (this rank's share)."""
+    optimizer = runtime.engine.optimizer
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps a torch optimizer
+    captured: list[Named] = []
+
+    def hook(*_):
+        named = {n: _full_grad(optimizer, p) for n, p in runtime.module.named_parameters()}
+        captured.append(_written(runtime, {n: g for n, g in named.items() if g is not None}))
+
+    inner.register_step_pre_hook(hook)
+    return captured
+
+
+def _written(runtime: ColocatedRuntime, tensors: dict[str, torch.Tensor]) -> Named:
+    """One copy of every parameter: attention side from rank 0, expert slices from the first replica."""
+    hf_names = runtime.module.hf_names()
+    layout, rank = runtime.layout, runtime.rank
+    out = {}
+    for name, value in tensors.items():
+        hf_name, first = hf_names[name]
+        is_expert = name.startswith("experts.")
+        if (is_expert and layout.edp_rank(rank) == 0) or (not is_expert and rank == 0):
+            out[hf_name] = (first, value.float().clone())
+    return out
+
+
+def run_colocated_verify(args: ColocatedVerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Start the ranks on this machine (CPU, gloo), then compare with the reference."""
+    from disagmoe_ds.launch.local import spawn_local
+
+    preflight_colocated(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
+    ranks = spawn_local(rank_main, args.cfg.world_size, args=(args,), timeout_s=timeout_s)
+    return compare(ranks, reference(args, args.cfg.lanes), args)
+
+
+def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
+    p = argparse.ArgumentParser(
+        prog="python -m disagmoe_ds.colocated.verify",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="hf_models/tiny-qwen3-moe", help="HF model directory or config-only directory")
+    p.add_argument("--world-size", type=int, default=2, help="W: ranks, each with attention and an expert slice")
+    p.add_argument("--ep-size", type=int, default=2, help="expert-parallel ranks per copy of the experts (divides W)")
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per rank")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (2 only with ep-size 1)")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", action="store_true", help="route every token to expert 0 first (load imbalance)")
+    p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
+    p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
+    a = p.parse_args(argv)
+    cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=a.micro_batches)
+    return ColocatedVerifyArgs(
+        a.model, cfg, a.zero, a.steps, a.dtype, a.seq_len, a.micro_batch_size, a.clip, a.lr, a.seed, a.skew, a.timeline
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from disagmoe_ds.errors import DisagMoEError
+
+    try:
+        args = parse_args(argv)
+        summary = run_colocated_verify(args)
+    except DisagMoEError as err:
+        print(f"colocated verify: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=None if args_json(argv) else 2))
+    return 0 if summary["pass"] else 1
+
+
+def args_json(argv: list[str] | None) -> bool:
+    return "--json" in (argv if argv is not None else sys.argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

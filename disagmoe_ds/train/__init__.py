@@ -1,0 +1,12 @@
+"""The pieces of the training job that ``run_pretrain.py`` strings together, one concept per module.
+
+args         command line -> ``TrainArgs`` (the ds_config with its overrides applied, our layout config)
+hostfile     DeepSpeed hostfile validation, and re-launching ``run_pretrain.py`` through ``deepspeed``
+data         tokenizer, packed pretraining or SFT samples, and each lane's resumable loader
+model        the HF model to train: fresh, or ``--init-from`` pretrained weights; freezing parts of it
+balance      per-layer expert load, its imbalance, and DeepSeek-V3 auxiliary-loss-free bias updates
+metrics      model FLOPs (Megatron counting), MFU, one record per step
+progress     rank 0's output: start banner, progress bar or log lines, JSON lines, TensorBoard
+checkpoints  periodic/final saves with every lane's loader state, keep-last-N, resume
+interrupt    Ctrl-C / SIGTERM: every rank agrees to stop after the current step, then saves
+"""

@@ -1,0 +1,78 @@
+"""Expert load per layer, its imbalance, and DeepSeek-V3's auxiliary-loss-free balancing.
+
+HF's Switch-style aux loss is part of the runtime already (``output_router_logits`` in the model config).
+DeepSeek-V3 (arXiv 2412.19437, section 2.1.2) balances without a loss term: a bias b_e is added to each
+expert's affinity for the top-k choice only, and after every step ``b_e += rate * sign(mean_load - load_e)``
+(overloaded experts become less attractive, underloaded ones more). HF ships the bias
+(``e_score_correction_bias``, a router buffer) but never updates it; this module does, on the attention ranks
+that hold the routers, from the step's measured load of the whole batch (all lanes). Every lane of an A-group
+applies the same update to its replica, so the replicas stay identical; the buffer is saved in checkpoints.
+
+Shape suffixes: L layers, E routed experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from disagmoe_ds.engine.build import RankRuntime
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.models.families import family_of
+
+DEEPSEEK_V3_RATE = 1e-3  # gamma of DeepSeek-V3 for most of its training
+
+
+def bias_update_rate(requested: float | None, config) -> float:
+    """The rate to use: DeepSeek-V3's where the router has the bias and none was given, else the request."""
+    bias_attr = family_of(config).expert_bias_attr
+    if requested is None:
+        return DEEPSEEK_V3_RATE if bias_attr else 0.0
+    if requested > 0 and bias_attr is None:
+        raise ConfigError(
+            f"--bias-update-rate {requested}: model_type {config.model_type!r} has no router correction bias "
+            f"(only DeepSeek-V3 style routers do); balance it with its aux loss (router_aux_loss_coef) or pass 0"
+        )
+    return requested
+
+
+def expert_load(runtime: RankRuntime) -> torch.Tensor:
+    """[L, E] tokens routed to each expert in the last step, summed over every lane. Collective (all ranks)."""
+    layout = runtime.layout
+    if runtime.role.is_attention:
+        counts_LE = runtime.executor.runner.step_expert_counts()
+    else:  # the FFN side routes nothing; it joins the sum with zeros
+        counts_LE = torch.zeros(layout.num_layers, layout.num_experts, dtype=torch.int64, device=runtime.engine.device)
+    dist.all_reduce(counts_LE)
+    return counts_LE.cpu()  # host-device sync: the counts feed the bias update and the log
+
+
+def imbalance(load_LE: torch.Tensor) -> list[float | None]:
+    """Per layer, the busiest expert's load over the mean load (1.0 is perfect balance); None for dense layers."""
+    out: list[float | None] = []
+    for load_E in load_LE.double():
+        mean = load_E.mean().item()
+        out.append(load_E.max().item() / mean if mean > 0 else None)
+    return out
+
+
+def bias_step(load_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's update of one layer's bias: ``rate * sign(mean_load - load_e)``.
+
+    >>> bias_step(torch.tensor([6, 2, 2, 2]), 0.5).tolist()
+    [-0.5, 0.5, 0.5, 0.5]
+    """
+    load_E = load_E.double()
+    return rate * torch.sign(load_E.mean() - load_E)
+
+
+def update_expert_bias(runtime: RankRuntime, load_LE: torch.Tensor, rate: float) -> None:
+    """Apply ``bias_step`` to the router bias of every MoE layer this attention rank holds."""
+    if rate == 0 or not runtime.role.is_attention:
+        return
+    bias_attr = family_of(runtime.module.config).expert_bias_attr
+    for name, part in runtime.module.layers.items():
+        if part.is_moe:
+            bias_E = getattr(part.router, bias_attr)
+            with torch.no_grad():
+                bias_E.add_(bias_step(load_LE[int(name)], rate).to(device=bias_E.device, dtype=bias_E.dtype))

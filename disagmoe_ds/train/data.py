@@ -1,0 +1,139 @@
+"""The run's training samples: which tokenizer, which dataset, and each lane's resumable loader.
+
+Only the lanes of A-group 0 read data (they hold the embedding); lane j of d reads lane j's share of every
+epoch (``ShardedSampler``), so the d lanes together see each sample once per epoch. Without a launcher the
+parent process builds the dataset once and the forked ranks inherit it; under a launcher each lane builds it
+(deterministically: the same samples on every lane).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from disagmoe_ds.data import (
+    DataError,
+    MicroBatchLoader,
+    PackedDataset,
+    SentencePieceTokenizer,
+    ShardedSampler,
+    Tokenizer,
+    build_pretrain_dataset,
+    build_sft_dataset,
+    bundled_corpus,
+    check_seq_len,
+    check_vocab,
+    load_hf_tokenizer,
+    load_sft_examples,
+    resolve_files,
+    train_or_load_tokenizer,
+)
+from disagmoe_ds.data.sources import is_hub_spec
+from disagmoe_ds.train.args import TrainArgs
+
+# Files whose presence means a model directory carries its own HF tokenizer.
+_HF_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """The packed samples every lane draws from, and how they were made (for the start banner)."""
+
+    dataset: PackedDataset
+    tokenizer: str
+    summary: str
+
+
+def data_spec(args: TrainArgs) -> str:
+    return args.data or str(bundled_corpus())
+
+
+def check_data_args(args: TrainArgs, model_config) -> None:
+    """Cheap checks every rank can run before anything starts: lengths, vocabulary, that local data exists."""
+    check_seq_len(args.seq_len, getattr(model_config, "max_position_embeddings", None))
+    if args.sft and not args.data:
+        raise DataError("--sft needs --data: a .jsonl/.parquet file of prompt/response or messages rows")
+    if not is_hub_spec(data_spec(args)):
+        resolve_files(data_spec(args))
+    if args.vocab_size is not None:
+        check_vocab(args.vocab_size, model_config.vocab_size)
+
+
+def load_tokenizer(args: TrainArgs, model_config) -> tuple[Tokenizer, str]:
+    """The tokenizer (see ``--tokenizer``) and a one-line description; its ids must fit the model's vocab."""
+    tokenizer, what = _pick_tokenizer(args, model_config)
+    check_vocab(tokenizer.vocab_size, model_config.vocab_size)
+    return tokenizer, f"{what}, {tokenizer.vocab_size} ids (model vocab_size {model_config.vocab_size})"
+
+
+def _pick_tokenizer(args: TrainArgs, model_config) -> tuple[Tokenizer, str]:
+    if args.tokenizer not in ("auto", "sentencepiece"):
+        path = Path(args.tokenizer)
+        if path.is_dir():
+            return load_hf_tokenizer(path), f"HF tokenizer {path}"
+        if path.is_file():
+            return SentencePieceTokenizer(path), f"SentencePiece {path}"
+        raise DataError(f"--tokenizer {path}: no such file or directory; use auto, sentencepiece or a path")
+    if args.tokenizer == "auto" and any((args.model / name).is_file() for name in _HF_TOKENIZER_MARKERS):
+        return load_hf_tokenizer(args.model), f"HF tokenizer of {args.model}"
+    if args.sft:
+        raise DataError(
+            f"--sft needs the tokenizer the model was trained with, and {args.model} has none: pass --tokenizer "
+            f"PATH (an HF tokenizer directory, or the SentencePiece .model the pretraining run names under 'data:')"
+        )
+    vocab_size = args.vocab_size or model_config.vocab_size
+    tokenizer = train_or_load_tokenizer(data_spec(args), vocab_size, args.tokenizer_cache, text_field=args.text_field)
+    return tokenizer, f"SentencePiece trained on {data_spec(args)} ({tokenizer.model_path})"
+
+
+def prepare_data(args: TrainArgs, model_config) -> TrainData:
+    """Tokenize and pack the whole source (pretraining documents, or SFT examples with the prompt masked)."""
+    check_data_args(args, model_config)
+    tokenizer, what = load_tokenizer(args, model_config)
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    if args.sft:
+        examples = load_sft_examples(args.data)
+        dataset = build_sft_dataset(
+            examples, tokenizer, seq_len=args.seq_len, max_positions=max_positions, seed=args.seed
+        )
+        summary = f"{len(examples)} SFT examples from {args.data}, loss on responses only"
+    else:
+        dataset, stats = build_pretrain_dataset(
+            data_spec(args),
+            tokenizer,
+            seq_len=args.seq_len,
+            max_positions=max_positions,
+            seed=args.seed,
+            text_field=args.text_field,
+        )
+        summary = f"{data_spec(args)}: {stats}"
+    if len(dataset) < args.lanes:
+        raise DataError(
+            f"{data_spec(args)} gives {len(dataset)} samples of {args.seq_len} tokens, fewer than the {args.lanes} "
+            f"lanes that read it; use more data or a shorter --seq-len"
+        )
+    return TrainData(dataset, what, f"{summary}; {len(dataset):,} samples of {args.seq_len} tokens")
+
+
+def lane_loader(data: TrainData, args: TrainArgs, lane: int, *, pin_memory: bool) -> MicroBatchLoader:
+    """Lane ``lane``'s steps of micro-batches, prefetched by a background thread."""
+    sampler = ShardedSampler(len(data.dataset), num_lanes=args.lanes, lane=lane, seed=args.seed)
+    return MicroBatchLoader(
+        data.dataset,
+        sampler,
+        micro_batch_size=args.micro_batch_size,
+        num_micro_batches=args.cfg.micro_batches,
+        pin_memory=pin_memory,
+    )
+
+
+def to_device(batches: list[dict[str, torch.Tensor]], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    # Pinned host tensors copy asynchronously: the copy overlaps the previous micro-batch's compute.
+    return [{key: value.to(device, non_blocking=True) for key, value in mb.items()} for mb in batches]
+
+
+def steps_per_epoch(data: TrainData, args: TrainArgs) -> int:
+    """Steps until every lane has read its share once (each lane reads N // d samples per epoch)."""
+    return (len(data.dataset) // args.lanes) // (args.cfg.micro_batches * args.micro_batch_size)

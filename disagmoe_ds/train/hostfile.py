@@ -1,0 +1,95 @@
+"""DeepSpeed hostfiles: validated before launch, with a one-line error instead of the launcher's traceback.
+
+The format is DeepSpeed's (``launcher/runner.py::_parse_hostfile``): one ``HOST slots=N`` per line, ``#``
+starts a comment line, blank lines are ignored, a host may appear once. We are a little stricter than
+DeepSpeed, which also accepts trailing text after ``slots=N`` (``worker-0 slots=8x`` launches 8 ranks) and
+silently falls back to the local machine when the file does not exist.
+
+>>> parse_hostfile(["# two nodes", "worker-0 slots=8", "", "worker-1 slots=8  # the second"], "hf")
+{'worker-0': 8, 'worker-1': 8}
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from disagmoe_ds.errors import ConfigError
+
+_ENTRY = re.compile(r"^(\S+)\s+slots=(\d+)\s*(#.*)?$")
+_FORMAT = "each line must be 'HOST slots=N' (N >= 1); '#' starts a comment"
+# Launcher flags that pick a subset of the hostfile's slots: the total then is not the world size.
+_SLOT_FILTERS = ("-i", "--include", "-e", "--exclude", "--num_nodes", "--num_gpus")
+
+
+def parse_hostfile(lines: Sequence[str], name: str) -> dict[str, int]:
+    """Host -> slots, in file order; a ``ConfigError`` naming the line for anything DeepSpeed would reject."""
+    hosts: dict[str, int] = {}
+    for number, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _ENTRY.match(line)
+        if match is None or int(match.group(2)) < 1:
+            raise ConfigError(f"hostfile {name} line {number}: {line!r} is malformed; {_FORMAT}")
+        host = match.group(1)
+        if host in hosts:
+            raise ConfigError(f"hostfile {name} line {number}: host {host!r} is listed twice; list each host once")
+        hosts[host] = int(match.group(2))
+    if not hosts:
+        raise ConfigError(f"hostfile {name} lists no host; {_FORMAT}")
+    return hosts
+
+
+def check_hostfile(path: Path, *, world_size: int | None = None) -> dict[str, int]:
+    """Parse ``path`` and, given the layout's world size, check that the slots add up to it."""
+    if not path.is_file():
+        raise ConfigError(f"hostfile {path} does not exist (DeepSpeed would silently use only this machine)")
+    hosts = parse_hostfile(path.read_text().splitlines(), str(path))
+    total = sum(hosts.values())
+    if world_size is not None and total != world_size:
+        raise ConfigError(
+            f"hostfile {path} has {total} slots ({describe(hosts)}) but the layout needs {world_size} ranks "
+            f"(attention_gpus + ffn_gpus); change the slots or the layout"
+        )
+    return hosts
+
+
+def describe(hosts: dict[str, int]) -> str:
+    return ", ".join(f"{host}: {slots}" for host, slots in hosts.items())
+
+
+def deepspeed_command(hostfile: Path, launcher_args: str, script: str, script_args: Sequence[str]) -> list[str]:
+    """``deepspeed --hostfile H [launcher args] script [args]``, the command ``--hostfile`` re-runs under.
+
+    The launcher is started as ``python -m deepspeed.launcher.runner`` (what the ``deepspeed`` script runs) with
+    this interpreter, so it works without the virtual environment's ``bin`` on PATH.
+    """
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    return [*launcher, "--hostfile", str(hostfile), *shlex.split(launcher_args), script, *script_args]
+
+
+def filters_slots(launcher_args: str) -> bool:
+    """True when the launcher arguments select a subset of the slots (then their total is not checked)."""
+    return any(arg.split("=")[0] in _SLOT_FILTERS for arg in shlex.split(launcher_args))
+
+
+def strip_launch_flags(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--hostfile X`` and ``--launcher-args X`` (either spelling: separate or with '=').
+
+    >>> strip_launch_flags(["--steps", "5", "--hostfile", "h", "--launcher-args=--no_ssh_check", "--sft"])
+    ['--steps', '5', '--sft']
+    """
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--hostfile", "--launcher-args"):
+            skip = True
+        elif not arg.startswith(("--hostfile=", "--launcher-args=")):
+            out.append(arg)
+    return out

@@ -1,0 +1,160 @@
+"""What rank 0 shows and writes: the start banner, a progress bar (or log lines), JSON lines, TensorBoard.
+
+On a terminal a tqdm bar carries loss, aux loss, tokens/s, TFLOP/s per GPU, MFU and the worst layer's expert
+imbalance; without one (a log file, CI) the same fields go to one plain line every ``--log-every`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.models.split import aux_loss_enabled
+from disagmoe_ds.schedule import PipeShape, generate
+from disagmoe_ds.train.args import TrainArgs
+from disagmoe_ds.train.data import TrainData, steps_per_epoch
+from disagmoe_ds.train.metrics import ModelFacts, StepRecord
+
+
+def banner(
+    args: TrainArgs,
+    layout: Layout,
+    config,
+    *,
+    facts: ModelFacts,
+    data: TrainData,
+    bias_rate: float,
+    resume: tuple[Path, str] | None,
+) -> list[str]:
+    """The run's derived facts, printed before anything heavy starts (nanoGPT prints tokens per iteration)."""
+    init = f"weights from {args.model}" if args.pretrained else f"fresh init (seed {args.seed})"
+    schedule = generate(
+        PipeShape(layout.depth, layout.num_layers, facts.moe_layers),
+        args.cfg.micro_batches,
+        max_in_flight=args.cfg.max_in_flight,
+    )
+    bubble = sum(schedule.bubble_fraction.values()) / len(schedule.bubble_fraction)
+    aux = f"HF aux loss x {config.router_aux_loss_coef}" if aux_loss_enabled(config) else "no aux loss"
+    bias = f"aux-loss-free bias rate {bias_rate:g}" if bias_rate else "no aux-loss-free bias updates"
+    frozen = [name for name, on in (("router", args.freeze_router), ("self-attention", args.freeze_attention)) if on]
+    return [
+        f"model: {config.model_type} {args.model}, {init}, {args.dtype}; {facts.total_params / 1e6:.2f}M params, "
+        f"{facts.active_params / 1e6:.2f}M active per token" + (f"; frozen: {', '.join(frozen)}" if frozen else ""),
+        f"layout: {layout.describe()}",
+        f"A:F split: {layout.attention_gpus}:{layout.ffn_gpus} of {layout.world_size} ranks",
+        f"pipeline: {args.cfg.micro_batches} micro-batches per lane per step, at most {schedule.max_in_flight} in "
+        f"flight per worker; predicted bubble {bubble:.0%} (schedule simulation, unit task costs)",
+        f"tokens per step: {args.tokens_per_step:,} = {args.lanes} lanes x {args.cfg.micro_batches} micro-batches x "
+        f"{args.micro_batch_size} sequences x {args.seq_len} tokens; "
+        f"{facts.flops_per_token * args.tokens_per_step / 1e9:,.2f} model GFLOP per step",
+        f"data: {data.summary}; one epoch = {steps_per_epoch(data, args):,} steps",
+        f"tokenizer: {data.tokenizer}",
+        f"balancing: {aux}; {bias}",
+        checkpoint_line(args, None if resume is None else resume[0] / resume[1]),
+    ]
+
+
+def checkpoint_line(args: TrainArgs, resume_from: Path | None) -> str:
+    if args.save_dir is None:
+        saves = "checkpoints: off (--save-dir DIR saves at the end, on Ctrl-C and every --save-every steps)"
+    else:
+        every = f"every {args.save_every} steps, " if args.save_every else ""
+        keep = f"keep the last {args.keep_last}" if args.keep_last else "keep all"
+        saves = f"checkpoints: {args.save_dir}, {every}at the end and on Ctrl-C; {keep}"
+    return saves + (f"; resuming from {resume_from}" if resume_from else "")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def summary_fields(rec: StepRecord) -> dict[str, str]:
+    return {
+        "loss": _fmt(rec.loss, ".4f"),
+        "aux": _fmt(rec.aux_loss, ".3f"),
+        "tok/s": _fmt(rec.tokens_per_s, ",.0f"),
+        "TFLOP/s/gpu": _fmt(rec.tflops_per_gpu, ".3g"),
+        "MFU": "n/a" if rec.mfu is None else f"{rec.mfu:.1%}",
+        "imb": _fmt(rec.max_imbalance, ".2f"),
+    }
+
+
+class Progress:
+    """Rank 0's sinks for step records. ``close()`` flushes and closes everything."""
+
+    def __init__(self, args: TrainArgs, *, start_step: int) -> None:
+        self.log_every = args.log_every
+        self.bar = tqdm(
+            total=args.steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not sys.stderr.isatty()
+        )
+        self.jsonl = None
+        if args.metrics_file is not None:
+            args.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+            self.jsonl = args.metrics_file.open("a")
+        self.tensorboard = _tensorboard_writer(args.tensorboard)
+
+    def print(self, text: str) -> None:
+        """A message that does not break the bar."""
+        if self.bar.disable:
+            print(text, flush=True)
+        else:
+            self.bar.write(text)
+
+    def step(self, rec: StepRecord) -> None:
+        fields = summary_fields(rec)
+        if self.bar.disable:
+            if rec.step % self.log_every == 0 or rec.step == self.bar.total:
+                self.print(f"step {rec.step}/{self.bar.total} " + " ".join(f"{k} {v}" for k, v in fields.items()))
+        else:
+            self.bar.set_postfix(fields, refresh=False)
+            self.bar.update(1)
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(rec.to_json()) + "\n")
+            self.jsonl.flush()  # a killed run keeps every finished step
+        if self.tensorboard is not None:
+            _write_scalars(self.tensorboard, rec)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _tensorboard_writer(log_dir: Path | None) -> Any:
+    if log_dir is None:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warnings.warn(
+            f"--tensorboard {log_dir}: tensorboard is not installed, no events are written (pip install tensorboard)",
+            stacklevel=2,
+        )
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+def _write_scalars(writer: Any, rec: StepRecord) -> None:
+    values = {
+        "train/loss": rec.loss,
+        "train/lm_loss": rec.lm_loss,
+        "train/aux_loss": rec.aux_loss,
+        "train/grad_norm": rec.grad_norm,
+        "train/lr": rec.lr,
+        "perf/tokens_per_s": rec.tokens_per_s,
+        "perf/tflops_per_gpu": rec.tflops_per_gpu,
+        "perf/mfu": rec.mfu,
+        "balance/max_imbalance": rec.max_imbalance,
+    }
+    values.update({f"balance/imbalance_layer{i}": v for i, v in enumerate(rec.expert_imbalance)})
+    for tag, value in values.items():
+        if value is not None:
+            writer.add_scalar(tag, value, rec.step)
