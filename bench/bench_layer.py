@@ -130,7 +130,7 @@ def bench_model(
                 "mfu": tflops / PEAK_TFLOPS,
             }
         )
-        if profile and name == "ours" and device == "cuda":
+        if profile and name == paths[-1] and device == "cuda":
             print_profile(step, args)
         del model, args
         if device == "cuda":
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--profile", action="store_true", help="print the top kernels of our path")
+    p.add_argument("--profile", action="store_true", help="print the top kernels of the last path")
     p.add_argument("--paths", nargs="+", default=["hf-eager", "hf-grouped", "ours", "ours-compiled"])
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
