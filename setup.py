@@ -28,6 +28,7 @@ setup(
         "test": ["pytest>=8", "ruff>=0.6"],
         "flash": ["flash-attn>=2.6"],
         "plot": ["matplotlib>=3.7"],
+        "tensorboard": ["tensorboard>=2.14"],
     },
     entry_points={
         "console_scripts": [

@@ -39,8 +39,16 @@ def tag_of(step: int) -> str:
     return f"step{step}"
 
 
-def save(runtime: RankRuntime, root: Path, step: int, loader: MicroBatchLoader | None, *, keep_last: int) -> Path:
-    """Save the job at ``step``. Collective: every rank calls it after the same step."""
+def save(
+    runtime: RankRuntime,
+    root: Path,
+    step: int,
+    loader: MicroBatchLoader | None,
+    *,
+    keep_last: int,
+    ds_config: dict[str, Any] | None = None,
+) -> Path:
+    """Save the job at ``step`` (with the ds_config, for conversions). Collective: every rank calls it."""
     gathered: list[Any] = [None] * dist.get_world_size()
     mine = (runtime.role.index, loader.state_dict()) if loader is not None else None
     dist.all_gather_object(gathered, mine)
@@ -48,7 +56,14 @@ def save(runtime: RankRuntime, root: Path, step: int, loader: MicroBatchLoader |
     num_samples = next(iter(loader_states.values()))["sampler"]["num_samples"]
     client_state = {"step": step, "num_samples": num_samples, "loader_states": loader_states}
     path = save_checkpoint(
-        runtime.engine, runtime.role, runtime.layout, runtime.module.config, root, tag_of(step), client_state
+        runtime.engine,
+        runtime.role,
+        runtime.layout,
+        runtime.module.config,
+        root,
+        tag_of(step),
+        client_state,
+        ds_config=ds_config,
     )
     if dist.get_rank() == 0 and keep_last:
         prune(root, keep_last)  # every rank has finished this save (save_checkpoint ends in a barrier)
@@ -90,7 +105,7 @@ def check_resume(root: Path, tag: str, config, layout: Layout, *, num_samples: i
     if saved != current:
         raise CheckpointError(
             f"checkpoint {where} has layout {saved}, this run has {current}; "
-            "resume with the same layout (or convert it with disagmoe-convert --relayout)"
+            "resume with the same layout (or convert it with `disagmoe-convert relayout`)"
         )
     state = manifest["client_state"]
     if "step" not in state:

@@ -1,0 +1,222 @@
+"""Train a Hugging Face MoE model with its attention and its experts on disjoint groups of GPUs (DisagMoE-DS).
+
+    # The embedded default: a tiny Qwen3-MoE-style model on the bundled Jane Austen corpus (SentencePiece
+    # tokenizer trained once, cached in .cache/), 2 attention + 2 expert CPU ranks started by this script.
+    python run_pretrain.py
+
+    # One node, 8 GPUs, bf16 + ZeRO-1: 4 attention GPUs + 4 expert GPUs (the split is in the ds_config).
+    deepspeed --num_gpus 8 run_pretrain.py --deepspeed_config ds_configs/1node-8gpu-bf16.json \\
+        --model hf_models/Qwen3-30B-A3B --data /data/corpus --seq-len 4096 --save-dir runs/q30 --save-every 500
+
+    # Several nodes: check the hostfile against the layout, then launch.
+    python run_pretrain.py --check-hostfile hostfiles/2nodes-16gpu --deepspeed_config ds_configs/2node-16gpu-bf16.json
+    deepspeed --hostfile hostfiles/2nodes-16gpu run_pretrain.py --deepspeed_config ds_configs/2node-16gpu-bf16.json ...
+    # or both in one: validate, then re-run this command under 'deepspeed --hostfile'
+    python run_pretrain.py --hostfile hostfiles/2nodes-16gpu --deepspeed_config ds_configs/2node-16gpu-bf16.json ...
+
+    # The same job through a launcher on one CPU host (no ssh): 4 ranks.
+    deepspeed --num_gpus 4 run_pretrain.py --steps 20
+    deepspeed --hostfile hostfiles/localhost-cpu --no_ssh_check --master_addr 127.0.0.1 run_pretrain.py
+    torchrun --nproc_per_node 4 run_pretrain.py
+
+    # Fine-tuning, and an exact resume.
+    python run_pretrain.py --init-from HF_DIR --sft --data chat.jsonl --freeze-router --lr 1e-5 --steps 500
+    python run_pretrain.py --save-dir runs/tiny --resume
+
+main(): parse the command line -> preflight (layout, data, checkpoint; no rank started, nothing allocated)
+-> start the ranks here or join the launcher's job -> on every rank: build its role engine, then the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from disagmoe_ds.engine.build import RankRuntime, build_rank, preflight
+from disagmoe_ds.engine.executor import StepResult
+from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
+from disagmoe_ds.errors import DisagMoEError
+from disagmoe_ds.launch import RankFailedError, detect_launcher, init_from_env, spawn_local
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.train.args import TrainArgs, parse_args
+from disagmoe_ds.train.balance import bias_update_rate, expert_load, imbalance, update_expert_bias
+from disagmoe_ds.train.checkpoints import check_resume, locate, restore, save
+from disagmoe_ds.train.data import TrainData, check_data_args, lane_loader, prepare_data, to_device
+from disagmoe_ds.train.hostfile import check_hostfile, deepspeed_command, describe, filters_slots, strip_launch_flags
+from disagmoe_ds.train.interrupt import StopRequest, parent_waits_for_ranks
+from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
+from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops
+from disagmoe_ds.train.model import load_train_model
+from disagmoe_ds.train.progress import Progress, banner
+
+ROOT = Path(__file__).resolve().parent  # defaults (model, ds_config, tokenizer cache) live beside this file
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, ns = parse_args(argv, root=ROOT, description=__doc__)
+        if ns.check_hostfile is not None or ns.hostfile is not None:
+            return check_or_relaunch(args, ns, argv)
+        if detect_launcher() is None:
+            run_local(args)  # no launcher: validate, then fork the ranks here
+        else:
+            run_launched(args)  # torchrun, deepspeed, mpirun: this process is one rank
+    except DisagMoEError as err:
+        print(f"run_pretrain.py: error: {err}", file=sys.stderr)
+        return 2
+    except RankFailedError as err:
+        print(f"run_pretrain.py: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("run_pretrain.py: aborted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def preflight_run(args: TrainArgs, world_size: int) -> tuple[Any, Layout, tuple[Path, str] | None]:
+    """What can be checked before any rank starts: layout vs model and world size, ZeRO rules, data paths and
+    lengths, the balancing setting, and that the checkpoint to resume belongs to this model and layout.
+
+    Returns:
+        The model's HF config, the layout, and the (root, tag) of the checkpoint to resume from, if any.
+    """
+    config = load_config(args.model)
+    layout = preflight(args.model, args.cfg, args.ds_config, world_size)
+    check_data_args(args, config)
+    bias_update_rate(args.bias_update_rate, config)
+    resume = locate(args.resume, args.save_dir) if args.resume is not None else None
+    if resume is not None:
+        check_resume(*resume, config, layout, num_samples=None)
+    return config, layout, resume
+
+
+def run_local(args: TrainArgs) -> None:
+    config, layout, resume = preflight_run(args, args.cfg.world_size)
+    backend = local_backend(layout.world_size)
+    data = prepare_data(args, config)  # once, here: the forked ranks inherit the samples
+    if resume is not None:
+        check_resume(*resume, config, layout, num_samples=len(data.dataset))
+    with parent_waits_for_ranks("run_pretrain.py: stopping after this step and saving; Ctrl-C again to abort"):
+        spawn_local(
+            train,
+            layout.world_size,
+            args=(args, data),
+            timeout_s=None,
+            comm_timeout_s=args.cfg.comm_timeout_s,
+            backend=backend,
+        )
+
+
+def run_launched(args: TrainArgs) -> None:
+    rank, world_size = launched_rank_and_world()
+    try:
+        preflight_run(args, world_size)
+    except DisagMoEError:
+        if rank == 0:
+            raise
+        sys.exit(2)  # every rank found the same problem; rank 0 reports it
+    share_cores()
+    init_from_env(comm_timeout_s=args.cfg.comm_timeout_s)
+    train(dist.get_rank(), args, None)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_or_relaunch(args: TrainArgs, ns: argparse.Namespace, argv: list[str]) -> int:
+    """``--check-hostfile``: validate and exit. ``--hostfile``: validate, then become ``deepspeed --hostfile``."""
+    if ns.check_hostfile is not None:
+        hosts = check_hostfile(ns.check_hostfile, world_size=args.cfg.world_size)
+        print(f"{ns.check_hostfile}: ok, {describe(hosts)} = {args.cfg.world_size} ranks")
+        return 0
+    check_hostfile(ns.hostfile, world_size=None if filters_slots(ns.launcher_args) else args.cfg.world_size)
+    preflight_run(args, args.cfg.world_size)
+    command = deepspeed_command(ns.hostfile, ns.launcher_args, str(Path(__file__)), strip_launch_flags(argv))
+    os.execvp(command[0], command)
+
+
+def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
+    """One rank: build its role engine, then run the steps. Every rank runs every step (they hold collectives)."""
+    stop = StopRequest().install()
+    device = rank_device()
+    config = load_config(args.model)
+    layout = preflight(args.model, args.cfg, args.ds_config, dist.get_world_size())
+    role = layout.role_of(rank)
+    reads_data = role.is_attention and role.group == 0  # the lanes of A-group 0 hold the embedding
+    if reads_data and data is None:
+        data = prepare_data(args, config)  # under a launcher every lane builds the same samples
+    resume = locate(args.resume, args.save_dir) if args.resume is not None else None
+    facts = model_facts(args.model, args.seq_len)
+    rate = bias_update_rate(args.bias_update_rate, config)
+    if rank == 0:
+        lines = banner(args, layout, config, facts=facts, data=data, bias_rate=rate, resume=resume)
+        print("\n".join(lines), flush=True)
+
+    model, _ = load_train_model(args)
+    runtime = build_rank(
+        args.model,
+        args.ds_config,
+        args.cfg,
+        micro_batch_size=args.micro_batch_size,
+        dtype=args.torch_dtype,
+        device=device,
+        model=model,
+    )
+    loader = lane_loader(data, args, role.index, pin_memory=device.type == "cuda") if reads_data else None
+    start = restore(runtime, *resume, loader) if resume is not None else 0
+    peak = peak_tflops(device, args.peak_tflops)
+    throughput = Throughput(args.tokens_per_step, facts.flops_per_token, layout.world_size, peak)
+    progress = Progress(args, start_step=start) if rank == 0 else None
+    timeline_step = min(start + 1, args.steps - 1)  # the run's second step: the first pays one-off costs
+
+    step = start
+    while step < args.steps:
+        tic = time.perf_counter()
+        lr = runtime.engine.get_lr()[0]  # the rate this step uses (the scheduler advances inside the step)
+        seed_step(args.seed, step, rank)
+        batches = to_device(next(loader), device) if loader is not None else None  # prefetched by a thread
+        result = run_step(runtime, batches, timeline=args.timeline if step == timeline_step else None)
+        load_LE = expert_load(runtime)  # collective: the whole batch's tokens per expert, every layer
+        update_expert_bias(runtime, load_LE, rate)  # DeepSeek-V3 auxiliary-loss-free balancing (0: off)
+        step += 1
+        if progress is not None:
+            seconds = time.perf_counter() - tic
+            progress.step(throughput.record(step, result, lr=lr, seconds=seconds, imbalance=imbalance(load_LE)))
+        stopping = stop.agreed(device)  # collective: every rank leaves after the same step
+        periodic = args.save_every and step % args.save_every == 0
+        if args.save_dir is not None and (stopping or periodic or step == args.steps):
+            path = save(runtime, args.save_dir, step, loader, keep_last=args.keep_last, ds_config=args.ds_config)
+            if progress is not None:
+                progress.print(f"saved {path} (step {step})")
+        if stopping:
+            if progress is not None:
+                progress.print(f"stopped on request after step {step} of {args.steps}")
+            break
+
+    if loader is not None:
+        loader.close()
+    if progress is not None:
+        progress.close()
+
+
+def run_step(runtime: RankRuntime, batches, *, timeline: Path | None) -> StepResult:
+    """One optimizer step; with ``timeline``, every rank records it and rank 0 writes the Chrome trace."""
+    if timeline is None:
+        return runtime.executor.train_batch(batches)
+    runtime.executor.record_timeline(True)
+    t0 = start_clock()  # a barrier: every rank's clock starts together
+    result = runtime.executor.train_batch(batches)
+    write_job_timeline(runtime.executor.timeline, t0, timeline)  # collective; rank 0 writes
+    runtime.executor.record_timeline(False)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

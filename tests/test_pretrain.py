@@ -1,0 +1,237 @@
+"""run_pretrain.py end to end on 4 CPU ranks: the embedded default, exact resume, crash-safe saves, fine-tuning,
+auxiliary-loss-free balancing, the deepspeed launcher, and one-line errors for bad input.
+
+Runs are short (seq 32, 2-6 steps). Most call ``run_pretrain.main`` in this process (it forks the ranks, which
+inherit monkeypatches); the embedded default, ``--help`` and the launcher run as real subprocesses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_train_data import write_sft_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("run_pretrain", ROOT / "run_pretrain.py")
+run_pretrain = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_pretrain)
+
+SHORT = ["--seq-len", "32", "--log-every", "1"]
+# Exact, not approximate: on CPU a resumed run must reproduce the uninterrupted one bit for bit.
+COMPARED = ("step", "loss", "lm_loss", "aux_loss", "grad_norm", "lr", "expert_imbalance")
+SUBPROCESS_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def tok_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tokenizers")
+
+
+def pretrain(tok_cache: Path, *argv: object) -> int:
+    return run_pretrain.main([*SHORT, "--tokenizer-cache", str(tok_cache), *map(str, argv)])
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    return [{k: r[k] for k in COMPARED} for r in a] == [{k: r[k] for k in COMPARED} for r in b]
+
+
+def run_script(*argv: object, launcher: tuple[str, ...] = (sys.executable,)) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [*launcher, str(ROOT / "run_pretrain.py"), *map(str, argv)]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, tok_cache) -> tuple[str, list[dict]]:
+    """The README's first command, shortened to 6 steps of 32 tokens: (stdout, metrics)."""
+    metrics = tmp_path_factory.mktemp("default") / "metrics.jsonl"
+    done = run_script("--steps", 6, *SHORT, "--tokenizer-cache", tok_cache, "--metrics-file", metrics)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, records(metrics)
+
+
+def test_embedded_default_loss_falls(default_run) -> None:
+    out, recs = default_run
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.1, [r["loss"] for r in recs]
+    for fact in (
+        "tokens per step: 1,024 = 2 lanes x 4 micro-batches x 4 sequences x 32 tokens",
+        "A:F split: 2:2 of 4 ranks",
+        "layout: M=2 attention ranks (1 A-groups x 2 lanes), N=2 FFN ranks",
+        "in flight per worker",
+        "tokenizer: SentencePiece trained on",
+    ):
+        assert fact in out
+    assert all(r["tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0 and r["mfu"] is None for r in recs)  # CPU: no peak
+    assert all(len(r["expert_imbalance"]) == 4 and r["max_imbalance"] >= 1.0 for r in recs)
+
+
+def test_deepspeed_launcher_matches_the_local_run(default_run, tok_cache, tmp_path) -> None:
+    """``deepspeed --num_gpus 4`` on CPU: 4 ranks through DeepSpeed's launcher, the same first two steps."""
+    metrics = tmp_path / "metrics.jsonl"
+    launcher = (sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", "29517")
+    done = run_script(
+        "--steps", 2, *SHORT, "--tokenizer-cache", tok_cache, "--metrics-file", metrics, launcher=launcher
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Steps 1-2 sit in the warm-up, whose learning rates do not depend on --steps.
+    assert same(records(metrics), default_run[1][:2])
+
+
+def test_help() -> None:
+    done = run_script("--help")
+    assert done.returncode == 0
+    for text in ("deepspeed --hostfile hostfiles/2nodes-16gpu", "--attention-gpus", "--bias-update-rate", "--resume"):
+        assert text in done.stdout
+
+
+def test_resume_continues_exactly_and_keeps_the_last_n(tok_cache, tmp_path) -> None:
+    full, resumed, timeline = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "trace.json"
+    ck = tmp_path / "ck"
+    argv = ("--steps", 6, "--save-dir", ck, "--save-every", 2, "--keep-last", 2)
+    assert pretrain(tok_cache, *argv, "--metrics-file", full, "--timeline", timeline) == 0
+    assert sorted(os.listdir(ck)) == ["latest", "step4", "step6"]  # step2 pruned
+    # Each of the two lanes reads its own share: the loader states of both are in the checkpoint.
+    assert pretrain(tok_cache, "--steps", 6, "--save-dir", tmp_path / "ck2", "--resume", ck / "step4",
+                    "--metrics-file", resumed) == 0  # fmt: skip
+    assert same(records(resumed), records(full)[4:])
+    trace = json.loads(timeline.read_text())["traceEvents"]
+    assert {e["pid"] for e in trace if e["ph"] == "X"} == {0, 1, 2, 3}  # every rank's events, one step
+
+
+def test_crash_during_save_resumes_from_the_last_complete_checkpoint(tok_cache, tmp_path, monkeypatch) -> None:
+    import disagmoe_ds.engine.checkpoint as checkpoint
+
+    write_atomic = checkpoint._write_atomic
+
+    def crash_before_the_manifest_of_step4(path: Path, text: str) -> None:
+        if path.parent.name == ".partial-step4":  # every engine has written its files; the save is not committed
+            raise OSError("simulated crash during save")
+        write_atomic(path, text)
+
+    ck, crashed, resumed = tmp_path / "ck", tmp_path / "crashed.jsonl", tmp_path / "resumed.jsonl"
+    monkeypatch.setattr(checkpoint, "_write_atomic", crash_before_the_manifest_of_step4)  # the forked ranks inherit it
+    assert pretrain(tok_cache, "--steps", 4, "--save-dir", ck, "--save-every", 2, "--metrics-file", crashed) == 1
+    assert (ck / "latest").read_text() == "step2" and (ck / ".partial-step4").is_dir() and not (ck / "step4").exists()
+    monkeypatch.undo()
+    assert pretrain(tok_cache, "--steps", 4, "--save-dir", ck, "--resume", "--metrics-file", resumed) == 0
+    assert same(records(resumed), records(crashed)[2:4])  # steps 3-4 again, exactly as before the crash
+    assert sorted(os.listdir(ck)) == ["latest", "step2", "step4"]  # the partial save was cleaned up
+
+
+def test_init_from_sft_with_frozen_router_and_attention(tok_cache, tmp_path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from disagmoe_ds.data import bundled_corpus, train_or_load_tokenizer
+
+    torch.manual_seed(1)
+    hf_dir = tmp_path / "pretrained"
+    AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(ROOT / "hf_models" / "tiny-qwen3-moe-lm")
+    ).save_pretrained(hf_dir)
+    write_sft_jsonl(tmp_path / "sft.jsonl", n=40)
+    tokenizer = train_or_load_tokenizer(bundled_corpus(), 512, tok_cache)
+    ck = tmp_path / "ck"
+    assert pretrain(tok_cache, "--init-from", hf_dir, "--sft", "--data", tmp_path / "sft.jsonl", "--tokenizer",
+                    tokenizer.model_path, "--seq-len", 64, "--steps", 2, "--freeze-router", "--freeze-attention",
+                    "--save-dir", ck) == 0  # fmt: skip
+    before = AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()
+    after = torch.load(ck / "step2" / "attention_g0" / "state" / "mp_rank_00_model_states.pt", weights_only=False)
+    after = {f"model.{k}" if not k.startswith("head.") else k: v for k, v in after["module"].items()}
+    for i in range(4):
+        for frozen in (
+            "mlp.gate.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_norm.weight",
+            "input_layernorm.weight",
+        ):
+            assert torch.equal(after[f"model.layers.{i}.{frozen}"], before[f"model.layers.{i}.{frozen}"]), (i, frozen)
+        trained = f"model.layers.{i}.post_attention_layernorm.weight"
+        assert not torch.equal(after[trained], before[trained])
+    assert not torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+
+
+def test_aux_loss_free_bias_moves_in_the_job(tok_cache, tmp_path) -> None:
+    """DeepSeek-V3 (vocab widened for the 512-piece tokenizer): the routers' biases move by rate per step."""
+    model = tmp_path / "tiny-deepseek-v3"
+    model.mkdir()
+    config = json.loads((ROOT / "hf_models" / "tiny-deepseek-v3" / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 512}))
+    ck, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
+    rate, steps = 0.01, 3
+    argv = ("--model", model, "--steps", steps, "--bias-update-rate", rate, "--save-dir", ck, "--metrics-file", metrics)
+    assert pretrain(tok_cache, *argv) == 0
+    state = torch.load(
+        ck / f"step{steps}" / "attention_g0" / "state" / "mp_rank_00_model_states.pt", weights_only=False
+    )
+    for layer in (1, 2, 3):  # layer 0 is dense (first_k_dense_replace = 1)
+        bias_E = state["module"][f"layers.{layer}.mlp.gate.e_score_correction_bias"]
+        units = bias_E / rate  # each step adds -rate, 0 or +rate per expert
+        assert torch.allclose(units, units.round(), atol=1e-4) and units.abs().max() <= steps and units.abs().sum() > 0
+        assert abs(units.sum().item()) < steps * len(units)  # overloaded experts went down, underloaded ones up
+    assert all(r["expert_imbalance"][0] is None for r in records(metrics))
+
+
+def _other_model_checkpoint(root: Path) -> Path:
+    """A complete-looking checkpoint whose manifest names another architecture (tiny-qwen3-moe: vocab 128)."""
+    from disagmoe_ds.engine.checkpoint import model_fingerprint
+    from disagmoe_ds.models.loading import load_config
+
+    (root / "step5").mkdir(parents=True)
+    layout = {"attention_gpus": 2, "ffn_gpus": 2, "depth": 1, "expert_data_parallel": 1, "num_layers": 4,
+              "num_experts": 8}  # fmt: skip
+    manifest = {"tag": "step5", "layout": layout, "client_state": {"step": 5},
+                "model": model_fingerprint(load_config(ROOT / "hf_models" / "tiny-qwen3-moe"))}  # fmt: skip
+    (root / "step5" / "manifest.json").write_text(json.dumps(manifest))
+    (root / "latest").write_text("step5")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing data", r"data file /no/such/corpus.jsonl does not exist"),
+        ("empty data", r"no documents in .*empty.txt: it is empty or every document in it is blank"),
+        ("too long", r"seq_len \(1024\) exceeds the model's max_position_embeddings \(512\); lower seq_len"),
+        ("vocab", r"tokenizer has 1000 token ids but the model's vocab_size is 512"),
+        ("other model", r"checkpoint .*step5 was written for a different model architecture"),
+        ("hostfile", r"hostfile .*bad line 2: 'worker-1 slots=eight' is malformed"),
+        ("check hostfile", r"hostfile .*bad line 2: 'worker-1 slots=eight' is malformed"),
+        ("layout", r"num_experts \(8\) must be divisible by the expert-parallel size \(3"),
+    ],
+)
+def test_bad_input_is_a_one_line_error_before_any_rank_starts(tok_cache, tmp_path, capfd, case, message) -> None:
+    (tmp_path / "empty.txt").write_text("\n")
+    (tmp_path / "bad").write_text("worker-0 slots=8\nworker-1 slots=eight\n")
+    argv = {
+        "missing data": ["--data", "/no/such/corpus.jsonl"],
+        "empty data": ["--data", tmp_path / "empty.txt"],
+        "too long": ["--seq-len", 1024],
+        "vocab": ["--vocab-size", 1000],
+        "other model": ["--save-dir", _other_model_checkpoint(tmp_path / "ck"), "--resume"],
+        "hostfile": ["--hostfile", tmp_path / "bad"],
+        "check hostfile": ["--check-hostfile", tmp_path / "bad"],
+        "layout": ["--ffn-gpus", 3],
+    }[case]
+    start = time.monotonic()
+    assert pretrain(tok_cache, *argv) == 2
+    assert time.monotonic() - start < 10  # nothing was launched
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("run_pretrain.py")]
+    assert len(lines) == 1 and lines[0].startswith("run_pretrain.py: error: ") and "Traceback" not in err, err
+    assert re.search(message, lines[0]), lines[0]
+    assert "model:" not in out  # no rank printed its banner

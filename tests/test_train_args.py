@@ -1,0 +1,98 @@
+"""run_pretrain.py's command line: flags override the ds_config, bad values fail with the flag's name."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.train.args import build_parser, parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The command line is an interface: a flag is added or removed on purpose, with this list (torchtitan's rule).
+FLAGS = frozenset(
+    {
+        "--help", "--model", "--init-from", "--data", "--text-field", "--tokenizer", "--vocab-size",
+        "--tokenizer-cache", "--seq-len", "--attention-gpus", "--ffn-gpus", "--depth", "--micro-batches",
+        "--expert-data-parallel", "--steps", "--micro-batch-size", "--lr", "--dtype", "--seed",
+        "--bias-update-rate", "--sft", "--freeze-router", "--freeze-attention", "--save-dir", "--save-every",
+        "--keep-last", "--resume", "--metrics-file", "--tensorboard", "--timeline", "--log-every", "--peak-tflops",
+        "--hostfile", "--launcher-args", "--check-hostfile", "--local_rank",
+        # deepspeed.add_config_arguments
+        "--deepspeed", "--deepspeed_config", "--deepscale", "--deepscale_config",
+    }
+)  # fmt: skip
+
+
+def _parse(*argv: str, ds_config: dict | None = None, tmp_path: Path | None = None):
+    if ds_config is not None:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(ds_config))
+        argv = (*argv, "--deepspeed_config", str(path))
+    return parse_args(list(argv), root=ROOT, description="")
+
+
+def test_flags_are_frozen() -> None:
+    parser = build_parser(description="", default_model=ROOT, default_ds_config=ROOT, default_cache=ROOT)
+    flags = {opt for action in parser._actions for opt in action.option_strings if opt.startswith("--")}
+    assert flags == FLAGS
+
+
+def test_defaults_are_the_embedded_run() -> None:
+    args, _ = _parse()
+    assert args.model == ROOT / "hf_models" / "tiny-qwen3-moe-lm" and not args.pretrained
+    assert (args.cfg.attention_gpus, args.cfg.ffn_gpus, args.cfg.depth, args.cfg.micro_batches) == (2, 2, 1, 4)
+    assert args.micro_batch_size == 4 and args.dtype == "fp32"
+    assert args.tokens_per_step == 2 * 4 * 4 * 128
+    assert args.ds_config["scheduler"]["params"]["total_num_steps"] == args.steps
+
+
+def test_flags_override_the_ds_config(tmp_path: Path) -> None:
+    ds = {
+        "disagmoe": {"attention_gpus": 4, "ffn_gpus": 2, "micro_batches": 8},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+        "train_micro_batch_size_per_gpu": 2,
+    }
+    args, _ = _parse("--ffn-gpus", "4", "--lr", "0.5", "--dtype", "bf16", "--steps", "7", ds_config=ds,
+                     tmp_path=tmp_path)  # fmt: skip
+    assert (args.cfg.attention_gpus, args.cfg.ffn_gpus, args.cfg.micro_batches) == (4, 4, 8)
+    assert args.ds_config["optimizer"]["params"]["lr"] == 0.5
+    assert args.ds_config["scheduler"]["params"]["warmup_max_lr"] == 0.5  # WarmupLR's peak is its own key
+    assert "total_num_steps" not in args.ds_config["scheduler"]["params"]  # WarmupLR has no run length
+    assert args.ds_config["bf16"]["enabled"] and args.dtype == "bf16"
+    assert args.micro_batch_size == 2  # from the ds_config when the flag is absent
+
+
+@pytest.mark.parametrize(
+    ("argv", "ds_config", "message"),
+    [
+        (["--steps", "0"], None, r"--steps must be a positive integer, got 0"),
+        (["--keep-last", "-1"], None, r"--keep-last must be >= 0"),
+        (["--resume"], None, r"--resume without a checkpoint path needs --save-dir"),
+        (["--model", "a", "--init-from", "b"], None, r"--model a and --init-from b disagree"),
+        (["--bias-update-rate", "-1"], None, r"--bias-update-rate must be >= 0"),
+        ([], {"disagmoe": {"atention_gpus": 2}}, r'unknown key\(s\) in "disagmoe": atention_gpus'),
+        ([], {"gradient_accumulation_steps": 3}, r'"gradient_accumulation_steps" is 3 but this run has 1'),
+        (["--micro-batch-size", "2"], {"train_batch_size": 5}, r'"train_batch_size" is 5 but this run has 2'),
+        (["--attention-gpus", "0"], None, r'"disagmoe.attention_gpus" must be a positive int'),
+    ],
+)
+def test_bad_values_name_the_flag(tmp_path: Path, argv: list[str], ds_config: dict | None, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _parse(*argv, ds_config=ds_config, tmp_path=tmp_path)
+
+
+def test_missing_ds_config_is_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"DeepSpeed config /nope.json does not exist"):
+        _parse("--deepspeed_config", "/nope.json")
+
+
+@pytest.mark.parametrize("module", ["args", "hostfile", "balance"])
+def test_doctests(module: str) -> None:
+    assert doctest.testmod(importlib.import_module(f"disagmoe_ds.train.{module}")).failed == 0

@@ -1,0 +1,66 @@
+"""Hostfiles are checked before launch: DeepSpeed's format, each host once, slots adding up to the layout."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.train.hostfile import (
+    check_hostfile,
+    deepspeed_command,
+    filters_slots,
+    parse_hostfile,
+    strip_launch_flags,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", ["localhost-cpu", "1node-8gpu", "2nodes-16gpu"])
+def test_shipped_hostfiles_parse(name: str) -> None:
+    hosts = check_hostfile(ROOT / "hostfiles" / name)
+    assert hosts and all(slots >= 1 for slots in hosts.values())
+
+
+def test_comments_blank_lines_and_trailing_comments() -> None:
+    lines = ["# cluster", "", "   ", "node-a slots=4", "node-b\tslots=2   # half a node"]
+    assert parse_hostfile(lines, "h") == {"node-a": 4, "node-b": 2}
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (["node-a slots=two"], r"line 1: 'node-a slots=two' is malformed"),
+        (["node-a 8"], r"line 1: 'node-a 8' is malformed"),
+        (["# c", "node-a slots=8x"], r"line 2: 'node-a slots=8x' is malformed"),  # DeepSpeed would launch 8
+        (["node-a slots=0"], r"line 1: 'node-a slots=0' is malformed; each line must be 'HOST slots=N' \(N >= 1\)"),
+        (["node-a slots=8", "node-a slots=8"], r"line 2: host 'node-a' is listed twice"),
+        (["# only a comment", ""], r"lists no host"),
+    ],
+)
+def test_malformed_hostfiles_are_one_line_errors(lines: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        parse_hostfile(lines, "hf")
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file_and_world_size(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_hostfile(tmp_path / "nope")
+    hf = tmp_path / "hf"
+    hf.write_text("a slots=8\nb slots=8\n")
+    assert check_hostfile(hf, world_size=16) == {"a": 8, "b": 8}
+    with pytest.raises(ConfigError, match=r"has 16 slots \(a: 8, b: 8\) but the layout needs 4 ranks"):
+        check_hostfile(hf, world_size=4)
+
+
+def test_relaunch_command() -> None:
+    argv = ["--steps", "5", "--hostfile", "hf", "--launcher-args", "--no_ssh_check --master_addr 127.0.0.1"]
+    command = deepspeed_command(Path("hf"), argv[-1], "run_pretrain.py", strip_launch_flags(argv))
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    assert command == [*launcher, "--hostfile", "hf", "--no_ssh_check", "--master_addr", "127.0.0.1",
+                       "run_pretrain.py", "--steps", "5"]  # fmt: skip
+    assert filters_slots("--include worker-0:0,1") and filters_slots("--num_gpus=2") and not filters_slots("")
