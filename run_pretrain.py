@@ -168,6 +168,7 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
         dtype=args.torch_dtype,
         device=device,
         model=model,
+        seed=args.seed,
     )
     loader = lane_loader(data, args, role.index, pin_memory=device.type == "cuda") if reads_data else None
     start = restore(runtime, *resume, loader) if resume is not None else 0

@@ -13,8 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.verify import VerifyArgs, run_verify
 
 # (family, overrides, M, N, p, edp, micro-batches, ZeRO, skew): covers p = 1 and 2, M != N both ways, an F-group
@@ -114,3 +116,30 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _train_from_config(rank: int, model_dir: str) -> dict:
+    from disagmoe_ds.engine.build import build_rank
+
+    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, micro_batches=2)
+    ds = {"zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    rt = build_rank(model_dir, ds, cfg, micro_batch_size=2)  # no weights: built on meta, parts materialised
+    params = {n: p.detach().clone() for n, p in rt.module.named_parameters()}
+    losses = []
+    for step in range(3):
+        batches = None
+        if rt.role.is_attention:
+            gen = torch.Generator().manual_seed(step)
+            batches = [{"input_ids": (ids := torch.randint(3, 128, (2, 8), generator=gen)), "labels": ids}] * 2
+        losses.append(rt.executor.train_batch(batches).loss)
+    return {"role": (rt.role.role, rt.role.group), "params": params, "losses": losses}
+
+
+def test_from_scratch_builds_only_the_parts_of_each_rank():
+    results = run_ranks(_train_from_config, 4, args=(str(ROOT / "hf_models" / "tiny-qwen2-moe"),), timeout_s=120)
+    losses = results[0]["losses"]
+    assert 4.0 < losses[0] < 5.5 and losses[-1] < losses[0]  # about ln(vocab) at init, then it learns
+    lane0, lane1 = results[0]["params"], results[1]["params"]  # DeepSpeed broadcast the replicas' init
+    assert lane0.keys() == lane1.keys() and all(torch.equal(lane0[n], lane1[n]) for n in lane0)
+    stds = [p.float().std().item() for n, p in lane0.items() if n.endswith("proj.weight")]
+    assert all(0.015 < s < 0.025 for s in stds)  # HF's initializer_range 0.02

@@ -29,7 +29,7 @@ from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.families import family_of, router_of
 from disagmoe_ds.models.grouped_experts import compile_elementwise
-from disagmoe_ds.models.loading import load_config, load_model
+from disagmoe_ds.models.loading import build_meta_model, has_weights, load_config, load_model, materialize
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, moe_layers, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.schedule import PipeShape, Worker, check_streams, generate
@@ -75,11 +75,20 @@ def build_rank(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
     model: nn.Module | None = None,
+    seed: int = 0,
 ) -> RankRuntime:
-    """Build this rank's part of the disaggregated job. ``model`` may be passed to skip loading ``model_dir``."""
+    """Build this rank's part of the disaggregated job.
+
+    ``model`` may be passed to skip loading ``model_dir``. A model on the meta device (``build_meta_model``; the
+    default for a config-only ``model_dir``) is never materialised whole: each rank allocates and initialises only
+    the parts it owns.
+    """
     rank = dist.get_rank()
     device = device or torch.device("cpu")
-    model = model if model is not None else load_model(model_dir, dtype=dtype)
+    if model is None:
+        weights = has_weights(model_dir)
+        model = load_model(model_dir, dtype=dtype) if weights else build_meta_model(model_dir, dtype=dtype)
+    on_meta = next(model.parameters()).is_meta
     layout = cfg.layout(num_layers=model.config.num_hidden_layers, num_experts=num_routed_experts(model))
     layout.check_world_size(dist.get_world_size())
     moe = moe_layers(model)
@@ -91,8 +100,11 @@ def build_rank(
     exchange = build_exchange_groups(layout, device=device, timeout=timeout)
     top_k, weight_dtype = _router_facts(model, moe)
     stage = _build_stage(model, layout, role)
+    if on_meta:
+        materialize(stage, model, device, seed=seed * 100_003 + rank)  # replicas are broadcast by DeepSpeed
+    else:
+        stage.to(device)
     del model
-    stage.to(device)
     if cfg.compile:
         compile_stage(stage)
     engine, global_norm = build_role_engine(

@@ -102,6 +102,30 @@ def spawn_local(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    # DeepSpeed probes its ops (compiling a test program per op) on first look; probe once here, not per rank.
+    disable_shm_op()
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _spawn_once(fn, world_size, args, timeout_s, backend, comm_timeout_s, env)
+        except RankFailedError as err:
+            # The free port we picked was taken by another process before rank 0 bound it: nothing ran yet.
+            if "EADDRINUSE" not in str(err) or attempt == _PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
+
+
+def _spawn_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any],
+    timeout_s: float | None,
+    backend: str,
+    comm_timeout_s: float | None,
+    env: dict[str, str] | None,
+) -> list[Any]:
     base_env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
@@ -109,8 +133,6 @@ def spawn_local(
         "LOCAL_SIZE": str(world_size),
         **(env or {}),
     }
-    # DeepSpeed probes its ops (compiling a test program per op) on first look; probe once here, not per rank.
-    disable_shm_op()
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="disagmoe-ranks-") as stack_dir:
         children = []

@@ -84,3 +84,35 @@ def load_model(
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except (OSError, RuntimeError, ValueError) as err:
         raise CheckpointError(f"cannot load weights from {path}: {str(err).splitlines()[0]}") from err
+
+
+def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model's module tree on the meta device: no memory, no initialisation.
+
+    A rank cuts the parts it owns from it and materialises only those (``materialize``), so a job never holds
+    the whole model in one process.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def materialize(stage: nn.Module, model: nn.Module, device: torch.device, *, seed: int = 0) -> None:
+    """Allocate a stage cut from a meta model on ``device`` and initialise it with HF's own ``_init_weights``.
+
+    Replicas of the same parameters may draw different values here; DeepSpeed broadcasts each data-parallel
+    group's rank-0 copy when the engine is built, so they start identical.
+    """
+    stage.to_empty(device=device)
+    torch.manual_seed(seed)
+    for param in stage.parameters():
+        if getattr(param, "_is_hf_initialized", False):
+            param._is_hf_initialized = False  # set while building on meta, where nothing was written
+    for module in stage.modules():
+        model._init_weights(module)
+    rotary = getattr(stage, "rotary_emb", None)
+    if rotary is not None:  # its inv_freq buffers are computed in __init__, not by _init_weights
+        with torch.device(device):
+            stage.rotary_emb = type(rotary)(config=stage.config)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from disagmoe_ds.models.families import family_of, is_moe_layer, router_of
-from disagmoe_ds.models.loading import load_config, load_model
+from disagmoe_ds.models.loading import build_meta_model, load_model
 from disagmoe_ds.train.args import TrainArgs
 
 
@@ -26,18 +25,16 @@ class Frozen:
 
 
 def load_train_model(args: TrainArgs) -> tuple[nn.Module, Frozen]:
-    """``--init-from``: the pretrained weights; otherwise HF's initialisation of ``--model``'s config under the seed.
+    """``--init-from``: the pretrained weights; otherwise ``--model``'s config on the meta device.
 
-    A ``--model`` directory that holds weights is still initialised fresh: pretraining starts from scratch
-    unless ``--init-from`` says otherwise.
+    From scratch, no rank ever holds the whole model: ``build_rank`` materialises and initialises (HF's
+    ``_init_weights``) only the parts the rank owns. A ``--model`` directory that holds weights is still
+    initialised fresh: pretraining starts from scratch unless ``--init-from`` says otherwise.
     """
     if args.pretrained:
         model = load_model(args.model, dtype=args.torch_dtype, require_weights=True)
     else:
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(args.seed)  # every rank builds the same weights, then keeps its own part
-        model = AutoModelForCausalLM.from_config(load_config(args.model), dtype=args.torch_dtype)
+        model = build_meta_model(args.model, dtype=args.torch_dtype)
     return model, freeze(model, router=args.freeze_router, attention=args.freeze_attention)
 
 
