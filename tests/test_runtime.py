@@ -7,9 +7,9 @@ the HF reference on the same batches; loss, global grad norm, every gradient and
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
