@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -89,7 +88,9 @@ def test_timeline_has_every_rank(tiny_checkpoint, tmp_path):
 def test_verify_under_the_deepspeed_launcher(tiny_checkpoint):
     """The real launcher on CPU: 4 processes, gloo, rank 0 prints the summary."""
     cmd = [
-        shutil.which("deepspeed") or "deepspeed",
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
         "--num_gpus",
         "4",
         "--master_port",
