@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
