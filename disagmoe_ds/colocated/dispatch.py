@@ -1,7 +1,7 @@
 """Co-located token exchange: the classic dispatch and combine all-to-all over an expert-parallel group.
 
-Legend (this file): T tokens of this rank's micro-batch, H hidden, K top-k, S rows this rank sends (summed over
-its ep peers, grouped by destination), R rows it receives (summed over its ep peers, grouped by source).
+Legend (this file): T tokens of this rank's micro-batch, H hidden, K top-k, P ep ranks, S rows this rank sends
+(summed over its ep peers, grouped by destination), R rows it receives (summed over its ep peers, grouped by source).
 
 A dispatcher is a strategy with Megatron's split, each direction local -> communicate -> local:
 
@@ -77,8 +77,8 @@ def _all_to_all(t_S: torch.Tensor, send_counts: tuple[int, ...], recv_counts: tu
 class LocalDispatcher:
     """ep_size 1: this rank holds every expert; pack and unpack with no communication (the reference)."""
 
-    def __init__(self, *, ep_size: int = 1, experts_per_rank: int):
-        self.ep_size = ep_size
+    def __init__(self, *, experts_per_rank: int):
+        self.ep_size = 1
         self.experts_per_rank = experts_per_rank
 
     def dispatch(
@@ -114,7 +114,8 @@ class AllToAllDispatcher(LocalDispatcher):
     """ep_size > 1: all-to-alls over the rank's expert-parallel group (counts first, then the rows)."""
 
     def __init__(self, group: dist.ProcessGroup, *, ep_size: int, experts_per_rank: int):
-        super().__init__(ep_size=ep_size, experts_per_rank=experts_per_rank)
+        super().__init__(experts_per_rank=experts_per_rank)
+        self.ep_size = ep_size
         assert dist.get_world_size(group) == ep_size, f"an ep group of {dist.get_world_size(group)} ranks, ep {ep_size}"
         self.group = group
 

@@ -87,12 +87,15 @@ class ColocatedExecutor:
         if len(batches) != self.num_micro_batches:
             raise ValueError(f"{self.name}: got {len(batches)} micro-batches, it accumulates {self.num_micro_batches}")
         start = time.perf_counter()
-        sums = torch.zeros(4, dtype=torch.float64)  # loss, lm loss, aux loss, micro-batches
+        # loss, lm loss, aux loss, micro-batches; on the engine's device, where the backend can reduce it
+        sums = torch.zeros(4, dtype=torch.float64, device=self.engine.device)
         for mb, batch in enumerate(batches):
             out = self._timed(f"forward {mb}", "compute", lambda b=batch: self.engine(**b))
             self._timed(f"backward {mb}", "compute", lambda o=out: self._backward(o.loss))
             aux = out.aux_loss.item() if out.aux_loss is not None else 0.0
-            sums += torch.tensor([out.loss.item(), out.lm_loss.item(), aux, 1.0], dtype=torch.float64)
+            sums += torch.tensor(
+                [out.loss.item(), out.lm_loss.item(), aux, 1.0], dtype=torch.float64, device=sums.device
+            )
         self._timed("step", "optimizer", self._step)
         dist.all_reduce(sums, group=self.group)
         loss, lm, aux, count = sums.tolist()

@@ -82,7 +82,9 @@ class ColocatedModel(nn.Module):
         aux_coef: router aux-loss coefficient, or None when the family/config has no aux loss.
     """
 
-    def __init__(self, attention: AttentionStage, experts: ExpertStageMoE, dispatcher: LocalDispatcher, aux_coef):
+    def __init__(
+        self, attention: AttentionStage, experts: ExpertStageMoE, dispatcher: LocalDispatcher, aux_coef: float | None
+    ):
         super().__init__()
         self.attention = attention
         self.experts = experts

@@ -66,17 +66,35 @@ def rank_main(rank: int, args: ColocatedVerifyArgs) -> dict[str, Any]:
 
 
 def capture_grads(runtime: ColocatedRuntime) -> list[Named]:
-    """Record, at every step, the reduced and clipped gradients the optimizer applies (this rank's share)."""
+    """Record, at every step, the reduced and clipped gradients the optimizer applies (this rank's share).
+
+    ZeRO steps its torch optimizer once per parameter group (dense, then the MoE group), each time with only that
+    group's fp32 gradient in place, so each call records the parameters of its own group.
+    """
     optimizer = runtime.engine.optimizer
     inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps a torch optimizer
     captured: list[Named] = []
 
     def hook(*_):
-        named = {n: _full_grad(optimizer, p) for n, p in runtime.module.named_parameters()}
-        captured.append(_written(runtime, {n: g for n, g in named.items() if g is not None}))
+        group = _zero_group_index(optimizer, inner)
+        if group in (None, 0):
+            captured.append({})
+        mine = None if group is None else {id(p) for p in optimizer.bit16_groups[group]}
+        named = {n: p for n, p in runtime.module.named_parameters() if mine is None or id(p) in mine}
+        grads = {n: _full_grad(optimizer, p) for n, p in named.items()}
+        captured[-1].update(_written(runtime, {n: g for n, g in grads.items() if g is not None}))
 
     inner.register_step_pre_hook(hook)
     return captured
+
+
+def _zero_group_index(optimizer, inner) -> int | None:
+    """The parameter group ZeRO is stepping (it narrows ``inner.param_groups`` to it); None without ZeRO."""
+    partitions = getattr(optimizer, "single_partition_of_fp32_groups", None)
+    if partitions is None:
+        return None
+    stepped = inner.param_groups[0]["params"][0]
+    return next(i for i, partition in enumerate(partitions) if partition is stepped)
 
 
 def _written(runtime: ColocatedRuntime, tensors: dict[str, torch.Tensor]) -> Named:

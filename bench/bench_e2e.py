@@ -1,0 +1,399 @@
+"""End-to-end training throughput: AF-Pipe versus the co-located EP baseline versus DeepSpeed-MoE.
+
+    # 8 GPUs of one host, 4 layers of Qwen3-30B-A3B, 32 sequences of 4K per step (AF-Pipe: 4 attention + 4 FFN)
+    PYTHONPATH=$PWD python bench/bench_e2e.py --model hf_models/Qwen3-30B-A3B --layers 4 --world-size 8 \\
+        --seq-len 4096 --global-batch 32 --json e2e.json
+    # one GPU: the co-located mode alone, real-size layers
+    PYTHONPATH=$PWD python bench/bench_e2e.py --model hf_models/Qwen3-30B-A3B --layers 4 --world-size 1
+    # CPU, gloo, a tiny model (what the tests run)
+    PYTHONPATH=$PWD python bench/bench_e2e.py --device cpu --model hf_models/tiny-qwen3-moe --world-size 2 \\
+        --seq-len 16 --global-batch 4 --warmup 1 --steps 2
+
+Every method trains the same model config (random weights, seed ``--seed``) on the same ranks and the same number
+of tokens per optimizer step (``--global-batch`` sequences of ``--seq-len``), with the same ds_config (ZeRO stage,
+bf16 on GPU, AdamW, clipping). Each method's micro-batches per rank follow from its number of data-parallel lanes:
+
+    afpipe         ``engine.build.build_rank`` + ``AFPipeExecutor.train_batch``: M attention + N FFN ranks, depth p
+    colocated      ``colocated.build_colocated_rank``: every rank attention + 1/ep of the experts, all-to-all, 1F1B
+    deepspeed-moe  the HF model with every MoE block's router and experts replaced by ``deepspeed.moe.layer.MoE``
+                   (DeepSpeed's ``TopKGate`` + ``Experts`` of HF-sized gated MLPs), the shared experts kept, trained
+                   by the co-located executor (same step, same clipping)
+
+DeepSpeed-MoE routes differently from HF: softmax over all experts, top-k, always renormalised over the kept
+experts, its own GShard aux loss (coefficient ``router_aux_loss_coef``), and a capacity: ``--ds-capacity-factor 0``
+(default) drops no token (capacity = the largest expert load in the EP group, padded dispatch buffers);
+a positive factor drops tokens beyond ``factor * k * tokens / experts``. Its experts are a Python loop over
+``nn.Linear`` MLPs. The FLOPs per token are the same as HF's unless tokens are dropped.
+
+Step time = the slowest rank's wall time of one ``train_batch`` (device synchronised), median over ``--steps``
+after ``--warmup``; tokens/s = tokens per step / step time. Each method runs as its own local job (fresh
+processes, NCCL on GPUs, gloo on CPU); under ``torchrun``/``deepspeed`` the methods run one after another in the
+launched processes. Prints a table and writes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disagmoe_ds.colocated import ColocatedConfig, build_colocated_rank
+from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
+from disagmoe_ds.colocated.model import ColocatedOutput
+from disagmoe_ds.config import SECTION, DisagMoEConfig
+from disagmoe_ds.engine.build import build_rank
+from disagmoe_ds.engine.deepspeed_role import RoleMPU, role_ds_config
+from disagmoe_ds.models.families import Family, family_of, is_moe_layer
+from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
+from disagmoe_ds.models.loading import load_config
+
+METHODS = ("afpipe", "colocated", "deepspeed-moe")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The DeepSpeed-MoE baseline model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class GatedMLP(nn.Module):
+    """One expert for ``deepspeed.moe``: HF's gated MLP math, ``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, act_fn: nn.Module):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DeepSpeedMoEBlock(nn.Module):
+    """An HF MoE block whose router and routed experts are one ``deepspeed.moe.layer.MoE``; shared experts kept."""
+
+    def __init__(self, block: nn.Module, family: Family, *, ep_size: int, capacity_factor: float):
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        experts, router = block.experts, getattr(block, family.router_attr)
+        _, hidden, intermediate = experts.down_proj.shape  # HF's fused [E, H, I]
+        expert = GatedMLP(hidden, intermediate, experts.act_fn).to(experts.down_proj.device, experts.down_proj.dtype)
+        self.moe = MoE(
+            hidden,
+            expert,
+            num_experts=router.num_experts,
+            ep_size=ep_size,
+            k=router.top_k,
+            capacity_factor=capacity_factor or 1.0,
+            eval_capacity_factor=capacity_factor or 1.0,
+            drop_tokens=capacity_factor > 0,
+            use_rts=False,
+        )
+        self.shared_fn = family.shared
+        self.shared = _shared_part(block, family) if family.shared is not None else None
+        self.l_aux: torch.Tensor | None = None
+
+    def forward(self, h_BSH: torch.Tensor) -> torch.Tensor:
+        out_BSH, self.l_aux, _ = self.moe(h_BSH)
+        if self.shared is not None:
+            out_BSH = out_BSH + self.shared_fn(self.shared, h_BSH.reshape(-1, h_BSH.shape[-1])).view_as(h_BSH)
+        return out_BSH
+
+
+def _shared_part(block: nn.Module, family: Family) -> nn.Module:
+    """A shallow copy of the block without its router and routed experts (what the shared-expert function reads)."""
+    shared = copy.copy(block)
+    drop = ("experts", family.router_attr)
+    shared._modules = OrderedDict((n, m) for n, m in block._modules.items() if n not in drop)
+    return shared
+
+
+class DeepSpeedMoEModel(nn.Module):
+    """The HF causal LM with DeepSpeed-MoE blocks; forward returns the co-located executor's ``ColocatedOutput``."""
+
+    def __init__(self, model: nn.Module, *, ep_size: int, capacity_factor: float):
+        super().__init__()
+        family = family_of(model.config)
+        if family.model_type not in GATED_FUSED_FAMILIES:
+            raise ValueError(f"the DeepSpeed-MoE baseline supports {GATED_FUSED_FAMILIES}, not {family.model_type}")
+        self.blocks = []  # plain list: the blocks are registered once, inside the model
+        for layer in model.model.layers:
+            if is_moe_layer(layer):
+                layer.mlp = DeepSpeedMoEBlock(layer.mlp, family, ep_size=ep_size, capacity_factor=capacity_factor)
+                self.blocks.append(layer.mlp)
+        model.config.output_router_logits = False  # HF's aux loss reads its routers' logits; DeepSpeed's replaces it
+        self.aux_coef = getattr(model.config, "router_aux_loss_coef", 0.0)
+        self.model = model
+
+    def forward(self, input_ids, labels, position_ids=None) -> ColocatedOutput:
+        lm_loss = self.model(input_ids=input_ids, labels=labels, position_ids=position_ids, use_cache=False).loss
+        aux = torch.stack([block.l_aux for block in self.blocks]).sum()
+        return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One method on one rank
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def make_model(a: argparse.Namespace, device: torch.device) -> nn.Module:
+    """The benchmark model (``--layers`` of ``--model``), random weights under ``--seed``, built on the device."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(a.model)
+    if a.layers:
+        truncate_layers(config, a.layers)
+    torch.manual_seed(a.seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[a.dtype])
+    return model.train()
+
+
+def truncate_layers(config, layers: int) -> None:
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    if getattr(config, "mlp_only_layers", None):
+        config.mlp_only_layers = [i for i in config.mlp_only_layers if i < layers]
+
+
+def ds_config(a: argparse.Namespace) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "zero_optimization": {"stage": a.zero},
+        "gradient_clipping": a.clip,
+        # torch's AdamW: DeepSpeed's FusedAdam would JIT-compile first; the optimizer step is the same for all methods
+        "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0, "torch_adam": True}},
+    }
+    if a.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def micro_batches(a: argparse.Namespace, lanes: int) -> int:
+    per_step = lanes * a.micro_batch_size
+    if a.global_batch % per_step:
+        raise ValueError(
+            f"--global-batch ({a.global_batch}) must be a multiple of lanes ({lanes}) x --micro-batch-size "
+            f"({a.micro_batch_size}) so that every method trains the same tokens per step"
+        )
+    return a.global_batch // per_step
+
+
+def build_afpipe(a: argparse.Namespace, device: torch.device):
+    cfg = DisagMoEConfig(
+        attention_gpus=a.attention_gpus,
+        ffn_gpus=a.ffn_gpus,
+        depth=a.depth,
+        micro_batches=micro_batches(a, a.attention_gpus // a.depth),
+        compile=a.compile,
+    )
+    ds = {**ds_config(a), SECTION: cfg.to_dict()}
+    dtype = DTYPES[a.dtype]
+    runtime = build_rank(
+        a.model, ds, cfg, micro_batch_size=a.micro_batch_size, dtype=dtype, device=device, model=make_model(a, device)
+    )
+    feeds = runtime.role.is_attention and runtime.role.group == 0  # A-group 0 embeds; the head reads labels there
+    return runtime.executor, cfg.micro_batches if feeds else 0, runtime.layout.describe()
+
+
+def build_colocated(a: argparse.Namespace, device: torch.device):
+    cfg = ColocatedConfig(
+        world_size=a.world_size, ep_size=a.ep_size, micro_batches=micro_batches(a, a.world_size), compile=a.compile
+    )
+    runtime = build_colocated_rank(
+        a.model,
+        ds_config(a),
+        cfg,
+        micro_batch_size=a.micro_batch_size,
+        dtype=DTYPES[a.dtype],
+        device=device,
+        model=make_model(a, device),
+    )
+    return runtime.executor, cfg.micro_batches, runtime.layout.describe()
+
+
+def build_deepspeed_moe(a: argparse.Namespace, device: torch.device):
+    import deepspeed
+
+    cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=micro_batches(a, a.world_size))
+    module = DeepSpeedMoEModel(make_model(a, device), ep_size=a.ep_size, capacity_factor=a.ds_capacity_factor)
+    config = role_ds_config(ds_config(a), cfg, micro_batch_size=a.micro_batch_size, dp_size=a.world_size)
+    params = [p for p in module.parameters() if p.requires_grad]
+    # An explicit mpu, so that an earlier engine's mpu left in deepspeed.utils.groups (launcher runs) is replaced.
+    everyone = dist.new_group(list(range(a.world_size)))
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=config, mpu=RoleMPU(everyone))
+    grad_norm = ColocatedGradNorm(everyone, attention_replicas=a.world_size, expert_replicas=a.world_size // a.ep_size)
+    grad_norm.install(engine)
+    executor = ColocatedExecutor(
+        engine=engine,
+        num_micro_batches=cfg.micro_batches,
+        grad_norm=grad_norm,
+        group=everyone,
+        name=f"rank {dist.get_rank()} deepspeed-moe",
+    )
+    experts = module.blocks[0].moe.num_experts
+    return executor, cfg.micro_batches, f"DeepSpeed-MoE: {a.world_size} ranks, EP {a.ep_size}, {experts} experts"
+
+
+BUILDERS: dict[str, Callable[[argparse.Namespace, torch.device], tuple[Any, int, str]]] = {
+    "afpipe": build_afpipe,
+    "colocated": build_colocated,
+    "deepspeed-moe": build_deepspeed_moe,
+}
+
+
+def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] | None:
+    """Build ``method`` on this rank, train ``warmup + steps`` steps; the row on rank 0, None elsewhere."""
+    del rank
+    device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
+    executor, num_micro_batches, layout = BUILDERS[method](a, device)
+    batches = make_batches(a, load_config(a.model).vocab_size, num_micro_batches, device) or None
+    times, result = [], None
+    for step in range(a.warmup + a.steps):
+        _sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        result = executor.train_batch(batches)
+        _sync(device)
+        seconds = _max_over_ranks(time.perf_counter() - t0, device)
+        if step >= a.warmup:
+            times.append(seconds)
+    step_s = statistics.median(times)
+    tokens = a.global_batch * a.seq_len
+    memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    row = {
+        "method": method,
+        "layout": layout,
+        "micro_batches": num_micro_batches,
+        "tokens_per_step": tokens,
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": tokens / step_s,
+        "loss": result.loss,
+        "max_memory_gib": _max_over_ranks(memory, device),
+    }
+    return row if dist.get_rank() == 0 else None
+
+
+def make_batches(a: argparse.Namespace, vocab: int, count: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(a.seed * 1009 + dist.get_rank())
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(3, vocab, (a.micro_batch_size, a.seq_len), generator=gen).to(device)
+        batches.append({"input_ids": ids, "labels": ids.clone()})
+    return batches
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    base = next((r["tokens_per_s"] for r in rows if r["method"] == "colocated"), None)
+    print(f"{'method':<15}{'micro-batches':>14}{'tokens/step':>13}{'step ms':>11}{'tokens/s':>12}{'vs colocated':>14}")
+    for r in rows:
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        print(
+            f"{r['method']:<15}{r['micro_batches']:>14}{r['tokens_per_step']:>13}{r['step_ms']:>11.1f}"
+            f"{r['tokens_per_s']:>12.0f}{ratio:>14}"
+        )
+    for r in rows:
+        print(f"  {r['method']}: {r['layout']}, loss {r['loss']:.4f}, max memory {r['max_memory_gib']:.1f} GiB")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # probe GPUs without initialising CUDA (fork)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="hf_models/Qwen3-30B-A3B", help="HF model directory (config is enough)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers to keep (0: all)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if gpus else "cpu")
+    p.add_argument("--world-size", type=int, default=max(gpus, 1) if gpus else 2, help="ranks (GPUs)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, help="default: all; colocated alone on one rank")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 2 per rank)")
+    p.add_argument("--attention-gpus", type=int, default=None, help="AF-Pipe M (default: half the ranks)")
+    p.add_argument("--ffn-gpus", type=int, default=None, help="AF-Pipe N (default: the other half)")
+    p.add_argument("--depth", type=int, default=1, help="AF-Pipe p")
+    p.add_argument("--ep-size", type=int, default=None, help="co-located and DeepSpeed-MoE EP size (default: all)")
+    p.add_argument("--ds-capacity-factor", type=float, default=0.0, help="DeepSpeed-MoE capacity (0: drop none)")
+    p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2))
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on GPU, fp32 on CPU")
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--compile", action="store_true", help="torch.compile the parts (afpipe, colocated)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a local job is killed")
+    p.add_argument("--json", metavar="PATH", help="also write the rows and the setup as JSON")
+    a = p.parse_args(argv)
+    a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
+    a.global_batch = a.global_batch or 2 * a.world_size * a.micro_batch_size
+    a.ep_size = a.ep_size or a.world_size
+    a.attention_gpus = a.attention_gpus or max(a.world_size // 2, 1)
+    a.ffn_gpus = a.ffn_gpus or a.world_size - a.attention_gpus
+    a.methods = a.methods or (list(METHODS) if a.world_size > 1 else ["colocated"])
+    if "afpipe" in a.methods and a.attention_gpus + a.ffn_gpus != a.world_size:
+        p.error(
+            f"AF-Pipe needs attention + FFN ranks = world size ({a.attention_gpus} + {a.ffn_gpus} != {a.world_size})"
+        )
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    from disagmoe_ds.launch import detect_launcher, init_from_env, spawn_local
+
+    a = parse_args(argv)
+    backend = "nccl" if a.device == "cuda" else "gloo"
+    rows = []
+    if detect_launcher():
+        init_from_env(backend)
+        for method in a.methods:
+            rows.append(run_method(dist.get_rank(), method, a))
+            gc.collect()  # drop the engine before the next method builds its own
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        for method in a.methods:  # one local job per method: fresh processes, nothing left from the last one
+            rows.append(
+                spawn_local(run_method, a.world_size, args=(method, a), backend=backend, timeout_s=a.timeout)[0]
+            )
+            print(f"{method}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+    print_table(rows)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"setup": vars(a), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""M2N / N2M achieved bandwidth of the DisagMoE exchange versus ``all_to_all_single`` of the same bytes.
+
+    # 8 GPUs of one host: 4 attention + 4 FFN ranks, Qwen3-30B-A3B routing (H 2048, top-8 of 128), 8K tokens/lane
+    PYTHONPATH=$PWD python bench/bench_exchange.py --attention-gpus 4 --ffn-gpus 4 --json exchange.json
+    # the same under a launcher
+    torchrun --nproc_per_node 8 bench/bench_exchange.py --attention-gpus 4 --ffn-gpus 4
+    # CPU, gloo, tiny sizes (what the tests run)
+    PYTHONPATH=$PWD python bench/bench_exchange.py --device cpu --attention-gpus 2 --ffn-gpus 2 --tokens 64 --hidden 32
+
+Every attention lane routes ``--tokens`` random tokens with a random router (uniform top-k of ``--experts``),
+packs them exactly as the runtime does (``routing.plan_dispatch`` + ``pack``) and then, per direction:
+
+    exchange    m2n: ``M2NSender.send`` on the lanes, ``M2NReceiver.wait`` on the FFN ranks (x, local ids, weights);
+                n2m: ``N2MSender.send`` of the received rows back, ``N2MReceiver.wait`` on the lanes
+    all-to-all  one ``all_to_all_single`` over all M + N ranks of a byte buffer whose splits are exactly the payload
+                bytes of every (src, dst) message of that direction (zero between ranks that do not talk)
+
+Time = the slowest rank's time from a common barrier until its side is complete (device synchronised), median
+over ``--iters``. Bytes = payload bytes of all messages of the direction (the exchange also sends a 24-byte
+header per message, not counted); GB/s = bytes / time (aggregate over all links); ratio = exchange GB/s over
+all-to-all GB/s. ``--json`` writes the rows and the setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disagmoe_ds.comm import (
+    Kind,
+    M2NReceiver,
+    M2NSender,
+    N2MReceiver,
+    N2MSender,
+    build_exchange_groups,
+    dispatch_messages,
+    exchange_specs,
+    pack,
+    plan_dispatch,
+)
+from disagmoe_ds.layout import Layout
+
+WEIGHT_DTYPE = torch.float32  # router weights travel in fp32 (Mixtral/DeepSeek keep them fp32 in bf16 models)
+
+
+@dataclass(frozen=True)
+class BenchArgs:
+    attention_gpus: int
+    ffn_gpus: int
+    tokens: int  # T per lane per micro-batch
+    hidden: int
+    top_k: int
+    experts: int
+    dtype: torch.dtype
+    warmup: int
+    iters: int
+    seed: int
+
+
+def random_messages(args: BenchArgs, layout: Layout, lane: int, device: torch.device):
+    """One lane's M2N messages for a micro-batch routed by a random router, and its dispatch plan."""
+    gen = torch.Generator().manual_seed(args.seed * 1009 + lane)
+    topk_idx_TK = torch.rand(args.tokens, args.experts, generator=gen).topk(args.top_k).indices.to(device)
+    w_TK = torch.rand(args.tokens, args.top_k, generator=gen).softmax(-1).to(device, WEIGHT_DTYPE)
+    x_TH = torch.randn(args.tokens, args.hidden, generator=gen).to(device, args.dtype)
+    plan = plan_dispatch(topk_idx_TK, layout.ep_size, layout.experts_per_rank)
+    return dispatch_messages(pack(x_TH, w_TK, plan), plan), plan
+
+
+def message_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class ExchangeSide:
+    """This rank's end of both directions, and the byte matrix of every message (for the all-to-all baseline)."""
+
+    def __init__(self, args: BenchArgs, device: torch.device):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.layout = Layout(
+            attention_gpus=args.attention_gpus, ffn_gpus=args.ffn_gpus, num_layers=1, num_experts=args.experts
+        )
+        self.role = self.layout.role_of(rank)
+        self.device = device
+        groups = build_exchange_groups(self.layout, device=device)
+        specs = exchange_specs(args.hidden, args.top_k, dtype=args.dtype, weight_dtype=WEIGHT_DTYPE)
+        m2n_send = torch.zeros(world, dtype=torch.int64)  # payload bytes this rank sends to each rank
+        if self.role.is_attention:
+            self.messages, self.plan = random_messages(args, self.layout, self.role.index, device)
+            self.m2n = M2NSender.build(groups, Kind.M2N, spec=specs[Kind.M2N], device=device)
+            self.n2m = N2MReceiver.build(groups, Kind.N2M, spec=specs[Kind.N2M], device=device)
+            for sender, message in zip(self.m2n.senders, self.messages, strict=True):
+                m2n_send[sender.link.dst] = message_bytes(message)
+        else:
+            self.m2n = M2NReceiver.build(groups, Kind.M2N, spec=specs[Kind.M2N], device=device)
+            self.n2m = N2MSender.build(groups, Kind.N2M, spec=specs[Kind.N2M], device=device)
+        self.m2n_bytes = _all_gather_rows(m2n_send)  # [src, dst]
+        self.received = self.run_m2n()  # the rows an FFN rank sends back in n2m (its "expert outputs")
+        n2m_send = torch.zeros(world, dtype=torch.int64)
+        if not self.role.is_attention:
+            (x_SH, _, _), rows = self.received
+            for sender, count in zip(self.n2m.senders, rows.counts, strict=True):
+                n2m_send[sender.link.dst] = count * x_SH.shape[1] * x_SH.element_size()
+        self.n2m_bytes = _all_gather_rows(n2m_send)
+        self.run_n2m()
+
+    def run_m2n(self):
+        if self.role.is_attention:
+            self.m2n.send(self.messages)
+            self.m2n.wait_all()
+            return None
+        self.m2n.post()
+        return self.m2n.wait()
+
+    def run_n2m(self) -> None:
+        if self.role.is_attention:
+            self.n2m.wait(plan=self.plan)
+        else:
+            (x_SH, _, _), rows = self.received
+            self.n2m.send((x_SH,), rows)
+            self.n2m.wait_all()
+
+
+def _all_gather_rows(row: torch.Tensor) -> torch.Tensor:
+    """[world, world] from every rank's row (gathered on the CPU through a gloo-or-device tensor)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else row.device
+    rows = [torch.empty_like(row, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row.to(device))
+    return torch.stack(rows).cpu()
+
+
+class AllToAllBytes:
+    """``all_to_all_single`` of a byte buffer with the same (src, dst) payload sizes as one exchange direction."""
+
+    def __init__(self, bytes_SD: torch.Tensor, device: torch.device):
+        rank = dist.get_rank()
+        self.send_splits = bytes_SD[rank].tolist()
+        self.recv_splits = bytes_SD[:, rank].tolist()
+        self.send = torch.randint(0, 255, (sum(self.send_splits),), dtype=torch.uint8).to(device)
+        self.recv = torch.empty(sum(self.recv_splits), dtype=torch.uint8, device=device)
+
+    def run(self) -> None:
+        dist.all_to_all_single(self.recv, self.send, self.recv_splits, self.send_splits)
+
+
+def time_op(op: Callable[[], Any], *, warmup: int, iters: int, device: torch.device) -> float:
+    """Median over iterations of the slowest rank's seconds from a common barrier to its completion."""
+    for _ in range(warmup):
+        op()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        op()
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        times.append(_max_over_ranks(seconds, device))
+    return statistics.median(times)
+
+
+def _max_over_ranks(seconds: float, device: torch.device) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64, device=_collective_device(device))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def _collective_device(device: torch.device) -> torch.device:
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_rank(rank: int, args: BenchArgs, device_type: str) -> list[dict[str, Any]] | None:
+    """One rank of the benchmark; the rows on rank 0, None elsewhere."""
+    del rank
+    device = _rank_device(device_type)
+    side = ExchangeSide(args, device)
+    rows = []
+    for direction, exchange_op, bytes_SD in (
+        ("m2n", side.run_m2n, side.m2n_bytes),
+        ("n2m", side.run_n2m, side.n2m_bytes),
+    ):
+        baseline = AllToAllBytes(bytes_SD, device)
+        total = int(bytes_SD.sum())
+        times = {
+            "exchange": time_op(exchange_op, warmup=args.warmup, iters=args.iters, device=device),
+            "all_to_all": time_op(baseline.run, warmup=args.warmup, iters=args.iters, device=device),
+        }
+        for method, seconds in times.items():
+            rows.append(_row(direction, method, total, seconds, times["all_to_all"]))
+    return rows if dist.get_rank() == 0 else None
+
+
+def _row(direction: str, method: str, total: int, seconds: float, baseline_s: float) -> dict[str, Any]:
+    return {
+        "direction": direction,
+        "method": method,
+        "bytes": total,
+        "ms": seconds * 1e3,
+        "gbps": total / seconds / 1e9,
+        "ratio": baseline_s / seconds,  # GB/s over the all-to-all's GB/s (same bytes)
+    }
+
+
+def _rank_device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{'direction':<10}{'method':<12}{'bytes':>14}{'ms':>10}{'GB/s':>10}{'ratio':>8}")
+    for r in rows:
+        print(
+            f"{r['direction']:<10}{r['method']:<12}{r['bytes']:>14,}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
+            f"{r['ratio']:>7.2f}x"
+        )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # probe GPUs without initialising CUDA (fork)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--attention-gpus", type=int, default=1, help="M: attention lanes (senders of m2n)")
+    p.add_argument("--ffn-gpus", type=int, default=1, help="N: FFN ranks (one expert-parallel group)")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per lane (micro-batch x sequence)")
+    p.add_argument("--hidden", type=int, default=2048, help="H (Qwen3-30B-A3B: 2048)")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="activations (default bf16 on GPU)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a local job is killed")
+    p.add_argument("--json", metavar="PATH", help="also write the rows and the setup as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from disagmoe_ds.launch import detect_launcher, init_from_env, spawn_local
+
+    a = parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("bf16" if a.device == "cuda" else "fp32")]
+    args = BenchArgs(
+        a.attention_gpus, a.ffn_gpus, a.tokens, a.hidden, a.top_k, a.experts, dtype, a.warmup, a.iters, a.seed
+    )
+    world = a.attention_gpus + a.ffn_gpus
+    backend = "nccl" if a.device == "cuda" else "gloo"
+    if detect_launcher():
+        init_from_env(backend)
+        rows = bench_rank(dist.get_rank(), args, a.device)
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        rows = spawn_local(bench_rank, world, args=(args, a.device), backend=backend, timeout_s=a.timeout)[0]
+    print_table(rows)
+    if a.json:
+        setup = {**vars(args), "dtype": str(dtype).removeprefix("torch.")}
+        report = {"setup": {**setup, "device": a.device, "backend": backend, "world_size": world}, "rows": rows}
+        Path(a.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
