@@ -232,7 +232,9 @@ def build_deepspeed_moe(a: argparse.Namespace, device: torch.device):
 
     cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=micro_batches(a, a.world_size))
     module = DeepSpeedMoEModel(make_model(a, device), ep_size=a.ep_size, capacity_factor=a.ds_capacity_factor)
-    config = role_ds_config(ds_config(a), cfg, micro_batch_size=a.micro_batch_size, dp_size=a.world_size)
+    config = role_ds_config(
+        ds_config(a), micro_batches=cfg.micro_batches, micro_batch_size=a.micro_batch_size, dp_size=a.world_size
+    )
     params = [p for p in module.parameters() if p.requires_grad]
     # An explicit mpu, so that an earlier engine's mpu left in deepspeed.utils.groups (launcher runs) is replaced.
     everyone = dist.new_group(list(range(a.world_size)))

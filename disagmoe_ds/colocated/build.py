@@ -117,7 +117,9 @@ def _build_engine(
 
     mpu = RoleMPU(groups.data_parallel)
     # role_ds_config reads only cfg.micro_batches from our config.
-    config = role_ds_config(ds_config, cfg, micro_batch_size=micro_batch_size, dp_size=cfg.world_size)
+    config = role_ds_config(
+        ds_config, micro_batches=cfg.micro_batches, micro_batch_size=micro_batch_size, dp_size=cfg.world_size
+    )
     params = [p for p in module.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=config, mpu=mpu)
     return engine

@@ -60,7 +60,7 @@ class RoleMPU:
     get_tensor_model_parallel_rank = get_model_parallel_rank
 
 
-def role_ds_config(ds_config: dict[str, Any], cfg: DisagMoEConfig, *, micro_batch_size: int, dp_size: int) -> dict:
+def role_ds_config(ds_config: dict[str, Any], *, micro_batches: int, micro_batch_size: int, dp_size: int) -> dict:
     """The user's ds_config adapted to one role engine.
 
     Gradient accumulation is owned by the AF-Pipe executor (one ``step()`` per batch after many partial
@@ -71,8 +71,8 @@ def role_ds_config(ds_config: dict[str, Any], cfg: DisagMoEConfig, *, micro_batc
     if config.get("fp16", {}).get("enabled"):
         raise ConfigError('"fp16" is not supported by DisagMoE-DS; use "bf16": {"enabled": true} or fp32')
     config["train_micro_batch_size_per_gpu"] = micro_batch_size
-    config["gradient_accumulation_steps"] = cfg.micro_batches
-    config["train_batch_size"] = micro_batch_size * cfg.micro_batches * dp_size
+    config["gradient_accumulation_steps"] = micro_batches
+    config["train_batch_size"] = micro_batch_size * micro_batches * dp_size
     config["managed_gradient_accumulation"] = False
     config.setdefault("steps_per_print", 10**9)
     config.setdefault("gradient_clipping", 0.0)
@@ -153,7 +153,10 @@ def build_role_engine(
 
     mpu = RoleMPU(data_parallel_group)
     config = role_ds_config(
-        ds_config, cfg, micro_batch_size=micro_batch_size, dp_size=mpu.get_data_parallel_world_size()
+        ds_config,
+        micro_batches=cfg.micro_batches,
+        micro_batch_size=micro_batch_size,
+        dp_size=mpu.get_data_parallel_world_size(),
     )
     scale_gradients(module, grad_scale)
     engine, *_ = deepspeed.initialize(

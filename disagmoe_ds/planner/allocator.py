@@ -150,8 +150,9 @@ class BaselineCandidate:
         """(m*v + pp - 1) x the slowest chunk's fwd+bwd, plus the p2p hops: for ranking before simulation."""
         chunk = max(
             f + b + fx + bx
-            for f, b, fx, bx in zip(self.costs.fwd_compute, self.costs.bwd_compute, self.costs.fwd_comm,
-                                    self.costs.bwd_comm)
+            for f, b, fx, bx in zip(
+                self.costs.fwd_compute, self.costs.bwd_compute, self.costs.fwd_comm, self.costs.bwd_comm
+            )
         )
         hops = 2 * (self.pp - 1) * self.costs.p2p_s
         return (self.micro_batches * self.vpp + self.pp - 1) * chunk + hops + self.exposed_sync_s
@@ -238,8 +239,9 @@ def af_candidates(req: PlanRequest) -> tuple[list[AfCandidate], Counter]:
                 continue
             for place in placements(req.cluster, layout.attention_gpus, req.placement, req.granularity):
                 for nics in place.nic_splits(req.cluster, layout.attention_gpus):
-                    roof = af_roofline(req.spec, layout, work, placement=place, rates=req.rates, nics=nics,
-                                       micro_batches=micro_batches)
+                    roof = af_roofline(
+                        req.spec, layout, work, placement=place, rates=req.rates, nics=nics, micro_batches=micro_batches
+                    )
                     sync = af_sync_s(req.spec, layout, work, placement=place, rates=req.rates, nics=nics)
                     out.append(AfCandidate(layout, place, nics, work, micro_batches, cap, roof, mem_a, mem_f, sync))
             if req.recompute == "auto" and cap >= 2 * (2 * layout.depth + 1):
@@ -268,8 +270,9 @@ def simulate_candidate(req: PlanRequest, c: AfCandidate, *, exposed_comm: bool =
     ring = 2 * c.layout.depth + 1
     best: AfPlan | None = None
     for cap in sorted({min(c.max_in_flight, c.micro_batches, k * ring) for k in (1, 2)}):
-        sim = simulate_af(req.spec, c.layout, costs, micro_batches=c.micro_batches, max_in_flight=cap,
-                          exposed_comm=exposed_comm)
+        sim = simulate_af(
+            req.spec, c.layout, costs, micro_batches=c.micro_batches, max_in_flight=cap, exposed_comm=exposed_comm
+        )
         plan = AfPlan(c, sim, cap)
         if best is None or plan.step_time_s < 0.99 * best.step_time_s:
             best = plan
@@ -324,13 +327,15 @@ def _baseline_fits(
     for recompute in req.recompute_options:
         work = replace(req.work, recompute=recompute)
         alive = warmup_chunks(pp, vpp, micro_batches)
-        mem = baseline_rank_memory(req.spec, work, world_size=req.cluster.world_size, pp=pp, vpp=vpp, ep=ep,
-                                   chunks_alive=alive)
+        mem = baseline_rank_memory(
+            req.spec, work, world_size=req.cluster.world_size, pp=pp, vpp=vpp, ep=ep, chunks_alive=alive
+        )
         if mem.total > req.rates.usable_hbm:
             rejected[f"does not fit memory (recompute {recompute})"] += 1
             continue
-        costs = baseline_chunk_costs(req.spec, work, pp=pp, vpp=vpp, ep=ep, cluster=req.cluster, rates=req.rates,
-                                     overlap=req.baseline_overlap)
+        costs = baseline_chunk_costs(
+            req.spec, work, pp=pp, vpp=vpp, ep=ep, cluster=req.cluster, rates=req.rates, overlap=req.baseline_overlap
+        )
         sync = baseline_sync_s(req.spec, work, pp=pp, vpp=vpp, ep=ep, cluster=req.cluster, rates=req.rates)
         return [BaselineCandidate(pp, vpp, ep, work, micro_batches, mem, costs, req.cluster.world_size // pp, sync)]
     return []
@@ -340,8 +345,7 @@ def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
     candidates, rejected = baseline_candidates(req)
     ranked = sorted(candidates, key=lambda c: c.estimate_s / c.tokens)[: req.simulate_top]
     plans = [
-        BaselinePlan(c, simulate_baseline(c.costs, pp=c.pp, vpp=c.vpp, micro_batches=c.micro_batches))
-        for c in ranked
+        BaselinePlan(c, simulate_baseline(c.costs, pp=c.pp, vpp=c.vpp, micro_batches=c.micro_batches)) for c in ranked
     ]
     return (max(plans, key=lambda p: p.tokens_per_s) if plans else None), rejected
 

@@ -36,48 +36,98 @@ cluster JSON format: docs/planner.md.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="disagmoe-plan", description=__doc__.split("\n")[0], epilog=_EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="disagmoe-plan",
+        description=__doc__.split("\n")[0],
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", required=True, help="HF model directory holding config.json (or the json itself)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per attention lane per micro-batch")
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="sequences per step (default 8 x GPUs x micro-batch size); both systems are compared per token")
-    p.add_argument("--cluster", default="h800",
-                   help=f"a preset ({', '.join(PRESETS)}: 8 GPUs, 8 x 400 Gb/s NICs per node) or a cluster JSON file")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="sequences per step (default 8 x GPUs x micro-batch size); both systems are compared per token",
+    )
+    p.add_argument(
+        "--cluster",
+        default="h800",
+        help=f"a preset ({', '.join(PRESETS)}: 8 GPUs, 8 x 400 Gb/s NICs per node) or a cluster JSON file",
+    )
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (required with a preset)")
-    p.add_argument("--profile", default=None,
-                   help="profile JSON from `disagmoe-plan profile`: measured FLOP/s replace peak x efficiency")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="profile JSON from `disagmoe-plan profile`: measured FLOP/s replace peak x efficiency",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
-    p.add_argument("--write-ds-config", metavar="PATH",
-                   help="write a ds_config JSON with the plan's \"disagmoe\" section")
+    p.add_argument(
+        "--write-ds-config", metavar="PATH", help='write a ds_config JSON with the plan\'s "disagmoe" section'
+    )
     p.add_argument("--write-hostfile", metavar="PATH", help="write a DeepSpeed hostfile, attention ranks first")
-    p.add_argument("--timeline", metavar="PATH",
-                   help="draw the predicted AF-Pipe timeline (.png/.svg via matplotlib, .json Chrome trace); the "
-                        "baseline's goes next to it with a -baseline suffix")
+    p.add_argument(
+        "--timeline",
+        metavar="PATH",
+        help="draw the predicted AF-Pipe timeline (.png/.svg via matplotlib, .json Chrome trace); the "
+        "baseline's goes next to it with a -baseline suffix",
+    )
     p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2), help="ZeRO stage inside each group")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training precision")
-    p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"),
-                   help="activation recomputation; auto uses full recompute only where nothing fits without it")
-    p.add_argument("--placement", default="auto", choices=("auto", "contiguous", "spread"),
-                   help="contiguous: attention nodes first (plain hostfile); spread: both sides on every node with a "
-                        "per-node NIC split; auto: try both")
-    p.add_argument("--split-granularity", default="gpu", choices=("gpu", "node"),
-                   help="contiguous splits move by one GPU or by whole nodes")
+    p.add_argument(
+        "--recompute",
+        default="auto",
+        choices=("auto", "none", "full"),
+        help="activation recomputation; auto uses full recompute only where nothing fits without it",
+    )
+    p.add_argument(
+        "--placement",
+        default="auto",
+        choices=("auto", "contiguous", "spread"),
+        help="contiguous: attention nodes first (plain hostfile); spread: both sides on every node with a "
+        "per-node NIC split; auto: try both",
+    )
+    p.add_argument(
+        "--split-granularity",
+        default="gpu",
+        choices=("gpu", "node"),
+        help="contiguous splits move by one GPU or by whole nodes",
+    )
     eff = Efficiency()
-    p.add_argument("--compute-efficiency", type=float, default=eff.compute,
-                   help=f"achievable share of peak FLOP/s (default {eff.compute})")
-    p.add_argument("--network-efficiency", type=float, default=eff.network,
-                   help=f"achievable share of NIC bandwidth (default {eff.network})")
-    p.add_argument("--nvlink-efficiency", type=float, default=eff.nvlink,
-                   help=f"achievable share of NVLink bandwidth (default {eff.nvlink})")
-    p.add_argument("--memory-efficiency", type=float, default=eff.memory,
-                   help=f"usable share of GPU memory (default {eff.memory})")
-    p.add_argument("--baseline-overlap", type=float, default=0.25,
-                   help="share of the co-located all-to-all hidden behind compute, besides shared experts "
-                        "(default 0.25)")
-    p.add_argument("--baseline-ep", type=int, default=None,
-                   help="pin the co-located expert-parallel size (default: search; the paper used 16)")
+    p.add_argument(
+        "--compute-efficiency",
+        type=float,
+        default=eff.compute,
+        help=f"achievable share of peak FLOP/s (default {eff.compute})",
+    )
+    p.add_argument(
+        "--network-efficiency",
+        type=float,
+        default=eff.network,
+        help=f"achievable share of NIC bandwidth (default {eff.network})",
+    )
+    p.add_argument(
+        "--nvlink-efficiency",
+        type=float,
+        default=eff.nvlink,
+        help=f"achievable share of NVLink bandwidth (default {eff.nvlink})",
+    )
+    p.add_argument(
+        "--memory-efficiency", type=float, default=eff.memory, help=f"usable share of GPU memory (default {eff.memory})"
+    )
+    p.add_argument(
+        "--baseline-overlap",
+        type=float,
+        default=0.25,
+        help="share of the co-located all-to-all hidden behind compute, besides shared experts (default 0.25)",
+    )
+    p.add_argument(
+        "--baseline-ep",
+        type=int,
+        default=None,
+        help="pin the co-located expert-parallel size (default: search; the paper used 16)",
+    )
     return p
 
 
@@ -103,11 +153,16 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
         raise DisagMoEError(f"--baseline-overlap must be in [0, 1], got {args.baseline_overlap}")
     global_batch = args.global_batch_size or 8 * cluster.world_size * args.micro_batch_size
     req = PlanRequest(
-        spec=spec, cluster=cluster, rates=rates,
+        spec=spec,
+        cluster=cluster,
+        rates=rates,
         work=Workload(args.seq_len, args.micro_batch_size, zero_stage=args.zero_stage, precision=args.precision),
-        global_batch=global_batch, recompute=args.recompute,
+        global_batch=global_batch,
+        recompute=args.recompute,
         granularity=cluster.gpus_per_node if args.split_granularity == "node" else 1,
-        placement=args.placement, baseline_overlap=args.baseline_overlap, baseline_ep=args.baseline_ep,
+        placement=args.placement,
+        baseline_overlap=args.baseline_overlap,
+        baseline_ep=args.baseline_ep,
     )
     return req, warnings
 
@@ -132,11 +187,14 @@ def _write_timelines(result: PlanResult, path: Path) -> list[str]:
     assert af is not None
     c = af.candidate
     costs = af_task_costs(req.spec, c.layout, c.work, placement=c.placement, rates=req.rates, nics=c.nics)
-    sim = simulate_af(req.spec, c.layout, costs, micro_batches=c.micro_batches, max_in_flight=af.in_flight,
-                      exposed_comm=False)
+    sim = simulate_af(
+        req.spec, c.layout, costs, micro_batches=c.micro_batches, max_in_flight=af.in_flight, exposed_comm=False
+    )
     lay = c.layout
-    title = (f"AF-Pipe {req.spec.name} seq {req.work.seq_len}: M={lay.attention_gpus} N={lay.ffn_gpus} p={lay.depth}, "
-             f"{c.micro_batches} micro-batches, {af.in_flight} in flight")
+    title = (
+        f"AF-Pipe {req.spec.name} seq {req.work.seq_len}: M={lay.attention_gpus} N={lay.ffn_gpus} p={lay.depth}, "
+        f"{c.micro_batches} micro-batches, {af.in_flight} in flight"
+    )
     write_timeline(sim.events, path, title=title)
     notes = [f"wrote AF-Pipe timeline {path}"]
     if result.baseline is not None:

@@ -58,8 +58,9 @@ def load_profile(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"--profile {path}: format is not {FORMAT!r}; write one with `disagmoe-plan profile`")
     for key in _PARTS:
         model = (data.get("fit") or {}).get(key)
-        if not isinstance(model, dict) or not all(isinstance(model.get(k), (int, float)) for k in
-                                                  ("per_flop", "per_core_flop", "per_call")):
+        if not isinstance(model, dict) or not all(
+            isinstance(model.get(k), (int, float)) for k in ("per_flop", "per_core_flop", "per_call")
+        ):
             raise ConfigError(f"--profile {path}: fit.{key} must hold per_flop, per_core_flop and per_call")
     return data
 
@@ -95,8 +96,9 @@ def profile_warnings(profile: dict[str, Any], spec: ModelSpec, seq_len: int) -> 
 def _solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
     """Least squares by the normal equations (Gauss-Jordan); None when singular."""
     n = len(rows[0])
-    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))]
-         for i in range(n)]
+    a = [
+        [sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))] for i in range(n)
+    ]
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
         if abs(a[pivot][col]) < 1e-30:
@@ -120,8 +122,10 @@ def fit_part(points: list[tuple[float, float, float]]) -> PartModel:
     for terms in layouts:
         if len(terms) > len(points):
             continue
-        rows = [[{"lin": lin, "core": core, "all": lin + core, "call": 1e12}[t] / 1e12 for t in terms]
-                for lin, core, _ in points]
+        rows = [
+            [{"lin": lin, "core": core, "all": lin + core, "call": 1e12}[t] / 1e12 for t in terms]
+            for lin, core, _ in points
+        ]
         coef = _solve(rows, [t for _, _, t in points])
         if coef is None or min(coef) < 0:
             continue
@@ -138,8 +142,11 @@ def fit_profile(points: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         for phase in ("fwd", "bwd"):
             data = [(pt[part]["linear_flops"], pt[part]["core_flops"], pt[part][f"{phase}_s"]) for pt in points]
             model = fit_part(data)
-            out[f"{part}_{phase}"] = {"per_flop": model.per_flop, "per_core_flop": model.per_core_flop,
-                                      "per_call": model.per_call}
+            out[f"{part}_{phase}"] = {
+                "per_flop": model.per_flop,
+                "per_core_flop": model.per_core_flop,
+                "per_call": model.per_call,
+            }
     return out
 
 
@@ -147,15 +154,20 @@ def part_flops(spec: ModelSpec, *, seq_len: int, tokens: int) -> dict[str, tuple
     """(linear, core) forward FLOPs of the measured attention part and expert part of the first MoE layer."""
     layer = spec.moe_layers.index(True)
     core = tokens * spec.attention_core_flops(seq_len, layer)
-    return {"attention": (tokens * spec.attention_side_flops(seq_len, layer) - core, core),
-            "experts": (tokens * spec.routed_flops_per_token(), 0.0)}
+    return {
+        "attention": (tokens * spec.attention_side_flops(seq_len, layer) - core, core),
+        "experts": (tokens * spec.routed_flops_per_token(), 0.0),
+    }
 
 
 def predicted_times(spec: ModelSpec, profile: dict[str, Any], *, seq_len: int, tokens: int) -> dict[str, float]:
     """Per-part forward and backward seconds of one call for ``tokens`` tokens at ``seq_len`` (profile's fit)."""
     models, flops = part_models(profile), part_flops(spec, seq_len=seq_len, tokens=tokens)
-    return {f"{part}_{phase}_s": models[f"{part}_{phase}"].seconds(*flops[part])
-            for part in ("attention", "experts") for phase in ("fwd", "bwd")}
+    return {
+        f"{part}_{phase}_s": models[f"{part}_{phase}"].seconds(*flops[part])
+        for part in ("attention", "experts")
+        for phase in ("fwd", "bwd")
+    }
 
 
 # ----- measuring (torch, lazily) -----
@@ -268,14 +280,20 @@ def run_profile(args: argparse.Namespace) -> dict[str, Any]:
     config._attn_implementation = args.attn_implementation or ("eager" if spec.model_type == "gpt_oss" else "sdpa")
     # what a full HF model picks by default on GPU (grouped GEMM); the per-expert loop elsewhere
     config._experts_implementation = args.experts_implementation or (
-        "grouped_mm" if args.device.startswith("cuda") else "eager")
+        "grouped_mm" if args.device.startswith("cuda") else "eager"
+    )
     layer = spec.moe_layers.index(True)
     factory = _load_factory(args.parts)
     points = []
     for seq_len in args.seq_lens:
-        attention, experts = factory(config, layer_index=layer, seq_len=seq_len,
-                                     micro_batch_size=args.micro_batch_size, device=args.device,
-                                     dtype=getattr(torch, args.dtype))
+        attention, experts = factory(
+            config,
+            layer_index=layer,
+            seq_len=seq_len,
+            micro_batch_size=args.micro_batch_size,
+            device=args.device,
+            dtype=getattr(torch, args.dtype),
+        )
         tokens = seq_len * args.micro_batch_size
         point: dict[str, Any] = {"seq_len": seq_len, "micro_batch_size": args.micro_batch_size, "tokens": tokens}
         flops = part_flops(spec, seq_len=seq_len, tokens=tokens)
@@ -285,11 +303,21 @@ def run_profile(args: argparse.Namespace) -> dict[str, Any]:
         points.append(point)
         del attention, experts  # free this sequence length's layer before building the next
     return {
-        "format": FORMAT, "device": _device_name(args.device), "torch": torch.__version__,
-        "transformers": transformers.__version__, "model": spec.name, "model_type": spec.model_type,
-        "dtype": args.dtype, "parts": args.parts, "attn_implementation": config._attn_implementation,
-        "experts_implementation": config._experts_implementation, "layer_index": layer,
-        "warmup": args.warmup, "repeats": args.repeats, "points": points, "fit": fit_profile(points),
+        "format": FORMAT,
+        "device": _device_name(args.device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "model": spec.name,
+        "model_type": spec.model_type,
+        "dtype": args.dtype,
+        "parts": args.parts,
+        "attn_implementation": config._attn_implementation,
+        "experts_implementation": config._experts_implementation,
+        "layer_index": layer,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "points": points,
+        "fit": fit_profile(points),
         "nvlink_bytes_per_s": _nvlink_bytes_per_s() if args.device.startswith("cuda") else None,
         "nic_bytes_per_s": None,
     }
@@ -307,15 +335,19 @@ def _device_name(device: str) -> str:
 
 def check_against(spec: ModelSpec, measured: dict[str, Any], reference: dict[str, Any]) -> list[str]:
     """Lines comparing this run's measured times with those predicted by another profile's fitted models."""
-    lines = [f"predicted from the profile of {reference.get('model')} at seq "
-             f"{[pt['seq_len'] for pt in reference['points']]} vs measured:"]
+    lines = [
+        f"predicted from the profile of {reference.get('model')} at seq "
+        f"{[pt['seq_len'] for pt in reference['points']]} vs measured:"
+    ]
     for point in measured["points"]:
         predicted = predicted_times(spec, reference, seq_len=point["seq_len"], tokens=point["tokens"])
         for part in ("attention", "experts"):
             for phase in ("fwd", "bwd"):
                 p, m = predicted[f"{part}_{phase}_s"], point[part][f"{phase}_s"]
-                lines.append(f"  seq {point['seq_len']:>6} {part:<9} {phase}: predicted {p * 1e3:9.3f} ms, "
-                             f"measured {m * 1e3:9.3f} ms, error {(p - m) / m:+.1%}")
+                lines.append(
+                    f"  seq {point['seq_len']:>6} {part:<9} {phase}: predicted {p * 1e3:9.3f} ms, "
+                    f"measured {m * 1e3:9.3f} ms, error {(p - m) / m:+.1%}"
+                )
     return lines
 
 
@@ -324,9 +356,11 @@ def _fit_summary(result: dict[str, Any]) -> str:
     parts = []
     for key in ("attention_fwd", "experts_fwd"):
         f = fit[key]
-        parts.append(f"{key} {1 / f['per_flop'] / 1e12:.0f} TFLOP/s" + (
-            f" (core {1 / f['per_core_flop'] / 1e12:.0f})" if key.startswith("attention") else "")
-            + f" + {f['per_call'] * 1e6:.0f} us/call")
+        parts.append(
+            f"{key} {1 / f['per_flop'] / 1e12:.0f} TFLOP/s"
+            + (f" (core {1 / f['per_core_flop'] / 1e12:.0f})" if key.startswith("attention") else "")
+            + f" + {f['per_call'] * 1e6:.0f} us/call"
+        )
     return "; ".join(parts)
 
 
@@ -334,25 +368,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="disagmoe-plan profile",
         description="Measure one MoE layer's attention part and expert part (forward and backward) on this machine "
-                    "and write a profile JSON for `disagmoe-plan --profile`.",
+        "and write a profile JSON for `disagmoe-plan --profile`.",
     )
     parser.add_argument("--model", required=True, help="HF model directory (or its config.json)")
-    parser.add_argument("--seq-len", required=True,
-                        help="sequence length(s) to measure at, comma separated (3 or more fit the full time model)")
+    parser.add_argument(
+        "--seq-len",
+        required=True,
+        help="sequence length(s) to measure at, comma separated (3 or more fit the full time model)",
+    )
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per lane (default 1)")
     parser.add_argument("--out", required=True, help="where to write the profile JSON")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="parameter dtype")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before measuring (default 3)")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs; the median is kept (default 10)")
-    parser.add_argument("--parts", default="disagmoe_ds.planner.profile:hf_decoder_parts",
-                        help="module:function building the two measured callables (see module docstring)")
-    parser.add_argument("--attn-implementation", default=None,
-                        help="HF attention implementation (default sdpa; eager for gpt_oss, which lacks sdpa)")
-    parser.add_argument("--experts-implementation", default=None,
-                        help="HF experts implementation (default grouped_mm on GPU as HF models pick, eager on CPU)")
-    parser.add_argument("--predict-from", default=None,
-                        help="a profile JSON: also print the times its rates predict for this run, with the error")
+    parser.add_argument(
+        "--parts",
+        default="disagmoe_ds.planner.profile:hf_decoder_parts",
+        help="module:function building the two measured callables (see module docstring)",
+    )
+    parser.add_argument(
+        "--attn-implementation",
+        default=None,
+        help="HF attention implementation (default sdpa; eager for gpt_oss, which lacks sdpa)",
+    )
+    parser.add_argument(
+        "--experts-implementation",
+        default=None,
+        help="HF experts implementation (default grouped_mm on GPU as HF models pick, eager on CPU)",
+    )
+    parser.add_argument(
+        "--predict-from",
+        default=None,
+        help="a profile JSON: also print the times its rates predict for this run, with the error",
+    )
     return parser
 
 
@@ -362,8 +411,11 @@ def main(argv: Sequence[str]) -> int:
         args.seq_lens = [int(x) for x in args.seq_len.split(",")]
     except ValueError as err:
         raise ConfigError(f"--seq-len {args.seq_len!r}: expected integers separated by commas") from err
-    for name, value in (("seq-len", min(args.seq_lens)), ("micro-batch-size", args.micro_batch_size),
-                        ("repeats", args.repeats)):
+    for name, value in (
+        ("seq-len", min(args.seq_lens)),
+        ("micro-batch-size", args.micro_batch_size),
+        ("repeats", args.repeats),
+    ):
         if value < 1:
             raise ConfigError(f"--{name} must be at least 1, got {value}")
     reference = load_profile(args.predict_from) if args.predict_from else None

@@ -24,19 +24,27 @@ def verdict(result: PlanResult) -> tuple[str, list[str]]:
         return "nothing fits: neither AF-Pipe nor co-located EP fits in memory on this cluster", _no_fit(result)
     if af is None:
         return "disaggregation does not fit: use co-located EP (" + _baseline_name(base) + ")", _no_fit(result)
-    reasons = [_side_reason("attention", af, af.candidate.roofline.attention),
-               _side_reason("FFN", af, af.candidate.roofline.ffn)]
+    reasons = [
+        _side_reason("attention", af, af.candidate.roofline.attention),
+        _side_reason("FFN", af, af.candidate.roofline.ffn),
+    ]
     if af.candidate.exposed_sync_s > 0:
-        reasons.append(f"AF-Pipe gradient sync: {af.candidate.exposed_sync_s:.3f} s exposed per step (A lanes "
-                       f"{af.candidate.sync_s[0]:.3f} s, F replicas {af.candidate.sync_s[1]:.3f} s before overlap)")
+        reasons.append(
+            f"AF-Pipe gradient sync: {af.candidate.exposed_sync_s:.3f} s exposed per step (A lanes "
+            f"{af.candidate.sync_s[0]:.3f} s, F replicas {af.candidate.sync_s[1]:.3f} s before overlap)"
+        )
     if base is None:
-        return ("AF-Pipe fits but no co-located EP configuration does: disaggregation is the only option",
-                reasons + _af_diagnostics(af))
+        return (
+            "AF-Pipe fits but no co-located EP configuration does: disaggregation is the only option",
+            reasons + _af_diagnostics(af),
+        )
     reasons += _comparison(af, base)
     if s is not None and s >= PAYS_THRESHOLD:
         return f"disaggregation pays: {s:.2f}x over co-located EP 1F1B", reasons
-    return (f"disaggregation does not pay ({s:.2f}x): use co-located EP ({_baseline_name(base)})",
-            reasons + _why_not(af, base))
+    return (
+        f"disaggregation does not pay ({s:.2f}x): use co-located EP ({_baseline_name(base)})",
+        reasons + _why_not(af, base),
+    )
 
 
 def _side_reason(name: str, af: AfPlan, side: SideTimes) -> str:
@@ -71,12 +79,15 @@ def _why_not(af: AfPlan, base: BaselinePlan) -> list[str]:
     if roof.attention.bound == "network" and roof.ffn.bound == "network":
         out.append("bandwidth dead zone: cross-node bandwidth bounds both sides, so no GPU/NIC split balances them")
     if c.exposed_sync_s > 0.1 * af.step_time_s:
-        out.append(f"gradient sync adds {c.exposed_sync_s:.3f} s per step: the A lanes or the expert-DP replicas "
-                   f"span nodes and sync through NICs (co-located: {base.candidate.exposed_sync_s:.3f} s)")
+        out.append(
+            f"gradient sync adds {c.exposed_sync_s:.3f} s per step: the A lanes or the expert-DP replicas "
+            f"span nodes and sync through NICs (co-located: {base.candidate.exposed_sync_s:.3f} s)"
+        )
     if base.sim.exposed_comm_fraction < 0.1:
         where = "inside a node over NVLink" if base.candidate.ep <= 8 else "with little exposure"
-        out.append(f"co-located EP {base.candidate.ep} keeps its all-to-all {where}; AF-Pipe sends tokens between "
-                   "groups")
+        out.append(
+            f"co-located EP {base.candidate.ep} keeps its all-to-all {where}; AF-Pipe sends tokens between groups"
+        )
     return out + _af_diagnostics(af)
 
 
@@ -85,14 +96,18 @@ def _af_diagnostics(af: AfPlan) -> list[str]:
     c, out = af.candidate, []
     roof = c.roofline
     if af.sim.bubble_fraction > 0.2:
-        limit = ("memory admits only" if af.in_flight == c.max_in_flight < c.micro_batches else "it runs")
-        out.append(f"AF-Pipe bubble {af.sim.bubble_fraction:.0%}: {limit} {af.in_flight} micro-batches in flight "
-                   f"on a {2 * c.layout.depth}-stage ring; each micro-batch crosses all {c.layout.num_layers} layers "
-                   f"and their transfers before its backward starts")
+        limit = "memory admits only" if af.in_flight == c.max_in_flight < c.micro_batches else "it runs"
+        out.append(
+            f"AF-Pipe bubble {af.sim.bubble_fraction:.0%}: {limit} {af.in_flight} micro-batches in flight "
+            f"on a {2 * c.layout.depth}-stage ring; each micro-batch crosses all {c.layout.num_layers} layers "
+            f"and their transfers before its backward starts"
+        )
     balance = min(roof.attention.stage_s, roof.ffn.stage_s) / roof.bottleneck_s
     if balance < 0.7:
-        out.append(f"the sides stay unbalanced (the lighter one is busy {balance:.0%} of T*): no split that divides "
-                   "and fits memory balances them better")
+        out.append(
+            f"the sides stay unbalanced (the lighter one is busy {balance:.0%} of T*): no split that divides "
+            "and fits memory balances them better"
+        )
     return out
 
 
@@ -121,14 +136,28 @@ def to_json(result: PlanResult) -> dict[str, Any]:
     req, af, base = result.request, result.af, result.baseline
     head, reasons = verdict(result)
     out: dict[str, Any] = {
-        "model": req.spec.name, "model_type": req.spec.model_type, "seq_len": req.work.seq_len,
-        "micro_batch_size": req.work.micro_batch_size, "global_batch_size": req.global_batch,
-        "cluster": req.cluster.name, "nodes": req.cluster.nodes, "world_size": req.cluster.world_size,
-        "zero_stage": req.work.zero_stage, "rates": req.rates.source,
-        "attention_gpus": None, "ffn_gpus": None, "attention_nics": None, "ffn_nics": None, "depth": None,
-        "micro_batches": None, "step_time_s": None,
+        "model": req.spec.name,
+        "model_type": req.spec.model_type,
+        "seq_len": req.work.seq_len,
+        "micro_batch_size": req.work.micro_batch_size,
+        "global_batch_size": req.global_batch,
+        "cluster": req.cluster.name,
+        "nodes": req.cluster.nodes,
+        "world_size": req.cluster.world_size,
+        "zero_stage": req.work.zero_stage,
+        "rates": req.rates.source,
+        "attention_gpus": None,
+        "ffn_gpus": None,
+        "attention_nics": None,
+        "ffn_nics": None,
+        "depth": None,
+        "micro_batches": None,
+        "step_time_s": None,
         "baseline_step_time_s": base.step_time_s if base else None,
-        "speedup": result.speedup, "pays": result.pays, "verdict": head, "reasons": reasons,
+        "speedup": result.speedup,
+        "pays": result.pays,
+        "verdict": head,
+        "reasons": reasons,
     }
     if af is not None:
         out.update(_af_json(result, af))
@@ -140,35 +169,60 @@ def to_json(result: PlanResult) -> dict[str, Any]:
 def _af_json(result: PlanResult, af: AfPlan) -> dict[str, Any]:
     c = af.candidate
     return {
-        "attention_gpus": c.layout.attention_gpus, "ffn_gpus": c.layout.ffn_gpus,
-        "attention_nics": c.nics[0], "ffn_nics": c.nics[1], "depth": c.layout.depth,
-        "layers_per_group": c.layout.layers_per_group, "lanes": c.layout.lanes,
-        "expert_parallel": c.layout.ep_size, "expert_data_parallel": c.layout.expert_data_parallel,
-        "micro_batches": c.micro_batches, "max_in_flight": af.in_flight, "recompute": c.work.recompute,
-        "placement": c.placement.kind, "tokens_per_step": c.tokens, "step_time_s": af.step_time_s,
-        "roofline_step_time_s": c.roofline.bottleneck_s, "simulated_step_time_s": af.sim.step_time_s,
-        "tokens_per_s": af.tokens_per_s, "mfu": mfu(result, af.step_time_s, c.tokens),
+        "attention_gpus": c.layout.attention_gpus,
+        "ffn_gpus": c.layout.ffn_gpus,
+        "attention_nics": c.nics[0],
+        "ffn_nics": c.nics[1],
+        "depth": c.layout.depth,
+        "layers_per_group": c.layout.layers_per_group,
+        "lanes": c.layout.lanes,
+        "expert_parallel": c.layout.ep_size,
+        "expert_data_parallel": c.layout.expert_data_parallel,
+        "micro_batches": c.micro_batches,
+        "max_in_flight": af.in_flight,
+        "recompute": c.work.recompute,
+        "placement": c.placement.kind,
+        "tokens_per_step": c.tokens,
+        "step_time_s": af.step_time_s,
+        "roofline_step_time_s": c.roofline.bottleneck_s,
+        "simulated_step_time_s": af.sim.step_time_s,
+        "tokens_per_s": af.tokens_per_s,
+        "mfu": mfu(result, af.step_time_s, c.tokens),
         "attention": _side_json(c.roofline.attention, c.memory_attention.total_at(af.in_flight)),
         "ffn": _side_json(c.roofline.ffn, c.memory_ffn.total_at(af.in_flight)),
-        "compute_fraction": af.sim.compute_fraction, "exposed_comm_fraction": af.sim.exposed_comm_fraction,
+        "compute_fraction": af.sim.compute_fraction,
+        "exposed_comm_fraction": af.sim.exposed_comm_fraction,
         "bubble_fraction": af.sim.bubble_fraction,
     }
 
 
 def _side_json(side: SideTimes, memory: float) -> dict[str, Any]:
-    return {"compute_s": side.compute_s, "network_s": side.network_s, "bound": side.bound,
-            "memory_bytes_per_rank": memory}
+    return {
+        "compute_s": side.compute_s,
+        "network_s": side.network_s,
+        "bound": side.bound,
+        "memory_bytes_per_rank": memory,
+    }
 
 
 def _baseline_json(result: PlanResult, base: BaselinePlan) -> dict[str, Any]:
     b = base.candidate
     return {
-        "pipeline_parallel": b.pp, "virtual_stages": b.vpp, "data_parallel": b.data_parallel, "expert_parallel": b.ep,
-        "micro_batches": b.micro_batches, "recompute": b.work.recompute, "tokens_per_step": b.tokens,
-        "step_time_s": base.step_time_s, "tokens_per_s": base.tokens_per_s,
-        "mfu": mfu(result, base.step_time_s, b.tokens), "memory_bytes_per_rank": b.memory.total,
-        "compute_fraction": base.sim.compute_fraction, "exposed_comm_fraction": base.sim.exposed_comm_fraction,
-        "bubble_fraction": base.sim.bubble_fraction, "alltoall_s_per_layer": b.costs.a2a_per_layer_s,
+        "pipeline_parallel": b.pp,
+        "virtual_stages": b.vpp,
+        "data_parallel": b.data_parallel,
+        "expert_parallel": b.ep,
+        "micro_batches": b.micro_batches,
+        "recompute": b.work.recompute,
+        "tokens_per_step": b.tokens,
+        "step_time_s": base.step_time_s,
+        "tokens_per_s": base.tokens_per_s,
+        "mfu": mfu(result, base.step_time_s, b.tokens),
+        "memory_bytes_per_rank": b.memory.total,
+        "compute_fraction": base.sim.compute_fraction,
+        "exposed_comm_fraction": base.sim.exposed_comm_fraction,
+        "bubble_fraction": base.sim.bubble_fraction,
+        "alltoall_s_per_layer": b.costs.a2a_per_layer_s,
     }
 
 
@@ -221,8 +275,11 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
     rows = [
         ("", "attention (A)", "experts (F)"),
         ("GPUs / NICs", f"{lay.attention_gpus} / {c.nics[0]}", f"{lay.ffn_gpus} / {c.nics[1]}"),
-        ("groups", f"{lay.depth} x {lay.lanes} lanes",
-         f"{lay.depth} x EP {lay.ep_size} x EDP {lay.expert_data_parallel}"),
+        (
+            "groups",
+            f"{lay.depth} x {lay.lanes} lanes",
+            f"{lay.depth} x EP {lay.ep_size} x EDP {lay.expert_data_parallel}",
+        ),
         ("compute s/step", f"{ra.compute_s:.3f}", f"{rf.compute_s:.3f}"),
         ("network s/step", f"{ra.network_s:.3f}", f"{rf.network_s:.3f}"),
         ("bound", ra.bound, rf.bound),
@@ -252,10 +309,16 @@ def ds_config(result: PlanResult) -> dict[str, Any]:
         "bf16": {"enabled": req.work.precision == "bf16"},
         "zero_optimization": {"stage": req.work.zero_stage},
         "disagmoe": {
-            "attention_gpus": c.layout.attention_gpus, "ffn_gpus": c.layout.ffn_gpus, "depth": c.layout.depth,
-            "micro_batches": c.micro_batches, "expert_data_parallel": c.layout.expert_data_parallel,
-            "max_in_flight": af.in_flight, "attention_nics": c.nics[0], "ffn_nics": c.nics[1],
-            "placement": c.placement.kind, "recompute": c.work.recompute,
+            "attention_gpus": c.layout.attention_gpus,
+            "ffn_gpus": c.layout.ffn_gpus,
+            "depth": c.layout.depth,
+            "micro_batches": c.micro_batches,
+            "expert_data_parallel": c.layout.expert_data_parallel,
+            "max_in_flight": af.in_flight,
+            "attention_nics": c.nics[0],
+            "ffn_nics": c.nics[1],
+            "placement": c.placement.kind,
+            "recompute": c.work.recompute,
         },
     }
 

@@ -51,7 +51,12 @@ def schedule_costs(spec: ModelSpec, task_costs: AfTaskCosts, *, with_comm: bool 
 
 
 def simulate_af(
-    spec: ModelSpec, layout: Layout, task_costs: AfTaskCosts, *, micro_batches: int, max_in_flight: int,
+    spec: ModelSpec,
+    layout: Layout,
+    task_costs: AfTaskCosts,
+    *,
+    micro_batches: int,
+    max_in_flight: int,
     exposed_comm: bool = True,
 ) -> SimResult:
     """Generate the AF-Pipe instruction streams for the plan and read their predicted timeline.
@@ -115,8 +120,9 @@ def simulate_baseline(costs: BaselineChunkCosts, *, pp: int, vpp: int, micro_bat
     """Co-located EP+DP interleaved 1F1B; a chunk's exposed all-to-all runs inside its op on the critical path."""
     timed = _run_1f1b(costs, pp=pp, vpp=vpp, micro_batches=micro_batches)
     zero = (0.0,) * len(costs.fwd_comm)
-    free = _run_1f1b(replace(costs, fwd_comm=zero, bwd_comm=zero, p2p_s=0.0), pp=pp, vpp=vpp,
-                     micro_batches=micro_batches)
+    free = _run_1f1b(
+        replace(costs, fwd_comm=zero, bwd_comm=zero, p2p_s=0.0), pp=pp, vpp=vpp, micro_batches=micro_batches
+    )
     step = max(end for _, _, end, _ in timed)
     compute = sum(c for _, _, _, c in timed) / (pp * step)
     free_step = max(end for _, _, end, _ in free)

@@ -121,8 +121,10 @@ def _group_compute_s(
     a_worst = f_worst = 0.0
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
-        a = sum(sum(attention_call_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=rc))
-                for i in layers)
+        a = sum(
+            sum(attention_call_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=rc))
+            for i in layers
+        )
         a += sum(head_call_s(spec, rates, tokens=tokens)) if g == layout.head_group else 0.0
         f = sum(sum(expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=rc)) for i in layers)
         a_worst, f_worst = max(a_worst, a), max(f_worst, f)
@@ -130,14 +132,21 @@ def _group_compute_s(
 
 
 def af_roofline(
-    spec: ModelSpec, layout: Layout, work: Workload, *, placement: Placement, rates: Rates, nics: tuple[int, int],
+    spec: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    *,
+    placement: Placement,
+    rates: Rates,
+    nics: tuple[int, int],
     micro_batches: int,
 ) -> AfRoofline:
     """T_a and T_f of one step of ``micro_batches`` micro-batches (each d lanes x B sequences)."""
     tokens = micro_batches * layout.lanes * work.tokens_per_micro_batch
     mult = compute_multiplier(work)
-    c_a = tokens * (mult * sum(spec.attention_side_flops(work.seq_len, i) for i in range(spec.num_layers))
-                    + 3 * spec.head_flops())
+    c_a = tokens * (
+        mult * sum(spec.attention_side_flops(work.seq_len, i) for i in range(spec.num_layers)) + 3 * spec.head_flops()
+    )
     c_f = tokens * mult * sum(spec.expert_side_flops(i) for i in range(spec.num_layers))
     wire = spec.wire_bytes_per_token(layout.ep_size)
     af_cross, res_cross = cross_node_share(layout, placement)
@@ -192,16 +201,18 @@ def af_task_costs(
     p, d, tokens = layout.depth, layout.lanes, work.tokens_per_micro_batch
     rc = work.recompute == "full"
     af_cross, res_cross = cross_node_share(layout, placement)
-    af_link = _link(min(nics) / p * rates.nic_bw, rates.nvlink_bw * min(layout.lanes, layout.ffn_ranks_per_group),
-                    af_cross)
+    af_link = _link(
+        min(nics) / p * rates.nic_bw, rates.nvlink_bw * min(layout.lanes, layout.ffn_ranks_per_group), af_cross
+    )
     res_link = _link(nics[0] / p * rates.nic_bw, rates.nvlink_bw * d, res_cross)
     wire = spec.wire_bytes_per_token(layout.ep_size)
     group_tokens = d * tokens
     per_layer: dict[str, list[float]] = {k: [] for k in ("A_fwd", "A_bwd", "F_fwd", "F_bwd")}
     for i in range(spec.num_layers):
         a_fwd, a_bwd = attention_call_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=rc)
-        f_fwd, f_bwd = expert_call_s(spec, rates, layer=i, tokens=group_tokens / layout.ffn_ranks_per_group,
-                                     recompute=rc)
+        f_fwd, f_bwd = expert_call_s(
+            spec, rates, layer=i, tokens=group_tokens / layout.ffn_ranks_per_group, recompute=rc
+        )
         per_layer["A_fwd"].append(a_fwd)
         per_layer["A_bwd"].append(a_bwd)
         per_layer["F_fwd"].append(f_fwd)
@@ -256,7 +267,14 @@ def alltoall_s(spec: ModelSpec, work: Workload, *, ep: int, cluster: Cluster, ra
 
 
 def baseline_chunk_costs(
-    spec: ModelSpec, work: Workload, *, pp: int, vpp: int, ep: int, cluster: Cluster, rates: Rates,
+    spec: ModelSpec,
+    work: Workload,
+    *,
+    pp: int,
+    vpp: int,
+    ep: int,
+    cluster: Cluster,
+    rates: Rates,
     overlap: float,
 ) -> BaselineChunkCosts:
     """Per-chunk costs of co-located EP+DP: attention and experts on every rank, all-to-all on the critical path.
@@ -274,8 +292,10 @@ def baseline_chunk_costs(
     for start in range(0, spec.num_layers, per_chunk):
         fwd = bwd = 0.0
         for i in range(start, start + per_chunk):
-            calls = (attention_call_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=rc),
-                     expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=rc))
+            calls = (
+                attention_call_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=rc),
+                expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=rc),
+            )
             fwd += sum(c[0] for c in calls)
             bwd += sum(c[1] for c in calls)
         if start + per_chunk == spec.num_layers:
@@ -331,15 +351,19 @@ def af_sync_s(
 
     a_params = max(attention_lane_params(spec, layout, g) for g in range(layout.depth))
     f_params = max(ffn_rank_params(spec, layout, g) for g in range(layout.depth))
-    a = ring_sync_s(a_params, layout.lanes, grad_bytes=grad,
-                    bytes_per_s=rate(layout.attention_ranks(0), nics[0] / m))
-    f = ring_sync_s(f_params, layout.expert_data_parallel, grad_bytes=grad,
-                    bytes_per_s=rate(layout.edp_group_ranks(0, 0), nics[1] / layout.ffn_gpus))
+    a = ring_sync_s(a_params, layout.lanes, grad_bytes=grad, bytes_per_s=rate(layout.attention_ranks(0), nics[0] / m))
+    f = ring_sync_s(
+        f_params,
+        layout.expert_data_parallel,
+        grad_bytes=grad,
+        bytes_per_s=rate(layout.edp_group_ranks(0, 0), nics[1] / layout.ffn_gpus),
+    )
     return a, f
 
 
-def baseline_sync_s(spec: ModelSpec, work: Workload, *, pp: int, vpp: int, ep: int, cluster: Cluster,
-                    rates: Rates) -> float:
+def baseline_sync_s(
+    spec: ModelSpec, work: Workload, *, pp: int, vpp: int, ep: int, cluster: Cluster, rates: Rates
+) -> float:
     """Co-located gradient sync per step on the worst stage: dense parameters over the stage's W/pp ranks,
     expert shards over their (W/pp)/ep replicas (strided by ep, so they share a node only when ep < g)."""
     grad = Precision.named(work.precision).grad
