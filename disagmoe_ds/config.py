@@ -19,6 +19,7 @@ from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
 
 SECTION = "disagmoe"
+_FLAGS = ("compile", "activation_checkpointing")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class DisagMoEConfig:
         max_in_flight: cap on micro-batches in flight per worker (memory); None lets the schedule choose.
         comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging.
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
+        activation_checkpointing: keep only each chunk's inputs and recompute its activations in backward
+            (attention parts and expert shards), trading compute for the memory of micro-batches in flight.
     """
 
     attention_gpus: int = 1
@@ -44,13 +47,15 @@ class DisagMoEConfig:
     max_in_flight: int | None = None
     comm_timeout_s: float = 300.0
     compile: bool = False
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f'"{SECTION}.compile" must be true or false, got {self.compile!r}')
+        for flag in _FLAGS:
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f'"{SECTION}.{flag}" must be true or false, got {getattr(self, flag)!r}')
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "compile" or (f.name == "max_in_flight" and value is None):
+            if f.name in _FLAGS or (f.name == "max_in_flight" and value is None):
                 continue
             kind = float if f.name == "comm_timeout_s" else int
             allowed = (int, float) if kind is float else (int,)

@@ -273,6 +273,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", action="store_true", help="route every token to expert 0 first (load imbalance)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute chunk activations in backward")
     p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
     p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
@@ -283,6 +284,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         depth=a.depth,
         micro_batches=a.micro_batches,
         expert_data_parallel=a.expert_data_parallel,
+        activation_checkpointing=a.activation_checkpointing,
     )
     return VerifyArgs(
         a.model, cfg, a.zero, a.steps, a.dtype, a.seq_len, a.micro_batch_size, a.clip, a.lr, a.seed, a.skew, a.timeline

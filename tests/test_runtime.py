@@ -145,3 +145,21 @@ def test_from_scratch_builds_only_the_parts_of_each_rank():
     assert lane0.keys() == lane1.keys() and all(torch.equal(lane0[n], lane1[n]) for n in lane0)
     stds = [p.float().std().item() for n, p in lane0.items() if n.endswith("proj.weight")]
     assert all(0.015 < s < 0.025 for s in stds)  # HF's initializer_range 0.02
+
+
+def test_activation_checkpointing_keeps_parity(tiny_checkpoint):
+    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=2, micro_batches=3, activation_checkpointing=True)
+    args = VerifyArgs(
+        model=str(tiny_checkpoint("qwen2-moe")),
+        cfg=cfg,
+        zero=1,
+        steps=2,
+        dtype="fp32",
+        seq_len=8,
+        micro_batch_size=1,
+        clip=CLIP,
+        lr=1e-3,
+        seed=0,
+        skew=False,
+    )
+    assert run_verify(args, timeout_s=120)["pass"]

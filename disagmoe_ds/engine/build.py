@@ -142,9 +142,10 @@ def build_rank(
             num_micro_batches=cfg.micro_batches,
             micro_batch_size=micro_batch_size,
             aux_coef=aux_coef,
+            activation_checkpointing=cfg.activation_checkpointing,
         )
     else:
-        runner = ExpertRunner(engine, stage)
+        runner = ExpertRunner(engine, stage, activation_checkpointing=cfg.activation_checkpointing)
     name = f"rank {rank} {worker} {'lane' if role.is_attention else 'ffn'} {role.index}"
     executor = AFPipeExecutor(
         engine=engine,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from disagmoe_ds.comm.exchange import dispatch_messages
 from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
@@ -28,6 +29,15 @@ from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, router_stats
 
 Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction
+
+
+def _run(fn, *args):
+    return fn(*args)
+
+
+def _checkpointed(fn, *args):
+    # Non-reentrant: works with the chunk-level backward (engine.backward of a pseudo-loss) and any outputs.
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -75,8 +85,10 @@ class AttentionRunner:
         num_micro_batches: int,
         micro_batch_size: int,
         aux_coef: float | None,
+        activation_checkpointing: bool = False,
     ):
         self.engine, self.stage, self.layout = engine, stage, layout
+        self.recompute = _checkpointed if activation_checkpointing else _run
         self.config = stage.config
         self.moe_layers = moe_layers
         self.num_layers = len(moe_layers)
@@ -116,7 +128,7 @@ class AttentionRunner:
             self._head(mb, h_BSH, counts_E, probs_E, chunk)
             self.chunks[(layer, mb)] = chunk
             return {}
-        out = self.stage.part(layer)(h_BSH, self.stage.context(h_BSH, position_ids_BS), self.config)
+        out = self.recompute(self.stage.part(layer), h_BSH, self.stage.context(h_BSH, position_ids_BS), self.config)
         chunk.residual_out = out.residual_BSH
         outgoing: Outgoing = {}
         T, H = h_BSH.shape[0] * h_BSH.shape[1], h_BSH.shape[2]
@@ -217,8 +229,9 @@ class _ExpertChunk:
 class ExpertRunner:
     """FFN side of one rank: its expert shard of every MoE layer its F-group owns."""
 
-    def __init__(self, engine, stage: ExpertStage):
+    def __init__(self, engine, stage: ExpertStage, *, activation_checkpointing: bool = False):
         self.engine, self.stage = engine, stage
+        self.recompute = _checkpointed if activation_checkpointing else _run
         self.chunks: dict[tuple[int, int], _ExpertChunk] = {}
 
     def start_step(self, batches) -> None:
@@ -227,7 +240,7 @@ class ExpertRunner:
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         (x_SH, local_idx_SK, w_SK), rows = incoming["m2n"]
         x_SH, w_SK = _leaf(x_SH), _leaf(w_SK)
-        y_SH = self.stage.shard(layer)(x_SH, local_idx_SK, w_SK)
+        y_SH = self.recompute(self.stage.shard(layer), x_SH, local_idx_SK, w_SK)
         self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows)
         return {"n2m": ((y_SH,), rows)}
 

@@ -46,6 +46,7 @@ def compare(model_dir: str, shards: int, dtype: str, seq_len: int, batch: int, s
     ok = all(v <= TOLERANCE[dtype][k] for k, v in diffs.items())
     return {
         "model": model_dir,
+        "device": device,
         "shards": shards,
         "dtype": dtype,
         "reference_loss": out_ref.loss.item(),
