@@ -124,7 +124,7 @@ def build_rank(
     worker = Worker("A" if role.is_attention else "F", role.group)
     mailbox = Mailbox(
         exchange,
-        hidden=stage.config.hidden_size if role.is_attention else _hidden_of(stage),
+        hidden=stage.config.hidden_size,
         top_k=top_k,
         num_experts=layout.num_experts,
         dtype=dtype,
@@ -223,8 +223,3 @@ def _router_facts(model: nn.Module, moe: tuple[bool, ...]) -> tuple[int, torch.d
     with torch.no_grad():
         _, weights, _ = router(torch.zeros(1, model.config.hidden_size, dtype=param.dtype, device=param.device))
     return router.top_k, weights.dtype
-
-
-def _hidden_of(stage: ExpertStage) -> int:
-    shard = next(iter(stage.layers.values()))
-    return shard.experts.hidden_dim if hasattr(shard.experts, "hidden_dim") else shard.experts.hidden_size
