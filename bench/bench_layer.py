@@ -24,32 +24,15 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
 from disagmoe_ds.engine.build import compile_stage
+from disagmoe_ds.models.one_layer import one_layer_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, build_context
 from disagmoe_ds.planner.model import load_model_spec
 
 PEAK_TFLOPS = 989.0
-
-
-def one_layer_model(model_dir: str, *, device: str, experts: str):
-    """A one-decoder-layer MoE model of ``model_dir``'s sizes (random weights, built on the device)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config.num_hidden_layers = 1
-    for dense_rule, value in (("first_k_dense_replace", 0), ("mlp_only_layers", []), ("decoder_sparse_step", 1)):
-        if hasattr(config, dense_rule):
-            setattr(config, dense_rule, value)
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:1]
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    config._experts_implementation = experts  # not a from_config keyword in every transformers 5.x
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.set_experts_implementation(experts)
-    return model.train()
 
 
 def _hf_step(model, h_BSH, ctx, grad_BSH):
@@ -101,7 +84,9 @@ def bench_model(
     tokens = batch * seq_len
     rows = []
     for name in paths:
-        model = one_layer_model(model_dir, device=device, experts="eager" if name == "hf-eager" else "grouped_mm")
+        experts = "eager" if name == "hf-eager" else "grouped_mm"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model = one_layer_model(AutoConfig.from_pretrained(model_dir), device=device, dtype=dtype, experts=experts)
         h_BSH = torch.randn(batch, seq_len, model.config.hidden_size, device=device, dtype=model.dtype) * 0.5
         h_BSH.requires_grad_()
         grad_BSH = torch.randn_like(h_BSH) * 1e-3

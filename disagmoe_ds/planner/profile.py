@@ -6,9 +6,10 @@ torch and transformers are imported lazily, inside the measuring functions only;
 
 What is measured is pluggable: ``--parts module:function`` names a factory
 ``function(config, *, layer_index, seq_len, micro_batch_size, device, dtype) -> (attention_fn, experts_fn)``
-whose two callables each run one forward and return the output tensors to back-propagate from. The default
-factory, ``hf_decoder_parts``, builds the model's own HF decoder layer from config.json (one MoE layer,
-random weights): the attention part is input norm + self-attention + residual + post-attention norm +
+whose two callables each run one forward and return the output tensors to back-propagate from. The default,
+``disagmoe_ds.models.one_layer:disagmoe_parts``, times the project's own attention part and expert shard (what
+the runtime runs). ``hf_decoder_parts`` builds the model's own HF decoder layer from config.json (one MoE layer,
+random weights) instead: the attention part is input norm + self-attention + residual + post-attention norm +
 router (+ shared experts), the expert part is ``mlp.experts(x, top_k_index, top_k_weights)`` on uniformly
 routed tokens. Timing: warm-up runs, device synchronisation around each run, median of the repeats;
 backward = median(forward + backward) - median(forward).
@@ -384,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=10, help="timed runs; the median is kept (default 10)")
     parser.add_argument(
         "--parts",
-        default="disagmoe_ds.planner.profile:hf_decoder_parts",
+        default="disagmoe_ds.models.one_layer:disagmoe_parts",
         help="module:function building the two measured callables (see module docstring)",
     )
     parser.add_argument(
