@@ -4,6 +4,12 @@
     # tokenizer trained once, cached in .cache/), 2 attention + 2 expert CPU ranks started by this script.
     python run_pretrain.py
 
+    # Co-located EP+DP (every rank holds the attention side and a slice of the experts): one GPU, or the
+    # baseline for side-by-side runs. --world-size ranks here (default 1), or the launcher's.
+    python run_pretrain.py --mode colocated
+    python run_pretrain.py --mode colocated --world-size 2 --ep-size 2
+    torchrun --nproc_per_node 8 run_pretrain.py --mode colocated --deepspeed_config ds_configs/1node-8gpu-bf16.json
+
     # One node, 8 GPUs, bf16 + ZeRO-1: 4 attention GPUs + 4 expert GPUs (the split is in the ds_config).
     deepspeed --num_gpus 8 run_pretrain.py --deepspeed_config ds_configs/1node-8gpu-bf16.json \\
         --model hf_models/Qwen3-30B-A3B --data /data/corpus --seq-len 4096 --save-dir runs/q30 --save-every 500
@@ -24,7 +30,8 @@
     python run_pretrain.py --save-dir runs/tiny --resume
 
 main(): parse the command line -> preflight (layout, data, checkpoint; no rank started, nothing allocated)
--> start the ranks here or join the launcher's job -> on every rank: build its role engine, then the loop.
+-> start the ranks here or join the launcher's job -> on every rank: build its engine, then the loop. The mode
+(``train.modes``) decides the preflight, the banner's layout lines and the build; the loop is the same for both.
 """
 
 from __future__ import annotations
@@ -38,12 +45,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from disagmoe_ds.engine.build import RankRuntime, build_rank, preflight
 from disagmoe_ds.engine.executor import StepResult
 from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
 from disagmoe_ds.errors import DisagMoEError
 from disagmoe_ds.launch import RankFailedError, detect_launcher, init_from_env, spawn_local
-from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.train.args import TrainArgs, parse_args
 from disagmoe_ds.train.balance import bias_update_rate, expert_load, imbalance, update_expert_bias
@@ -54,6 +59,7 @@ from disagmoe_ds.train.interrupt import StopRequest, parent_waits_for_ranks
 from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
 from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops
 from disagmoe_ds.train.model import load_train_model
+from disagmoe_ds.train.modes import Runtime, mode_of
 from disagmoe_ds.train.progress import Progress, banner
 
 ROOT = Path(__file__).resolve().parent  # defaults (model, ds_config, tokenizer cache) live beside this file
@@ -81,15 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def preflight_run(args: TrainArgs, world_size: int) -> tuple[Any, Layout, tuple[Path, str] | None]:
+def preflight_run(args: TrainArgs, world_size: int) -> tuple[Any, Any, tuple[Path, str] | None]:
     """What can be checked before any rank starts: layout vs model and world size, ZeRO rules, data paths and
-    lengths, the balancing setting, and that the checkpoint to resume belongs to this model and layout.
+    lengths, the balancing setting, and that the checkpoint to resume belongs to this mode, model and layout.
 
     Returns:
-        The model's HF config, the layout, and the (root, tag) of the checkpoint to resume from, if any.
+        The model's HF config, the mode's layout, and the (root, tag) of the checkpoint to resume from, if any.
     """
     config = load_config(args.model)
-    layout = preflight(args.model, args.cfg, args.ds_config, world_size)
+    layout = mode_of(args).preflight(args, world_size)
     check_data_args(args, config)
     bias_update_rate(args.bias_update_rate, config)
     resume = locate(args.resume, args.save_dir) if args.resume is not None else None
@@ -143,33 +149,26 @@ def check_or_relaunch(args: TrainArgs, ns: argparse.Namespace, argv: list[str]) 
 
 
 def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
-    """One rank: build its role engine, then run the steps. Every rank runs every step (they hold collectives)."""
+    """One rank: build its engine, then run the steps. Every rank runs every step (they hold collectives)."""
     stop = StopRequest().install()
     device = rank_device()
     config = load_config(args.model)
-    layout = preflight(args.model, args.cfg, args.ds_config, dist.get_world_size())
+    mode = mode_of(args)
+    layout = mode.preflight(args, dist.get_world_size())
     role = layout.role_of(rank)
-    reads_data = role.is_attention and role.group == 0  # the lanes of A-group 0 hold the embedding
+    reads_data = role.is_attention and role.group == 0  # the lanes of A-group 0 (every co-located rank) embed
     if reads_data and data is None:
         data = prepare_data(args, config)  # under a launcher every lane builds the same samples
     resume = locate(args.resume, args.save_dir) if args.resume is not None else None
     facts = model_facts(args.model, args.seq_len)
     rate = bias_update_rate(args.bias_update_rate, config)
     if rank == 0:
-        lines = banner(args, layout, config, facts=facts, data=data, bias_rate=rate, resume=resume)
+        layout_lines = mode.describe(args, layout, facts)
+        lines = banner(args, config, layout_lines=layout_lines, facts=facts, data=data, bias_rate=rate, resume=resume)
         print("\n".join(lines), flush=True)
 
     model, _ = load_train_model(args)
-    runtime = build_rank(
-        args.model,
-        args.ds_config,
-        args.cfg,
-        micro_batch_size=args.micro_batch_size,
-        dtype=args.torch_dtype,
-        device=device,
-        model=model,
-        seed=args.seed,
-    )
+    runtime = mode.build(args, model=model, device=device)
     loader = lane_loader(data, args, role.index, pin_memory=device.type == "cuda") if reads_data else None
     start = restore(runtime, *resume, loader) if resume is not None else 0
     peak = peak_tflops(device, args.peak_tflops)
@@ -207,7 +206,7 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
         progress.close()
 
 
-def run_step(runtime: RankRuntime, batches, *, timeline: Path | None) -> StepResult:
+def run_step(runtime: Runtime, batches, *, timeline: Path | None) -> StepResult:
     """One optimizer step; with ``timeline``, every rank records it and rank 0 writes the Chrome trace."""
     if timeline is None:
         return runtime.executor.train_batch(batches)

@@ -40,6 +40,7 @@ from torch import nn
 
 from disagmoe_ds.config import SECTION, DisagMoEConfig, load_ds_config
 from disagmoe_ds.engine.checkpoint import (
+    DISAGGREGATED,
     load_checkpoint,
     model_fingerprint,
     read_manifest,
@@ -178,6 +179,11 @@ def open_checkpoint(
         raise CheckpointError(f"checkpoint directory {root} does not exist; pass --ckpt the --out of a training run")
     tag = resolve_tag(root, tag)
     manifest = read_manifest(root, tag)
+    if manifest.get("mode", DISAGGREGATED) != DISAGGREGATED:
+        raise CheckpointError(
+            f"checkpoint {root / tag} was written by a {manifest['mode']} job; disagmoe-convert handles "
+            "disaggregated checkpoints only (resume it with run_pretrain.py --mode colocated)"
+        )
     _check_same_model(manifest, model_dir, root / tag)
     saved = manifest["layout"]
     cfg = DisagMoEConfig(

@@ -10,11 +10,15 @@ from __future__ import annotations
 import doctest
 
 import pytest
+import torch
 
 from disagmoe_ds.colocated import ColocatedConfig, ColocatedLayout, layout
 from disagmoe_ds.colocated.build import check_zero
+from disagmoe_ds.colocated.model import ExpertStageMoE
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.errors import ConfigError, LayoutError
+from disagmoe_ds.models.loading import load_model
+from disagmoe_ds.models.parts import ExpertStage
 
 # (family, overrides, W, ep, micro-batches, ZeRO, skew): EDP 1 and 2, ZeRO 0 and 1 at both sizes, shared experts +
 # a dense layer (qwen2-moe) and a family without (qwen3-moe), every token's first choice on one expert, top-1 routing
@@ -33,12 +37,24 @@ CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-3), so global-no
 
 @pytest.mark.parametrize(("family", "overrides", "W", "ep", "K", "zero", "skew"), CASES)
 def test_colocated_equals_hf(tiny_checkpoint, family, overrides, W, ep, K, zero, skew):
+    summary = _verify(tiny_checkpoint(family, **overrides), W, ep, K, zero, skew, dtype="fp32")
+    assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
+    assert summary["pass"], summary
+
+
+def test_colocated_bf16_equals_hf_within_bf16_tolerance(tiny_checkpoint):
+    """bf16 + ZeRO 1 (the GPU configuration) with EP 2, within ``verify.TOLERANCE["bf16"]`` of the fp32 HF model."""
+    summary = _verify(tiny_checkpoint("qwen3-moe"), 2, 2, 2, 1, False, dtype="bf16")
+    assert summary["pass"], summary
+
+
+def _verify(model, W, ep, K, zero, skew, *, dtype):
     args = ColocatedVerifyArgs(
-        model=str(tiny_checkpoint(family, **overrides)),
+        model=str(model),
         cfg=ColocatedConfig(world_size=W, ep_size=ep, micro_batches=K),
         zero=zero,
         steps=2,
-        dtype="fp32",
+        dtype=dtype,
         seq_len=8,
         micro_batch_size=1,
         clip=CLIP,
@@ -46,9 +62,37 @@ def test_colocated_equals_hf(tiny_checkpoint, family, overrides, W, ep, K, zero,
         seed=0,
         skew=skew,
     )
-    summary = run_colocated_verify(args, timeout_s=120)
-    assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
-    assert summary["pass"], summary
+    return run_colocated_verify(args, timeout_s=120)
+
+
+def test_expert_state_dict_uses_deepspeed_moe_names(tiny_checkpoint):
+    """DeepSpeed's MoE checkpointing writes one file per expert from ``deepspeed_experts.<local id>`` entries; the
+    stacked expert parameters are split into them and restacked on load."""
+    model = load_model(tiny_checkpoint("qwen3-moe"), seed=0)
+    layers = tuple(range(model.config.num_hidden_layers))
+
+    def moe(seed: int) -> ExpertStageMoE:
+        torch.manual_seed(seed)
+        stage = ExpertStage(model, layers, 4, 8)
+        for param in stage.parameters():
+            param.data.normal_()
+        return ExpertStageMoE(stage, num_experts=8, ep_size=2, group_name="ep_size_2")
+
+    saved = moe(0)
+    state = saved.state_dict()
+    moe_layers = [int(layer) for layer in saved.stage.layers]  # layer 0 is dense (mlp_only_layers)
+    assert sorted(state) == sorted(
+        f"deepspeed_moe.experts.deepspeed_experts.{i}.layers.{layer}.{name}"
+        for i in range(4)
+        for layer in moe_layers
+        for name in ("gate_up_proj", "down_proj")
+    )
+    stacked = saved.stage.shard(1).experts.down_proj
+    assert torch.equal(state["deepspeed_moe.experts.deepspeed_experts.2.layers.1.down_proj"], stacked[2])
+    loaded = moe(1)
+    loaded.load_state_dict(state)  # strict: every parameter restacked, no key left over
+    for (name, a), (_, b) in zip(saved.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_layout_maps_follow_deepspeed_e_plus_d_order():

@@ -22,7 +22,7 @@ FLAGS = frozenset(
         "--expert-data-parallel", "--steps", "--micro-batch-size", "--lr", "--dtype", "--seed",
         "--bias-update-rate", "--sft", "--freeze-router", "--freeze-attention", "--save-dir", "--save-every",
         "--keep-last", "--resume", "--metrics-file", "--tensorboard", "--timeline", "--log-every", "--peak-tflops",
-        "--hostfile", "--launcher-args", "--check-hostfile", "--local_rank",
+        "--hostfile", "--launcher-args", "--check-hostfile", "--local_rank", "--mode", "--world-size", "--ep-size",
         # deepspeed.add_config_arguments
         "--deepspeed", "--deepspeed_config", "--deepscale", "--deepscale_config",
     }

@@ -3,7 +3,8 @@
 Order (collective steps run on every rank):
     1. layout from the model and the ``ColocatedConfig``, checked against the world size and the ZeRO stage;
     2. process groups (data parallel, expert parallel, expert data parallel) and DeepSpeed's expert registry;
-    3. the rank's module cut from the HF model: the whole attention side, its expert slice, its dispatcher;
+    3. the rank's module cut from the HF model: the whole attention side, its expert slice, its dispatcher (a model
+       on the meta device is never materialised whole: the rank allocates and initialises only its parts);
     4. its DeepSpeed engine (the user's ds_config adapted like a role engine's) and the executor.
 """
 
@@ -21,23 +22,24 @@ from torch import nn
 from disagmoe_ds.colocated.dispatch import AllToAllDispatcher, LocalDispatcher
 from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
 from disagmoe_ds.colocated.groups import ColocatedGroups, build_colocated_groups, register_with_deepspeed
-from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout
+from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout, ColocatedRole
 from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
 from disagmoe_ds.engine.build import compile_stage
 from disagmoe_ds.engine.deepspeed_role import RoleMPU, role_ds_config
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.families import family_of
-from disagmoe_ds.models.loading import load_config, load_model
+from disagmoe_ds.models.loading import build_meta_model, has_weights, load_config, load_model, materialize
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
 
 
 @dataclass
 class ColocatedRuntime:
-    """Everything one co-located rank built; ``executor.train_batch`` runs a step (as ``RankRuntime``)."""
+    """Everything one co-located rank built; ``executor.train_batch`` runs a step. The same fields as
+    ``engine.build.RankRuntime``, so the training loop, its checkpoints and its balancing take either."""
 
     layout: ColocatedLayout
-    rank: int
+    role: ColocatedRole
     executor: ColocatedExecutor
     module: ColocatedModel
     engine: Any
@@ -52,19 +54,26 @@ def build_colocated_rank(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
     model: nn.Module | None = None,
+    seed: int = 0,
 ) -> ColocatedRuntime:
-    """Build this rank's part of a co-located EP+DP job. ``model`` may be passed to skip loading ``model_dir``."""
+    """Build this rank's part of a co-located EP+DP job.
+
+    ``model`` may be passed to skip loading ``model_dir``. A model on the meta device (``build_meta_model``; the
+    default for a config-only ``model_dir``) is never materialised whole: the rank initialises only its parts
+    (from ``seed`` and its rank; DeepSpeed then broadcasts the replicas' first copy).
+    """
     rank = dist.get_rank()
     device = device or torch.device("cpu")
-    model = model if model is not None else load_model(model_dir, dtype=dtype)
+    if model is None:
+        weights = has_weights(model_dir)
+        model = load_model(model_dir, dtype=dtype) if weights else build_meta_model(model_dir, dtype=dtype)
     layout = cfg.layout(num_experts=num_routed_experts(model))
     layout.check_world_size(dist.get_world_size())
     check_zero(layout, ds_config)
     groups = build_colocated_groups(layout, rank, timedelta(seconds=cfg.comm_timeout_s))
     register_with_deepspeed(groups, layout)
-    module = build_colocated_model(model, layout, groups, rank)
+    module = build_colocated_model(model, layout, groups, rank, device=device, seed=seed * 100_003 + rank)
     del model
-    module.to(device)
     if cfg.compile:
         compile_stage(module.attention)
         compile_stage(module.experts.stage)
@@ -81,20 +90,27 @@ def build_colocated_rank(
         group=groups.data_parallel,
         name=name,
     )
-    return ColocatedRuntime(layout, rank, executor, module, engine)
+    return ColocatedRuntime(layout, layout.role_of(rank), executor, module, engine)
 
 
 def build_colocated_model(
-    model: nn.Module, layout: ColocatedLayout, groups: ColocatedGroups, rank: int
+    model: nn.Module, layout: ColocatedLayout, groups: ColocatedGroups, rank: int, *, device: torch.device, seed: int
 ) -> ColocatedModel:
-    """Cut rank ``rank``'s module from the HF model: attention side of every layer, expert slice, dispatcher."""
+    """Cut rank ``rank``'s module from the HF model onto ``device``: attention side of every layer, expert slice,
+    dispatcher. Parts cut from a meta model are initialised from ``2 * seed`` (attention) and ``2 * seed + 1``."""
     layers = tuple(range(model.config.num_hidden_layers))
     experts = layout.expert_range(layout.ep_rank(rank))
     stage = ExpertStage(model, layers, experts.start, experts.stop)
+    attention = AttentionStage(model, layers, with_embedding=True, with_head=True)
+    for i, part in enumerate((attention, stage)):
+        # Before ExpertStageMoE marks the expert parameters: materialising replaces meta parameters by new ones.
+        if next(part.parameters()).is_meta:
+            materialize(part, model, device, seed=2 * seed + i)
+        else:
+            part.to(device)
     moe = ExpertStageMoE(
         stage, num_experts=layout.num_experts, ep_size=layout.ep_size, group_name=layout.expert_group_name
     )
-    attention = AttentionStage(model, layers, with_embedding=True, with_head=True)
     # The one place the exchange strategy is chosen; the model never branches on it.
     if layout.ep_size == 1:
         dispatcher = LocalDispatcher(experts_per_rank=layout.experts_per_rank)

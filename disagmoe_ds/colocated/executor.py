@@ -1,7 +1,9 @@
 """Run one co-located rank's step: 1F1B with pipeline depth 1 and gradient accumulation, in its DeepSpeed engine.
 
-Each of the K micro-batches runs forward then backward (``loss / K``); DeepSpeed reduces the gradients and steps
-once per batch (``managed_gradient_accumulation`` off, as in the role engines). Gradient scaling needs no
+As in the AF-Pipe engine, the executor decides the order and the runner computes: each of the K micro-batches runs
+forward then backward (``loss / K``) in ``ColocatedRunner``, which also keeps the step's sums (losses, expert load);
+DeepSpeed reduces the gradients and steps once per batch (``managed_gradient_accumulation`` off, as in the role
+engines). Gradient scaling needs no
 correction: attention gradients are averaged over all W ranks; an expert slice's gradient is a sum over the tokens
 of its EP group's ranks, all-reduced over its EDP replicas (which together saw every rank's tokens once) and
 divided by DeepSpeed's data-parallel size W: again the mean over all W * K micro-batches.
@@ -68,11 +70,46 @@ class ColocatedGradNorm:
                 p.grad.mul_(coef)
 
 
+class ColocatedRunner:
+    """One micro-batch's forward and backward in the engine, and the step's sums (the ``AttentionRunner`` of this
+    mode: the same ``start_step`` / ``step_expert_counts``, so expert balancing reads either the same way)."""
+
+    def __init__(self, engine, *, num_micro_batches: int):
+        self.engine = engine
+        self.num_micro_batches = num_micro_batches
+        self.sums: torch.Tensor  # loss, lm loss, aux loss, micro-batches; float64 on the engine's device
+        self.load_LE: torch.Tensor | None  # [L, E] summed over the step's micro-batches
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.sums = torch.zeros(4, dtype=torch.float64, device=self.engine.device)  # where the backend reduces
+        self.load_LE = None
+
+    def forward(self, batch: dict[str, torch.Tensor]):
+        out = self.engine(**batch)
+        one = torch.ones((), dtype=torch.float64, device=self.sums.device)
+        aux = out.aux_loss if out.aux_loss is not None else one * 0
+        # Summed on the device: no host sync per micro-batch (the step's all-reduce reads them once).
+        self.sums += torch.stack([t.detach().double() for t in (out.loss, out.lm_loss, aux, one)])
+        if out.load_LE is not None:
+            self.load_LE = out.load_LE if self.load_LE is None else self.load_LE + out.load_LE
+        return out
+
+    def backward(self, out) -> None:
+        self.engine.backward(out.loss / self.num_micro_batches, scale_wrt_gas=False)
+
+    def step_expert_counts(self) -> torch.Tensor:
+        """[L, E] int64: tokens this rank routed to each expert in the step so far, per layer (top-k choices)."""
+        assert self.load_LE is not None, "no micro-batch of this step reported its expert load"
+        return self.load_LE
+
+
 class ColocatedExecutor:
     """``train_batch`` for one co-located rank (same contract as ``AFPipeExecutor.train_batch``)."""
 
     def __init__(self, *, engine, num_micro_batches: int, grad_norm: ColocatedGradNorm, group, name: str):
         self.engine = engine
+        self.runner = ColocatedRunner(engine, num_micro_batches=num_micro_batches)
         self.num_micro_batches = num_micro_batches
         self.grad_norm = grad_norm
         self.group = group  # all ranks: the losses are averaged over it
@@ -87,24 +124,17 @@ class ColocatedExecutor:
         if len(batches) != self.num_micro_batches:
             raise ValueError(f"{self.name}: got {len(batches)} micro-batches, it accumulates {self.num_micro_batches}")
         start = time.perf_counter()
-        # loss, lm loss, aux loss, micro-batches; on the engine's device, where the backend can reduce it
-        sums = torch.zeros(4, dtype=torch.float64, device=self.engine.device)
+        self.runner.start_step()
         for mb, batch in enumerate(batches):
-            out = self._timed(f"forward {mb}", "compute", lambda b=batch: self.engine(**b))
-            self._timed(f"backward {mb}", "compute", lambda o=out: self._backward(o.loss))
-            aux = out.aux_loss.item() if out.aux_loss is not None else 0.0
-            sums += torch.tensor(
-                [out.loss.item(), out.lm_loss.item(), aux, 1.0], dtype=torch.float64, device=sums.device
-            )
+            out = self._timed(f"forward {mb}", "compute", lambda b=batch: self.runner.forward(b))
+            self._timed(f"backward {mb}", "compute", lambda o=out: self.runner.backward(o))
         self._timed("step", "optimizer", self._step)
+        sums = self.runner.sums
         dist.all_reduce(sums, group=self.group)
         loss, lm, aux, count = sums.tolist()
         return StepResult(
             loss / count, lm / count, aux / count, self.grad_norm.last_norm(), time.perf_counter() - start
         )
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss / self.num_micro_batches, scale_wrt_gas=False)
 
     def _step(self) -> None:
         # Parameters no token reached this step (an expert slice nobody routed to) get a zero gradient, so every

@@ -8,12 +8,17 @@ expert-parallel (EP) group is a run of ``ep_size`` consecutive ranks and the ran
 >>> lay = ColocatedLayout(world_size=4, ep_size=2, num_experts=8)
 >>> lay.ep_group_ranks(1), lay.edp_group_ranks(1), lay.expert_range(lay.ep_rank(3))
 ((2, 3), (1, 3), range(4, 8))
+>>> lay.role_of(3)
+ColocatedRole(index=3, ep_rank=1, edp_rank=1)
+>>> ColocatedConfig(world_size=6).layout(num_experts=8).ep_size  # default: the largest that divides both
+2
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from disagmoe_ds.errors import ConfigError, LayoutError
 
@@ -24,14 +29,15 @@ class ColocatedConfig:
 
     Attributes:
         world_size: W, ranks in the job; every rank is an attention lane and an expert-parallel rank.
-        ep_size: expert-parallel ranks that together hold one copy of every MoE layer's experts; divides W.
+        ep_size: expert-parallel ranks that together hold one copy of every MoE layer's experts; divides W and the
+            expert count. None: the largest such size (``gcd(W, num_experts)``), fixed by ``layout``.
         micro_batches: micro-batches per optimizer step per rank (DeepSpeed's gradient_accumulation_steps).
         comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging.
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
     """
 
     world_size: int = 1
-    ep_size: int = 1
+    ep_size: int | None = None
     micro_batches: int = 1
     comm_timeout_s: float = 300.0
     compile: bool = False
@@ -43,10 +49,12 @@ class ColocatedConfig:
                 if not isinstance(value, bool):
                     raise ConfigError(f"colocated.compile must be true or false, got {value!r}")
                 continue
+            if f.name == "ep_size" and value is None:
+                continue
             allowed = (int, float) if f.name == "comm_timeout_s" else (int,)
             if isinstance(value, bool) or not isinstance(value, allowed) or value <= 0:
                 raise ConfigError(f"colocated.{f.name} must be a positive number, got {value!r}")
-        if self.world_size % self.ep_size:
+        if self.ep_size is not None and self.world_size % self.ep_size:
             raise LayoutError(
                 f"ep_size ({self.ep_size}) must divide world_size ({self.world_size}): the ranks form "
                 f"world_size / ep_size expert-data-parallel replicas of the experts; pick an ep_size that divides it"
@@ -58,19 +66,47 @@ class ColocatedConfig:
         return self.world_size
 
     def layout(self, *, num_experts: int) -> ColocatedLayout:
-        return ColocatedLayout(world_size=self.world_size, ep_size=self.ep_size, num_experts=num_experts)
+        ep_size = self.ep_size if self.ep_size is not None else math.gcd(self.world_size, num_experts)
+        return ColocatedLayout(world_size=self.world_size, ep_size=ep_size, num_experts=num_experts)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class ColocatedRole:
+    """What one co-located rank does, named as ``layout.RankRole`` names it for the training loop: every rank is
+    lane ``index`` of the one attention group (so it reads data and holds the embedding) and holds expert slice
+    ``ep_rank`` of replica ``edp_rank``."""
+
+    index: int
+    ep_rank: int
+    edp_rank: int
+
+    @property
+    def is_attention(self) -> bool:
+        return True
+
+    @property
+    def group(self) -> int:
+        return 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class ColocatedLayout:
-    """A validated co-located layout: W ranks, EP groups of ``ep_size`` ranks, E routed experts per MoE layer."""
+    """A validated co-located layout: W ranks, EP groups of ``ep_size`` ranks, E routed experts per MoE layer.
+
+    It also says what a checkpoint records of it (``engine.checkpoint.RecordedLayout``): the mode, the values a
+    resume must match, and one DeepSpeed directory for the whole job (all ranks are one data-parallel DeepSpeed job
+    whose MoE checkpointing writes each expert's file once, from its first replica).
+    """
 
     world_size: int
     ep_size: int
     num_experts: int
+
+    mode: ClassVar[str] = "colocated"
+    relayout_hint: ClassVar[str] = "resume with the same --world-size and --ep-size"
 
     def __post_init__(self) -> None:
         if self.world_size % self.ep_size:
@@ -115,12 +151,25 @@ class ColocatedLayout:
         start = ep_rank * self.experts_per_rank
         return range(start, start + self.experts_per_rank)
 
+    def role_of(self, rank: int) -> ColocatedRole:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside the co-located layout's world of {self.world_size} ranks")
+        return ColocatedRole(index=rank, ep_rank=self.ep_rank(rank), edp_rank=self.edp_rank(rank))
+
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
             raise LayoutError(
                 f"world size {world_size} does not match the co-located layout's world_size {self.world_size}; "
                 f"launch {self.world_size} ranks or change world_size"
             )
+
+    # ----- what a checkpoint records (engine.checkpoint.RecordedLayout) -----
+    def manifest_layout(self) -> dict[str, int]:
+        return {"world_size": self.world_size, "ep_size": self.ep_size, "num_experts": self.num_experts}
+
+    def checkpoint_dir(self, role: ColocatedRole) -> str:
+        del role  # one DeepSpeed job: every rank saves into the same directory
+        return "colocated"
 
     def describe(self) -> str:
         return (

@@ -7,13 +7,17 @@ expert shards spread over the ranks of the expert-parallel group and reached thr
 ``ExpertStageMoE`` makes DeepSpeed treat the expert slice as MoE parameters: the engine sees a
 ``deepspeed.moe.layer.MoE`` instance (``has_moe_layers``), and every expert parameter carries ``allreduce=False``
 and ``group_name``, so DeepSpeed reduces (and ZeRO partitions) them over the expert-data-parallel group and puts
-them in their own optimizer parameter groups.
+them in their own optimizer parameter groups. Its state dict uses DeepSpeed's MoE naming (one entry per local
+expert), so ``engine.save_checkpoint`` / ``load_checkpoint`` write and read one file per expert as for any
+DeepSpeed MoE model.
 
-Shape suffixes: B micro-batch size, S sequence, T = B*S tokens, H hidden, R rows received by the expert shard.
+Shape suffixes: B micro-batch size, S sequence, T = B*S tokens, H hidden, R rows received by the expert shard,
+e local experts, L layers, E routed experts.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +35,19 @@ from disagmoe_ds.models.parts import (
     router_stats,
 )
 
+# DeepSpeed's MoE checkpointing finds expert ``i`` of a layer by this infix and renumbers it globally on save.
+_DS_EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
+_DS_KEY = re.compile(re.escape(_DS_EXPERTS) + r"(?P<expert>\d+)\.layers\.(?P<layer>\d+)\.(?P<name>.+)$")
+
 
 class ExpertStageMoE(MoE):
     """An ``ExpertStage`` dressed as DeepSpeed's ``MoE`` (``MoE.__init__`` is skipped: it builds a gate and experts
     of its own). The expert process groups must already be in DeepSpeed's registry (``register_with_deepspeed``).
+
+    State dict: every expert parameter of the stage holds the e local experts stacked on dim 0
+    (``stage.layers.<l>.experts.<name>``, e x ...); the state dict holds expert i's slice under DeepSpeed's name
+    ``deepspeed_moe.experts.deepspeed_experts.<i>.layers.<l>.<name>``, which DeepSpeed's ``_save_moe_checkpoint``
+    writes to one file per global expert and ``load_moe_state_dict`` reads back with local ids. Loading restacks.
     """
 
     def __init__(self, stage: ExpertStage, *, num_experts: int, ep_size: int, group_name: str):
@@ -49,6 +62,8 @@ class ExpertStageMoE(MoE):
         for param in stage.parameters():
             param.allreduce = False
             param.group_name = group_name
+        self.register_state_dict_post_hook(_split_experts)
+        self.register_load_state_dict_pre_hook(_stack_experts)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by the engine; the groups are registered already, so there is nothing to create."""
@@ -63,13 +78,44 @@ class ExpertStageMoE(MoE):
         raise TypeError("ExpertStageMoE is a parameter holder; call shard(layer) for an MoE layer's experts")
 
 
+def _split_experts(module: ExpertStageMoE, state_dict: dict, prefix: str, local_metadata) -> None:
+    """``stage.layers.<l>.experts.<name>`` (e x ...) -> ``<_DS_EXPERTS><i>.layers.<l>.<name>`` for i < e."""
+    del local_metadata
+    stage_prefix = f"{prefix}stage.layers."
+    for key in [k for k in state_dict if k.startswith(stage_prefix)]:
+        layer, experts, name = key.removeprefix(stage_prefix).split(".", 2)
+        assert experts == "experts", f"unexpected expert-stage entry {key}"
+        stacked_e = state_dict.pop(key)
+        assert stacked_e.shape[0] == module.num_local_experts, f"{key}: {tuple(stacked_e.shape)}, dim 0 not experts"
+        for i, value in enumerate(stacked_e.unbind(0)):
+            state_dict[f"{prefix}{_DS_EXPERTS}{i}.layers.{layer}.{name}"] = value
+
+
+def _stack_experts(module: ExpertStageMoE, state_dict: dict, prefix: str, *args) -> None:
+    """The inverse of ``_split_experts``, before ``load_state_dict`` matches keys to parameters."""
+    del args
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for key in [k for k in state_dict if k.startswith(prefix + _DS_EXPERTS)]:
+        match = _DS_KEY.match(key.removeprefix(prefix))
+        assert match is not None, f"unexpected expert entry {key}"
+        stage_key = f"{prefix}stage.layers.{match['layer']}.experts.{match['name']}"
+        pieces.setdefault(stage_key, {})[int(match["expert"])] = state_dict.pop(key)
+    for key, by_expert in pieces.items():
+        if sorted(by_expert) != list(range(module.num_local_experts)):
+            continue  # load_state_dict reports the missing parameter (strict) by its own name
+        state_dict[key] = torch.stack([by_expert[i] for i in range(module.num_local_experts)])
+
+
 @dataclass
 class ColocatedOutput:
-    """One micro-batch's losses (``loss`` = LM loss + coef * aux loss, as HF computes it)."""
+    """One micro-batch's losses (``loss`` = LM loss + coef * aux loss, as HF computes it) and expert load."""
 
     loss: torch.Tensor
     lm_loss: torch.Tensor
     aux_loss: torch.Tensor | None
+    # int64: this rank's tokens routed to each expert (top-k choices), 0 for dense layers; None from a module that
+    # does not report its load (bench_e2e's DeepSpeed-MoE model)
+    load_LE: torch.Tensor | None = None
 
 
 class ColocatedModel(nn.Module):
@@ -98,21 +144,24 @@ class ColocatedModel(nn.Module):
         h_BSH = self.attention.embed_tokens(input_ids)
         ctx = self.attention.context(h_BSH, position_ids)
         stats: list[RouterStats] = []
-        for layer in range(self.config.num_hidden_layers):
+        num_layers, num_experts = self.config.num_hidden_layers, self.experts.num_experts
+        load_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=h_BSH.device)
+        for layer in range(num_layers):
             part = self.attention.part(layer)
             out = part(h_BSH, ctx, self.config)
             if out.x_TH is None:  # dense layer
                 h_BSH = out.residual_BSH
                 continue
+            load_LE[layer] = torch.bincount(out.topk_idx_TK.reshape(-1), minlength=num_experts)
             stats.append(router_stats(out.router_logits_TE, part.router.top_k))
             routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
             y_RH = self.experts.shard(layer)(routed.x_RH, routed.local_idx_RK, routed.w_RK)
             h_BSH = out.residual_BSH + self.dispatcher.combine(y_RH, meta).view_as(out.residual_BSH)
         _, lm_loss = self.attention.head(h_BSH, labels)
         if self.aux_coef is None:
-            return ColocatedOutput(lm_loss, lm_loss, None)
+            return ColocatedOutput(lm_loss, lm_loss, None, load_LE)
         aux = aux_loss_from_stats(stats)
-        return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux)
+        return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux, load_LE)
 
     def hf_names(self) -> dict[str, tuple[str, int]]:
         """Parameter name -> (HF name, first expert of the slice; 0 for attention-side parameters)."""

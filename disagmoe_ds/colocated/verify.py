@@ -100,12 +100,12 @@ def _zero_group_index(optimizer, inner) -> int | None:
 def _written(runtime: ColocatedRuntime, tensors: dict[str, torch.Tensor]) -> Named:
     """One copy of every parameter: attention side from rank 0, expert slices from the first replica."""
     hf_names = runtime.module.hf_names()
-    layout, rank = runtime.layout, runtime.rank
+    role = runtime.role
     out = {}
     for name, value in tensors.items():
         hf_name, first = hf_names[name]
         is_expert = name.startswith("experts.")
-        if (is_expert and layout.edp_rank(rank) == 0) or (not is_expert and rank == 0):
+        if (is_expert and role.edp_rank == 0) or (not is_expert and role.index == 0):
             out[hf_name] = (first, value.float().clone())
     return out
 

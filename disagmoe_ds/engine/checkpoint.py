@@ -1,9 +1,14 @@
-"""DeepSpeed checkpoints of a disaggregated job: one directory per role group, tied together by a manifest.
+"""DeepSpeed checkpoints of a job: one directory per DeepSpeed engine group, tied together by a manifest.
 
-    <root>/<tag>/manifest.json           layout, model fingerprint, step, role directories (written last)
-    <root>/<tag>/attention_g<g>/...      DeepSpeed files of A-group g (its lanes are DeepSpeed's data parallel)
-    <root>/<tag>/ffn_g<g>_ep<e>/...      DeepSpeed files of expert shard e of F-group g (its replicas)
+    <root>/<tag>/manifest.json           mode, layout, model fingerprint, step, directories (written last)
+    <root>/<tag>/attention_g<g>/...      disaggregated: DeepSpeed files of A-group g (its lanes are DeepSpeed's DP)
+    <root>/<tag>/ffn_g<g>_ep<e>/...      disaggregated: DeepSpeed files of expert shard e of F-group g (its replicas)
+    <root>/<tag>/colocated/...           co-located: the one DeepSpeed MoE job (one file per expert, its own naming)
     <root>/latest                        the newest complete tag
+
+The manifest records the mode and the layout values a resume must match, so a checkpoint never loads into a job
+of the other mode or of another layout. Manifests written before the co-located mode existed have no "mode": they
+are disaggregated.
 
 Atomic: every rank saves into ``<root>/.partial-<tag>``; after a barrier global rank 0 writes the manifest,
 renames the directory to ``<tag>`` and only then replaces ``latest`` (write to a temp file, ``os.replace``).
@@ -16,8 +21,9 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch.distributed as dist
 
@@ -27,10 +33,56 @@ from disagmoe_ds.layout import Layout, RankRole
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _DS_TAG = "state"  # the tag inside each role directory; DeepSpeed's own 'latest' there is not used
+DISAGGREGATED = "disaggregated"
 
 
 def role_dir(role: RankRole) -> str:
     return f"attention_g{role.group}" if role.is_attention else f"ffn_g{role.group}_ep{role.ep_rank}"
+
+
+class RecordedLayout(Protocol):
+    """What a checkpoint needs of a job's layout. ``colocated.ColocatedLayout`` provides it; the disaggregated
+    ``Layout`` is adapted by ``recorded`` (it predates this interface)."""
+
+    mode: ClassVar[str]  # recorded in the manifest; a checkpoint loads only into a job of the same mode
+    relayout_hint: ClassVar[str]  # how to continue from a checkpoint of another layout of the same mode
+    world_size: int
+
+    def role_of(self, rank: int) -> Any: ...
+
+    def manifest_layout(self) -> dict[str, int]:
+        """The layout values a resume must match."""
+        ...
+
+    def checkpoint_dir(self, role: Any) -> str:
+        """The directory (under the tag) of the DeepSpeed engine of a rank with this role."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Disaggregated:
+    layout: Layout
+
+    mode: ClassVar[str] = DISAGGREGATED
+    relayout_hint: ClassVar[str] = "resume with the same layout (or convert it with `disagmoe-convert relayout`)"
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def role_of(self, rank: int) -> RankRole:
+        return self.layout.role_of(rank)
+
+    def manifest_layout(self) -> dict[str, int]:
+        keys = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "num_layers", "num_experts")
+        return {key: getattr(self.layout, key) for key in keys}
+
+    def checkpoint_dir(self, role: RankRole) -> str:
+        return role_dir(role)
+
+
+def recorded(layout: Layout | RecordedLayout) -> RecordedLayout:
+    return _Disaggregated(layout) if isinstance(layout, Layout) else layout
 
 
 def model_fingerprint(config) -> str:
@@ -60,8 +112,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def save_checkpoint(
     engine,
-    role: RankRole,
-    layout: Layout,
+    role,
+    layout: Layout | RecordedLayout,
     config,
     root: str | Path,
     tag: str,
@@ -71,30 +123,26 @@ def save_checkpoint(
 ) -> Path:
     """Save every rank's engine under ``root/tag`` atomically. Collective: every rank must call it.
 
-    ``ds_config`` (the user's DeepSpeed config) goes into the manifest so conversions can rebuild the engines.
+    ``role`` is this rank's role in ``layout`` (either mode's). ``ds_config`` (the user's DeepSpeed config) goes
+    into the manifest so conversions can rebuild the engines.
     """
+    job = recorded(layout)
     root = Path(root)
     partial = root / f".partial-{tag}"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    engine.save_checkpoint(str(partial / role_dir(role)), tag=_DS_TAG, client_state=client_state)
+    engine.save_checkpoint(str(partial / job.checkpoint_dir(role)), tag=_DS_TAG, client_state=client_state)
     dist.barrier()
     final = root / tag
     if dist.get_rank() == 0:
         manifest = {
             "tag": tag,
-            "layout": {
-                "attention_gpus": layout.attention_gpus,
-                "ffn_gpus": layout.ffn_gpus,
-                "depth": layout.depth,
-                "expert_data_parallel": layout.expert_data_parallel,
-                "num_layers": layout.num_layers,
-                "num_experts": layout.num_experts,
-            },
+            "mode": job.mode,
+            "layout": job.manifest_layout(),
             "model": model_fingerprint(config),
-            "roles": sorted({role_dir(layout.role_of(r)) for r in range(layout.world_size)}),
+            "roles": sorted({job.checkpoint_dir(job.role_of(r)) for r in range(job.world_size)}),
             "client_state": {k: v for k, v in client_state.items() if isinstance(v, (int, float, str))},
             "ds_config": None if ds_config is None else {k: v for k, v in ds_config.items() if k != "disagmoe"},
         }
@@ -127,20 +175,30 @@ def read_manifest(root: str | Path, tag: str) -> dict[str, Any]:
         raise CheckpointError(f"{Path(root) / tag / MANIFEST} is corrupt: {err}") from err
 
 
-def load_checkpoint(engine, role: RankRole, layout: Layout, config, root: str | Path, tag: str | None = None):
+def check_compatible(manifest: dict[str, Any], config, layout: Layout | RecordedLayout, where: Path) -> None:
+    """Raise unless the checkpoint at ``where`` (its ``manifest``) can load into this job: same mode, same model
+    architecture, same layout."""
+    job = recorded(layout)
+    saved_mode = manifest.get("mode", DISAGGREGATED)
+    if saved_mode != job.mode:
+        raise CheckpointError(
+            f"checkpoint {where} was written by a {saved_mode} job, this run is {job.mode}; "
+            f"resume it with --mode {saved_mode}"
+        )
+    if manifest["model"] != model_fingerprint(config):
+        raise CheckpointError(f"checkpoint {where} was written for a different model architecture than this run's")
+    saved, current = manifest["layout"], job.manifest_layout()
+    if saved != current:
+        raise CheckpointError(f"checkpoint {where} has layout {saved}, this run has {current}; {job.relayout_hint}")
+
+
+def load_checkpoint(
+    engine, role, layout: Layout | RecordedLayout, config, root: str | Path, tag: str | None = None
+) -> tuple[str, dict[str, Any]]:
     """Load this rank's engine state; returns ``(tag, client_state)``. Collective: every rank must call it."""
     tag = resolve_tag(root, tag)
-    manifest = read_manifest(root, tag)
-    if manifest["model"] != model_fingerprint(config):
-        raise CheckpointError(f"checkpoint {Path(root) / tag} was written for a different model architecture")
-    saved = manifest["layout"]
-    current = {k: getattr(layout, k) for k in saved}
-    if saved != current:
-        raise CheckpointError(
-            f"checkpoint {Path(root) / tag} has layout {saved}, this job has {current}; "
-            "convert it with `disagmoe-convert relayout`"
-        )
-    path = Path(root) / tag / role_dir(role)
+    check_compatible(read_manifest(root, tag), config, layout, Path(root) / tag)
+    path = Path(root) / tag / recorded(layout).checkpoint_dir(role)
     load_path, client_state = engine.load_checkpoint(str(path), tag=_DS_TAG)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint in {path}")

@@ -188,7 +188,7 @@ def _rank_main(
     os.environ.update(rank_env)
     stack_file = open(stack_path, "w")  # stays open: faulthandler writes to it on _DUMP_SIGNAL
     faulthandler.register(_DUMP_SIGNAL, file=stack_file, all_threads=True)
-    _share_cores(int(rank_env["WORLD_SIZE"]))
+    _single_thread()
     try:
         init()  # init_from_env with the job's backend and timeout
         message = pickle.dumps(("ok", fn(rank, *args)))
@@ -201,11 +201,12 @@ def _rank_main(
     dist.destroy_process_group()
 
 
-def _share_cores(world_size: int) -> None:
-    # Forked ranks share this machine's cores; a full intra-op pool per rank oversubscribes them and slows
-    # every rank (torchrun sets OMP_NUM_THREADS=1 for the same reason). An explicit OMP_NUM_THREADS wins.
+def _single_thread() -> None:
+    # One intra-op thread per forked rank (torchrun sets OMP_NUM_THREADS=1 for the same reason): ranks share
+    # the cores, and a child forked from a parent whose OpenMP pool already ran can hang when it starts a pool
+    # of several threads. An explicit OMP_NUM_THREADS wins.
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(1)
 
 
 def _watch(children: list[_Child], timeout_s: float | None) -> None:

@@ -1,6 +1,7 @@
 """The pieces of the training job that ``run_pretrain.py`` strings together, one concept per module.
 
-args         command line -> ``TrainArgs`` (the ds_config with its overrides applied, our layout config)
+args         command line -> ``TrainArgs`` (the ds_config with its overrides applied, the layout of --mode)
+modes        disaggregated or co-located: preflight, banner lines and build of one mode; the ``Runtime`` the loop uses
 hostfile     DeepSpeed hostfile validation, and re-launching ``run_pretrain.py`` through ``deepspeed``
 data         tokenizer, packed pretraining or SFT samples, and each lane's resumable loader
 model        the HF model to train: fresh, or ``--init-from`` pretrained weights; freezing parts of it

@@ -5,20 +5,28 @@ ds_config and ``--local_rank`` (appended by the ``deepspeed`` launcher) is accep
 ds_config: the layout flags replace keys of its ``"disagmoe"`` section (validated by ``DisagMoEConfig`` wherever
 a value came from), ``--lr`` and ``--dtype`` edit its optimizer, scheduler and ``bf16`` sections. The result is
 one frozen value that every rank receives; no other module reads the command line or the JSON file.
+
+``--mode colocated`` replaces the disaggregated layout by a ``ColocatedConfig``: ``--world-size`` ranks (the
+launcher's world size under a launcher, else 1) and ``--ep-size``; micro-batches, the communication timeout and
+``compile`` still come from the section (or ``--micro-batches``), its attention/FFN layout keys are not used.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from disagmoe_ds.config import DisagMoEConfig, load_ds_config
+from disagmoe_ds.colocated.layout import ColocatedConfig
+from disagmoe_ds.config import SECTION, DisagMoEConfig, load_ds_config
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.launch import detect_launcher
+from disagmoe_ds.train.job import launched_rank_and_world
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Schedulers whose peak learning rate is a scheduler parameter, not the optimizer's lr.
@@ -26,6 +34,9 @@ _PEAK_LR_PARAM = {"WarmupLR": "warmup_max_lr", "WarmupDecayLR": "warmup_max_lr"}
 # Schedulers that need the run length.
 _NEEDS_TOTAL_STEPS = ("WarmupDecayLR", "WarmupCosineLR")
 _DEFAULT_MICRO_BATCH_SIZE = 4
+MODES = ("disaggregated", "colocated")
+_LAYOUT_FLAGS = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel")  # disaggregated only
+_COLOCATED_FLAGS = ("world_size", "ep_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +49,8 @@ class TrainArgs:
     model: Path  # HF directory: config.json, and the weights with --init-from
     pretrained: bool  # load the weights of ``model`` (--init-from) instead of a fresh initialisation
     ds_config: dict[str, Any]
-    cfg: DisagMoEConfig
+    mode: str  # one of MODES
+    cfg: DisagMoEConfig | ColocatedConfig  # the layout of ``mode``
     data: str
     text_field: str
     sft: bool
@@ -69,8 +81,8 @@ class TrainArgs:
 
     @property
     def lanes(self) -> int:
-        """d: data-parallel lanes per A-group; every lane of A-group 0 reads its own share of the data."""
-        return self.cfg.attention_gpus // self.cfg.depth
+        """Data-parallel lanes that read their own share of the data: those of A-group 0, or every co-located rank."""
+        return self.cfg.lanes
 
     @property
     def sequences_per_step(self) -> int:
@@ -145,6 +157,20 @@ def _model_and_data(p: argparse.ArgumentParser, default_model: Path, default_cac
 
 def _layout(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group('layout (override the ds_config\'s "disagmoe" section)')
+    g.add_argument(
+        "--mode",
+        choices=MODES,
+        default="disaggregated",
+        help="disaggregated: attention and experts on disjoint ranks (AF-Pipe); colocated: every rank holds the "
+        "attention side and a slice of the experts (EP+DP, all-to-all dispatch): one GPU, or the baseline",
+    )
+    g.add_argument("--world-size", type=int, help="colocated: ranks in the job [the launcher's world size, else 1]")
+    g.add_argument(
+        "--ep-size",
+        type=int,
+        help="colocated: expert-parallel ranks per copy of the experts; divides --world-size and the expert count "
+        "[the largest that does]",
+    )
     g.add_argument("--attention-gpus", type=int, help="M: attention ranks in total")
     g.add_argument("--ffn-gpus", type=int, help="N: FFN (expert) ranks in total")
     g.add_argument("--depth", type=int, help="p: A-groups = F-groups; must divide the layer count")
@@ -263,15 +289,16 @@ def parse_args(argv: list[str] | None, *, root: Path, description: str) -> tuple
         default_cache=root / ".cache" / "tokenizers",
     )
     ns = parser.parse_args(argv)
-    return resolve(ns, default_model=root / "hf_models" / "tiny-qwen3-moe-lm"), ns
+    launched_world_size = launched_rank_and_world()[1] if detect_launcher() is not None else None
+    args = resolve(ns, default_model=root / "hf_models" / "tiny-qwen3-moe-lm", launched_world_size=launched_world_size)
+    return args, ns
 
 
-def resolve(ns: argparse.Namespace, *, default_model: Path) -> TrainArgs:
+def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size: int | None = None) -> TrainArgs:
     """Apply the flags to the ds_config and check the values no other layer checks."""
     _check_counts(ns)
     ds_config = load_ds_config(ns.deepspeed_config)
-    layout_flags = ("attention_gpus", "ffn_gpus", "depth", "micro_batches", "expert_data_parallel")
-    cfg = DisagMoEConfig.from_ds_config(ds_config, {k: getattr(ns, k) for k in layout_flags})
+    cfg = _mode_config(ns, ds_config, launched_world_size)
     micro_batch_size = ns.micro_batch_size or ds_config.get("train_micro_batch_size_per_gpu", _DEFAULT_MICRO_BATCH_SIZE)
     dtype = ns.dtype or ("bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32")
     ds_config = apply_overrides(ds_config, lr=ns.lr, dtype=dtype, steps=ns.steps)
@@ -282,6 +309,7 @@ def resolve(ns: argparse.Namespace, *, default_model: Path) -> TrainArgs:
         model=ns.init_from or ns.model or default_model,
         pretrained=ns.init_from is not None,
         ds_config=ds_config,
+        mode=ns.mode,
         cfg=cfg,
         data=ns.data or "",
         text_field=ns.text_field,
@@ -320,6 +348,8 @@ def _check_counts(ns: argparse.Namespace) -> None:
         "--log-every": ns.log_every,
         "--micro-batch-size": ns.micro_batch_size,
         "--vocab-size": ns.vocab_size,
+        "--world-size": ns.world_size,
+        "--ep-size": ns.ep_size,
     }
     for flag, value in positive.items():
         if value is not None and value < 1:
@@ -329,6 +359,40 @@ def _check_counts(ns: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be >= 0, got {value}")
     if ns.bias_update_rate is not None and ns.bias_update_rate < 0:
         raise ConfigError(f"--bias-update-rate must be >= 0, got {ns.bias_update_rate}")
+
+
+def _mode_config(
+    ns: argparse.Namespace, ds_config: dict[str, Any], launched_world_size: int | None
+) -> DisagMoEConfig | ColocatedConfig:
+    """The layout of ``--mode``; each mode's flags are refused in the other mode."""
+    if ns.mode == "disaggregated":
+        wrong = [k for k in _COLOCATED_FLAGS if getattr(ns, k) is not None]
+        if wrong:
+            raise ConfigError(
+                f"--{wrong[0].replace('_', '-')} is a --mode colocated flag; the disaggregated layout is set by "
+                f"--attention-gpus, --ffn-gpus, --depth and --expert-data-parallel"
+            )
+        return DisagMoEConfig.from_ds_config(ds_config, {k: getattr(ns, k) for k in (*_LAYOUT_FLAGS, "micro_batches")})
+    wrong = [k for k in _LAYOUT_FLAGS if getattr(ns, k) is not None]
+    if wrong:
+        raise ConfigError(
+            f"--{wrong[0].replace('_', '-')} sets the disaggregated layout; --mode colocated takes --world-size "
+            f"and --ep-size"
+        )
+    section = DisagMoEConfig.from_ds_config(ds_config, {"micro_batches": ns.micro_batches})
+    if section.activation_checkpointing or section.max_in_flight is not None:
+        warnings.warn(
+            f'"{SECTION}.activation_checkpointing" and "{SECTION}.max_in_flight" are ignored in co-located mode: '
+            "each rank runs one micro-batch at a time and keeps its activations",
+            stacklevel=2,
+        )
+    return ColocatedConfig(
+        world_size=ns.world_size or launched_world_size or 1,
+        ep_size=ns.ep_size,
+        micro_batches=section.micro_batches,
+        comm_timeout_s=section.comm_timeout_s,
+        compile=section.compile,
+    )
 
 
 def apply_overrides(ds_config: dict[str, Any], *, lr: float | None, dtype: str, steps: int) -> dict[str, Any]:
@@ -350,9 +414,9 @@ def apply_overrides(ds_config: dict[str, Any], *, lr: float | None, dtype: str, 
     return config
 
 
-def _check_batch_keys(ds_config: dict[str, Any], cfg: DisagMoEConfig, micro_batch_size: int) -> None:
+def _check_batch_keys(ds_config: dict[str, Any], cfg: DisagMoEConfig | ColocatedConfig, micro_batch_size: int) -> None:
     """DeepSpeed's batch keys are derived from the layout; a ds_config value that disagrees is a mistake."""
-    lanes = cfg.attention_gpus // cfg.depth
+    lanes = cfg.lanes
     derived = {  # train_micro_batch_size_per_gpu is --micro-batch-size's default, so it cannot disagree
         "gradient_accumulation_steps": cfg.micro_batches,
         "train_batch_size": micro_batch_size * cfg.micro_batches * lanes,

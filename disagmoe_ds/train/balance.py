@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.engine.build import RankRuntime
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.families import family_of
+from disagmoe_ds.models.parts import AttentionPart
+from disagmoe_ds.train.modes import Runtime
 
 DEEPSEEK_V3_RATE = 1e-3  # gamma of DeepSeek-V3 for most of its training
 
@@ -36,7 +37,7 @@ def bias_update_rate(requested: float | None, config) -> float:
     return requested
 
 
-def expert_load(runtime: RankRuntime) -> torch.Tensor:
+def expert_load(runtime: Runtime) -> torch.Tensor:
     """[L, E] tokens routed to each expert in the last step, summed over every lane. Collective (all ranks)."""
     layout = runtime.layout
     if runtime.role.is_attention:
@@ -66,13 +67,14 @@ def bias_step(load_E: torch.Tensor, rate: float) -> torch.Tensor:
     return rate * torch.sign(load_E.mean() - load_E)
 
 
-def update_expert_bias(runtime: RankRuntime, load_LE: torch.Tensor, rate: float) -> None:
-    """Apply ``bias_step`` to the router bias of every MoE layer this attention rank holds."""
+def update_expert_bias(runtime: Runtime, load_LE: torch.Tensor, rate: float) -> None:
+    """Apply ``bias_step`` to the router bias of every MoE layer this attention rank holds (the attention parts
+    anywhere in its module: an attention stage, or a co-located rank's whole model)."""
     if rate == 0 or not runtime.role.is_attention:
         return
     bias_attr = family_of(runtime.module.config).expert_bias_attr
-    for name, part in runtime.module.layers.items():
-        if part.is_moe:
+    for part in runtime.module.modules():
+        if isinstance(part, AttentionPart) and part.is_moe:
             bias_E = getattr(part.router, bias_attr)
             with torch.no_grad():
-                bias_E.add_(bias_step(load_LE[int(name)], rate).to(device=bias_E.device, dtype=bias_E.dtype))
+                bias_E.add_(bias_step(load_LE[part.layer_idx], rate).to(device=bias_E.device, dtype=bias_E.dtype))

@@ -19,18 +19,19 @@ from typing import Any
 import torch.distributed as dist
 
 from disagmoe_ds.data import MicroBatchLoader
-from disagmoe_ds.engine.build import RankRuntime
 from disagmoe_ds.engine.checkpoint import (
     LATEST,
     MANIFEST,
+    RecordedLayout,
+    check_compatible,
     load_checkpoint,
-    model_fingerprint,
     read_manifest,
     resolve_tag,
     save_checkpoint,
 )
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.train.modes import Runtime
 
 _TAG = re.compile(r"^step(\d+)$")
 
@@ -40,7 +41,7 @@ def tag_of(step: int) -> str:
 
 
 def save(
-    runtime: RankRuntime,
+    runtime: Runtime,
     root: Path,
     step: int,
     loader: MicroBatchLoader | None,
@@ -94,19 +95,12 @@ def locate(resume: str, save_dir: Path | None) -> tuple[Path, str]:
     return path, resolve_tag(path)
 
 
-def check_resume(root: Path, tag: str, config, layout: Layout, *, num_samples: int | None) -> int:
-    """Fail before launch when the checkpoint cannot continue this run; returns its step."""
+def check_resume(root: Path, tag: str, config, layout: Layout | RecordedLayout, *, num_samples: int | None) -> int:
+    """Fail before launch when the checkpoint cannot continue this run (mode, model, layout, data); returns its
+    step. ``layout`` is either mode's."""
     manifest = read_manifest(root, tag)
     where = root / tag
-    if manifest["model"] != model_fingerprint(config):
-        raise CheckpointError(f"checkpoint {where} was written for a different model architecture than this run's")
-    saved = manifest["layout"]
-    current = {key: getattr(layout, key) for key in saved}
-    if saved != current:
-        raise CheckpointError(
-            f"checkpoint {where} has layout {saved}, this run has {current}; "
-            "resume with the same layout (or convert it with `disagmoe-convert relayout`)"
-        )
+    check_compatible(manifest, config, layout, where)
     state = manifest["client_state"]
     if "step" not in state:
         raise CheckpointError(f"checkpoint {where} holds no training step: it was not written by run_pretrain.py")
@@ -118,7 +112,7 @@ def check_resume(root: Path, tag: str, config, layout: Layout, *, num_samples: i
     return int(state["step"])
 
 
-def restore(runtime: RankRuntime, root: Path, tag: str, loader: MicroBatchLoader | None) -> int:
+def restore(runtime: Runtime, root: Path, tag: str, loader: MicroBatchLoader | None) -> int:
     """Load this rank's engine (and its lane's loader position); returns the step to continue from. Collective."""
     _, state = load_checkpoint(runtime.engine, runtime.role, runtime.layout, runtime.module.config, root, tag)
     if loader is not None:

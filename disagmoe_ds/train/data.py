@@ -1,9 +1,9 @@
 """The run's training samples: which tokenizer, which dataset, and each lane's resumable loader.
 
-Only the lanes of A-group 0 read data (they hold the embedding); lane j of d reads lane j's share of every
-epoch (``ShardedSampler``), so the d lanes together see each sample once per epoch. Without a launcher the
-parent process builds the dataset once and the forked ranks inherit it; under a launcher each lane builds it
-(deterministically: the same samples on every lane).
+Only the lanes of A-group 0 read data (they hold the embedding; in co-located mode every rank is such a lane);
+lane j of d reads lane j's share of every epoch (``ShardedSampler``), so the d lanes together see each sample once
+per epoch. Without a launcher the parent process builds the dataset once and the forked ranks inherit it; under a
+launcher each lane builds it (deterministically: the same samples on every lane).
 """
 
 from __future__ import annotations

@@ -14,9 +14,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.split import aux_loss_enabled
-from disagmoe_ds.schedule import PipeShape, generate
 from disagmoe_ds.train.args import TrainArgs
 from disagmoe_ds.train.data import TrainData, steps_per_epoch
 from disagmoe_ds.train.metrics import ModelFacts, StepRecord
@@ -24,32 +22,26 @@ from disagmoe_ds.train.metrics import ModelFacts, StepRecord
 
 def banner(
     args: TrainArgs,
-    layout: Layout,
     config,
     *,
+    layout_lines: list[str],
     facts: ModelFacts,
     data: TrainData,
     bias_rate: float,
     resume: tuple[Path, str] | None,
 ) -> list[str]:
-    """The run's derived facts, printed before anything heavy starts (nanoGPT prints tokens per iteration)."""
+    """The run's derived facts, printed before anything heavy starts (nanoGPT prints tokens per iteration).
+
+    ``layout_lines`` are the mode's own (``TrainMode.describe``): layout, split, pipeline.
+    """
     init = f"weights from {args.model}" if args.pretrained else f"fresh init (seed {args.seed})"
-    schedule = generate(
-        PipeShape(layout.depth, layout.num_layers, facts.moe_layers),
-        args.cfg.micro_batches,
-        max_in_flight=args.cfg.max_in_flight,
-    )
-    bubble = sum(schedule.bubble_fraction.values()) / len(schedule.bubble_fraction)
     aux = f"HF aux loss x {config.router_aux_loss_coef}" if aux_loss_enabled(config) else "no aux loss"
     bias = f"aux-loss-free bias rate {bias_rate:g}" if bias_rate else "no aux-loss-free bias updates"
     frozen = [name for name, on in (("router", args.freeze_router), ("self-attention", args.freeze_attention)) if on]
     return [
         f"model: {config.model_type} {args.model}, {init}, {args.dtype}; {facts.total_params / 1e6:.2f}M params, "
         f"{facts.active_params / 1e6:.2f}M active per token" + (f"; frozen: {', '.join(frozen)}" if frozen else ""),
-        f"layout: {layout.describe()}",
-        f"A:F split: {layout.attention_gpus}:{layout.ffn_gpus} of {layout.world_size} ranks",
-        f"pipeline: {args.cfg.micro_batches} micro-batches per lane per step, at most {schedule.max_in_flight} in "
-        f"flight per worker; predicted bubble {bubble:.0%} (schedule simulation, unit task costs)",
+        *layout_lines,
         f"tokens per step: {args.tokens_per_step:,} = {args.lanes} lanes x {args.cfg.micro_batches} micro-batches x "
         f"{args.micro_batch_size} sequences x {args.seq_len} tokens; "
         f"{facts.flops_per_token * args.tokens_per_step / 1e9:,.2f} model GFLOP per step",

@@ -1,0 +1,124 @@
+"""The two ways a job places the model on its ranks, behind the one interface the training loop uses.
+
+disaggregated  attention and experts on disjoint ranks, the AF-Pipe schedule (``engine.build.build_rank``)
+colocated      every rank holds the whole attention side and a slice of the experts: EP+DP with all-to-all
+               dispatch (``colocated.build_colocated_rank``); the one-GPU path and the baseline
+
+``--mode`` picks one ``TrainMode`` once (``mode_of``); it validates the layout before any rank starts, gives the
+banner its layout lines and builds a rank. What it builds is a ``Runtime``: the loop, the checkpoints and the
+expert balancing read nothing else, and never ask which mode built it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
+from disagmoe_ds.colocated.layout import ColocatedLayout
+from disagmoe_ds.engine.build import build_rank, preflight
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.schedule import PipeShape, generate
+from disagmoe_ds.train.args import TrainArgs
+from disagmoe_ds.train.metrics import ModelFacts
+
+
+class Runtime(Protocol):
+    """One built rank as the training loop sees it (``engine.build.RankRuntime``, ``colocated.ColocatedRuntime``).
+
+    ``layout.role_of(rank)`` and ``role`` name the same role: a rank with ``role.is_attention and role.group == 0``
+    reads lane ``role.index``'s data (every co-located rank does). ``layout`` and ``role`` are also what
+    ``engine.checkpoint`` records and where it saves.
+    """
+
+    layout: Any  # world_size, role_of(rank), describe()
+    role: Any  # is_attention, group, index
+    executor: Any  # train_batch(batches) -> StepResult, record_timeline(on), timeline, runner.step_expert_counts()
+    module: nn.Module  # .config: the HF model config
+    engine: Any  # the rank's DeepSpeed engine
+
+
+class TrainMode(Protocol):
+    name: ClassVar[str]
+
+    def preflight(self, args: TrainArgs, world_size: int) -> Any:
+        """Validate the layout against the model config, the world size and the ds_config; return it."""
+        ...
+
+    def describe(self, args: TrainArgs, layout: Any, facts: ModelFacts) -> list[str]:
+        """The start banner's lines about the layout and the pipeline."""
+        ...
+
+    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device) -> Runtime:
+        """This rank's part of the job (collective: every rank calls it)."""
+        ...
+
+
+class Disaggregated:
+    name: ClassVar[str] = "disaggregated"
+
+    def preflight(self, args: TrainArgs, world_size: int) -> Layout:
+        return preflight(args.model, args.cfg, args.ds_config, world_size)
+
+    def describe(self, args: TrainArgs, layout: Layout, facts: ModelFacts) -> list[str]:
+        shape = PipeShape(layout.depth, layout.num_layers, facts.moe_layers)
+        schedule = generate(shape, args.cfg.micro_batches, max_in_flight=args.cfg.max_in_flight)
+        bubble = sum(schedule.bubble_fraction.values()) / len(schedule.bubble_fraction)
+        return [
+            f"layout: {layout.describe()}",
+            f"A:F split: {layout.attention_gpus}:{layout.ffn_gpus} of {layout.world_size} ranks",
+            f"pipeline: {args.cfg.micro_batches} micro-batches per lane per step, at most {schedule.max_in_flight} "
+            f"in flight per worker; predicted bubble {bubble:.0%} (schedule simulation, unit task costs)",
+        ]
+
+    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device) -> Runtime:
+        return build_rank(
+            args.model,
+            args.ds_config,
+            args.cfg,
+            micro_batch_size=args.micro_batch_size,
+            dtype=args.torch_dtype,
+            device=device,
+            model=model,
+            seed=args.seed,
+        )
+
+
+class Colocated:
+    name: ClassVar[str] = "colocated"
+
+    def preflight(self, args: TrainArgs, world_size: int) -> ColocatedLayout:
+        return preflight_colocated(args.model, args.cfg, args.ds_config, world_size)
+
+    def describe(self, args: TrainArgs, layout: ColocatedLayout, facts: ModelFacts) -> list[str]:
+        del facts
+        if layout.ep_size > 1:
+            exchange = f"dispatch and combine all-to-alls over {layout.ep_size} ranks on the critical path"
+        else:
+            exchange = "no token exchange (every rank holds every expert)"
+        return [
+            f"layout: {layout.describe()}",
+            f"pipeline: {args.cfg.micro_batches} micro-batches per rank per step, one at a time (forward, "
+            f"backward); {exchange}",
+        ]
+
+    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device) -> Runtime:
+        return build_colocated_rank(
+            args.model,
+            args.ds_config,
+            args.cfg,
+            micro_batch_size=args.micro_batch_size,
+            dtype=args.torch_dtype,
+            device=device,
+            model=model,
+            seed=args.seed,
+        )
+
+
+_MODES: dict[str, TrainMode] = {mode.name: mode for mode in (Disaggregated(), Colocated())}
+
+
+def mode_of(args: TrainArgs) -> TrainMode:
+    return _MODES[args.mode]
