@@ -2,7 +2,8 @@
 
 Attention side (``AttentionPart``): input norm, self-attention, residual, post-attention norm, then either the
 dense MLP (dense layers) or the router and shared experts (MoE layers). Expert side (``ExpertShard``): a contiguous
-slice of the routed experts, computed by HF's own experts module so every family's expert math is HF's.
+slice of the routed experts held in HF's own experts module: gated families compute with grouped GEMMs
+(``grouped_experts.py``, the same math), others (GPT-OSS) and the reference path call HF's module itself.
 
 ``AttentionStage`` / ``ExpertStage`` hold the parts one rank owns (any subset of layers, plus the embedding and
 the head on the attention side). Their parameter names mirror HF's so checkpoints convert by a prefix map.
@@ -192,12 +193,13 @@ def aux_loss_from_stats(stats: list[RouterStats]) -> torch.Tensor:
 
 
 class ExpertShard(nn.Module):
-    """Routed experts ``[first_expert, first_expert + num_local)`` of one layer, computed by HF's experts module.
+    """Routed experts ``[first_expert, first_expert + num_local)`` of one layer, stored in HF's experts module.
 
     ``forward`` takes the R tokens this shard received, their local expert ids (``num_local`` is the sentinel for
-    experts held elsewhere) and routing weights, and returns each token's weighted sum over its local experts.
-    Only real (row, expert) pairs reach HF's module, so no compute is spent on sentinels and HF versions that do not
-    know the sentinel work too.
+    experts held elsewhere) and routing weights, and returns each token's weighted sum over its local experts:
+    with grouped GEMMs where the family and dtype allow, else (and in ``forward_hf``) through HF's module. Only
+    real (row, expert) pairs are computed, so no work is spent on sentinels and HF versions that do not know the
+    sentinel work too.
     """
 
     def __init__(self, experts: nn.Module, first_expert: int, num_local: int, family: str):
