@@ -32,17 +32,19 @@ ADAM_EPS = 1e-4
 
 @dataclass(frozen=True)
 class VerifyArgs:
+    """One verification run; the defaults are the command line's."""
+
     model: str
     cfg: DisagMoEConfig
-    zero: int
-    steps: int
-    dtype: str
-    seq_len: int
-    micro_batch_size: int
-    clip: float
-    lr: float
-    seed: int
-    skew: bool
+    zero: int = 0
+    steps: int = 2
+    dtype: str = "fp32"
+    seq_len: int = 16
+    micro_batch_size: int = 1
+    clip: float = 1.0
+    lr: float = 1e-3
+    seed: int = 0
+    skew: bool = False
     timeline: str | None = None
 
     def ds_config(self) -> dict[str, Any]:

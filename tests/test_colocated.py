@@ -49,19 +49,8 @@ def test_colocated_bf16_equals_hf_within_bf16_tolerance(tiny_checkpoint):
 
 
 def _verify(model, W, ep, K, zero, skew, *, dtype):
-    args = ColocatedVerifyArgs(
-        model=str(model),
-        cfg=ColocatedConfig(world_size=W, ep_size=ep, micro_batches=K),
-        zero=zero,
-        steps=2,
-        dtype=dtype,
-        seq_len=8,
-        micro_batch_size=1,
-        clip=CLIP,
-        lr=1e-3,
-        seed=0,
-        skew=skew,
-    )
+    cfg = ColocatedConfig(world_size=W, ep_size=ep, micro_batches=K)
+    args = ColocatedVerifyArgs(str(model), cfg, zero=zero, dtype=dtype, seq_len=8, clip=CLIP, skew=skew)
     return run_colocated_verify(args, timeout_s=120)
 
 

@@ -95,9 +95,7 @@ def _ds_config(args: VerifyArgs) -> dict:
 
 
 def _args(model: str, cfg: DisagMoEConfig) -> VerifyArgs:
-    return VerifyArgs(
-        model, cfg, zero=1, steps=5, dtype="fp32", seq_len=8, micro_batch_size=1, clip=0.05, lr=1e-3, seed=0, skew=False
-    )
+    return VerifyArgs(model, cfg, zero=1, steps=5, seq_len=8, clip=0.05)
 
 
 def _train_and_save(rank: int, args: VerifyArgs, ckpt: str) -> dict:

@@ -46,9 +46,18 @@ FLOP_RTOL = 1e-12
 MEMORY_RTOL = 0.15
 
 TINY_QWEN3 = {
-    "model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "intermediate_size": 96,
-    "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0],
+    "model_type": "qwen3_moe",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "mlp_only_layers": [0],
 }
 
 
@@ -81,8 +90,9 @@ def test_causal_convention_halves_the_square_and_windows_cap_it():
     assert spec.attention_core_flops(8192, 0) < spec.attention_core_flops(8192, 1) / 30
 
 
-def megatron_flops_per_token(s: int, *, h: int, layers: int, heads: int, groups: int, head_dim: int, ffn: int,
-                             k: int, vocab: int) -> float:
+def megatron_flops_per_token(
+    s: int, *, h: int, layers: int, heads: int, groups: int, head_dim: int, ffn: int, k: int, vocab: int
+) -> float:
     """Megatron-LM num_floating_point_operations / (batch * s): Narayanan et al. 2021 with GQA, SwiGLU (3/2),
     MoE with k active experts and the causal half of the attention matrix."""
     q = heads * head_dim
@@ -96,22 +106,43 @@ def test_flops_match_megatron_closed_form_for_qwen3_235b_like():
     cfg = dict(json.loads((ROOT / "hf_models" / "Qwen3-235B-A22B" / "config.json").read_text()))
     spec = ModelSpec.from_config(cfg)
     for s in (4096, 32768):
-        closed = megatron_flops_per_token(s, h=4096, layers=94, heads=64, groups=4, head_dim=128, ffn=1536, k=8,
-                                          vocab=151936)
+        closed = megatron_flops_per_token(
+            s, h=4096, layers=94, heads=64, groups=4, head_dim=128, ffn=1536, k=8, vocab=151936
+        )
         router = 3 * 2 * 4096 * 128 * 94  # the planner counts the router GEMM, Megatron's formula does not
         assert math.isclose(spec.step_flops_per_token(s), closed + router, rel_tol=FLOP_RTOL)
 
 
 def test_flops_match_megatron_mla_closed_form_for_deepseek_v3_like():
-    cfg = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
-           "vocab_size": 129280, "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
-           "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "q_lora_rank": 1536,
-           "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+    cfg = {
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "vocab_size": 129280,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+    }
     spec = ModelSpec.from_config(cfg)
     h, n, qr, kvr, dn, dr, dv, s = 7168, 128, 1536, 512, 128, 64, 128, 4096
     # Megatron-LM's multi_latent_attention term without its "+1" norm terms, per layer and token, forward MACs
-    mla = (qr * (h + n * (dn + dr)) + kvr * (h + n * (dn + dv)) + h * dr + n * dv * h
-           + s * n * (dn + dr) / 2 + s * n * dv / 2)
+    mla = (
+        qr * (h + n * (dn + dr))
+        + kvr * (h + n * (dn + dv))
+        + h * dr
+        + n * dv * h
+        + s * n * (dn + dr) / 2
+        + s * n * dv / 2
+    )
     dense_mlp, moe_mlp = 3 * h * 18432, 3 * h * 2048 * (8 + 1) + h * 256  # routed + shared, plus the router
     closed = 6 * (61 * mla + 3 * dense_mlp + 58 * moe_mlp + h * 129280)
     assert math.isclose(spec.step_flops_per_token(s), closed, rel_tol=FLOP_RTOL)
@@ -213,7 +244,8 @@ def test_megatron_order_runs_every_chunk_once_and_exposes_comm():
     for pp, vpp, m, rank in [(4, 2, 8, 0), (4, 2, 8, 3), (2, 1, 5, 1)]:
         ops = megatron_order(pp, vpp, m, rank)
         assert sorted((o.forward, o.chunk, o.micro_batch) for o in ops) == sorted(
-            (f, c, b) for f in (True, False) for c in range(vpp) for b in range(m))
+            (f, c, b) for f in (True, False) for c in range(vpp) for b in range(m)
+        )
     costs = BaselineChunkCosts((1.0,) * 2, (2.0,) * 2, (0.5,) * 2, (0.5,) * 2, 0.25, 0.0)
     result = simulate_baseline(costs, pp=2, vpp=1, micro_batches=4)
     assert result.exposed_comm_fraction == pytest.approx(5 * 1.0 / result.step_time_s)
@@ -221,15 +253,33 @@ def test_megatron_order_runs_every_chunk_once_and_exposes_comm():
 
 # ----- allocator -----
 def small_cluster(**overrides) -> Cluster:
-    base = Cluster("test", nodes=2, gpus_per_node=4, peak_flops=400e12, hbm_bytes=80e9, nvlink_bw=200e9,
-                   nics_per_node=4, nic_bw=50e9)
+    base = Cluster(
+        "test",
+        nodes=2,
+        gpus_per_node=4,
+        peak_flops=400e12,
+        hbm_bytes=80e9,
+        nvlink_bw=200e9,
+        nics_per_node=4,
+        nic_bw=50e9,
+    )
     return replace(base, **overrides)
 
 
 def mid_model(**overrides) -> ModelSpec:
-    cfg = {"model_type": "qwen3_moe", "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
-           "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000, "intermediate_size": 4096,
-           "moe_intermediate_size": 512, "num_experts": 16, "num_experts_per_tok": 4}
+    cfg = {
+        "model_type": "qwen3_moe",
+        "hidden_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 32000,
+        "intermediate_size": 4096,
+        "moe_intermediate_size": 512,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+    }
     return ModelSpec.from_config({**cfg, **overrides})
 
 
@@ -262,8 +312,14 @@ def test_plans_divide_and_fit_memory():
     cluster = small_cluster(hbm_bytes=3e9)
     result = plan_for(spec, cluster, 4096)
     c = result.af.candidate
-    Layout(c.layout.attention_gpus, c.layout.ffn_gpus, spec.num_layers, spec.num_experts, depth=c.layout.depth,
-           expert_data_parallel=c.layout.expert_data_parallel)  # re-validates
+    Layout(
+        c.layout.attention_gpus,
+        c.layout.ffn_gpus,
+        spec.num_layers,
+        spec.num_experts,
+        depth=c.layout.depth,
+        expert_data_parallel=c.layout.expert_data_parallel,
+    )  # re-validates
     usable = result.request.rates.usable_hbm
     assert c.memory_attention.total_at(result.af.in_flight) <= usable
     assert c.memory_ffn.total_at(result.af.in_flight) <= usable
@@ -294,13 +350,37 @@ def test_cli_json_and_written_files(tmp_path, capsys):
     cluster = tmp_path / "cluster.json"
     save_cluster(small_cluster(), cluster)
     ds, hosts, trace = tmp_path / "ds.json", tmp_path / "hostfile", tmp_path / "timeline.json"
-    rc, out, _ = run_cli(capsys, "--model", str(ROOT / "hf_models" / "tiny-qwen3-moe"), "--seq-len", "256",
-                         "--micro-batch-size", "2", "--cluster", str(cluster), "--json", "--write-ds-config", str(ds),
-                         "--write-hostfile", str(hosts), "--timeline", str(trace))
+    rc, out, _ = run_cli(
+        capsys,
+        "--model",
+        str(ROOT / "hf_models" / "tiny-qwen3-moe"),
+        "--seq-len",
+        "256",
+        "--micro-batch-size",
+        "2",
+        "--cluster",
+        str(cluster),
+        "--json",
+        "--write-ds-config",
+        str(ds),
+        "--write-hostfile",
+        str(hosts),
+        "--timeline",
+        str(trace),
+    )
     assert rc == 0
     plan_json = json.loads(out)
-    for key in ("attention_gpus", "ffn_gpus", "attention_nics", "ffn_nics", "depth", "micro_batches",
-                "step_time_s", "baseline_step_time_s", "speedup"):
+    for key in (
+        "attention_gpus",
+        "ffn_gpus",
+        "attention_nics",
+        "ffn_nics",
+        "depth",
+        "micro_batches",
+        "step_time_s",
+        "baseline_step_time_s",
+        "speedup",
+    ):
         assert plan_json[key] is not None, key
     assert plan_json["attention_gpus"] + plan_json["ffn_gpus"] == 8
     section = json.loads(ds.read_text())["disagmoe"]
@@ -328,14 +408,27 @@ def test_cli_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for flag in ("--model", "--seq-len", "--micro-batch-size", "--cluster", "--nodes", "--profile", "--json",
-                 "--write-ds-config", "--write-hostfile", "--timeline", "profile"):
+    for flag in (
+        "--model",
+        "--seq-len",
+        "--micro-batch-size",
+        "--cluster",
+        "--nodes",
+        "--profile",
+        "--json",
+        "--write-ds-config",
+        "--write-hostfile",
+        "--timeline",
+        "profile",
+    ):
         assert flag in out
 
 
 def test_planner_imports_neither_torch_nor_deepspeed():
-    code = ("import sys, disagmoe_ds.planner, disagmoe_ds.planner.cli, disagmoe_ds.planner.profile; "
-            "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys, disagmoe_ds.planner, disagmoe_ds.planner.cli, disagmoe_ds.planner.profile; "
+        "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 
@@ -346,8 +439,11 @@ def test_profile_fit_recovers_a_known_time_model():
     true = PartModel(per_flop=1 / 400e12, per_core_flop=1 / 600e12, per_call=3e-4)
     points = [(lin, core, true.seconds(lin, core)) for lin, core in ((1e11, 1e11), (2e11, 4e11), (4e11, 16e11))]
     fit = fit_part(points)
-    for got, want in ((fit.per_flop, true.per_flop), (fit.per_core_flop, true.per_core_flop),
-                      (fit.per_call, true.per_call)):
+    for got, want in (
+        (fit.per_flop, true.per_flop),
+        (fit.per_core_flop, true.per_core_flop),
+        (fit.per_call, true.per_call),
+    ):
         assert got == pytest.approx(want, rel=1e-6)
     one = fit_part(points[:1])  # a single point: one rate, no per-call term
     assert one.per_call == 0 and one.seconds(*points[0][:2]) == pytest.approx(points[0][2])
@@ -357,17 +453,62 @@ def test_profile_on_cpu_feeds_the_planner(tmp_path, capsys):
     pytest.importorskip("transformers")
     model = str(ROOT / "hf_models" / "tiny-qwen3-moe")
     profile = tmp_path / "profile.json"
-    rc, out, _ = run_cli(capsys, "profile", "--model", model, "--seq-len", "32,64", "--out", str(profile),
-                         "--device", "cpu", "--dtype", "float32", "--warmup", "1", "--repeats", "1")
+    rc, out, _ = run_cli(
+        capsys,
+        "profile",
+        "--model",
+        model,
+        "--seq-len",
+        "32,64",
+        "--out",
+        str(profile),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+    )
     assert rc == 0 and "TFLOP/s" in out
     data = json.loads(profile.read_text())
     assert [pt["seq_len"] for pt in data["points"]] == [32, 64]
     assert data["points"][0]["attention"]["fwd_s"] > 0 and data["points"][1]["experts"]["bwd_s"] > 0
-    rc, out, _ = run_cli(capsys, "profile", "--model", model, "--seq-len", "48", "--out", str(tmp_path / "p2.json"),
-                         "--device", "cpu", "--dtype", "float32", "--warmup", "0", "--repeats", "1",
-                         "--predict-from", str(profile))
+    rc, out, _ = run_cli(
+        capsys,
+        "profile",
+        "--model",
+        model,
+        "--seq-len",
+        "48",
+        "--out",
+        str(tmp_path / "p2.json"),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--predict-from",
+        str(profile),
+    )
     assert rc == 0 and "predicted" in out and "error" in out
-    rc, out, err = run_cli(capsys, "--model", model, "--seq-len", "128", "--cluster", "h800", "--nodes", "1",
-                           "--profile", str(profile), "--json")
+    rc, out, err = run_cli(
+        capsys,
+        "--model",
+        model,
+        "--seq-len",
+        "128",
+        "--cluster",
+        "h800",
+        "--nodes",
+        "1",
+        "--profile",
+        str(profile),
+        "--json",
+    )
     assert rc == 0 and "profile of tiny-qwen3-moe" in json.loads(out)["rates"]
     assert "extrapolating" in err  # 128 lies outside the measured 32..64

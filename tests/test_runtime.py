@@ -43,19 +43,7 @@ CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-no
 @pytest.mark.parametrize(("family", "overrides", "M", "N", "p", "edp", "K", "zero", "skew"), CASES)
 def test_disaggregated_equals_hf(tiny_checkpoint, family, overrides, M, N, p, edp, K, zero, skew):
     cfg = DisagMoEConfig(attention_gpus=M, ffn_gpus=N, depth=p, micro_batches=K, expert_data_parallel=edp)
-    args = VerifyArgs(
-        model=str(tiny_checkpoint(family, **overrides)),
-        cfg=cfg,
-        zero=zero,
-        steps=2,
-        dtype="fp32",
-        seq_len=8,
-        micro_batch_size=1,
-        clip=CLIP,
-        lr=1e-3,
-        seed=0,
-        skew=skew,
-    )
+    args = VerifyArgs(str(tiny_checkpoint(family, **overrides)), cfg, zero=zero, seq_len=8, clip=CLIP, skew=skew)
     summary = run_verify(args, timeout_s=240)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary
@@ -64,20 +52,7 @@ def test_disaggregated_equals_hf(tiny_checkpoint, family, overrides, M, N, p, ed
 def test_timeline_has_every_rank(tiny_checkpoint, tmp_path):
     cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=2, micro_batches=3)
     trace = tmp_path / "trace.json"
-    args = VerifyArgs(
-        model=str(tiny_checkpoint("qwen2-moe")),
-        cfg=cfg,
-        zero=0,
-        steps=1,
-        dtype="fp32",
-        seq_len=8,
-        micro_batch_size=1,
-        clip=0.0,
-        lr=1e-3,
-        seed=0,
-        skew=False,
-        timeline=str(trace),
-    )
+    args = VerifyArgs(str(tiny_checkpoint("qwen2-moe")), cfg, steps=1, seq_len=8, clip=0.0, timeline=str(trace))
     assert run_verify(args, timeout_s=120)["pass"]
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
@@ -149,17 +124,5 @@ def test_from_scratch_builds_only_the_parts_of_each_rank():
 
 def test_activation_checkpointing_keeps_parity(tiny_checkpoint):
     cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=2, micro_batches=3, activation_checkpointing=True)
-    args = VerifyArgs(
-        model=str(tiny_checkpoint("qwen2-moe")),
-        cfg=cfg,
-        zero=1,
-        steps=2,
-        dtype="fp32",
-        seq_len=8,
-        micro_batch_size=1,
-        clip=CLIP,
-        lr=1e-3,
-        seed=0,
-        skew=False,
-    )
+    args = VerifyArgs(str(tiny_checkpoint("qwen2-moe")), cfg, zero=1, seq_len=8, clip=CLIP)
     assert run_verify(args, timeout_s=120)["pass"]

@@ -57,7 +57,7 @@ def _dies_mid_step(rank: int, args: VerifyArgs) -> None:
 
 def test_dead_rank_ends_the_job(tiny_checkpoint):
     cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=1, micro_batches=2)
-    args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, 0, 1, "fp32", 8, 1, 0.0, 1e-3, 0, False)
+    args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, steps=1, seq_len=8, clip=0.0)
     start = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 1"):
         spawn_local(_dies_mid_step, 2, args=(args,), timeout_s=60)
@@ -74,7 +74,7 @@ def _peer_stops_responding(rank: int, args: VerifyArgs) -> None:
 
 def test_silent_peer_times_out(tiny_checkpoint):
     cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=1, micro_batches=1, comm_timeout_s=4.0)
-    args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, 0, 1, "fp32", 8, 1, 0.0, 1e-3, 0, False)
+    args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, steps=1, seq_len=8, clip=0.0)
     start = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 0"):
         spawn_local(_peer_stops_responding, 2, args=(args,), timeout_s=60)
