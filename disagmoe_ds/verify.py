@@ -52,7 +52,11 @@ class VerifyArgs:
             "disagmoe": self.cfg.to_dict(),
             "zero_optimization": {"stage": self.zero},
             "gradient_clipping": self.clip,
-            "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.0, "eps": ADAM_EPS}},
+            # torch's AdamW, the reference's optimizer (DeepSpeed's FusedAdam would also JIT-compile on GPUs)
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": self.lr, "weight_decay": 0.0, "eps": ADAM_EPS, "torch_adam": True},
+            },
         }
         if self.dtype == "bf16":
             config["bf16"] = {"enabled": True}
@@ -84,6 +88,7 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     """One rank: build, train ``steps`` steps, return losses, grad norms and its parameters under HF names."""
     from disagmoe_ds.engine.build import build_rank
     from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
+    from disagmoe_ds.train.data import to_device
 
     runtime = build_rank(
         args.model,
@@ -98,7 +103,9 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     losses, norms = [], []
     grads = capture_grads(runtime)
     for step in range(args.steps):
-        batches = make_batches(args, vocab, step, role.index) if role.is_attention and role.group == 0 else None
+        batches = None
+        if role.is_attention and role.group == 0:
+            batches = to_device(make_batches(args, vocab, step, role.index), runtime.engine.device)
         last = step == args.steps - 1
         runtime.executor.record_timeline(bool(args.timeline) and last)
         t0 = start_clock()

@@ -27,6 +27,7 @@ from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
 from disagmoe_ds.engine.build import compile_stage
 from disagmoe_ds.engine.deepspeed_role import RoleMPU, role_ds_config
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.models.families import family_of
 from disagmoe_ds.models.loading import build_meta_model, has_weights, load_config, load_model, materialize
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_routed_experts
@@ -63,7 +64,7 @@ def build_colocated_rank(
     (from ``seed`` and its rank; DeepSpeed then broadcasts the replicas' first copy).
     """
     rank = dist.get_rank()
-    device = device or torch.device("cpu")
+    device = device or process_device()
     if model is None:
         weights = has_weights(model_dir)
         model = load_model(model_dir, dtype=dtype) if weights else build_meta_model(model_dir, dtype=dtype)

@@ -20,6 +20,7 @@ import torch
 from disagmoe_ds.colocated.build import ColocatedRuntime, build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION
+from disagmoe_ds.train.data import to_device
 from disagmoe_ds.verify import DTYPES, VerifyArgs, _full_grad, compare, load_for_verify, make_batches, reference
 
 Named = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the slice, value)
@@ -56,7 +57,8 @@ def rank_main(rank: int, args: ColocatedVerifyArgs) -> dict[str, Any]:
         last = step == args.steps - 1
         runtime.executor.record_timeline(bool(args.timeline) and last)
         t0 = start_clock()
-        result = runtime.executor.train_batch(make_batches(args, vocab, step, lane=rank))
+        batches = to_device(make_batches(args, vocab, step, lane=rank), runtime.engine.device)
+        result = runtime.executor.train_batch(batches)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         if args.timeline and last:

@@ -26,6 +26,7 @@ from disagmoe_ds.engine.instructions import AFPipeSchedule
 from disagmoe_ds.engine.mailbox import Mailbox
 from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
 from disagmoe_ds.errors import ConfigError, LayoutError
+from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.families import family_of, router_of
 from disagmoe_ds.models.grouped_experts import compile_elementwise
@@ -84,7 +85,7 @@ def build_rank(
     the parts it owns.
     """
     rank = dist.get_rank()
-    device = device or torch.device("cpu")
+    device = device or process_device()
     if model is None:
         weights = has_weights(model_dir)
         model = load_model(model_dir, dtype=dtype) if weights else build_meta_model(model_dir, dtype=dtype)

@@ -6,6 +6,7 @@ import os
 from datetime import timedelta
 
 import deepspeed
+import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
@@ -66,3 +67,10 @@ def init_from_env(backend: str | None = None, *, comm_timeout_s: float | None = 
     # before the first collective so NCCL builds its communicators on the right GPU.
     if dist.get_backend() != "gloo":
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+
+
+def process_device() -> torch.device:
+    """Where this rank's tensors live: its GPU when the default group is NCCL, else the CPU (gloo)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
