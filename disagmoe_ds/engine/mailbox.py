@@ -73,7 +73,13 @@ def residual_specs(hidden: int, top_k: int, num_experts: int, dtype: torch.dtype
 
 
 class Mailbox:
-    """Senders and receivers of one rank, built once per run; ``post``/``wait``/``send`` by schedule message."""
+    """Senders and receivers of one rank, built once per run; ``post``/``wait``/``send`` by schedule message.
+
+    ``post_ahead=False`` leaves each receive to its wait (NCCL): a receive kernel launched ahead of need spins
+    until its sender gets there, and the GPU's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``) serialise it
+    with kernels of other streams, compute included, that may be what the sender waits for. Two H200s hung
+    that way with receives posted ahead; with gloo (CPU) a posted receive costs nothing.
+    """
 
     def __init__(
         self,
@@ -85,6 +91,7 @@ class Mailbox:
         dtype: torch.dtype,
         weight_dtype: torch.dtype,
         device: torch.device,
+        post_ahead: bool = True,
     ):
         specs = exchange_specs(hidden, top_k, dtype=dtype, weight_dtype=weight_dtype)
         specs.update(residual_specs(hidden, top_k, num_experts, dtype))
@@ -94,6 +101,7 @@ class Mailbox:
         self._inboxes: dict[str, _Inbox] = {}
         self._flush: list[Callable[[], None]] = []
         self._stash: dict[Key, Any] = {}
+        self.post_ahead = post_ahead
 
         def fan_out(kind: Kind, cls) -> None:
             end = cls.build(groups, kind, spec=specs[kind], device=device)
@@ -136,7 +144,8 @@ class Mailbox:
 
     def post(self, message: Message) -> None:
         inbox = self._inboxes[message.kind]
-        inbox.post()
+        if self.post_ahead:
+            inbox.post()  # else the receive is posted by its wait
         inbox.expected.append(message_key(message))
 
     def wait(self, message: Message) -> Any:
