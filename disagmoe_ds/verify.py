@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,16 +239,21 @@ def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
     return compare(ranks, reference(args, args.cfg.lanes), args)
 
 
-def run_launched(args: VerifyArgs) -> dict[str, Any] | None:
-    """Run as one rank of a job a launcher started; the summary on global rank 0, None elsewhere."""
+def run_launched(
+    args: VerifyArgs, *, rank_fn: Callable[[int, Any], dict[str, Any]] = rank_main, preflight_fn=None
+) -> dict[str, Any] | None:
+    """Run as one rank of a job a launcher started; the summary on global rank 0, None elsewhere.
+
+    ``rank_fn`` and ``preflight_fn`` default to the disaggregated runtime's (the co-located verify passes its own).
+    """
     import torch.distributed as dist
 
     from disagmoe_ds.engine.build import preflight
     from disagmoe_ds.launch.env import init_from_env
 
     init_from_env(comm_timeout_s=args.cfg.comm_timeout_s)
-    preflight(args.model, args.cfg, args.ds_config(), dist.get_world_size())
-    result = rank_main(dist.get_rank(), args)
+    (preflight_fn or preflight)(args.model, args.cfg, args.ds_config(), dist.get_world_size())
+    result = rank_fn(dist.get_rank(), args)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(_to_cpu(result), gathered, dst=0)
     return compare(gathered, reference(args, args.cfg.lanes), args) if gathered is not None else None

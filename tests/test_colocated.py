@@ -8,6 +8,10 @@ batches; loss, global grad norm, every gradient and every parameter are compared
 from __future__ import annotations
 
 import doctest
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from disagmoe_ds.colocated.build import check_zero
 from disagmoe_ds.colocated.model import ExpertStageMoE
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.errors import ConfigError, LayoutError
+from disagmoe_ds.launch.local import free_port
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.parts import ExpertStage
 
@@ -104,3 +109,12 @@ def test_bad_configs_fail_at_build_time():
     lay = ColocatedLayout(world_size=2, ep_size=2, num_experts=8)
     with pytest.raises(ConfigError, match="ZeRO stage 2 with ep_size 2 is not supported"):
         check_zero(lay, {"zero_optimization": {"stage": 2}})
+
+
+def test_colocated_verify_under_torchrun(tiny_checkpoint):
+    """Under a launcher the verify runs as one of its ranks (gloo here, NCCL on GPUs); rank 0 prints the summary."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    cmd += ["-m", "disagmoe_ds.colocated.verify", "--model", str(tiny_checkpoint("qwen3-moe")), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parent.parent)
+    summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 0 and len(summaries) == 1 and summaries[0]["pass"], out.stdout[-2000:] + out.stderr[-2000:]

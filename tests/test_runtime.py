@@ -7,7 +7,6 @@ the HF reference on the same batches; loss, global grad norm, every gradient and
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,8 @@ import pytest
 import torch
 
 from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.engine.mailbox import Mailbox
+from disagmoe_ds.launch.local import free_port
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.verify import VerifyArgs, run_verify
 
@@ -49,6 +50,15 @@ def test_disaggregated_equals_hf(tiny_checkpoint, family, overrides, M, N, p, ed
     assert summary["pass"], summary
 
 
+def test_receives_posted_by_their_wait_equal_hf(tiny_checkpoint, monkeypatch):
+    """The NCCL mailbox (no receive posted ahead of its wait) on gloo ranks, p = 2 so every kind of message flows."""
+    init = Mailbox.__init__
+    monkeypatch.setattr(Mailbox, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "post_ahead": False}))
+    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=2, micro_batches=3)
+    args = VerifyArgs(str(tiny_checkpoint("qwen2-moe")), cfg, zero=1, seq_len=8, clip=CLIP)
+    assert run_verify(args, timeout_s=240)["pass"]
+
+
 def test_timeline_has_every_rank(tiny_checkpoint, tmp_path):
     cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=2, micro_batches=3)
     trace = tmp_path / "trace.json"
@@ -70,7 +80,7 @@ def test_verify_under_the_deepspeed_launcher(tiny_checkpoint):
         "--num_gpus",
         "4",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(ROOT / "disagmoe_ds" / "verify.py"),
         "--model",
         str(tiny_checkpoint("qwen2-moe")),
@@ -87,12 +97,6 @@ def test_verify_under_the_deepspeed_launcher(tiny_checkpoint):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert out.returncode == 0 and len(summaries) == 1 and summaries[0]["pass"], out.stdout[-2000:] + out.stderr[-2000:]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _train_from_config(rank: int, model_dir: str) -> dict:

@@ -2,8 +2,9 @@
 
     python -m disagmoe_ds.colocated.verify --model hf_models/tiny-qwen2-moe --world-size 4 --ep-size 2 --zero 1
 
-Starts ``world_size`` CPU ranks (gloo), trains ``steps`` steps, and compares loss, global gradient norm, every
-gradient and every parameter with the HF model trained on the same batches (rank r trains on lane r's batches).
+Starts ``world_size`` CPU ranks (gloo), or runs as one rank under ``torchrun``/``deepspeed``; trains ``steps``
+steps and compares loss, global gradient norm, every gradient and every parameter with the HF model trained on
+the same batches (rank r trains on lane r's batches).
 The batches, the reference and the comparison are ``disagmoe_ds.verify``'s own; only the runtime differs.
 """
 
@@ -21,7 +22,16 @@ from disagmoe_ds.colocated.build import ColocatedRuntime, build_colocated_rank, 
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION
 from disagmoe_ds.train.data import to_device
-from disagmoe_ds.verify import DTYPES, VerifyArgs, _full_grad, compare, load_for_verify, make_batches, reference
+from disagmoe_ds.verify import (
+    DTYPES,
+    VerifyArgs,
+    _full_grad,
+    compare,
+    load_for_verify,
+    make_batches,
+    reference,
+    run_launched,
+)
 
 Named = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the slice, value)
 
@@ -151,13 +161,19 @@ def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
 
 def main(argv: list[str] | None = None) -> int:
     from disagmoe_ds.errors import DisagMoEError
+    from disagmoe_ds.launch.env import detect_launcher
 
     try:
         args = parse_args(argv)
-        summary = run_colocated_verify(args)
+        if detect_launcher():
+            summary = run_launched(args, rank_fn=rank_main, preflight_fn=preflight_colocated)
+        else:
+            summary = run_colocated_verify(args)
     except DisagMoEError as err:
         print(f"colocated verify: error: {err}", file=sys.stderr)
         return 2
+    if summary is None:  # not global rank 0 of a launched job
+        return 0
     print(json.dumps(summary, indent=None if args_json(argv) else 2))
     return 0 if summary["pass"] else 1
 

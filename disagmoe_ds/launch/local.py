@@ -128,7 +128,7 @@ def _spawn_once(
 ) -> list[Any]:
     base_env = {
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world_size),
         "LOCAL_SIZE": str(world_size),
         **(env or {}),
@@ -146,7 +146,7 @@ def _spawn_once(
     return [child.value for child in children]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     # The port is free now; another process could take it before rank 0 binds it (then rank 0 fails loudly).
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
