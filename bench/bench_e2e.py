@@ -56,6 +56,7 @@ from disagmoe_ds.colocated.model import ColocatedOutput
 from disagmoe_ds.config import SECTION, DisagMoEConfig
 from disagmoe_ds.engine.build import build_rank
 from disagmoe_ds.engine.deepspeed_role import RoleMPU, role_ds_config
+from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_config
@@ -265,16 +266,20 @@ def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] 
     device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
     executor, num_micro_batches, layout = BUILDERS[method](a, device)
     batches = make_batches(a, load_config(a.model).vocab_size, num_micro_batches, device) or None
-    times, result = [], None
+    times, result, breakdown = [], None, {}
     for step in range(a.warmup + a.steps):
+        last = step == a.warmup + a.steps - 1
+        executor.record_timeline(bool(a.timeline) and last)
         _sync(device)
-        dist.barrier()
-        t0 = time.perf_counter()
+        t0 = start_clock()
         result = executor.train_batch(batches)
         _sync(device)
         seconds = _max_over_ranks(time.perf_counter() - t0, device)
         if step >= a.warmup:
             times.append(seconds)
+        if a.timeline and last:
+            breakdown = _host_breakdown(executor.timeline, seconds)
+            write_job_timeline(executor.timeline, t0, _timeline_path(a.timeline, method))
     step_s = statistics.median(times)
     tokens = a.global_batch * a.seq_len
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
@@ -288,7 +293,28 @@ def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] 
         "loss": result.loss,
         "max_memory_gib": _max_over_ranks(memory, device),
     }
+    if a.timeline:  # collective
+        row["host_time_share"] = _gather_breakdown(executor.name, breakdown)
     return row if dist.get_rank() == 0 else None
+
+
+def _host_breakdown(events, step_s: float) -> dict[str, float]:
+    """This rank's share of the step spent in each timeline category (compute, wait, send, optimizer...)."""
+    share: dict[str, float] = {}
+    for event in events:
+        share[event.category] = share.get(event.category, 0.0) + (event.end_s - event.start_s) / step_s
+    return share
+
+
+def _gather_breakdown(name: str, share: dict[str, float]) -> dict[str, dict[str, float]] | None:
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((name, share), gathered, dst=0)
+    return dict(gathered) if gathered is not None else None
+
+
+def _timeline_path(path: str, method: str) -> Path:
+    base = Path(path)
+    return base.with_name(f"{base.stem}-{method}{base.suffix or '.json'}")
 
 
 def make_batches(a: argparse.Namespace, vocab: int, count: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
@@ -327,6 +353,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
     for r in rows:
         print(f"  {r['method']}: {r['layout']}, loss {r['loss']:.4f}, max memory {r['max_memory_gib']:.1f} GiB")
+        for name, share in (r.get("host_time_share") or {}).items():
+            parts = ", ".join(f"{category} {fraction:.0%}" for category, fraction in sorted(share.items()))
+            print(f"    {name}: {parts} of the last step (host time)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -356,6 +385,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a local job is killed")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the setup as JSON")
+    p.add_argument(
+        "--timeline",
+        metavar="PATH",
+        help="write the last step of each method as a Chrome/Perfetto trace (PATH with -METHOD before the suffix) "
+        "and print each rank's share of the step per category (compute, wait, send, optimizer)",
+    )
     a = p.parse_args(argv)
     a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
     a.global_batch = a.global_batch or 2 * a.world_size * a.micro_batch_size

@@ -59,10 +59,16 @@ def test_bench_e2e_three_methods_same_tokens(tmp_path):
     out = tmp_path / "e2e.json"
     argv = ["--device", "cpu", "--model", str(ROOT / "hf_models" / "tiny-qwen2-moe"), "--world-size", "2"]
     argv += ["--seq-len", "8", "--global-batch", "4", "--warmup", "1", "--steps", "1", "--zero", "1"]
-    assert bench.main([*argv, "--json", str(out)]) == 0
+    assert bench.main([*argv, "--json", str(out), "--timeline", str(tmp_path / "trace.json")]) == 0
     report = json.loads(out.read_text())
     rows = {r["method"]: r for r in report["rows"]}
     assert set(rows) == {"afpipe", "colocated", "deepspeed-moe"}
+    # The last step's trace of every method, and each rank's share of it per category.
+    for method, row in rows.items():
+        assert json.loads((tmp_path / f"trace-{method}.json").read_text())["traceEvents"]
+        assert len(row["host_time_share"]) == 2 and all(0 < s["compute"] <= 1 for s in row["host_time_share"].values())
+    shares = rows["afpipe"]["host_time_share"].values()
+    assert all("wait" in share for share in shares)  # AF-Pipe ranks wait for each other's messages
     # AF-Pipe has 1 attention lane, the others 2 data-parallel ranks: twice the micro-batches for the same tokens.
     assert rows["afpipe"]["micro_batches"] == 4 and rows["colocated"]["micro_batches"] == 2
     for row in rows.values():
