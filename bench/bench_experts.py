@@ -6,7 +6,7 @@ Variants, all on the same routed tokens (one rank holding every expert):
 
     gemm-only      the two grouped GEMMs on pre-sorted rows (the floor: no permutation, no activation)
     hf-grouped     HF's ``grouped_mm`` experts implementation (Qwen3-MoE module)
-    ours           ``grouped_gated_experts`` (sort, gather, two grouped GEMMs, fused-able middle, index_add)
+    ours           ``grouped_gated_experts`` (sort, gather, two grouped GEMMs, fusable middle, gather-sum)
     ours-compiled  the same with the elementwise middle under ``torch.compile``
 
 Prints ms, TFLOP/s (3 x 6 * pairs * H * I) and writes JSON with ``--json``.
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_layer import time_step  # noqa: E402
+from bench_layer import print_profile, time_step  # noqa: E402
 
 from disagmoe_ds.models import grouped_experts  # noqa: E402
 
@@ -41,27 +41,6 @@ def make_inputs(args, device: str, dtype: torch.dtype):
 def step_ours(x, idx, w, gate_up, down, grad):
     out = grouped_experts.grouped_gated_experts(x, idx, w, gate_up, down, F.silu)
     out.backward(grad)
-
-
-def scatter_sum_experts(x_RH, local_idx_RK, w_RK, gate_up_eFH, down_eHI, act_fn):
-    """Candidate: like ``grouped_gated_experts`` but un-permutes with a copy into [R*K, H] and sums over K."""
-    num_experts, K = gate_up_eFH.shape[0], local_idx_RK.shape[1]
-    flat_ids = local_idx_RK.reshape(-1)
-    order_P = torch.argsort(flat_ids, stable=True)
-    counts_e = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]
-    num_pairs = int(counts_e.sum())
-    order_P = order_P[:num_pairs]
-    offsets_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
-    x_PH = x_RH.index_select(0, order_P // K)
-    gate_up_PF = F.grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offs=offsets_e)
-    hidden_PI = grouped_experts._gated(gate_up_PF, w_RK.reshape(-1).index_select(0, order_P), act_fn)
-    out_PH = F.grouped_mm(hidden_PI, down_eHI.transpose(1, 2), offs=offsets_e)
-    slots = out_PH.new_zeros(x_RH.shape[0] * K, x_RH.shape[1]).index_copy(0, order_P, out_PH)
-    return slots.view(x_RH.shape[0], K, -1).sum(1)
-
-
-def step_scatter(x, idx, w, gate_up, down, grad):
-    scatter_sum_experts(x, idx, w, gate_up, down, F.silu).backward(grad)
 
 
 def step_gemm_only(x_sorted, offsets, gate_up, down, grad_sorted):
@@ -97,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of gemm-only and ours")
     a = p.parse_args(argv)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     x, idx, w, gate_up, down = make_inputs(a, a.device, dtype)
@@ -113,16 +93,18 @@ def main(argv: list[str] | None = None) -> int:
         "gemm-only": (step_gemm_only, (x_sorted, offsets, gate_up, down, grad_sorted)),
         "hf-grouped": (step_hf, (hf_module(a, gate_up, down, a.device, dtype), x, idx, w, grad)),
         "ours": (step_ours, (x, idx, w, gate_up, down, grad)),
-        "ours-scatter-sum": (step_scatter, (x, idx, w, gate_up, down, grad)),
     }
     for name, (step, args) in variants.items():
         rows.append((name, time_step(step, *args, warmup=3, iters=a.iters, device=a.device)))
     grouped_experts.compile_elementwise()
-    for name, step in (("ours-compiled", step_ours), ("scatter-sum-compiled", step_scatter)):
-        rows.append((name, time_step(step, *variants["ours"][1], warmup=3, iters=a.iters, device=a.device)))
-    print(f"{'variant':<16}{'ms':>9}{'TFLOP/s':>10}")
+    rows.append(("ours-compiled", time_step(step_ours, *variants["ours"][1], warmup=3, iters=a.iters, device=a.device)))
+    if a.profile and a.device == "cuda":
+        for name in ("gemm-only", "ours"):
+            print(f"--- {name} (elementwise compiled)")
+            print_profile(*variants[name])
+    print(f"{'variant':<22}{'ms':>9}{'TFLOP/s':>10}")
     for name, seconds in rows:
-        print(f"{name:<16}{seconds * 1e3:>9.3f}{flops / seconds / 1e12:>10.1f}")
+        print(f"{name:<22}{seconds * 1e3:>9.3f}{flops / seconds / 1e12:>10.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps([{"variant": n, "ms": s * 1e3} for n, s in rows], indent=2))
     return 0

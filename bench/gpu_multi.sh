@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Two or more GPUs of one host: the runtimes on NCCL against HF, one short training job under the deepspeed
 # launcher, then the exchange and end-to-end benchmarks. Writes to $OUT: env.txt, multi.txt (every command and its
-# output), exchange.json, e2e.json.       Usage: bash bench/gpu_multi.sh [E2E_MODEL] [E2E_LAYERS]
+# output), exchange.json, e2e.json, timeline-afpipe.json (and one per method).
+# Usage: bash bench/gpu_multi.sh [E2E_MODEL] [E2E_LAYERS]        (about 8 minutes on 2 H200s)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 MODEL=${1:-hf_models/Qwen3-30B-A3B}
@@ -34,5 +35,5 @@ step 120 deepspeed --num_gpus "$G" run_pretrain.py --steps 40 --save-dir /tmp/ru
 step 300 python bench/bench_exchange.py --attention-gpus "$H" --ffn-gpus "$H" --json "$OUT/exchange.json"
 # 4. End to end: AF-Pipe versus co-located EP versus DeepSpeed-MoE, same model, GPUs and tokens
 step 600 python bench/bench_e2e.py --model "$MODEL" --layers "$LAYERS" --world-size "$G" --seq-len 4096 \
-  --global-batch $((4 * G)) --json "$OUT/e2e.json"
+  --global-batch $((4 * G)) --json "$OUT/e2e.json" --timeline "$OUT/timeline.json"
 grep -E '^###|"pass"|tokens/s|GB/s' "$LOG" | cut -c1-300
