@@ -8,6 +8,11 @@ Every conversion runs a layout's ranks as CPU processes (``spawn_local``, gloo) 
 ``load_checkpoint`` and ``save_checkpoint`` as training, so what it writes is exactly what training writes and
 reads. The HF model is loaded once in this process; the forked ranks share it copy-on-write.
 
+``disagmoe-to-hf`` also exports checkpoints of co-located jobs (``run_pretrain.py --mode colocated``; the manifest
+records the mode): their ranks are built with ``build_colocated_rank`` instead, and each rank's attention side and
+expert slice are read like a disaggregated attention rank's and expert rank's. ``hf-to-disagmoe`` and ``relayout``
+write and read disaggregated checkpoints only.
+
 Between layouts the state travels as a ``TrainState``: full tensors under HF's in-memory names (expert slices are
 rows of HF's fused expert tensors, joined by expert id), the fp32 master weights, the optimizer's per-element
 state (Adam: exp_avg, exp_avg_sq) and its shared scalars (Adam: step), the LR scheduler and the engine counters.
@@ -29,10 +34,10 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -41,6 +46,8 @@ from torch import nn
 from disagmoe_ds.config import SECTION, DisagMoEConfig, load_ds_config
 from disagmoe_ds.engine.checkpoint import (
     DISAGGREGATED,
+    LATEST,
+    MANIFEST,
     load_checkpoint,
     model_fingerprint,
     read_manifest,
@@ -48,12 +55,16 @@ from disagmoe_ds.engine.checkpoint import (
     save_checkpoint,
 )
 from disagmoe_ds.errors import CheckpointError, DisagMoEError
+from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.families import family_of
 from disagmoe_ds.models.loading import load_config, load_model
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 
-# engine.build, engine.deepspeed_role and launch.local import deepspeed (~5 s): they are imported where they are
-# used, so that --help and bad arguments answer at once.
+if TYPE_CHECKING:
+    from disagmoe_ds.colocated.layout import ColocatedConfig
+
+# engine.build, engine.deepspeed_role, launch.local and disagmoe_ds.colocated import deepspeed (~5 s): they are
+# imported where they are used, so that --help and bad arguments answer at once.
 
 # Not "ds_config": DeepSpeed keeps its own entry of that name in the model-states file, and client state would
 # replace it.
@@ -86,10 +97,13 @@ Pieces = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the 
 
 @dataclass(frozen=True)
 class Job:
-    """One layout to run: the model directory, the layout and the user's DeepSpeed config (no ``disagmoe``)."""
+    """One layout to run: the model directory, the layout and the user's DeepSpeed config (no ``disagmoe``).
+
+    ``cfg`` is a co-located job's ``ColocatedConfig`` only for a checkpoint being exported to HF.
+    """
 
     model_dir: str
-    cfg: DisagMoEConfig
+    cfg: DisagMoEConfig | ColocatedConfig
     ds_config: dict[str, Any]
 
     @property
@@ -123,6 +137,7 @@ class Source:
     tag: str
     job: Job
     client_state: dict[str, Any]  # the manifest's copy: the trainer's int/float/str entries
+    mode: str = DISAGGREGATED  # the manifest's: disaggregated or colocated
 
 
 def _without_section(ds_config: dict[str, Any]) -> dict[str, Any]:
@@ -137,6 +152,7 @@ def _without_section(ds_config: dict[str, Any]) -> dict[str, Any]:
 
 def hf_to_disagmoe(job: Job, out: str | Path, *, tag: str = FIRST_TAG) -> Path:
     """Write the weights of the HF directory ``job.model_dir`` as a checkpoint of ``job``'s layout (step 0)."""
+    _refuse_checkpoint_as_model(job.model_dir)  # at once: before importing DeepSpeed (seconds, and a warning)
     from disagmoe_ds.launch.local import spawn_local
 
     _check_job(job)
@@ -147,7 +163,10 @@ def hf_to_disagmoe(job: Job, out: str | Path, *, tag: str = FIRST_TAG) -> Path:
 
 
 def disagmoe_to_hf(source: Source, out: str | Path) -> Path:
-    """Write a checkpoint's module weights as an HF directory (``from_pretrained`` loads it), atomically."""
+    """Write a checkpoint's module weights as an HF directory (``from_pretrained`` loads it), atomically.
+
+    Either mode: ``source.job`` rebuilds the ranks of the disaggregated or co-located job that wrote it.
+    """
     out = Path(out)
     _refuse_existing(out, "output directory")
     state = read_state(source, weights="module")
@@ -158,6 +177,7 @@ def relayout(source: Source, job: Job, out: str | Path) -> Path:
     """Write ``source`` under ``job``'s layout with the same masters, optimizer state, scheduler and step."""
     from disagmoe_ds.launch.local import spawn_local
 
+    _require_disaggregated(source.root / source.tag, source.mode, "relayout")
     _check_job(job)
     _refuse_existing(Path(out) / source.tag, "checkpoint tag")
     state = read_state(source, weights="master")
@@ -167,31 +187,30 @@ def relayout(source: Source, job: Job, out: str | Path) -> Path:
 
 
 def open_checkpoint(
-    root: str | Path, model_dir: str | Path, *, tag: str | None = None, ds_config: dict[str, Any] | None = None
+    root: str | Path,
+    model_dir: str | Path,
+    *,
+    tag: str | None = None,
+    ds_config: dict[str, Any] | None = None,
+    command: str = "disagmoe-to-hf",
 ) -> Source:
     """Check that ``root`` holds a complete checkpoint of the model in ``model_dir`` and read its job.
 
     A checkpoint is always read under the DeepSpeed config it records; ``ds_config`` is used only for one that
-    records none (saved without ``ds_config``).
+    records none (saved without ``ds_config``). ``command`` is the conversion that will read it: only
+    disagmoe-to-hf reads co-located checkpoints; the others are refused here, before the co-located runtime (and
+    DeepSpeed) is imported.
     """
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist; pass --ckpt the --out of a training run")
     tag = resolve_tag(root, tag)
     manifest = read_manifest(root, tag)
-    if manifest.get("mode", DISAGGREGATED) != DISAGGREGATED:
-        raise CheckpointError(
-            f"checkpoint {root / tag} was written by a {manifest['mode']} job; disagmoe-convert handles "
-            "disaggregated checkpoints only (resume it with run_pretrain.py --mode colocated)"
-        )
     _check_same_model(manifest, model_dir, root / tag)
-    saved = manifest["layout"]
-    cfg = DisagMoEConfig(
-        attention_gpus=saved["attention_gpus"],
-        ffn_gpus=saved["ffn_gpus"],
-        depth=saved["depth"],
-        expert_data_parallel=saved["expert_data_parallel"],
-    )
+    mode = manifest.get("mode", DISAGGREGATED)
+    if command != "disagmoe-to-hf":
+        _require_disaggregated(root / tag, mode, command)
+    cfg = _recorded_cfg(mode, manifest["layout"], root / tag)
     recorded = manifest.get("ds_config")
     if recorded is None and ds_config is None:
         raise CheckpointError(
@@ -199,7 +218,39 @@ def open_checkpoint(
             "trained with (its ZeRO stage and precision)"
         )
     job = Job(str(model_dir), cfg, _without_section(recorded if recorded is not None else ds_config))
-    return Source(root, tag, job, dict(manifest["client_state"]))
+    return Source(root, tag, job, dict(manifest["client_state"]), mode)
+
+
+def _recorded_cfg(mode: str, saved: dict[str, int], path: Path) -> DisagMoEConfig | ColocatedConfig:
+    """The config that rebuilds the layout a manifest records (its ``manifest_layout`` values)."""
+    if mode == DISAGGREGATED:
+        keys = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel")
+        return DisagMoEConfig(**{key: saved[key] for key in keys})
+    from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout
+
+    if mode != ColocatedLayout.mode:
+        raise CheckpointError(f"checkpoint {path} was written by a {mode} job, a mode disagmoe-convert does not know")
+    return ColocatedConfig(world_size=saved["world_size"], ep_size=saved["ep_size"])
+
+
+def _require_disaggregated(path: Path, mode: str, command: str) -> None:
+    if mode != DISAGGREGATED:
+        raise CheckpointError(
+            f"checkpoint {path} was written by a {mode} job; disagmoe-convert {command} handles disaggregated "
+            f"checkpoints only (export it to HF with disagmoe-convert disagmoe-to-hf, or resume it with "
+            f"run_pretrain.py --mode {mode})"
+        )
+
+
+def _refuse_checkpoint_as_model(model_dir: str | Path) -> None:
+    """A checkpoint where an HF directory belongs (``load_config`` would only say that config.json is missing)."""
+    path = Path(model_dir)
+    if (path / LATEST).is_file() or (path / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{path} is a DisagMoE checkpoint, not an HF directory; hf-to-disagmoe reads HF weights: export the "
+            "checkpoint with disagmoe-convert disagmoe-to-hf (disaggregated or colocated) and pass that directory, "
+            "or re-lay out a disaggregated checkpoint with disagmoe-convert relayout"
+        )
 
 
 def _check_same_model(manifest: dict[str, Any], model_dir: str | Path, path: Path) -> None:
@@ -208,10 +259,11 @@ def _check_same_model(manifest: dict[str, Any], model_dir: str | Path, path: Pat
     num_experts = getattr(config, family_of(config).num_experts_attr)
     saved = manifest["layout"]
     if manifest["model"] != model_fingerprint(config) or saved["num_experts"] != num_experts:
+        layers = f"{saved['num_layers']} layers, " if "num_layers" in saved else ""  # co-located ones do not say
         raise CheckpointError(
             f"checkpoint {path} was written for another model than {model_dir} ({config.model_type}, "
-            f"{config.num_hidden_layers} layers, {num_experts} experts; the checkpoint has {saved['num_layers']} "
-            f"layers, {saved['num_experts']} experts); pass --model the directory the checkpoint was trained from"
+            f"{config.num_hidden_layers} layers, {num_experts} experts; the checkpoint has {layers}"
+            f"{saved['num_experts']} experts); pass --model the directory the checkpoint was trained from"
         )
 
 
@@ -237,9 +289,13 @@ def _refuse_existing(path: Path, what: str) -> None:
 
 
 def _build(job: Job, model: nn.Module):
-    from disagmoe_ds.engine.build import build_rank
+    """This rank of ``job``, built as training builds it (collective)."""
+    if isinstance(job.cfg, DisagMoEConfig):
+        from disagmoe_ds.engine.build import build_rank as build
+    else:
+        from disagmoe_ds.colocated.build import build_colocated_rank as build
 
-    return build_rank(job.model_dir, job.ds_config, job.cfg, micro_batch_size=1, dtype=job.dtype, model=model)
+    return build(job.model_dir, job.ds_config, job.cfg, micro_batch_size=1, dtype=job.dtype, model=model)
 
 
 def _save_initial_rank(rank: int, job: Job, model: nn.Module, out: str, tag: str) -> None:
@@ -252,8 +308,7 @@ def _read_rank(rank: int, source: Source, model: nn.Module, weights: Weights) ->
     rt = _build(source.job, model)
     load_checkpoint(rt.engine, rt.role, rt.layout, rt.module.config, source.root, source.tag)
     share = _rank_share(rt, weights)  # collective inside each data-parallel group: every rank runs it
-    writer = rt.role.index == 0 if rt.role.is_attention else rt.role.edp_rank == 0  # one copy of every tensor
-    if not writer:
+    if not any(part.writer for part in _parts(rt)):
         return {}
     if rank == 0:
         share["extras"] = _engine_extras(rt.engine)
@@ -324,22 +379,58 @@ def _rank_share(rt, weights: Weights) -> dict[str, Any]:
     Module weights come from ``state_dict`` so that tied weights appear under every name HF expects; masters and
     moments exist once per parameter (``named_parameters`` drops the tied alias).
     """
-    engine, module = rt.engine, rt.module
-    buffers = dict(_persistent_buffers(module))
-    share = {"buffers": _hf_pieces(rt, {n: b.clone() for n, b in buffers.items()}), "moments": {}, "scalars": {}}
-    if weights == "module":
-        tensors = {n: t.detach().clone() for n, t in module.state_dict().items() if n not in buffers}
-        return {**share, "params": _hf_pieces(rt, tensors)}
-    params = dict(module.named_parameters())
-    moment_keys, scalars = _optimizer_layout(engine)
-    moments = {k: _hf_pieces(rt, {n: _full_state(engine, p, k) for n, p in params.items()}) for k in moment_keys}
-    masters = _hf_pieces(rt, {n: _full_state(engine, p, None) for n, p in params.items()})
-    return {**share, "params": masters, "moments": moments, "scalars": scalars}
+    engine = rt.engine
+    moment_keys, scalars = _optimizer_layout(engine) if weights == "master" else ([], {})
+    share = {"params": {}, "buffers": {}, "moments": {k: {} for k in moment_keys}, "scalars": scalars}
+    for part in _parts(rt):
+        buffers = dict(_persistent_buffers(part.module))
+        if weights == "module":
+            params = {n: t.detach().clone() for n, t in part.module.state_dict().items() if n not in buffers}
+            moments = {}
+        else:
+            named = dict(part.module.named_parameters())
+            moments = {k: {n: _full_state(engine, p, k) for n, p in named.items()} for k in moment_keys}
+            params = {n: _full_state(engine, p, None) for n, p in named.items()}
+        if part.writer:  # only now: every rank of a data-parallel group takes part in _full_state's collectives
+            share["params"].update(part.pieces(params))
+            share["buffers"].update(part.pieces({n: b.clone() for n, b in buffers.items()}))
+            for k, values in moments.items():
+                share["moments"][k].update(part.pieces(values))
+    return share
 
 
-def _hf_pieces(rt, tensors: dict[str, torch.Tensor]) -> Pieces:
-    first = 0 if rt.role.is_attention else rt.module.first_expert
-    return {_hf_name(rt, n): (first, t) for n, t in tensors.items()}
+@dataclass(frozen=True)
+class _Part:
+    """A module of a rank whose tensors are whole HF tensors (attention side) or rows of them (expert slice)."""
+
+    module: nn.Module
+    to_hf: Callable[[str], str]  # its tensor names -> HF in-memory names
+    experts: range | None  # the rows it holds of HF's fused expert tensors (dim 0); None: whole tensors
+    writer: bool  # this rank's copy is the one read (one copy of every tensor in the job)
+
+    def pieces(self, tensors: dict[str, torch.Tensor]) -> Pieces:
+        first = 0 if self.experts is None else self.experts.start
+        return {self.to_hf(n): (first, t) for n, t in tensors.items()}
+
+    def rows(self, full: torch.Tensor) -> torch.Tensor:
+        return full if self.experts is None else full[self.experts.start : self.experts.stop]
+
+
+def _parts(rt) -> list[_Part]:
+    """A disaggregated rank holds one stage. A co-located rank holds the whole attention side (a replica on every
+    rank: rank 0's is read) and an expert slice (replicated over its edp group: the first replica's is read)."""
+    role = rt.role
+    if isinstance(rt.layout, Layout):
+        if role.is_attention:
+            return [_Part(rt.module, attention_name_to_hf, None, role.index == 0)]
+        return [_expert_part(rt.module, writer=role.edp_rank == 0)]
+    attention = _Part(rt.module.attention, attention_name_to_hf, None, role.index == 0)
+    return [attention, _expert_part(rt.module.experts.stage, writer=role.edp_rank == 0)]
+
+
+def _expert_part(stage: nn.Module, *, writer: bool) -> _Part:
+    experts = range(stage.first_expert, stage.first_expert + stage.num_local)
+    return _Part(stage, expert_name_to_hf, experts, writer)
 
 
 def _engine_extras(engine) -> dict[str, Any]:
@@ -425,14 +516,15 @@ def _set_rank_state(rt, state: TrainState) -> None:
     engine = rt.engine
     if state.moments:
         _create_optimizer_state(engine, list(state.moments), state.scalars)
-    for name, param in rt.module.named_parameters():
-        hf_name = _hf_name(rt, name)
-        _set_full(engine, param, _my_rows(rt, state.params[hf_name]), None)
-        for key, values in state.moments.items():
-            _set_full(engine, param, _my_rows(rt, values[hf_name]), key)
-    with torch.no_grad():
-        for name, buf in _persistent_buffers(rt.module):
-            buf.copy_(_my_rows(rt, state.buffers[_hf_name(rt, name)]))
+    for part in _parts(rt):
+        for name, param in part.module.named_parameters():
+            hf_name = part.to_hf(name)
+            _set_full(engine, param, part.rows(state.params[hf_name]), None)
+            for key, values in state.moments.items():
+                _set_full(engine, param, part.rows(values[hf_name]), key)
+        with torch.no_grad():
+            for name, buf in _persistent_buffers(part.module):
+                buf.copy_(part.rows(state.buffers[part.to_hf(name)]))
     for group in engine.optimizer.param_groups:
         group.update(state.hyper)
     if engine.lr_scheduler is not None and state.scheduler is not None:
@@ -463,17 +555,6 @@ def _set_full(engine, param: nn.Parameter, value: torch.Tensor, key: str | None)
         flat_value = value.reshape(-1)
         for dst, src in _fragments(engine, param, key):
             dst.copy_(flat_value.narrow(0, src.start, src.numel))
-
-
-def _my_rows(rt, full: torch.Tensor) -> torch.Tensor:
-    """The rows of a full HF tensor this rank holds (all of it on the attention side)."""
-    if rt.role.is_attention:
-        return full
-    return full[rt.module.first_expert : rt.module.first_expert + rt.module.num_local]
-
-
-def _hf_name(rt, name: str) -> str:
-    return attention_name_to_hf(name) if rt.role.is_attention else expert_name_to_hf(name)
 
 
 def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -551,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_ds.add_argument("--model", required=True, help="HF model directory with weights")
     to_ds.add_argument("--out", required=True, help="checkpoint root to write (tag step0)")
     _add_layout_args(to_ds, ds_config_help="DeepSpeed config JSON (optimizer, scheduler, ZeRO, precision)")
-    to_hf = sub.add_parser("disagmoe-to-hf", help="DisagMoE checkpoint -> HF directory (original key names)")
+    to_hf = sub.add_parser("disagmoe-to-hf", help="DisagMoE checkpoint (either mode) -> HF directory (original keys)")
     to_hf.add_argument("--ckpt", required=True, help="checkpoint root")
     to_hf.add_argument("--tag", help="tag to convert (default: the one named by <ckpt>/latest)")
     to_hf.add_argument("--model", required=True, help="HF directory (or config-only directory) of the model")
@@ -608,9 +689,9 @@ def _run(a: argparse.Namespace) -> Path:
     if a.command == "hf-to-disagmoe":
         job = Job(a.model, _layout_cfg(a), resolve_ds_config(ds_file, zero=a.zero, dtype=a.dtype))
         return hf_to_disagmoe(job, a.out)
+    source = open_checkpoint(a.ckpt, a.model, tag=a.tag, ds_config=ds_file, command=a.command)
     if a.command == "disagmoe-to-hf":
-        return disagmoe_to_hf(open_checkpoint(a.ckpt, a.model, tag=a.tag, ds_config=ds_file), a.out)
-    source = open_checkpoint(a.ckpt, a.model, tag=a.tag, ds_config=ds_file)
+        return disagmoe_to_hf(source, a.out)
     base = ds_file if ds_file is not None else source.job.ds_config
     job = replace(source.job, cfg=_layout_cfg(a), ds_config=resolve_ds_config(base, zero=a.zero, dtype=a.dtype))
     return relayout(source, job, a.out)

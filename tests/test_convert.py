@@ -1,4 +1,5 @@
-"""disagmoe-convert: bit-identical HF round trips for every family, re-layout with optimizer state, clear errors.
+"""disagmoe-convert: bit-identical HF round trips for every family, re-layout with optimizer state, export of
+co-located checkpoints, clear errors.
 
 Layouts are written (M, N, p): attention ranks, FFN ranks, depth.
 """
@@ -7,12 +8,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
+from disagmoe_ds.colocated.verify import _written
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.convert import (
     Job,
@@ -21,12 +26,14 @@ from disagmoe_ds.convert import (
     hf_to_disagmoe,
     main,
     open_checkpoint,
+    relayout,
 )
 from disagmoe_ds.engine.build import build_rank
 from disagmoe_ds.engine.checkpoint import load_checkpoint, save_checkpoint
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.launch.testing import run_ranks
-from disagmoe_ds.verify import VerifyArgs, load_for_verify, make_batches
+from disagmoe_ds.verify import DTYPES, VerifyArgs, load_for_verify, make_batches
+from tests.test_pretrain import ROOT, SHORT, run_pretrain
 
 # fp32: layouts differ only in the order of sums (lane reduction, expert partials, ZeRO partitions).
 RESUME_TOL = 1e-5
@@ -166,6 +173,119 @@ def test_relayout_continues_training_like_the_original_layout(tiny_checkpoint, t
     relayout = f"relayout --ckpt {dst} --model {model} --out {back} --zero 1 --attention-gpus 2 --ffn-gpus 2"
     assert main(relayout.split()) == 0
     assert run_ranks(_resume, 4, args=(args_221, args_221, str(back)), timeout_s=120)[0] == reference  # lossless
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Co-located checkpoints (run_pretrain.py --mode colocated) -> HF
+# ----------------------------------------------------------------------------------------------------------------
+
+COLOCATED_MODEL = ROOT / "hf_models" / "tiny-qwen3-moe-lm"  # run_pretrain's default: 8 experts, its tokenizer's vocab
+PROBE = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(0))  # every rank's batch at the save
+# The split forward sums in another order than HF's (expert partials, combine); bf16 rounds those sums.
+LOSS_TOL = {"fp32": 1e-5, "bf16": 1e-2}
+
+
+@dataclass(frozen=True)
+class ColocatedRun:
+    ckpt: Path
+    trained: dict[str, torch.Tensor]  # every parameter at the save, by HF name (float32, exact for bf16 too)
+    loss: float  # the ranks' model on PROBE (LM loss + HF's aux loss, as HF computes it)
+
+
+def _recording_save(save: Callable, record: Path) -> Callable:
+    """run_pretrain's ``save``, after which every rank records its share of the trained parameters (one copy of
+    each, as ``colocated.verify`` takes it) and its model's loss on PROBE."""
+
+    def save_and_record(runtime, root, step, loader, **kwargs) -> Path:
+        path = save(runtime, root, step, loader, **kwargs)
+        with torch.no_grad():
+            loss = runtime.module(PROBE, PROBE.clone()).loss  # collective: the all-to-alls of the EP group
+        params = _written(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()})
+        torch.save({"params": params, "loss": loss.item()}, record / f"rank{dist.get_rank()}.pt")
+        return path
+
+    return save_and_record
+
+
+@pytest.fixture(scope="module")
+def colocated_run(tmp_path_factory) -> Callable[..., ColocatedRun]:
+    """``colocated_run(ep_size, zero, dtype)``: 2 co-located ranks trained 2 steps by run_pretrain.py and saved by
+    its --save-dir; run once per module and setting."""
+    tok_cache = tmp_path_factory.mktemp("tokenizers")
+    cache: dict[tuple, ColocatedRun] = {}
+
+    def get(ep_size: int, zero: int, dtype: str) -> ColocatedRun:
+        if (ep_size, zero, dtype) in cache:
+            return cache[ep_size, zero, dtype]
+        out = tmp_path_factory.mktemp(f"colocated-ep{ep_size}-zero{zero}-{dtype}")
+        ds_config = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())
+        ds_config["zero_optimization"] = {"stage": zero}
+        (out / "ds.json").write_text(json.dumps(ds_config))
+        argv = [*SHORT, "--seq-len", 16, "--tokenizer-cache", tok_cache, "--mode", "colocated", "--world-size", 2,
+                "--ep-size", ep_size, "--deepspeed_config", out / "ds.json", "--dtype", dtype, "--steps", 2,
+                "--save-dir", out / "ck"]  # fmt: skip
+        with pytest.MonkeyPatch.context() as patch:  # the forked ranks inherit it
+            patch.setattr(run_pretrain, "save", _recording_save(run_pretrain.save, out))
+            assert run_pretrain.main([str(a) for a in argv]) == 0
+        ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+        slices: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for rank in ranks:
+            for name, piece in rank["params"].items():
+                slices.setdefault(name, []).append(piece)
+        trained = {n: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for n, parts in slices.items()}
+        assert ranks[0]["loss"] == ranks[1]["loss"]  # one model: every rank runs the same batch through it
+        cache[ep_size, zero, dtype] = ColocatedRun(out / "ck", trained, ranks[0]["loss"])
+        return cache[ep_size, zero, dtype]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "ep_size,zero,dtype",
+    [(2, 0, "fp32"), (1, 1, "bf16")],  # EP 2 (all-to-all); EP 1 x EDP 2 (expert replicas), ZeRO-partitioned
+    ids=["ep2-zero0-fp32", "ep1-edp2-zero1-bf16"],
+)
+def test_colocated_checkpoint_exports_to_hf(colocated_run, tmp_path, ep_size, zero, dtype):
+    from transformers import AutoModelForCausalLM
+
+    run = colocated_run(ep_size, zero, dtype)
+    assert json.loads((run.ckpt / "step2" / "manifest.json").read_text())["mode"] == "colocated"
+    out = tmp_path / "hf"
+    assert main(f"disagmoe-to-hf --ckpt {run.ckpt} --model {COLOCATED_MODEL} --out {out}".split()) == 0
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=DTYPES[dtype])
+    exported = dict(model.named_parameters())
+    assert sorted(exported) == sorted(run.trained)
+    for name, tensor in exported.items():  # bit-exact in the training dtype (bf16 -> fp32 is exact)
+        assert tensor.dtype == DTYPES[dtype] and torch.equal(tensor.float(), run.trained[name]), name
+    assert all(t.dtype == DTYPES[dtype] for t in load_file(out / "model.safetensors").values())
+    with torch.no_grad():
+        loss = model(PROBE, labels=PROBE).loss.item()
+    assert abs(loss - run.loss) <= LOSS_TOL[dtype], (loss, run.loss)
+
+
+@pytest.mark.parametrize("command", ["relayout", "hf-to-disagmoe"])
+def test_colocated_checkpoint_is_refused_by_the_other_conversions(colocated_run, tmp_path, capfd, command):
+    ckpt = colocated_run(2, 0, "fp32").ckpt
+    layout = f"--out {tmp_path / 'out'} --attention-gpus 1 --ffn-gpus 1"
+    argv = {
+        "relayout": f"relayout --ckpt {ckpt} --model {COLOCATED_MODEL} {layout}",
+        "hf-to-disagmoe": f"hf-to-disagmoe --model {ckpt} {layout}",  # the checkpoint where its HF input belongs
+    }[command]
+    message = {
+        "relayout": f"checkpoint {ckpt / 'step2'} was written by a colocated job; disagmoe-convert relayout handles "
+        "disaggregated checkpoints only (export it to HF with disagmoe-convert disagmoe-to-hf",
+        "hf-to-disagmoe": f"{ckpt} is a DisagMoE checkpoint, not an HF directory; hf-to-disagmoe reads HF weights",
+    }[command]
+    capfd.readouterr()
+    assert main(argv.split()) == 2
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"disagmoe-convert: error: {message}"), lines
+    assert not (tmp_path / "out").exists()
+    if command == "relayout":  # the API refuses a source opened for export too
+        source = open_checkpoint(ckpt, COLOCATED_MODEL)
+        with pytest.raises(CheckpointError, match="relayout handles disaggregated checkpoints only"):
+            relayout(source, replace(source.job, cfg=DisagMoEConfig()), tmp_path / "out")
 
 
 # ----------------------------------------------------------------------------------------------------------------
