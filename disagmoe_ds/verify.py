@@ -88,8 +88,6 @@ def load_for_verify(args: VerifyArgs):
 def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     """One rank: build, train ``steps`` steps, return losses, grad norms and its parameters under HF names."""
     from disagmoe_ds.engine.build import build_rank
-    from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
-    from disagmoe_ds.train.data import to_device
 
     runtime = build_rank(
         args.model,
@@ -100,14 +98,31 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
         model=load_for_verify(args),
     )
     role = runtime.role
-    vocab = runtime.module.config.vocab_size if role.is_attention else 0
-    losses, norms = [], []
+    feeds = role.is_attention and role.group == 0  # A-group 0 embeds; the head reads labels there too
+    vocab = runtime.module.config.vocab_size if feeds else 0
     grads = capture_grads(runtime)
+    losses, norms = train_steps(
+        runtime, args, lambda step: make_batches(args, vocab, step, role.index) if feeds else None
+    )
+    writer = role.index == 0 if role.is_attention else role.edp_rank == 0  # one copy of every parameter
+    params = _hf_named(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()}) if writer else {}
+    return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads if writer else []}
+
+
+def train_steps(
+    runtime, args: VerifyArgs, batches_of: Callable[[int], list[dict[str, torch.Tensor]] | None]
+) -> tuple[list[float], list[float | None]]:
+    """Train ``args.steps`` steps, step s on ``batches_of(s)`` (moved to the rank's device); the last step is
+    written as a job timeline when ``args.timeline`` is set. Returns the losses and global grad norms."""
+    from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
+    from disagmoe_ds.train.data import to_device
+
+    losses, norms = [], []
     for step in range(args.steps):
-        batches = None
-        if role.is_attention and role.group == 0:
-            batches = to_device(make_batches(args, vocab, step, role.index), runtime.engine.device)
         last = step == args.steps - 1
+        batches = batches_of(step)
+        if batches is not None:
+            batches = to_device(batches, runtime.engine.device)
         runtime.executor.record_timeline(bool(args.timeline) and last)
         t0 = start_clock()
         result = runtime.executor.train_batch(batches)
@@ -115,9 +130,7 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
         norms.append(result.grad_norm)
         if args.timeline and last:
             write_job_timeline(runtime.executor.timeline, t0, args.timeline)
-    writer = role.index == 0 if role.is_attention else role.edp_rank == 0  # one copy of every parameter
-    params = _hf_named(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()}) if writer else {}
-    return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads if writer else []}
+    return losses, norms
 
 
 def capture_grads(runtime) -> list[dict[str, tuple[int, torch.Tensor]]]:

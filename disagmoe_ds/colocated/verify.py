@@ -21,7 +21,6 @@ import torch
 from disagmoe_ds.colocated.build import ColocatedRuntime, build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION
-from disagmoe_ds.train.data import to_device
 from disagmoe_ds.verify import (
     DTYPES,
     VerifyArgs,
@@ -31,6 +30,7 @@ from disagmoe_ds.verify import (
     make_batches,
     reference,
     run_launched,
+    train_steps,
 )
 
 Named = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the slice, value)
@@ -50,8 +50,6 @@ class ColocatedVerifyArgs(VerifyArgs):
 
 def rank_main(rank: int, args: ColocatedVerifyArgs) -> dict[str, Any]:
     """One rank: build, train, return losses, grad norms, and its share of the parameters and gradients."""
-    from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
-
     runtime = build_colocated_rank(
         args.model,
         args.ds_config(),
@@ -62,17 +60,7 @@ def rank_main(rank: int, args: ColocatedVerifyArgs) -> dict[str, Any]:
     )
     grads = capture_grads(runtime)
     vocab = runtime.module.config.vocab_size
-    losses, norms = [], []
-    for step in range(args.steps):
-        last = step == args.steps - 1
-        runtime.executor.record_timeline(bool(args.timeline) and last)
-        t0 = start_clock()
-        batches = to_device(make_batches(args, vocab, step, lane=rank), runtime.engine.device)
-        result = runtime.executor.train_batch(batches)
-        losses.append(result.loss)
-        norms.append(result.grad_norm)
-        if args.timeline and last:
-            write_job_timeline(runtime.executor.timeline, t0, args.timeline)
+    losses, norms = train_steps(runtime, args, lambda step: make_batches(args, vocab, step, lane=rank))
     params = _written(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()})
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads}
 
