@@ -58,7 +58,7 @@ from disagmoe_ds.train.hostfile import check_hostfile, deepspeed_command, descri
 from disagmoe_ds.train.interrupt import StopRequest, parent_waits_for_ranks
 from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
 from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops
-from disagmoe_ds.train.model import load_train_model
+from disagmoe_ds.train.model import check_train_model, load_train_model
 from disagmoe_ds.train.modes import Runtime, mode_of
 from disagmoe_ds.train.progress import Progress, banner
 
@@ -88,14 +88,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def preflight_run(args: TrainArgs, world_size: int) -> tuple[Any, Any, tuple[Path, str] | None]:
-    """What can be checked before any rank starts: layout vs model and world size, ZeRO rules, data paths and
-    lengths, the balancing setting, and that the checkpoint to resume belongs to this mode, model and layout.
+    """What can be checked before any rank starts: layout vs model and world size, ZeRO rules, the weights of
+    ``--init-from``, data paths and lengths, the balancing setting, and that the checkpoint to resume belongs to
+    this mode, model and layout.
 
     Returns:
         The model's HF config, the mode's layout, and the (root, tag) of the checkpoint to resume from, if any.
     """
     config = load_config(args.model)
     layout = mode_of(args).preflight(args, world_size)
+    check_train_model(args)
     check_data_args(args, config)
     bias_update_rate(args.bias_update_rate, config)
     resume = locate(args.resume, args.save_dir) if args.resume is not None else None
@@ -167,8 +169,8 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
         lines = banner(args, config, layout_lines=layout_lines, facts=facts, data=data, bias_rate=rate, resume=resume)
         print("\n".join(lines), flush=True)
 
-    model, _ = load_train_model(args)
-    runtime = mode.build(args, model=model, device=device)
+    init = load_train_model(args)
+    runtime = mode.build(args, model=init.model, weights=init.weights, device=device)
     loader = lane_loader(data, args, role.index, pin_memory=device.type == "cuda") if reads_data else None
     start = restore(runtime, *resume, loader) if resume is not None else 0
     peak = peak_tflops(device, args.peak_tflops)

@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_FAMILIES = ("qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "olmoe")
 
 
-def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
+def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, max_shard_size: str = "50GB", **overrides) -> Path:
     """Random tiny weights for ``hf_models/tiny-<family>`` (config fields overridden by ``overrides``), saved in
-    the Hub layout by ``save_pretrained``."""
+    the Hub layout by ``save_pretrained`` (sharded, with an index, under ``max_shard_size``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}", **overrides)
@@ -23,7 +23,7 @@ def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, **overrides
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # exercise DeepSeek-V3's biased top-k choice
                 buf.copy_(torch.randn_like(buf) * 0.05)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     return out_dir
 
 

@@ -4,7 +4,8 @@ Order (collective steps run on every rank):
     1. layout from the model and the ``ColocatedConfig``, checked against the world size and the ZeRO stage;
     2. process groups (data parallel, expert parallel, expert data parallel) and DeepSpeed's expert registry;
     3. the rank's module cut from the HF model: the whole attention side, its expert slice, its dispatcher (a model
-       on the meta device is never materialised whole: the rank allocates and initialises only its parts);
+       on the meta device is never materialised whole: the rank allocates only its parts, then reads their
+       pretrained values or initialises them);
     4. its DeepSpeed engine (the user's ds_config adapted like a role engine's) and the executor.
 """
 
@@ -29,7 +30,8 @@ from disagmoe_ds.engine.deepspeed_role import RoleMPU, role_ds_config
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.models.families import family_of
-from disagmoe_ds.models.loading import build_meta_model, has_weights, load_config, load_model, materialize
+from disagmoe_ds.models.loading import load_config, materialize
+from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
 
@@ -55,25 +57,28 @@ def build_colocated_rank(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
     model: nn.Module | None = None,
+    weights: str | Path | None = None,
     seed: int = 0,
 ) -> ColocatedRuntime:
     """Build this rank's part of a co-located EP+DP job.
 
-    ``model`` may be passed to skip loading ``model_dir``. A model on the meta device (``build_meta_model``; the
-    default for a config-only ``model_dir``) is never materialised whole: the rank initialises only its parts
-    (from ``seed`` and its rank; DeepSpeed then broadcasts the replicas' first copy).
+    ``model`` may be passed to skip loading ``model_dir``; ``weights`` is then the HF directory whose safetensors
+    fill the parts cut from a meta ``model`` (``--init-from``). Without ``model``, ``model_dir``'s own weights fill
+    them (``partial_load.model_to_cut``). A model on the meta device is never materialised whole: the rank
+    allocates only its parts, then reads their pretrained values or initialises them (from ``seed`` and its rank;
+    DeepSpeed then broadcasts the replicas' first copy).
     """
     rank = dist.get_rank()
     device = device or process_device()
-    if model is None:
-        weights = has_weights(model_dir)
-        model = load_model(model_dir, dtype=dtype) if weights else build_meta_model(model_dir, dtype=dtype)
+    model, pretrained = rank_model(model_dir, dtype=dtype, model=model, weights=weights)
     layout = cfg.layout(num_experts=num_routed_experts(model))
     layout.check_world_size(dist.get_world_size())
     check_zero(layout, ds_config)
     groups = build_colocated_groups(layout, rank, timedelta(seconds=cfg.comm_timeout_s))
     register_with_deepspeed(groups, layout)
-    module = build_colocated_model(model, layout, groups, rank, device=device, seed=seed * 100_003 + rank)
+    module = build_colocated_model(
+        model, layout, groups, rank, device=device, seed=seed * 100_003 + rank, weights=pretrained
+    )
     del model
     if cfg.compile:
         compile_stage(module.attention)
@@ -95,10 +100,18 @@ def build_colocated_rank(
 
 
 def build_colocated_model(
-    model: nn.Module, layout: ColocatedLayout, groups: ColocatedGroups, rank: int, *, device: torch.device, seed: int
+    model: nn.Module,
+    layout: ColocatedLayout,
+    groups: ColocatedGroups,
+    rank: int,
+    *,
+    device: torch.device,
+    seed: int,
+    weights: PretrainedWeights | None = None,
 ) -> ColocatedModel:
     """Cut rank ``rank``'s module from the HF model onto ``device``: attention side of every layer, expert slice,
-    dispatcher. Parts cut from a meta model are initialised from ``2 * seed`` (attention) and ``2 * seed + 1``."""
+    dispatcher. Parts cut from a meta model are filled from ``weights``, or else initialised from ``2 * seed``
+    (attention) and ``2 * seed + 1``."""
     layers = tuple(range(model.config.num_hidden_layers))
     experts = layout.expert_range(layout.ep_rank(rank))
     stage = ExpertStage(model, layers, experts.start, experts.stop)
@@ -106,7 +119,7 @@ def build_colocated_model(
     for i, part in enumerate((attention, stage)):
         # Before ExpertStageMoE marks the expert parameters: materialising replaces meta parameters by new ones.
         if next(part.parameters()).is_meta:
-            materialize(part, model, device, seed=2 * seed + i)
+            materialize(part, model, device, seed=2 * seed + i, weights=weights)
         else:
             part.to(device)
     moe = ExpertStageMoE(

@@ -30,7 +30,8 @@ from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.families import family_of, router_of
 from disagmoe_ds.models.grouped_experts import compile_elementwise
-from disagmoe_ds.models.loading import build_meta_model, has_weights, load_config, load_model, materialize
+from disagmoe_ds.models.loading import load_config, materialize
+from disagmoe_ds.models.partial_load import rank_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, moe_layers, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.schedule import PipeShape, Worker, check_streams, generate
@@ -76,19 +77,19 @@ def build_rank(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
     model: nn.Module | None = None,
+    weights: str | Path | None = None,
     seed: int = 0,
 ) -> RankRuntime:
     """Build this rank's part of the disaggregated job.
 
-    ``model`` may be passed to skip loading ``model_dir``. A model on the meta device (``build_meta_model``; the
-    default for a config-only ``model_dir``) is never materialised whole: each rank allocates and initialises only
-    the parts it owns.
+    ``model`` may be passed to skip loading ``model_dir``; ``weights`` is then the HF directory whose safetensors
+    fill the parts cut from a meta ``model`` (``--init-from``). Without ``model``, ``model_dir``'s own weights fill
+    them (``partial_load.model_to_cut``). A model on the meta device is never materialised whole: each rank
+    allocates only the parts it owns, then reads their pretrained values or initialises them.
     """
     rank = dist.get_rank()
     device = device or process_device()
-    if model is None:
-        weights = has_weights(model_dir)
-        model = load_model(model_dir, dtype=dtype) if weights else build_meta_model(model_dir, dtype=dtype)
+    model, pretrained = rank_model(model_dir, dtype=dtype, model=model, weights=weights)
     on_meta = next(model.parameters()).is_meta
     layout = cfg.layout(num_layers=model.config.num_hidden_layers, num_experts=num_routed_experts(model))
     layout.check_world_size(dist.get_world_size())
@@ -102,7 +103,8 @@ def build_rank(
     top_k, weight_dtype = _router_facts(model, moe)
     stage = _build_stage(model, layout, role)
     if on_meta:
-        materialize(stage, model, device, seed=seed * 100_003 + rank)  # replicas are broadcast by DeepSpeed
+        # Freshly initialised replicas differ until DeepSpeed broadcasts them; pretrained ones start identical.
+        materialize(stage, model, device, seed=seed * 100_003 + rank, weights=pretrained)
     else:
         stage.to(device)
     del model

@@ -1,16 +1,21 @@
-"""Load a Hugging Face MoE model (weights or config only) through HF's normal loading path, with clear errors."""
+"""Load a Hugging Face MoE model (weights or config only) through HF's normal loading path, with clear errors; or
+build it on the meta device and allocate only the parts a rank cut from it (``materialize``)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.models.families import family_of
+
+if TYPE_CHECKING:
+    from disagmoe_ds.models.partial_load import PretrainedWeights
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -43,6 +48,17 @@ def has_weights(path: str | Path) -> bool:
     return any((Path(path) / name).is_file() for name in WEIGHT_FILES)
 
 
+def check_weights(path: str | Path) -> None:
+    """A one-line error unless ``path`` holds weights and every weight file its index lists."""
+    path = Path(path)
+    if not has_weights(path):
+        raise CheckpointError(
+            f"no weight file in {path} (expected one of {', '.join(WEIGHT_FILES)}); "
+            "point --model at a directory written by save_pretrained"
+        )
+    _check_shards(path)
+
+
 def _check_shards(path: Path) -> None:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = path / index_name
@@ -71,15 +87,10 @@ def load_model(
 
     path = Path(path)
     config = load_config(path)
-    if not has_weights(path):
-        if require_weights:
-            raise CheckpointError(
-                f"no weight file in {path} (expected one of {', '.join(WEIGHT_FILES)}); "
-                "point --model at a directory written by save_pretrained"
-            )
+    if not has_weights(path) and not require_weights:
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    _check_shards(path)
+    check_weights(path)
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except (OSError, RuntimeError, ValueError) as err:
@@ -99,20 +110,55 @@ def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) ->
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def materialize(stage: nn.Module, model: nn.Module, device: torch.device, *, seed: int = 0) -> None:
-    """Allocate a stage cut from a meta model on ``device`` and initialise it with HF's own ``_init_weights``.
+def materialize(
+    stage: nn.Module,
+    model: nn.Module,
+    device: torch.device,
+    *,
+    seed: int = 0,
+    weights: PretrainedWeights | None = None,
+) -> None:
+    """Allocate a stage cut from a meta model on ``device``; fill it with the pretrained values of ``weights``, or
+    initialise it with HF's own ``_init_weights``.
 
     Replicas of the same parameters may draw different values here; DeepSpeed broadcasts each data-parallel
     group's rank-0 copy when the engine is built, so they start identical.
     """
+    _allocate(stage, device)
+    if weights is not None:
+        weights.fill(stage)
+    else:
+        _initialise(stage, model, seed)
+    rotary = getattr(stage, "rotary_emb", None)
+    if rotary is not None:  # its inv_freq buffers are computed in __init__, neither initialised nor loaded
+        with torch.device(device):
+            stage.rotary_emb = type(rotary)(config=stage.config)
+
+
+def _allocate(stage: nn.Module, device: torch.device) -> None:
+    """``to_empty``, keeping tied parameters (one object under several names) tied: ``to_empty`` gives every
+    module a new parameter of its own."""
+    tied = shared_parameters(stage)
     stage.to_empty(device=device)
+    for names in tied:
+        param = stage.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(stage.get_submodule(owner), attr, param)
+
+
+def _initialise(stage: nn.Module, model: nn.Module, seed: int) -> None:
     torch.manual_seed(seed)
     for param in stage.parameters():
         if getattr(param, "_is_hf_initialized", False):
             param._is_hf_initialized = False  # set while building on meta, where nothing was written
     for module in stage.modules():
         model._init_weights(module)
-    rotary = getattr(stage, "rotary_emb", None)
-    if rotary is not None:  # its inv_freq buffers are computed in __init__, not by _init_weights
-        with torch.device(device):
-            stage.rotary_emb = type(rotary)(config=stage.config)
+
+
+def shared_parameters(module: nn.Module) -> list[list[str]]:
+    """Names under which one parameter object appears more than once (tied embeddings), grouped."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]

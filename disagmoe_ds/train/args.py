@@ -129,8 +129,8 @@ def _model_and_data(p: argparse.ArgumentParser, default_model: Path, default_cac
         "--init-from",
         type=Path,
         metavar="HF_DIR",
-        help="start from the pretrained weights in HF_DIR "
-        "(written by save_pretrained); its config is the model, --model is then not needed",
+        help="start from the pretrained weights in HF_DIR (written by save_pretrained; from safetensors each rank "
+        "reads only the tensors it holds); its config is the model, --model is then not needed",
     )
     g.add_argument(
         "--data",

@@ -1,18 +1,25 @@
 """The HF model a rank cuts its role from: freshly initialised or pretrained, with parts frozen on request.
 
-Freezing happens on the whole HF model before ``build_rank`` cuts it: the attention stages and expert shards
-keep ``requires_grad``, and each role engine's DeepSpeed optimizer receives only the trainable parameters.
-Gradients still flow *through* frozen modules (the router's input is trainable), only their weights stay put.
+The model is built on the meta device either way, so no rank ever holds it whole: a rank allocates only the parts
+it cuts, then initialises them or, with ``--init-from``, reads their pretrained values from the directory's
+safetensors (``models.partial_load``; ``pytorch_model.bin`` and quantized checkpoints are still loaded whole).
+
+Freezing happens on the whole (meta) model before ``build_rank`` cuts it: the attention stages and expert shards
+keep ``requires_grad`` (allocating a part keeps it too), and each role engine's DeepSpeed optimizer receives only
+the trainable parameters. Gradients still flow *through* frozen modules (the router's input is trainable), only
+their weights stay put.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
 from disagmoe_ds.models.families import family_of, is_moe_layer, router_of
-from disagmoe_ds.models.loading import build_meta_model, load_model
+from disagmoe_ds.models.loading import build_meta_model
+from disagmoe_ds.models.partial_load import check_pretrained, model_to_cut
 from disagmoe_ds.train.args import TrainArgs
 
 
@@ -24,18 +31,33 @@ class Frozen:
     attention: int
 
 
-def load_train_model(args: TrainArgs) -> tuple[nn.Module, Frozen]:
-    """``--init-from``: the pretrained weights; otherwise ``--model``'s config on the meta device.
+@dataclass(frozen=True)
+class TrainModel:
+    """What every rank cuts its parts from (``TrainMode.build``)."""
 
-    From scratch, no rank ever holds the whole model: ``build_rank`` materialises and initialises (HF's
-    ``_init_weights``) only the parts the rank owns. A ``--model`` directory that holds weights is still
-    initialised fresh: pretraining starts from scratch unless ``--init-from`` says otherwise.
+    model: nn.Module  # on the meta device (whole only for a pytorch_model.bin or quantized --init-from)
+    weights: Path | None  # the directory whose safetensors fill a meta model's parts; None: initialise them
+    frozen: Frozen
+
+
+def load_train_model(args: TrainArgs) -> TrainModel:
+    """``--model``'s config on the meta device, and with ``--init-from`` the directory holding its weights.
+
+    ``build_rank`` allocates only the parts a rank owns, then fills them with the pretrained values (``--init-from``)
+    or initialises them (HF's ``_init_weights``). A ``--model`` directory that holds weights is still initialised
+    fresh: pretraining starts from scratch unless ``--init-from`` says otherwise.
     """
     if args.pretrained:
-        model = load_model(args.model, dtype=args.torch_dtype, require_weights=True)
+        model, weights = model_to_cut(args.model, dtype=args.torch_dtype, require_weights=True)
     else:
-        model = build_meta_model(args.model, dtype=args.torch_dtype)
-    return model, freeze(model, router=args.freeze_router, attention=args.freeze_attention)
+        model, weights = build_meta_model(args.model, dtype=args.torch_dtype), None
+    return TrainModel(model, weights, freeze(model, router=args.freeze_router, attention=args.freeze_attention))
+
+
+def check_train_model(args: TrainArgs) -> None:
+    """Before any rank starts: with ``--init-from``, the directory holds weights and every tensor of the model."""
+    if args.pretrained:
+        check_pretrained(args.model, dtype=args.torch_dtype)
 
 
 def freeze(model: nn.Module, *, router: bool, attention: bool) -> Frozen:

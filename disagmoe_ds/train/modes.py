@@ -11,6 +11,7 @@ expert balancing read nothing else, and never ask which mode built it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -51,8 +52,9 @@ class TrainMode(Protocol):
         """The start banner's lines about the layout and the pipeline."""
         ...
 
-    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device) -> Runtime:
-        """This rank's part of the job (collective: every rank calls it)."""
+    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
+        """This rank's part of the job (collective: every rank calls it), cut from ``model``; ``weights``: the HF
+        directory whose safetensors fill the parts of a meta ``model`` (``train.model.TrainModel``)."""
         ...
 
 
@@ -73,7 +75,7 @@ class Disaggregated:
             f"in flight per worker; predicted bubble {bubble:.0%} (schedule simulation, unit task costs)",
         ]
 
-    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device) -> Runtime:
+    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
         return build_rank(
             args.model,
             args.ds_config,
@@ -82,6 +84,7 @@ class Disaggregated:
             dtype=args.torch_dtype,
             device=device,
             model=model,
+            weights=weights,
             seed=args.seed,
         )
 
@@ -104,7 +107,7 @@ class Colocated:
             f"backward); {exchange}",
         ]
 
-    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device) -> Runtime:
+    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
         return build_colocated_rank(
             args.model,
             args.ds_config,
@@ -113,6 +116,7 @@ class Colocated:
             dtype=args.torch_dtype,
             device=device,
             model=model,
+            weights=weights,
             seed=args.seed,
         )
 
