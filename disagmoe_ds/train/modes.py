@@ -11,6 +11,7 @@ expert balancing read nothing else, and never ask which mode built it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -76,17 +77,7 @@ class Disaggregated:
         ]
 
     def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
-        return build_rank(
-            args.model,
-            args.ds_config,
-            args.cfg,
-            micro_batch_size=args.micro_batch_size,
-            dtype=args.torch_dtype,
-            device=device,
-            model=model,
-            weights=weights,
-            seed=args.seed,
-        )
+        return _build(build_rank, args, model=model, device=device, weights=weights)
 
 
 class Colocated:
@@ -108,17 +99,24 @@ class Colocated:
         ]
 
     def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
-        return build_colocated_rank(
-            args.model,
-            args.ds_config,
-            args.cfg,
-            micro_batch_size=args.micro_batch_size,
-            dtype=args.torch_dtype,
-            device=device,
-            model=model,
-            weights=weights,
-            seed=args.seed,
-        )
+        return _build(build_colocated_rank, args, model=model, device=device, weights=weights)
+
+
+def _build(
+    builder: Callable[..., Runtime], args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None
+) -> Runtime:
+    """Both modes' builders take the same arguments from the command line."""
+    return builder(
+        args.model,
+        args.ds_config,
+        args.cfg,
+        micro_batch_size=args.micro_batch_size,
+        dtype=args.torch_dtype,
+        device=device,
+        model=model,
+        weights=weights,
+        seed=args.seed,
+    )
 
 
 _MODES: dict[str, TrainMode] = {mode.name: mode for mode in (Disaggregated(), Colocated())}
