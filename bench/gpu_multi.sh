@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Two or more GPUs of one host: the runtimes on NCCL against HF, one short training job under the deepspeed
-# launcher, then the exchange and end-to-end benchmarks. Writes to $OUT: env.txt, multi.txt (every command and its
-# output), exchange.json, e2e.json, timeline-afpipe.json (and one per method).
-# Usage: bash bench/gpu_multi.sh [E2E_MODEL] [E2E_LAYERS]        (about 8 minutes on 2 H200s)
+# Two or more GPUs of one host, in two parts that each fit a 10-minute call:
+#   check  the runtimes on NCCL against HF, and the README's job under the deepspeed launcher (about 4 min)
+#   bench  M2N/N2M against all-to-all, then end to end: AF-Pipe, co-located EP, DeepSpeed-MoE, with timelines,
+#          and again compiled (about 8 min on 2 H200s)
+# Writes to $OUT: env.txt, multi.txt (every command, its output and exit code) and, for bench, exchange.json,
+# e2e.json, e2e-compiled.json, timeline-<method>.json. Every step has its own time limit.
+# Usage: bash bench/gpu_multi.sh check|bench [E2E_MODEL] [E2E_LAYERS]
 set -u
+PART=${1:?usage: bash bench/gpu_multi.sh check|bench [E2E_MODEL] [E2E_LAYERS]}
+MODEL=${2:-hf_models/Qwen3-30B-A3B}
+LAYERS=${3:-4}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-MODEL=${1:-hf_models/Qwen3-30B-A3B}
-LAYERS=${2:-4}
 G=$(python -c "import torch; print(torch.cuda.device_count())")
 H=$((G / 2))
 LOG=$OUT/multi.txt
@@ -20,20 +24,26 @@ step() {  # step TIMEOUT_S COMMAND...: run, log the command, its output and its 
   timeout "$limit" "$@" >> "$LOG" 2>&1
   echo "### exit $? after $((SECONDS - t0)) s" >> "$LOG"
 }
-verify() { step 240 torchrun --nproc_per_node "$G" -m disagmoe_ds.verify --json --attention-gpus "$H" --ffn-gpus "$H" "$@"; }
-# 1. AF-Pipe on NCCL against the single-process HF model (the reference runs on rank 0's CPU)
-verify --model hf_models/tiny-qwen3-moe --micro-batches 3
-verify --model hf_models/tiny-qwen2-moe --micro-batches 4 --zero 1
-verify --model hf_models/tiny-deepseek-v3 --micro-batches 3 --zero 2 --skew
-verify --model hf_models/tiny-mixtral --micro-batches 3 --dtype bf16 --zero 1
-step 240 torchrun --nproc_per_node "$G" -m disagmoe_ds.colocated.verify --json --world-size "$G" --ep-size "$G" \
-  --model hf_models/tiny-qwen3-moe --micro-batches 3
-# 2. The README's training job under the deepspeed launcher, on the GPUs
-step 300 deepspeed --num_gpus "$G" run_pretrain.py --steps 30 --save-dir /tmp/run --save-every 15
-step 120 deepspeed --num_gpus "$G" run_pretrain.py --steps 40 --save-dir /tmp/run --resume
-# 3. M2N/N2M versus all-to-all of the same bytes (Qwen3-30B-A3B routing, 8K tokens per lane)
-step 300 python bench/bench_exchange.py --attention-gpus "$H" --ffn-gpus "$H" --json "$OUT/exchange.json"
-# 4. End to end: AF-Pipe versus co-located EP versus DeepSpeed-MoE, same model, GPUs and tokens
-step 600 python bench/bench_e2e.py --model "$MODEL" --layers "$LAYERS" --world-size "$G" --seq-len 4096 \
-  --global-batch $((4 * G)) --json "$OUT/e2e.json" --timeline "$OUT/timeline.json"
-grep -E '^###|"pass"|tokens/s|GB/s' "$LOG" | cut -c1-300
+verify() { step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.verify --json --attention-gpus "$H" --ffn-gpus "$H" "$@"; }
+e2e() {
+  step "$1" python bench/bench_e2e.py --model "$MODEL" --layers "$LAYERS" --world-size "$G" --seq-len 4096 \
+    --global-batch $((4 * G)) --warmup 1 --steps 3 "${@:2}"
+}
+if [ "$PART" = check ]; then
+  # AF-Pipe and co-located on NCCL against the single-process HF model (the reference runs on rank 0's CPU)
+  verify --model hf_models/tiny-qwen3-moe --micro-batches 3
+  verify --model hf_models/tiny-qwen2-moe --micro-batches 4 --zero 1
+  verify --model hf_models/tiny-deepseek-v3 --micro-batches 3 --zero 2 --skew
+  verify --model hf_models/tiny-mixtral --micro-batches 3 --dtype bf16 --zero 1
+  step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.colocated.verify --json --world-size "$G" --ep-size "$G" \
+    --model hf_models/tiny-qwen3-moe --micro-batches 3
+  # The README's training job under the deepspeed launcher, then an exact resume
+  job=(run_pretrain.py --attention-gpus "$H" --ffn-gpus "$H" --save-dir /tmp/run)
+  step 120 deepspeed --num_gpus "$G" "${job[@]}" --steps 30 --save-every 15
+  step 90 deepspeed --num_gpus "$G" "${job[@]}" --steps 40 --resume
+elif [ "$PART" = bench ]; then
+  step 90 python bench/bench_exchange.py --attention-gpus "$H" --ffn-gpus "$H" --json "$OUT/exchange.json"
+  e2e 240 --json "$OUT/e2e.json" --timeline "$OUT/timeline.json"
+  e2e 200 --methods afpipe colocated --compile --json "$OUT/e2e-compiled.json"
+fi
+grep -E '^###|"pass"|tokens/s|GB/s|^  rank|^    rank' "$LOG" | cut -c1-300
