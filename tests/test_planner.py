@@ -339,6 +339,17 @@ def test_bandwidth_starved_cluster_says_disaggregation_does_not_pay():
     assert any(re.search("dead zone|NICs", r) for r in reasons)
 
 
+def test_one_node_with_one_nic_still_plans_af_pipe():
+    """Both sides share the node, and no transfer crosses its single NIC: the split need not divide NICs."""
+    one_node = small_cluster(nodes=1, gpus_per_node=2, nics_per_node=1)
+    result = plan_for(mid_model(), one_node, 4096)
+    assert (result.af.candidate.layout.attention_gpus, result.af.candidate.layout.ffn_gpus) == (1, 1)
+    # Across nodes a shared node's only NIC cannot be split between the sides: said, not silently dropped.
+    two_nodes = small_cluster(nodes=2, gpus_per_node=3, nics_per_node=1)
+    rejected = plan_for(mid_model(num_hidden_layers=1), two_nodes, 4096, placement="contiguous").rejected
+    assert rejected["no placement gives each side a NIC (a shared node with one NIC)"] > 0
+
+
 # ----- CLI -----
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     rc = main(list(args))

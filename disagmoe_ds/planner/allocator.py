@@ -237,13 +237,16 @@ def af_candidates(req: PlanRequest) -> tuple[list[AfCandidate], Counter]:
             if cap < 1:
                 rejected[f"does not fit memory (recompute {recompute})"] += 1
                 continue
-            for place in placements(req.cluster, layout.attention_gpus, req.placement, req.granularity):
-                for nics in place.nic_splits(req.cluster, layout.attention_gpus):
-                    roof = af_roofline(
-                        req.spec, layout, work, placement=place, rates=req.rates, nics=nics, micro_batches=micro_batches
-                    )
-                    sync = af_sync_s(req.spec, layout, work, placement=place, rates=req.rates, nics=nics)
-                    out.append(AfCandidate(layout, place, nics, work, micro_batches, cap, roof, mem_a, mem_f, sync))
+            places = placements(req.cluster, layout.attention_gpus, req.placement, req.granularity)
+            options = [(pl, nics) for pl in places for nics in pl.nic_splits(req.cluster, layout.attention_gpus)]
+            if not options:
+                rejected["no placement gives each side a NIC (a shared node with one NIC)"] += 1
+            for place, nics in options:
+                roof = af_roofline(
+                    req.spec, layout, work, placement=place, rates=req.rates, nics=nics, micro_batches=micro_batches
+                )
+                sync = af_sync_s(req.spec, layout, work, placement=place, rates=req.rates, nics=nics)
+                out.append(AfCandidate(layout, place, nics, work, micro_batches, cap, roof, mem_a, mem_f, sync))
             if req.recompute == "auto" and cap >= 2 * (2 * layout.depth + 1):
                 break  # twice the ring in flight without recompute: recompute would only cost time
     return out, rejected

@@ -61,6 +61,8 @@ class Placement:
         full, shared = divmod(attention_gpus, self.gpus_per_node)
         if not shared:
             return [(full * n, cluster.total_nics - full * n)]
+        if cluster.nodes == 1:
+            return [(n, n)]  # one node: no transfer crosses a NIC, so the sides need not split them
         return [(full * n + j, cluster.total_nics - full * n - j) for j in range(1, n)]
 
     def describe(self, attention_gpus: int) -> str:
