@@ -75,10 +75,11 @@ def residual_specs(hidden: int, top_k: int, num_experts: int, dtype: torch.dtype
 class Mailbox:
     """Senders and receivers of one rank, built once per run; ``post``/``wait``/``send`` by schedule message.
 
-    ``post_ahead=False`` leaves each receive to its wait (NCCL): a receive kernel launched ahead of need spins
-    until its sender gets there, and the GPU's hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``) serialise it
-    with kernels of other streams, compute included, that may be what the sender waits for. Two H200s hung
-    that way with receives posted ahead; with gloo (CPU) a posted receive costs nothing.
+    ``post_ahead=False`` leaves each receive to its wait (NCCL). Two H200s hung with receives posted ahead, both
+    ranks blocked in host syncs of their compute; posting at the wait fixed it. The likely cause: a receive
+    kernel launched ahead of need spins until its sender gets there, and the GPU's few hardware queues
+    (``CUDA_DEVICE_MAX_CONNECTIONS``) serialise it with other streams' kernels, among them the compute the sender
+    waits for. With gloo (CPU) a posted receive costs nothing.
     """
 
     def __init__(
