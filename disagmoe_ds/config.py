@@ -33,7 +33,8 @@ class DisagMoEConfig:
         micro_batches: micro-batches per optimizer step per lane (DeepSpeed's gradient_accumulation_steps).
         expert_data_parallel: replicas of each expert shard inside an F-group.
         max_in_flight: cap on micro-batches in flight per worker (memory); None lets the schedule choose.
-        comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging.
+        comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging; a step
+            stalled for half of it prints the rank's Python stacks first (``launch.watchdog``).
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
         activation_checkpointing: keep only each chunk's inputs and recompute its activations in backward
             (attention parts and expert shards), trading compute for the memory of micro-batches in flight.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -88,3 +90,28 @@ def test_detect_launcher() -> None:
     assert detect_launcher({"OMPI_COMM_WORLD_SIZE": "4"}) == "mpi"
     with pytest.raises(ConfigError, match=r"\['RANK'\] set but \['WORLD_SIZE', 'LOCAL_RANK'\] missing"):
         detect_launcher({"RANK": "0"})
+
+
+_STALL = """
+import time
+from disagmoe_ds.launch.watchdog import StallWatch
+watch = StallWatch({seconds})
+for _ in range({ticks}):
+    watch.tick()
+    time.sleep(0.05)
+def stalled_wait():
+    time.sleep({stall})
+stalled_wait()
+watch.stop()
+time.sleep(0.5)  # a stopped watch never fires
+"""
+
+
+@pytest.mark.parametrize(("ticks", "stall", "fires"), [(20, 1.5, True), (20, 0.0, False)])
+def test_stall_watch_prints_the_stalled_stack_once(ticks, stall, fires):
+    """Steady progress (ticks every 50 ms for 1 s, period 0.4 s) never fires; a 1.5 s stall prints the stack."""
+    code = _STALL.format(seconds=0.4, ticks=ticks, stall=stall)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert ("stalled_wait" in out.stderr) == fires, out.stderr
+    assert out.stderr.count("Timeout (") == int(fires)

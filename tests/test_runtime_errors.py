@@ -72,10 +72,13 @@ def _peer_stops_responding(rank: int, args: VerifyArgs) -> None:
         time.sleep(60)  # alive but silent: only the communication timeout can end the wait
 
 
-def test_silent_peer_times_out(tiny_checkpoint):
+def test_silent_peer_times_out(tiny_checkpoint, capfd):
     cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=1, micro_batches=1, comm_timeout_s=4.0)
     args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, steps=1, seq_len=8, clip=0.0)
     start = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 0"):
         spawn_local(_peer_stops_responding, 2, args=(args,), timeout_s=60)
     assert time.monotonic() - start < 30
+    # Before the timeout ended it, the waiting rank printed where it waited (after half the timeout).
+    err = capfd.readouterr().err
+    assert "Timeout (0:00:02)" in err and "in _exec_wait_recv" in err, err[-3000:]

@@ -95,6 +95,7 @@ def build_colocated_rank(
         grad_norm=grad_norm,
         group=groups.data_parallel,
         name=name,
+        stall_dump_s=cfg.comm_timeout_s / 2,  # stacks on stderr well before the timeout ends the job
     )
     return ColocatedRuntime(layout, layout.role_of(rank), executor, module, engine)
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 
 from disagmoe_ds.engine.executor import StepResult
+from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.schedule import TimelineEvent
 
 
@@ -107,7 +108,16 @@ class ColocatedRunner:
 class ColocatedExecutor:
     """``train_batch`` for one co-located rank (same contract as ``AFPipeExecutor.train_batch``)."""
 
-    def __init__(self, *, engine, num_micro_batches: int, grad_norm: ColocatedGradNorm, group, name: str):
+    def __init__(
+        self,
+        *,
+        engine,
+        num_micro_batches: int,
+        grad_norm: ColocatedGradNorm,
+        group,
+        name: str,
+        stall_dump_s: float | None = None,
+    ):
         self.engine = engine
         self.runner = ColocatedRunner(engine, num_micro_batches=num_micro_batches)
         self.num_micro_batches = num_micro_batches
@@ -115,6 +125,7 @@ class ColocatedExecutor:
         self.group = group  # all ranks: the losses are averaged over it
         self.name = name
         self.timeline: list[TimelineEvent] | None = None
+        self.stall_watch = StallWatch(stall_dump_s)  # prints this rank's stacks if a forward/backward/step stalls
 
     def record_timeline(self, enabled: bool = True) -> None:
         self.timeline = [] if enabled else None
@@ -125,10 +136,13 @@ class ColocatedExecutor:
             raise ValueError(f"{self.name}: got {len(batches)} micro-batches, it accumulates {self.num_micro_batches}")
         start = time.perf_counter()
         self.runner.start_step()
-        for mb, batch in enumerate(batches):
-            out = self._timed(f"forward {mb}", "compute", lambda b=batch: self.runner.forward(b))
-            self._timed(f"backward {mb}", "compute", lambda o=out: self.runner.backward(o))
-        self._timed("step", "optimizer", self._step)
+        try:
+            for mb, batch in enumerate(batches):
+                out = self._timed(f"forward {mb}", "compute", lambda b=batch: self.runner.forward(b))
+                self._timed(f"backward {mb}", "compute", lambda o=out: self.runner.backward(o))
+            self._timed("step", "optimizer", self._step)
+        finally:
+            self.stall_watch.stop()
         sums = self.runner.sums
         dist.all_reduce(sums, group=self.group)
         loss, lm, aux, count = sums.tolist()
@@ -145,6 +159,7 @@ class ColocatedExecutor:
         self.engine.step()
 
     def _timed(self, name: str, category: str, fn: Callable[[], Any]) -> Any:
+        self.stall_watch.tick()
         t0 = time.perf_counter()
         result = fn()
         if self.timeline is not None:

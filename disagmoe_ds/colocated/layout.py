@@ -32,7 +32,8 @@ class ColocatedConfig:
         ep_size: expert-parallel ranks that together hold one copy of every MoE layer's experts; divides W and the
             expert count. None: the largest such size (``gcd(W, num_experts)``), fixed by ``layout``.
         micro_batches: micro-batches per optimizer step per rank (DeepSpeed's gradient_accumulation_steps).
-        comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging.
+        comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging; a step
+            stalled for half of it prints the rank's Python stacks first (``launch.watchdog``).
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
     """
 

@@ -158,6 +158,7 @@ def build_rank(
         schedule=AFPipeSchedule(schedule, worker),
         global_norm=global_norm,
         name=name,
+        stall_dump_s=cfg.comm_timeout_s / 2,  # stacks on stderr well before the timeout ends the job
     )
     return RankRuntime(layout, role, executor, stage, engine)
 

@@ -18,6 +18,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from disagmoe_ds.engine import instructions as ins
 from disagmoe_ds.engine.mailbox import Mailbox, message_key
+from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.schedule import TimelineEvent
 
 _CATEGORY = {
@@ -43,7 +44,17 @@ class StepResult:
 class AFPipeExecutor:
     """Runs ``train_batch`` for one rank: attention or FFN side, any layout, any number of micro-batches."""
 
-    def __init__(self, *, engine, runner, mailbox: Mailbox, schedule: ins.AFPipeSchedule, global_norm, name: str):
+    def __init__(
+        self,
+        *,
+        engine,
+        runner,
+        mailbox: Mailbox,
+        schedule: ins.AFPipeSchedule,
+        global_norm,
+        name: str,
+        stall_dump_s: float | None = None,
+    ):
         self.engine = engine
         self.runner = runner
         self.mailbox = mailbox
@@ -51,6 +62,7 @@ class AFPipeExecutor:
         self.global_norm = global_norm
         self.name = name
         self.timeline: list[TimelineEvent] | None = None
+        self.stall_watch = StallWatch(stall_dump_s)  # prints this rank's stacks if an instruction stalls
         self._incoming: dict[tuple[str, int, int], dict[str, Any]] = defaultdict(dict)
         self._outgoing: dict[tuple[str, int, int], Any] = {}
 
@@ -61,9 +73,13 @@ class AFPipeExecutor:
         """One optimizer step. ``batches`` (K micro-batches of input_ids/labels[/position_ids]) on A-group 0."""
         start = time.perf_counter()
         self.runner.start_step(batches)
-        for step in self.schedule.steps():
-            for cmd in step:
-                self._execute(cmd)
+        try:
+            for step in self.schedule.steps():
+                for cmd in step:
+                    self.stall_watch.tick()
+                    self._execute(cmd)
+        finally:
+            self.stall_watch.stop()
         if self._outgoing or self._incoming:
             raise RuntimeError(f"{self.name}: the stream left messages unsent {list(self._outgoing)}")
         return self._result(time.perf_counter() - start)
