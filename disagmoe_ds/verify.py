@@ -286,25 +286,13 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
     p = argparse.ArgumentParser(
         prog="disagmoe-verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="hf_models/tiny-qwen3-moe", help="HF model directory or config-only directory")
     p.add_argument("--attention-gpus", type=int, default=1, help="M: attention ranks")
     p.add_argument("--ffn-gpus", type=int, default=1, help="N: FFN (expert) ranks")
     p.add_argument("--depth", type=int, default=1, help="p: A-groups = F-groups (must divide the layer count)")
     p.add_argument("--expert-data-parallel", type=int, default=1, help="replicas of each expert shard")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per lane")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage inside each group")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skew", action="store_true", help="route every token to expert 0 first (load imbalance)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute chunk activations in backward")
-    p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
-    p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    add_run_args(p, zero_help="ZeRO stage inside each group")
     a = p.parse_args(argv)
     cfg = DisagMoEConfig(
         attention_gpus=a.attention_gpus,
@@ -314,24 +302,62 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         expert_data_parallel=a.expert_data_parallel,
         activation_checkpointing=a.activation_checkpointing,
     )
-    return VerifyArgs(
+    return run_args(VerifyArgs, a, cfg)
+
+
+def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
+    """The flags both verifies share: model, batches, optimizer, routing, outputs (the layout flags are each mode's)."""
+    p.add_argument("--model", default="hf_models/tiny-qwen3-moe", help="HF model directory or config-only directory")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help=zero_help)
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", action="store_true", help="route every token to expert 0 first (load imbalance)")
+    p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
+    p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+
+
+def run_args(cls: type[VerifyArgs], a: argparse.Namespace, cfg: Any) -> VerifyArgs:
+    """``cls`` (``VerifyArgs`` or a subclass) from ``add_run_args``'s flags and the mode's config."""
+    return cls(
         a.model, cfg, a.zero, a.steps, a.dtype, a.seq_len, a.micro_batch_size, a.clip, a.lr, a.seed, a.skew, a.timeline
     )
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli(argv, parse_args, run_verify, prog="disagmoe-verify")
+
+
+def cli(
+    argv: list[str] | None,
+    parse: Callable[[list[str] | None], VerifyArgs],
+    run_local: Callable[[VerifyArgs], dict[str, Any]],
+    *,
+    prog: str,
+    **launched: Any,
+) -> int:
+    """Parse, run here (``run_local``) or as a launcher's rank (``run_launched(**launched)``), print the summary.
+
+    Exit code 0 on pass, 1 on a mismatch, 2 on a configuration error (one line on stderr).
+    """
     from disagmoe_ds.errors import DisagMoEError
     from disagmoe_ds.launch.env import detect_launcher
 
     try:
-        args = parse_args(argv)
-        summary = run_launched(args) if detect_launcher() else run_verify(args)
+        args = parse(argv)
+        summary = run_launched(args, **launched) if detect_launcher() else run_local(args)
     except DisagMoEError as err:
-        print(f"disagmoe-verify: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     if summary is None:  # not global rank 0 of a launched job
         return 0
-    print(json.dumps(summary, indent=None if "--json" in (argv or sys.argv) else 2))
+    one_line = "--json" in (argv if argv is not None else sys.argv)
+    print(json.dumps(summary, indent=None if one_line else 2))
     return 0 if summary["pass"] else 1
 
 

@@ -111,10 +111,19 @@ def test_bad_configs_fail_at_build_time():
         check_zero(lay, {"zero_optimization": {"stage": 2}})
 
 
-def test_colocated_verify_under_torchrun(tiny_checkpoint):
+LAUNCHERS = {  # how each launcher starts 2 local ranks of the co-located verify
+    "torchrun": ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", "{port}", "-m"],
+    "deepspeed": ["deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "{port}"],  # adds --local_rank
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_colocated_verify_under_a_launcher(tiny_checkpoint, launcher):
     """Under a launcher the verify runs as one of its ranks (gloo here, NCCL on GPUs); rank 0 prints the summary."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    cmd += ["-m", "disagmoe_ds.colocated.verify", "--model", str(tiny_checkpoint("qwen3-moe")), "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parent.parent)
+    root = Path(__file__).resolve().parent.parent
+    script = "disagmoe_ds.colocated.verify" if launcher == "torchrun" else str(root / "disagmoe_ds/colocated/verify.py")
+    cmd = [sys.executable, "-m", *(a.format(port=free_port()) for a in LAUNCHERS[launcher]), script]
+    cmd += ["--model", str(tiny_checkpoint("qwen3-moe")), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=root)
     summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert out.returncode == 0 and len(summaries) == 1 and summaries[0]["pass"], out.stdout[-2000:] + out.stderr[-2000:]

@@ -11,7 +11,6 @@ The batches, the reference and the comparison are ``disagmoe_ds.verify``'s own; 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +24,13 @@ from disagmoe_ds.verify import (
     DTYPES,
     VerifyArgs,
     _full_grad,
+    add_run_args,
+    cli,
     compare,
     load_for_verify,
     make_batches,
     reference,
-    run_launched,
+    run_args,
     train_steps,
 )
 
@@ -125,49 +126,24 @@ def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="hf_models/tiny-qwen3-moe", help="HF model directory or config-only directory")
     p.add_argument("--world-size", type=int, default=2, help="W: ranks, each with attention and an expert slice")
     p.add_argument("--ep-size", type=int, default=2, help="expert-parallel ranks per copy of the experts (divides W)")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per rank")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (2 only with ep-size 1)")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skew", action="store_true", help="route every token to expert 0 first (load imbalance)")
-    p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
-    p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
+    add_run_args(p, zero_help="ZeRO stage (2 only with ep-size 1)")
     a = p.parse_args(argv)
     cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=a.micro_batches)
-    return ColocatedVerifyArgs(
-        a.model, cfg, a.zero, a.steps, a.dtype, a.seq_len, a.micro_batch_size, a.clip, a.lr, a.seed, a.skew, a.timeline
-    )
+    return run_args(ColocatedVerifyArgs, a, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from disagmoe_ds.errors import DisagMoEError
-    from disagmoe_ds.launch.env import detect_launcher
-
-    try:
-        args = parse_args(argv)
-        if detect_launcher():
-            summary = run_launched(args, rank_fn=rank_main, preflight_fn=preflight_colocated)
-        else:
-            summary = run_colocated_verify(args)
-    except DisagMoEError as err:
-        print(f"colocated verify: error: {err}", file=sys.stderr)
-        return 2
-    if summary is None:  # not global rank 0 of a launched job
-        return 0
-    print(json.dumps(summary, indent=None if args_json(argv) else 2))
-    return 0 if summary["pass"] else 1
-
-
-def args_json(argv: list[str] | None) -> bool:
-    return "--json" in (argv if argv is not None else sys.argv)
+    return cli(
+        argv,
+        parse_args,
+        run_colocated_verify,
+        prog="colocated verify",
+        rank_fn=rank_main,
+        preflight_fn=preflight_colocated,
+    )
 
 
 if __name__ == "__main__":
