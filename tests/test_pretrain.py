@@ -41,6 +41,18 @@ def pretrain(tok_cache: Path, *argv: object) -> int:
     return run_pretrain.main([*SHORT, "--tokenizer-cache", str(tok_cache), *map(str, argv)])
 
 
+def assert_refused_before_launch(tok_cache: Path, capfd, argv: list, message: str) -> None:
+    """``run_pretrain.py argv`` exits 2 at once with one error line matching ``message``; no rank started."""
+    start = time.monotonic()
+    assert pretrain(tok_cache, *argv) == 2
+    assert time.monotonic() - start < 10  # nothing was launched
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("run_pretrain.py")]
+    assert len(lines) == 1 and lines[0].startswith("run_pretrain.py: error: ") and "Traceback" not in err, err
+    assert re.search(message, lines[0]), lines[0]
+    assert "model:" not in out  # no rank printed its banner
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -227,11 +239,4 @@ def test_bad_input_is_a_one_line_error_before_any_rank_starts(tok_cache, tmp_pat
         "check hostfile": ["--check-hostfile", tmp_path / "bad"],
         "layout": ["--ffn-gpus", 3],
     }[case]
-    start = time.monotonic()
-    assert pretrain(tok_cache, *argv) == 2
-    assert time.monotonic() - start < 10  # nothing was launched
-    out, err = capfd.readouterr()
-    lines = [line for line in err.splitlines() if line.startswith("run_pretrain.py")]
-    assert len(lines) == 1 and lines[0].startswith("run_pretrain.py: error: ") and "Traceback" not in err, err
-    assert re.search(message, lines[0]), lines[0]
-    assert "model:" not in out  # no rank printed its banner
+    assert_refused_before_launch(tok_cache, capfd, argv, message)

@@ -30,7 +30,7 @@ from disagmoe_ds.engine.deepspeed_role import RoleMPU, role_ds_config
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.models.families import family_of
-from disagmoe_ds.models.loading import load_config, materialize
+from disagmoe_ds.models.loading import load_config, place
 from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
@@ -95,7 +95,7 @@ def build_colocated_rank(
         grad_norm=grad_norm,
         group=groups.data_parallel,
         name=name,
-        stall_dump_s=cfg.comm_timeout_s / 2,  # stacks on stderr well before the timeout ends the job
+        comm_timeout_s=cfg.comm_timeout_s,
     )
     return ColocatedRuntime(layout, layout.role_of(rank), executor, module, engine)
 
@@ -119,10 +119,7 @@ def build_colocated_model(
     attention = AttentionStage(model, layers, with_embedding=True, with_head=True)
     for i, part in enumerate((attention, stage)):
         # Before ExpertStageMoE marks the expert parameters: materialising replaces meta parameters by new ones.
-        if next(part.parameters()).is_meta:
-            materialize(part, model, device, seed=2 * seed + i, weights=weights)
-        else:
-            part.to(device)
+        place(part, model, device, seed=2 * seed + i, weights=weights)
     moe = ExpertStageMoE(
         stage, num_experts=layout.num_experts, ep_size=layout.ep_size, group_name=layout.expert_group_name
     )

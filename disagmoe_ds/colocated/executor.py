@@ -116,7 +116,7 @@ class ColocatedExecutor:
         grad_norm: ColocatedGradNorm,
         group,
         name: str,
-        stall_dump_s: float | None = None,
+        comm_timeout_s: float | None = None,
     ):
         self.engine = engine
         self.runner = ColocatedRunner(engine, num_micro_batches=num_micro_batches)
@@ -125,7 +125,7 @@ class ColocatedExecutor:
         self.group = group  # all ranks: the losses are averaged over it
         self.name = name
         self.timeline: list[TimelineEvent] | None = None
-        self.stall_watch = StallWatch(stall_dump_s)  # prints this rank's stacks if a forward/backward/step stalls
+        self.stall_watch = StallWatch.before_timeout(comm_timeout_s)  # stacks if a micro-batch or the step stalls
 
     def record_timeline(self, enabled: bool = True) -> None:
         self.timeline = [] if enabled else None

@@ -30,7 +30,7 @@ from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.families import family_of, router_of
 from disagmoe_ds.models.grouped_experts import compile_elementwise
-from disagmoe_ds.models.loading import load_config, materialize
+from disagmoe_ds.models.loading import load_config, place
 from disagmoe_ds.models.partial_load import rank_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, moe_layers, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
@@ -90,7 +90,6 @@ def build_rank(
     rank = dist.get_rank()
     device = device or process_device()
     model, pretrained = rank_model(model_dir, dtype=dtype, model=model, weights=weights)
-    on_meta = next(model.parameters()).is_meta
     layout = cfg.layout(num_layers=model.config.num_hidden_layers, num_experts=num_routed_experts(model))
     layout.check_world_size(dist.get_world_size())
     moe = moe_layers(model)
@@ -102,11 +101,8 @@ def build_rank(
     exchange = build_exchange_groups(layout, device=device, timeout=timeout)
     top_k, weight_dtype = _router_facts(model, moe)
     stage = _build_stage(model, layout, role)
-    if on_meta:
-        # Freshly initialised replicas differ until DeepSpeed broadcasts them; pretrained ones start identical.
-        materialize(stage, model, device, seed=seed * 100_003 + rank, weights=pretrained)
-    else:
-        stage.to(device)
+    # Freshly initialised replicas differ until DeepSpeed broadcasts them; pretrained ones start identical.
+    place(stage, model, device, seed=seed * 100_003 + rank, weights=pretrained)
     del model
     if cfg.compile:
         compile_stage(stage)
@@ -158,7 +154,7 @@ def build_rank(
         schedule=AFPipeSchedule(schedule, worker),
         global_norm=global_norm,
         name=name,
-        stall_dump_s=cfg.comm_timeout_s / 2,  # stacks on stderr well before the timeout ends the job
+        comm_timeout_s=cfg.comm_timeout_s,
     )
     return RankRuntime(layout, role, executor, stage, engine)
 

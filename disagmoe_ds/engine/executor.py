@@ -53,7 +53,7 @@ class AFPipeExecutor:
         schedule: ins.AFPipeSchedule,
         global_norm,
         name: str,
-        stall_dump_s: float | None = None,
+        comm_timeout_s: float | None = None,
     ):
         self.engine = engine
         self.runner = runner
@@ -62,7 +62,7 @@ class AFPipeExecutor:
         self.global_norm = global_norm
         self.name = name
         self.timeline: list[TimelineEvent] | None = None
-        self.stall_watch = StallWatch(stall_dump_s)  # prints this rank's stacks if an instruction stalls
+        self.stall_watch = StallWatch.before_timeout(comm_timeout_s)  # this rank's stacks if an instruction stalls
         self._incoming: dict[tuple[str, int, int], dict[str, Any]] = defaultdict(dict)
         self._outgoing: dict[tuple[str, int, int], Any] = {}
 

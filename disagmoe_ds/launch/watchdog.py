@@ -24,6 +24,11 @@ class StallWatch:
         self.seconds = seconds if seconds and sys.__stderr__ is not None else None
         self._armed_at = -math.inf
 
+    @classmethod
+    def before_timeout(cls, comm_timeout_s: float | None) -> StallWatch:
+        """Fires at half the communication timeout: the stacks are out well before the timeout ends the job."""
+        return cls(comm_timeout_s / 2 if comm_timeout_s else None)
+
     def tick(self) -> None:
         if self.seconds is None:
             return

@@ -110,6 +110,21 @@ def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) ->
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def place(
+    stage: nn.Module,
+    model: nn.Module,
+    device: torch.device,
+    *,
+    seed: int = 0,
+    weights: PretrainedWeights | None = None,
+) -> None:
+    """Put a part cut from ``model`` on ``device``: ``materialize`` it when cut from a meta model, else move it."""
+    if next(stage.parameters()).is_meta:
+        materialize(stage, model, device, seed=seed, weights=weights)
+    else:
+        stage.to(device)
+
+
 def materialize(
     stage: nn.Module,
     model: nn.Module,
