@@ -75,7 +75,8 @@ def random_messages(args: BenchArgs, layout: Layout, lane: int, device: torch.de
     w_TK = torch.rand(args.tokens, args.top_k, generator=gen).softmax(-1).to(device, WEIGHT_DTYPE)
     x_TH = torch.randn(args.tokens, args.hidden, generator=gen).to(device, args.dtype)
     plan = plan_dispatch(topk_idx_TK, layout.ep_size, layout.experts_per_rank)
-    return dispatch_messages(pack(x_TH, w_TK, plan), plan), plan
+    messages, _ = dispatch_messages(pack(x_TH, w_TK, plan), plan)
+    return messages, plan
 
 
 def message_bytes(tensors) -> int:

@@ -9,7 +9,8 @@ Variants, all on the same routed tokens (one rank holding every expert):
     ours           ``grouped_gated_experts`` (sort, gather, two grouped GEMMs, fusable middle, gather-sum)
     ours-compiled  the same with the elementwise middle under ``torch.compile``
 
-Prints ms, TFLOP/s (3 x 6 * pairs * H * I) and writes JSON with ``--json``.
+Prints ms, TFLOP/s (3 x 6 * pairs * H * I) and writes JSON with ``--json``. Timed as ``bench_layer.py`` times
+(gradients set to None each step, steps back to back).
 """
 
 from __future__ import annotations
@@ -38,18 +39,26 @@ def make_inputs(args, device: str, dtype: torch.dtype):
     return x, idx.to(device), w.to(device, dtype).requires_grad_(), gate_up.requires_grad_(), down.requires_grad_()
 
 
+def _fresh_grads(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        t.grad = None
+
+
 def step_ours(x, idx, w, gate_up, down, grad):
-    out = grouped_experts.grouped_gated_experts(x, idx, w, gate_up, down, F.silu)
+    _fresh_grads(x, w, gate_up, down)
+    out = grouped_experts.grouped_gated_experts(x, idx, w, gate_up, down, F.silu, idx.numel())  # pairs: the header's
     out.backward(grad)
 
 
 def step_gemm_only(x_sorted, offsets, gate_up, down, grad_sorted):
+    _fresh_grads(x_sorted, gate_up, down)
     h = F.grouped_mm(x_sorted, gate_up.transpose(1, 2), offs=offsets)
     out = F.grouped_mm(h[:, : h.shape[1] // 2], down.transpose(1, 2), offs=offsets)
     out.backward(grad_sorted)
 
 
 def step_hf(module, x, idx, w, grad):
+    _fresh_grads(x, w, *module.parameters())
     module(x, idx, w).backward(grad)
 
 

@@ -13,6 +13,10 @@ forward + backward of:
 and prints tokens/s, TFLOP/s and MFU (model FLOPs, Megatron convention: active experts, causal attention,
 training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs). ``--json`` writes the table;
 ``--profile`` prints the top CUDA kernels of ``ours`` (where the time goes).
+
+Timing is that of a training loop: every step starts with the gradients set to None (``zero_grad``'s default, so
+the weight gradients are written, not accumulated) and steps run back to back, the device synchronised only at
+the ends of each timed window (the host launches ahead, as it does in training).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,7 +40,15 @@ from disagmoe_ds.planner.model import load_model_spec
 PEAK_TFLOPS = 989.0
 
 
+def _fresh_grads(modules, h_BSH) -> None:
+    for module in modules:
+        for p in module.parameters():
+            p.grad = None
+    h_BSH.grad = None
+
+
 def _hf_step(model, h_BSH, ctx, grad_BSH):
+    _fresh_grads([model], h_BSH)
     out = model.model.layers[0](
         h_BSH,
         attention_mask=ctx.mask_for(model.config, 0),
@@ -47,32 +60,34 @@ def _hf_step(model, h_BSH, ctx, grad_BSH):
 
 def _ours_step(parts, h_BSH, ctx, grad_BSH):
     attention_part, experts, config = parts
+    _fresh_grads([attention_part, experts], h_BSH)
     out = attention_part(h_BSH, ctx, config)
     plan = plan_dispatch(out.topk_idx_TK, 1, experts.num_local)
     ((x_RH, w_RK),) = pack(out.x_TH, out.topk_w_TK, plan)
-    y_RH = experts.shard(0)(x_RH, plan.local_idx_RK[0], w_RK)
+    y_RH = experts.shard(0)(x_RH, plan.local_idx_RK[0], w_RK, plan.pairs[0])
     (out.residual_BSH + combine([y_RH], plan).view_as(out.residual_BSH)).backward(grad_BSH)
 
 
-def time_step(step, *args, warmup: int, iters: int, device: str) -> float:
-    """Median seconds of ``step(*args)``."""
+def time_step(step, *args, warmup: int, iters: int, device: str, windows: int = 3) -> float:
+    """Seconds per ``step(*args)``: the median over ``windows`` of the mean of ``iters`` back-to-back steps."""
     for _ in range(warmup):
         step(*args)
     times = []
-    for _ in range(iters):
+    for _ in range(windows):
         if device == "cuda":
+            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            step(*args)
+            for _ in range(iters):
+                step(*args)
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+            times.append(start.elapsed_time(end) / 1e3 / iters)
         else:
-            import time
-
             t0 = time.perf_counter()
-            step(*args)
-            times.append(time.perf_counter() - t0)
+            for _ in range(iters):
+                step(*args)
+            times.append((time.perf_counter() - t0) / iters)
     return statistics.median(times)
 
 
@@ -129,6 +144,9 @@ def print_profile(step, args, top: int = 25) -> None:
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         step(*args)
         torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.device_time for e in kernels) / 1e3
+    print(f"{len(kernels)} kernels, {busy_ms:.2f} ms of kernel time in one step", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top), flush=True)
 
 

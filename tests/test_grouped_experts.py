@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.parts import ExpertStage
@@ -20,9 +21,8 @@ FAMILY_DIRS = {
 TOL = 1e-5  # fp32; only the GEMM kernels and the summation order differ
 
 
-@pytest.mark.parametrize("family", GATED_FUSED_FAMILIES)
-@pytest.mark.parametrize("case", ["random", "sentinels", "one-expert", "empty"])
-def test_grouped_equals_hf_loop(tiny_checkpoint, family, case):
+def _routed_case(tiny_checkpoint, family: str, case: str):
+    """A shard of half the experts of ``family``'s first MoE layer and routed rows for ``case``."""
     model = load_model(tiny_checkpoint(FAMILY_DIRS[family]))
     model.set_experts_implementation("eager")  # the per-expert loop
     layer = next(i for i, lay in enumerate(model.model.layers) if hasattr(lay.mlp, "experts"))
@@ -37,12 +37,11 @@ def test_grouped_equals_hf_loop(tiny_checkpoint, family, case):
         idx[:, 0] = 1
     x = torch.randn(rows, model.config.hidden_size, requires_grad=True)
     w = torch.rand(rows, k, requires_grad=True)
-    fast = shard(x, idx, w)
-    ref = shard.forward_hf(x, idx, w)
-    if rows == 0:
-        assert fast.shape == ref.shape == (0, model.config.hidden_size)
-        return
-    assert (fast - ref).abs().max().item() <= TOL
+    return shard, x, idx, w, int((idx < half).sum())
+
+
+def _assert_close(shard, x, w, fast, ref, tol: float = TOL) -> None:
+    assert (fast - ref).abs().max().item() <= tol
     g = torch.randn_like(fast)
     grads_fast = torch.autograd.grad(fast, [x, w, *shard.parameters()], g, allow_unused=True)
     grads_ref = torch.autograd.grad(ref, [x, w, *shard.parameters()], g, allow_unused=True)
@@ -50,4 +49,29 @@ def test_grouped_equals_hf_loop(tiny_checkpoint, family, case):
         a = torch.zeros_like(b) if a is None and b is not None else a
         b = torch.zeros_like(a) if b is None and a is not None else b
         if a is not None:
-            assert (a - b).abs().max().item() <= TOL
+            assert (a - b).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("family", GATED_FUSED_FAMILIES)
+@pytest.mark.parametrize("case", ["random", "sentinels", "one-expert", "empty"])
+@pytest.mark.parametrize("pairs_known", [False, True], ids=["pairs-read", "pairs-given"])
+def test_grouped_equals_hf_loop(tiny_checkpoint, family, case, pairs_known):
+    shard, x, idx, w, num_pairs = _routed_case(tiny_checkpoint, family, case)
+    fast = shard(x, idx, w, num_pairs if pairs_known else None)
+    ref = shard.forward_hf(x, idx, w)
+    if x.shape[0] == 0:
+        assert fast.shape == ref.shape == (0, x.shape[1])
+        return
+    _assert_close(shard, x, w, fast, ref)
+
+
+@pytest.mark.parametrize("case", ["random", "sentinels"])
+def test_compiled_fusions_equal_eager(tiny_checkpoint, case, monkeypatch):
+    """``compile_elementwise`` (fused activation and gather-sum un-permute) computes what the eager path does."""
+    for name in ("_gated", "_sum_slots"):
+        monkeypatch.setattr(grouped_experts, name, getattr(grouped_experts, name))  # restored after the test
+    shard, x, idx, w, num_pairs = _routed_case(tiny_checkpoint, "qwen3_moe", case)
+    eager = shard(x, idx, w, num_pairs)
+    grouped_experts.compile_elementwise()
+    assert grouped_experts._sum_slots is not grouped_experts._sum_slots_eager
+    _assert_close(shard, x, w, shard(x, idx, w, num_pairs), eager)

@@ -5,7 +5,7 @@ Legend (this file): T tokens of this rank's micro-batch, H hidden, K top-k, P ep
 
 A dispatcher is a strategy with Megatron's split, each direction local -> communicate -> local:
 
-    dispatch  plan + pack (``routing``)  ->  counts, then x / local ids / weights (all-to-all)  ->  (rows as received)
+    dispatch  plan + gather_rows (``routing``)  ->  counts, then x / local ids / weights (all-to-all)  ->  (rows as received)
     combine   (nothing)                  ->  expert outputs back (the reverse all-to-all)        ->  ``routing.combine``
 
 ``dispatch`` returns the routed rows and a frozen metadata value that ``combine`` takes back (torchtitan). Only
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.comm.routing import DispatchPlan, combine, pack, plan_dispatch
+from disagmoe_ds.comm.routing import DispatchPlan, combine, gather_rows, plan_dispatch
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,6 +33,7 @@ class RoutedTokens:
     x_RH: torch.Tensor
     local_idx_RK: torch.Tensor  # ids local to this rank's shard; ``experts_per_rank`` where the expert is elsewhere
     w_RK: torch.Tensor  # 0 at those sentinel entries
+    num_pairs: int  # ids in local_idx_RK that are not the sentinel: the expert work, known on the host
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,12 +87,10 @@ class LocalDispatcher:
     ) -> tuple[RoutedTokens, DispatchMetadata]:
         """Route this rank's tokens to the ep ranks holding their experts; returns the rows this rank computes."""
         plan = plan_dispatch(topk_idx_TK, self.ep_size, self.experts_per_rank)
-        pieces = pack(x_TH, topk_w_TK, plan)
-        x_SH = torch.cat([x_RH for x_RH, _ in pieces])  # pack's pieces are views of one buffer, in ep-rank order
-        w_SK = torch.cat([w_RK for _, w_RK in pieces])
-        recv_counts = self._exchange_counts(plan.counts, x_TH.device)
+        x_SH, w_SK = gather_rows(x_TH, topk_w_TK, plan)
+        recv_counts, recv_pairs = self._exchange_counts(plan.counts, plan.pairs, x_TH.device)
         x_RH, w_RK, local_idx_RK = self._exchange(plan.counts, recv_counts, x_SH, w_SK, plan.local_idx_SK)
-        return RoutedTokens(x_RH, local_idx_RK, w_RK), DispatchMetadata(plan, recv_counts)
+        return RoutedTokens(x_RH, local_idx_RK, w_RK, sum(recv_pairs)), DispatchMetadata(plan, recv_counts)
 
     def combine(self, y_RH: torch.Tensor, meta: DispatchMetadata) -> torch.Tensor:
         """Return each received row's expert output to its source rank and sum them per token: out_TH."""
@@ -99,9 +98,12 @@ class LocalDispatcher:
         return combine(list(y_SH.split(meta.plan.counts)), meta.plan)
 
     # ----- the communication steps (the only part a subclass replaces) -----
-    def _exchange_counts(self, send_counts: tuple[int, ...], device: torch.device) -> tuple[int, ...]:
+    def _exchange_counts(
+        self, send_counts: tuple[int, ...], send_pairs: tuple[int, ...], device: torch.device
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Rows and (row, expert) pairs this rank receives from each ep peer, from what each peer sends it."""
         del device
-        return send_counts
+        return send_counts, send_pairs
 
     def _exchange(
         self, send_counts: tuple[int, ...], recv_counts: tuple[int, ...], *tensors_S: torch.Tensor
@@ -119,11 +121,14 @@ class AllToAllDispatcher(LocalDispatcher):
         assert dist.get_world_size(group) == ep_size, f"an ep group of {dist.get_world_size(group)} ranks, ep {ep_size}"
         self.group = group
 
-    def _exchange_counts(self, send_counts: tuple[int, ...], device: torch.device) -> tuple[int, ...]:
-        send_P = torch.tensor(send_counts, dtype=torch.int64, device=device)
-        recv_P = torch.empty_like(send_P)
-        dist.all_to_all_single(recv_P, send_P, group=self.group)
-        return tuple(recv_P.tolist())  # host sync: the receive sizes
+    def _exchange_counts(
+        self, send_counts: tuple[int, ...], send_pairs: tuple[int, ...], device: torch.device
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        send_P2 = torch.tensor(list(zip(send_counts, send_pairs, strict=True)), dtype=torch.int64, device=device)
+        recv_P2 = torch.empty_like(send_P2)
+        dist.all_to_all_single(recv_P2, send_P2, group=self.group)
+        counts, pairs = zip(*recv_P2.tolist(), strict=True)  # host sync: the receive sizes
+        return counts, pairs
 
     def _exchange(
         self, send_counts: tuple[int, ...], recv_counts: tuple[int, ...], *tensors_S: torch.Tensor

@@ -155,7 +155,7 @@ class ColocatedModel(nn.Module):
             load_LE[layer] = torch.bincount(out.topk_idx_TK.reshape(-1), minlength=num_experts)
             stats.append(router_stats(out.router_logits_TE, part.router.top_k))
             routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
-            y_RH = self.experts.shard(layer)(routed.x_RH, routed.local_idx_RK, routed.w_RK)
+            y_RH = self.experts.shard(layer)(routed.x_RH, routed.local_idx_RK, routed.w_RK, routed.num_pairs)
             h_BSH = out.residual_BSH + self.dispatcher.combine(y_RH, meta).view_as(out.residual_BSH)
         _, lm_loss = self.attention.head(h_BSH, labels)
         if self.aux_coef is None:

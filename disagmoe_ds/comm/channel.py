@@ -5,7 +5,7 @@ Legend (this file): R rows of one message.
 torch.distributed and NCCL point-to-point have no usable tags: messages on one (group, src, dst) match in
 posting order. A message is therefore split in two streams on two process groups of the same pair:
 
-    header  int64[3] = (rows, spec fingerprint, tag) on ``Link.header_group``
+    header  int64[4] = (rows, spec fingerprint, tag, meta) on ``Link.header_group``
     payload the message's tensors, in spec order, on ``Link.payload_group``
 
 so a receiver can post header receives ahead of need (before it knows the size) without a posted receive
@@ -27,7 +27,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-HEADER_LEN = 3  # rows, fingerprint, tag
+HEADER_LEN = 4  # rows, fingerprint, tag, meta
 
 
 class ChannelError(RuntimeError):
@@ -109,18 +109,20 @@ class Sender:
         self.device = device
         self._in_flight: deque[SendHandle] = deque()
 
-    def send(self, tensors: Sequence[torch.Tensor], *, tag: int = 0) -> SendHandle:
+    def send(self, tensors: Sequence[torch.Tensor], *, tag: int = 0, meta: int = 0) -> SendHandle:
         """Post header and payload sends; returns at once. Do not modify the tensors in place until the send
         completes (``SendHandle.wait`` or ``wait_all``); the Sender keeps them alive until then.
 
         Args:
             tensors: the message, matching the spec (same row count for every per-row tensor).
             tag: an integer the receiver may check (e.g. the micro-batch id), to catch schedule mismatches.
+            meta: an integer the receiver reads with the header, on the host, before the payload arrives (M2N:
+                the routed (row, expert) pairs, which size the expert side's buffers without a device read).
         """
         rows = self.spec.check(tensors)
         # isend needs contiguous memory; detach because communication is outside autograd.
         payload = tuple(t.detach().contiguous() for t in tensors)
-        header = torch.tensor([rows, self.spec.fingerprint, tag], dtype=torch.int64, device=self.device)
+        header = torch.tensor([rows, self.spec.fingerprint, tag, meta], dtype=torch.int64, device=self.device)
         works = [dist.isend(header, self.link.dst, group=self.link.header_group)]
         works += [dist.isend(t, self.link.dst, group=self.link.payload_group) for t in payload if t.numel()]
         handle = SendHandle(works=works, tensors=(header, *payload))
@@ -162,14 +164,14 @@ class Receiver:
 
     def wait(self, *, tag: int | None = None) -> tuple[torch.Tensor, ...]:
         """Complete the oldest message (posting its header now if none is posted) and return its tensors."""
-        rows = self.wait_header(tag=tag)
+        rows, _ = self.wait_header(tag=tag)
         tensors = self.spec.empty(rows, self.device)
         for work in self.irecv_payload(tensors):
             work.wait()
         return tensors
 
-    def wait_header(self, *, tag: int | None = None) -> int:
-        """Wait for the oldest posted header and return the message's row count (a host sync on devices).
+    def wait_header(self, *, tag: int | None = None) -> tuple[int, int]:
+        """Wait for the oldest posted header and return the message's rows and meta (a host sync on devices).
 
         Must be followed by ``irecv_payload`` before the next header: payloads match in order.
         """
@@ -179,7 +181,7 @@ class Receiver:
             self.post()
         posted = self._posted.popleft()
         posted.work.wait()
-        rows, fingerprint, sent_tag = posted.header.tolist()  # host sync: sizes decide the allocation
+        rows, fingerprint, sent_tag, meta = posted.header.tolist()  # host sync: sizes decide the allocation
         if fingerprint != self.spec.fingerprint:
             raise ChannelError(
                 f"{self._where()}: the sender's message spec differs from this receiver's {self.spec.tensors} "
@@ -188,7 +190,7 @@ class Receiver:
         if tag is not None and sent_tag != tag:
             raise ChannelError(f"{self._where()}: expected tag {tag}, the oldest message has tag {sent_tag}")
         self._payload_rows = rows
-        return rows
+        return rows, meta
 
     def irecv_payload(self, tensors: Sequence[torch.Tensor]) -> list[dist.Work]:
         """Post the payload receives of the message whose header was just read, into ``tensors``.

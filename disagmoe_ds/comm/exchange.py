@@ -200,9 +200,11 @@ def exchange_specs(
 
 def dispatch_messages(
     pieces: Sequence[tuple[torch.Tensor, torch.Tensor]], plan: DispatchPlan
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """M2N messages from ``routing.pack``'s pieces: ``(x_RH, local_idx_RK, w_RK)`` per ep rank."""
-    return [(x_RH, idx_RK, w_RK) for (x_RH, w_RK), idx_RK in zip(pieces, plan.local_idx_RK, strict=True)]
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tuple[int, ...]]:
+    """M2N messages from ``routing.pack``'s pieces, ``(x_RH, local_idx_RK, w_RK)`` per ep rank, and the routed
+    pairs of each (their header meta: the F rank sizes its expert buffers from it without a device read)."""
+    messages = [(x_RH, idx_RK, w_RK) for (x_RH, w_RK), idx_RK in zip(pieces, plan.local_idx_RK, strict=True)]
+    return messages, plan.pairs
 
 
 # ----- fan-out and fan-in for one micro-batch -----
@@ -212,6 +214,7 @@ class LaneRows:
 
     lanes: tuple[int, ...]
     counts: tuple[int, ...]
+    meta: int = 0  # the messages' header metas summed (M2N: routed pairs in the S rows)
 
 
 class M2NSender:
@@ -227,11 +230,18 @@ class M2NSender:
         peers = lane_peers(groups.layout, kind, role.group, role.index)
         return cls(tuple(Sender(groups.link(kind, groups.rank, f), spec, device) for f in peers))
 
-    def send(self, messages: Sequence[Sequence[torch.Tensor]], *, tag: int = 0) -> list[SendHandle]:
-        """Send ``messages[e]`` to ep rank e (zero-row messages too: every link sees one message per micro-batch)."""
+    def send(
+        self, messages: Sequence[Sequence[torch.Tensor]], metas: Sequence[int] | None = None, *, tag: int = 0
+    ) -> list[SendHandle]:
+        """Send ``messages[e]`` (header meta ``metas[e]``, default 0) to ep rank e; zero-row messages too: every
+        link sees one message per micro-batch."""
         if len(messages) != len(self.senders):
             raise ValueError(f"got {len(messages)} messages for {len(self.senders)} ep ranks")
-        return [sender.send(message, tag=tag) for sender, message in zip(self.senders, messages, strict=True)]
+        metas = metas or (0,) * len(messages)
+        return [
+            sender.send(message, tag=tag, meta=meta)
+            for sender, message, meta in zip(self.senders, messages, metas, strict=True)
+        ]
 
     def wait_all(self) -> None:
         for sender in self.senders:
@@ -264,8 +274,8 @@ class M2NReceiver:
 
     def wait(self, *, tag: int | None = None) -> tuple[tuple[torch.Tensor, ...], LaneRows]:
         """Complete one micro-batch: returns its tensors (S rows, lanes in order) and the rows per lane."""
-        tensors, counts = _gather(self.receivers, self.spec, self.device, tag)
-        return tensors, LaneRows(self.lanes, counts)
+        tensors, counts, metas = _gather(self.receivers, self.spec, self.device, tag)
+        return tensors, LaneRows(self.lanes, counts, sum(metas))
 
 
 class N2MSender:
@@ -317,7 +327,7 @@ class N2MReceiver:
 
     def wait(self, *, plan: DispatchPlan | None = None, tag: int | None = None) -> list[tuple[torch.Tensor, ...]]:
         """Complete one micro-batch: the message of each ep rank; checks the row counts against ``plan``."""
-        tensors, counts = _gather(self.receivers, self.spec, self.device, tag)
+        tensors, counts, _ = _gather(self.receivers, self.spec, self.device, tag)
         if plan is not None and counts != plan.counts:
             raise ValueError(f"received rows {counts} per ep rank, the plan sent {plan.counts}")
         return list(zip(*(t.split(counts) for t in tensors), strict=True))
@@ -325,16 +335,18 @@ class N2MReceiver:
 
 def _gather(
     receivers: Sequence[Receiver], spec: MessageSpec, device: torch.device, tag: int | None
-) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    """Receive one message per receiver into one buffer per tensor (no concatenation copy)."""
-    counts = tuple(receiver.wait_header(tag=tag) for receiver in receivers)
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], tuple[int, ...]]:
+    """Receive one message per receiver into one buffer per tensor (no concatenation copy): the buffers, and
+    each message's rows and header meta."""
+    headers = [receiver.wait_header(tag=tag) for receiver in receivers]
+    counts, metas = tuple(rows for rows, _ in headers), tuple(meta for _, meta in headers)
     buffers = spec.empty(sum(counts), device)
     works = []
     for receiver, slices in zip(receivers, zip(*(b.split(counts) for b in buffers)), strict=True):
         works += receiver.irecv_payload(slices)
     for work in works:
         work.wait()
-    return buffers, counts
+    return buffers, counts, metas
 
 
 def _check_kind(kind: Kind, allowed: tuple[Kind, ...], who: str) -> None:

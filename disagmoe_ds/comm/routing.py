@@ -9,8 +9,8 @@ with weight 0: the convention of Hugging Face transformers 5.x experts modules, 
 num_experts, so an F rank can feed the rows straight into its slice of the HF experts.
 
 >>> plan = plan_dispatch(torch.tensor([[0, 3], [1, 0], [2, 3]]), ep_size=2, experts_per_rank=2)
->>> plan.counts, [t.tolist() for t in plan.token_idx_R], [t.tolist() for t in plan.local_idx_RK]
-((2, 2), [[0, 1], [0, 2]], [[[0, 2], [1, 0]], [[2, 1], [0, 1]]])
+>>> plan.counts, plan.pairs, [t.tolist() for t in plan.token_idx_R], [t.tolist() for t in plan.local_idx_RK]
+((2, 2), (3, 3), [[0, 1], [0, 2]], [[[0, 2], [1, 0]], [[2, 1], [0, 1]]])
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class DispatchPlan:
     num_tokens: int
     experts_per_rank: int
     counts: tuple[int, ...]  # R per ep rank, on the host
+    pairs: tuple[int, ...]  # routed (token, expert) pairs per ep rank, on the host: the expert side's work
     token_idx_S: torch.Tensor
     local_idx_SK: torch.Tensor
 
@@ -61,16 +62,22 @@ def plan_dispatch(topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int
         experts_per_rank: routed experts held by each ep rank (``Layout.experts_per_rank``).
 
     Returns:
-        The plan; one host sync (the per-rank row counts).
+        The plan; one host sync (the per-rank row and pair counts), none when ``ep_size`` is 1.
     """
     num_tokens = topk_idx_TK.shape[0]
     topk_idx_TK = topk_idx_TK.long()
+    if ep_size == 1:  # every token goes to the one rank, every id is local: the sizes are known on the host
+        token_idx_S = torch.arange(num_tokens, device=topk_idx_TK.device)
+        return DispatchPlan(
+            num_tokens, experts_per_rank, (num_tokens,), (topk_idx_TK.numel(),), token_idx_S, topk_idx_TK
+        )
     rank_TK = topk_idx_TK // experts_per_rank
     hit_PT = torch.zeros(ep_size, num_tokens, dtype=torch.bool, device=topk_idx_TK.device)
     hit_PT[rank_TK, torch.arange(num_tokens, device=topk_idx_TK.device).unsqueeze(1)] = True
     # nonzero() walks row-major: rows grouped by ep rank, tokens increasing inside each rank.
     rank_S, token_idx_S = hit_PT.nonzero(as_tuple=True)
-    counts = tuple(hit_PT.sum(dim=1).tolist())  # host sync: the message sizes
+    pairs_P = torch.bincount(rank_TK.reshape(-1), minlength=ep_size)
+    counts, pairs = (tuple(c) for c in torch.stack([hit_PT.sum(dim=1), pairs_P]).tolist())  # host sync: sizes
     idx_SK = topk_idx_TK.index_select(0, token_idx_S)
     here_SK = rank_TK.index_select(0, token_idx_S) == rank_S.unsqueeze(1)
     local_idx_SK = torch.where(here_SK, idx_SK - rank_S.unsqueeze(1) * experts_per_rank, experts_per_rank)
@@ -78,20 +85,29 @@ def plan_dispatch(topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int
         num_tokens=num_tokens,
         experts_per_rank=experts_per_rank,
         counts=counts,
+        pairs=pairs,
         token_idx_S=token_idx_S,
         local_idx_SK=local_idx_SK,
     )
 
 
-def pack(x_TH: torch.Tensor, topk_w_TK: torch.Tensor, plan: DispatchPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Gather each ep rank's rows and weights (differentiable in x and w; weights keep their dtype).
+def gather_rows(x_TH: torch.Tensor, topk_w_TK: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every ep rank's rows and weights, in ep-rank order (differentiable in x and w; weights keep their dtype).
 
     Returns:
-        ``[(x_RH, w_RK) for each ep rank]``, views of one gathered buffer; ``w_RK`` is 0 at sentinel entries.
+        ``(x_SH, w_SK)``, ``w_SK`` 0 at sentinel entries; the inputs themselves when one ep rank takes every
+        token, in order (no copy).
     """
+    if plan.ep_size == 1:
+        return x_TH, topk_w_TK  # no sentinels either
     x_SH = x_TH.index_select(0, plan.token_idx_S)
     w_SK = topk_w_TK.index_select(0, plan.token_idx_S)
-    w_SK = w_SK.masked_fill(plan.local_idx_SK == plan.sentinel, 0)
+    return x_SH, w_SK.masked_fill(plan.local_idx_SK == plan.sentinel, 0)
+
+
+def pack(x_TH: torch.Tensor, topk_w_TK: torch.Tensor, plan: DispatchPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``gather_rows`` split per ep rank: ``[(x_RH, w_RK) for each ep rank]``, views of the gathered rows."""
+    x_SH, w_SK = gather_rows(x_TH, topk_w_TK, plan)
     return list(zip(x_SH.split(plan.counts), w_SK.split(plan.counts), strict=True))
 
 
@@ -104,6 +120,8 @@ def combine(y_RH_list: list[torch.Tensor], plan: DispatchPlan) -> torch.Tensor:
     rows = tuple(y_RH.shape[0] for y_RH in y_RH_list)
     if rows != plan.counts:
         raise ValueError(f"combine got rows {rows} per ep rank, the plan sent {plan.counts}")
+    if plan.ep_size == 1:
+        return y_RH_list[0]  # one rank took every token (each has K >= 1 experts), in token order
     y_SH = torch.cat(y_RH_list)
     out_TH = y_SH.new_zeros(plan.num_tokens, y_SH.shape[1])
     return out_TH.index_add(0, plan.token_idx_S, y_SH)

@@ -7,10 +7,13 @@ to reach that send.
 
 Payloads (shape suffixes: T tokens of a micro-batch, H hidden, K top-k, E experts, R/S rows):
 
-    m2n        lane -> each ep rank      (x_RH, local_idx_RK, w_RK) per ep rank      F side: S rows, LaneRows
+    m2n        lane -> each ep rank      ([(x_RH, local_idx_RK, w_RK)], pairs) on A  F side: S rows, LaneRows
     n2m        ep rank -> next lane      ((y_SH,), LaneRows) on F                    A side: [(y_RH,)] per ep rank
     m2n_grad   ep rank -> lane           ((dx_SH, dw_SK), LaneRows) on F             A side: [(dx_RH, dw_RK)]
-    n2m_grad   next lane -> ep rank      [(dy_RH,)] per ep rank on A                 F side: (dy_SH,), LaneRows
+    n2m_grad   next lane -> ep rank      ([(dy_RH,)], None) on A                     F side: (dy_SH,), LaneRows
+
+(A-side fan-outs carry one message per ep rank and their header metas; ``pairs`` per ep rank size the F side's
+expert buffers, arriving in ``LaneRows.meta``.)
     resid      lane -> next lane         (residual_TH, topk_idx_TK, position_ids_T, counts_E, prob_sum_E)
     resid_grad next lane -> lane         (d_residual_TH, aux_grad_E)
 """
@@ -107,10 +110,7 @@ class Mailbox:
         def fan_out(kind: Kind, cls) -> None:
             end = cls.build(groups, kind, spec=specs[kind], device=device)
             self._flush.append(end.wait_all)
-            if cls is M2NSender:
-                self._senders[kind.value] = lambda payload, tag: end.send(payload, tag=tag)
-            else:
-                self._senders[kind.value] = lambda payload, tag: end.send(payload[0], payload[1], tag=tag)
+            self._senders[kind.value] = lambda payload, tag: end.send(payload[0], payload[1], tag=tag)
 
         def fan_in(kind: Kind, cls) -> None:
             end = cls.build(groups, kind, spec=specs[kind], device=device)

@@ -204,7 +204,7 @@ class AttentionRunner:
             d_resid_TH = _grad_or_zeros(chunk.resid_leaf).reshape(-1, chunk.resid_leaf.shape[-1])
             self._hand_off("resid_grad", layer, mb, (d_resid_TH, aux_grad_E), outgoing)
             if chunk.y_leaves:
-                outgoing["n2m_grad"] = [(_grad_or_zeros(y),) for y in chunk.y_leaves]
+                outgoing["n2m_grad"] = ([(_grad_or_zeros(y),) for y in chunk.y_leaves], None)
         return outgoing
 
     # ----- residual hand-off: a message when p > 1, a local value when p == 1 -----
@@ -240,7 +240,7 @@ class ExpertRunner:
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         (x_SH, local_idx_SK, w_SK), rows = incoming["m2n"]
         x_SH, w_SK = _leaf(x_SH), _leaf(w_SK)
-        y_SH = self.recompute(self.stage.shard(layer), x_SH, local_idx_SK, w_SK)
+        y_SH = self.recompute(self.stage.shard(layer), x_SH, local_idx_SK, w_SK, rows.meta)
         self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows)
         return {"n2m": ((y_SH,), rows)}
 

@@ -47,13 +47,20 @@ def grouped_gated_experts(
     gate_up_eFH: torch.Tensor,
     down_eHI: torch.Tensor,
     act_fn: nn.Module,
+    num_pairs: int | None = None,
 ) -> torch.Tensor:
-    """Each row's sum over its local experts of ``w * expert(x)``; sentinel ids (>= e) are skipped."""
+    """Each row's sum over its local experts of ``w * expert(x)``; sentinel ids (>= e) are skipped.
+
+    ``num_pairs``, the number of non-sentinel ids, sizes the buffers. Pass it when the host knows it (the
+    dispatch plan counts it, the M2N header carries it): else it is read from the device, a host sync that
+    drains the compute stream.
+    """
     num_experts, K = gate_up_eFH.shape[0], local_idx_RK.shape[1]
     flat_ids = local_idx_RK.reshape(-1)
     order_P = torch.argsort(flat_ids, stable=True)  # sentinels (== e) sort last
     counts_e = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]
-    num_pairs = int(counts_e.sum())  # host sync: the number of real pairs sizes the buffers
+    if num_pairs is None:
+        num_pairs = int(counts_e.sum())  # host sync
     if num_pairs == 0:
         return x_RH * 0  # nothing routed here; keeps the autograd edge to x
     slots = _Slots.of(order_P, num_pairs, K, x_RH.dtype)
@@ -88,11 +95,8 @@ class _Slots:
         return cls(rows_P, torch.where(keep, slot, 0).view(-1, K), keep.to(dtype).view(-1, K))
 
     def sum_slots(self, y_PH: torch.Tensor) -> torch.Tensor:
-        """Row r's sum over its kept pairs of ``y_PH[slot]`` (one gather, then a sum over K)."""
-        gathered_RKH = y_PH.index_select(0, self.slot_RK.reshape(-1)).view(*self.slot_RK.shape, -1)
-        if self.keep_RK is None:
-            return gathered_RKH.sum(1)
-        return torch.bmm(self.keep_RK.unsqueeze(1), gathered_RKH).squeeze(1)  # masked sum in one pass
+        """Row r's sum over its kept pairs of ``y_PH[slot]``."""
+        return _sum_slots(y_PH, self.slot_RK, self.keep_RK)
 
 
 class _Permute(torch.autograd.Function):
@@ -121,18 +125,35 @@ class _Unpermute(torch.autograd.Function):
         return grad_RH.index_select(0, ctx.slots.rows_P), None
 
 
+def _sum_slots_eager(y_PH: torch.Tensor, slot_RK: torch.Tensor, keep_RK: torch.Tensor | None) -> torch.Tensor:
+    gathered_RKH = y_PH.index_select(0, slot_RK.reshape(-1)).view(*slot_RK.shape, -1)
+    if keep_RK is None:
+        return gathered_RKH.sum(1)
+    return torch.bmm(keep_RK.unsqueeze(1), gathered_RKH).squeeze(1)  # masked sum in one pass
+
+
+def _sum_slots_fusable(y_PH: torch.Tensor, slot_RK: torch.Tensor, keep_RK: torch.Tensor | None) -> torch.Tensor:
+    # Compiled, the gather and the sum are one kernel: the [R, K, H] gathered rows are never written.
+    gathered_RKH = y_PH[slot_RK]
+    if keep_RK is not None:
+        gathered_RKH = gathered_RKH * keep_RK.unsqueeze(-1)
+    return gathered_RKH.sum(1)
+
+
 def _gated_eager(gate_up_PF: torch.Tensor, w_P: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
     gate_PI, up_PI = gate_up_PF.chunk(2, dim=-1)
     return (act_fn(gate_PI) * up_PI * w_P.unsqueeze(1)).to(gate_up_PF.dtype)
 
 
-_gated = _gated_eager
+_gated, _sum_slots = _gated_eager, _sum_slots_eager
 
 
 def compile_elementwise() -> None:
-    """Fuse the activation, gating and weighting into one kernel (and its backward) with ``torch.compile``.
+    """Fuse with ``torch.compile``: the activation, gating and weighting into one kernel (and its backward), and
+    each un-permute's gather with its sum over K.
 
     Off by default: compiling costs seconds per new shape class on first use, which CPU tests do not need.
     """
-    global _gated
+    global _gated, _sum_slots
     _gated = torch.compile(_gated_eager, dynamic=True)
+    _sum_slots = torch.compile(_sum_slots_fusable, dynamic=True)

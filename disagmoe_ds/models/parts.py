@@ -209,10 +209,13 @@ class ExpertShard(nn.Module):
         self.num_local = num_local
         self.family = family
 
-    def forward(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int | None = None
+    ) -> torch.Tensor:
+        """``num_pairs``: the non-sentinel ids in ``local_idx_RK`` when the host knows it (saves a host sync)."""
         if supports_grouped(self.family, self.experts, x_RH):
             e = self.experts
-            return grouped_gated_experts(x_RH, local_idx_RK, w_RK, e.gate_up_proj, e.down_proj, e.act_fn)
+            return grouped_gated_experts(x_RH, local_idx_RK, w_RK, e.gate_up_proj, e.down_proj, e.act_fn, num_pairs)
         return self.forward_hf(x_RH, local_idx_RK, w_RK)
 
     def forward_hf(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ class SplitModel(nn.Module):
     def _experts(self, layer: int, out) -> torch.Tensor:
         plan = plan_dispatch(out.topk_idx_TK, len(self.shards), self.experts_per_shard)
         ys = [
-            stage.shard(layer)(x_RH, plan.local_idx_RK[r], w_RK)
+            stage.shard(layer)(x_RH, plan.local_idx_RK[r], w_RK, plan.pairs[r])
             for r, (stage, (x_RH, w_RK)) in enumerate(zip(self.shards, pack(out.x_TH, out.topk_w_TK, plan)))
         ]
         return combine(ys, plan)
