@@ -5,8 +5,8 @@ Legend (this file): T tokens of this rank's micro-batch, H hidden, K top-k, P ep
 
 A dispatcher is a strategy with Megatron's split, each direction local -> communicate -> local:
 
-    dispatch  plan + gather_rows (``routing``)  ->  counts, then x / local ids / weights (all-to-all)  ->  (rows as received)
-    combine   (nothing)                  ->  expert outputs back (the reverse all-to-all)        ->  ``routing.combine``
+    dispatch  plan + gather_rows (``routing``)  ->  counts, then x / local ids / weights (all-to-all)  ->  (as received)
+    combine   (nothing)                         ->  expert outputs back (the reverse all-to-all)        ->  ``combine``
 
 ``dispatch`` returns the routed rows and a frozen metadata value that ``combine`` takes back (torchtitan). Only
 the middle steps communicate. ``LocalDispatcher`` (ep_size 1, one rank holds every expert) is the base and the
