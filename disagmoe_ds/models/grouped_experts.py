@@ -56,16 +56,16 @@ def grouped_gated_experts(
     drains the compute stream.
     """
     num_experts, K = gate_up_eFH.shape[0], local_idx_RK.shape[1]
-    flat_ids = local_idx_RK.reshape(-1)
-    order_P = torch.argsort(flat_ids, stable=True)  # sentinels (== e) sort last
-    counts_e = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]
+    sorted_ids_P, order_P = torch.sort(local_idx_RK.reshape(-1), stable=True)  # sentinels (== e) sort last
+    # Each expert's end offset in the sorted order. Not bincount: on CUDA it reads its output size from the device.
+    experts_e = torch.arange(1, num_experts + 1, device=sorted_ids_P.device, dtype=sorted_ids_P.dtype)
+    offsets_e = torch.searchsorted(sorted_ids_P, experts_e, out_int32=True)
     if num_pairs is None:
-        num_pairs = int(counts_e.sum())  # host sync
+        num_pairs = int(offsets_e[-1])  # host sync
     if num_pairs == 0:
         return x_RH * 0  # nothing routed here; keeps the autograd edge to x
     slots = _Slots.of(order_P, num_pairs, K, x_RH.dtype)
     order_P = order_P[:num_pairs]
-    offsets_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
     x_PH = _Permute.apply(x_RH, slots)
     gate_up_PF = _grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offsets_e)
     w_P = w_RK.reshape(-1).index_select(0, order_P)
@@ -133,11 +133,13 @@ def _sum_slots_eager(y_PH: torch.Tensor, slot_RK: torch.Tensor, keep_RK: torch.T
 
 
 def _sum_slots_fusable(y_PH: torch.Tensor, slot_RK: torch.Tensor, keep_RK: torch.Tensor | None) -> torch.Tensor:
-    # Compiled, the gather and the sum are one kernel: the [R, K, H] gathered rows are never written.
-    gathered_RKH = y_PH[slot_RK]
-    if keep_RK is not None:
-        gathered_RKH = gathered_RKH * keep_RK.unsqueeze(-1)
-    return gathered_RKH.sum(1)
+    # Compiled, this is one elementwise kernel with K gathered loads per output (fp32 accumulation, like sum's):
+    # the [R, K, H] gathered rows are never written. A sum(1) over them compiles to a slow strided reduction.
+    acc_RH = torch.zeros(slot_RK.shape[0], y_PH.shape[1], device=y_PH.device, dtype=torch.float32)
+    for k in range(slot_RK.shape[1]):
+        term_RH = y_PH[slot_RK[:, k]].float()
+        acc_RH = acc_RH + (term_RH if keep_RK is None else term_RH * keep_RK[:, k, None])
+    return acc_RH.to(y_PH.dtype)
 
 
 def _gated_eager(gate_up_PF: torch.Tensor, w_P: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
@@ -155,5 +157,7 @@ def compile_elementwise() -> None:
     Off by default: compiling costs seconds per new shape class on first use, which CPU tests do not need.
     """
     global _gated, _sum_slots
-    _gated = torch.compile(_gated_eager, dynamic=True)
-    _sum_slots = torch.compile(_sum_slots_fusable, dynamic=True)
+    # Automatic dynamic shapes: the row count becomes dynamic at its first change, the widths stay static. Fully
+    # dynamic kernels index with run-time divisions and took 2-3x longer (bench/bench_experts.py, H200).
+    _gated = torch.compile(_gated_eager)
+    _sum_slots = torch.compile(_sum_slots_fusable)
