@@ -19,7 +19,7 @@ from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
 
 SECTION = "disagmoe"
-_FLAGS = ("compile", "activation_checkpointing")
+_FLAGS = ("compile", "activation_checkpointing", "comm_stream")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class DisagMoEConfig:
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
         activation_checkpointing: keep only each chunk's inputs and recompute its activations in backward
             (attention parts and expert shards), trading compute for the memory of micro-batches in flight.
+        comm_stream: on GPUs, run the exchanges' receives on a side CUDA stream so that waiting for a message
+            never waits for the rank's queued compute (``comm.channel.CommStream``); false receives on the
+            compute stream.
     """
 
     attention_gpus: int = 1
@@ -49,6 +52,7 @@ class DisagMoEConfig:
     comm_timeout_s: float = 300.0
     compile: bool = False
     activation_checkpointing: bool = False
+    comm_stream: bool = True
 
     def __post_init__(self) -> None:
         for flag in _FLAGS:

@@ -13,11 +13,13 @@ ever matching a payload. Tensors with zero elements are not sent (both sides ski
 Use one Sender and one Receiver per link: they are the only users of its two groups.
 
 The code is device-agnostic: headers and received tensors live on the ``device`` given at construction
-(the current CUDA device with NCCL, CPU with gloo).
+(the current CUDA device with NCCL, CPU with gloo). On CUDA, receives can run on a side stream (``CommStream``):
+reading a header then waits for that header only, not for the compute queued before it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import deque
 from collections.abc import Sequence
@@ -73,6 +75,50 @@ class MessageSpec:
                 got = f"{tensor.dtype}{list(tensor.shape)}"
                 raise ChannelError(f"{self.name}: tensor {i} is {got}, the spec wants {spec.dtype}{list(want)}")
         return rows
+
+
+class CommStream:
+    """Where a rank's receives run: a side CUDA stream, or (``stream`` None: CPU, or disabled) the current stream.
+
+    On the current stream, NCCL starts a receive only after the compute queued before it, and reading a header
+    (``tolist``) blocks the host until that compute is done: the GPU drains at every message, and no transfer
+    overlaps compute. On the side stream a receive starts at once; the host waits for the header alone (copied
+    into a reused pinned buffer), and the compute stream waits for a payload on the device (``hand_over``), not
+    the host. One ``CommStream`` serves all the receivers of a rank.
+    """
+
+    def __init__(self, device: torch.device, *, enabled: bool = True) -> None:
+        on_gpu = enabled and device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if on_gpu else None
+        self._pinned = torch.empty(HEADER_LEN, dtype=torch.int64, pin_memory=True) if on_gpu else None
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Allocate and post receives inside this."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def header_values(self, work: dist.Work, header: torch.Tensor) -> list[int]:
+        """Wait for a header's receive and read it on the host."""
+        if self.stream is None:
+            work.wait()
+            return header.tolist()  # host sync of the current stream
+        with self.scope():
+            work.wait()  # the side stream waits for the transfer
+            self._pinned.copy_(header, non_blocking=True)
+        self.stream.synchronize()  # the host waits for this header only
+        return self._pinned.tolist()
+
+    def hand_over(self, works: Sequence[dist.Work], tensors: Sequence[torch.Tensor]) -> None:
+        """Make the current (compute) stream wait for ``works`` and mark ``tensors`` as used there.
+
+        Under NCCL ``wait`` is a device-side wait of the current stream. ``record_stream`` keeps the caching
+        allocator from handing the buffers' memory to the side stream again before the compute reading them is done.
+        """
+        for work in works:
+            work.wait()
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.stream.device)
+            for tensor in tensors:
+                tensor.record_stream(current)
 
 
 @dataclass(frozen=True)
@@ -149,39 +195,41 @@ class _PostedHeader:
 class Receiver:
     """The dst end of a link: headers posted ahead, messages completed oldest first."""
 
-    def __init__(self, link: Link, spec: MessageSpec, device: torch.device) -> None:
+    def __init__(self, link: Link, spec: MessageSpec, device: torch.device, comm: CommStream | None = None) -> None:
         self.link = link
         self.spec = spec
         self.device = device
+        self.comm = comm or CommStream(device, enabled=False)
         self._posted: deque[_PostedHeader] = deque()
         self._payload_rows: int | None = None  # rows of the message whose header was read, payload not yet
 
     def post(self) -> None:
         """Post the receive of one more header (no size needed); call ahead of need to overlap."""
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        work = dist.irecv(header, self.link.src, group=self.link.header_group)
+        with self.comm.scope():
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            work = dist.irecv(header, self.link.src, group=self.link.header_group)
         self._posted.append(_PostedHeader(header, work))
 
     def wait(self, *, tag: int | None = None) -> tuple[torch.Tensor, ...]:
         """Complete the oldest message (posting its header now if none is posted) and return its tensors."""
         rows, _ = self.wait_header(tag=tag)
-        tensors = self.spec.empty(rows, self.device)
-        for work in self.irecv_payload(tensors):
-            work.wait()
+        with self.comm.scope():
+            tensors = self.spec.empty(rows, self.device)
+        self.comm.hand_over(self.irecv_payload(tensors), tensors)
         return tensors
 
     def wait_header(self, *, tag: int | None = None) -> tuple[int, int]:
         """Wait for the oldest posted header and return the message's rows and meta (a host sync on devices).
 
-        Must be followed by ``irecv_payload`` before the next header: payloads match in order.
+        Must be followed by ``irecv_payload`` before the next header: payloads match in order. With a side
+        stream the host waits for the header only, not for the compute queued before it.
         """
         if self._payload_rows is not None:
             raise ChannelError(f"{self._where()}: wait_header called twice without irecv_payload in between")
         if not self._posted:
             self.post()
         posted = self._posted.popleft()
-        posted.work.wait()
-        rows, fingerprint, sent_tag, meta = posted.header.tolist()  # host sync: sizes decide the allocation
+        rows, fingerprint, sent_tag, meta = self.comm.header_values(posted.work, posted.header)  # sizes the payload
         if fingerprint != self.spec.fingerprint:
             raise ChannelError(
                 f"{self._where()}: the sender's message spec differs from this receiver's {self.spec.tensors} "
@@ -195,7 +243,8 @@ class Receiver:
     def irecv_payload(self, tensors: Sequence[torch.Tensor]) -> list[dist.Work]:
         """Post the payload receives of the message whose header was just read, into ``tensors``.
 
-        ``tensors`` may be views of a larger buffer (e.g. one slice per lane) as long as each is contiguous.
+        ``tensors`` may be views of a larger buffer (e.g. one slice per lane) as long as each is contiguous;
+        allocate them in ``comm.scope()`` and pass them with the works to ``comm.hand_over`` before using them.
         """
         rows = self._payload_rows
         if rows is None:
@@ -204,7 +253,8 @@ class Receiver:
         if buffer_rows != rows:
             raise ChannelError(f"{self._where()}: buffers for {buffer_rows} rows, the message has {rows}")
         self._payload_rows = None
-        return [dist.irecv(t, self.link.src, group=self.link.payload_group) for t in tensors if t.numel()]
+        with self.comm.scope():
+            return [dist.irecv(t, self.link.src, group=self.link.payload_group) for t in tensors if t.numel()]
 
     def _where(self) -> str:
         return f"{self.spec.name} {self.link.src}->{self.link.dst}"

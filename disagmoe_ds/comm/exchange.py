@@ -40,7 +40,7 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.comm.channel import Link, MessageSpec, Receiver, Sender, SendHandle, TensorSpec
+from disagmoe_ds.comm.channel import CommStream, Link, MessageSpec, Receiver, Sender, SendHandle, TensorSpec
 from disagmoe_ds.comm.routing import DispatchPlan
 from disagmoe_ds.layout import Layout
 
@@ -260,12 +260,20 @@ class M2NReceiver:
         self.device = device
 
     @classmethod
-    def build(cls, groups: ExchangeGroups, kind: Kind, *, spec: MessageSpec, device: torch.device) -> M2NReceiver:
+    def build(
+        cls,
+        groups: ExchangeGroups,
+        kind: Kind,
+        *,
+        spec: MessageSpec,
+        device: torch.device,
+        comm: CommStream | None = None,
+    ) -> M2NReceiver:
         _check_kind(kind, A_TO_F, cls.__name__)
         _check_rows_only(spec, cls.__name__)
         layout, rank = groups.layout, groups.rank
         srcs = lane_ranks(layout, kind, rank)
-        receivers = tuple(Receiver(groups.link(kind, src, rank), spec, device) for src in srcs)
+        receivers = tuple(Receiver(groups.link(kind, src, rank), spec, device, comm) for src in srcs)
         return cls(ffn_lanes(layout, rank), receivers, spec, device)
 
     def post(self) -> None:
@@ -314,12 +322,21 @@ class N2MReceiver:
         self.device = device
 
     @classmethod
-    def build(cls, groups: ExchangeGroups, kind: Kind, *, spec: MessageSpec, device: torch.device) -> N2MReceiver:
+    def build(
+        cls,
+        groups: ExchangeGroups,
+        kind: Kind,
+        *,
+        spec: MessageSpec,
+        device: torch.device,
+        comm: CommStream | None = None,
+    ) -> N2MReceiver:
         _check_kind(kind, F_TO_A, cls.__name__)
         _check_rows_only(spec, cls.__name__)
         role = groups.layout.role_of(groups.rank)
         peers = lane_peers(groups.layout, kind, role.group, role.index)
-        return cls(tuple(Receiver(groups.link(kind, f, groups.rank), spec, device) for f in peers), spec, device)
+        receivers = tuple(Receiver(groups.link(kind, f, groups.rank), spec, device, comm) for f in peers)
+        return cls(receivers, spec, device)
 
     def post(self) -> None:
         for receiver in self.receivers:
@@ -340,12 +357,13 @@ def _gather(
     each message's rows and header meta."""
     headers = [receiver.wait_header(tag=tag) for receiver in receivers]
     counts, metas = tuple(rows for rows, _ in headers), tuple(meta for _, meta in headers)
-    buffers = spec.empty(sum(counts), device)
+    comm = receivers[0].comm if receivers else CommStream(device, enabled=False)  # a rank's receivers share one
+    with comm.scope():
+        buffers = spec.empty(sum(counts), device)
     works = []
     for receiver, slices in zip(receivers, zip(*(b.split(counts) for b in buffers)), strict=True):
         works += receiver.irecv_payload(slices)
-    for work in works:
-        work.wait()
+    comm.hand_over(works, buffers)
     return buffers, counts, metas
 
 

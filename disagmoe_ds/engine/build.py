@@ -130,6 +130,7 @@ def build_rank(
         weight_dtype=weight_dtype,
         device=device,
         post_ahead=dist.get_backend() != "nccl",
+        comm_stream=cfg.comm_stream,
     )
     if role.is_attention:
         aux_coef = stage.config.router_aux_loss_coef if aux_loss_enabled(stage.config) else None

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from disagmoe_ds.comm.channel import MessageSpec, Receiver, Sender, TensorSpec
+from disagmoe_ds.comm.channel import CommStream, MessageSpec, Receiver, Sender, TensorSpec
 from disagmoe_ds.comm.exchange import (
     ExchangeGroups,
     Kind,
@@ -83,6 +83,9 @@ class Mailbox:
     kernel launched ahead of need spins until its sender gets there, and the GPU's few hardware queues
     (``CUDA_DEVICE_MAX_CONNECTIONS``) serialise it with other streams' kernels, among them the compute the sender
     waits for. With gloo (CPU) a posted receive costs nothing.
+
+    ``comm_stream=True`` runs the receives on a side CUDA stream (``CommStream``): waiting for a message then
+    never waits for this rank's queued compute, and payloads land while it runs.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class Mailbox:
         weight_dtype: torch.dtype,
         device: torch.device,
         post_ahead: bool = True,
+        comm_stream: bool = False,
     ):
         specs = exchange_specs(hidden, top_k, dtype=dtype, weight_dtype=weight_dtype)
         specs.update(residual_specs(hidden, top_k, num_experts, dtype))
@@ -106,6 +110,7 @@ class Mailbox:
         self._flush: list[Callable[[], None]] = []
         self._stash: dict[Key, Any] = {}
         self.post_ahead = post_ahead
+        comm = CommStream(device, enabled=comm_stream)
 
         def fan_out(kind: Kind, cls) -> None:
             end = cls.build(groups, kind, spec=specs[kind], device=device)
@@ -113,7 +118,7 @@ class Mailbox:
             self._senders[kind.value] = lambda payload, tag: end.send(payload[0], payload[1], tag=tag)
 
         def fan_in(kind: Kind, cls) -> None:
-            end = cls.build(groups, kind, spec=specs[kind], device=device)
+            end = cls.build(groups, kind, spec=specs[kind], device=device, comm=comm)
             self._inboxes[kind.value] = _Inbox(end.post, lambda tag: end.wait(tag=tag))
 
         if role.is_attention:
@@ -126,8 +131,8 @@ class Mailbox:
                 prv = layout.attention_ranks((role.group - 1) % layout.depth)[role.index]
                 self._p2p_out(groups, Kind.RESID, rank, nxt, specs, device)
                 self._p2p_out(groups, Kind.RESID_GRAD, rank, prv, specs, device)
-                self._p2p_in(groups, Kind.RESID, prv, rank, specs, device)
-                self._p2p_in(groups, Kind.RESID_GRAD, nxt, rank, specs, device)
+                self._p2p_in(groups, Kind.RESID, prv, rank, specs, device, comm)
+                self._p2p_in(groups, Kind.RESID_GRAD, nxt, rank, specs, device, comm)
         else:
             fan_in(Kind.M2N, M2NReceiver)
             fan_in(Kind.N2M_GRAD, M2NReceiver)
@@ -139,8 +144,8 @@ class Mailbox:
         self._flush.append(sender.wait_all)
         self._senders[kind.value] = lambda payload, tag: sender.send(payload, tag=tag)
 
-    def _p2p_in(self, groups, kind: Kind, src: int, dst: int, specs, device) -> None:
-        receiver = Receiver(groups.link(kind, src, dst), specs[kind], device)
+    def _p2p_in(self, groups, kind: Kind, src: int, dst: int, specs, device, comm: CommStream) -> None:
+        receiver = Receiver(groups.link(kind, src, dst), specs[kind], device, comm)
         self._inboxes[kind.value] = _Inbox(receiver.post, lambda tag: receiver.wait(tag=tag))
 
     def post(self, message: Message) -> None:
