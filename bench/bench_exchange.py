@@ -49,6 +49,7 @@ from disagmoe_ds.comm import (
     pack,
     plan_dispatch,
 )
+from disagmoe_ds.comm.channel import CommStream
 from disagmoe_ds.layout import Layout
 
 WEIGHT_DTYPE = torch.float32  # router weights travel in fp32 (Mixtral/DeepSeek keep them fp32 in bf16 models)
@@ -95,15 +96,16 @@ class ExchangeSide:
         self.device = device
         groups = build_exchange_groups(self.layout, device=device)
         specs = exchange_specs(args.hidden, args.top_k, dtype=args.dtype, weight_dtype=WEIGHT_DTYPE)
+        comm = CommStream(device)  # receives on a side stream, as the runtime does on GPUs
         m2n_send = torch.zeros(world, dtype=torch.int64)  # payload bytes this rank sends to each rank
         if self.role.is_attention:
             self.messages, self.plan = random_messages(args, self.layout, self.role.index, device)
             self.m2n = M2NSender.build(groups, Kind.M2N, spec=specs[Kind.M2N], device=device)
-            self.n2m = N2MReceiver.build(groups, Kind.N2M, spec=specs[Kind.N2M], device=device)
+            self.n2m = N2MReceiver.build(groups, Kind.N2M, spec=specs[Kind.N2M], device=device, comm=comm)
             for sender, message in zip(self.m2n.senders, self.messages, strict=True):
                 m2n_send[sender.link.dst] = message_bytes(message)
         else:
-            self.m2n = M2NReceiver.build(groups, Kind.M2N, spec=specs[Kind.M2N], device=device)
+            self.m2n = M2NReceiver.build(groups, Kind.M2N, spec=specs[Kind.M2N], device=device, comm=comm)
             self.n2m = N2MSender.build(groups, Kind.N2M, spec=specs[Kind.N2M], device=device)
         self.m2n_bytes = _all_gather_rows(m2n_send)  # [src, dst]
         self.received = self.run_m2n()  # the rows an FFN rank sends back in n2m (its "expert outputs")
