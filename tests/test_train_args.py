@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.train.args import build_parser, parse_args
@@ -96,3 +97,13 @@ def test_missing_ds_config_is_one_line() -> None:
 @pytest.mark.parametrize("module", ["args", "hostfile", "balance"])
 def test_doctests(module: str) -> None:
     assert doctest.testmod(importlib.import_module(f"disagmoe_ds.train.{module}")).failed == 0
+
+
+def test_short_of_gpus_says_what_to_do(monkeypatch):
+    from disagmoe_ds.train.job import local_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"has 1 GPU; .*--mode colocated"):
+        local_backend(4)
+    assert local_backend(1) == "nccl"

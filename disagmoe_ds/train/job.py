@@ -36,9 +36,10 @@ def local_backend(world_size: int) -> str:
         return "gloo"
     gpus = torch.cuda.device_count()
     if gpus < world_size:
+        have = f"{gpus} GPU" + ("s" if gpus > 1 else "")
         raise ConfigError(
-            f"the layout needs {world_size} ranks but this machine has {gpus} GPUs; shrink the layout or launch "
-            f"on more hosts with deepspeed --hostfile"
+            f"the layout needs {world_size} ranks but this machine has {have}; shrink the layout, launch on more "
+            f"hosts with deepspeed --hostfile, or train co-located (--mode colocated runs on any number of GPUs)"
         )
     return "nccl"
 
