@@ -389,3 +389,12 @@ def test_plan_is_a_value() -> None:
     assert isinstance(plan, DispatchPlan)
     with pytest.raises(AttributeError):
         plan.counts = (0,)  # frozen: the reverse path can rely on it
+
+
+def test_routing_doctests():
+    import doctest
+
+    from disagmoe_ds.comm import routing
+
+    result = doctest.testmod(routing)
+    assert result.attempted >= 3 and result.failed == 0

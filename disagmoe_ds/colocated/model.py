@@ -25,6 +25,7 @@ from deepspeed.moe.layer import MoE
 from torch import nn
 
 from disagmoe_ds.colocated.dispatch import LocalDispatcher
+from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import (
     AttentionStage,
@@ -152,7 +153,7 @@ class ColocatedModel(nn.Module):
             if out.x_TH is None:  # dense layer
                 h_BSH = out.residual_BSH
                 continue
-            load_LE[layer] = torch.bincount(out.topk_idx_TK.reshape(-1), minlength=num_experts)
+            load_LE[layer] = count_ids(out.topk_idx_TK, num_experts)
             stats.append(router_stats(out.router_logits_TE, part.router.top_k))
             routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
             y_RH = self.experts.shard(layer)(routed.x_RH, routed.local_idx_RK, routed.w_RK, routed.num_pairs)

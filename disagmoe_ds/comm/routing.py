@@ -53,6 +53,17 @@ class DispatchPlan:
         return self.local_idx_SK.split(self.counts)
 
 
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each id in [0, n) occurs in ``ids`` (int64 [n]), without the host sync of CUDA's ``bincount``,
+    which reads its output size from the device.
+
+    >>> count_ids(torch.tensor([[0, 3], [3, 1]]), 5).tolist()
+    [1, 1, 0, 2, 0]
+    """
+    flat = ids.reshape(-1).long()
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def plan_dispatch(topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int) -> DispatchPlan:
     """Compute where every token goes, from the router's global expert ids.
 
@@ -76,8 +87,8 @@ def plan_dispatch(topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int
     hit_PT[rank_TK, torch.arange(num_tokens, device=topk_idx_TK.device).unsqueeze(1)] = True
     # nonzero() walks row-major: rows grouped by ep rank, tokens increasing inside each rank.
     rank_S, token_idx_S = hit_PT.nonzero(as_tuple=True)
-    pairs_P = torch.bincount(rank_TK.reshape(-1), minlength=ep_size)
-    counts, pairs = (tuple(c) for c in torch.stack([hit_PT.sum(dim=1), pairs_P]).tolist())  # host sync: sizes
+    sizes_2P = torch.stack([hit_PT.sum(dim=1), count_ids(rank_TK, ep_size)])
+    counts, pairs = (tuple(c) for c in sizes_2P.tolist())  # host sync: the message sizes
     idx_SK = topk_idx_TK.index_select(0, token_idx_S)
     here_SK = rank_TK.index_select(0, token_idx_S) == rank_S.unsqueeze(1)
     local_idx_SK = torch.where(here_SK, idx_SK - rank_S.unsqueeze(1) * experts_per_rank, experts_per_rank)

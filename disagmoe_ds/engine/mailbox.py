@@ -11,11 +11,11 @@ Payloads (shape suffixes: T tokens of a micro-batch, H hidden, K top-k, E expert
     n2m        ep rank -> next lane      ((y_SH,), LaneRows) on F                    A side: [(y_RH,)] per ep rank
     m2n_grad   ep rank -> lane           ((dx_SH, dw_SK), LaneRows) on F             A side: [(dx_RH, dw_RK)]
     n2m_grad   next lane -> ep rank      ([(dy_RH,)], None) on A                     F side: (dy_SH,), LaneRows
-
-(A-side fan-outs carry one message per ep rank and their header metas; ``pairs`` per ep rank size the F side's
-expert buffers, arriving in ``LaneRows.meta``.)
     resid      lane -> next lane         (residual_TH, topk_idx_TK, position_ids_T, counts_E, prob_sum_E)
     resid_grad next lane -> lane         (d_residual_TH, aux_grad_E)
+
+A-side fan-outs carry one message per ep rank and the messages' header metas: for m2n the routed pairs per ep
+rank, which size the F side's expert buffers and arrive there summed in ``LaneRows.meta``.
 """
 
 from __future__ import annotations

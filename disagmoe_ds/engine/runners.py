@@ -24,7 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from disagmoe_ds.comm.exchange import dispatch_messages
-from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
+from disagmoe_ds.comm.routing import combine, count_ids, pack, plan_dispatch
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, router_stats
 
@@ -135,7 +135,7 @@ class AttentionRunner:
         topk_idx_TK = torch.zeros(T, self.top_k, dtype=torch.int64, device=h_BSH.device)
         if out.x_TH is not None:
             topk_idx_TK = out.topk_idx_TK.long()
-            load_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
+            load_E = count_ids(topk_idx_TK, self.num_experts)
             self.expert_counts[layer] = self.expert_counts.get(layer, 0) + load_E
             if self.aux_coef is not None:
                 stats = router_stats(out.router_logits_TE, self.top_k)

@@ -57,7 +57,7 @@ def grouped_gated_experts(
     """
     num_experts, K = gate_up_eFH.shape[0], local_idx_RK.shape[1]
     sorted_ids_P, order_P = torch.sort(local_idx_RK.reshape(-1), stable=True)  # sentinels (== e) sort last
-    # Each expert's end offset in the sorted order. Not bincount: on CUDA it reads its output size from the device.
+    # Each expert's end offset in the sorted order, without a host sync (the ids are sorted anyway).
     experts_e = torch.arange(1, num_experts + 1, device=sorted_ids_P.device, dtype=sorted_ids_P.dtype)
     offsets_e = torch.searchsorted(sorted_ids_P, experts_e, out_int32=True)
     if num_pairs is None:
