@@ -147,8 +147,10 @@ class AFPipeExecutor:
 
     def _result(self, seconds: float) -> StepResult:
         stats = getattr(self.runner, "stats", None)
-        values = [stats.loss, stats.lm_loss, stats.aux_loss, stats.micro_batches] if stats else [0.0] * 4
-        sums = torch.tensor(values, dtype=torch.float64, device=self.engine.device)  # NCCL reduces device tensors
+        sums = torch.zeros(4, dtype=torch.float64, device=self.engine.device)  # NCCL reduces device tensors
+        if stats is not None and stats.sums is not None:
+            sums[:3] = stats.sums
+            sums[3] = stats.micro_batches
         dist.all_reduce(sums)  # only the head lanes contribute
         loss, lm, aux, count = sums.tolist()
         return StepResult(loss / count, lm / count, aux / count, self.global_norm.last_norm, seconds)

@@ -63,12 +63,16 @@ class _Chunk:
 
 @dataclass
 class HeadStats:
-    """Per-step loss bookkeeping on the head lanes (sums over micro-batches)."""
+    """Per-step loss sums on the head lanes, kept on the device: reading a loss per micro-batch would block the
+    host until that micro-batch's head forward is done."""
 
-    loss: float = 0.0
-    lm_loss: float = 0.0
-    aux_loss: float = 0.0
+    sums: torch.Tensor | None = None  # float64 [loss, lm_loss, aux_loss]
     micro_batches: int = 0
+
+    def add(self, loss: torch.Tensor, lm_loss: torch.Tensor, aux_loss: torch.Tensor) -> None:
+        terms = torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]).double()
+        self.sums = terms if self.sums is None else self.sums + terms
+        self.micro_batches += 1
 
 
 class AttentionRunner:
@@ -172,17 +176,14 @@ class AttentionRunner:
 
     def _head(self, mb: int, h_BSH: torch.Tensor, counts_E: torch.Tensor, probs_E: torch.Tensor, chunk: _Chunk) -> None:
         _, lm_loss = self.stage.head(h_BSH, self.batches[mb]["labels"])
-        loss = lm_loss
+        loss, aux = lm_loss, torch.zeros_like(lm_loss)
         chunk.aux_grad_E = torch.zeros_like(counts_E)
         if self.aux_coef is not None:
             rows = h_BSH.shape[0] * h_BSH.shape[1] * sum(self.moe_layers)
             aux = (counts_E / rows * probs_E / rows).sum() * self.num_experts
             chunk.aux_grad_E = self.aux_coef * self.num_experts * counts_E / rows**2 / self.K
             loss = loss + self.aux_coef * aux
-            self.stats.aux_loss += aux.item()
-        self.stats.loss += loss.item()
-        self.stats.lm_loss += lm_loss.item()
-        self.stats.micro_batches += 1
+        self.stats.add(loss, lm_loss, aux)
         chunk.scaled_loss = loss / self.K
 
     # ----- backward -----
