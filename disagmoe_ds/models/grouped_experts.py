@@ -12,7 +12,9 @@ direction at Qwen3-30B-A3B sizes on an H200 (expert path 8.45 -> 6.67 ms, ``benc
 The math is HF's, ``w * (act(x W_g^T) * (x W_u^T)) W_d^T`` summed per row, with one
 re-association: the routing weight scales the I-wide intermediate before the down projection instead of the
 H-wide output after it (linear, so equal up to rounding; it saves an H-wide multiply and its backward). The
-elementwise middle (activation, gating, weighting) is one function that ``compile_elementwise`` can fuse.
+elementwise middle (activation, gating, weighting) and the un-permute's gather-and-sum are functions that
+``compile_elementwise`` fuses (experts of Qwen3-30B-A3B, 8192 tokens: 5.52 -> 4.56 ms on an H200, against
+3.71 ms for the grouped GEMMs alone). No host sync when the caller passes ``num_pairs``.
 
 Shape suffixes: R rows, H hidden, K top-k, P routed (row, expert) pairs, I expert intermediate size, e experts.
 """
