@@ -58,6 +58,6 @@ def disagmoe_parts(
     w_TK = torch.softmax(torch.randn(T, K, device=device), dim=-1).to(dtype)
 
     def experts_fn() -> tuple:
-        return (experts.shard(0)(x_TH, idx_TK, w_TK),)
+        return (experts.shard(0)(x_TH, idx_TK, w_TK, idx_TK.numel()),)  # pairs known, as the M2N header gives them
 
     return attention_fn, experts_fn
