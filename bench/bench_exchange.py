@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from disagmoe_ds.comm import (
+    CommStream,
     Kind,
     M2NReceiver,
     M2NSender,
@@ -49,7 +50,6 @@ from disagmoe_ds.comm import (
     pack,
     plan_dispatch,
 )
-from disagmoe_ds.comm.channel import CommStream
 from disagmoe_ds.layout import Layout
 
 WEIGHT_DTYPE = torch.float32  # router weights travel in fp32 (Mixtral/DeepSeek keep them fp32 in bf16 models)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_layer import print_profile, time_step  # noqa: E402
+from bench_layer import fresh_grads, print_profile, time_step  # noqa: E402
 
 from disagmoe_ds.models import grouped_experts  # noqa: E402
 
@@ -39,26 +39,21 @@ def make_inputs(args, device: str, dtype: torch.dtype):
     return x, idx.to(device), w.to(device, dtype).requires_grad_(), gate_up.requires_grad_(), down.requires_grad_()
 
 
-def _fresh_grads(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        t.grad = None
-
-
 def step_ours(x, idx, w, gate_up, down, grad):
-    _fresh_grads(x, w, gate_up, down)
+    fresh_grads(x, w, gate_up, down)
     out = grouped_experts.grouped_gated_experts(x, idx, w, gate_up, down, F.silu, idx.numel())  # pairs: the header's
     out.backward(grad)
 
 
 def step_gemm_only(x_sorted, offsets, gate_up, down, grad_sorted):
-    _fresh_grads(x_sorted, gate_up, down)
+    fresh_grads(x_sorted, gate_up, down)
     h = F.grouped_mm(x_sorted, gate_up.transpose(1, 2), offs=offsets)
     out = F.grouped_mm(h[:, : h.shape[1] // 2], down.transpose(1, 2), offs=offsets)
     out.backward(grad_sorted)
 
 
 def step_hf(module, x, idx, w, grad):
-    _fresh_grads(x, w, *module.parameters())
+    fresh_grads(x, w, *module.parameters())
     module(x, idx, w).backward(grad)
 
 

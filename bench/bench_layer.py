@@ -40,15 +40,14 @@ from disagmoe_ds.planner.model import load_model_spec
 PEAK_TFLOPS = 989.0
 
 
-def _fresh_grads(modules, h_BSH) -> None:
-    for module in modules:
-        for p in module.parameters():
-            p.grad = None
-    h_BSH.grad = None
+def fresh_grads(*tensors: torch.Tensor) -> None:
+    """Start a step as a training loop does after ``zero_grad()``: gradients None, so they are written, not added."""
+    for t in tensors:
+        t.grad = None
 
 
 def _hf_step(model, h_BSH, ctx, grad_BSH):
-    _fresh_grads([model], h_BSH)
+    fresh_grads(h_BSH, *model.parameters())
     out = model.model.layers[0](
         h_BSH,
         attention_mask=ctx.mask_for(model.config, 0),
@@ -60,7 +59,7 @@ def _hf_step(model, h_BSH, ctx, grad_BSH):
 
 def _ours_step(parts, h_BSH, ctx, grad_BSH):
     attention_part, experts, config = parts
-    _fresh_grads([attention_part, experts], h_BSH)
+    fresh_grads(h_BSH, *attention_part.parameters(), *experts.parameters())
     out = attention_part(h_BSH, ctx, config)
     plan = plan_dispatch(out.topk_idx_TK, 1, experts.num_local)
     ((x_RH, w_RK),) = pack(out.x_TH, out.topk_w_TK, plan)

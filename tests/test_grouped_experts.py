@@ -71,9 +71,10 @@ def test_compiled_fusions_equal_eager(tiny_checkpoint, case, monkeypatch):
     for name in ("_gated", "_sum_slots"):
         monkeypatch.setattr(grouped_experts, name, getattr(grouped_experts, name))  # restored after the test
     shard, x, idx, w, _ = _routed_case(tiny_checkpoint, "qwen3_moe", case)
-    rows_per_call = (9, 7, 5)  # the row count changes between micro-batches: the compiled graphs go dynamic
-    eager = [shard(x[:r], idx[:r], w[:r], int((idx[:r] < shard.num_local).sum())) for r in rows_per_call]
+    # The row count changes between micro-batches: the compiled graphs go dynamic after the first change.
+    calls = [(x[:r], idx[:r], w[:r], int((idx[:r] < shard.num_local).sum())) for r in (9, 7, 5)]
+    eager = [shard(*call) for call in calls]
     grouped_experts.compile_elementwise()
     assert grouped_experts._sum_slots is not grouped_experts._sum_slots_eager
-    for r, ref in zip(rows_per_call, eager, strict=True):
-        _assert_close(shard, x, w, shard(x[:r], idx[:r], w[:r], int((idx[:r] < shard.num_local).sum())), ref)
+    for call, ref in zip(calls, eager, strict=True):
+        _assert_close(shard, x, w, shard(*call), ref)

@@ -3,7 +3,16 @@
 Only ``channel`` and ``exchange`` communicate; ``routing`` is pure torch. EXCHANGES.md lists every exchange.
 """
 
-from disagmoe_ds.comm.channel import ChannelError, Link, MessageSpec, Receiver, Sender, SendHandle, TensorSpec
+from disagmoe_ds.comm.channel import (
+    ChannelError,
+    CommStream,
+    Link,
+    MessageSpec,
+    Receiver,
+    Sender,
+    SendHandle,
+    TensorSpec,
+)
 from disagmoe_ds.comm.exchange import (
     ExchangeGroups,
     Kind,
@@ -21,6 +30,7 @@ from disagmoe_ds.comm.routing import DispatchPlan, combine, pack, plan_dispatch
 
 __all__ = [
     "ChannelError",
+    "CommStream",
     "DispatchPlan",
     "ExchangeGroups",
     "Kind",

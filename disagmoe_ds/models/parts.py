@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer, router_of
 from disagmoe_ds.models.grouped_experts import grouped_gated_experts, supports_grouped
 
@@ -174,9 +175,7 @@ class RouterStats:
 def router_stats(logits_TE: torch.Tensor, top_k: int) -> RouterStats:
     probs_TE = torch.softmax(logits_TE, dim=-1)
     _, selected_TK = torch.topk(probs_TE, top_k, dim=-1)
-    num_experts = logits_TE.shape[-1]
-    counts_E = torch.zeros(num_experts, dtype=torch.float32, device=logits_TE.device)
-    counts_E.index_add_(0, selected_TK.reshape(-1), torch.ones(selected_TK.numel(), device=logits_TE.device))
+    counts_E = count_ids(selected_TK, logits_TE.shape[-1]).float()
     return RouterStats(counts_E, probs_TE.float().sum(dim=0), logits_TE.shape[0])
 
 
