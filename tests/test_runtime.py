@@ -22,7 +22,8 @@ from disagmoe_ds.verify import VerifyArgs, run_verify
 
 # (family, overrides, M, N, p, edp, micro-batches, ZeRO, skew): covers p = 1 and 2, M != N both ways, an F-group
 # of one rank, 3 FFN ranks, expert-data-parallel replicas, 1/3/8 micro-batches, ZeRO 0/1/2, shared experts and
-# a dense layer (qwen2), grouped top-k with a bias (deepseek-v3) and all-tokens-to-one-expert routing.
+# a dense layer (qwen2), grouped top-k with a bias (deepseek-v3), all-tokens-to-one-expert routing, and ZeRO-2 on
+# expert shards that some micro-batches route no token to.
 CASES = [
     ("qwen3-moe", {}, 1, 1, 1, 1, 1, 0, False),
     ("qwen3-moe", {}, 2, 2, 1, 1, 1, 0, False),
@@ -36,6 +37,7 @@ CASES = [
     ("qwen3-moe", {"num_experts": 6}, 2, 3, 1, 1, 3, 1, True),
     ("olmoe", {}, 2, 4, 1, 2, 3, 1, False),
     ("deepseek-v3", {}, 2, 4, 1, 2, 3, 1, True),  # replicas where some experts get no token: zero-filled grads
+    ("qwen3-moe", {}, 1, 4, 1, 1, 6, 2, False),  # ZeRO-2 backwards that reach no expert of a shard (issue 15)
 ]
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active

@@ -96,6 +96,27 @@ def scale_gradients(module: nn.Module, factor: float) -> None:
             param.register_hook(lambda grad, f=factor: grad * f)
 
 
+def allow_backward_without_gradients(optimizer) -> None:
+    """Let a ZeRO-2 backward reach no parameter of the engine.
+
+    ZeRO-2 allocates its gradient buckets at a backward's first parameter gradient and frees them when the backward
+    ends, where it reduces the last bucket unconditionally. An expert shard that no token of a micro-batch was routed
+    to still runs that micro-batch's backward (for the gradient of its inputs) but produces no parameter gradient, and
+    DeepSpeed then indexes a bucket that was never allocated (``IndexError`` in ``reduce_ipg_grads``). With nothing
+    in any bucket there is nothing to reduce, so that call is skipped; every other call is DeepSpeed's.
+    """
+    reduce = optimizer.reduce_ipg_grads
+
+    def reduce_allocated(comm_dtype: torch.dtype | None = None) -> None:
+        buckets = optimizer.ipg_buckets.values()
+        nothing = all(not b.buffer and b.elements == 0 for b in buckets) and not optimizer.extra_large_param_to_reduce
+        if optimizer.contiguous_gradients and nothing:
+            return
+        reduce(comm_dtype)
+
+    optimizer.reduce_ipg_grads = reduce_allocated
+
+
 class GlobalGradNorm:
     """Turns each role engine's norm into the norm over all unique parameters of the model.
 
@@ -162,6 +183,8 @@ def build_role_engine(
     engine, *_ = deepspeed.initialize(
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config, mpu=mpu
     )
+    if engine.zero_optimization_stage() == 2:
+        allow_backward_without_gradients(engine.optimizer)
     global_norm = GlobalGradNorm(norm_domain_size)
     global_norm.install(engine)
     return engine, global_norm
