@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
 
@@ -38,9 +39,11 @@ class DisagMoEConfig:
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
         activation_checkpointing: keep only each chunk's inputs and recompute its activations in backward
             (attention parts and expert shards), trading compute for the memory of micro-batches in flight.
-        comm_stream: on GPUs, run the exchanges' receives on a side CUDA stream so that waiting for a message
-            never waits for the rank's queued compute (``comm.channel.CommStream``); false receives on the
-            compute stream.
+        comm_stream: on GPUs, allocate and post the exchanges' receives on a side CUDA stream, so that a receive
+            posted ahead starts at once instead of after the compute queued before it (``comm.channel.CommStream``).
+        transport: how exchange payloads move: ``auto`` is torch.distributed's backend (NCCL on GPUs, gloo on
+            CPUs); ``rendezvous`` is a CPU stand-in for NCCL's network transport that tests run under, where a send
+            completes only once its receive has started (``comm.transport``).
     """
 
     attention_gpus: int = 1
@@ -53,14 +56,17 @@ class DisagMoEConfig:
     compile: bool = False
     activation_checkpointing: bool = False
     comm_stream: bool = True
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         for flag in _FLAGS:
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f'"{SECTION}.{flag}" must be true or false, got {getattr(self, flag)!r}')
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f'"{SECTION}.transport" must be one of {sorted(TRANSPORTS)}, got {self.transport!r}')
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in _FLAGS or (f.name == "max_in_flight" and value is None):
+            if f.name in (*_FLAGS, "transport") or (f.name == "max_in_flight" and value is None):
                 continue
             kind = float if f.name == "comm_timeout_s" else int
             allowed = (int, float) if kind is float else (int,)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 
@@ -292,6 +293,13 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
     p.add_argument("--expert-data-parallel", type=int, default=1, help="replicas of each expert shard")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per lane")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute chunk activations in backward")
+    p.add_argument(
+        "--transport",
+        choices=sorted(TRANSPORTS),
+        default="auto",
+        help="exchange transport: auto (NCCL on GPUs, gloo on CPUs) or rendezvous (CPU ranks; a send completes only "
+        "once its receive has started, as on NCCL's network transport: shows deadlocks gloo hides)",
+    )
     add_run_args(p, zero_help="ZeRO stage inside each group")
     a = p.parse_args(argv)
     cfg = DisagMoEConfig(
@@ -301,6 +309,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         micro_batches=a.micro_batches,
         expert_data_parallel=a.expert_data_parallel,
         activation_checkpointing=a.activation_checkpointing,
+        transport=a.transport,
     )
     return run_args(VerifyArgs, a, cfg)
 

@@ -1,55 +1,54 @@
-"""Token exchange between A-groups and F-groups: local pack (routing), transport (channel), M2N/N2M (exchange).
+"""Token exchange between A-groups and F-groups: local pack (routing), transport, fan-out/fan-in (channel), who
+talks to whom on which communicator (exchange).
 
-Only ``channel`` and ``exchange`` communicate; ``routing`` is pure torch. EXCHANGES.md lists every exchange.
+Only ``transport``, ``channel`` and ``exchange`` communicate; ``routing`` is pure torch.
 """
 
-from disagmoe_ds.comm.channel import (
-    ChannelError,
-    CommStream,
-    Link,
-    MessageSpec,
-    Receiver,
-    Sender,
-    SendHandle,
-    TensorSpec,
-)
+from disagmoe_ds.comm.channel import ChannelError, CommStream, FanIn, FanOut, MessageSpec, TensorSpec
 from disagmoe_ds.comm.exchange import (
-    ExchangeGroups,
+    ExchangeComms,
     Kind,
     LaneRows,
-    M2NReceiver,
-    M2NSender,
-    N2MReceiver,
-    N2MSender,
-    build_exchange_groups,
-    dispatch_messages,
-    exchange_pairs,
+    build_exchange_comms,
+    comm_keys,
+    comm_ranks,
+    endpoint,
     exchange_specs,
 )
-from disagmoe_ds.comm.routing import DispatchPlan, combine, pack, plan_dispatch
+from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, combine, pack, plan_dispatch
+from disagmoe_ds.comm.transport import (
+    Op,
+    RendezvousTransport,
+    TorchTransport,
+    Transport,
+    TransportError,
+    make_transport,
+)
 
 __all__ = [
     "ChannelError",
+    "CombinePlan",
     "CommStream",
     "DispatchPlan",
-    "ExchangeGroups",
+    "ExchangeComms",
+    "FanIn",
+    "FanOut",
     "Kind",
     "LaneRows",
-    "Link",
-    "M2NReceiver",
-    "M2NSender",
     "MessageSpec",
-    "N2MReceiver",
-    "N2MSender",
-    "Receiver",
-    "SendHandle",
-    "Sender",
+    "Op",
+    "RendezvousTransport",
     "TensorSpec",
-    "build_exchange_groups",
+    "TorchTransport",
+    "Transport",
+    "TransportError",
+    "build_exchange_comms",
     "combine",
-    "dispatch_messages",
-    "exchange_pairs",
+    "comm_keys",
+    "comm_ranks",
+    "endpoint",
     "exchange_specs",
+    "make_transport",
     "pack",
     "plan_dispatch",
 ]

@@ -1,27 +1,27 @@
-"""One-way point-to-point messages of varying row count between two ranks (FIFO per link).
+"""One-way fan-out and fan-in of messages of varying size, first-in first-out, safe under rendezvous.
 
-Legend (this file): R rows of one message.
+Legend (this file): a message is a tuple of tensors whose leading sizes are its ``sizes`` (e.g. R rows).
 
-torch.distributed and NCCL point-to-point have no usable tags: messages on one (group, src, dst) match in
-posting order. A message is therefore split in two streams on two process groups of the same pair:
+A ``FanOut`` sends one message to each of its peers per call, as one grouped operation of its transport on one
+communicator; the matching ``FanIn`` receives one message from each of its peers per call, likewise. Per
+communicator both ends post in the same order, so message k of every peer pair is matched by position, and a
+send that waits for its receive (NCCL's network transport) holds back only later messages of the same kind.
 
-    header  int64[4] = (rows, spec fingerprint, tag, meta) on ``Link.header_group``
-    payload the message's tensors, in spec order, on ``Link.payload_group``
+Sizes: a receiver must know them before posting a receive. Where it cannot know them (M2N: how many tokens a lane
+routed to this rank), the sender posts a **header** first: a few int64 on a gloo group, host to host, so it never
+waits for the device and never queues behind a payload. Where the receiver knows the sizes itself (the reverse
+paths), there is no header at all. Headers also carry a tag (schedule position) and the message spec's
+fingerprint, so a schedule or spec mismatch fails with a clear error instead of corrupting data.
 
-so a receiver can post header receives ahead of need (before it knows the size) without a posted receive
-ever matching a payload. Tensors with zero elements are not sent (both sides skip them, knowing the rows).
-Use one Sender and one Receiver per link: they are the only users of its two groups.
-
-The code is device-agnostic: headers and received tensors live on the ``device`` given at construction
-(the current CUDA device with NCCL, CPU with gloo). On CUDA, receives can run on a side stream (``CommStream``):
-reading a header then waits for that header only, not for the compute queued before it.
+On CUDA the receives are allocated and posted on a side stream (``CommStream``): a receive posted ahead starts at
+once instead of after the compute queued before it, and the compute stream waits for a payload on the device
+(``hand_over``) only where it reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -29,92 +29,85 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-HEADER_LEN = 4  # rows, fingerprint, tag, meta
+from disagmoe_ds.comm.transport import Comm, Op, Transport, Work
+
+HEADER_FIXED = 2  # tag, fingerprint; then the metas and the sizes
 
 
 class ChannelError(RuntimeError):
-    """The two ends of a link disagree (spec, tag, order): a bug in the schedule or the exchange code."""
+    """The two ends of a link disagree (spec, tag, sizes): a bug in the schedule or the exchange code."""
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of a message: dtype and shape; with ``per_row`` the shape excludes the leading row dim."""
+    """One tensor of a message: dtype, trailing shape and which of the message's sizes is its leading dim
+    (``size`` None: a fixed-shape tensor)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-    per_row: bool = True
+    size: int | None = 0
 
-    def full_shape(self, rows: int) -> tuple[int, ...]:
-        return (rows, *self.shape) if self.per_row else self.shape
+    def full_shape(self, sizes: Sequence[int]) -> tuple[int, ...]:
+        return self.shape if self.size is None else (sizes[self.size], *self.shape)
 
 
 @dataclass(frozen=True)
 class MessageSpec:
-    """What every message of a link carries; both ends declare it once and the header checks they agree."""
+    """What every message of a channel carries; both ends declare it and headers check that they agree."""
 
     tensors: tuple[TensorSpec, ...]
     name: str = "message"
+    metas: int = 1  # ints of sender metadata in each header (M2N: routed pairs; resid: rows per ep rank)
+
+    @cached_property
+    def num_sizes(self) -> int:
+        return 1 + max((t.size for t in self.tensors if t.size is not None), default=-1)
 
     @cached_property
     def fingerprint(self) -> int:
         # hashlib, not hash(): Python's string hash is salted per process.
-        digest = hashlib.blake2b(repr(self.tensors).encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(repr((self.tensors, self.metas)).encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little", signed=True)
 
-    def empty(self, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.empty(t.full_shape(rows), dtype=t.dtype, device=device) for t in self.tensors)
+    def empty(self, sizes: Sequence[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(t.full_shape(sizes), dtype=t.dtype, device=device) for t in self.tensors)
 
-    def check(self, tensors: Sequence[torch.Tensor]) -> int:
-        """Return the message's row count; raise ChannelError if ``tensors`` do not match the spec."""
+    def sizes_of(self, tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """The message's sizes, read from the tensors' shapes (host metadata, no device read); checks the spec."""
         if len(tensors) != len(self.tensors):
             raise ChannelError(f"{self.name}: expected {len(self.tensors)} tensors, got {len(tensors)}")
-        rows = next((t.shape[0] for t, s in zip(tensors, self.tensors, strict=True) if s.per_row), 0)
+        sizes: list[int | None] = [None] * self.num_sizes
+        for t, spec in zip(tensors, self.tensors, strict=True):
+            if spec.size is not None:
+                sizes[spec.size] = t.shape[0] if t.dim() else -1
         for i, (tensor, spec) in enumerate(zip(tensors, self.tensors, strict=True)):
-            want = spec.full_shape(rows)
+            want = spec.full_shape(sizes)
             if tensor.dtype != spec.dtype or tuple(tensor.shape) != want:
                 got = f"{tensor.dtype}{list(tensor.shape)}"
                 raise ChannelError(f"{self.name}: tensor {i} is {got}, the spec wants {spec.dtype}{list(want)}")
-        return rows
+        return tuple(sizes)
 
 
 class CommStream:
-    """Where a rank's receives run: a side CUDA stream, or (``stream`` None: CPU, or disabled) the current stream.
+    """Where a rank's receives are allocated and posted: a side CUDA stream, or (CPU, or disabled) the current one.
 
-    On the current stream, NCCL starts a receive only after the compute queued before it, and reading a header
-    (``tolist``) blocks the host until that compute is done: the GPU drains at every message, and no transfer
-    overlaps compute. On the side stream a receive starts at once; the host waits for the header alone (copied
-    into a reused pinned buffer), and the compute stream waits for a payload on the device (``hand_over``), not
-    the host. One ``CommStream`` serves all the receivers of a rank.
+    On the side stream a receive posted ahead starts at once; on the current stream NCCL would start it only after
+    the compute queued before it. One ``CommStream`` serves all the receivers of a rank.
     """
 
     def __init__(self, device: torch.device, *, enabled: bool = True) -> None:
-        on_gpu = enabled and device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if on_gpu else None
-        self._pinned = torch.empty(HEADER_LEN, dtype=torch.int64, pin_memory=True) if on_gpu else None
+        self.stream = torch.cuda.Stream(device) if enabled and device.type == "cuda" else None
 
     def scope(self) -> contextlib.AbstractContextManager:
-        """Allocate and post receives inside this."""
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def header_values(self, work: dist.Work, header: torch.Tensor) -> list[int]:
-        """Wait for a header's receive and read it on the host."""
-        if self.stream is None:
-            work.wait()
-            return header.tolist()  # host sync of the current stream
-        with self.scope():
-            work.wait()  # the side stream waits for the transfer
-            self._pinned.copy_(header, non_blocking=True)
-        self.stream.synchronize()  # the host waits for this header only
-        return self._pinned.tolist()
-
-    def hand_over(self, works: Sequence[dist.Work], tensors: Sequence[torch.Tensor]) -> None:
-        """Make the current (compute) stream wait for ``works`` and mark ``tensors`` as used there.
+    def hand_over(self, work: Work, tensors: Sequence[torch.Tensor]) -> None:
+        """Make the current (compute) stream wait for ``work`` and mark ``tensors`` as used there.
 
         Under NCCL ``wait`` is a device-side wait of the current stream. ``record_stream`` keeps the caching
         allocator from handing the buffers' memory to the side stream again before the compute reading them is done.
         """
-        for work in works:
-            work.wait()
+        work.wait()
         if self.stream is not None:
             current = torch.cuda.current_stream(self.stream.device)
             for tensor in tensors:
@@ -122,139 +115,184 @@ class CommStream:
 
 
 @dataclass(frozen=True)
-class Link:
-    """The two process groups of one one-way (src -> dst) pair; both contain exactly src and dst."""
+class Headers:
+    """The gloo group that carries a channel's headers (host ints, sender to receiver)."""
 
-    src: int
-    dst: int
-    header_group: dist.ProcessGroup
-    payload_group: dist.ProcessGroup
+    group: dist.ProcessGroup
 
 
 @dataclass(eq=False)
-class SendHandle:
-    """Works of one sent message; holds the tensors so their memory lives until the send completes."""
+class Sent:
+    """A fan-out in flight; keeps its tensors alive until ``wait``."""
 
-    works: list[dist.Work]
+    work: Work
     tensors: tuple[torch.Tensor, ...]
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
+    header_works: tuple[dist.Work, ...]
 
     def wait(self) -> None:
-        for work in self.works:
+        self.work.wait()
+        for work in self.header_works:
             work.wait()
 
+    def is_completed(self) -> bool:
+        # A gloo send dropped before it completes is abandoned: headers count too.
+        return self.work.is_completed() and all(work.is_completed() for work in self.header_works)
 
-class Sender:
-    """The src end of a link: non-blocking sends, in order."""
 
-    def __init__(self, link: Link, spec: MessageSpec, device: torch.device) -> None:
-        self.link = link
-        self.spec = spec
-        self.device = device
-        self._in_flight: deque[SendHandle] = deque()
+class FanOut:
+    """The sending end: one message to each peer per ``send``, one grouped operation."""
 
-    def send(self, tensors: Sequence[torch.Tensor], *, tag: int = 0, meta: int = 0) -> SendHandle:
-        """Post header and payload sends; returns at once. Do not modify the tensors in place until the send
-        completes (``SendHandle.wait`` or ``wait_all``); the Sender keeps them alive until then.
+    def __init__(
+        self, transport: Transport, comm: Comm, peers: Sequence[int], spec: MessageSpec, headers: Headers | None
+    ) -> None:
+        self.transport, self.comm, self.peers, self.spec, self.headers = transport, comm, tuple(peers), spec, headers
+        self._in_flight: list[Sent] = []
 
-        Args:
-            tensors: the message, matching the spec (same row count for every per-row tensor).
-            tag: an integer the receiver may check (e.g. the micro-batch id), to catch schedule mismatches.
-            meta: an integer the receiver reads with the header, on the host, before the payload arrives (M2N:
-                the routed (row, expert) pairs, which size the expert side's buffers without a device read).
+    def send(
+        self,
+        messages: Sequence[Sequence[torch.Tensor]],
+        *,
+        tag: int = 0,
+        metas: Sequence[Sequence[int]] | None = None,
+    ) -> list[tuple[int, ...]]:
+        """Send ``messages[i]`` to ``peers[i]`` without blocking the host; returns each message's sizes.
+
+        Do not modify the tensors in place before ``wait_all``; the fan-out keeps them alive until then.
+        ``metas[i]`` (``spec.metas`` ints) rides in peer i's header (M2N: the routed pairs, which size the expert
+        side's buffers; resid: the combine plan's rows per ep rank).
         """
-        rows = self.spec.check(tensors)
-        # isend needs contiguous memory; detach because communication is outside autograd.
-        payload = tuple(t.detach().contiguous() for t in tensors)
-        header = torch.tensor([rows, self.spec.fingerprint, tag, meta], dtype=torch.int64, device=self.device)
-        works = [dist.isend(header, self.link.dst, group=self.link.header_group)]
-        works += [dist.isend(t, self.link.dst, group=self.link.payload_group) for t in payload if t.numel()]
-        handle = SendHandle(works=works, tensors=(header, *payload))
+        if len(messages) != len(self.peers):
+            raise ChannelError(f"{self.spec.name}: {len(messages)} messages for {len(self.peers)} peers")
+        payloads = [tuple(t.detach().contiguous() for t in message) for message in messages]
+        sizes = [self.spec.sizes_of(payload) for payload in payloads]
+        header_works: list[dist.Work] = []
+        if self.headers is not None:
+            metas = metas or [(0,) * self.spec.metas] * len(self.peers)
+            for peer, size, meta in zip(self.peers, sizes, metas, strict=True):
+                if len(meta) != self.spec.metas:
+                    raise ChannelError(f"{self.spec.name}: {len(meta)} header metas, the spec has {self.spec.metas}")
+                header = torch.tensor([tag, self.spec.fingerprint, *meta, *size], dtype=torch.int64)
+                header_works.append(dist.isend(header, peer, group=self.headers.group))
+        ops = [Op("send", t, peer) for peer, payload in zip(self.peers, payloads) for t in payload if t.numel()]
+        flat = tuple(t for payload in payloads for t in payload)
+        self._in_flight.append(Sent(self.transport.start(self.comm, ops), flat, tuple(header_works)))
         self._reap()
-        self._in_flight.append(handle)
-        return handle
+        return sizes
 
     def wait_all(self) -> None:
-        """Block until every message sent so far has left (before reusing or freeing its buffers)."""
-        while self._in_flight:
-            self._in_flight.popleft().wait()
+        """Until every message sent so far has left (the end of a step)."""
+        for sent in self._in_flight:
+            sent.wait()
+        self._in_flight.clear()
 
     def _reap(self) -> None:
+        # Keep the list short on long steps: drop the leading fan-outs whose sends have completed.
         while self._in_flight and self._in_flight[0].is_completed():
-            self._in_flight.popleft()
+            self._in_flight.pop(0)
 
 
 @dataclass(eq=False)
-class _PostedHeader:
-    header: torch.Tensor
-    work: dist.Work
+class Arrival:
+    """One fan-in of a channel, from post to completion.
+
+    ``sizes[i]`` is peer i's message sizes (from its header, or given by the receiver); ``buffers`` hold all the
+    peers' messages concatenated along the leading dim, in peer order (one buffer per tensor of the spec).
+    """
+
+    tag: int
+    sizes: list[tuple[int, ...]] | None = None
+    metas: tuple[tuple[int, ...], ...] = ()
+    header_buffers: tuple[torch.Tensor, ...] = ()
+    header_works: tuple[dist.Work, ...] = ()
+    buffers: tuple[torch.Tensor, ...] | None = None
+    work: Work | None = None
 
 
-class Receiver:
-    """The dst end of a link: headers posted ahead, messages completed oldest first."""
+class FanIn:
+    """The receiving end: one message from each peer per arrival, in posting order.
 
-    def __init__(self, link: Link, spec: MessageSpec, device: torch.device, comm: CommStream | None = None) -> None:
-        self.link = link
-        self.spec = spec
-        self.device = device
-        self.comm = comm or CommStream(device, enabled=False)
-        self._posted: deque[_PostedHeader] = deque()
-        self._payload_rows: int | None = None  # rows of the message whose header was read, payload not yet
+    ``expect`` registers the next arrival (and posts its header receives, if the channel has headers);
+    ``post_ready`` posts the payload receives of the oldest arrivals whose sizes are known, in order;
+    ``complete`` blocks the host only for what is truly unknown (a header not yet in) and returns the buffers.
+    """
 
-    def post(self) -> None:
-        """Post the receive of one more header (no size needed); call ahead of need to overlap."""
-        with self.comm.scope():
-            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-            work = dist.irecv(header, self.link.src, group=self.link.header_group)
-        self._posted.append(_PostedHeader(header, work))
+    def __init__(
+        self,
+        transport: Transport,
+        comm: Comm,
+        peers: Sequence[int],
+        spec: MessageSpec,
+        headers: Headers | None,
+        device: torch.device,
+        comm_stream: CommStream,
+    ) -> None:
+        self.transport, self.comm, self.peers, self.spec, self.headers = transport, comm, tuple(peers), spec, headers
+        self.device, self.comm_stream = device, comm_stream
+        self._header_len = HEADER_FIXED + spec.metas + spec.num_sizes
 
-    def wait(self, *, tag: int | None = None) -> tuple[torch.Tensor, ...]:
-        """Complete the oldest message (posting its header now if none is posted) and return its tensors."""
-        rows, _ = self.wait_header(tag=tag)
-        with self.comm.scope():
-            tensors = self.spec.empty(rows, self.device)
-        self.comm.hand_over(self.irecv_payload(tensors), tensors)
-        return tensors
+    def expect(self, tag: int) -> Arrival:
+        arrival = Arrival(tag)
+        if self.headers is not None:
+            buffers = tuple(torch.empty(self._header_len, dtype=torch.int64) for _ in self.peers)
+            works = [dist.irecv(b, peer, group=self.headers.group) for b, peer in zip(buffers, self.peers)]
+            arrival.header_buffers, arrival.header_works = buffers, tuple(works)
+        return arrival
 
-    def wait_header(self, *, tag: int | None = None) -> tuple[int, int]:
-        """Wait for the oldest posted header and return the message's rows and meta (a host sync on devices).
+    def header_arrived(self, arrival: Arrival) -> bool:
+        return all(work.is_completed() for work in arrival.header_works)
 
-        Must be followed by ``irecv_payload`` before the next header: payloads match in order. With a side
-        stream the host waits for the header only, not for the compute queued before it.
-        """
-        if self._payload_rows is not None:
-            raise ChannelError(f"{self._where()}: wait_header called twice without irecv_payload in between")
-        if not self._posted:
-            self.post()
-        posted = self._posted.popleft()
-        rows, fingerprint, sent_tag, meta = self.comm.header_values(posted.work, posted.header)  # sizes the payload
-        if fingerprint != self.spec.fingerprint:
+    def read_headers(self, arrival: Arrival) -> None:
+        """Wait for the arrival's headers (host to host) and take its sizes from them."""
+        for work in arrival.header_works:
+            work.wait()
+        sizes, metas = [], []
+        for peer, header in zip(self.peers, arrival.header_buffers):
+            tag, fingerprint, *rest = header.tolist()
+            if fingerprint != self.spec.fingerprint:
+                raise ChannelError(
+                    f"{self._where(peer)}: the sender's spec differs from this receiver's {self.spec.tensors}"
+                )
+            if tag != arrival.tag:
+                raise ChannelError(f"{self._where(peer)}: expected tag {arrival.tag}, the next message has {tag}")
+            metas.append(tuple(rest[: self.spec.metas]))
+            sizes.append(tuple(rest[self.spec.metas :]))
+        arrival.sizes, arrival.metas, arrival.header_works = sizes, tuple(metas), ()
+
+    def post(self, arrival: Arrival) -> None:
+        """Post the payload receives (sizes known) as one grouped operation on the side stream."""
+        if arrival.sizes is None:
+            raise ChannelError(f"{self.spec.name}: payload posted before its sizes are known")
+        if len(arrival.sizes) != len(self.peers):
             raise ChannelError(
-                f"{self._where()}: the sender's message spec differs from this receiver's {self.spec.tensors} "
-                f"(fingerprint {fingerprint} != {self.spec.fingerprint}); both ends must declare the same spec"
+                f"{self.spec.name}: sizes for {len(arrival.sizes)} peers, the channel has {len(self.peers)}"
             )
-        if tag is not None and sent_tag != tag:
-            raise ChannelError(f"{self._where()}: expected tag {tag}, the oldest message has tag {sent_tag}")
-        self._payload_rows = rows
-        return rows, meta
+        with self.comm_stream.scope():
+            buffers = self._concat_buffers(arrival.sizes)
+            parts = [self._split(b, spec, arrival.sizes) for b, spec in zip(buffers, self.spec.tensors)]
+            ops = [Op("recv", part[i], peer) for i, peer in enumerate(self.peers) for part in parts if part[i].numel()]
+            arrival.buffers, arrival.work = buffers, self.transport.start(self.comm, ops)
 
-    def irecv_payload(self, tensors: Sequence[torch.Tensor]) -> list[dist.Work]:
-        """Post the payload receives of the message whose header was just read, into ``tensors``.
+    def complete(self, arrival: Arrival) -> tuple[tuple[torch.Tensor, ...], list[tuple[tuple[torch.Tensor, ...]]]]:
+        """Hand the arrival's buffers to the compute stream; returns them whole and split per peer."""
+        self.comm_stream.hand_over(arrival.work, arrival.buffers)
+        parts = [self._split(b, spec, arrival.sizes) for b, spec in zip(arrival.buffers, self.spec.tensors)]
+        return arrival.buffers, [tuple(part[i] for part in parts) for i in range(len(self.peers))]
 
-        ``tensors`` may be views of a larger buffer (e.g. one slice per lane) as long as each is contiguous;
-        allocate them in ``comm.scope()`` and pass them with the works to ``comm.hand_over`` before using them.
-        """
-        rows = self._payload_rows
-        if rows is None:
-            raise ChannelError(f"{self._where()}: irecv_payload called before wait_header")
-        buffer_rows = self.spec.check(tensors)
-        if buffer_rows != rows:
-            raise ChannelError(f"{self._where()}: buffers for {buffer_rows} rows, the message has {rows}")
-        self._payload_rows = None
-        with self.comm.scope():
-            return [dist.irecv(t, self.link.src, group=self.link.payload_group) for t in tensors if t.numel()]
+    def _concat_buffers(self, sizes: Sequence[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
+        out = []
+        for spec in self.spec.tensors:
+            if spec.size is None:  # fixed shape: one per peer, stacked
+                out.append(torch.empty((len(self.peers), *spec.shape), dtype=spec.dtype, device=self.device))
+            else:
+                rows = sum(size[spec.size] for size in sizes)
+                out.append(torch.empty((rows, *spec.shape), dtype=spec.dtype, device=self.device))
+        return tuple(out)
 
-    def _where(self) -> str:
-        return f"{self.spec.name} {self.link.src}->{self.link.dst}"
+    @staticmethod
+    def _split(buffer: torch.Tensor, spec: TensorSpec, sizes: Sequence[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
+        if spec.size is None:
+            return tuple(buffer.unbind(0))
+        return buffer.split([size[spec.size] for size in sizes])
+
+    def _where(self, peer: int) -> str:
+        return f"{self.spec.name} {peer}->{dist.get_rank()}"

@@ -53,6 +53,19 @@ class DispatchPlan:
         return self.local_idx_SK.split(self.counts)
 
 
+@dataclass(frozen=True, eq=False)
+class CombinePlan:
+    """What ``combine`` needs of a dispatch plan; A_next rebuilds it from the resid message without a host sync."""
+
+    num_tokens: int
+    counts: tuple[int, ...]
+    token_idx_S: torch.Tensor
+
+    @property
+    def ep_size(self) -> int:
+        return len(self.counts)
+
+
 def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     """How often each id in [0, n) occurs in ``ids`` (int64 [n]), without the host sync of CUDA's ``bincount``,
     which reads its output size from the device.
@@ -122,7 +135,7 @@ def pack(x_TH: torch.Tensor, topk_w_TK: torch.Tensor, plan: DispatchPlan) -> lis
     return list(zip(x_SH.split(plan.counts), w_SK.split(plan.counts), strict=True))
 
 
-def combine(y_RH_list: list[torch.Tensor], plan: DispatchPlan) -> torch.Tensor:
+def combine(y_RH_list: list[torch.Tensor], plan: DispatchPlan | CombinePlan) -> torch.Tensor:
     """Sum the ep ranks' partial outputs back into token order (differentiable in every ``y_RH``).
 
     Returns:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disagmoe_ds.comm.exchange import build_exchange_groups
+from disagmoe_ds.comm.exchange import build_exchange_comms
+from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.engine.deepspeed_role import build_role_engine
 from disagmoe_ds.engine.executor import AFPipeExecutor
@@ -98,7 +99,7 @@ def build_rank(
     # A rank waiting longer than this for a peer fails (and the launcher ends the job) instead of hanging.
     timeout = timedelta(seconds=cfg.comm_timeout_s)
     dp = build_data_parallel_groups(layout, rank, timeout)
-    exchange = build_exchange_groups(layout, device=device, timeout=timeout)
+    exchange = build_exchange_comms(layout, make_transport(cfg.transport, timeout), device=device)
     top_k, weight_dtype = _router_facts(model, moe)
     stage = _build_stage(model, layout, role)
     # Freshly initialised replicas differ until DeepSpeed broadcasts them; pretrained ones start identical.
@@ -125,11 +126,9 @@ def build_rank(
         exchange,
         hidden=stage.config.hidden_size,
         top_k=top_k,
-        num_experts=layout.num_experts,
         dtype=dtype,
         weight_dtype=weight_dtype,
         device=device,
-        post_ahead=dist.get_backend() != "nccl",
         comm_stream=cfg.comm_stream,
     )
     if role.is_attention:

@@ -110,6 +110,7 @@ class AFPipeExecutor:
         incoming = self._incoming.pop((kind, layer, micro_batch), {})
         for msg_kind, payload in fn(layer, micro_batch, incoming).items():
             self._outgoing[(msg_kind, layer, micro_batch)] = payload
+        self.mailbox.pump()  # headers that came in while computing: post their payload receives now
 
     def _exec_forward_attn(self, layer: int, micro_batch: int) -> None:
         self._compute("A_fwd", self.runner.forward, layer, micro_batch)

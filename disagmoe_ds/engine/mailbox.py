@@ -1,42 +1,35 @@
 """One rank's ends of the AF-Pipe exchanges, addressed by schedule messages.
 
-Every message kind a rank receives arrives on exactly one channel (one sender group), matched first-in
-first-out. The schedule posts receives in the sender's order but may *use* them in another order, so a wait
-completes older messages first and keeps them until their own wait: nothing blocks longer than its sender needs
-to reach that send.
+Every message kind a rank sends leaves through one ``FanOut`` and every kind it receives arrives through one
+``FanIn`` (one communicator each, see ``comm.exchange``). The schedule posts and waits each channel in the sender's
+order; the mailbox adds what makes that safe and fast under rendezvous:
 
-Payloads (shape suffixes: T tokens of a micro-batch, H hidden, K top-k, E experts, R/S rows):
+- **sizes before receives.** A payload receive is posted as soon as its sizes are known: from a header (m2n, resid),
+  or from what this rank itself sent earlier (the reverse paths). ``pump`` posts every receive that has become
+  postable, oldest first per channel, without blocking; a wait blocks only for a header that is not in yet.
+- **no host sync per send.** Sizes come from tensor shapes and host ints, headers go host to host.
 
-    m2n        lane -> each ep rank      ([(x_RH, local_idx_RK, w_RK)], pairs) on A  F side: S rows, LaneRows
-    n2m        ep rank -> next lane      ((y_SH,), LaneRows) on F                    A side: [(y_RH,)] per ep rank
-    m2n_grad   ep rank -> lane           ((dx_SH, dw_SK), LaneRows) on F             A side: [(dx_RH, dw_RK)]
-    n2m_grad   next lane -> ep rank      ([(dy_RH,)], None) on A                     F side: (dy_SH,), LaneRows
-    resid      lane -> next lane         (residual_TH, topk_idx_TK, position_ids_T, counts_E, prob_sum_E)
-    resid_grad next lane -> lane         (d_residual_TH, aux_grad_E)
+Payloads at the runner boundary (shape suffixes: T tokens, H hidden, K top-k, E experts, R/S rows, P ep ranks):
 
-A-side fan-outs carry one message per ep rank and the messages' header metas: for m2n the routed pairs per ep
-rank, which size the F side's expert buffers and arrive there summed in ``LaneRows.meta``.
+    m2n        A sends ([(x_RH, local_idx_RK, w_RK)] per ep rank, pairs_P)   F gets ((x_SH, idx_SK, w_SK), LaneRows)
+    n2m        F sends ((y_SH,), LaneRows)                                   A gets [(y_RH,)] per ep rank
+    m2n_grad   F sends ((dx_SH, dw_SK), LaneRows)                            A gets [(dx_RH, dw_RK)] per ep rank
+    n2m_grad   A sends ([(dy_RH,)] per ep rank, None)                        F gets ((dy_SH,), LaneRows)
+    resid      ((residual_TH, token_idx_S, position_ids_T, counts_E, prob_sum_E), rows_P)   the same
+    resid_grad (d_residual_TH, aux_grad_E)                                                   the same
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from disagmoe_ds.comm.channel import CommStream, MessageSpec, Receiver, Sender, TensorSpec
-from disagmoe_ds.comm.exchange import (
-    ExchangeGroups,
-    Kind,
-    M2NReceiver,
-    M2NSender,
-    N2MReceiver,
-    N2MSender,
-    exchange_specs,
-)
+from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn, FanOut
+from disagmoe_ds.comm.exchange import ExchangeComms, Kind, LaneRows, exchange_specs
 from disagmoe_ds.schedule import Message
 
 Key = tuple[str, int, int]  # (kind, layer of the sending task, micro-batch)
@@ -47,126 +40,156 @@ def message_key(message: Message) -> Key:
 
 
 def _tag(key: Key) -> int:
-    # Checked by the receiver against the oldest message on the channel: catches any schedule mismatch.
+    # Checked by the receiver against the next message on the channel: catches any schedule mismatch.
     return key[1] * (1 << 20) + key[2]
 
 
 @dataclass
 class _Inbox:
-    post: Callable[[], None]
-    wait: Callable[[int], Any]
-    expected: deque[Key] = field(default_factory=deque)
-
-
-def residual_specs(hidden: int, top_k: int, num_experts: int, dtype: torch.dtype) -> dict[Kind, MessageSpec]:
-    fixed_e = TensorSpec(torch.float32, (num_experts,), per_row=False)
-    return {
-        Kind.RESID: MessageSpec(
-            (
-                TensorSpec(dtype, (hidden,)),
-                TensorSpec(torch.int64, (top_k,)),
-                TensorSpec(torch.int64, ()),
-                fixed_e,
-                fixed_e,
-            ),
-            name="resid",
-        ),
-        Kind.RESID_GRAD: MessageSpec((TensorSpec(dtype, (hidden,)), fixed_e), name="resid_grad"),
-    }
+    fan_in: FanIn
+    pending: deque[tuple[Key, Arrival]] = field(default_factory=deque)  # expected, oldest first
 
 
 class Mailbox:
-    """Senders and receivers of one rank, built once per run; ``post``/``wait``/``send`` by schedule message.
-
-    ``post_ahead=False`` leaves each receive to its wait (NCCL). Two H200s hung with receives posted ahead, both
-    ranks blocked in host syncs of their compute; posting at the wait fixed it. The likely cause: a receive
-    kernel launched ahead of need spins until its sender gets there, and the GPU's few hardware queues
-    (``CUDA_DEVICE_MAX_CONNECTIONS``) serialise it with other streams' kernels, among them the compute the sender
-    waits for. With gloo (CPU) a posted receive costs nothing.
-
-    ``comm_stream=True`` runs the receives on a side CUDA stream (``CommStream``): waiting for a message then
-    never waits for this rank's queued compute, and payloads land while it runs.
-    """
+    """Fan-outs and fan-ins of one rank, built once per run; ``post``/``wait``/``send`` by schedule message."""
 
     def __init__(
         self,
-        groups: ExchangeGroups,
+        comms: ExchangeComms,
         *,
         hidden: int,
         top_k: int,
-        num_experts: int,
         dtype: torch.dtype,
         weight_dtype: torch.dtype,
         device: torch.device,
-        post_ahead: bool = True,
-        comm_stream: bool = False,
+        comm_stream: bool = True,
     ):
-        specs = exchange_specs(hidden, top_k, dtype=dtype, weight_dtype=weight_dtype)
-        specs.update(residual_specs(hidden, top_k, num_experts, dtype))
-        layout, rank = groups.layout, groups.rank
-        role = layout.role_of(rank)
-        self._senders: dict[str, Callable[[Any, int], Any]] = {}
-        self._inboxes: dict[str, _Inbox] = {}
-        self._flush: list[Callable[[], None]] = []
-        self._stash: dict[Key, Any] = {}
-        self.post_ahead = post_ahead
-        comm = CommStream(device, enabled=comm_stream)
-
-        def fan_out(kind: Kind, cls) -> None:
-            end = cls.build(groups, kind, spec=specs[kind], device=device)
-            self._flush.append(end.wait_all)
-            self._senders[kind.value] = lambda payload, tag: end.send(payload[0], payload[1], tag=tag)
-
-        def fan_in(kind: Kind, cls) -> None:
-            end = cls.build(groups, kind, spec=specs[kind], device=device, comm=comm)
-            self._inboxes[kind.value] = _Inbox(end.post, lambda tag: end.wait(tag=tag))
-
-        if role.is_attention:
-            fan_out(Kind.M2N, M2NSender)
-            fan_out(Kind.N2M_GRAD, M2NSender)
-            fan_in(Kind.N2M, N2MReceiver)
-            fan_in(Kind.M2N_GRAD, N2MReceiver)
-            if layout.depth > 1:
-                nxt = layout.attention_ranks((role.group + 1) % layout.depth)[role.index]
-                prv = layout.attention_ranks((role.group - 1) % layout.depth)[role.index]
-                self._p2p_out(groups, Kind.RESID, rank, nxt, specs, device)
-                self._p2p_out(groups, Kind.RESID_GRAD, rank, prv, specs, device)
-                self._p2p_in(groups, Kind.RESID, prv, rank, specs, device, comm)
-                self._p2p_in(groups, Kind.RESID_GRAD, nxt, rank, specs, device, comm)
+        layout, rank = comms.layout, comms.rank
+        specs = exchange_specs(
+            hidden, top_k, layout.num_experts, layout.ep_size, dtype=dtype, weight_dtype=weight_dtype
+        )
+        stream = CommStream(device, enabled=comm_stream)
+        self.depth = layout.depth
+        self.is_attention = layout.role_of(rank).is_attention
+        if self.is_attention:
+            sends, receives = [Kind.M2N, Kind.N2M_GRAD], [Kind.N2M, Kind.M2N_GRAD]
+            if layout.depth > 1:  # resid first: ``pump`` learns n2m's sizes from its headers
+                sends, receives = [*sends, Kind.RESID, Kind.RESID_GRAD], [Kind.RESID, Kind.RESID_GRAD, *receives]
         else:
-            fan_in(Kind.M2N, M2NReceiver)
-            fan_in(Kind.N2M_GRAD, M2NReceiver)
-            fan_out(Kind.N2M, N2MSender)
-            fan_out(Kind.M2N_GRAD, N2MSender)
+            sends, receives = [Kind.N2M, Kind.M2N_GRAD], [Kind.M2N, Kind.N2M_GRAD]
+        self._out: dict[str, FanOut] = {k.value: comms.fan_out(k, specs[k]) for k in sends}
+        self._in = {k.value: _Inbox(comms.fan_in(k, specs[k], device, stream)) for k in receives}
+        self._known: dict[Key, list[tuple[int, ...]]] = {}  # sizes of receives this rank can predict
 
-    def _p2p_out(self, groups, kind: Kind, src: int, dst: int, specs, device) -> None:
-        sender = Sender(groups.link(kind, src, dst), specs[kind], device)
-        self._flush.append(sender.wait_all)
-        self._senders[kind.value] = lambda payload, tag: sender.send(payload, tag=tag)
-
-    def _p2p_in(self, groups, kind: Kind, src: int, dst: int, specs, device, comm: CommStream) -> None:
-        receiver = Receiver(groups.link(kind, src, dst), specs[kind], device, comm)
-        self._inboxes[kind.value] = _Inbox(receiver.post, lambda tag: receiver.wait(tag=tag))
-
+    # ----- the schedule's verbs -----
     def post(self, message: Message) -> None:
-        inbox = self._inboxes[message.kind]
-        if self.post_ahead:
-            inbox.post()  # else the receive is posted by its wait
-        inbox.expected.append(message_key(message))
+        """Expect ``message`` (its header receives go out now); its payload receive is posted once sizes are known."""
+        key = message_key(message)
+        inbox = self._in[message.kind]
+        inbox.pending.append((key, inbox.fan_in.expect(_tag(key))))
+        self.pump()
 
     def wait(self, message: Message) -> Any:
-        """The payload of ``message``, completing older messages of its channel first (they are kept)."""
+        """The payload of ``message``; posts it (and the older messages of its channel) first if not yet posted."""
         key = message_key(message)
-        inbox = self._inboxes[message.kind]
-        while key not in self._stash:
-            oldest = inbox.expected.popleft()
-            self._stash[oldest] = inbox.wait(_tag(oldest))
-        return self._stash.pop(key)
+        inbox = self._in[message.kind]
+        keys = [k for k, _ in inbox.pending]
+        if key not in keys:
+            raise ChannelError(f"{message}: waited for without a PostRecv before")
+        for k, arrival in list(inbox.pending)[: keys.index(key) + 1]:
+            if arrival.work is None:
+                self._resolve(message.kind, k, arrival, block=True)
+                inbox.fan_in.post(arrival)
+        arrival = inbox.pending[keys.index(key)][1]
+        del inbox.pending[keys.index(key)]
+        whole, per_peer = inbox.fan_in.complete(arrival)
+        return self._unpack(message.kind, arrival, whole, per_peer)
 
     def send(self, message: Message, payload: Any) -> None:
-        self._senders[message.kind](payload, _tag(message_key(message)))
+        key = message_key(message)
+        kind, layer, mb = key
+        tag = _tag(key)
+        fan_out = self._out[kind]
+        if kind in ("n2m", "m2n_grad"):  # F side: each lane its rows
+            tensors_S, rows = payload
+            parts = [t.split(rows.counts) for t in tensors_S]
+            fan_out.send(list(zip(*parts, strict=True)), tag=tag)
+        elif kind == "m2n":
+            messages, pairs = payload
+            sizes = fan_out.send(messages, tag=tag, metas=[(p,) for p in pairs])
+            self._known[("m2n_grad", layer, mb)] = sizes
+            if self.depth == 1:  # A_next is this rank
+                self._known[("n2m", layer, mb)] = sizes
+        elif kind == "n2m_grad":
+            fan_out.send(payload[0], tag=tag)
+        elif kind == "resid":
+            tensors, rows_P = payload
+            (sizes,) = fan_out.send([tensors], tag=tag, metas=[rows_P])
+            self._known[("resid_grad", layer + 1, mb)] = [sizes[:1]]
+        else:  # resid_grad
+            fan_out.send([payload], tag=tag)
+        self.pump()
+
+    def pump(self) -> None:
+        """Post every payload receive whose sizes are known by now, oldest first per channel; never blocks."""
+        for kind, inbox in self._in.items():
+            for key, arrival in inbox.pending:
+                if arrival.work is not None:
+                    continue
+                if not self._resolve(kind, key, arrival, block=False):
+                    break
+                inbox.fan_in.post(arrival)
 
     def flush(self) -> None:
         """Wait until every send has left (end of step: buffers may be freed)."""
-        for wait_all in self._flush:
-            wait_all()
+        for fan_out in self._out.values():
+            fan_out.wait_all()
+        stale = [key for inbox in self._in.values() for key, _ in inbox.pending]
+        if stale or self._known:
+            raise ChannelError(f"end of step with messages expected but never waited: {stale or list(self._known)}")
+
+    # ----- sizes -----
+    def _resolve(self, kind: str, key: Key, arrival: Arrival, *, block: bool) -> bool:
+        """Fill ``arrival.sizes``; False if they are not known yet and ``block`` is off."""
+        if arrival.sizes is not None:
+            return True
+        fan_in = self._in[kind].fan_in
+        if fan_in.headers is not None:
+            if not (block or fan_in.header_arrived(arrival)):
+                return False
+            fan_in.read_headers(arrival)
+            self._learn_from_header(kind, key, arrival)
+            return True
+        if key not in self._known and block and kind == "n2m":  # p > 1: the sizes ride in resid's header
+            self._read_resid_headers_until(key)
+        if key not in self._known:
+            if block:
+                raise ChannelError(f"{key}: receive sizes unknown (nothing this rank sent or received implies them)")
+            return False
+        arrival.sizes = self._known.pop(key)
+        return True
+
+    def _learn_from_header(self, kind: str, key: Key, arrival: Arrival) -> None:
+        _, layer, mb = key
+        if kind == "m2n":  # the gradients of these rows come back on n2m_grad from A_next's chunk layer + 1
+            self._known[("n2m_grad", layer + 1, mb)] = list(arrival.sizes)
+        elif kind == "resid" and arrival.metas[0][0] >= 0:  # layer was MoE (-1: dense): its n2m rows per ep rank
+            self._known[("n2m", layer, mb)] = [(rows,) for rows in arrival.metas[0]]
+
+    def _read_resid_headers_until(self, key: Key) -> None:
+        for resid_key, arrival in self._in["resid"].pending:
+            if key in self._known:
+                return
+            self._resolve("resid", resid_key, arrival, block=True)
+
+    # ----- payloads for the runner -----
+    def _unpack(self, kind: str, arrival: Arrival, whole: Sequence[torch.Tensor], per_peer: list) -> Any:
+        if kind in ("m2n", "n2m_grad"):
+            counts = tuple(size[0] for size in arrival.sizes)
+            pairs = sum(meta[0] for meta in arrival.metas) if kind == "m2n" else 0
+            return tuple(whole), LaneRows(self._in[kind].fan_in.peers, counts, pairs)
+        if kind in ("n2m", "m2n_grad"):
+            return per_peer
+        if kind == "resid":
+            return per_peer[0], arrival.metas[0]
+        return per_peer[0]  # resid_grad

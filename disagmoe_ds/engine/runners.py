@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from disagmoe_ds.comm.exchange import dispatch_messages
-from disagmoe_ds.comm.routing import combine, count_ids, pack, plan_dispatch
+from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, combine, count_ids, pack, plan_dispatch
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, router_stats
 
@@ -136,7 +135,7 @@ class AttentionRunner:
         chunk.residual_out = out.residual_BSH
         outgoing: Outgoing = {}
         T, H = h_BSH.shape[0] * h_BSH.shape[1], h_BSH.shape[2]
-        topk_idx_TK = torch.zeros(T, self.top_k, dtype=torch.int64, device=h_BSH.device)
+        plan = None
         if out.x_TH is not None:
             topk_idx_TK = out.topk_idx_TK.long()
             load_E = count_ids(topk_idx_TK, self.num_experts)
@@ -147,11 +146,22 @@ class AttentionRunner:
                 counts_E, probs_E = counts_E + stats.counts_E, probs_E + stats.prob_sum_E.detach()
             plan = plan_dispatch(topk_idx_TK, self.layout.ep_size, self.layout.experts_per_rank)
             chunk.pieces = pack(out.x_TH, out.topk_w_TK, plan)
-            outgoing["m2n"] = dispatch_messages(chunk.pieces, plan)
-        resid = (out.residual_BSH.detach().reshape(T, H), topk_idx_TK, position_ids_BS.reshape(T), counts_E, probs_E)
-        self._hand_off("resid", layer, mb, resid, outgoing)
+            messages = [(x_RH, idx_RK, w_RK) for (x_RH, w_RK), idx_RK in zip(chunk.pieces, plan.local_idx_RK)]
+            outgoing["m2n"] = (messages, plan.pairs)
+        residual_TH = out.residual_BSH.detach().reshape(T, H)
+        if self.layout.depth == 1:  # the combine runs here: keep the plan itself
+            self.local[("resid", layer, mb)] = (residual_TH, plan, position_ids_BS.reshape(T), counts_E, probs_E)
+        else:  # A_next combines: send what combine needs of the plan, its sizes in the header
+            outgoing["resid"] = self._resid_message(residual_TH, plan, position_ids_BS.reshape(T), counts_E, probs_E)
         self.chunks[(layer, mb)] = chunk
         return outgoing
+
+    def _resid_message(self, residual_TH, plan: DispatchPlan | None, position_ids_T, counts_E, probs_E):
+        if plan is None:  # dense layer: nothing to combine (-1 tells A_next's mailbox no n2m follows)
+            token_idx_S, rows_P = position_ids_T.new_empty(0), (-1,) * self.layout.ep_size
+        else:
+            token_idx_S, rows_P = plan.token_idx_S, plan.counts
+        return (residual_TH, token_idx_S, position_ids_T, counts_E, probs_E), rows_P
 
     def _embed(self, mb: int):
         batch = self.batches[mb]
@@ -164,12 +174,15 @@ class AttentionRunner:
         return h_BSH, position_ids_BS, zeros_E, zeros_E
 
     def _combine(self, layer: int, mb: int, incoming: dict[str, Any], chunk: _Chunk):
-        residual_TH, topk_idx_TK, position_ids_T, counts_E, probs_E = self._take("resid", layer - 1, mb, incoming)
+        if self.layout.depth == 1:
+            residual_TH, plan, position_ids_T, counts_E, probs_E = self.local.pop(("resid", layer - 1, mb))
+        else:
+            (residual_TH, token_idx_S, position_ids_T, counts_E, probs_E), rows_P = incoming["resid"]
+            plan = CombinePlan(residual_TH.shape[0], tuple(rows_P), token_idx_S)
         S = residual_TH.shape[0] // self.B
         chunk.resid_leaf = _leaf(residual_TH.view(self.B, S, -1))
         h_BSH = chunk.resid_leaf
         if self.moe_layers[layer - 1]:
-            plan = plan_dispatch(topk_idx_TK, self.layout.ep_size, self.layout.experts_per_rank)
             chunk.y_leaves = [_leaf(y_RH) for (y_RH,) in incoming["n2m"]]
             h_BSH = h_BSH + combine(chunk.y_leaves, plan).view_as(h_BSH)
         return h_BSH, position_ids_T.view(self.B, S), counts_E, probs_E
@@ -241,7 +254,7 @@ class ExpertRunner:
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         (x_SH, local_idx_SK, w_SK), rows = incoming["m2n"]
         x_SH, w_SK = _leaf(x_SH), _leaf(w_SK)
-        y_SH = self.recompute(self.stage.shard(layer), x_SH, local_idx_SK, w_SK, rows.meta)
+        y_SH = self.recompute(self.stage.shard(layer), x_SH, local_idx_SK, w_SK, rows.pairs)
         self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows)
         return {"n2m": ((y_SH,), rows)}
 

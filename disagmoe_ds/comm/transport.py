@@ -1,0 +1,202 @@
+"""How payload bytes move: grouped point-to-point operations on a communicator, in posting order.
+
+The exchange code speaks to a ``Transport`` only through ``new_comm`` (collective: every rank, same order) and
+``start`` (one grouped operation: some sends and receives that run together). Two transports:
+
+``TorchTransport``   torch.distributed: NCCL on GPUs, gloo on CPUs. One grouped operation is one
+                     ``batch_isend_irecv`` (one ``ncclGroupStart/End``) on the communicator's stream.
+``RendezvousTransport``  a CPU stand-in with the semantics of NCCL's network transport, for tests: each
+                     communicator has one first-in first-out queue of grouped operations per rank; an operation
+                     starts when the one before it on that rank has completed; a send completes only once its
+                     receive has *started* on the peer (rendezvous). gloo, which buffers every send, cannot show
+                     a deadlock; this transport does, as a timeout naming the blocked operation.
+
+The contract the exchange code keeps (and the tests check under ``RendezvousTransport``): each communicator is
+one-way (one kind of message, from one side to the other), both ends post its operations in the same order, a
+receive is posted no later than the host's wait for it, and the host never blocks on a send.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class TransportError(RuntimeError):
+    """A grouped operation did not complete in time (a deadlock under rendezvous), or was misused."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One send or receive of a grouped operation; ``peer`` is a global rank."""
+
+    kind: Literal["send", "recv"]
+    tensor: torch.Tensor
+    peer: int
+
+
+@dataclass(eq=False)
+class Comm:
+    """A communicator over ``ranks`` (global ranks, increasing); ``name`` appears in errors."""
+
+    name: str
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None  # None on ranks outside it
+    control: dist.ProcessGroup | None = None  # RendezvousTransport: ready tokens
+    queue: queue.Queue | None = field(default=None, repr=False)  # RendezvousTransport: this rank's operations
+
+
+class Work(Protocol):
+    def wait(self) -> None: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class Transport(Protocol):
+    timeout: timedelta | None
+
+    def new_comm(self, name: str, ranks: Sequence[int]) -> Comm: ...
+
+    def warm_up(self, comms: Sequence[Comm], device: torch.device) -> None: ...
+
+    def start(self, comm: Comm, ops: Sequence[Op]) -> Work: ...
+
+
+@dataclass(eq=False)
+class _Works:
+    works: list[dist.Work]
+
+    def wait(self) -> None:
+        # NCCL: the current stream waits on the device, the host does not; gloo: the host waits.
+        for work in self.works:
+            work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+class TorchTransport:
+    """torch.distributed's own point-to-point, one ``batch_isend_irecv`` per grouped operation."""
+
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        self.timeout = timeout
+
+    def new_comm(self, name: str, ranks: Sequence[int]) -> Comm:
+        ranks = tuple(sorted(ranks))
+        group = dist.new_group(list(ranks), timeout=self.timeout)
+        return Comm(name, ranks, group if dist.get_rank() in ranks else None)
+
+    def warm_up(self, comms: Sequence[Comm], device: torch.device) -> None:
+        """Create the NCCL communicators now, in the same global order on every rank.
+
+        Batched point-to-point runs on the group's own communicator, which NCCL creates lazily and collectively
+        on first use; ranks that first touch different communicators would wait in each other's set-up. Walking
+        the comms in one global order cannot deadlock: the lowest unfinished one always has all members waiting.
+        """
+        probe = torch.zeros(1, device=device)
+        for comm in comms:
+            if comm.group is not None:
+                dist.all_reduce(probe, group=comm.group)
+
+    def start(self, comm: Comm, ops: Sequence[Op]) -> Work:
+        p2p = [
+            dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, op.peer, group=comm.group)
+            for op in ops
+        ]
+        return _Works(dist.batch_isend_irecv(p2p) if p2p else [])
+
+
+@dataclass(eq=False)
+class _Pending:
+    comm: Comm
+    ops: tuple[Op, ...]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    timeout_s: float = 300.0
+
+    def wait(self) -> None:
+        if not self.done.wait(self.timeout_s):
+            raise TransportError(
+                f"rendezvous transport: an operation on {self.comm.name} ({_describe(self.ops)}) did not complete "
+                f"within {self.timeout_s:g} s: its peers never posted the matching operations (a deadlock)"
+            )
+        if self.error is not None:
+            raise TransportError(f"rendezvous transport: {self.comm.name} failed: {self.error}") from self.error
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+class RendezvousTransport:
+    """CPU stand-in for NCCL's network transport (see the module docstring); gloo underneath, one thread per comm.
+
+    An operation at the head of a rank's queue first tells every peer it receives from that it is ready (a token
+    on the comm's control group), then, for each send, waits for the receiver's token before sending. So a send
+    completes only after its receive started, and everything queued behind a blocked operation waits with it.
+    """
+
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        self.timeout = timeout
+        self.timeout_s = timeout.total_seconds() if timeout else 300.0
+
+    def new_comm(self, name: str, ranks: Sequence[int]) -> Comm:
+        ranks = tuple(sorted(ranks))
+        data = dist.new_group(list(ranks), timeout=self.timeout, backend="gloo")
+        control = dist.new_group(list(ranks), timeout=self.timeout, backend="gloo")
+        if dist.get_rank() not in ranks:
+            return Comm(name, ranks, None)
+        comm = Comm(name, ranks, data, control, queue.Queue())
+        threading.Thread(target=self._serve, args=(comm,), name=f"rendezvous {name}", daemon=True).start()
+        return comm
+
+    def warm_up(self, comms: Sequence[Comm], device: torch.device) -> None:
+        del comms, device  # gloo groups connect at creation
+
+    def start(self, comm: Comm, ops: Sequence[Op]) -> Work:
+        if comm.queue is None:
+            raise TransportError(f"rank {dist.get_rank()} is not a member of {comm.name}")
+        pending = _Pending(comm, tuple(ops), timeout_s=self.timeout_s)
+        comm.queue.put(pending)
+        return pending
+
+    @staticmethod
+    def _serve(comm: Comm) -> None:
+        while True:
+            pending: _Pending = comm.queue.get()
+            try:
+                _run(comm, pending.ops)
+            except BaseException as err:  # reported to the waiter; the thread keeps serving
+                pending.error = err
+            pending.done.set()
+
+
+def _run(comm: Comm, ops: tuple[Op, ...]) -> None:
+    token = torch.zeros(1, dtype=torch.int64)
+    recvs = [op for op in ops if op.kind == "recv"]
+    sends = [op for op in ops if op.kind == "send"]
+    works = [dist.isend(token, op.peer, group=comm.control) for op in recvs]  # "my receive has started"
+    for op in sends:
+        dist.irecv(torch.empty_like(token), op.peer, group=comm.control).wait()  # its receive has started
+        works.append(dist.isend(op.tensor, op.peer, group=comm.group))
+    works += [dist.irecv(op.tensor, op.peer, group=comm.group) for op in recvs]
+    for work in works:
+        work.wait()
+
+
+def _describe(ops: Sequence[Op]) -> str:
+    return ", ".join(f"{op.kind} {'to' if op.kind == 'send' else 'from'} rank {op.peer}" for op in ops) or "no op"
+
+
+TRANSPORTS = {"auto": TorchTransport, "rendezvous": RendezvousTransport}
+
+
+def make_transport(name: str, timeout: timedelta | None = None) -> Transport:
+    """``auto``: torch.distributed's backend (NCCL on GPUs, gloo on CPUs); ``rendezvous``: the CPU test stand-in."""
+    return TRANSPORTS[name](timeout)

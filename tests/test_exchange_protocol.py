@@ -1,0 +1,145 @@
+"""The AF-Pipe exchange protocol under rendezvous, over many layouts: real schedules, real mailboxes, fake compute.
+
+Each rank walks its worker's generated instruction stream with the real ``Mailbox`` on the ``RendezvousTransport``
+(a send completes only once its receive has started; each communicator's operations complete in order). Compute is
+replaced by payloads that are pure functions of (layer, micro-batch, lane, ep rank), row counts included (zero rows
+too), so every receiver checks every message exactly. A deadlock fails as a transport timeout naming the operation.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+
+from disagmoe_ds.comm import LaneRows, RendezvousTransport, build_exchange_comms
+from disagmoe_ds.comm.exchange import ffn_lanes
+from disagmoe_ds.engine.mailbox import Mailbox
+from disagmoe_ds.launch.testing import run_ranks
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.schedule import ComputeInstruction, PipeShape, PostRecv, Send, WaitRecv, Worker, generate
+
+H, K, E = 4, 2, 6
+CPU = torch.device("cpu")
+T = 5  # tokens per micro-batch
+
+
+def rows(layer: int, mb: int, lane: int, e: int) -> int:
+    return (3 * layer + 5 * mb + 7 * lane + 11 * e) % 4  # 0 .. 3, zero-row messages included
+
+
+def tokens(layer: int, mb: int, lane: int, e: int) -> torch.Tensor:
+    base = 1000 * layer + 100 * mb + 10 * lane + e
+    return base + torch.arange(rows(layer, mb, lane, e) * H, dtype=torch.float32).view(-1, H) / 64
+
+
+def residual(layer: int, mb: int, lane: int) -> torch.Tensor:
+    return 1000 * layer + 100 * mb + 10 * lane + torch.arange(T * H, dtype=torch.float32).view(T, H) / 64
+
+
+class FakeRank:
+    """Produces each message's payload and checks each received one, by the pure functions above."""
+
+    def __init__(self, layout: Layout, rank: int, moe: tuple[bool, ...]) -> None:
+        self.layout, self.role, self.moe, self.checked = layout, layout.role_of(rank), moe, 0
+        self.lanes = ffn_lanes(layout, rank) if not self.role.is_attention else (self.role.index,)
+        self.P = layout.ep_size
+
+    def payload(self, kind: str, layer: int, mb: int):
+        lane = self.role.index
+        if kind == "m2n":
+            msgs = [
+                (
+                    tokens(layer, mb, lane, e),
+                    torch.zeros(rows(layer, mb, lane, e), K, dtype=torch.int64),
+                    torch.ones(rows(layer, mb, lane, e), K),
+                )
+                for e in range(self.P)
+            ]
+            return msgs, tuple(rows(layer, mb, lane, e) for e in range(self.P))
+        if kind == "resid":
+            sizes = tuple(rows(layer, mb, lane, e) for e in range(self.P)) if self.moe[layer] else (-1,) * self.P
+            idx = torch.arange(sum(max(s, 0) for s in sizes), dtype=torch.int64)
+            zeros_e = torch.zeros(E)
+            return (residual(layer, mb, lane), idx, torch.arange(T), zeros_e, zeros_e), sizes
+        if kind == "resid_grad":  # sent by A_bwd(layer): the grad of resid (layer - 1)
+            return residual(layer - 1, mb, lane) * 7, torch.ones(E)
+        if kind == "n2m_grad":  # sent by A_bwd(layer) for MoE layer - 1
+            return [(tokens(layer - 1, mb, lane, e) * 6,) for e in range(self.P)], None
+        e = self.role.ep_rank  # F side: rows of every lane it serves, in lane order
+        x = torch.cat([tokens(layer, mb, j, e) for j in self.lanes])
+        lane_rows = LaneRows((), tuple(rows(layer, mb, j, e) for j in self.lanes))
+        if kind == "n2m":
+            return (x * 2,), lane_rows
+        return (x * 5, torch.ones(x.shape[0], K) * 5), lane_rows  # m2n_grad
+
+    def check(self, kind: str, layer: int, mb: int, got) -> None:
+        lane, e = self.role.index, self.role.ep_rank
+        if kind == "m2n":
+            (x, _, _), lane_rows = got
+            want = torch.cat([tokens(layer, mb, j, e) for j in self.lanes])
+            assert torch.equal(x, want) and lane_rows.pairs == sum(lane_rows.counts), (kind, layer, mb)
+        elif kind == "n2m_grad":  # src layer is layer + 1
+            (dy,), _ = got
+            want = torch.cat([tokens(layer - 1, mb, j, e) * 6 for j in self.lanes])
+            assert torch.equal(dy, want), (kind, layer, mb)
+        elif kind == "n2m":
+            assert all(torch.equal(y, tokens(layer, mb, lane, p) * 2) for p, (y,) in enumerate(got)), (kind, layer)
+        elif kind == "m2n_grad":
+            assert all(torch.equal(dx, tokens(layer, mb, lane, p) * 5) for p, (dx, _) in enumerate(got)), kind
+        elif kind == "resid":
+            (res, idx, *_), sizes = got
+            want = tuple(rows(layer, mb, lane, p) for p in range(self.P)) if self.moe[layer] else (-1,) * self.P
+            assert torch.equal(res, residual(layer, mb, lane)) and tuple(sizes) == want
+            assert idx.numel() == sum(max(s, 0) for s in want)
+        else:  # resid_grad, sent by A_bwd(layer)
+            assert torch.equal(got[0], residual(layer - 1, mb, lane) * 7), (kind, layer, mb)
+        self.checked += 1
+
+
+def _body(rank: int, shape: tuple[int, int, int, int], micro_batches: int, moe: tuple[bool, ...]) -> int:
+    m, n, p, edp = shape
+    layout = Layout(attention_gpus=m, ffn_gpus=n, depth=p, num_layers=len(moe), num_experts=E, expert_data_parallel=edp)
+    comms = build_exchange_comms(layout, RendezvousTransport(timedelta(seconds=8)), device=CPU)
+    mailbox = Mailbox(comms, hidden=H, top_k=K, dtype=torch.float32, weight_dtype=torch.float32, device=CPU)
+    role, fake = layout.role_of(rank), FakeRank(layout, rank, moe)
+    schedule = generate(PipeShape(p, len(moe), moe), micro_batches)
+    for _ in range(2):  # a second step reuses every communicator and starts clean
+        for ins in schedule.streams[Worker("A" if role.is_attention else "F", role.group)]:
+            if isinstance(ins, PostRecv):
+                mailbox.post(ins.message)
+            elif isinstance(ins, WaitRecv):
+                msg = ins.message
+                fake.check(msg.kind, msg.src.layer, msg.src.micro_batch, mailbox.wait(msg))
+            elif isinstance(ins, Send):
+                msg = ins.message
+                mailbox.send(msg, fake.payload(msg.kind, msg.src.layer, msg.src.micro_batch))
+            elif isinstance(ins, ComputeInstruction):
+                mailbox.pump()
+        mailbox.flush()
+    return fake.checked
+
+
+CASES = [  # (M, N, p, edp), micro-batches, MoE pattern
+    ((1, 1, 1, 1), 1, (True,)),
+    ((1, 1, 1, 1), 16, (True, True)),
+    ((2, 2, 1, 1), 4, (False, True)),
+    ((2, 3, 1, 1), 5, (True, True)),
+    ((2, 4, 1, 2), 3, (True, True)),
+    ((2, 2, 2, 1), 16, (True, True, True, True)),
+    ((4, 2, 2, 1), 6, (False, True, True, True)),
+    ((3, 3, 3, 1), 7, (True,) * 6),
+    ((4, 4, 4, 1), 9, (True,) * 4),
+]
+
+
+@pytest.mark.parametrize(("shape", "micro_batches", "moe"), CASES, ids=lambda c: str(c).replace(" ", ""))
+def test_every_message_arrives_exactly_under_rendezvous(shape, micro_batches, moe) -> None:
+    checked = run_ranks(_body, shape[0] + shape[1], args=(shape, micro_batches, moe), timeout_s=120)
+    p, moe_layers = shape[2], sum(moe)
+    # per micro-batch and step: A lanes receive n2m + m2n_grad per MoE layer (+ resid, resid_grad per layer if p > 1)
+    lanes = shape[0] // p
+    per_lane = 2 * moe_layers + (2 * len(moe) if p > 1 else 0)
+    assert sum(checked[: shape[0]]) == 2 * micro_batches * lanes * per_lane
+    assert all(c > 0 for c in checked[shape[0] :] if c) and sum(checked[shape[0] :]) > 0
