@@ -362,8 +362,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # probe GPUs without initialising CUDA (fork)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="hf_models/Qwen3-30B-A3B", help="HF model directory (config is enough)")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers to keep (0: all)")
+    p.add_argument(
+        "--model",
+        default="hf_models/Qwen3-30B-A3B-balanced",
+        help="HF model directory (config is enough); the default has Qwen3-30B-A3B's layers, 8 of them and a 16K "
+        "vocabulary, so that its attention side (head included) and its expert side cost about the same",
+    )
+    p.add_argument("--layers", type=int, default=0, help="decoder layers to keep (0: all)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if gpus else "cpu")
     p.add_argument("--world-size", type=int, default=max(gpus, 1) if gpus else 2, help="ranks (GPUs)")
     p.add_argument("--methods", nargs="+", choices=METHODS, help="default: all; colocated alone on one rank")

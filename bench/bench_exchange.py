@@ -10,13 +10,15 @@
 Every attention lane routes ``--tokens`` random tokens with a random router (uniform top-k of ``--experts``),
 packs them exactly as the runtime does (``routing.plan_dispatch`` + ``pack``) and then, per direction:
 
-    exchange    m2n: ``M2NSender.send`` on the lanes, ``M2NReceiver.wait`` on the FFN ranks (x, local ids, weights);
-                n2m: ``N2MSender.send`` of the received rows back, ``N2MReceiver.wait`` on the lanes
+    exchange    the runtime's own ends (``comm.exchange``), on its transport (``--transport``):
+                m2n: ``FanOut.send`` on the lanes (a host-to-host header per message, then one grouped operation),
+                ``FanIn`` on the FFN ranks (read the headers, post, complete) of x, local ids and weights;
+                n2m: ``FanOut.send`` of the received rows back, ``FanIn`` on the lanes with sizes they know
     all-to-all  one ``all_to_all_single`` over all M + N ranks of a byte buffer whose splits are exactly the payload
                 bytes of every (src, dst) message of that direction (zero between ranks that do not talk)
 
 Time = the slowest rank's time from a common barrier until its side is complete (device synchronised), median
-over ``--iters``. Bytes = payload bytes of all messages of the direction (the exchange also sends a 24-byte
+over ``--iters``. Bytes = payload bytes of all messages of the direction (m2n also sends a small host-to-host
 header per message, not counted); GB/s = bytes / time (aggregate over all links); ratio = exchange GB/s over
 all-to-all GB/s. ``--json`` writes the rows and the setup.
 """
@@ -40,13 +42,9 @@ import torch.distributed as dist
 from disagmoe_ds.comm import (
     CommStream,
     Kind,
-    M2NReceiver,
-    M2NSender,
-    N2MReceiver,
-    N2MSender,
-    build_exchange_groups,
-    dispatch_messages,
+    build_exchange_comms,
     exchange_specs,
+    make_transport,
     pack,
     plan_dispatch,
 )
@@ -67,6 +65,7 @@ class BenchArgs:
     warmup: int
     iters: int
     seed: int
+    transport: str = "auto"
 
 
 def random_messages(args: BenchArgs, layout: Layout, lane: int, device: torch.device):
@@ -76,7 +75,8 @@ def random_messages(args: BenchArgs, layout: Layout, lane: int, device: torch.de
     w_TK = torch.rand(args.tokens, args.top_k, generator=gen).softmax(-1).to(device, WEIGHT_DTYPE)
     x_TH = torch.randn(args.tokens, args.hidden, generator=gen).to(device, args.dtype)
     plan = plan_dispatch(topk_idx_TK, layout.ep_size, layout.experts_per_rank)
-    messages, _ = dispatch_messages(pack(x_TH, w_TK, plan), plan)
+    pieces = pack(x_TH, w_TK, plan)
+    messages = [(x_RH, idx_RK, w_RK) for (x_RH, w_RK), idx_RK in zip(pieces, plan.local_idx_RK, strict=True)]
     return messages, plan
 
 
@@ -94,43 +94,54 @@ class ExchangeSide:
         )
         self.role = self.layout.role_of(rank)
         self.device = device
-        groups = build_exchange_groups(self.layout, device=device)
-        specs = exchange_specs(args.hidden, args.top_k, dtype=args.dtype, weight_dtype=WEIGHT_DTYPE)
-        comm = CommStream(device)  # receives on a side stream, as the runtime does on GPUs
+        comms = build_exchange_comms(self.layout, make_transport(args.transport), device=device)
+        specs = exchange_specs(
+            args.hidden, args.top_k, args.experts, self.layout.ep_size, dtype=args.dtype, weight_dtype=WEIGHT_DTYPE
+        )
+        stream = CommStream(device)  # receives on a side stream, as the runtime does on GPUs
+        self.tag = 0
         m2n_send = torch.zeros(world, dtype=torch.int64)  # payload bytes this rank sends to each rank
         if self.role.is_attention:
             self.messages, self.plan = random_messages(args, self.layout, self.role.index, device)
-            self.m2n = M2NSender.build(groups, Kind.M2N, spec=specs[Kind.M2N], device=device)
-            self.n2m = N2MReceiver.build(groups, Kind.N2M, spec=specs[Kind.N2M], device=device, comm=comm)
-            for sender, message in zip(self.m2n.senders, self.messages, strict=True):
-                m2n_send[sender.link.dst] = message_bytes(message)
+            self.m2n = comms.fan_out(Kind.M2N, specs[Kind.M2N])
+            self.n2m = comms.fan_in(Kind.N2M, specs[Kind.N2M], device, stream)
+            for peer, message in zip(self.m2n.peers, self.messages, strict=True):
+                m2n_send[peer] = message_bytes(message)
         else:
-            self.m2n = M2NReceiver.build(groups, Kind.M2N, spec=specs[Kind.M2N], device=device, comm=comm)
-            self.n2m = N2MSender.build(groups, Kind.N2M, spec=specs[Kind.N2M], device=device)
+            self.m2n = comms.fan_in(Kind.M2N, specs[Kind.M2N], device, stream)
+            self.n2m = comms.fan_out(Kind.N2M, specs[Kind.N2M])
         self.m2n_bytes = _all_gather_rows(m2n_send)  # [src, dst]
         self.received = self.run_m2n()  # the rows an FFN rank sends back in n2m (its "expert outputs")
         n2m_send = torch.zeros(world, dtype=torch.int64)
         if not self.role.is_attention:
-            (x_SH, _, _), rows = self.received
-            for sender, count in zip(self.n2m.senders, rows.counts, strict=True):
-                n2m_send[sender.link.dst] = count * x_SH.shape[1] * x_SH.element_size()
+            (x_SH, _, _), counts = self.received
+            for peer, count in zip(self.n2m.peers, counts, strict=True):
+                n2m_send[peer] = count * x_SH.shape[1] * x_SH.element_size()
         self.n2m_bytes = _all_gather_rows(n2m_send)
         self.run_n2m()
 
     def run_m2n(self):
+        self.tag += 1
         if self.role.is_attention:
-            self.m2n.send(self.messages)
+            self.m2n.send(self.messages, tag=self.tag, metas=[(p,) for p in self.plan.pairs])
             self.m2n.wait_all()
             return None
-        self.m2n.post()
-        return self.m2n.wait()
+        arrival = self.m2n.expect(self.tag)
+        self.m2n.read_headers(arrival)
+        self.m2n.post(arrival)
+        whole, _ = self.m2n.complete(arrival)
+        return whole, tuple(size[0] for size in arrival.sizes)
 
     def run_n2m(self) -> None:
+        self.tag += 1
         if self.role.is_attention:
-            self.n2m.wait(plan=self.plan)
+            arrival = self.n2m.expect(self.tag)
+            arrival.sizes = [(rows,) for rows in self.plan.counts]  # the lane knows what it sent
+            self.n2m.post(arrival)
+            self.n2m.complete(arrival)
         else:
-            (x_SH, _, _), rows = self.received
-            self.n2m.send((x_SH,), rows)
+            (x_SH, _, _), counts = self.received
+            self.n2m.send([(x,) for x in x_SH.split(counts)], tag=self.tag)
             self.n2m.wait_all()
 
 
@@ -248,6 +259,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transport", choices=("auto", "rendezvous"), default="auto", help="exchange transport")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a local job is killed")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the setup as JSON")
     return p.parse_args(argv)
@@ -259,7 +271,17 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("bf16" if a.device == "cuda" else "fp32")]
     args = BenchArgs(
-        a.attention_gpus, a.ffn_gpus, a.tokens, a.hidden, a.top_k, a.experts, dtype, a.warmup, a.iters, a.seed
+        a.attention_gpus,
+        a.ffn_gpus,
+        a.tokens,
+        a.hidden,
+        a.top_k,
+        a.experts,
+        dtype,
+        a.warmup,
+        a.iters,
+        a.seed,
+        a.transport,
     )
     world = a.attention_gpus + a.ffn_gpus
     backend = "nccl" if a.device == "cuda" else "gloo"
