@@ -25,9 +25,10 @@
     deepspeed --hostfile hostfiles/localhost-cpu --no_ssh_check --master_addr 127.0.0.1 run_pretrain.py
     torchrun --nproc_per_node 4 run_pretrain.py
 
-    # Fine-tuning, and an exact resume.
-    python run_pretrain.py --init-from HF_DIR --sft --data chat.jsonl --freeze-router --lr 1e-5 --steps 500
-    python run_pretrain.py --save-dir runs/tiny --resume
+    # Fine-tuning (the freezing is recorded: a resume keeps it), an exact resume, and an HF export at every save.
+    python run_pretrain.py --init-from HF_DIR --sft --data chat.jsonl --freeze-router --lr 1e-5 --steps 500 \\
+        --save-dir runs/ft --export-hf runs/ft-hf
+    python run_pretrain.py --init-from HF_DIR --sft --data chat.jsonl --steps 800 --save-dir runs/ft --resume
 
 main(): parse the command line -> preflight (layout, data, checkpoint; no rank started, nothing allocated)
 -> start the ranks here or join the launcher's job -> on every rank: build its engine, then the loop. The mode
@@ -37,6 +38,7 @@ main(): parse the command line -> preflight (layout, data, checkpoint; no rank s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -47,13 +49,14 @@ import torch.distributed as dist
 
 from disagmoe_ds.engine.executor import StepResult
 from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
-from disagmoe_ds.errors import DisagMoEError
+from disagmoe_ds.errors import ConfigError, DisagMoEError
 from disagmoe_ds.launch import RankFailedError, detect_launcher, init_from_env, spawn_local
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.train.args import TrainArgs, parse_args
 from disagmoe_ds.train.balance import bias_update_rate, expert_load, imbalance, update_expert_bias
-from disagmoe_ds.train.checkpoints import check_resume, locate, restore, save
+from disagmoe_ds.train.checkpoints import ResumePoint, check_resume, effective_freezing, locate, restore, save
 from disagmoe_ds.train.data import TrainData, check_data_args, lane_loader, prepare_data, to_device
+from disagmoe_ds.train.export import export_hf
 from disagmoe_ds.train.hostfile import check_hostfile, deepspeed_command, describe, filters_slots, strip_launch_flags
 from disagmoe_ds.train.interrupt import StopRequest, parent_waits_for_ranks
 from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
@@ -87,31 +90,49 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def preflight_run(args: TrainArgs, world_size: int) -> tuple[Any, Any, tuple[Path, str] | None]:
+def preflight_run(
+    args: TrainArgs, world_size: int, *, hashes: bool = True
+) -> tuple[TrainArgs, Any, Any, ResumePoint | None]:
     """What can be checked before any rank starts: layout vs model and world size, ZeRO rules, the weights of
-    ``--init-from``, data paths and lengths, the balancing setting, and that the checkpoint to resume belongs to
-    this mode, model and layout.
+    ``--init-from``, data paths and lengths, the balancing setting, and that the checkpoint to resume is intact
+    (``hashes``: its files' sha256 too, not only their sizes) and belongs to this mode, model, layout, seed and
+    freezing, with steps left to train.
 
     Returns:
-        The model's HF config, the mode's layout, and the (root, tag) of the checkpoint to resume from, if any.
+        The run's settings (with the freezing the checkpoint records), the model's HF config, the mode's layout,
+        and the checkpoint to resume from, if any.
     """
     config = load_config(args.model)
     layout = mode_of(args).preflight(args, world_size)
     check_train_model(args)
     check_data_args(args, config)
     bias_update_rate(args.bias_update_rate, config)
-    resume = locate(args.resume, args.save_dir) if args.resume is not None else None
-    if resume is not None:
-        check_resume(*resume, config, layout, num_samples=None)
-    return config, layout, resume
+    if args.resume is None:
+        return args, config, layout, None
+    point = _check_resume(args, config, layout, num_samples=None, hashes=hashes)
+    if point.step >= args.steps:
+        raise ConfigError(
+            f"checkpoint {point.path} is at step {point.step} and --steps is {args.steps}: nothing left to train; "
+            f"pass --steps above {point.step} (the run's total, not the steps to add)"
+        )
+    frozen = effective_freezing(point, args.freeze_router, args.freeze_attention)
+    args = dataclasses.replace(args, freeze_router=frozen["router"], freeze_attention=frozen["attention"])
+    return args, config, layout, point
+
+
+def _check_resume(args: TrainArgs, config, layout, *, num_samples: int | None, hashes: bool = True) -> ResumePoint:
+    root, tag = locate(args.resume, args.save_dir)
+    requested = {"router": args.freeze_router, "attention": args.freeze_attention}
+    return check_resume(root, tag, config, layout, num_samples=num_samples, seed=args.seed, frozen=requested,
+                        ds_config=args.ds_config, hashes=hashes)  # fmt: skip
 
 
 def run_local(args: TrainArgs) -> None:
-    config, layout, resume = preflight_run(args, args.cfg.world_size)
+    args, config, layout, resume = preflight_run(args, args.cfg.world_size)
     backend = local_backend(layout.world_size)
     data = prepare_data(args, config)  # once, here: the forked ranks inherit the samples
     if resume is not None:
-        check_resume(*resume, config, layout, num_samples=len(data.dataset))
+        _check_resume(args, config, layout, num_samples=len(data.dataset), hashes=False)
     with parent_waits_for_ranks("run_pretrain.py: stopping after this step and saving; Ctrl-C again to abort"):
         spawn_local(
             train,
@@ -126,7 +147,7 @@ def run_local(args: TrainArgs) -> None:
 def run_launched(args: TrainArgs) -> None:
     rank, world_size = launched_rank_and_world()
     try:
-        preflight_run(args, world_size)
+        args, *_ = preflight_run(args, world_size, hashes=rank == 0)  # one rank reads every file
     except DisagMoEError:
         if rank == 0:
             raise
@@ -161,7 +182,7 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
     reads_data = role.is_attention and role.group == 0  # the lanes of A-group 0 (every co-located rank) embed
     if reads_data and data is None:
         data = prepare_data(args, config)  # under a launcher every lane builds the same samples
-    resume = locate(args.resume, args.save_dir) if args.resume is not None else None
+    resume = _resume_point(args, config, layout) if args.resume is not None else None
     facts = model_facts(args.model, args.seq_len)
     rate = bias_update_rate(args.bias_update_rate, config)
     if rank == 0:
@@ -172,12 +193,15 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
     init = load_train_model(args)
     runtime = mode.build(args, model=init.model, weights=init.weights, device=device)
     loader = lane_loader(data, args, role.index, pin_memory=device.type == "cuda") if reads_data else None
-    start = restore(runtime, *resume, loader) if resume is not None else 0
+    start = restore(runtime, resume.root, resume.tag, loader, lanes=args.lanes) if resume is not None else 0
     peak = peak_tflops(device, args.peak_tflops)
     throughput = Throughput(args.tokens_per_step, facts.flops_per_token, layout.world_size, peak)
     progress = Progress(args, start_step=start) if rank == 0 else None
     timeline_step = min(start + 1, args.steps - 1)  # the run's second step: the first pays one-off costs
 
+    tokenizer = data.tok if data is not None else None
+    first_loss = last = None
+    started = time.perf_counter()
     step = start
     while step < args.steps:
         tic = time.perf_counter()
@@ -188,15 +212,14 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
         load_LE = expert_load(runtime)  # collective: the whole batch's tokens per expert, every layer
         update_expert_bias(runtime, load_LE, rate)  # DeepSeek-V3 auxiliary-loss-free balancing (0: off)
         step += 1
+        first_loss, last = result.loss if first_loss is None else first_loss, result
         if progress is not None:
             seconds = time.perf_counter() - tic
             progress.step(throughput.record(step, result, lr=lr, seconds=seconds, imbalance=imbalance(load_LE)))
         stopping = stop.agreed(device)  # collective: every rank leaves after the same step
         periodic = args.save_every and step % args.save_every == 0
-        if args.save_dir is not None and (stopping or periodic or step == args.steps):
-            path = save(runtime, args.save_dir, step, loader, keep_last=args.keep_last, ds_config=args.ds_config)
-            if progress is not None:
-                progress.print(f"saved {path} (step {step})")
+        if stopping or periodic or step == args.steps:
+            save_and_export(runtime, args, step, loader, tokenizer, progress)
         if stopping:
             if progress is not None:
                 progress.print(f"stopped on request after step {step} of {args.steps}")
@@ -206,6 +229,42 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
         loader.close()
     if progress is not None:
         progress.close()
+        print(summary_line(args, start, step, first_loss, last, time.perf_counter() - started), flush=True)
+
+
+def _resume_point(args: TrainArgs, config, layout) -> ResumePoint:
+    """The checkpoint this rank resumes from (the files were checked before launch)."""
+    root, tag = locate(args.resume, args.save_dir)
+    return check_resume(root, tag, config, layout, num_samples=None, hashes=False)
+
+
+def save_and_export(runtime: Runtime, args: TrainArgs, step: int, loader, tokenizer, progress: Progress | None) -> None:
+    """The checkpoint (--save-dir) and the HF directory (--export-hf) of ``step``. Collective."""
+    if args.save_dir is not None:
+        frozen = {"router": args.freeze_router, "attention": args.freeze_attention}
+        path = save(runtime, args.save_dir, step, loader, keep_last=args.keep_last, seed=args.seed, frozen=frozen,
+                    tokenizer=tokenizer, ds_config=args.ds_config)  # fmt: skip
+        if progress is not None:
+            progress.print(f"saved {path} (step {step})")
+    if args.export_hf is not None:
+        export_hf(runtime, args.model, args.export_hf, dtype=args.torch_dtype, tokenizer=tokenizer)
+        if progress is not None:
+            progress.print(f"exported {args.export_hf} (step {step}; AutoModelForCausalLM.from_pretrained loads it)")
+
+
+def summary_line(
+    args: TrainArgs, start: int, step: int, first_loss: float | None, last: StepResult | None, seconds: float
+) -> str:
+    """One line at the end of the run: steps, time, tokens, the loss from first to last step, what was written."""
+    steps = step - start
+    tokens = steps * args.tokens_per_step
+    loss = f"loss {first_loss:.4f} -> {last.loss:.4f}" if last is not None else "no step run"
+    written = [f"checkpoint {args.save_dir / f'step{step}'}"] if args.save_dir is not None else []
+    written += [f"HF model {args.export_hf}"] if args.export_hf is not None else []
+    return (
+        f"done: steps {start + 1}-{step} of {args.steps} ({steps} steps, {tokens:,} tokens) in {seconds:.1f} s, "
+        f"{tokens / max(seconds, 1e-9):,.0f} tokens/s; {loss}" + (f"; wrote {', '.join(written)}" if written else "")
+    )
 
 
 def run_step(runtime: Runtime, batches, *, timeline: Path | None) -> StepResult:

@@ -22,7 +22,15 @@ parameter's ``_hp_mapping`` fragment, the addresses ``deepspeed.utils.safe_get_f
 ``step()`` links, and a freshly built engine has no optimizer state to write into.
 
 A checkpoint's manifest records the DeepSpeed config it was trained with (``save_checkpoint(..., ds_config=)``): it
-is loaded again under its own ZeRO stage and precision.
+is loaded again under its own ZeRO stage and precision. It also records what training froze (``--freeze-router``,
+``--freeze-attention``): the ranks are built with the same parameters frozen, so the optimizer's parameter groups
+match, and frozen parameters travel as their module weights without optimizer state. Before any rank starts, every
+file of the checkpoint is checked against the size and sha256 in its manifest.
+
+A re-layout carries the manifest's training entries (what was frozen, every lane's data position, the tokenizer
+directory), so ``run_pretrain.py --resume`` continues the re-laid-out checkpoint where the source stood.
+``hf-to-disagmoe`` writes step 0 with no data position (a resume starts at the beginning of the data), the HF
+directory's tokenizer, and the freezing of ``--freeze-router`` / ``--freeze-attention`` for the run that resumes it.
 The client state a re-layout carries is the manifest's (its int/float/str entries, e.g. ``step``): what
 DeepSpeed's ``load_checkpoint`` returns as client state also holds DeepSpeed's own entries of the old layout.
 """
@@ -53,6 +61,7 @@ from disagmoe_ds.engine.checkpoint import (
     read_manifest,
     resolve_tag,
     save_checkpoint,
+    verify_files,
 )
 from disagmoe_ds.errors import CheckpointError, DisagMoEError
 from disagmoe_ds.layout import Layout
@@ -85,6 +94,9 @@ CARRIED_FILES = (
     "generation_config.json",
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Manifest entries of run_pretrain.py's checkpoints (train.checkpoints) that a re-layout carries unchanged.
+TRAINING_ENTRIES = ("frozen", "data", "tokenizer")
+TOKENIZER_FILES = CARRIED_FILES[:8]  # the tokenizer's files among them
 
 Weights = Literal["module", "master"]  # what an HF export holds / what a re-layout carries
 Pieces = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the rows it holds, tensor)
@@ -105,6 +117,7 @@ class Job:
     model_dir: str
     cfg: DisagMoEConfig | ColocatedConfig
     ds_config: dict[str, Any]
+    frozen: dict[str, bool] = field(default_factory=dict)  # {"router": bool, "attention": bool}, as training froze
 
     @property
     def dtype(self) -> torch.dtype:
@@ -138,6 +151,12 @@ class Source:
     job: Job
     client_state: dict[str, Any]  # the manifest's copy: the trainer's int/float/str entries
     mode: str = DISAGGREGATED  # the manifest's: disaggregated or colocated
+    extra: dict[str, Any] = field(default_factory=dict)  # the manifest's training entries: frozen, data, tokenizer
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        name = self.extra.get("tokenizer")
+        return None if name is None else self.root / self.tag / name
 
 
 def _without_section(ds_config: dict[str, Any]) -> dict[str, Any]:
@@ -157,9 +176,18 @@ def hf_to_disagmoe(job: Job, out: str | Path, *, tag: str = FIRST_TAG) -> Path:
 
     _check_job(job)
     _refuse_existing(Path(out) / tag, "checkpoint tag")
-    model = load_model(job.model_dir, dtype=job.dtype, require_weights=True)
+    model = _job_model(job, require_weights=True)
     spawn_local(_save_initial_rank, job.cfg.world_size, args=(job, model, str(out), tag), timeout_s=TIMEOUT_S)
     return Path(out) / tag
+
+
+def _job_model(job: Job, *, require_weights: bool = False) -> nn.Module:
+    """The whole HF model the ranks cut their parts from, frozen as the job's training froze it."""
+    from disagmoe_ds.train.model import freeze
+
+    model = load_model(job.model_dir, dtype=job.dtype, require_weights=require_weights)
+    freeze(model, router=job.frozen.get("router", False), attention=job.frozen.get("attention", False))
+    return model
 
 
 def disagmoe_to_hf(source: Source, out: str | Path) -> Path:
@@ -170,7 +198,8 @@ def disagmoe_to_hf(source: Source, out: str | Path) -> Path:
     out = Path(out)
     _refuse_existing(out, "output directory")
     state = read_state(source, weights="module")
-    return write_hf(source.job.model_dir, {**state.params, **state.buffers}, out, dtype=source.job.dtype)
+    tensors = {**state.params, **state.buffers}
+    return write_hf(source.job.model_dir, tensors, out, dtype=source.job.dtype, tokenizer_dir=source.tokenizer_dir)
 
 
 def relayout(source: Source, job: Job, out: str | Path) -> Path:
@@ -181,8 +210,9 @@ def relayout(source: Source, job: Job, out: str | Path) -> Path:
     _check_job(job)
     _refuse_existing(Path(out) / source.tag, "checkpoint tag")
     state = read_state(source, weights="master")
-    model = load_model(job.model_dir, dtype=job.dtype)
-    spawn_local(_restore_rank, job.cfg.world_size, args=(job, model, state, str(out), source.tag), timeout_s=TIMEOUT_S)
+    model = _job_model(job)
+    target = (job, model, state, str(out), source.tag, source.extra, source.tokenizer_dir)
+    spawn_local(_restore_rank, job.cfg.world_size, args=target, timeout_s=TIMEOUT_S)
     return Path(out) / source.tag
 
 
@@ -205,6 +235,7 @@ def open_checkpoint(
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist; pass --ckpt the --out of a training run")
     tag = resolve_tag(root, tag)
+    verify_files(root, tag)
     manifest = read_manifest(root, tag)
     _check_same_model(manifest, model_dir, root / tag)
     mode = manifest.get("mode", DISAGGREGATED)
@@ -217,8 +248,10 @@ def open_checkpoint(
             f"checkpoint {root / tag} does not record its DeepSpeed config; pass --ds-config with the one it was "
             "trained with (its ZeRO stage and precision)"
         )
-    job = Job(str(model_dir), cfg, _without_section(recorded if recorded is not None else ds_config))
-    return Source(root, tag, job, dict(manifest["client_state"]), mode)
+    frozen = dict(manifest.get("frozen") or {})
+    job = Job(str(model_dir), cfg, _without_section(recorded if recorded is not None else ds_config), frozen)
+    extra = {key: manifest[key] for key in TRAINING_ENTRIES if key in manifest}
+    return Source(root, tag, job, dict(manifest["client_state"]), mode, extra)
 
 
 def _recorded_cfg(mode: str, saved: dict[str, int], path: Path) -> DisagMoEConfig | ColocatedConfig:
@@ -300,7 +333,17 @@ def _build(job: Job, model: nn.Module):
 
 def _save_initial_rank(rank: int, job: Job, model: nn.Module, out: str, tag: str) -> None:
     rt = _build(job, model)
-    save_checkpoint(rt.engine, rt.role, rt.layout, rt.module.config, out, tag, {"step": 0}, ds_config=job.ds_config)
+    tokenizer = [name for name in TOKENIZER_FILES if (Path(job.model_dir) / name).is_file()]
+    extra = {"frozen": job.frozen, **({"tokenizer": "tokenizer"} if tokenizer else {})}
+
+    def attach(tag_dir: Path) -> None:
+        (tag_dir / "tokenizer").mkdir()
+        for name in tokenizer:
+            shutil.copy2(Path(job.model_dir) / name, tag_dir / "tokenizer" / name)
+
+    config = rt.module.config
+    save_checkpoint(rt.engine, rt.role, rt.layout, config, out, tag, {"step": 0}, ds_config=job.ds_config,
+                    manifest_extra=extra, attach=attach if tokenizer else None)  # fmt: skip
 
 
 def _read_rank(rank: int, source: Source, model: nn.Module, weights: Weights) -> dict[str, Any]:
@@ -315,12 +358,24 @@ def _read_rank(rank: int, source: Source, model: nn.Module, weights: Weights) ->
     return share
 
 
-def _restore_rank(rank: int, job: Job, model: nn.Module, state: TrainState, out: str, tag: str) -> None:
+def _restore_rank(
+    rank: int,
+    job: Job,
+    model: nn.Module,
+    state: TrainState,
+    out: str,
+    tag: str,
+    extra: dict[str, Any],
+    tokenizer_dir: Path | None,
+) -> None:
     rt = _build(job, model)
     _set_rank_state(rt, state)
-    save_checkpoint(
-        rt.engine, rt.role, rt.layout, rt.module.config, out, tag, state.client_state, ds_config=job.ds_config
+    attach = (
+        None if tokenizer_dir is None else lambda tag_dir: shutil.copytree(tokenizer_dir, tag_dir / extra["tokenizer"])
     )
+    config = rt.module.config
+    save_checkpoint(rt.engine, rt.role, rt.layout, config, out, tag, state.client_state, ds_config=job.ds_config,
+                    manifest_extra=extra, attach=attach if tokenizer_dir else None)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -337,7 +392,7 @@ def read_state(source: Source, *, weights: Weights) -> TrainState:
     """
     from disagmoe_ds.launch.local import spawn_local
 
-    model = load_model(source.job.model_dir, dtype=source.job.dtype)
+    model = _job_model(source.job)
     shares = spawn_local(_read_rank, source.job.cfg.world_size, args=(source, model, weights), timeout_s=TIMEOUT_S)
     shares = [s for s in shares if s]
     extras = next(s["extras"] for s in shares if "extras" in s)
@@ -389,7 +444,8 @@ def _rank_share(rt, weights: Weights) -> dict[str, Any]:
             moments = {}
         else:
             named = dict(part.module.named_parameters())
-            moments = {k: {n: _full_state(engine, p, k) for n, p in named.items()} for k in moment_keys}
+            trained = {n: p for n, p in named.items() if p.requires_grad}  # frozen ones have no optimizer state
+            moments = {k: {n: _full_state(engine, p, k) for n, p in trained.items()} for k in moment_keys}
             params = {n: _full_state(engine, p, None) for n, p in named.items()}
         if part.writer:  # only now: every rank of a data-parallel group takes part in _full_state's collectives
             share["params"].update(part.pieces(params))
@@ -487,6 +543,8 @@ def _full_state(engine, param: torch.Tensor, key: str | None) -> torch.Tensor:
     ZeRO: each rank of the parameter's data-parallel group holds a fragment; one all-reduce (every other rank
     contributes zeros) assembles it, so every rank of the group must call this for the same parameters in order.
     """
+    if not param.requires_grad:  # frozen: no master, no state; the module weight never changes
+        return param.detach().float().clone()
     if not _is_zero(engine):
         return (param.detach() if key is None else engine.optimizer.state[param][key]).float().clone()
     full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
@@ -521,7 +579,8 @@ def _set_rank_state(rt, state: TrainState) -> None:
             hf_name = part.to_hf(name)
             _set_full(engine, param, part.rows(state.params[hf_name]), None)
             for key, values in state.moments.items():
-                _set_full(engine, param, part.rows(values[hf_name]), key)
+                if param.requires_grad:
+                    _set_full(engine, param, part.rows(values[hf_name]), key)
         with torch.no_grad():
             for name, buf in _persistent_buffers(part.module):
                 buf.copy_(part.rows(state.buffers[part.to_hf(name)]))
@@ -548,7 +607,7 @@ def _set_full(engine, param: nn.Parameter, value: torch.Tensor, key: str | None)
     with torch.no_grad():
         if key is None:
             param.data.copy_(value)  # the module weight; rounds to bf16 exactly as DeepSpeed's step does
-        if not _is_zero(engine):
+        if not param.requires_grad or not _is_zero(engine):
             if key is not None:
                 engine.optimizer.state[param][key].copy_(value)
             return
@@ -570,10 +629,21 @@ def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def write_hf(model_dir: str | Path, tensors: dict[str, torch.Tensor], out: Path, *, dtype: torch.dtype) -> Path:
-    """``save_pretrained`` of the model in ``model_dir`` holding ``tensors``, into ``out`` (temp dir, then rename).
+def write_hf(
+    model_dir: str | Path,
+    tensors: dict[str, torch.Tensor],
+    out: Path,
+    *,
+    dtype: torch.dtype,
+    tokenizer_dir: Path | None = None,
+    tokenizer: Any = None,
+) -> Path:
+    """``save_pretrained`` of the model in ``model_dir`` holding ``tensors``, into ``out`` (temp dir, then rename;
+    an existing ``out`` is replaced only once the new one is complete).
 
     ``save_pretrained`` reverts HF's load-time weight conversion, so the files have the original per-expert keys.
+    The tokenizer is the training run's where known (``tokenizer_dir`` of a checkpoint, or a ``data.Tokenizer``),
+    else ``model_dir``'s files.
     """
     from transformers import AutoModelForCausalLM
 
@@ -587,8 +657,33 @@ def write_hf(model_dir: str | Path, tensors: dict[str, torch.Tensor], out: Path,
     for name in CARRIED_FILES:
         if (Path(model_dir) / name).is_file():
             shutil.copy2(Path(model_dir) / name, partial / name)
-    os.replace(partial, out)
+    if tokenizer_dir is not None:
+        shutil.copytree(tokenizer_dir, partial, dirs_exist_ok=True)
+    if tokenizer is not None:
+        tokenizer.save_hf(partial)
+    _replace_dir(partial, out)
     return out
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Move ``new`` to ``out``; an existing ``out`` is moved aside first and removed after."""
+    old = out.with_name(f".old-{out.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(new, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def module_pieces(rt) -> dict[str, Pieces]:
+    """This rank's module weights and buffers under HF names, for an HF export (empty where another rank's copy of
+    a tensor is the one read). ``join_module_pieces`` of every rank's pieces is the whole model."""
+    share = _rank_share(rt, "module")
+    return {"params": share["params"], "buffers": share["buffers"]}
+
+
+def join_module_pieces(shares: list[dict[str, Pieces]]) -> dict[str, torch.Tensor]:
+    return {**_join([s["params"] for s in shares]), **_join([s["buffers"] for s in shares])}
 
 
 def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], model_dir: str | Path) -> None:
@@ -632,6 +727,10 @@ def build_parser() -> argparse.ArgumentParser:
     to_ds.add_argument("--model", required=True, help="HF model directory with weights")
     to_ds.add_argument("--out", required=True, help="checkpoint root to write (tag step0)")
     _add_layout_args(to_ds, ds_config_help="DeepSpeed config JSON (optimizer, scheduler, ZeRO, precision)")
+    for part in ("router", "attention"):
+        to_ds.add_argument(
+            f"--freeze-{part}", action="store_true", help=f"for a run that resumes it with --freeze-{part}"
+        )
     to_hf = sub.add_parser("disagmoe-to-hf", help="DisagMoE checkpoint (either mode) -> HF directory (original keys)")
     to_hf.add_argument("--ckpt", required=True, help="checkpoint root")
     to_hf.add_argument("--tag", help="tag to convert (default: the one named by <ckpt>/latest)")
@@ -687,7 +786,8 @@ def resolve_ds_config(base: dict[str, Any] | None, *, zero: int | None, dtype: s
 def _run(a: argparse.Namespace) -> Path:
     ds_file = load_ds_config(a.ds_config) if a.ds_config else None
     if a.command == "hf-to-disagmoe":
-        job = Job(a.model, _layout_cfg(a), resolve_ds_config(ds_file, zero=a.zero, dtype=a.dtype))
+        frozen = {"router": a.freeze_router, "attention": a.freeze_attention}
+        job = Job(a.model, _layout_cfg(a), resolve_ds_config(ds_file, zero=a.zero, dtype=a.dtype), frozen)
         return hf_to_disagmoe(job, a.out)
     source = open_checkpoint(a.ckpt, a.model, tag=a.tag, ds_config=ds_file, command=a.command)
     if a.command == "disagmoe-to-hf":

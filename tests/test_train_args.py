@@ -24,6 +24,7 @@ FLAGS = frozenset(
         "--bias-update-rate", "--sft", "--freeze-router", "--freeze-attention", "--save-dir", "--save-every",
         "--keep-last", "--resume", "--metrics-file", "--tensorboard", "--timeline", "--log-every", "--peak-tflops",
         "--hostfile", "--launcher-args", "--check-hostfile", "--local_rank", "--mode", "--world-size", "--ep-size",
+        "--zero", "--export-hf", "--prompt-field", "--response-field", "--messages-field",
         # deepspeed.add_config_arguments
         "--deepspeed", "--deepspeed_config", "--deepscale", "--deepscale_config",
     }
@@ -60,13 +61,14 @@ def test_flags_override_the_ds_config(tmp_path: Path) -> None:
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
         "train_micro_batch_size_per_gpu": 2,
     }
-    args, _ = _parse("--ffn-gpus", "4", "--lr", "0.5", "--dtype", "bf16", "--steps", "7", ds_config=ds,
-                     tmp_path=tmp_path)  # fmt: skip
+    args, _ = _parse("--ffn-gpus", "4", "--lr", "0.5", "--dtype", "bf16", "--zero", "1", "--steps", "7",
+                     ds_config=ds, tmp_path=tmp_path)  # fmt: skip
     assert (args.cfg.attention_gpus, args.cfg.ffn_gpus, args.cfg.micro_batches) == (4, 4, 8)
     assert args.ds_config["optimizer"]["params"]["lr"] == 0.5
     assert args.ds_config["scheduler"]["params"]["warmup_max_lr"] == 0.5  # WarmupLR's peak is its own key
     assert "total_num_steps" not in args.ds_config["scheduler"]["params"]  # WarmupLR has no run length
     assert args.ds_config["bf16"]["enabled"] and args.dtype == "bf16"
+    assert args.ds_config["zero_optimization"]["stage"] == 1  # bf16 needs ZeRO >= 1
     assert args.micro_batch_size == 2  # from the ds_config when the flag is absent
 
 
@@ -107,3 +109,22 @@ def test_short_of_gpus_says_what_to_do(monkeypatch):
     with pytest.raises(ConfigError, match=r"has 1 GPU; .*--mode colocated"):
         local_backend(4)
     assert local_backend(1) == "nccl"
+
+
+def test_zero_flag_and_engine_settings_refused_at_parse_time(tmp_path) -> None:
+    args, _ = _parse("--zero", "2")
+    assert args.ds_config["zero_optimization"]["stage"] == 2
+    refused = {
+        ("--lr=-1e-3",): r"--lr must be a positive number, got -0.001",
+        ("--dtype", "bf16", "--zero", "0"): r"bf16 needs .* \(--zero 1, or --dtype fp32\)",
+    }
+    for argv, message in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            _parse(*argv)
+    for ds_config, message in [
+        ({"zero_optimization": {"stage": 3}}, r'"zero_optimization.stage" 3 is not supported'),
+        ({"fp16": {"enabled": True}}, r'"fp16" is not supported'),
+        ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}}, r"betas\" must be in \[0, 1\), got 1.5"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            _parse(ds_config=ds_config, tmp_path=tmp_path)

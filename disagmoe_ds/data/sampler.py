@@ -6,6 +6,10 @@ different samples every epoch, are skipped so that every lane runs the same numb
 an endless iterator over epochs; its state is (epoch, position in the lane's share), so a run resumed from
 ``state_dict()`` draws exactly the indices an uninterrupted run would have drawn.
 
+After p steps of every lane, the d lanes have read exactly the first p * d entries of the epoch's permutation.
+``regroup`` turns a state of d lanes into one for another lane count: the new lanes split the rest of that epoch
+(``skip`` entries are passed over, in that epoch only), so a re-laid-out job still reads each sample once per epoch.
+
 >>> lanes = [ShardedSampler(10, num_lanes=2, lane=j, seed=0) for j in range(2)]
 >>> a, b = ([next(s) for _ in range(5)] for s in lanes)
 >>> sorted(a + b) == list(range(10))
@@ -21,7 +25,7 @@ import torch
 
 from disagmoe_ds.data.errors import DataError
 
-_STATE_KEYS = ("num_samples", "num_lanes", "seed", "shuffle", "epoch", "position")
+_STATE_KEYS = ("num_samples", "num_lanes", "seed", "shuffle", "epoch", "position", "skip")
 
 
 class ShardedSampler:
@@ -45,7 +49,7 @@ class ShardedSampler:
             )
         self.num_samples, self.num_lanes, self.lane = num_samples, num_lanes, lane
         self.seed, self.shuffle = seed, shuffle
-        self.epoch, self.position = 0, 0
+        self.epoch, self.position, self.skip = 0, 0, 0  # skip: entries of this epoch read before a regroup
         self._indices: list[int] | None = None  # this lane's share of self.epoch, built on first use
 
     @property
@@ -53,21 +57,22 @@ class ShardedSampler:
         """Samples each lane reads per epoch."""
         return self.num_samples // self.num_lanes
 
-    def epoch_indices(self, epoch: int) -> list[int]:
-        """This lane's indices for ``epoch``, in visiting order."""
+    def epoch_indices(self, epoch: int, skip: int = 0) -> list[int]:
+        """This lane's indices for ``epoch``, in visiting order, after the first ``skip`` entries of the epoch."""
         if self.shuffle:
             order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
         else:
             order = torch.arange(self.num_samples)
-        return order[self.lane :: self.num_lanes][: self.samples_per_lane].tolist()
+        return order[skip:][self.lane :: self.num_lanes][: (self.num_samples - skip) // self.num_lanes].tolist()
 
     def __iter__(self) -> ShardedSampler:
         return self
 
     def __next__(self) -> int:
-        if self.position == self.samples_per_lane:
-            self.epoch, self.position, self._indices = self.epoch + 1, 0, None
         if self._indices is None:
+            self._indices = self.epoch_indices(self.epoch, self.skip)
+        while self.position == len(self._indices):
+            self.epoch, self.position, self.skip = self.epoch + 1, 0, 0
             self._indices = self.epoch_indices(self.epoch)
         index = self._indices[self.position]
         self.position += 1
@@ -86,3 +91,23 @@ class ShardedSampler:
                     f"resume with the same data, seq_len, lanes and seed"
                 )
         self.epoch, self.position, self._indices = int(state["epoch"]), int(state["position"]), None
+        self.skip = int(state.get("skip", 0))  # states saved before regrouping existed have none
+
+
+def regroup(state: Mapping[str, Any], num_lanes: int) -> dict[str, Any]:
+    """A saved state of ``state["num_lanes"]`` lanes as the state of every lane of ``num_lanes`` lanes: the first
+    ``skip + position * lanes`` entries of the epoch were read; the new lanes split the rest.
+
+    >>> old = [ShardedSampler(12, num_lanes=2, lane=j) for j in range(2)]
+    >>> read = [next(s) for _ in range(2) for s in old]
+    >>> new = [ShardedSampler(12, num_lanes=4, lane=j) for j in range(4)]
+    >>> for s in new:
+    ...     s.load_state_dict(regroup(old[0].state_dict(), 4))
+    >>> rest = [next(s) for _ in range(2) for s in new]
+    >>> sorted(read + rest) == list(range(12))
+    True
+    """
+    if state["num_lanes"] == num_lanes:
+        return dict(state)
+    read = int(state.get("skip", 0)) + int(state["position"]) * int(state["num_lanes"])
+    return {**state, "num_lanes": num_lanes, "position": 0, "skip": read}

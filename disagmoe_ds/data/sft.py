@@ -54,7 +54,7 @@ def example_from_record(record: Record, *, prompt_field: str, response_field: st
         have = ", ".join(sorted(record.fields)) or "none"
         raise DataError(
             f"{record.where} needs fields {prompt_field!r} and {response_field!r} or a {messages_field!r} list "
-            f"(fields: {have}); set prompt_field/response_field/messages_field"
+            f"(fields: {have}); name the fields with --prompt-field/--response-field or --messages-field"
         )
     prompt, response = text_of(record, prompt_field), text_of(record, response_field)
     return SFTExample(({"role": "user", "content": prompt}, {"role": "assistant", "content": response}), record.where)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,6 +45,15 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> list[int]: ...
+    def save_hf(self, out: str | os.PathLike) -> None: ...
+
+
+# Texts on which an HF conversion of a SentencePiece model must encode exactly like SentencePiece (with every piece).
+_CONVERSION_PROBES = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune.",
+    " leading space,  two spaces\n\nnewlines\n indented\ttab 1234 3.14 \u00fcn\u00efc\u00f6de \u2014 \U0001f600",
+    "\nstarts with a newline",
+)
 
 
 class SentencePieceTokenizer:
@@ -88,6 +98,51 @@ class SentencePieceTokenizer:
 
     def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> list[int]:
         raise DataError(f"SentencePiece tokenizer {self.model_path} has no chat template; SFT uses plain text")
+
+    def save_hf(self, out: str | os.PathLike) -> None:
+        """Write this model as an HF tokenizer (``AutoTokenizer.from_pretrained(out)`` encodes the same ids), plus
+        the .model file itself; refuses a model whose conversion would not encode exactly like SentencePiece."""
+        hf = _hf_from_sentencepiece(self._sp)
+        probes = [*_CONVERSION_PROBES, *(self._sp.decode([i]) for i in range(self.vocab_size))]
+        wrong = next((t for t in probes if hf.encode(t, add_special_tokens=False) != self.encode(t)), None)
+        if wrong is not None:
+            raise DataError(
+                f"SentencePiece model {self.model_path} cannot be converted to an HF tokenizer exactly (it encodes "
+                f"{wrong!r} differently); pass --tokenizer an HF tokenizer directory to export with one"
+            )
+        hf.save_pretrained(str(out))
+        shutil.copy2(self.model_path, Path(out) / "tokenizer.model")
+
+
+def _hf_from_sentencepiece(sp: spm.SentencePieceProcessor) -> Any:
+    """A ``PreTrainedTokenizerFast`` for a BPE model trained by ``train_or_load_tokenizer`` (dummy prefix, spaces as
+    pieces' prefix, digits split, byte fallback, "\\n" a piece of its own). Without protobuf: vocabulary and merges
+    are read through the processor (a piece's merges are its splits into two pieces, in the order of its id)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    merges = []
+    for piece, i in vocab.items():
+        if sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or len(piece) < 2:
+            continue
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges += [(i, vocab[a], vocab[b], a, b) for a, b in splits]
+    unk = sp.id_to_piece(sp.unk_id())
+    model = models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in sorted(merges)], unk_token=unk, fuse_unk=True,
+                       byte_fallback=True)  # fmt: skip
+    rust = RustTokenizer(model)
+    rust.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    rust.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split("\u2581", "merged_with_next"), pre_tokenizers.Digits(individual_digits=True)]
+    )
+    strip = decoders.Strip(" ", 1, 0)
+    rust.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), strip])
+    specials = {"unk_token": sp.unk_id(), "bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "pad_token": sp.pad_id()}
+    specials = {name: sp.id_to_piece(i) for name, i in specials.items() if i >= 0}
+    rust.add_special_tokens(list(specials.values()))
+    return PreTrainedTokenizerFast(tokenizer_object=rust, **specials)
 
 
 def _file_digest(path: Path) -> str:
@@ -235,6 +290,9 @@ class HFTokenizer:
         return self._tok.apply_chat_template(
             [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
+
+    def save_hf(self, out: str | os.PathLike) -> None:
+        self._tok.save_pretrained(str(out))
 
 
 def load_hf_tokenizer(model_dir: str | os.PathLike) -> HFTokenizer:

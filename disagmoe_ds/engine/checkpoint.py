@@ -1,6 +1,7 @@
 """DeepSpeed checkpoints of a job: one directory per DeepSpeed engine group, tied together by a manifest.
 
-    <root>/<tag>/manifest.json           mode, layout, model fingerprint, step, directories (written last)
+    <root>/<tag>/manifest.json           mode, layout, model fingerprint, step, directories, the size and sha256 of
+                                         every other file, and what the caller adds (written last)
     <root>/<tag>/attention_g<g>/...      disaggregated: DeepSpeed files of A-group g (its lanes are DeepSpeed's DP)
     <root>/<tag>/ffn_g<g>_ep<e>/...      disaggregated: DeepSpeed files of expert shard e of F-group g (its replicas)
     <root>/<tag>/colocated/...           co-located: the one DeepSpeed MoE job (one file per expert, its own naming)
@@ -13,6 +14,10 @@ are disaggregated.
 Atomic: every rank saves into ``<root>/.partial-<tag>``; after a barrier global rank 0 writes the manifest,
 renames the directory to ``<tag>`` and only then replaces ``latest`` (write to a temp file, ``os.replace``).
 A crash at any point leaves the previous ``latest`` and its directory untouched.
+
+Integrity: the ranks hash the files (each a share of them) before the manifest is written; ``verify_files``
+checks sizes and hashes before a resume or a conversion starts any rank, names the damaged file and the newest
+older checkpoint whose files are intact.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -104,6 +111,31 @@ def model_fingerprint(config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _hash_files(directory: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``directory`` (its manifest excluded). Collective: rank 0 lists the
+    files, every rank hashes every world_size-th of them, so a large checkpoint is read once, in parallel."""
+    names: list[Any] = [None]
+    if dist.get_rank() == 0:
+        names = [sorted(str(f.relative_to(directory)) for f in directory.rglob("*") if f.is_file())]
+        names[0] = [n for n in names[0] if n != MANIFEST]
+    dist.broadcast_object_list(names, src=0)
+    mine = {
+        name: {"bytes": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
+        for name in names[0][dist.get_rank() :: dist.get_world_size()]
+    }
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {name: entry for share in gathered for name, entry in sorted(share.items())}
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
@@ -120,11 +152,15 @@ def save_checkpoint(
     client_state: dict[str, Any],
     *,
     ds_config: dict[str, Any] | None = None,
+    manifest_extra: Mapping[str, Any] | None = None,
+    attach: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save every rank's engine under ``root/tag`` atomically. Collective: every rank must call it.
 
     ``role`` is this rank's role in ``layout`` (either mode's). ``ds_config`` (the user's DeepSpeed config) goes
-    into the manifest so conversions can rebuild the engines.
+    into the manifest so conversions can rebuild the engines. ``manifest_extra``: more JSON entries of the manifest
+    (what was frozen, the data position). ``attach(tag_dir)``: rank 0 writes more files there (the tokenizer)
+    before they are hashed.
     """
     job = recorded(layout)
     root = Path(root)
@@ -134,7 +170,10 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     dist.barrier()
     engine.save_checkpoint(str(partial / job.checkpoint_dir(role)), tag=_DS_TAG, client_state=client_state)
+    if dist.get_rank() == 0 and attach is not None:
+        attach(partial)
     dist.barrier()
+    files = _hash_files(partial)
     final = root / tag
     if dist.get_rank() == 0:
         manifest = {
@@ -145,6 +184,8 @@ def save_checkpoint(
             "roles": sorted({job.checkpoint_dir(job.role_of(r)) for r in range(job.world_size)}),
             "client_state": {k: v for k, v in client_state.items() if isinstance(v, (int, float, str))},
             "ds_config": None if ds_config is None else {k: v for k, v in ds_config.items() if k != "disagmoe"},
+            **(manifest_extra or {}),
+            "files": files,
         }
         _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=2))
         if final.exists():
@@ -175,6 +216,52 @@ def read_manifest(root: str | Path, tag: str) -> dict[str, Any]:
         raise CheckpointError(f"{Path(root) / tag / MANIFEST} is corrupt: {err}") from err
 
 
+def _file_problem(where: Path, files: Mapping[str, Any], *, hashes: bool) -> str | None:
+    """What is wrong with the first damaged file of a checkpoint, or None."""
+    for name, entry in files.items():
+        path = where / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return f"{name} is damaged ({size:,} bytes, the save wrote {entry['bytes']:,}; truncated?)"
+        if hashes and file_digest(path) != entry["sha256"]:
+            return f"{name} is damaged (its sha256 differs from the one recorded when it was saved)"
+    return None
+
+
+def _step_of(tag: str) -> int | None:
+    match = re.fullmatch(r"step(\d+)", tag)
+    return int(match.group(1)) if match else None
+
+
+def previous_intact(root: Path, tag: str) -> str | None:
+    """The newest complete checkpoint older than ``tag`` in ``root`` whose files are intact, or None."""
+    step = _step_of(tag)
+    older = [(s, d.name) for d in root.iterdir() if (s := _step_of(d.name)) is not None and (d / MANIFEST).is_file()]
+    for _, name in sorted((s, n) for s, n in older if step is None or s < step)[::-1]:
+        manifest = read_manifest(root, name)
+        if _file_problem(root / name, manifest.get("files", {}), hashes=True) is None:
+            return name
+    return None
+
+
+def verify_files(root: str | Path, tag: str, *, hashes: bool = True) -> None:
+    """Raise, naming the file and the newest intact older checkpoint, unless every file the manifest lists has its
+    recorded size (and, with ``hashes``, sha256). Manifests written before checksums existed list no files."""
+    root = Path(root)
+    problem = _file_problem(root / tag, read_manifest(root, tag).get("files", {}), hashes=hashes)
+    if problem is None:
+        return
+    good = previous_intact(root, tag)
+    hint = (
+        f"resume from {root / good} (--resume {root / good})"
+        if good
+        else "no older intact checkpoint is in " + str(root)
+    )
+    raise CheckpointError(f"checkpoint {root / tag}: {problem}; {hint}")
+
+
 def check_compatible(manifest: dict[str, Any], config, layout: Layout | RecordedLayout, where: Path) -> None:
     """Raise unless the checkpoint at ``where`` (its ``manifest``) can load into this job: same mode, same model
     architecture, same layout."""
@@ -197,9 +284,13 @@ def load_checkpoint(
 ) -> tuple[str, dict[str, Any]]:
     """Load this rank's engine state; returns ``(tag, client_state)``. Collective: every rank must call it."""
     tag = resolve_tag(root, tag)
-    check_compatible(read_manifest(root, tag), config, layout, Path(root) / tag)
+    manifest = read_manifest(root, tag)
+    check_compatible(manifest, config, layout, Path(root) / tag)
     path = Path(root) / tag / recorded(layout).checkpoint_dir(role)
-    load_path, client_state = engine.load_checkpoint(str(path), tag=_DS_TAG)
+    # A checkpoint written without a scheduler (disagmoe-convert hf-to-disagmoe's default ds_config) has no state
+    # for this engine's one, which then starts fresh (train.checkpoints allows that at step 0 only).
+    saved_scheduler = (manifest.get("ds_config") or {"scheduler": True}).get("scheduler") is not None
+    load_path, client_state = engine.load_checkpoint(str(path), tag=_DS_TAG, load_lr_scheduler_states=saved_scheduler)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint in {path}")
     return tag, client_state

@@ -81,9 +81,9 @@ def role_ds_config(ds_config: dict[str, Any], *, micro_batches: int, micro_batch
         optimizer.setdefault("params", {})["torch_adam"] = True  # FusedAdam would JIT-compile for minutes on CPU
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2):
-        raise ConfigError(f'"zero_optimization.stage" {stage} is not supported; use 0, 1 or 2')
+        raise ConfigError(f'"zero_optimization.stage" {stage} is not supported; use 0, 1 or 2 (--zero 1)')
     if config.get("bf16", {}).get("enabled") and stage == 0:
-        raise ConfigError('bf16 needs "zero_optimization.stage" 1 or 2 in DisagMoE-DS (set stage 1)')
+        raise ConfigError('bf16 needs "zero_optimization.stage" 1 or 2 in DisagMoE-DS (--zero 1, or --dtype fp32)')
     return config
 
 

@@ -8,6 +8,8 @@ model        the HF model to train: fresh, or ``--init-from`` pretrained weights
 balance      per-layer expert load, its imbalance, and DeepSeek-V3 auxiliary-loss-free bias updates
 metrics      model FLOPs (Megatron counting), MFU, one record per step
 progress     rank 0's output: start banner, progress bar or log lines, JSON lines, TensorBoard
-checkpoints  periodic/final saves with every lane's loader state, keep-last-N, resume
+checkpoints  periodic/final saves with every lane's loader state, freezing, seed and tokenizer; keep-last-N; resume
+             checks (files, layout, ZeRO stage, seed, freezing)
+export       --export-hf: the job's weights and tokenizer as a save_pretrained directory, written from inside the job
 interrupt    Ctrl-C / SIGTERM: every rank agrees to stop after the current step, then saves
 """

@@ -54,6 +54,7 @@ class TrainArgs:
     data: str
     text_field: str
     sft: bool
+    sft_fields: tuple[str, str, str]  # the prompt, response and messages fields of SFT rows
     tokenizer: str  # "auto", "sentencepiece", or a path (HF tokenizer directory or SentencePiece .model)
     vocab_size: int | None  # SentencePiece vocabulary to train; None: the model's vocab_size
     tokenizer_cache: Path
@@ -66,6 +67,9 @@ class TrainArgs:
     freeze_attention: bool
     bias_update_rate: float | None  # None: DeepSeek-V3's 1e-3 where the router has a bias, else off
     save_dir: Path | None
+    export_hf: (
+        Path | None
+    )  # save_pretrained directory (with the tokenizer), written with every checkpoint and at the end
     save_every: int
     keep_last: int
     resume: str | None  # None: fresh start; "": the newest checkpoint in save_dir; else a checkpoint path
@@ -199,6 +203,12 @@ def _optimisation(p: argparse.ArgumentParser) -> None:
         "warmup_max_lr of WarmupLR/WarmupDecayLR) [the ds_config's]",
     )
     g.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2),
+        help="ZeRO stage of every role engine: sets zero_optimization.stage [the ds_config's]",
+    )
+    g.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         help="parameter dtype; bf16 sets bf16.enabled [bf16 when the ds_config enables it, else fp32]",
@@ -221,11 +231,19 @@ def _fine_tuning(p: argparse.ArgumentParser) -> None:
         help="--data holds prompt/response (or messages) JSONL rows; "
         "the loss covers the responses only (chat template of the tokenizer when it has one)",
     )
-    g.add_argument("--freeze-router", action="store_true", help="keep every MoE router's weights fixed")
+    g.add_argument("--prompt-field", default="prompt", help="--sft: field of the prompt in prompt/response rows")
+    g.add_argument("--response-field", default="response", help="--sft: field of the response")
+    g.add_argument("--messages-field", default="messages", help="--sft: field of the chat list in messages rows")
+    g.add_argument(
+        "--freeze-router",
+        action="store_true",
+        help="keep every MoE router's weights fixed (recorded in checkpoints: a resume keeps it)",
+    )
     g.add_argument(
         "--freeze-attention",
         action="store_true",
-        help="keep every layer's self-attention (q/k/v/o projections and their norms) fixed",
+        help="keep every layer's self-attention (q/k/v/o projections and their norms) fixed (recorded in "
+        "checkpoints: a resume keeps it)",
     )
 
 
@@ -233,6 +251,13 @@ def _checkpoints(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save-dir", type=Path, help="checkpoint root; none: the run saves nothing, not even on Ctrl-C")
     g.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
+    g.add_argument(
+        "--export-hf",
+        type=Path,
+        metavar="DIR",
+        help="also write the model as a save_pretrained directory with its tokenizer (AutoModelForCausalLM and "
+        "AutoTokenizer.from_pretrained load it): at the end and with every --save-every checkpoint, replacing DIR",
+    )
     g.add_argument("--keep-last", type=int, default=3, help="keep the N newest checkpoints (0: keep all)")
     g.add_argument(
         "--resume",
@@ -301,8 +326,9 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
     cfg = _mode_config(ns, ds_config, launched_world_size)
     micro_batch_size = ns.micro_batch_size or ds_config.get("train_micro_batch_size_per_gpu", _DEFAULT_MICRO_BATCH_SIZE)
     dtype = ns.dtype or ("bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32")
-    ds_config = apply_overrides(ds_config, lr=ns.lr, dtype=dtype, steps=ns.steps)
+    ds_config = apply_overrides(ds_config, lr=ns.lr, dtype=dtype, steps=ns.steps, zero=ns.zero)
     _check_batch_keys(ds_config, cfg, micro_batch_size)
+    check_engine_config(ds_config, cfg, micro_batch_size, lr_flag=ns.lr is not None)
     if ns.resume == "" and ns.save_dir is None:
         raise ConfigError("--resume without a checkpoint path needs --save-dir (the run's checkpoint root)")
     return TrainArgs(
@@ -314,6 +340,7 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
         data=ns.data or "",
         text_field=ns.text_field,
         sft=ns.sft,
+        sft_fields=(ns.prompt_field, ns.response_field, ns.messages_field),
         tokenizer=ns.tokenizer,
         vocab_size=ns.vocab_size,
         tokenizer_cache=ns.tokenizer_cache,
@@ -326,6 +353,7 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
         freeze_attention=ns.freeze_attention,
         bias_update_rate=ns.bias_update_rate,
         save_dir=ns.save_dir,
+        export_hf=ns.export_hf,
         save_every=ns.save_every,
         keep_last=ns.keep_last,
         resume=ns.resume,
@@ -395,8 +423,10 @@ def _mode_config(
     )
 
 
-def apply_overrides(ds_config: dict[str, Any], *, lr: float | None, dtype: str, steps: int) -> dict[str, Any]:
-    """A copy of ``ds_config`` with the learning rate, precision and run length of the command line.
+def apply_overrides(
+    ds_config: dict[str, Any], *, lr: float | None, dtype: str, steps: int, zero: int | None = None
+) -> dict[str, Any]:
+    """A copy of ``ds_config`` with the learning rate, precision, ZeRO stage and run length of the command line.
 
     >>> cfg = apply_overrides({"scheduler": {"type": "WarmupLR", "params": {}}}, lr=0.1, dtype="fp32", steps=5)
     >>> cfg["optimizer"]["params"]["lr"], cfg["scheduler"]["params"]["warmup_max_lr"], cfg["bf16"]["enabled"]
@@ -411,7 +441,33 @@ def apply_overrides(ds_config: dict[str, Any], *, lr: float | None, dtype: str, 
     if scheduler and scheduler.get("type") in _NEEDS_TOTAL_STEPS:
         scheduler.setdefault("params", {}).setdefault("total_num_steps", steps)
     config.setdefault("bf16", {})["enabled"] = dtype == "bf16"
+    if zero is not None:
+        config.setdefault("zero_optimization", {})["stage"] = zero
     return config
+
+
+def check_engine_config(
+    ds_config: dict[str, Any], cfg: DisagMoEConfig | ColocatedConfig, micro_batch_size: int, *, lr_flag: bool
+) -> None:
+    """What DeepSpeed would refuse inside every rank, refused here: precision and ZeRO rules (``role_ds_config``)
+    and optimizer hyper-parameters out of range."""
+    from disagmoe_ds.engine.deepspeed_role import role_ds_config
+
+    role_ds_config(ds_config, micro_batches=cfg.micro_batches, micro_batch_size=micro_batch_size, dp_size=1)
+    params = ds_config.get("optimizer", {}).get("params", {})
+    where = "--lr" if lr_flag else 'ds_config "optimizer.params.lr"'
+    _check_range(where, params.get("lr"), lambda v: v > 0, "a positive number")
+    _check_range('ds_config "optimizer.params.eps"', params.get("eps"), lambda v: v > 0, "a positive number")
+    _check_range('ds_config "optimizer.params.weight_decay"', params.get("weight_decay"), lambda v: v >= 0, ">= 0")
+    for beta in params.get("betas") or ():
+        _check_range('ds_config "optimizer.params.betas"', beta, lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+def _check_range(where: str, value: Any, ok, rule: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ConfigError(f"{where} must be {rule}, got {value!r}")
 
 
 def _check_batch_keys(ds_config: dict[str, Any], cfg: DisagMoEConfig | ColocatedConfig, micro_batch_size: int) -> None:

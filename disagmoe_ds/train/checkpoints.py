@@ -1,9 +1,15 @@
 """Training checkpoints on top of ``engine.checkpoint``: what a resume needs, where it is, how many to keep.
 
-``engine.checkpoint.save_checkpoint`` makes a save atomic (``.partial-<tag>``, manifest, rename, ``latest``).
-This module adds the training state: the step, and every lane's loader position. DeepSpeed writes the
-client state only from data-parallel rank 0 of each engine (lane 0 of an A-group), so the lanes' loader
-states are gathered first and every engine saves all of them; on resume each lane takes its own.
+``engine.checkpoint.save_checkpoint`` makes a save atomic (``.partial-<tag>``, manifest, rename, ``latest``) and
+records a checksum per file. This module adds the training state to the manifest:
+
+    client_state   step, seed, num_samples (also in every engine's DeepSpeed client state)
+    frozen         {"router": bool, "attention": bool}: what --freeze-* fixed; a resume keeps it
+    data           {"loader_states": {lane: state}}: every lane's loader position (gathered from the lanes)
+    tokenizer      "tokenizer": the run's tokenizer, saved as an HF tokenizer directory under the tag
+
+A checkpoint without "data" (``disagmoe-convert hf-to-disagmoe``) resumes at the start of the data; one whose lanes
+differ from the run's (``disagmoe-convert relayout``) continues at the same place of the epoch (``regroup``).
 
 Tags are ``step<N>``; ``--keep-last`` removes the oldest complete ones after a save (never ``latest``), and
 the ``.partial-*`` directories that a crashed save left behind.
@@ -13,12 +19,14 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from disagmoe_ds.data import MicroBatchLoader
+from disagmoe_ds.data import MicroBatchLoader, Tokenizer
+from disagmoe_ds.data.sampler import regroup
 from disagmoe_ds.engine.checkpoint import (
     LATEST,
     MANIFEST,
@@ -28,12 +36,15 @@ from disagmoe_ds.engine.checkpoint import (
     read_manifest,
     resolve_tag,
     save_checkpoint,
+    verify_files,
 )
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.train.modes import Runtime
 
 _TAG = re.compile(r"^step(\d+)$")
+TOKENIZER_DIR = "tokenizer"
+FREEZE_FLAGS = {"router": "--freeze-router", "attention": "--freeze-attention"}
 
 
 def tag_of(step: int) -> str:
@@ -47,15 +58,24 @@ def save(
     loader: MicroBatchLoader | None,
     *,
     keep_last: int,
+    seed: int,
+    frozen: dict[str, bool],
+    tokenizer: Tokenizer | None = None,
     ds_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Save the job at ``step`` (with the ds_config, for conversions). Collective: every rank calls it."""
+    """Save the job at ``step`` (with the ds_config, for conversions). Collective: every rank calls it.
+
+    ``tokenizer``: rank 0's (it reads data), saved under the tag as an HF tokenizer directory.
+    """
     gathered: list[Any] = [None] * dist.get_world_size()
     mine = (runtime.role.index, loader.state_dict()) if loader is not None else None
     dist.all_gather_object(gathered, mine)
     loader_states = {str(lane): state for lane, state in filter(None, gathered)}
     num_samples = next(iter(loader_states.values()))["sampler"]["num_samples"]
-    client_state = {"step": step, "num_samples": num_samples, "loader_states": loader_states}
+    client_state = {"step": step, "seed": seed, "num_samples": num_samples, "loader_states": loader_states}
+    extra: dict[str, Any] = {"frozen": frozen, "data": {"loader_states": loader_states}}
+    if tokenizer is not None:
+        extra["tokenizer"] = TOKENIZER_DIR
     path = save_checkpoint(
         runtime.engine,
         runtime.role,
@@ -65,6 +85,8 @@ def save(
         tag_of(step),
         client_state,
         ds_config=ds_config,
+        manifest_extra=extra,
+        attach=None if tokenizer is None else lambda tag_dir: tokenizer.save_hf(tag_dir / TOKENIZER_DIR),
     )
     if dist.get_rank() == 0 and keep_last:
         prune(root, keep_last)  # every rank has finished this save (save_checkpoint ends in a barrier)
@@ -87,7 +109,8 @@ def prune(root: Path, keep_last: int) -> list[str]:
 def locate(resume: str, save_dir: Path | None) -> tuple[Path, str]:
     """(root, tag) of the checkpoint ``--resume`` names: "" is the newest in save_dir; a path is a root or ROOT/TAG."""
     if resume == "":
-        assert save_dir is not None, "args.resolve requires --save-dir for a bare --resume"
+        if save_dir is None:
+            raise CheckpointError("--resume without a checkpoint path needs --save-dir (the run's checkpoint root)")
         return save_dir, resolve_tag(save_dir)
     path = Path(resume)
     if (path / MANIFEST).is_file():
@@ -95,26 +118,123 @@ def locate(resume: str, save_dir: Path | None) -> tuple[Path, str]:
     return path, resolve_tag(path)
 
 
-def check_resume(root: Path, tag: str, config, layout: Layout | RecordedLayout, *, num_samples: int | None) -> int:
-    """Fail before launch when the checkpoint cannot continue this run (mode, model, layout, data); returns its
-    step. ``layout`` is either mode's."""
+@dataclass(frozen=True)
+class ResumePoint:
+    """What a checkpoint tells a run that continues it."""
+
+    root: Path
+    tag: str
+    step: int
+    frozen: dict[str, bool] | None  # None: not recorded (checkpoints written before freezing was recorded)
+    has_data_position: bool  # False: the run starts at the beginning of the data
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.tag
+
+    def describe_data(self) -> str:
+        if self.has_data_position:
+            return "data continues where the checkpoint stood"
+        return "data from its start (the checkpoint records no data position)"
+
+
+def check_resume(
+    root: Path,
+    tag: str,
+    config,
+    layout: Layout | RecordedLayout,
+    *,
+    num_samples: int | None,
+    seed: int | None = None,
+    frozen: dict[str, bool] | None = None,
+    ds_config: dict[str, Any] | None = None,
+    hashes: bool = True,
+) -> ResumePoint:
+    """Fail before launch when the checkpoint cannot continue this run (files, mode, model, layout, ZeRO stage and
+    precision, data, seed, freezing). ``layout`` is either mode's; ``frozen``: what this run's flags freeze (a
+    checkpoint's own freezing is kept; freezing more than it did is refused)."""
     manifest = read_manifest(root, tag)
     where = root / tag
+    verify_files(root, tag, hashes=hashes)
     check_compatible(manifest, config, layout, where)
     state = manifest["client_state"]
     if "step" not in state:
         raise CheckpointError(f"checkpoint {where} holds no training step: it was not written by run_pretrain.py")
-    if num_samples is not None and state.get("num_samples") != num_samples:
+    saved_seed = state.get("seed")
+    if seed is not None and saved_seed is not None and saved_seed != seed:
+        raise CheckpointError(
+            f"checkpoint {where} was trained with --seed {saved_seed}, this run has --seed {seed}; resume with "
+            f"--seed {saved_seed} (the seed fixes the data order and every step's random numbers)"
+        )
+    has_data = _loader_states(manifest) is not None
+    if has_data and num_samples is not None and state.get("num_samples") != num_samples:
         raise CheckpointError(
             f"checkpoint {where} was trained on {state.get('num_samples')} samples, this run's data gives "
             f"{num_samples}; resume with the same --data, --seq-len, --seed and tokenizer"
         )
-    return int(state["step"])
+    if ds_config is not None and manifest.get("ds_config") is not None:
+        _check_engine_settings(where, manifest["ds_config"], ds_config)
+        if int(state["step"]) > 0 and ds_config.get("scheduler") and not manifest["ds_config"].get("scheduler"):
+            raise CheckpointError(
+                f"checkpoint {where} was trained without an LR scheduler and this run's ds_config has one, which "
+                f'would restart at step 0; remove "scheduler" from the ds_config to resume it'
+            )
+    recorded = manifest.get("frozen")
+    if recorded is not None and frozen is not None:
+        _check_freezing(where, recorded, frozen)
+    return ResumePoint(root, tag, int(state["step"]), recorded, has_data)
 
 
-def restore(runtime: Runtime, root: Path, tag: str, loader: MicroBatchLoader | None) -> int:
-    """Load this rank's engine (and its lane's loader position); returns the step to continue from. Collective."""
+def _engine_settings(ds_config: dict[str, Any]) -> tuple[int, str]:
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    return stage, "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
+
+
+def _check_engine_settings(where: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """DeepSpeed lays the optimizer state out by ZeRO stage and precision: a resume needs the same ones."""
+    (saved_stage, saved_dtype), (stage, dtype) = _engine_settings(saved), _engine_settings(current)
+    if (saved_stage, saved_dtype) != (stage, dtype):
+        raise CheckpointError(
+            f"checkpoint {where} was saved under ZeRO stage {saved_stage} in {saved_dtype}, this run has stage "
+            f"{stage} in {dtype}; pass --zero {saved_stage} --dtype {saved_dtype} (or convert it with "
+            f"disagmoe-convert relayout --zero {stage} --dtype {dtype})"
+        )
+
+
+def _check_freezing(where: Path, recorded: dict[str, bool], requested: dict[str, bool]) -> None:
+    extra = [FREEZE_FLAGS[k] for k, on in requested.items() if on and not recorded.get(k, False)]
+    if extra:
+        kept = [FREEZE_FLAGS[k] for k, on in recorded.items() if on]
+        keep = f"pass {' '.join(kept)} or nothing" if kept else "pass no --freeze-* flag"
+        raise CheckpointError(
+            f"checkpoint {where} was trained with {' '.join(kept) or 'nothing frozen'}, this run adds "
+            f"{' '.join(extra)}, which changes the optimizer's parameter groups; to resume, {keep}; to freeze more, "
+            f"export it (disagmoe-convert disagmoe-to-hf) and start a new run with --init-from OUT {' '.join(extra)}"
+        )
+
+
+def effective_freezing(point: ResumePoint | None, router: bool, attention: bool) -> dict[str, bool]:
+    """This run's freezing: the flags, plus whatever the checkpoint it resumes froze."""
+    recorded = (point.frozen if point is not None else None) or {}
+    return {
+        "router": router or recorded.get("router", False),
+        "attention": attention or recorded.get("attention", False),
+    }
+
+
+def _loader_states(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    return (manifest.get("data") or {}).get("loader_states")
+
+
+def restore(runtime: Runtime, root: Path, tag: str, loader: MicroBatchLoader | None, *, lanes: int) -> int:
+    """Load this rank's engine (and its lane's loader position); returns the step to continue from. Collective.
+
+    The loader position is the manifest's (else the engine's client state, in checkpoints written before it was in
+    the manifest); positions saved by another number of lanes are regrouped, none means the start of the data.
+    """
     _, state = load_checkpoint(runtime.engine, runtime.role, runtime.layout, runtime.module.config, root, tag)
-    if loader is not None:
-        loader.load_state_dict(state["loader_states"][str(runtime.role.index)])
+    states = _loader_states(read_manifest(root, tag)) or state.get("loader_states")
+    if loader is not None and states:
+        saved = next(iter(states.values()))["sampler"]  # every lane stands at the same place of the epoch
+        loader.load_state_dict({"sampler": regroup(saved, lanes)})
     return int(state["step"])

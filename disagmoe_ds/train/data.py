@@ -44,6 +44,7 @@ class TrainData:
     dataset: PackedDataset
     tokenizer: str
     summary: str
+    tok: Tokenizer  # saved with every checkpoint and --export-hf
 
 
 def data_spec(args: TrainArgs) -> str:
@@ -94,7 +95,8 @@ def prepare_data(args: TrainArgs, model_config) -> TrainData:
     tokenizer, what = load_tokenizer(args, model_config)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     if args.sft:
-        examples = load_sft_examples(args.data)
+        prompt, response, messages = args.sft_fields
+        examples = load_sft_examples(args.data, prompt_field=prompt, response_field=response, messages_field=messages)
         dataset = build_sft_dataset(
             examples, tokenizer, seq_len=args.seq_len, max_positions=max_positions, seed=args.seed
         )
@@ -114,7 +116,7 @@ def prepare_data(args: TrainArgs, model_config) -> TrainData:
             f"{data_spec(args)} gives {len(dataset)} samples of {args.seq_len} tokens, fewer than the {args.lanes} "
             f"lanes that read it; use more data or a shorter --seq-len"
         )
-    return TrainData(dataset, what, f"{summary}; {len(dataset):,} samples of {args.seq_len} tokens")
+    return TrainData(dataset, what, f"{summary}; {len(dataset):,} samples of {args.seq_len} tokens", tokenizer)
 
 
 def lane_loader(data: TrainData, args: TrainArgs, lane: int, *, pin_memory: bool) -> MicroBatchLoader:
@@ -137,3 +139,15 @@ def to_device(batches: list[dict[str, torch.Tensor]], device: torch.device) -> l
 def steps_per_epoch(data: TrainData, args: TrainArgs) -> int:
     """Steps until every lane has read its share once (each lane reads N // d samples per epoch)."""
     return (len(data.dataset) // args.lanes) // (args.cfg.micro_batches * args.micro_batch_size)
+
+
+def epoch_text(data: TrainData, args: TrainArgs) -> str:
+    """The banner's epoch length; a step can read more than an epoch (its later micro-batches repeat samples)."""
+    steps = steps_per_epoch(data, args)
+    if steps >= 1:
+        return f"one epoch = {steps:,} steps"
+    per_step = args.cfg.micro_batches * args.micro_batch_size
+    return (
+        f"one epoch = {len(data.dataset) // args.lanes:,} samples per lane, fewer than the {per_step} a step reads: "
+        f"every step repeats samples"
+    )

@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.train.args import TrainArgs
-from disagmoe_ds.train.data import TrainData, steps_per_epoch
+from disagmoe_ds.train.checkpoints import ResumePoint
+from disagmoe_ds.train.data import TrainData, epoch_text
 from disagmoe_ds.train.metrics import ModelFacts, StepRecord
 
 
@@ -28,7 +29,7 @@ def banner(
     facts: ModelFacts,
     data: TrainData,
     bias_rate: float,
-    resume: tuple[Path, str] | None,
+    resume: ResumePoint | None,
 ) -> list[str]:
     """The run's derived facts, printed before anything heavy starts (nanoGPT prints tokens per iteration).
 
@@ -45,21 +46,25 @@ def banner(
         f"tokens per step: {args.tokens_per_step:,} = {args.lanes} lanes x {args.cfg.micro_batches} micro-batches x "
         f"{args.micro_batch_size} sequences x {args.seq_len} tokens; "
         f"{facts.flops_per_token * args.tokens_per_step / 1e9:,.2f} model GFLOP per step",
-        f"data: {data.summary}; one epoch = {steps_per_epoch(data, args):,} steps",
+        f"data: {data.summary}; {epoch_text(data, args)}",
         f"tokenizer: {data.tokenizer}",
         f"balancing: {aux}; {bias}",
-        checkpoint_line(args, None if resume is None else resume[0] / resume[1]),
+        checkpoint_line(args, resume),
     ]
 
 
-def checkpoint_line(args: TrainArgs, resume_from: Path | None) -> str:
+def checkpoint_line(args: TrainArgs, resume: ResumePoint | None) -> str:
     if args.save_dir is None:
         saves = "checkpoints: off (--save-dir DIR saves at the end, on Ctrl-C and every --save-every steps)"
     else:
         every = f"every {args.save_every} steps, " if args.save_every else ""
         keep = f"keep the last {args.keep_last}" if args.keep_last else "keep all"
         saves = f"checkpoints: {args.save_dir}, {every}at the end and on Ctrl-C; {keep}"
-    return saves + (f"; resuming from {resume_from}" if resume_from else "")
+    if args.export_hf is not None:
+        saves += f"; HF export to {args.export_hf} with every save"
+    if resume is None:
+        return saves
+    return saves + f"; resuming from {resume.path} at step {resume.step}, {resume.describe_data()}"
 
 
 def _fmt(value: float | None, spec: str) -> str:
