@@ -1,0 +1,169 @@
+"""The user's flows end to end (issue 15): fine-tune with a frozen router, resume with and without the flag, export to
+HF, load it with ``from_pretrained``, re-lay out and resume; and every bad input refused before launch in one line.
+
+One fine-tuning run (``ft_run``: 3 steps, a checkpoint after each, an HF export) serves every test here. Runs go
+through ``run_pretrain.main`` in this process, like ``test_pretrain``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from disagmoe_ds.convert import main as convert
+from tests.test_pretrain import ROOT, assert_refused_before_launch, pretrain, records, same
+from tests.test_train_data import write_sft_jsonl
+
+MODEL = ROOT / "hf_models" / "tiny-qwen3-moe-lm"
+ROUTER = "model.layers.1.mlp.gate.weight"
+RELAYOUT_TOL = 1e-5  # fp32: another FFN split only reorders sums
+
+
+@dataclass(frozen=True)
+class FineTune:
+    hf_dir: Path  # the pretrained model the run started from (with its HF tokenizer)
+    data: Path
+    ckpt: Path  # step1, step2, step3
+    export: Path  # --export-hf at step 3
+    metrics: list[dict]
+
+    def argv(self, *extra: object) -> list[object]:
+        return ["--init-from", self.hf_dir, "--sft", "--data", self.data, "--seq-len", 64, *extra]
+
+
+@pytest.fixture(scope="module")
+def tok_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def ft_run(tmp_path_factory, tok_cache) -> FineTune:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from disagmoe_ds.data import bundled_corpus, train_or_load_tokenizer
+
+    root = tmp_path_factory.mktemp("ft")
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MODEL)).save_pretrained(root / "hf")
+    train_or_load_tokenizer(bundled_corpus(), 512, tok_cache).save_hf(root / "hf")  # the model's own tokenizer
+    write_sft_jsonl(root / "sft.jsonl", n=40)
+    run = FineTune(root / "hf", root / "sft.jsonl", root / "ck", root / "export", [])
+    argv = run.argv("--freeze-router", "--steps", 3, "--save-dir", run.ckpt, "--save-every", 1, "--keep-last", 0)
+    assert pretrain(tok_cache, *argv, "--export-hf", run.export, "--metrics-file", root / "m.jsonl") == 0
+    return FineTune(run.hf_dir, run.data, run.ckpt, run.export, records(root / "m.jsonl"))
+
+
+def _state(ckpt_tag: Path) -> dict[str, torch.Tensor]:
+    """The attention side's module weights in a checkpoint (A-group 0 holds every attention-side tensor)."""
+    state = torch.load(ckpt_tag / "attention_g0" / "state" / "mp_rank_00_model_states.pt", weights_only=False)
+    return state["module"]
+
+
+def test_resume_keeps_the_recorded_freezing_with_or_without_the_flag(ft_run, tok_cache, tmp_path, capfd) -> None:
+    manifest = json.loads((ft_run.ckpt / "step1" / "manifest.json").read_text())
+    assert manifest["frozen"] == {"router": True, "attention": False} and manifest["client_state"]["seed"] == 0
+    for flags in ([], ["--freeze-router"]):  # the README's resume line omits the flag
+        out = tmp_path / f"resumed{len(flags)}"
+        argv = ft_run.argv(*flags, "--steps", 3, "--save-dir", out, "--resume", ft_run.ckpt / "step1")
+        assert pretrain(tok_cache, *argv, "--metrics-file", out / "m.jsonl") == 0
+        assert same(records(out / "m.jsonl"), ft_run.metrics[1:])  # bit for bit: same data, freezing, state
+        assert torch.equal(_state(out / "step3")["layers.1.mlp.gate.weight"], _state(ft_run.ckpt / "step1")[
+            "layers.1.mlp.gate.weight"])  # fmt: skip
+    capfd.readouterr()
+    argv = ft_run.argv("--freeze-attention", "--steps", 3, "--resume", ft_run.ckpt / "step1")
+    assert_refused_before_launch(tok_cache, capfd, argv, r"trained with --freeze-router, this run adds "
+                                 r"--freeze-attention.*pass --freeze-router or nothing")  # fmt: skip
+
+
+def test_export_loads_with_from_pretrained_and_equals_the_converted_checkpoint(ft_run, tmp_path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(ft_run.export)
+    tokenizer = AutoTokenizer.from_pretrained(ft_run.export)
+    assert tokenizer.encode("It is 7.", add_special_tokens=False) == AutoTokenizer.from_pretrained(
+        ft_run.hf_dir).encode("It is 7.", add_special_tokens=False)  # fmt: skip
+    before = AutoModelForCausalLM.from_pretrained(ft_run.hf_dir).state_dict()
+    after = model.state_dict()
+    assert torch.equal(after[ROUTER], before[ROUTER])  # frozen
+    assert not torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    # disagmoe-to-hf of the step-3 checkpoint (rebuilt with the router frozen) writes the same files, bit for bit.
+    assert convert(f"disagmoe-to-hf --ckpt {ft_run.ckpt} --model {ft_run.hf_dir} --out {tmp_path / 'hf'}".split()) == 0
+    exported, converted = (
+        load_file(ft_run.export / "model.safetensors"),
+        load_file(tmp_path / "hf" / "model.safetensors"),
+    )
+    assert exported.keys() == converted.keys() and all(torch.equal(exported[k], converted[k]) for k in exported)
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (ft_run.export / "tokenizer.json").read_bytes()
+
+
+def test_relayout_of_a_frozen_run_resumes_at_its_data_position(ft_run, tok_cache, tmp_path) -> None:
+    relaid = tmp_path / "relaid"
+    relayout = f"relayout --ckpt {ft_run.ckpt} --tag step2 --model {ft_run.hf_dir} --out {relaid} --attention-gpus 2"
+    relayout += " --ffn-gpus 1"  # 2 lanes as before, so the resumed step reads the batch the original step 3 read
+    assert convert(relayout.split()) == 0
+    manifest = json.loads((relaid / "step2" / "manifest.json").read_text())
+    assert manifest["frozen"] == {"router": True, "attention": False} and manifest["data"]["loader_states"]
+    out = tmp_path / "resumed"
+    argv = ft_run.argv(
+        "--ffn-gpus", 1, "--steps", 3, "--save-dir", out, "--resume", relaid, "--metrics-file", out / "m"
+    )
+    assert pretrain(tok_cache, *argv) == 0
+    (resumed,), expected = records(out / "m"), ft_run.metrics[2]
+    assert resumed["step"] == 3 and abs(resumed["loss"] - expected["loss"]) <= RELAYOUT_TOL, (resumed, expected)
+
+
+def test_converted_hf_checkpoint_resumes_from_the_start_of_the_data(ft_run, tok_cache, tmp_path, capfd) -> None:
+    ckpt = tmp_path / "ckpt"
+    to_disagmoe = f"hf-to-disagmoe --model {ft_run.export} --out {ckpt} --attention-gpus 2 --ffn-gpus 2 --zero 1"
+    assert convert([*to_disagmoe.split(), "--freeze-router"]) == 0
+    out = tmp_path / "resumed"
+    argv = ft_run.argv("--zero", 1, "--steps", 1, "--save-dir", out, "--resume", ckpt)
+    assert pretrain(tok_cache, *argv) == 0
+    assert "data from its start (the checkpoint records no data position)" in capfd.readouterr().out
+    assert json.loads((out / "step1" / "manifest.json").read_text())["frozen"]["router"]
+
+
+def _truncated_copy(ft_run: FineTune, root: Path) -> Path:
+    for tag in ("step1", "step2"):
+        shutil.copytree(ft_run.ckpt / tag, root / tag)
+    (root / "latest").write_text("step2")
+    damaged = root / "step2" / "ffn_g0_ep1" / "state" / "mp_rank_00_model_states.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    return root
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("zero 3", r'"zero_optimization.stage" 3 is not supported; use 0, 1 or 2'),
+        ("fp16", r'"fp16" is not supported by DisagMoE-DS'),
+        ("bf16 on ZeRO-0", r"bf16 needs \"zero_optimization.stage\" 1 or 2 .*\(--zero 1, or --dtype fp32\)"),
+        ("negative lr", r"--lr must be a positive number, got -0.001"),
+        ("truncated file", r"step2: ffn_g0_ep1/state/mp_rank_00_model_states.pt is damaged \(100 bytes, .*"
+         r"resume from .*step1 \(--resume .*step1\)"),
+        ("other seed", r"trained with --seed 0, this run has --seed 3; resume with --seed 0"),
+        ("no steps left", r"is at step 2 and --steps is 2: nothing left to train; pass --steps above 2"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_before_launch(ft_run, tok_cache, tmp_path, capfd, case, message) -> None:
+    ds_config = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())
+    if case in ("zero 3", "fp16"):
+        extra = {"zero_optimization": {"stage": 3}} if case == "zero 3" else {"fp16": {"enabled": True}}
+        (tmp_path / "ds.json").write_text(json.dumps({**ds_config, **extra}))
+    step2 = ft_run.ckpt / "step2"
+    argv = {
+        "zero 3": ["--deepspeed_config", tmp_path / "ds.json"],
+        "fp16": ["--deepspeed_config", tmp_path / "ds.json"],
+        "bf16 on ZeRO-0": ["--dtype", "bf16"],
+        "negative lr": ["--lr=-1e-3"],
+        "truncated file": ft_run.argv("--steps", 3, "--resume", _truncated_copy(ft_run, tmp_path / "ck")),
+        "other seed": ft_run.argv("--steps", 3, "--seed", 3, "--resume", step2),
+        "no steps left": ft_run.argv("--steps", 2, "--resume", step2),
+    }[case]
+    assert_refused_before_launch(tok_cache, capfd, argv, message)
