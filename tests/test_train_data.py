@@ -108,3 +108,31 @@ def test_the_model_directory_tokenizer_is_used_and_checked(tmp_path: Path) -> No
     args = _args(tmp_path, "--model", str(too_big), "--data", str(tmp_path / "words.txt"), "--seq-len", "8")
     with pytest.raises(DataError, match=r"tokenizer has 600 token ids but the model's vocab_size is 512"):
         prepare_data(args, load_config(too_big))
+
+
+def test_sampler_regroup_doctest() -> None:
+    """A data position saved by d lanes continues under another lane count (``disagmoe-convert relayout``)."""
+    import doctest
+
+    from disagmoe_ds.data import sampler
+
+    assert doctest.testmod(sampler).failed == 0
+
+
+def test_sentencepiece_tokenizer_exports_as_an_identical_hf_tokenizer(tmp_path: Path) -> None:
+    """``save_hf`` (checkpoints, --export-hf): AutoTokenizer encodes and decodes the corpus like SentencePiece."""
+    from transformers import AutoTokenizer
+
+    from disagmoe_ds.data import bundled_corpus, train_or_load_tokenizer
+    from disagmoe_ds.data.sources import load_documents
+
+    tokenizer = train_or_load_tokenizer(bundled_corpus(), 512, tmp_path / "cache", limit=20)
+    tokenizer.save_hf(tmp_path / "hf")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    texts = [doc[:3000] for doc in load_documents(bundled_corpus(), limit=30)] + [
+        "  two\n\n 3.14 \u00e9\u2014\U0001f600"
+    ]
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert hf.encode(text, add_special_tokens=False) == ids and hf.decode(ids) == text
+    assert (hf.eos_token_id, hf.pad_token_id, len(hf)) == (tokenizer.eos_id, tokenizer.pad_id, tokenizer.vocab_size)
