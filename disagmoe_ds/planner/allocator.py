@@ -19,28 +19,26 @@ from typing import Literal
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cluster import Cluster, Rates
+from disagmoe_ds.planner.colocated import ColocatedCandidate, colocated_candidates, simulate_colocated
 from disagmoe_ds.planner.memory import (
     RankMemory,
     Recompute,
     Workload,
     attention_rank_memory,
-    baseline_rank_memory,
     ffn_rank_memory,
 )
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.placement import Placement, placements
-from disagmoe_ds.planner.simulate import SimResult, simulate_af, simulate_baseline
+from disagmoe_ds.planner.simulate import SimResult, simulate_af
 from disagmoe_ds.planner.stages import (
     AfRoofline,
-    BaselineChunkCosts,
     af_roofline,
     af_sync_s,
     af_task_costs,
-    baseline_chunk_costs,
-    baseline_sync_s,
     compute_multiplier,
     exposed_sync_s,
 )
+from disagmoe_ds.planner.variants import VARIANTS, dominated, memory_variants, offload_share, savings
 
 PAYS_THRESHOLD = 1.05  # below this predicted speed-up, disaggregation is not worth its complexity
 
@@ -57,6 +55,9 @@ class PlanRequest:
         baseline_overlap: share of the co-located all-to-all hidden behind compute (besides shared experts).
         baseline_ep: pin the co-located expert-parallel size (None: search it).
         simulate_top: how many roofline-best candidates of each system to simulate.
+        baseline: "strongest" (TP, CP, selective recompute, paired all-to-all overlap; ``colocated.py``) or
+            "ep" (plain EP+DP interleaved 1F1B with partial overlap).
+        af_variants: the AF-Pipe variants to try (``variants.VARIANTS``; ``variants.PAPER`` for none).
     """
 
     spec: ModelSpec
@@ -70,10 +71,15 @@ class PlanRequest:
     baseline_overlap: float = 0.25
     baseline_ep: int | None = None
     simulate_top: int = 6
+    baseline: Literal["strongest", "ep"] = "strongest"
+    af_variants: frozenset[str] = frozenset(VARIANTS)
 
     @property
     def recompute_options(self) -> tuple[Recompute, ...]:
-        return ("none", "full") if self.recompute == "auto" else (self.recompute,)
+        """AF-Pipe recompute policies to try: auto means all (selective only if that variant is allowed)."""
+        if self.recompute != "auto":
+            return (self.recompute,)
+        return ("none", "selective", "full") if "selective" in self.af_variants else ("none", "full")
 
 
 @dataclass(frozen=True)
@@ -123,46 +129,10 @@ class AfPlan:
 
 
 @dataclass(frozen=True)
-class BaselineCandidate:
-    """A feasible co-located EP+DP x PP (x virtual stages) configuration with its per-chunk costs."""
-
-    pp: int
-    vpp: int
-    ep: int
-    work: Workload
-    micro_batches: int
-    memory: RankMemory
-    costs: BaselineChunkCosts
-    data_parallel: int
-    sync_s: float
-
-    @property
-    def exposed_sync_s(self) -> float:
-        backward = self.micro_batches * sum(self.costs.bwd_compute) / self.pp
-        return exposed_sync_s(self.sync_s, backward)
-
-    @property
-    def tokens(self) -> int:
-        return self.micro_batches * self.data_parallel * self.work.tokens_per_micro_batch
-
-    @property
-    def estimate_s(self) -> float:
-        """(m*v + pp - 1) x the slowest chunk's fwd+bwd, plus the p2p hops: for ranking before simulation."""
-        chunk = max(
-            f + b + fx + bx
-            for f, b, fx, bx in zip(
-                self.costs.fwd_compute, self.costs.bwd_compute, self.costs.fwd_comm, self.costs.bwd_comm
-            )
-        )
-        hops = 2 * (self.pp - 1) * self.costs.p2p_s
-        return (self.micro_batches * self.vpp + self.pp - 1) * chunk + hops + self.exposed_sync_s
-
-
-@dataclass(frozen=True)
 class BaselinePlan:
     """A simulated co-located plan."""
 
-    candidate: BaselineCandidate
+    candidate: ColocatedCandidate
     sim: SimResult
 
     @property
@@ -226,30 +196,83 @@ def _layouts(req: PlanRequest, counter: Counter) -> list[Layout]:
 def af_candidates(req: PlanRequest) -> tuple[list[AfCandidate], Counter]:
     """All feasible AF-Pipe candidates (memory-checked), and a count of rejections by reason."""
     rejected: Counter = Counter()
-    usable, out = req.rates.usable_hbm, []
+    out: list[AfCandidate] = []
     for layout in _layouts(req, rejected):
         micro_batches = max(1, round(req.global_batch / (layout.lanes * req.work.micro_batch_size)))
-        for recompute in req.recompute_options:
-            work = replace(req.work, recompute=recompute)
-            mem_a = attention_rank_memory(req.spec, layout, work)
-            mem_f = ffn_rank_memory(req.spec, layout, work)
-            cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable))
-            if cap < 1:
-                rejected[f"does not fit memory (recompute {recompute})"] += 1
+        roomy: list[Workload] = []
+        for work in memory_variants(req.work, req.recompute_options, req.af_variants):
+            if dominated(work, roomy):
                 continue
-            places = placements(req.cluster, layout.attention_gpus, req.placement, req.granularity)
-            options = [(pl, nics) for pl in places for nics in pl.nic_splits(req.cluster, layout.attention_gpus)]
-            if not options:
-                rejected["no placement gives each side a NIC (a shared node with one NIC)"] += 1
-            for place, nics in options:
-                roof = af_roofline(
-                    req.spec, layout, work, placement=place, rates=req.rates, nics=nics, micro_batches=micro_batches
-                )
-                sync = af_sync_s(req.spec, layout, work, placement=place, rates=req.rates, nics=nics)
-                out.append(AfCandidate(layout, place, nics, work, micro_batches, cap, roof, mem_a, mem_f, sync))
-            if req.recompute == "auto" and cap >= 2 * (2 * layout.depth + 1):
-                break  # twice the ring in flight without recompute: recompute would only cost time
+            fitted = _fit_memory(req, layout, work, micro_batches)
+            if fitted is None:
+                rejected[f"does not fit memory (recompute {work.recompute})"] += 1
+                continue
+            for work_fit, mem_a, mem_f, cap in fitted:
+                out += _placed(req, layout, work_fit, micro_batches, (mem_a, mem_f), cap, rejected)
+                if cap >= 2 * (2 * layout.depth + 1):
+                    roomy.append(work)
     return out, rejected
+
+
+def _fit_memory(
+    req: PlanRequest, layout: Layout, work: Workload, micro_batches: int
+) -> list[tuple[Workload, RankMemory, RankMemory, int]] | None:
+    """The variant as is (if at least one micro-batch fits) and, where offload is allowed and the ring is
+    short of 2p + 1 micro-batches, with the smallest offload shares that fill it; None if neither fits."""
+    usable, out = req.rates.usable_hbm, []
+    mem_a = attention_rank_memory(req.spec, layout, work)
+    mem_f = ffn_rank_memory(req.spec, layout, work)
+    cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable))
+    if cap >= 1:
+        out.append((work, mem_a, mem_f, cap))
+    ring = min(micro_batches, 2 * layout.depth + 1)
+    if "offload" in req.af_variants and cap < ring:
+        shares = (
+            offload_share(mem_a, layers=layout.layers_per_group, target=ring, usable=usable),
+            offload_share(mem_f, layers=layout.layers_per_group, target=ring, usable=usable),
+        )
+        if shares[0] is not None and shares[1] is not None:
+            off = replace(work, offload=(shares[0], shares[1]))
+            mem_a, mem_f = attention_rank_memory(req.spec, layout, off), ffn_rank_memory(req.spec, layout, off)
+            off_cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable))
+            host = (
+                req.cluster.gpus_per_node * ring * max(mem_a.offloaded_per_micro_batch, mem_f.offloaded_per_micro_batch)
+            )
+            if off_cap >= ring and host <= req.cluster.host_bytes:
+                out.append((off, mem_a, mem_f, off_cap))
+    return out or None
+
+
+def _placed(
+    req: PlanRequest,
+    layout: Layout,
+    work: Workload,
+    micro_batches: int,
+    memory: tuple[RankMemory, RankMemory],
+    cap: int,
+    rejected: Counter,
+) -> list[AfCandidate]:
+    """One candidate per placement and NIC split of ``layout`` under ``work``."""
+    places = placements(req.cluster, layout.attention_gpus, req.placement, req.granularity)
+    options = [(pl, nics) for pl in places for nics in pl.nic_splits(req.cluster, layout.attention_gpus)]
+    if not options:
+        rejected["no placement gives each side a NIC (a shared node with one NIC)"] += 1
+    offloaded = (memory[0].offloaded_per_micro_batch, memory[1].offloaded_per_micro_batch)
+    out = []
+    for place, nics in options:
+        roof = af_roofline(
+            req.spec,
+            layout,
+            work,
+            placement=place,
+            rates=req.rates,
+            nics=nics,
+            micro_batches=micro_batches,
+            offloaded=offloaded,
+        )
+        sync = af_sync_s(req.spec, layout, work, placement=place, rates=req.rates, nics=nics)
+        out.append(AfCandidate(layout, place, nics, work, micro_batches, cap, roof, memory[0], memory[1], sync))
+    return out
 
 
 def fills_ring(c: AfCandidate) -> bool:
@@ -266,90 +289,71 @@ def _rank_key(c: AfCandidate) -> tuple[bool, float, float, int]:
     return (not fills_ring(c), step / c.tokens, network / c.tokens, -c.max_in_flight)
 
 
-def simulate_candidate(req: PlanRequest, c: AfCandidate, *, exposed_comm: bool = False) -> AfPlan:
+def simulate_candidate(
+    req: PlanRequest, c: AfCandidate, *, exposed_comm: bool = False, splits: tuple[bool, ...] = (False,)
+) -> AfPlan:
     """Simulate with the schedule's default ring cap (2p + 1 micro-batches in flight) and with twice that, as far
-    as memory allows; keep the smaller cap unless the larger one is at least 1% faster."""
-    costs = af_task_costs(req.spec, c.layout, c.work, placement=c.placement, rates=req.rates, nics=c.nics)
+    as memory allows, for each backward form in ``splits`` (False: whole, True: split); keep the smaller cap and
+    the earlier form unless another is at least 1% faster."""
     ring = 2 * c.layout.depth + 1
     best: AfPlan | None = None
-    for cap in sorted({min(c.max_in_flight, c.micro_batches, k * ring) for k in (1, 2)}):
-        sim = simulate_af(
-            req.spec, c.layout, costs, micro_batches=c.micro_batches, max_in_flight=cap, exposed_comm=exposed_comm
-        )
-        plan = AfPlan(c, sim, cap)
-        if best is None or plan.step_time_s < 0.99 * best.step_time_s:
-            best = plan
+    for split in splits:
+        cand = replace(c, work=replace(c.work, split_backward=split))
+        costs = af_task_costs(req.spec, c.layout, cand.work, placement=c.placement, rates=req.rates, nics=c.nics)
+        for cap in sorted({min(c.max_in_flight, c.micro_batches, k * ring) for k in (1, 2)}):
+            sim = simulate_af(
+                req.spec, c.layout, costs, micro_batches=c.micro_batches, max_in_flight=cap, exposed_comm=exposed_comm
+            )
+            plan = AfPlan(cand, sim, cap)
+            if best is None or plan.step_time_s < 0.99 * best.step_time_s:
+                best = plan
     assert best is not None
     return best
 
 
+def _family(c: AfCandidate) -> tuple:
+    w = c.work
+    return (c.layout.depth, c.placement.kind, w.recompute, w.resend, w.offload != (0.0, 0.0), savings(w), fills_ring(c))
+
+
 def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
-    """Best roofline candidate of each (depth, placement, recompute) family, simulated; highest throughput wins."""
+    """Best roofline candidate of each (depth, placement, variant) family, simulated; highest throughput wins."""
     candidates, rejected = af_candidates(req)
     families: dict[tuple, AfCandidate] = {}
     for c in sorted(candidates, key=_rank_key):
-        families.setdefault((c.layout.depth, c.placement.kind, c.work.recompute, fills_ring(c)), c)
+        families.setdefault(_family(c), c)
     ranked = sorted(families.values(), key=_rank_key)
     shortlist = [c for c in ranked if fills_ring(c)] or ranked  # a starved ring loses to any filled one
     shortlist = shortlist[: req.simulate_top]
-    plans = [simulate_candidate(req, c) for c in shortlist]
+    plans = sorted((simulate_candidate(req, c) for c in shortlist), key=lambda p: -p.tokens_per_s)
     if not plans:
         return None, rejected
-    best = max(plans, key=lambda p: p.tokens_per_s)
-    final = simulate_candidate(req, best.candidate, exposed_comm=True)
-    return final, rejected
-
-
-# ----- co-located baseline search -----
-def warmup_chunks(pp: int, vpp: int, micro_batches: int) -> int:
-    """Chunks alive on the first rank at the end of Megatron's warm-up (activations held), plus one."""
-    warm = pp - 1 if vpp == 1 else (pp - 1) * 2 + (vpp - 1) * pp
-    return min(warm, micro_batches * vpp) + 1
-
-
-def baseline_candidates(req: PlanRequest) -> tuple[list[BaselineCandidate], Counter]:
-    """Co-located EP+DP x PP (x virtual stages up to 8) configurations that divide and fit memory."""
-    spec, world, rejected, out = req.spec, req.cluster.world_size, Counter(), []
-    for pp in (p for p in divisors(spec.num_layers) if world % p == 0):
-        dp = world // pp
-        eps = [e for e in divisors(spec.num_experts) if dp % e == 0 and e in (req.baseline_ep or e,)]
-        if not eps:
-            rejected["expert-parallel size does not divide the stage"] += 1
-        for vpp in (v for v in divisors(spec.num_layers // pp) if v <= 8 and (v == 1 or pp > 1)):
-            micro_batches = max(1, round(req.global_batch / (dp * req.work.micro_batch_size)))
-            if vpp > 1:
-                micro_batches = max(pp, -(-micro_batches // pp) * pp)  # Megatron: a multiple of pp
-            for ep in eps:
-                out += _baseline_fits(req, pp, vpp, ep, micro_batches, rejected)
-    return out, rejected
-
-
-def _baseline_fits(
-    req: PlanRequest, pp: int, vpp: int, ep: int, micro_batches: int, rejected: Counter
-) -> list[BaselineCandidate]:
-    for recompute in req.recompute_options:
-        work = replace(req.work, recompute=recompute)
-        alive = warmup_chunks(pp, vpp, micro_batches)
-        mem = baseline_rank_memory(
-            req.spec, work, world_size=req.cluster.world_size, pp=pp, vpp=vpp, ep=ep, chunks_alive=alive
+    if "split_backward" in req.af_variants:  # the split only changes the schedule: try it on the two best
+        plans = sorted(
+            [simulate_candidate(req, p.candidate, splits=(False, True)) for p in plans[:2]] + plans[2:],
+            key=lambda p: -p.tokens_per_s,
         )
-        if mem.total > req.rates.usable_hbm:
-            rejected[f"does not fit memory (recompute {recompute})"] += 1
-            continue
-        costs = baseline_chunk_costs(
-            req.spec, work, pp=pp, vpp=vpp, ep=ep, cluster=req.cluster, rates=req.rates, overlap=req.baseline_overlap
-        )
-        sync = baseline_sync_s(req.spec, work, pp=pp, vpp=vpp, ep=ep, cluster=req.cluster, rates=req.rates)
-        return [BaselineCandidate(pp, vpp, ep, work, micro_batches, mem, costs, req.cluster.world_size // pp, sync)]
-    return []
+    best = plans[0]
+    splits = (best.candidate.work.split_backward,)
+    return simulate_candidate(req, best.candidate, exposed_comm=True, splits=splits), rejected
 
 
+# ----- co-located baseline search (colocated.py) -----
 def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
-    candidates, rejected = baseline_candidates(req)
+    """The fastest simulated co-located configuration among the best few by closed-form estimate: plain
+    EP+DP interleaved 1F1B (``req.baseline == "ep"``) or the strongest Megatron configuration."""
+    candidates, rejected = colocated_candidates(
+        req.spec,
+        req.cluster,
+        req.rates,
+        req.work,
+        global_batch=req.global_batch,
+        overlap=req.baseline_overlap,
+        ep=req.baseline_ep,
+        strongest=req.baseline == "strongest",
+    )
     ranked = sorted(candidates, key=lambda c: c.estimate_s / c.tokens)[: req.simulate_top]
-    plans = [
-        BaselinePlan(c, simulate_baseline(c.costs, pp=c.pp, vpp=c.vpp, micro_batches=c.micro_batches)) for c in ranked
-    ]
+    plans = [BaselinePlan(c, simulate_colocated(c.costs, shape=c.shape, micro_batches=c.micro_batches)) for c in ranked]
     return (max(plans, key=lambda p: p.tokens_per_s) if plans else None), rejected
 
 

@@ -2,6 +2,7 @@
 
     disagmoe-plan --model hf_models/Qwen3-235B-A22B --seq-len 8192 --micro-batch-size 1 --cluster h800 --nodes 16
     disagmoe-plan profile --model hf_models/Qwen3-30B-A3B --seq-len 4096 --out profile.json
+    disagmoe-plan study [--models Qwen3-235B-A22B] [--seq-len 4096,16384] [--ablate]
 
 Console-script entry point: ``disagmoe-plan = disagmoe_ds.planner.cli:main``.
 """
@@ -23,10 +24,12 @@ from disagmoe_ds.planner.profile import load_profile, profile_warnings, rates_fr
 from disagmoe_ds.planner.report import ds_config, hostfile, to_json, to_text
 from disagmoe_ds.planner.simulate import simulate_af, simulate_baseline, write_timeline
 from disagmoe_ds.planner.stages import af_task_costs
+from disagmoe_ds.planner.variants import PAPER, VARIANTS
 
 _EPILOG = """\
-Subcommand: `disagmoe-plan profile --help` measures per-layer attention/expert times on this machine and writes
-a profile JSON for --profile.
+Subcommands: `disagmoe-plan profile --help` measures per-layer attention/expert times on this machine and writes
+a profile JSON for --profile; `disagmoe-plan study --help` prints the issue-16 table (best AF-Pipe variant
+against the strongest co-located baseline; docs/planner.md).
 
 How it decides: T_a = max(C_a/(M P), V/(M_a B)) and T_f = max(C_f/(N P), V/(M_f B)) (DisagMoE paper, sec. 4.3)
 rank every split that divides and fits memory; the best few are simulated with the AF-Pipe schedule generator
@@ -128,7 +131,44 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="pin the co-located expert-parallel size (default: search; the paper used 16)",
     )
+    p.add_argument(
+        "--baseline",
+        default="strongest",
+        choices=("strongest", "ep"),
+        help="co-located baseline: strongest (TP, CP, selective recompute, all-to-all overlapped with the other "
+        "micro-batch) or ep (plain EP+DP interleaved 1F1B)",
+    )
+    p.add_argument(
+        "--variants",
+        default="all",
+        help=f"AF-Pipe variants to try: all, paper (none), or a comma list of {', '.join(VARIANTS)}",
+    )
     return p
+
+
+def _simulated_only(work: Workload) -> bool:
+    """True when the plan uses a variant the runtime does not implement yet (issue 16)."""
+    z = work.zero_stage
+    return (
+        work.recompute == "selective"
+        or work.resend
+        or work.offload != (0.0, 0.0)
+        or work.split_backward
+        or work.zero_of("attention") != z
+        or work.zero_of("ffn") != z
+    )
+
+
+def _variants(text: str) -> frozenset[str]:
+    if text == "all":
+        return frozenset(VARIANTS)
+    if text == "paper":
+        return PAPER
+    chosen = frozenset(v for v in text.split(",") if v)
+    unknown = sorted(chosen - set(VARIANTS))
+    if unknown:
+        raise DisagMoEError(f"--variants: unknown {unknown}; use all, paper or some of {', '.join(VARIANTS)}")
+    return chosen
 
 
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
@@ -163,6 +203,8 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
         placement=args.placement,
         baseline_overlap=args.baseline_overlap,
         baseline_ep=args.baseline_ep,
+        baseline=args.baseline,
+        af_variants=_variants(args.variants),
     )
     return req, warnings
 
@@ -174,6 +216,11 @@ def _write_outputs(args: argparse.Namespace, result: PlanResult) -> list[str]:
     if args.write_ds_config:
         Path(args.write_ds_config).write_text(json.dumps(ds_config(result), indent=2) + "\n", encoding="utf-8")
         notes.append(f"wrote ds_config {args.write_ds_config}")
+        if result.af is not None and _simulated_only(result.af.candidate.work):
+            notes.append(
+                f"note: the plan's variant ({result.af.candidate.work.variant}) is simulated only; the runtime does "
+                "not run it yet, so the ds_config carries the layout alone (plan with --variants paper to match)"
+            )
     if args.write_hostfile:
         Path(args.write_hostfile).write_text(hostfile(result), encoding="utf-8")
         notes.append(f"wrote hostfile {args.write_hostfile}")
@@ -201,7 +248,8 @@ def _write_timelines(result: PlanResult, path: Path) -> list[str]:
         b = result.baseline.candidate
         base_path = path.with_name(f"{path.stem}-baseline{path.suffix}")
         base = simulate_baseline(b.costs, pp=b.pp, vpp=b.vpp, micro_batches=b.micro_batches)
-        write_timeline(base.events, base_path, title=f"co-located 1F1B {req.spec.name}: {base.system}")
+        drawn = " (drawn as plain 1F1B, without the fused pairs)" if b.shape.overlap == "paired" else ""
+        write_timeline(base.events, base_path, title=f"co-located {req.spec.name}: {b.shape.describe()}{drawn}")
         notes.append(f"wrote baseline timeline {base_path}")
     return notes
 
@@ -213,6 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from disagmoe_ds.planner import profile
 
             return profile.main(argv[1:])
+        if argv[:1] == ["study"]:
+            from disagmoe_ds.planner import study
+
+            return study.main(argv[1:])
         args = build_parser().parse_args(argv)
         req, warnings = _request(args)
         result = plan(req)

@@ -21,6 +21,11 @@ from typing import Any
 from disagmoe_ds.errors import ConfigError
 
 _MIB = 1 << 20
+# PCIe Gen5 x16 between an H100/H800/H200 SXM GPU and its PCIe switch: 32 GT/s x 16 lanes x 128b/130b = 63 GB/s
+# per direction (the presets' default; a cluster JSON may set pcie_bw).
+PCIE_GEN5_X16 = 63e9
+# Host memory of a DGX H100/H800-class node: 2 TiB (32 x 64 GiB DIMMs).
+DGX_HOST_BYTES = float(2 << 40)
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,9 @@ class Cluster:
         nics_per_node: RDMA NICs of one node.
         nic_bw: bandwidth of one NIC, bytes/s, one direction.
         hosts: optional host names, one per node, used for the hostfile.
+        pcie_bw: host link of one GPU, bytes/s, one direction (activation offload; the GPU's NIC traffic
+            crosses the same x16 link to its PCIe switch under GPUDirect RDMA).
+        host_bytes: host memory of one node in bytes (where offloaded activations go).
     """
 
     name: str
@@ -48,13 +56,15 @@ class Cluster:
     nics_per_node: int
     nic_bw: float
     hosts: tuple[str, ...] = ()
+    pcie_bw: float = PCIE_GEN5_X16
+    host_bytes: float = DGX_HOST_BYTES
 
     def __post_init__(self) -> None:
         for f in ("nodes", "gpus_per_node", "nics_per_node"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"cluster field {f} must be a positive integer, got {value!r}")
-        for f in ("peak_flops", "hbm_bytes", "nvlink_bw", "nic_bw"):
+        for f in ("peak_flops", "hbm_bytes", "nvlink_bw", "nic_bw", "pcie_bw", "host_bytes"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"cluster field {f} must be a positive number, got {value!r}")
@@ -90,7 +100,8 @@ class Cluster:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown cluster field(s) {unknown}; allowed: {sorted(known)}")
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name != "hosts")
+        optional = ("hosts", "pcie_bw", "host_bytes")
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if missing:
             raise ConfigError(f"cluster JSON lacks field(s) {missing}")
         return cls(**{**data, "hosts": tuple(data.get("hosts") or ())})
@@ -153,12 +164,14 @@ class Efficiency:
     network 0.8: NCCL send/recv and all-to-all bus bandwidth on 400 Gb/s RDMA with large messages.
     nvlink 0.8: NCCL intra-node bus bandwidth relative to the NVLink line rate.
     memory 0.9: usable share of HBM after the CUDA context, NCCL buffers and allocator fragmentation.
+    pcie 0.8: achieved share of the PCIe line rate by large pinned-memory DMA copies (~50 of 63 GB/s on Gen5).
     """
 
     compute: float = 0.5
     network: float = 0.8
     nvlink: float = 0.8
     memory: float = 0.9
+    pcie: float = 0.8
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -198,6 +211,7 @@ class Rates:
     nvlink_bw: float
     usable_hbm: float
     source: str
+    pcie_bw: float = PCIE_GEN5_X16 * 0.8  # bytes/s per GPU and direction over its host link
 
     @classmethod
     def from_cluster(cls, cluster: Cluster, eff: Efficiency) -> Rates:
@@ -211,5 +225,6 @@ class Rates:
             nic_bw=cluster.nic_bw * eff.network,
             nvlink_bw=cluster.nvlink_bw * eff.nvlink,
             usable_hbm=cluster.hbm_bytes * eff.memory,
+            pcie_bw=cluster.pcie_bw * eff.pcie,
             source=f"peak x efficiency (compute {eff.compute:g}, network {eff.network:g}, nvlink {eff.nvlink:g})",
         )

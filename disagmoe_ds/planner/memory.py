@@ -9,20 +9,27 @@ replicas of an F-group, and, in the baseline, the DP (attention) or expert-DP (e
 Activations are kept per in-flight micro-batch for every layer a rank owns (``ModelSpec`` per-token
 bytes); with full recompute only the layer inputs stay, plus one layer's full set while it is recomputed.
 
+Selective recompute drops the tensors ``recompute.py`` lists. Offload keeps a share of a micro-batch's
+activations in host memory between its forward and backward, holding two layers' worth on the GPU as the
+copy window. ZeRO-3 also shards the bf16 parameters and holds two gathered layers (current and prefetch).
+
 >>> Precision.named("bf16").per_param(zero_stage=1, dp=4)
 7.0
+>>> Precision.named("bf16").per_param(zero_stage=3, dp=4)
+4.0
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from functools import lru_cache
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
+from disagmoe_ds.planner.recompute import Recompute, a_side_saved_bytes, expert_saved_bytes_per_assignment
 
-Recompute = Literal["none", "full"]
+__all__ = ["Recompute"]  # re-exported: the allocator and CLI import the policy type from here
 LOGIT_BYTES = 6  # per logit on the head rank: bf16 logits + their fp32 upcast inside the loss
 
 
@@ -44,12 +51,13 @@ class Precision:
         return table[name]
 
     def per_param(self, *, zero_stage: int, dp: int) -> float:
-        """Bytes per parameter on one rank of a ``dp``-way data-parallel group at ``zero_stage`` (0, 1 or 2)."""
-        if zero_stage not in (0, 1, 2):
-            raise ConfigError(f"zero stage must be 0, 1 or 2 (ZeRO-3 is not supported), got {zero_stage!r}")
+        """Bytes per parameter on one rank of a ``dp``-way data-parallel group at ``zero_stage`` (0 to 3)."""
+        if zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        param = self.param / dp if zero_stage >= 3 else self.param
         grad = self.grad / dp if zero_stage >= 2 else self.grad
         state = (self.master + self.optim) / dp if zero_stage >= 1 else self.master + self.optim
-        return self.param + grad + state
+        return param + grad + state
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class RankMemory:
     activations_per_micro_batch: float
     working: float  # one layer rematerialised (full recompute) and the head's logits
     in_flight: int
+    offloaded_per_micro_batch: float = 0.0  # bytes of each micro-batch held in host memory instead
 
     @property
     def total(self) -> float:
@@ -78,19 +87,51 @@ class RankMemory:
 
 @dataclass(frozen=True)
 class Workload:
-    """What one step trains: sequence length, micro-batch per lane, precision, ZeRO stage, recompute."""
+    """What one step trains and how: sequence length, micro-batch per lane, precision, ZeRO stage, recompute,
+    and the AF-Pipe variants (ignored by the co-located baseline).
+
+    Args:
+        resend: the F side drops the tokens it received after the forward; the A side (which keeps them as its
+            post-attention norm output) sends them again with the backward's gradient.
+        offload: (A, F) share of a micro-batch's kept activations moved to host memory between its forward
+            and its backward.
+        split_backward: each backward runs as an input-gradient task on the critical path and a weight-gradient
+            task that fills idle time (zero-bubble pipelining on the A/F ring).
+        attention_zero_stage, ffn_zero_stage: per-side ZeRO stage (None: ``zero_stage``).
+    """
 
     seq_len: int
     micro_batch_size: int
     zero_stage: int = 1
     precision: str = "bf16"
     recompute: Recompute = "none"
+    resend: bool = False
+    offload: tuple[float, float] = (0.0, 0.0)
+    split_backward: bool = False
+    attention_zero_stage: int | None = None
+    ffn_zero_stage: int | None = None
 
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.seq_len * self.micro_batch_size
 
+    def zero_of(self, side: str) -> int:
+        """ZeRO stage of the "attention" or "ffn" side."""
+        stage = self.attention_zero_stage if side == "attention" else self.ffn_zero_stage
+        return self.zero_stage if stage is None else stage
 
+    @property
+    def variant(self) -> str:
+        """Short name of the AF-Pipe variant, e.g. "recompute selective, resend, ZeRO 1/3"."""
+        parts = [f"recompute {self.recompute}"]
+        parts += ["resend"] if self.resend else []
+        a, f = self.offload
+        parts += [f"offload A {a:.0%} F {f:.0%}"] if a or f else []
+        parts += ["split backward"] if self.split_backward else []
+        return ", ".join(parts + [f"ZeRO {self.zero_of('attention')}/{self.zero_of('ffn')}"])
+
+
+@lru_cache(maxsize=65536)
 def attention_lane_params(spec: ModelSpec, layout: Layout, group: int) -> int:
     """Parameters on a lane of A-group ``group``: its layers' A parts, the embedding (A_0), the head (A_{L%p})."""
     params = sum(spec.a_side_params(i) for i in layout.layers_of_group(group))
@@ -98,6 +139,7 @@ def attention_lane_params(spec: ModelSpec, layout: Layout, group: int) -> int:
     return params + (spec.head_params() if group == layout.head_group else 0)
 
 
+@lru_cache(maxsize=65536)
 def ffn_rank_params(spec: ModelSpec, layout: Layout, group: int) -> int:
     """Parameters on a rank of F-group ``group``: E/ep experts of each of its MoE layers."""
     moe = sum(spec.moe_layers[i] for i in layout.layers_of_group(group))
@@ -117,16 +159,21 @@ def baseline_stage_params(spec: ModelSpec, *, pp: int, vpp: int, ep: int, stage:
 
 def attention_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: int = 1) -> RankMemory:
     """Worst A-group lane: its v layers' A parts (+ embedding, + head on the head group), ZeRO over d lanes."""
-    per_param = Precision.named(work.precision).per_param(zero_stage=work.zero_stage, dp=layout.lanes)
+    zero = work.zero_of("attention")
+    per_param = Precision.named(work.precision).per_param(zero_stage=zero, dp=layout.lanes)
     worst: RankMemory | None = None
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
         params = attention_lane_params(spec, layout, g)
         tokens = work.tokens_per_micro_batch
         full = [spec.a_side_activation_bytes(i) * tokens for i in layers]
-        act = _kept(full, spec.layer_input_bytes() * tokens, work.recompute)
+        saved = [a_side_saved_bytes(spec, i) * tokens for i in layers]
+        act = _kept(full, saved, spec.layer_input_bytes() * tokens, work.recompute)
         logits = tokens * spec.vocab_size * LOGIT_BYTES if g == layout.head_group else 0
-        mem = RankMemory(params * per_param, act, _working(full, work.recompute) + logits, in_flight)
+        share = work.offload[0]
+        working = _working(full, saved, work.recompute) + logits + _offload_window(act, len(layers), share)
+        working += _gathered(max(spec.a_side_params(i) for i in layers), zero, work.precision)
+        mem = RankMemory(params * per_param, act * (1 - share), working, in_flight, act * share)
         worst = mem if worst is None or mem.total > worst.total else worst
     assert worst is not None
     return worst
@@ -137,54 +184,91 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
 
     A micro-batch brings d * B * s tokens to the F-group; a replica sees 1/edp of them, and each of its ep
     ranks receives a token once per chosen local expert set and keeps top_k/ep assignments per token.
+    With ``resend`` the received tokens and their gathered per-expert copies are dropped after the forward
+    and come back with the backward (one layer's worth is then working memory).
     """
-    per_param = Precision.named(work.precision).per_param(zero_stage=work.zero_stage, dp=layout.expert_data_parallel)
+    zero = work.zero_of("ffn")
+    per_param = Precision.named(work.precision).per_param(zero_stage=zero, dp=layout.expert_data_parallel)
     tokens_per_replica = layout.lanes * work.tokens_per_micro_batch / layout.expert_data_parallel
     assignments = tokens_per_replica * spec.top_k / layout.ep_size
     received = tokens_per_replica * spec.distinct_ranks_per_token(layout.ep_size) / layout.ep_size
+    inputs = (received + assignments) * ACT_BYTES * spec.hidden_size  # received tokens + gathered copies
     worst: RankMemory | None = None
     for g in range(layout.depth):
         moe = [i for i in layout.layers_of_group(g) if spec.moe_layers[i]]
         params = ffn_rank_params(spec, layout, g)
-        kept_input = received * ACT_BYTES * spec.hidden_size
-        layer_full = assignments * spec.f_side_activation_bytes_per_assignment() + kept_input
-        full = [layer_full] * len(moe)
-        act = _kept(full, kept_input, work.recompute)
-        mem = RankMemory(params * per_param, act, _working(full, work.recompute), in_flight)
+        layer_full = (
+            assignments * spec.f_side_activation_bytes_per_assignment() + received * ACT_BYTES * spec.hidden_size
+        )
+        full = [layer_full - (inputs if work.resend else 0.0)] * len(moe)
+        saved = [assignments * expert_saved_bytes_per_assignment(spec)] * len(moe)
+        kept_input = 0.0 if work.resend else received * ACT_BYTES * spec.hidden_size
+        act = _kept(full, saved, kept_input, work.recompute)
+        working = _working(full, saved, work.recompute) + (inputs if work.resend else 0.0)
+        share = work.offload[1]
+        working += _offload_window(act, len(moe), share)
+        working += _gathered(layout.experts_per_rank * spec.expert_params(), zero, work.precision)
+        mem = RankMemory(params * per_param, act * (1 - share), working, in_flight, act * share)
         worst = mem if worst is None or mem.total > worst.total else worst
     assert worst is not None
     return worst
 
 
 def baseline_rank_memory(
-    spec: ModelSpec, work: Workload, *, world_size: int, pp: int, vpp: int, ep: int, chunks_alive: int
+    spec: ModelSpec,
+    work: Workload,
+    *,
+    world_size: int,
+    pp: int,
+    vpp: int,
+    ep: int,
+    chunks_alive: int,
+    tp: int = 1,
+    cp: int = 1,
 ) -> RankMemory:
     """Worst stage of co-located EP+DP with pp stages of vpp chunks: every rank holds attention + E/ep experts.
 
     ``chunks_alive`` is the peak number of (chunk, micro-batch) activations on the first stage (Megatron's
     interleaved warm-up + 1); ``in_flight`` of the result counts chunks, not micro-batches.
+
+    Tensor parallel ``tp`` (with sequence parallel) and context parallel ``cp`` follow Megatron's MoE parallel
+    folding: the dense parameters (attention, shared experts, dense MLPs, vocabulary) are split over tp and
+    their optimizer state over the W/(pp tp) data- and context-parallel ranks (the distributed optimizer); the
+    experts are split over ep (expert tensor parallel 1) with their state over the W/(pp ep) expert-DP ranks.
+    Every activation, expert assignments included, is split over tp x cp (sequence parallel shards the
+    tokens), and the vocabulary-parallel logits over tp x cp as well.
     """
     precision = Precision.named(work.precision)
-    dp = world_size // pp
-    dense_pp = precision.per_param(zero_stage=work.zero_stage, dp=dp)
-    expert_pp = precision.per_param(zero_stage=work.zero_stage, dp=dp // ep)
+    dense_pp = precision.per_param(zero_stage=work.zero_stage, dp=world_size // (pp * tp))
+    expert_pp = precision.per_param(zero_stage=work.zero_stage, dp=world_size // (pp * ep))
     per_chunk = spec.num_layers // (pp * vpp)
-    tokens = work.tokens_per_micro_batch
+    tokens = work.tokens_per_micro_batch / (tp * cp)
     worst: RankMemory | None = None
     for stage in range(pp):
         layers, dense, experts = baseline_stage_params(spec, pp=pp, vpp=vpp, ep=ep, stage=stage)
         full = [tokens * _colocated_bytes(spec, i) for i in layers]
-        chunk_full = [sum(full[j : j + per_chunk]) for j in range(0, len(full), per_chunk)]
+        saved = [tokens * _colocated_saved_bytes(spec, i) for i in layers]
+        chunk_full = [
+            sum(full[j : j + per_chunk]) - sum(saved[j : j + per_chunk]) for j in range(0, len(full), per_chunk)
+        ]
         if work.recompute == "full":
             act = tokens * spec.layer_input_bytes() * per_chunk
-        else:
+        elif work.recompute == "selective":
             act = max(chunk_full)
+        else:
+            act = max(sum(full[j : j + per_chunk]) for j in range(0, len(full), per_chunk))
         logits = tokens * spec.vocab_size * LOGIT_BYTES if stage == pp - 1 else 0
-        state = dense * dense_pp + experts * expert_pp
-        mem = RankMemory(state, act, _working(full, work.recompute) + logits, chunks_alive)
+        state = dense / tp * dense_pp + experts * expert_pp
+        mem = RankMemory(state, act, _working(full, saved, work.recompute) + logits, chunks_alive)
         worst = mem if worst is None or mem.total > worst.total else worst
     assert worst is not None
     return worst
+
+
+def _colocated_saved_bytes(spec: ModelSpec, layer: int) -> float:
+    """Per token of a co-located layer: what selective recompute drops (A part plus top_k expert assignments)."""
+    routed = spec.top_k * expert_saved_bytes_per_assignment(spec) if spec.moe_layers[layer] else 0
+    return a_side_saved_bytes(spec, layer) + routed
 
 
 def _colocated_bytes(spec: ModelSpec, layer: int) -> float:
@@ -193,13 +277,28 @@ def _colocated_bytes(spec: ModelSpec, layer: int) -> float:
     return spec.a_side_activation_bytes(layer) + routed
 
 
-def _kept(full: list[float], inputs_per_layer: float, recompute: Recompute) -> float:
-    """Bytes one micro-batch keeps until its backward: every tensor, or only layer inputs with full recompute."""
+def _kept(full: list[float], saved: list[float], inputs_per_layer: float, recompute: Recompute) -> float:
+    """Bytes one micro-batch keeps until its backward: every tensor, all but the selectively recomputed ones,
+    or only layer inputs with full recompute."""
     if recompute == "full":
         return inputs_per_layer * len(full)
+    if recompute == "selective":
+        return float(sum(full) - sum(saved))
     return float(sum(full))
 
 
-def _working(full: list[float], recompute: Recompute) -> float:
-    """Full recompute rematerialises one layer (or chunk) at a time during backward."""
-    return max(full, default=0.0) if recompute == "full" else 0.0
+def _working(full: list[float], saved: list[float], recompute: Recompute) -> float:
+    """Recompute rematerialises one layer (or chunk) at a time during backward: all of it, or its dropped part."""
+    if recompute == "full":
+        return max(full, default=0.0)
+    return max(saved, default=0.0) if recompute == "selective" else 0.0
+
+
+def _offload_window(kept: float, layers: int, share: float) -> float:
+    """Two layers of one micro-batch stay on the GPU while offloading: one being copied out, one prefetched."""
+    return 2 * share * kept / layers if share and layers else 0.0
+
+
+def _gathered(layer_params: float, zero_stage: int, precision: str) -> float:
+    """ZeRO-3 gathers a layer's parameters before use and prefetches the next: two layers in full."""
+    return 2 * layer_params * Precision.named(precision).param if zero_stage >= 3 else 0.0

@@ -122,7 +122,7 @@ def _baseline_name(base: BaselinePlan | None) -> str:
     if base is None:
         return "none fits"
     b = base.candidate
-    return f"EP {b.ep} x DP {b.data_parallel}, PP {b.pp} x v {b.vpp}, recompute {b.work.recompute}"
+    return f"{b.shape.describe()}, DP {b.data_parallel}, recompute {b.work.recompute}"
 
 
 def mfu(result: PlanResult, step_s: float, tokens: int) -> float:
@@ -181,6 +181,7 @@ def _af_json(result: PlanResult, af: AfPlan) -> dict[str, Any]:
         "micro_batches": c.micro_batches,
         "max_in_flight": af.in_flight,
         "recompute": c.work.recompute,
+        "variant": c.work.variant,
         "placement": c.placement.kind,
         "tokens_per_step": c.tokens,
         "step_time_s": af.step_time_s,
@@ -210,6 +211,9 @@ def _baseline_json(result: PlanResult, base: BaselinePlan) -> dict[str, Any]:
     return {
         "pipeline_parallel": b.pp,
         "virtual_stages": b.vpp,
+        "tensor_parallel": b.shape.tp,
+        "context_parallel": b.shape.cp,
+        "alltoall_overlap": b.shape.overlap,
         "data_parallel": b.data_parallel,
         "expert_parallel": b.ep,
         "micro_batches": b.micro_batches,
@@ -290,7 +294,7 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
         "AF-Pipe plan",
         *table,
         f"  depth p={lay.depth} ({lay.layers_per_group} layers per group), {c.micro_batches} micro-batches "
-        f"({af.in_flight} in flight), recompute {c.work.recompute}",
+        f"({af.in_flight} in flight), {c.work.variant}",
         f"  placement {c.placement.describe(lay.attention_gpus)}",
         f"  roofline T* {c.roofline.bottleneck_s:.3f} s; simulated step {af.sim.step_time_s:.3f} s -> "
         f"{af.tokens_per_s:,.0f} tokens/s, MFU {mfu(result, af.step_time_s, c.tokens):.1%}",

@@ -18,6 +18,7 @@ from pathlib import Path
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.stages import AfTaskCosts, BaselineChunkCosts
+from disagmoe_ds.planner.zerobubble import simulate_split_backward
 from disagmoe_ds.schedule import Costs, PipeShape, TimelineEvent, generate, write_chrome_trace
 
 _MESSAGE_KINDS = ("m2n", "n2m", "resid", "m2n_grad", "n2m_grad", "resid_grad")
@@ -62,25 +63,37 @@ def simulate_af(
     """Generate the AF-Pipe instruction streams for the plan and read their predicted timeline.
 
     ``exposed_comm=False`` skips the second, communication-free run (its fraction is then reported as 0).
+    With weight-gradient tasks in ``task_costs`` (a split backward) the step comes from ``zerobubble.py``.
     """
     shape = PipeShape(depth=layout.depth, num_layers=spec.num_layers, moe_layers=spec.moe_layers)
     cap = min(max_in_flight, micro_batches)
-    schedule = generate(shape, micro_batches, costs=schedule_costs(spec, task_costs), max_in_flight=cap)
     weights = {w: layout.lanes if w.side == "A" else layout.ffn_ranks_per_group for w in shape.workers}
-    busy = schedule.busy_fraction
+    step, busy, events = _run_af(shape, micro_batches, spec, task_costs, cap, with_comm=True)
     compute = sum(weights[w] * busy[w] for w in weights) / sum(weights.values())
-    step = schedule.step_time_s
     free_step = step
     if exposed_comm:
-        free_costs = schedule_costs(spec, task_costs, with_comm=False)
-        free_step = generate(shape, micro_batches, costs=free_costs, max_in_flight=cap).step_time_s
+        free_step = _run_af(shape, micro_batches, spec, task_costs, cap, with_comm=False)[0]
+    variant = ", split backward" if task_costs.wgrad else ""
     return SimResult(
-        system=f"AF-Pipe (p={layout.depth}, {micro_batches} micro-batches, {cap} in flight)",
+        system=f"AF-Pipe (p={layout.depth}, {micro_batches} micro-batches, {cap} in flight{variant})",
         step_time_s=step,
         compute_fraction=compute,
         exposed_comm_fraction=max(0.0, step - free_step) / step,
-        events=tuple(schedule.timeline_events()),
+        events=events,
     )
+
+
+def _run_af(
+    shape: PipeShape, micro_batches: int, spec: ModelSpec, task_costs: AfTaskCosts, cap: int, *, with_comm: bool
+) -> tuple[float, dict, tuple[TimelineEvent, ...]]:
+    """(step, busy share per worker, timeline events) of one simulated AF-Pipe step."""
+    costs = schedule_costs(spec, task_costs, with_comm=with_comm)
+    if task_costs.wgrad:
+        wgrad = {(f"{side}_wgt", i): v for side, per in task_costs.wgrad.items() for i, v in enumerate(per)}
+        wgrad["A_wgt", spec.num_layers] = task_costs.head_wgrad
+        return simulate_split_backward(shape, micro_batches, costs, cap=cap, wgrad=wgrad)
+    schedule = generate(shape, micro_batches, costs=costs, max_in_flight=cap)
+    return schedule.step_time_s, schedule.busy_fraction, tuple(schedule.timeline_events())
 
 
 # ----- co-located EP + DP, interleaved 1F1B -----

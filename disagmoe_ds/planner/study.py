@@ -1,0 +1,157 @@
+"""``disagmoe-plan --study``: best AF-Pipe variant against the strongest co-located baseline over a grid of
+models, cluster sizes and sequence lengths, as a Markdown table with the numbers behind each result
+(pure Python). ``--ablate`` adds, per cell, the paper's AF-Pipe and each variant switched on alone.
+
+Every cell runs ``allocator.plan`` with the same defaults as a plain ``disagmoe-plan`` call (peak x
+efficiency rates, ZeRO-1 bf16, one sequence per micro-batch, 8 x GPUs sequences per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, best_af, best_baseline, plan
+from disagmoe_ds.planner.cluster import Efficiency, Rates, preset
+from disagmoe_ds.planner.memory import Workload
+from disagmoe_ds.planner.model import load_model_spec
+from disagmoe_ds.planner.variants import PAPER, VARIANTS
+
+GB = 1e9
+# The grid of issue 16: (model directory under hf_models/, nodes of 8 x H800).
+ISSUE_16_GRID = (
+    ("Qwen3-30B-A3B", 4),
+    ("Qwen3-235B-A22B", 16),
+    ("DeepSeek-V3", 32),
+    ("DeepSeek-V3", 64),
+)
+SEQ_LENS = (4096, 16384, 32768)
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    nodes: int
+    seq_len: int
+
+
+def cell_request(cell: Cell, models: Path, cluster: str = "h800") -> PlanRequest:
+    spec = load_model_spec(models / cell.model)
+    clus = preset(cluster, cell.nodes)
+    return PlanRequest(
+        spec=spec,
+        cluster=clus,
+        rates=Rates.from_cluster(clus, Efficiency()),
+        work=Workload(cell.seq_len, 1),
+        global_batch=8 * clus.world_size,
+    )
+
+
+def af_summary(result: PlanResult) -> str:
+    """The AF-Pipe plan in one cell: split, depth, variant, step and where its time goes."""
+    af = result.af
+    if af is None:
+        top = result.rejected.most_common(1)
+        return f"nothing fits ({top[0][0]})" if top else "nothing fits"
+    c, sim = af.candidate, af.sim
+    mem_a, mem_f = c.memory_attention.total_at(af.in_flight), c.memory_ffn.total_at(af.in_flight)
+    return (
+        f"{c.layout.attention_gpus}:{c.layout.ffn_gpus} p={c.layout.depth} EP{c.layout.ep_size}xEDP"
+        f"{c.layout.expert_data_parallel}, {af.in_flight}/{c.micro_batches} in flight, {c.work.variant}: "
+        f"{af.step_time_s:.2f} s; compute {sim.compute_fraction:.0%} / wait {sim.exposed_comm_fraction:.0%} / "
+        f"bubble {sim.bubble_fraction:.0%}; {mem_a / GB:.0f}/{mem_f / GB:.0f} GB"
+    )
+
+
+def baseline_summary(result: PlanResult) -> str:
+    base = result.baseline
+    if base is None:
+        top = result.baseline_rejected.most_common(1)
+        return f"nothing fits ({top[0][0]})" if top else "nothing fits"
+    b, sim = base.candidate, base.sim
+    return (
+        f"{b.shape.describe()}, recompute {b.work.recompute}: {base.step_time_s:.2f} s; compute "
+        f"{sim.compute_fraction:.0%} / a2a {sim.exposed_comm_fraction:.0%} / bubble {sim.bubble_fraction:.0%}; "
+        f"{b.memory.total / GB:.0f} GB"
+    )
+
+
+def reason(result: PlanResult) -> str:
+    """Why the ratio is what it is, from the plan's own numbers."""
+    af, base = result.af, result.baseline
+    if af is None:
+        return "AF-Pipe does not fit memory" + ("" if base else "; nor does co-located")
+    roof = af.candidate.roofline
+    sides = []
+    for name, side in (("A", roof.attention), ("F", roof.ffn)):
+        link = "PCIe" if side.pcie_s >= max(side.nic_s, side.nvlink_s) and side.pcie_s else "net"
+        sides.append(f"{name} compute {side.compute_s:.1f} s / {link} {side.network_s:.1f} s")
+    text = f"AF T* {roof.bottleneck_s:.1f} s ({'; '.join(sides)})"
+    if base is None:
+        return text + "; co-located does not fit"
+    b = base.candidate
+    return (
+        text
+        + f"; co-located computes {base.sim.compute_fraction:.0%} of {base.step_time_s:.1f} s (tokens x "
+        + (f"{af.candidate.tokens / b.tokens:.2f} of its step)")
+    )
+
+
+def table_rows(cells: list[Cell], models: Path) -> list[str]:
+    rows = [
+        "| model | nodes | seq | best AF-Pipe | strongest co-located | AF / co-located | reason |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        result = plan(cell_request(cell, models))
+        ratio = f"{result.speedup:.2f}x" if result.speedup is not None else "-"
+        rows.append(
+            f"| {cell.model} | {cell.nodes} | {cell.seq_len // 1024}K | {af_summary(result)} | "
+            f"{baseline_summary(result)} | {ratio} | {reason(result)} |"
+        )
+    return rows
+
+
+def ablation_rows(cells: list[Cell], models: Path) -> list[str]:
+    """Per cell: the paper's AF-Pipe, each variant alone, and all of them, against the strongest baseline."""
+    rows = [
+        "| model | nodes | seq | AF-Pipe variants | AF step (s) | AF / co-located | plan |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    sets = [("paper (recompute none/full)", PAPER)] + [(f"+ {v}", frozenset({v})) for v in VARIANTS]
+    sets.append(("all", frozenset(VARIANTS)))
+    for cell in cells:
+        req = cell_request(cell, models)
+        base, base_rejected = best_baseline(req)
+        for label, allowed in sets:
+            sub = replace(req, af_variants=allowed)
+            af, rejected = best_af(sub)
+            result = PlanResult(sub, af, base, rejected, base_rejected)
+            step = f"{af.step_time_s:.2f}" if af else "-"
+            ratio = f"{result.speedup:.2f}x" if result.speedup is not None else "-"
+            rows.append(
+                f"| {cell.model} | {cell.nodes} | {cell.seq_len // 1024}K | {label} | {step} | {ratio} | "
+                f"{af_summary(result)} |"
+            )
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    """``disagmoe-plan study``: print the tables (Markdown) for docs/planner.md."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="disagmoe-plan study", description=__doc__.split("\n")[0])
+    p.add_argument("--hf-models", default="hf_models", help="directory holding the model config directories")
+    p.add_argument("--models", default="", help="comma-separated subset of the grid's models (default: all)")
+    p.add_argument("--seq-len", default=",".join(map(str, SEQ_LENS)), help="comma-separated sequence lengths")
+    p.add_argument("--ablate", action="store_true", help="per cell, each AF-Pipe variant alone (slower)")
+    args = p.parse_args(argv)
+    seqs = tuple(int(x) for x in args.seq_len.split(","))
+    cells = [c for c in grid([m for m in args.models.split(",") if m]) if c.seq_len in seqs]
+    rows = ablation_rows(cells, Path(args.hf_models)) if args.ablate else table_rows(cells, Path(args.hf_models))
+    print("\n".join(rows))
+    return 0
+
+
+def grid(models: list[str] | None = None) -> list[Cell]:
+    return [Cell(m, n, s) for m, n in ISSUE_16_GRID if not models or m in models for s in SEQ_LENS]

@@ -1,0 +1,68 @@
+"""The AF-Pipe variants the allocator tries for a layout, and how much offload a side needs (pure Python).
+
+A variant is a ``Workload``: the recompute policy, ``resend`` (F drops the tokens it received), per-side ZeRO
+stages (memory at rest), ``offload`` shares (activations in host memory) and ``split_backward`` (a schedule
+change only, tried at simulation time). Every saving costs something (FLOPs, wire bytes, collective bytes or
+PCIe bytes; ``stages.py``), so a layout tries a variant only if no variant with a subset of its savings
+already holds twice the ring (2 (2p + 1) micro-batches) in flight: beyond that memory buys no speed.
+
+>>> [w.variant for w in memory_variants(Workload(4096, 1), ("none",), frozenset({"resend"}))]
+['recompute none, ZeRO 1/1', 'recompute none, resend, ZeRO 1/1']
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import replace
+
+from disagmoe_ds.planner.memory import RankMemory, Recompute, Workload
+
+VARIANTS = ("selective", "resend", "offload", "split_backward", "zero2", "zero3")
+PAPER: frozenset[str] = frozenset()  # the paper's AF-Pipe: recompute none or full, one ZeRO stage
+OFFLOAD_STEP = 0.05  # offload shares are rounded up to this grid
+
+
+def memory_variants(base: Workload, recompute: Iterable[Recompute], allowed: frozenset[str]) -> list[Workload]:
+    """Every memory variant ``allowed`` permits, cheapest first (fewest savings switched on)."""
+    z = base.zero_stage
+    ffn_stages = sorted({z} | ({max(z, 2)} if "zero2" in allowed else set()) | ({3} if "zero3" in allowed else set()))
+    attention_stages = sorted({z} | ({max(z, 2)} if "zero2" in allowed else set()))
+    out = []
+    for rc in recompute:
+        for resend in (False, True) if "resend" in allowed else (False,):
+            for fz in ffn_stages:
+                for az in attention_stages:
+                    out.append(replace(base, recompute=rc, resend=resend, attention_zero_stage=az, ffn_zero_stage=fz))
+    return sorted(out, key=lambda w: len(savings(w)))
+
+
+def savings(work: Workload) -> frozenset[str]:
+    """The memory savings a workload switches on, as comparable labels."""
+    out = {f"recompute {work.recompute}"}
+    out |= {"resend"} if work.resend else set()
+    out |= {f"A zero {s}" for s in range(2, work.zero_of("attention") + 1)}
+    out |= {f"F zero {s}" for s in range(2, work.zero_of("ffn") + 1)}
+    return frozenset(out)
+
+
+def dominated(work: Workload, roomy: list[Workload]) -> bool:
+    """True when a variant with a subset of ``work``'s savings already fits twice the ring in flight."""
+    mine = savings(work)
+    return any(savings(other) < mine for other in roomy)
+
+
+def offload_share(mem: RankMemory, *, layers: int, target: int, usable: float) -> float | None:
+    """Smallest share (on the ``OFFLOAD_STEP`` grid) of each micro-batch's activations to keep in host memory
+    so that ``target`` micro-batches fit: state + working + 2 f act / layers + target (1 - f) act <= usable.
+    0.0 when nothing needs offloading, None when even offloading everything does not fit."""
+    act = mem.activations_per_micro_batch
+    free = usable - mem.state - mem.working
+    if target * act <= free:
+        return 0.0
+    denominator = act * (target - 2 / max(layers, 1))
+    if denominator <= 0:
+        return None
+    share = (target * act - free) / denominator
+    share = math.ceil(share / OFFLOAD_STEP - 1e-9) * OFFLOAD_STEP
+    return share if share <= 1.0 else None
