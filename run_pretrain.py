@@ -262,7 +262,8 @@ def summary_line(
     written = [f"checkpoint {args.save_dir / f'step{step}'}"] if args.save_dir is not None else []
     written += [f"HF model {args.export_hf}"] if args.export_hf is not None else []
     return (
-        f"done: steps {start + 1}-{step} of {args.steps} ({steps} steps, {tokens:,} tokens) in {seconds:.1f} s, "
+        f"done: steps {start + 1}-{step} of {args.steps} ({steps} step{'s' if steps != 1 else ''}, {tokens:,} tokens) "
+        f"in {seconds:.1f} s, "
         f"{tokens / max(seconds, 1e-9):,.0f} tokens/s; {loss}" + (f"; wrote {', '.join(written)}" if written else "")
     )
 

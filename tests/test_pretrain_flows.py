@@ -122,11 +122,14 @@ def test_converted_hf_checkpoint_resumes_from_the_start_of_the_data(ft_run, tok_
     ckpt = tmp_path / "ckpt"
     to_disagmoe = f"hf-to-disagmoe --model {ft_run.export} --out {ckpt} --attention-gpus 2 --ffn-gpus 2 --zero 1"
     assert convert([*to_disagmoe.split(), "--freeze-router"]) == 0
-    out = tmp_path / "resumed"
-    argv = ft_run.argv("--zero", 1, "--steps", 1, "--save-dir", out, "--resume", ckpt)
+    out_dir = tmp_path / "resumed"
+    argv = ft_run.argv("--zero", 1, "--steps", 1, "--save-dir", out_dir, "--resume", ckpt)
     assert pretrain(tok_cache, *argv) == 0
-    assert "data from its start (the checkpoint records no data position)" in capfd.readouterr().out
-    assert json.loads((out / "step1" / "manifest.json").read_text())["frozen"]["router"]
+    out = capfd.readouterr().out
+    assert "data from its start (the checkpoint records no data position)" in out
+    assert "fewer than the 16 a step reads: every step repeats samples" in out  # was "one epoch = 0 steps"
+    assert "done: steps 1-1 of 1 (1 step, 2,048 tokens) in" in out and f"wrote checkpoint {out_dir}" in out
+    assert json.loads((out_dir / "step1" / "manifest.json").read_text())["frozen"]["router"]
 
 
 def _truncated_copy(ft_run: FineTune, root: Path) -> Path:

@@ -136,3 +136,16 @@ def test_sentencepiece_tokenizer_exports_as_an_identical_hf_tokenizer(tmp_path: 
         ids = tokenizer.encode(text)
         assert hf.encode(text, add_special_tokens=False) == ids and hf.decode(ids) == text
     assert (hf.eos_token_id, hf.pad_token_id, len(hf)) == (tokenizer.eos_id, tokenizer.pad_id, tokenizer.vocab_size)
+
+
+def test_sft_fields_are_flags_and_the_missing_field_error_names_them(tmp_path: Path) -> None:
+    rows = [{"question": f"What is {i}?", "answer": f"It is {i}."} for i in range(8)]
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = train_or_load_tokenizer(bundled_corpus(), 512, tmp_path / "tok")
+    argv = ("--sft", "--data", str(tmp_path / "qa.jsonl"), "--tokenizer", str(tokenizer.model_path), "--seq-len", "64")
+    with pytest.raises(DataError, match=r"needs fields 'prompt' and 'response' .* name the fields with "
+                       r"--prompt-field/--response-field or --messages-field"):  # fmt: skip
+        prepare_data(_args(tmp_path, *argv), load_config(MODEL))
+    data = prepare_data(_args(tmp_path, *argv, "--prompt-field", "question", "--response-field", "answer"),
+                        load_config(MODEL))  # fmt: skip
+    assert "8 SFT examples" in data.summary
