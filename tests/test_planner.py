@@ -524,3 +524,183 @@ def test_profile_on_cpu_feeds_the_planner(tmp_path, capsys):
     )
     assert rc == 0 and "profile of tiny-qwen3-moe" in json.loads(out)["rates"]
     assert "extrapolating" in err  # 128 lies outside the measured 32..64
+
+
+# ----- issue 16: AF-Pipe variants and the strongest co-located baseline -----
+def _af_setup(**work_kw):
+    spec = ModelSpec.from_config(TINY_QWEN3)
+    layout = Layout(4, 4, spec.num_layers, spec.num_experts, depth=2, expert_data_parallel=2)
+    return spec, layout, Workload(1024, 2, **work_kw)
+
+
+def test_selective_recompute_drops_the_listed_bytes_and_adds_their_flops():
+    from disagmoe_ds.planner.recompute import (
+        a_side_recompute_flops,
+        a_side_saved_bytes,
+        expert_recompute_flops_per_assignment,
+        expert_saved_bytes_per_assignment,
+    )
+    from disagmoe_ds.planner.stages import attention_call_s, expert_call_s
+
+    spec, layout, work = _af_setup()
+    sel = replace(work, recompute="selective")
+    tokens = work.tokens_per_micro_batch
+    # A side: the worst group keeps exactly the saved bytes less per layer (Q/K/V 16*4 + 2*2*16, output 64, LSE).
+    saved_attention = 2 * (64 + 64 + 64) + 4 * 4
+    assert a_side_saved_bytes(spec, 1) == saved_attention + 2 * 3 * 0  # Qwen3 MoE layer: no shared expert
+    assert a_side_saved_bytes(spec, 0) == saved_attention + 2 * 3 * 96  # dense layer 0: its SwiGLU too
+    full_a, sel_a = attention_rank_memory(spec, layout, work), attention_rank_memory(spec, layout, sel)
+    group = max(range(2), key=lambda g: sum(spec.a_side_activation_bytes(i) for i in layout.layers_of_group(g)))
+    dropped = sum(a_side_saved_bytes(spec, i) * tokens for i in layout.layers_of_group(group))
+    assert full_a.activations_per_micro_batch - sel_a.activations_per_micro_batch == pytest.approx(dropped)
+    # F side: 3 x I bf16 per (token, expert) assignment.
+    assignments = layout.lanes * tokens / layout.expert_data_parallel * spec.top_k / layout.ep_size
+    full_f, sel_f = ffn_rank_memory(spec, layout, work), ffn_rank_memory(spec, layout, sel)
+    assert expert_saved_bytes_per_assignment(spec) == 2 * 3 * 32
+    assert full_f.activations_per_micro_batch - sel_f.activations_per_micro_batch == pytest.approx(
+        2 * assignments * expert_saved_bytes_per_assignment(spec)
+    )
+    # Time: the backward grows by exactly the recomputed forward FLOPs at the forward rate.
+    rates = Rates.from_cluster(small_cluster(), Efficiency())
+    per = rates.attention_fwd.per_flop
+    _, none_bwd = attention_call_s(spec, rates, seq_len=1024, layer=1, tokens=tokens, recompute="none")
+    _, sel_bwd = attention_call_s(spec, rates, seq_len=1024, layer=1, tokens=tokens, recompute="selective")
+    linear, core = a_side_recompute_flops(spec, 1024, 1)
+    assert linear == 2 * 64 * 64 + 4 * 64 * 32  # q, k, v projections
+    assert sel_bwd - none_bwd == pytest.approx(per * tokens * (linear + core))
+    _, e_none = expert_call_s(spec, rates, layer=1, tokens=tokens, recompute="none")
+    _, e_sel = expert_call_s(spec, rates, layer=1, tokens=tokens, recompute="selective")
+    assert e_sel - e_none == pytest.approx(per * tokens * spec.top_k * expert_recompute_flops_per_assignment(spec))
+
+
+def test_resend_frees_the_received_tokens_and_costs_one_more_m2n():
+    from disagmoe_ds.planner.placement import Placement
+    from disagmoe_ds.planner.stages import af_roofline, af_task_costs
+
+    spec, layout, work = _af_setup(recompute="full")
+    resend = replace(work, resend=True)
+    assert ffn_rank_memory(spec, layout, resend).activations_per_micro_batch == 0  # F keeps nothing in flight
+    assert ffn_rank_memory(spec, layout, work).activations_per_micro_batch > 0
+    rates = Rates.from_cluster(small_cluster(), Efficiency())
+    place = Placement.contiguous(2, 4)
+    kw = {"placement": place, "rates": rates, "nics": (4, 4)}
+    base, more = af_task_costs(spec, layout, work, **kw), af_task_costs(spec, layout, resend, **kw)
+    wire = spec.wire_bytes_per_token(layout.ep_size)
+    ratio = (wire.n2m_grad + wire.m2n) / wire.n2m_grad
+    assert more.per_layer["n2m_grad"][1] == pytest.approx(base.per_layer["n2m_grad"][1] * ratio)
+    roof = af_roofline(spec, layout, resend, micro_batches=4, **kw)
+    roof0 = af_roofline(spec, layout, work, micro_batches=4, **kw)
+    expected = max(wire.a_to_f + wire.m2n, wire.f_to_a) / max(wire.a_to_f, wire.f_to_a)
+    assert roof.ffn.nic_bytes == pytest.approx(roof0.ffn.nic_bytes * expected)
+
+
+def test_offload_is_limited_by_pcie_bandwidth():
+    from disagmoe_ds.planner.placement import Placement
+    from disagmoe_ds.planner.stages import af_roofline
+    from disagmoe_ds.planner.variants import offload_share
+
+    spec, layout, work = _af_setup()
+    cluster = small_cluster()
+    rates = Rates.from_cluster(cluster, Efficiency())
+    mem = ffn_rank_memory(spec, layout, work)
+    usable = mem.state + mem.working + 2.5 * mem.activations_per_micro_batch  # room for 2.5 micro-batches
+    share = offload_share(mem, layers=layout.layers_per_group, target=5, usable=usable)
+    assert share is not None and 0 < share < 1
+    off = replace(work, offload=(0.0, share))
+    assert ffn_rank_memory(spec, layout, off).total_at(5) <= usable  # the share really fits 5 in flight
+    assert offload_share(mem, layers=layout.layers_per_group, target=5, usable=mem.state) is None
+    kw = {"placement": Placement.contiguous(2, 4), "nics": (4, 4), "micro_batches": 8}
+    offloaded = ffn_rank_memory(spec, layout, off).offloaded_per_micro_batch
+    roof = af_roofline(spec, layout, off, rates=rates, offloaded=(0.0, offloaded), **kw)
+    per_gpu_nic = roof.ffn.nic_bytes / layout.ffn_gpus
+    assert roof.ffn.pcie_s == pytest.approx((per_gpu_nic + 8 * offloaded) / rates.pcie_bw)
+    slow = af_roofline(
+        spec, layout, off, rates=replace(rates, pcie_bw=rates.pcie_bw / 100), offloaded=(0.0, offloaded), **kw
+    )
+    assert slow.ffn.pcie_s == pytest.approx(100 * roof.ffn.pcie_s)
+    assert slow.ffn.network_s == slow.ffn.pcie_s and slow.ffn.bound == "network"  # the host link bounds the side
+
+
+def test_zero3_on_the_ffn_side_shards_parameters_and_pays_in_collectives():
+    from disagmoe_ds.planner.memory import ffn_rank_params
+    from disagmoe_ds.planner.stages import zero_micro_batch_bytes
+
+    spec, layout, work = _af_setup()
+    z3 = replace(work, ffn_zero_stage=3)
+    params = max(ffn_rank_params(spec, layout, g) for g in range(layout.depth))
+    r = layout.expert_data_parallel
+    assert ffn_rank_memory(spec, layout, work).state - ffn_rank_memory(spec, layout, z3).state == pytest.approx(
+        params * ((2 + 2 + 12 / r) - 16 / r)
+    )
+    assert zero_micro_batch_bytes(params, r, 1, "bf16") == 0
+    assert zero_micro_batch_bytes(params, r, 2, "bf16") == pytest.approx((r - 1) / r * params * 2)
+    assert zero_micro_batch_bytes(params, r, 3, "bf16") == pytest.approx((r - 1) / r * params * 6)
+
+
+def test_split_backward_reduces_to_the_generator_and_fills_bubbles():
+    from disagmoe_ds.planner.zerobubble import simulate_split_backward
+    from disagmoe_ds.schedule import Costs, PipeShape, generate
+
+    shape = PipeShape(depth=2, num_layers=8, moe_layers=(True,) * 8)
+    for m, cap in ((8, 5), (6, 2)):
+        plain = generate(shape, m, costs=Costs(), max_in_flight=cap).step_time_s
+        assert simulate_split_backward(shape, m, Costs(), cap=cap, wgrad={})[0] == plain
+        half = Costs(a_bwd=1.0, f_bwd=1.0, head_bwd=1.0)  # the same total work, half of each backward deferred
+        wgrad = {(k, i): 1.0 for k in ("A_wgt", "F_wgt") for i in range(9)}
+        step, busy, _ = simulate_split_backward(shape, m, half, cap=cap, wgrad=wgrad)
+        assert step < plain
+        assert max(busy.values()) <= 1.0 + 1e-9
+
+
+def test_paired_overlap_hides_the_all_to_all_behind_the_other_micro_batch():
+    from disagmoe_ds.planner.colocated import ColocatedCosts, Shape, simulate_colocated
+
+    f, b, fa, ba, m = 1.0, 2.0, 1.5, 1.0, 6
+    alone = 0.5  # what the partial overlap leaves exposed per op
+    costs = ColocatedCosts((f,), (b,), (alone,), (alone,), 0.0, 0.0, (fa,), (ba,), (0.0,), (0.0,))
+    partial = simulate_colocated(costs, shape=Shape(1, 1, 1, 1, 1, "partial"), micro_batches=m)
+    paired = simulate_colocated(costs, shape=Shape(1, 1, 1, 1, 1, "paired"), micro_batches=m)
+    assert partial.step_time_s == pytest.approx(m * (f + b + 2 * alone))
+    assert paired.step_time_s == pytest.approx((f + alone) + (m - 1) * max(f + b, fa + ba) + (b + alone))
+    for pp in (2, 4):  # the extra warm-up keeps a pipeline of fused units as full as plain 1F1B
+        n = pp
+        uniform = ColocatedCosts((f,) * n, (b,) * n, (0.0,) * n, (0.0,) * n, 0.0, 0.0, *((0.0,) * n,) * 4)
+        one = simulate_colocated(uniform, shape=Shape(pp, 1, 1, 1, 1, "paired"), micro_batches=16)
+        assert one.step_time_s == pytest.approx((16 + pp - 1) * (f + b))
+
+
+def test_tensor_and_context_parallel_split_activations_and_dense_state():
+    from disagmoe_ds.planner.memory import baseline_rank_memory
+
+    spec = mid_model()
+    kw = {"world_size": 64, "pp": 1, "vpp": 1, "ep": 8, "chunks_alive": 1}
+    work = Workload(4096, 1)
+    plain = baseline_rank_memory(spec, work, **kw)
+    sharded = baseline_rank_memory(spec, work, tp=2, cp=2, **kw)
+    assert sharded.activations_per_micro_batch == pytest.approx(plain.activations_per_micro_batch / 4)
+    assert sharded.state < plain.state
+
+
+def test_strongest_baseline_is_never_worse_than_plain_ep():
+    from disagmoe_ds.planner.allocator import best_baseline
+
+    for seq, cluster in ((2048, small_cluster()), (16384, small_cluster(nic_bw=5e9))):
+        rates = Rates.from_cluster(cluster, Efficiency())
+        req = PlanRequest(mid_model(), cluster, rates, Workload(seq, 1), global_batch=8 * cluster.world_size)
+        strongest, plain = best_baseline(req)[0], best_baseline(replace(req, baseline="ep"))[0]
+        assert strongest.tokens_per_s >= plain.tokens_per_s
+    assert strongest.candidate.shape.overlap == "paired"  # slow NICs: the overlap is what wins
+
+
+def test_variant_ladder_stops_once_memory_is_roomy():
+    from disagmoe_ds.planner.allocator import af_candidates
+    from disagmoe_ds.planner.variants import PAPER
+
+    spec, cluster = mid_model(), small_cluster()
+    rates = Rates.from_cluster(cluster, Efficiency())
+    req = PlanRequest(spec, cluster, rates, Workload(2048, 1), global_batch=64)
+    paper, _ = af_candidates(replace(req, af_variants=PAPER))
+    everything, _ = af_candidates(req)
+    assert {c.work.variant for c in paper} <= {"recompute none, ZeRO 1/1", "recompute full, ZeRO 1/1"}
+    # 80 GB for a 1.5B model: nothing needs saving, so no costlier variant is even tried.
+    assert {c.work.variant for c in everything} == {"recompute none, ZeRO 1/1"}

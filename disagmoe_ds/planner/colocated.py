@@ -171,14 +171,17 @@ def paired_order(pp: int, vpp: int, micro_batches: int, rank: int) -> list[tuple
 
     >>> [len(u) for u in paired_order(1, 1, 3, 0)]
     [1, 2, 2, 1]
+    >>> [len(u) for u in paired_order(2, 1, 4, 0)]
+    [1, 1, 1, 2, 1, 1, 1]
     """
     plain = megatron_order(pp, vpp, micro_batches, rank)
     forwards = [o for o in plain if o.forward]
     backwards = [o for o in plain if not o.forward]
-    plain_warm = sum(1 for o in plain[: plain.index(backwards[0])] if o.forward)
+    first_backward = sum(1 for o in plain[: plain.index(backwards[0])] if o.forward)  # Megatron's warm-up + 1
     # A fused unit hands its forward on only when it ends, so each rank runs pp - rank - 1 more warm-up forwards
-    # (the next stage's units then never wait for this one's), plus the one that pairs with the first backward.
-    warm = min(len(forwards), plain_warm + pp - rank)
+    # (the next stage's units then never wait for this one's); the last forward before the first backward
+    # already pairs with it in Megatron's steady state.
+    warm = min(len(forwards), first_backward + pp - rank - 1)
     units: list[tuple[Op, ...]] = [(f,) for f in forwards[:warm]]
     steady = min(len(forwards) - warm, len(backwards))
     units += [(forwards[warm + k], backwards[k]) for k in range(steady)]

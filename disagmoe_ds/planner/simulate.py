@@ -19,7 +19,7 @@ from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.stages import AfTaskCosts, BaselineChunkCosts
 from disagmoe_ds.planner.zerobubble import simulate_split_backward
-from disagmoe_ds.schedule import Costs, PipeShape, TimelineEvent, generate, write_chrome_trace
+from disagmoe_ds.schedule import Costs, PipeShape, TimelineEvent, write_chrome_trace
 
 _MESSAGE_KINDS = ("m2n", "n2m", "resid", "m2n_grad", "n2m_grad", "resid_grad")
 
@@ -63,7 +63,8 @@ def simulate_af(
     """Generate the AF-Pipe instruction streams for the plan and read their predicted timeline.
 
     ``exposed_comm=False`` skips the second, communication-free run (its fraction is then reported as 0).
-    With weight-gradient tasks in ``task_costs`` (a split backward) the step comes from ``zerobubble.py``.
+    The step comes from ``zerobubble.py``, which is the generator's simulation plus, with a split backward,
+    the deferred weight-gradient tasks.
     """
     shape = PipeShape(depth=layout.depth, num_layers=spec.num_layers, moe_layers=spec.moe_layers)
     cap = min(max_in_flight, micro_batches)
@@ -88,12 +89,11 @@ def _run_af(
 ) -> tuple[float, dict, tuple[TimelineEvent, ...]]:
     """(step, busy share per worker, timeline events) of one simulated AF-Pipe step."""
     costs = schedule_costs(spec, task_costs, with_comm=with_comm)
+    wgrad = {(f"{side}_wgt", i): v for side, per in task_costs.wgrad.items() for i, v in enumerate(per)}
     if task_costs.wgrad:
-        wgrad = {(f"{side}_wgt", i): v for side, per in task_costs.wgrad.items() for i, v in enumerate(per)}
         wgrad["A_wgt", spec.num_layers] = task_costs.head_wgrad
-        return simulate_split_backward(shape, micro_batches, costs, cap=cap, wgrad=wgrad)
-    schedule = generate(shape, micro_batches, costs=costs, max_in_flight=cap)
-    return schedule.step_time_s, schedule.busy_fraction, tuple(schedule.timeline_events())
+    # Without weight-gradient tasks this is ``generate``'s own simulation, minus building instruction streams.
+    return simulate_split_backward(shape, micro_batches, costs, cap=cap, wgrad=wgrad)
 
 
 # ----- co-located EP + DP, interleaved 1F1B -----

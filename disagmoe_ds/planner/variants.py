@@ -39,7 +39,8 @@ def memory_variants(base: Workload, recompute: Iterable[Recompute], allowed: fro
 
 def savings(work: Workload) -> frozenset[str]:
     """The memory savings a workload switches on, as comparable labels."""
-    out = {f"recompute {work.recompute}"}
+    out = {"recompute selective", "recompute full"} if work.recompute == "full" else set()
+    out |= {"recompute selective"} if work.recompute == "selective" else set()
     out |= {"resend"} if work.resend else set()
     out |= {f"A zero {s}" for s in range(2, work.zero_of("attention") + 1)}
     out |= {f"F zero {s}" for s in range(2, work.zero_of("ffn") + 1)}
