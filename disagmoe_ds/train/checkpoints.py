@@ -166,7 +166,8 @@ def check_resume(
             f"checkpoint {where} was trained with --seed {saved_seed}, this run has --seed {seed}; resume with "
             f"--seed {saved_seed} (the seed fixes the data order and every step's random numbers)"
         )
-    has_data = _loader_states(manifest) is not None
+    # Checkpoints written before the manifest held the data position keep it in the engines' client state only.
+    has_data = _loader_states(manifest) is not None or "num_samples" in state
     if has_data and num_samples is not None and state.get("num_samples") != num_samples:
         raise CheckpointError(
             f"checkpoint {where} was trained on {state.get('num_samples')} samples, this run's data gives "
