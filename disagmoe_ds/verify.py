@@ -300,6 +300,9 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         help="exchange transport: auto (NCCL on GPUs, gloo on CPUs) or rendezvous (CPU ranks; a send completes only "
         "once its receive has started, as on NCCL's network transport: shows deadlocks gloo hides)",
     )
+    p.add_argument(
+        "--comm-timeout", type=float, default=300.0, help="seconds a rank may wait for a peer; stacks at half of it"
+    )
     add_run_args(p, zero_help="ZeRO stage inside each group")
     a = p.parse_args(argv)
     cfg = DisagMoEConfig(
@@ -310,6 +313,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         expert_data_parallel=a.expert_data_parallel,
         activation_checkpointing=a.activation_checkpointing,
         transport=a.transport,
+        comm_timeout_s=a.comm_timeout,
     )
     return run_args(VerifyArgs, a, cfg)
 

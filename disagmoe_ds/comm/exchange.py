@@ -115,6 +115,18 @@ def endpoint(layout: Layout, kind: Kind, rank: int, *, sending: bool) -> tuple[t
     return (kind, key_group), lane_peers(layout, kind, g, role.index)
 
 
+def comm_pairs(layout: Layout, kind: Kind, group: int) -> tuple[tuple[int, int], ...]:
+    """Every (src, dst) that sends on communicator (kind, g), in rank order."""
+    pairs = []
+    for src in comm_ranks(layout, kind, group):
+        role = layout.role_of(src)
+        sends = (kind in A_TO_A or kind in A_TO_F) == role.is_attention
+        if sends:
+            key, peers = endpoint(layout, kind, src, sending=True)
+            pairs += [(src, dst) for dst in peers] if key == (kind, group) else []
+    return tuple(pairs)
+
+
 # ----- communicators -----
 @dataclass(frozen=True)
 class ExchangeComms:
@@ -143,7 +155,8 @@ def build_exchange_comms(layout: Layout, transport: Transport, *, device: torch.
     headers: dict[tuple[Kind, int], Headers] = {}
     for kind, group in comm_keys(layout):
         ranks = comm_ranks(layout, kind, group)
-        comms[kind, group] = transport.new_comm(f"{kind.value}[{group}]", ranks)
+        pairs = comm_pairs(layout, kind, group)
+        comms[kind, group] = transport.new_comm(f"{kind.value}[{group}]", ranks, pairs)
         if kind in WITH_HEADERS:
             header_group = dist.new_group(list(ranks), backend="gloo", timeout=transport.timeout)
             if rank in ranks:

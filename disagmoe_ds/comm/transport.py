@@ -49,6 +49,7 @@ class Comm:
     name: str
     ranks: tuple[int, ...]
     group: dist.ProcessGroup | None  # None on ranks outside it
+    pairs: tuple[tuple[int, int], ...] = ()  # the (src, dst) that ever send on it
     control: dist.ProcessGroup | None = None  # RendezvousTransport: ready tokens
     queue: queue.Queue | None = field(default=None, repr=False)  # RendezvousTransport: this rank's operations
 
@@ -62,7 +63,7 @@ class Work(Protocol):
 class Transport(Protocol):
     timeout: timedelta | None
 
-    def new_comm(self, name: str, ranks: Sequence[int]) -> Comm: ...
+    def new_comm(self, name: str, ranks: Sequence[int], pairs: Sequence[tuple[int, int]]) -> Comm: ...
 
     def warm_up(self, comms: Sequence[Comm], device: torch.device) -> None: ...
 
@@ -88,22 +89,29 @@ class TorchTransport:
     def __init__(self, timeout: timedelta | None = None) -> None:
         self.timeout = timeout
 
-    def new_comm(self, name: str, ranks: Sequence[int]) -> Comm:
+    def new_comm(self, name: str, ranks: Sequence[int], pairs: Sequence[tuple[int, int]] = ()) -> Comm:
         ranks = tuple(sorted(ranks))
         group = dist.new_group(list(ranks), timeout=self.timeout)
-        return Comm(name, ranks, group if dist.get_rank() in ranks else None)
+        return Comm(name, ranks, group if dist.get_rank() in ranks else None, tuple(pairs))
 
     def warm_up(self, comms: Sequence[Comm], device: torch.device) -> None:
-        """Create the NCCL communicators now, in the same global order on every rank.
+        """Create the NCCL communicators and connect every pair that will talk, now, in one global order.
 
-        Batched point-to-point runs on the group's own communicator, which NCCL creates lazily and collectively
-        on first use; ranks that first touch different communicators would wait in each other's set-up. Walking
-        the comms in one global order cannot deadlock: the lowest unfinished one always has all members waiting.
+        NCCL creates a communicator lazily and collectively on its first use, and connects a point-to-point pair
+        on the first operation between them; both block the host until the peers join. Inside the schedule,
+        first uses that point at each other would hang. Walking the comms in one global order cannot deadlock:
+        the lowest unfinished one always has all its members waiting on it.
         """
-        probe = torch.zeros(1, device=device)
+        rank = dist.get_rank()
         for comm in comms:
-            if comm.group is not None:
-                dist.all_reduce(probe, group=comm.group)
+            if comm.group is None:
+                continue
+            dist.all_reduce(torch.zeros(1, device=device), group=comm.group)
+            ops = [Op("send", torch.zeros(1, device=device), dst) for src, dst in comm.pairs if src == rank]
+            ops += [Op("recv", torch.empty(1, device=device), src) for src, dst in comm.pairs if dst == rank]
+            self.start(comm, ops).wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def start(self, comm: Comm, ops: Sequence[Op]) -> Work:
         p2p = [
@@ -146,13 +154,13 @@ class RendezvousTransport:
         self.timeout = timeout
         self.timeout_s = timeout.total_seconds() if timeout else 300.0
 
-    def new_comm(self, name: str, ranks: Sequence[int]) -> Comm:
+    def new_comm(self, name: str, ranks: Sequence[int], pairs: Sequence[tuple[int, int]] = ()) -> Comm:
         ranks = tuple(sorted(ranks))
         data = dist.new_group(list(ranks), timeout=self.timeout, backend="gloo")
         control = dist.new_group(list(ranks), timeout=self.timeout, backend="gloo")
         if dist.get_rank() not in ranks:
             return Comm(name, ranks, None)
-        comm = Comm(name, ranks, data, control, queue.Queue())
+        comm = Comm(name, ranks, data, tuple(pairs), control, queue.Queue())
         threading.Thread(target=self._serve, args=(comm,), name=f"rendezvous {name}", daemon=True).start()
         return comm
 
