@@ -17,6 +17,9 @@ packs them exactly as the runtime does (``routing.plan_dispatch`` + ``pack``) an
     all-to-all  one ``all_to_all_single`` over all M + N ranks of a byte buffer whose splits are exactly the payload
                 bytes of every (src, dst) message of that direction (zero between ranks that do not talk)
 
+Each direction is timed for one micro-batch and for ``--in-flight`` back to back (headers of later ones ride
+ahead of earlier payloads, as in the runtime; the all-to-all runs as many times).
+
 Time = the slowest rank's time from a common barrier until its side is complete (device synchronised), median
 over ``--iters``. Bytes = payload bytes of all messages of the direction (m2n also sends a small host-to-host
 header per message, not counted); GB/s = bytes / time (aggregate over all links); ratio = exchange GB/s over
@@ -26,6 +29,7 @@ all-to-all GB/s. ``--json`` writes the rows and the setup.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -66,6 +70,7 @@ class BenchArgs:
     iters: int
     seed: int
     transport: str = "auto"
+    in_flight: int = 4
 
 
 def random_messages(args: BenchArgs, layout: Layout, lane: int, device: torch.device):
@@ -120,28 +125,36 @@ class ExchangeSide:
         self.n2m_bytes = _all_gather_rows(n2m_send)
         self.run_n2m()
 
-    def run_m2n(self):
-        self.tag += 1
+    def run_m2n(self, in_flight: int = 1):
+        """``in_flight`` micro-batches' m2n back to back (the runtime keeps several in flight)."""
+        tags = range(self.tag + 1, self.tag + 1 + in_flight)
+        self.tag += in_flight
         if self.role.is_attention:
-            self.m2n.send(self.messages, tag=self.tag, metas=[(p,) for p in self.plan.pairs])
+            for tag in tags:
+                self.m2n.send(self.messages, tag=tag, metas=[(p,) for p in self.plan.pairs])
             self.m2n.wait_all()
             return None
-        arrival = self.m2n.expect(self.tag)
-        self.m2n.read_headers(arrival)
-        self.m2n.post(arrival)
-        whole, _ = self.m2n.complete(arrival)
-        return whole, tuple(size[0] for size in arrival.sizes)
+        arrivals = [self.m2n.expect(tag) for tag in tags]
+        for arrival in arrivals:
+            self.m2n.read_headers(arrival)
+            self.m2n.post(arrival)
+        whole = [self.m2n.complete(arrival)[0] for arrival in arrivals][-1]
+        return whole, tuple(size[0] for size in arrivals[-1].sizes)
 
-    def run_n2m(self) -> None:
-        self.tag += 1
+    def run_n2m(self, in_flight: int = 1) -> None:
+        tags = range(self.tag + 1, self.tag + 1 + in_flight)
+        self.tag += in_flight
         if self.role.is_attention:
-            arrival = self.n2m.expect(self.tag)
-            arrival.sizes = [(rows,) for rows in self.plan.counts]  # the lane knows what it sent
-            self.n2m.post(arrival)
-            self.n2m.complete(arrival)
+            arrivals = [self.n2m.expect(tag) for tag in tags]
+            for arrival in arrivals:
+                arrival.sizes = [(rows,) for rows in self.plan.counts]  # the lane knows what it sent
+                self.n2m.post(arrival)
+            for arrival in arrivals:
+                self.n2m.complete(arrival)
         else:
             (x_SH, _, _), counts = self.received
-            self.n2m.send([(x,) for x in x_SH.split(counts)], tag=self.tag)
+            for tag in tags:
+                self.n2m.send([(x,) for x in x_SH.split(counts)], tag=tag)
             self.n2m.wait_all()
 
 
@@ -163,8 +176,9 @@ class AllToAllBytes:
         self.send = torch.randint(0, 255, (sum(self.send_splits),), dtype=torch.uint8).to(device)
         self.recv = torch.empty(sum(self.recv_splits), dtype=torch.uint8, device=device)
 
-    def run(self) -> None:
-        dist.all_to_all_single(self.recv, self.send, self.recv_splits, self.send_splits)
+    def run(self, in_flight: int = 1) -> None:
+        for _ in range(in_flight):
+            dist.all_to_all_single(self.recv, self.send, self.recv_splits, self.send_splits)
 
 
 def time_op(op: Callable[[], Any], *, warmup: int, iters: int, device: torch.device) -> float:
@@ -210,19 +224,25 @@ def bench_rank(rank: int, args: BenchArgs, device_type: str) -> list[dict[str, A
     ):
         baseline = AllToAllBytes(bytes_SD, device)
         total = int(bytes_SD.sum())
-        times = {
-            "exchange": time_op(exchange_op, warmup=args.warmup, iters=args.iters, device=device),
-            "all_to_all": time_op(baseline.run, warmup=args.warmup, iters=args.iters, device=device),
-        }
-        for method, seconds in times.items():
-            rows.append(_row(direction, method, total, seconds, times["all_to_all"]))
+        for in_flight in sorted({1, args.in_flight}):
+            times = {
+                "exchange": time_op(
+                    functools.partial(exchange_op, in_flight), warmup=args.warmup, iters=args.iters, device=device
+                ),
+                "all_to_all": time_op(
+                    functools.partial(baseline.run, in_flight), warmup=args.warmup, iters=args.iters, device=device
+                ),
+            }
+            for method, seconds in times.items():
+                rows.append(_row(direction, method, in_flight, total * in_flight, seconds, times["all_to_all"]))
     return rows if dist.get_rank() == 0 else None
 
 
-def _row(direction: str, method: str, total: int, seconds: float, baseline_s: float) -> dict[str, Any]:
+def _row(direction: str, method: str, in_flight: int, total: int, seconds: float, baseline_s: float) -> dict[str, Any]:
     return {
         "direction": direction,
         "method": method,
+        "in_flight": in_flight,
         "bytes": total,
         "ms": seconds * 1e3,
         "gbps": total / seconds / 1e9,
@@ -237,10 +257,10 @@ def _rank_device(device_type: str) -> torch.device:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'direction':<10}{'method':<12}{'bytes':>14}{'ms':>10}{'GB/s':>10}{'ratio':>8}")
+    print(f"{'direction':<10}{'method':<12}{'in flight':>10}{'bytes':>14}{'ms':>10}{'GB/s':>10}{'ratio':>8}")
     for r in rows:
         print(
-            f"{r['direction']:<10}{r['method']:<12}{r['bytes']:>14,}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
+            f"{r['direction']:<10}{r['method']:<12}{r['in_flight']:>10}{r['bytes']:>14,}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
             f"{r['ratio']:>7.2f}x"
         )
 
@@ -260,6 +280,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--transport", choices=("auto", "rendezvous"), default="auto", help="exchange transport")
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        default=4,
+        help="also time this many micro-batches' exchanges back to back, as the "
+        "runtime keeps several in flight (the all-to-all runs as many times)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a local job is killed")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the setup as JSON")
     return p.parse_args(argv)
@@ -282,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         a.iters,
         a.seed,
         a.transport,
+        a.in_flight,
     )
     world = a.attention_gpus + a.ffn_gpus
     backend = "nccl" if a.device == "cuda" else "gloo"

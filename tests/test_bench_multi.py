@@ -35,8 +35,8 @@ def test_bench_exchange_moves_the_runtime_bytes(tmp_path):
     argv += ["--hidden", str(H), "--top-k", str(K), "--experts", str(E), "--warmup", "1", "--iters", "3"]
     assert bench.main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    rows = {(r["direction"], r["method"]): r for r in report["rows"]}
-    assert set(rows) == {(d, m) for d in ("m2n", "n2m") for m in ("exchange", "all_to_all")}
+    rows = {(r["direction"], r["method"], r["in_flight"]): r for r in report["rows"]}
+    assert set(rows) == {(d, m, k) for d in ("m2n", "n2m") for m in ("exchange", "all_to_all") for k in (1, 4)}
 
     # Expected payload bytes from the same routing: rows R_e per (lane, ep rank); m2n carries x (fp32 H), local
     # ids (int64 K) and weights (fp32 K) per row, n2m the expert outputs (fp32 H) per row.
@@ -46,12 +46,12 @@ def test_bench_exchange_moves_the_runtime_bytes(tmp_path):
         sum(bench.random_messages(args, layout, lane, torch.device("cpu"))[1].counts) for lane in range(M)
     )
     expected = {"m2n": routed_rows * (H * 4 + K * 8 + K * 4), "n2m": routed_rows * H * 4}
-    for (direction, _), row in rows.items():
-        assert row["bytes"] == expected[direction]
+    for (direction, _, in_flight), row in rows.items():
+        assert row["bytes"] == expected[direction] * in_flight
         assert row["ms"] > 0 and math.isclose(row["gbps"], row["bytes"] / row["ms"] / 1e6)
     for direction in ("m2n", "n2m"):
-        assert rows[(direction, "all_to_all")]["ratio"] == 1.0
-        assert rows[(direction, "exchange")]["ratio"] > 0
+        assert rows[(direction, "all_to_all", 4)]["ratio"] == 1.0
+        assert rows[(direction, "exchange", 4)]["ratio"] > 0
 
 
 def test_bench_e2e_three_methods_same_tokens(tmp_path):
