@@ -61,6 +61,11 @@ def init_from_env(backend: str | None = None, *, comm_timeout_s: float | None = 
             rank whose peer died ends with an error instead of hanging; None keeps DeepSpeed's default.
     """
     disable_shm_op()
+    # Each exchange communicator brings its own NCCL stream. With more streams than the GPU's hardware queues (8
+    # by default), work of one stream can wait behind a blocked kernel of another that shares its queue (a
+    # false dependency); under rendezvous that can close a wait cycle. 32 is CUDA's maximum. Read at CUDA's
+    # initialisation, so it is set before the device is bound; a value the user set wins.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     kwargs = {} if comm_timeout_s is None else {"timeout": timedelta(seconds=comm_timeout_s)}
     deepspeed.init_distributed(dist_backend=backend, verbose=False, **kwargs)
     # gloo ranks may outnumber the devices (CPU tests); device backends need one device per local rank, set
