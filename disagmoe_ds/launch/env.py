@@ -61,11 +61,16 @@ def init_from_env(backend: str | None = None, *, comm_timeout_s: float | None = 
             rank whose peer died ends with an error instead of hanging; None keeps DeepSpeed's default.
     """
     disable_shm_op()
+    # Set before CUDA initialises (binding the device below), so they take effect; values the user set win.
     # Each exchange communicator brings its own NCCL stream. With more streams than the GPU's hardware queues (8
     # by default), work of one stream can wait behind a blocked kernel of another that shares its queue (a
-    # false dependency); under rendezvous that can close a wait cycle. 32 is CUDA's maximum. Read at CUDA's
-    # initialisation, so it is set before the device is bound; a value the user set wins.
+    # false dependency); under rendezvous that can close a wait cycle. 32 is CUDA's maximum.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    # Receives posted ahead are NCCL kernels that spin until their peer sends. Loading a kernel lazily (torch's
+    # default) can synchronise the whole context, so a rank's first launch of a new kernel would wait for a spinning
+    # receive whose sender waits for this rank: on NCCL's network transport, the first AF-Pipe step hung exactly
+    # there (both ranks' hosts inside a first-time kernel). Eager loading has no such wait.
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     kwargs = {} if comm_timeout_s is None else {"timeout": timedelta(seconds=comm_timeout_s)}
     deepspeed.init_distributed(dist_backend=backend, verbose=False, **kwargs)
     # gloo ranks may outnumber the devices (CPU tests); device backends need one device per local rank, set
