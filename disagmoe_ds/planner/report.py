@@ -40,7 +40,7 @@ def verdict(result: PlanResult) -> tuple[str, list[str]]:
         )
     reasons += _comparison(af, base)
     if s is not None and s >= PAYS_THRESHOLD:
-        return f"disaggregation pays: {s:.2f}x over co-located EP 1F1B", reasons
+        return f"disaggregation pays: {s:.2f}x over the co-located baseline", reasons
     return (
         f"disaggregation does not pay ({s:.2f}x): use co-located EP ({_baseline_name(base)})",
         reasons + _why_not(af, base),
