@@ -208,6 +208,8 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
     runtime = build_rank(
         a.model, ds, cfg, micro_batch_size=a.micro_batch_size, dtype=dtype, device=device, model=make_model(a, device)
     )
+    if a.compile:  # every compiled kernel loaded before the first exchange
+        runtime.executor.warm_up(a.seq_len)
     feeds = runtime.role.is_attention and runtime.role.group == 0  # A-group 0 embeds; the head reads labels there
     return runtime.executor, cfg.micro_batches if feeds else 0, runtime.layout.describe()
 

@@ -127,3 +127,25 @@ def test_activation_checkpointing_keeps_parity(tiny_checkpoint):
     cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=2, micro_batches=3, activation_checkpointing=True)
     args = VerifyArgs(str(tiny_checkpoint("qwen2-moe")), cfg, zero=1, seq_len=8, clip=CLIP)
     assert run_verify(args, timeout_s=120)["pass"]
+
+
+def test_kernel_warm_up_leaves_no_trace(tiny_checkpoint, monkeypatch):
+    """``warm_up`` (compiled jobs run it before the first step, so no kernel loads while receives are posted) runs
+    every part's forward and backward, 0- and 1-row shards included, and leaves no gradient, RNG state or
+    result behind: the job still equals HF exactly."""
+    from disagmoe_ds.engine import build
+
+    original = build.build_rank
+
+    def build_and_warm(*args, **kwargs):
+        runtime = original(*args, **kwargs)
+        rng = torch.get_rng_state()
+        runtime.executor.warm_up(seq_len=8)
+        assert all(p.grad is None for p in runtime.module.parameters()), "warm-up touched a gradient"
+        assert torch.equal(rng, torch.get_rng_state()), "warm-up moved the RNG"
+        return runtime
+
+    monkeypatch.setattr(build, "build_rank", build_and_warm)
+    cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=2, micro_batches=2, transport="rendezvous")
+    args = VerifyArgs(str(tiny_checkpoint("deepseek-v3")), cfg, zero=1, seq_len=8, clip=CLIP)
+    assert run_verify(args, timeout_s=240)["pass"]

@@ -145,7 +145,13 @@ def build_rank(
             activation_checkpointing=cfg.activation_checkpointing,
         )
     else:
-        runner = ExpertRunner(engine, stage, activation_checkpointing=cfg.activation_checkpointing)
+        runner = ExpertRunner(
+            engine,
+            stage,
+            top_k=top_k,
+            weight_dtype=weight_dtype,
+            activation_checkpointing=cfg.activation_checkpointing,
+        )
     name = f"rank {rank} {worker} {'lane' if role.is_attention else 'ffn'} {role.index}"
     executor = AFPipeExecutor(
         engine=engine,

@@ -43,6 +43,15 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_()
 
 
+def _grad_of_inputs(outputs: list[torch.Tensor | None], inputs: list[torch.Tensor]) -> None:
+    """Run the backward from random output gradients to ``inputs`` only: parameters' ``.grad`` and DeepSpeed's
+    gradient hooks are untouched (a compiled backward still computes, and so compiles, every gradient)."""
+    outputs = [t for t in outputs if t is not None and t.requires_grad]
+    if outputs:
+        grads = [torch.randn_like(t) for t in outputs]
+        torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+
+
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
@@ -119,6 +128,21 @@ class AttentionRunner:
         for layer, counts_E in self.expert_counts.items():
             counts_LE[layer] = counts_E
         return counts_LE
+
+    def warm_up(self, seq_len: int) -> None:
+        """Compile and load every compiled kernel of the attention parts (forward and backward) now.
+
+        Loading a kernel can synchronise the whole GPU; inside a step it would wait for receives posted ahead,
+        whose senders may wait for this rank. So compiled jobs run this once, before any exchange.
+        """
+        device, dtype = self.engine.device, next(self.stage.parameters()).dtype
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for layer in self.stage.layers:
+                h_BSH = torch.randn(self.B, seq_len, self.config.hidden_size, device=device, dtype=dtype)
+                h_BSH.requires_grad_()
+                position_ids_BS = torch.arange(seq_len, device=device).expand(self.B, seq_len)
+                out = self.stage.part(int(layer))(h_BSH, self.stage.context(h_BSH, position_ids_BS), self.config)
+                _grad_of_inputs([out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE], [h_BSH])
 
     # ----- forward -----
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
@@ -243,13 +267,38 @@ class _ExpertChunk:
 class ExpertRunner:
     """FFN side of one rank: its expert shard of every MoE layer its F-group owns."""
 
-    def __init__(self, engine, stage: ExpertStage, *, activation_checkpointing: bool = False):
-        self.engine, self.stage = engine, stage
+    def __init__(
+        self,
+        engine,
+        stage: ExpertStage,
+        *,
+        top_k: int,
+        weight_dtype: torch.dtype,
+        activation_checkpointing: bool = False,
+    ):
+        self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, top_k, weight_dtype
         self.recompute = _checkpointed if activation_checkpointing else _run
         self.chunks: dict[tuple[int, int], _ExpertChunk] = {}
 
     def start_step(self, batches) -> None:
         del batches  # the FFN side reads no data
+
+    def warm_up(self, seq_len: int) -> None:
+        """Compile and load every compiled kernel of the expert shards now (see ``AttentionRunner.warm_up``).
+
+        Row counts change every micro-batch: after two sizes the compiled graphs are dynamic in the rows; 0 and 1
+        rows get graphs of their own.
+        """
+        device, dtype, hidden = self.engine.device, next(self.stage.parameters()).dtype, self.stage.config.hidden_size
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for layer in self.stage.layers:
+                shard = self.stage.shard(int(layer))
+                for rows in (seq_len, seq_len // 2 + 1, seq_len // 3 + 2, 1, 0):
+                    x_RH = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
+                    idx_RK = torch.randint(0, shard.num_local + 1, (rows, self.top_k), device=device)
+                    w_RK = torch.rand(rows, self.top_k, device=device, dtype=self.weight_dtype, requires_grad=True)
+                    pairs = int((idx_RK < shard.num_local).sum())
+                    _grad_of_inputs([shard(x_RH, idx_RK, w_RK, pairs)], [x_RH, w_RK])
 
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         (x_SH, local_idx_SK, w_SK), rows = incoming["m2n"]

@@ -77,7 +77,10 @@ class Disaggregated:
         ]
 
     def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
-        return _build(build_rank, args, model=model, device=device, weights=weights)
+        runtime = _build(build_rank, args, model=model, device=device, weights=weights)
+        if args.cfg.compile:  # every compiled kernel loaded before the first exchange
+            runtime.executor.warm_up(args.seq_len)
+        return runtime
 
 
 class Colocated:
