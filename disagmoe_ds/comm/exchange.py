@@ -49,7 +49,6 @@ class Kind(str, Enum):
 
 
 A_TO_F = (Kind.M2N, Kind.N2M_GRAD)
-F_TO_A = (Kind.N2M, Kind.M2N_GRAD)
 A_TO_A = (Kind.RESID, Kind.RESID_GRAD)
 WITH_HEADERS = (Kind.M2N, Kind.RESID)
 # The F-group an A lane of group g talks to is g + offset; the A-group an F rank of group g talks to is g - offset.

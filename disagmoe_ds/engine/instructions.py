@@ -1,9 +1,9 @@
 """The AF-Pipe streams in DeepSpeed's schedule vocabulary (``PipeSchedule`` / ``PipeInstruction``).
 
 The schedule package stays free of torch and deepspeed; this module lowers one worker's stream to
-DeepSpeed ``PipeInstruction`` subclasses, one instruction per step. Each step is atomic in DeepSpeed's sense:
-sends never block, and a rank only ever waits for messages its peers send earlier in their own streams (the
-schedule checker proves it), so a barrier between steps could not deadlock.
+DeepSpeed ``PipeInstruction`` subclasses, one instruction per step. A send never blocks the host (its bytes may
+wait on the device for their receive), and a rank's host only ever waits for messages its peers send earlier in
+their own streams (the schedule checker proves it, under rendezvous; see ``comm.transport``).
 """
 
 from __future__ import annotations

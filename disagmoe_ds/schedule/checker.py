@@ -5,6 +5,11 @@ worker; post before wait, wait before the compute that reads it, send after the 
 channel the receiver posts and waits in the sender's send order; and running the streams, where ``Send``
 never blocks and ``WaitRecv(x)`` blocks until ``x`` is sent, finishes (no deadlock).
 
+That run is the rendezvous model (NCCL's network transport: a send completes only once its receive has started)
+for the runtime's exchange: each channel has its own one-way communicator, so a transfer waits only for the
+transfers before it on the same channel, which the receiver waited for earlier; a receive is posted no later than
+its ``WaitRecv``; and the host never blocks on a send.
+
 ``render`` shows compute only, one line per worker: ``F<layer>.<micro_batch>`` is a forward and
 ``B<layer>.<micro_batch>`` a backward; on the A side ``layer == L`` is the head chunk (norm, LM head, loss).
 
