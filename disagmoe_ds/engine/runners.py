@@ -43,6 +43,23 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_()
 
 
+def _warm_up_cases(seq_len: int) -> list[tuple[int, str]]:
+    """(rows, id pattern): several row and pair counts, 1 row, 1 pair, with and without sentinel ids."""
+    sizes = (seq_len, seq_len // 2 + 1, seq_len // 3 + 2)
+    return [(r, p) for p in ("all", "some") for r in (*sizes, 1)] + [(1, "one"), (2, "one"), (0, "all")]
+
+
+def _warm_up_ids(rows: int, top_k: int, num_local: int, pattern: str, device: torch.device) -> torch.Tensor:
+    """Local expert ids: all local (``all``), the last slot held elsewhere (``some``), or one pair in all (``one``)."""
+    idx_RK = torch.randint(0, num_local, (rows, top_k), device=device)
+    if pattern == "some" and top_k > 1:
+        idx_RK[:, -1] = num_local
+    elif pattern == "one":
+        idx_RK.fill_(num_local)
+        idx_RK[0, 0] = 0
+    return idx_RK
+
+
 def _grad_of_inputs(outputs: list[torch.Tensor | None], inputs: list[torch.Tensor]) -> None:
     """Run the backward from random output gradients to ``inputs`` only: parameters' ``.grad`` and DeepSpeed's
     gradient hooks are untouched (a compiled backward still computes, and so compiles, every gradient)."""
@@ -286,16 +303,17 @@ class ExpertRunner:
     def warm_up(self, seq_len: int) -> None:
         """Compile and load every compiled kernel of the expert shards now (see ``AttentionRunner.warm_up``).
 
-        Row counts change every micro-batch: after two sizes the compiled graphs are dynamic in the rows; 0 and 1
-        rows get graphs of their own.
+        Row and pair counts change every micro-batch: after two sizes the compiled graphs are dynamic in them, but a
+        count of 1 gets graphs of its own, and so do messages whose ids all live here (no sentinel, as with one ep
+        rank): ``_warm_up_cases`` covers each combination.
         """
         device, dtype, hidden = self.engine.device, next(self.stage.parameters()).dtype, self.stage.config.hidden_size
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for layer in self.stage.layers:
                 shard = self.stage.shard(int(layer))
-                for rows in (seq_len, seq_len // 2 + 1, seq_len // 3 + 2, 1, 0):
+                for rows, pattern in _warm_up_cases(seq_len):
                     x_RH = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
-                    idx_RK = torch.randint(0, shard.num_local + 1, (rows, self.top_k), device=device)
+                    idx_RK = _warm_up_ids(rows, self.top_k, shard.num_local, pattern, device)
                     w_RK = torch.rand(rows, self.top_k, device=device, dtype=self.weight_dtype, requires_grad=True)
                     pairs = int((idx_RK < shard.num_local).sum())
                     _grad_of_inputs([shard(x_RH, idx_RK, w_RK, pairs)], [x_RH, w_RK])
