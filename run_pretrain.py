@@ -58,7 +58,7 @@ from disagmoe_ds.train.checkpoints import ResumePoint, check_resume, effective_f
 from disagmoe_ds.train.data import TrainData, check_data_args, lane_loader, prepare_data, to_device
 from disagmoe_ds.train.export import export_hf
 from disagmoe_ds.train.hostfile import check_hostfile, deepspeed_command, describe, filters_slots, strip_launch_flags
-from disagmoe_ds.train.interrupt import StopRequest, parent_waits_for_ranks
+from disagmoe_ds.train.interrupt import STOPPED_EXIT, StopRequest, parent_waits_for_ranks
 from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
 from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops
 from disagmoe_ds.train.model import check_train_model, load_train_model
@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         if ns.check_hostfile is not None or ns.hostfile is not None:
             return check_or_relaunch(args, ns, argv)
         if detect_launcher() is None:
-            run_local(args)  # no launcher: validate, then fork the ranks here
+            stopped = run_local(args)  # no launcher: validate, then fork the ranks here
         else:
-            run_launched(args)  # torchrun, deepspeed, mpirun: this process is one rank
+            stopped = run_launched(args)  # torchrun, deepspeed, mpirun: this process is one rank
     except DisagMoEError as err:
         print(f"run_pretrain.py: error: {err}", file=sys.stderr)
         return 2
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("run_pretrain.py: aborted", file=sys.stderr)
-        return 130
-    return 0
+        return STOPPED_EXIT
+    return STOPPED_EXIT if stopped else 0
 
 
 def preflight_run(
@@ -127,14 +127,15 @@ def _check_resume(args: TrainArgs, config, layout, *, num_samples: int | None, h
                         ds_config=args.ds_config, hashes=hashes)  # fmt: skip
 
 
-def run_local(args: TrainArgs) -> None:
+def run_local(args: TrainArgs) -> bool:
+    """Fork the job's ranks here and train; True when the run stopped on request (after its save)."""
     args, config, layout, resume = preflight_run(args, args.cfg.world_size)
     backend = local_backend(layout.world_size)
     data = prepare_data(args, config)  # once, here: the forked ranks inherit the samples
     if resume is not None:
         _check_resume(args, config, layout, num_samples=len(data.dataset), hashes=False)
     with parent_waits_for_ranks("run_pretrain.py: stopping after this step and saving; Ctrl-C again to abort"):
-        spawn_local(
+        stopped = spawn_local(
             train,
             layout.world_size,
             args=(args, data),
@@ -142,9 +143,11 @@ def run_local(args: TrainArgs) -> None:
             comm_timeout_s=args.cfg.comm_timeout_s,
             backend=backend,
         )
+    return any(stopped)
 
 
-def run_launched(args: TrainArgs) -> None:
+def run_launched(args: TrainArgs) -> bool:
+    """This process is one rank of a launcher's job; True when the run stopped on request (after its save)."""
     rank, world_size = launched_rank_and_world()
     try:
         args, *_ = preflight_run(args, world_size, hashes=rank == 0)  # one rank reads every file
@@ -154,9 +157,10 @@ def run_launched(args: TrainArgs) -> None:
         sys.exit(2)  # every rank found the same problem; rank 0 reports it
     share_cores()
     init_from_env(comm_timeout_s=args.cfg.comm_timeout_s)
-    train(dist.get_rank(), args, None)
+    stopped = train(dist.get_rank(), args, None)
     dist.barrier()
     dist.destroy_process_group()
+    return stopped
 
 
 def check_or_relaunch(args: TrainArgs, ns: argparse.Namespace, argv: list[str]) -> int:
@@ -171,8 +175,12 @@ def check_or_relaunch(args: TrainArgs, ns: argparse.Namespace, argv: list[str]) 
     os.execvp(command[0], command)
 
 
-def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
-    """One rank: build its engine, then run the steps. Every rank runs every step (they hold collectives)."""
+def train(rank: int, args: TrainArgs, data: TrainData | None) -> bool:
+    """One rank: build its engine, then run the steps. Every rank runs every step (they hold collectives).
+
+    Returns:
+        True when the run stopped on request (a signal, a lost launcher) before ``args.steps``, after its save.
+    """
     stop = StopRequest().install()
     device = rank_device()
     config = load_config(args.model)
@@ -222,7 +230,8 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
             save_and_export(runtime, args, step, loader, tokenizer, progress)
         if stopping:
             if progress is not None:
-                progress.print(f"stopped on request after step {step} of {args.steps}")
+                resume = "; continue with --resume" if args.save_dir is not None else " (no --save-dir: nothing saved)"
+                progress.print(f"stopped on request after step {step} of {args.steps}{resume}")
             break
 
     if loader is not None:
@@ -230,6 +239,7 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> None:
     if progress is not None:
         progress.close()
         print(summary_line(args, start, step, first_loss, last, time.perf_counter() - started), flush=True)
+    return step < args.steps
 
 
 def _resume_point(args: TrainArgs, config, layout) -> ResumePoint:

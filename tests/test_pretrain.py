@@ -1,8 +1,10 @@
 """run_pretrain.py end to end on 4 CPU ranks: the embedded default, exact resume, crash-safe saves, fine-tuning,
-auxiliary-loss-free balancing, the deepspeed launcher, and one-line errors for bad input.
+auxiliary-loss-free balancing, the deepspeed launcher, SIGINT to a launcher's PID alone (a clean stop with a
+checkpoint), and one-line errors for bad input.
 
 Runs are short (seq 32, 2-6 steps). Most call ``run_pretrain.main`` in this process (it forks the ranks, which
-inherit monkeypatches); the embedded default, ``--help`` and the launcher run as real subprocesses.
+inherit monkeypatches); the embedded default, ``--help``, the launcher and the interrupted runs are real subprocesses (each in its own
+session, so that a signal reaches only the process it is sent to).
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -67,6 +71,69 @@ def run_script(*argv: object, launcher: tuple[str, ...] = (sys.executable,)) -> 
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
 
 
+STEPS = 1000
+STARTUP_S = 150  # 4 ranks importing torch and DeepSpeed on 2 shared cores, then two steps
+# From the signal to the last process gone: the current step (~0.3 s), the save (~1 s), teardown, on busy cores.
+STOP_BOUND_S = 30
+
+
+def _start(launcher: list[str], tmp: Path, tok_cache: Path) -> subprocess.Popen:
+    argv = ["--steps", STEPS, *SHORT, "--tokenizer-cache", tok_cache, "--save-dir", tmp / "ck"]
+    command = [*launcher, str(ROOT / "run_pretrain.py"), *map(str, argv), "--metrics-file", str(tmp / "m.jsonl")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with (tmp / "out").open("w") as out, (tmp / "err").open("w") as err:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+
+
+def _logged_steps(metrics: Path) -> list[int]:
+    if not metrics.exists():
+        return []
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_for_steps(proc: subprocess.Popen, tmp: Path, n: int) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while len(_logged_steps(tmp / "m.jsonl")) < n:
+        assert proc.poll() is None, (tmp / "err").read_text()[-3000:]
+        assert time.monotonic() < deadline, f"fewer than {n} steps after {STARTUP_S} s"
+        time.sleep(0.2)
+
+
+def _assert_saved_at_the_stopped_step(tmp: Path) -> int:
+    steps = _logged_steps(tmp / "m.jsonl")
+    stopped = steps[-1]
+    assert 2 <= stopped < STEPS and steps == list(range(1, stopped + 1)), steps
+    assert (tmp / "ck" / "latest").read_text() == f"step{stopped}"
+    manifest = json.loads((tmp / "ck" / f"step{stopped}" / "manifest.json").read_text())
+    assert manifest["client_state"]["step"] == stopped
+    return stopped
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the test's own session: only what it started
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def test_sigint_to_the_parent_alone_stops_saves_and_exits_130(tok_cache, tmp_path) -> None:
+    """No launcher: the parent that forked the ranks gets the signal; the ranks never see a SIGINT."""
+    proc = _start([sys.executable], tmp_path, tok_cache)
+    try:
+        _wait_for_steps(proc, tmp_path, 2)
+        sent = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=STOP_BOUND_S) == 130
+        assert time.monotonic() - sent < STOP_BOUND_S
+    finally:
+        _kill_session(proc)
+    stopped = _assert_saved_at_the_stopped_step(tmp_path)
+    out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert f"stopped on request after step {stopped} of {STEPS}; continue with --resume" in out
+    assert err.count("stopping after this step and saving") == 1 and "Traceback" not in err, err
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory, tok_cache) -> tuple[str, list[dict]]:
     """The README's first command, shortened to 6 steps of 32 tokens: (stdout, metrics)."""
@@ -92,16 +159,29 @@ def test_embedded_default_loss_falls(default_run) -> None:
     assert all(len(r["expert_imbalance"]) == 4 and r["max_imbalance"] >= 1.0 for r in recs)
 
 
-def test_deepspeed_launcher_matches_the_local_run(default_run, tok_cache, tmp_path) -> None:
-    """``deepspeed --num_gpus 4`` on CPU: 4 ranks through DeepSpeed's launcher, the same first two steps."""
-    metrics = tmp_path / "metrics.jsonl"
-    launcher = (sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", "29517")
-    done = run_script(
-        "--steps", 2, *SHORT, "--tokenizer-cache", tok_cache, "--metrics-file", metrics, launcher=launcher
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_deepspeed_launcher_matches_the_local_run_and_sigint_to_it_alone_stops(default_run, tok_cache, tmp_path):
+    """``deepspeed --num_gpus 4`` on CPU: 4 ranks through DeepSpeed's launcher, the same first two steps. Then SIGINT
+    to the ``deepspeed`` command alone: it dies at once and leaves its per-node launcher running; the ranks notice
+    the launcher orphaned, stop after their step, save, and exit 130, which the per-node launcher passes on."""
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", "29517"]
+    proc = _start(launcher, tmp_path, tok_cache)
+    try:
+        _wait_for_steps(proc, tmp_path, 2)
+        job = psutil.Process(proc.pid).children(recursive=True)  # the per-node launcher and the 4 ranks
+        assert len(job) == 5, job
+        sent = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=STOP_BOUND_S) != 0
+        _, alive = psutil.wait_procs(job, timeout=max(1.0, STOP_BOUND_S - (time.monotonic() - sent)))
+        assert not alive, alive
+    finally:
+        _kill_session(proc)
     # Steps 1-2 sit in the warm-up, whose learning rates do not depend on --steps.
-    assert same(records(metrics), default_run[1][:2])
+    assert same(records(tmp_path / "m.jsonl")[:2], default_run[1][:2])
+    stopped = _assert_saved_at_the_stopped_step(tmp_path)
+    out = (tmp_path / "out").read_text()
+    assert f"stopped on request after step {stopped} of {STEPS}" in out
+    assert "exits with return code = 130" in out  # the per-node launcher's log of the ranks' exit
 
 
 def test_help() -> None:

@@ -2,12 +2,23 @@
 
 A signal only sets a flag (a handler may run in the middle of a collective). After each step the ranks agree
 with one all-reduce whether any of them was asked to stop, so all of them leave the loop after the same step
-and take the collective save together. A second Ctrl-C aborts at once.
+and take the collective save together. A second SIGINT to a rank aborts it at once; SIGTERM never does.
 
-Ctrl-C in a terminal reaches every process of the foreground group: the ranks, and the parent that started
-them (``spawn_local``), which must then keep waiting instead of killing its ranks. Under the ``deepspeed``
-launcher the launcher itself answers SIGINT with SIGTERM to the ranks and SIGKILL 30 s later, so SIGTERM is a
-stop request too (also what Slurm sends before preemption); the step and the save must fit in that time.
+Who gets the signal depends on the launcher, and every path ends in the same stop:
+
+- no launcher (``spawn_local``): Ctrl-C in a terminal reaches the ranks and the parent; ``kill -INT``/``kill -TERM``
+  of the parent's PID reaches the parent alone. The parent forwards a SIGTERM to its ranks either way and keeps
+  waiting; a second SIGINT to the parent aborts (``spawn_local`` kills the ranks).
+- ``deepspeed``: its per-node launcher answers SIGINT/SIGTERM with SIGTERM to the ranks and SIGKILL 30 s later
+  (the step and the save must fit in that time). SIGINT to the ``deepspeed`` command alone kills that command but
+  leaves the per-node launcher and the ranks running; the ranks see their launcher orphaned (``LauncherWatch``)
+  and stop as if asked.
+- ``torchrun``: it forwards the signal it got to the ranks (each in its own session) and kills them 30 s later.
+- Slurm sends SIGTERM before preemption.
+
+A run stopped on request saves, then exits with ``STOPPED_EXIT`` (130, "interrupted"); the launchers' own exit
+codes after a signal are non-zero too (deepspeed 1, torchrun a SignalException), so a stopped run never looks
+finished to a script.
 """
 
 from __future__ import annotations
@@ -18,8 +29,39 @@ import signal
 import sys
 from contextlib import contextmanager
 
+import psutil
 import torch
 import torch.distributed as dist
+
+from disagmoe_ds.launch import detect_launcher
+
+STOPPED_EXIT = 130  # 128 + SIGINT: what a shell reports for an interrupted command
+
+
+class LauncherWatch:
+    """Under the ``deepspeed`` launcher: whether the ``deepspeed`` command that started this node's launcher died.
+
+    The rank's parent is DeepSpeed's per-node launcher (``deepspeed.launcher.launch``); its parent is the
+    ``deepspeed`` command (or pdsh's remote shell). When that process dies, the per-node launcher is re-parented,
+    which changes its parent PID: one read of /proc per step, no PID-reuse race, no zombie confusion.
+    """
+
+    def __init__(self, launcher: str | None) -> None:
+        self._expected: int | None = None
+        if launcher == "deepspeed":
+            self._expected = _parent_of(os.getppid())
+
+    def gone(self) -> bool:
+        if self._expected is None:
+            return False
+        return _parent_of(os.getppid()) != self._expected
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return None
 
 
 class StopRequest:
@@ -27,6 +69,8 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
+        self._interrupts = 0
+        self._launcher = LauncherWatch(detect_launcher())
 
     def install(self) -> StopRequest:
         signal.signal(signal.SIGINT, self._handle)
@@ -34,12 +78,15 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: abort without saving
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt  # the second Ctrl-C: abort without saving
         self.requested = True
 
     def agreed(self, device: torch.device) -> bool:
-        """Collective: whether any rank was asked to stop."""
+        """Collective: whether any rank was asked to stop (or lost the launcher that started it)."""
+        self.requested = self.requested or self._launcher.gone()
         flag = torch.tensor([int(self.requested)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())  # host-device sync, once per step
@@ -47,24 +94,29 @@ class StopRequest:
 
 @contextmanager
 def parent_waits_for_ranks(message: str):
-    """In the process that forked the ranks: keep waiting for them while they stop, and let them stop.
+    """In the process that forked the ranks: pass a stop request on to them and keep waiting while they stop.
 
-    Ctrl-C reaches the ranks from the terminal itself, so the parent only prints ``message`` and keeps waiting;
-    a second Ctrl-C raises KeyboardInterrupt (``spawn_local`` then kills the ranks). SIGTERM (``kill``, a batch
-    scheduler) reaches only this process, so it is passed on to the ranks, which stop after their step.
+    The first SIGINT or SIGTERM prints ``message`` and sends SIGTERM to every rank (a Ctrl-C in a terminal also
+    reached them directly; SIGTERM on top of it never aborts a rank), then the parent keeps waiting for the save.
+    A second SIGINT raises KeyboardInterrupt (``spawn_local`` then kills the ranks).
     """
+    stopping = False
 
-    def on_interrupt(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        print(message, file=sys.stderr, flush=True)
-
-    def on_terminate(signum: int, frame: object) -> None:
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if stopping:
+            return
+        stopping = True
         print(message, file=sys.stderr, flush=True)
         for rank in multiprocessing.active_children():
-            os.kill(rank.pid, signal.SIGTERM)
+            try:
+                os.kill(rank.pid, signal.SIGTERM)
+            except ProcessLookupError:  # exited since active_children() looked
+                pass
 
-    handlers = {signal.SIGINT: on_interrupt, signal.SIGTERM: on_terminate}
-    previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
