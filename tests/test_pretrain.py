@@ -3,8 +3,8 @@ auxiliary-loss-free balancing, the deepspeed launcher, SIGINT to a launcher's PI
 checkpoint), and one-line errors for bad input.
 
 Runs are short (seq 32, 2-6 steps). Most call ``run_pretrain.main`` in this process (it forks the ranks, which
-inherit monkeypatches); the embedded default, ``--help``, the launcher and the interrupted runs are real subprocesses (each in its own
-session, so that a signal reaches only the process it is sent to).
+inherit monkeypatches); the embedded default, ``--help``, the launcher and the interrupted runs are real
+subprocesses (each in its own session, so that a signal reaches only the process it is sent to).
 """
 
 from __future__ import annotations
@@ -320,3 +320,10 @@ def test_bad_input_is_a_one_line_error_before_any_rank_starts(tok_cache, tmp_pat
         "layout": ["--ffn-gpus", 3],
     }[case]
     assert_refused_before_launch(tok_cache, capfd, argv, message)
+
+
+def test_tensorboard_without_the_package_is_refused_before_launch(tok_cache, tmp_path, capfd, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as on a machine without it
+    argv = ["--tensorboard", tmp_path / "tb"]
+    assert_refused_before_launch(tok_cache, capfd, argv, r"needs the tensorboard package.*; pip install tensorboard")
+    assert not (tmp_path / "tb").exists()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import doctest
 import importlib
 import json
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,12 @@ def test_zero_flag_and_engine_settings_refused_at_parse_time(tmp_path) -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             _parse(ds_config=ds_config, tmp_path=tmp_path)
+
+
+def test_tensorboard_without_the_package_is_refused_with_the_fix(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard raises ImportError, installed or not
+    with pytest.raises(ConfigError, match=r"^--tensorboard .*tb needs the tensorboard package, which is not "
+                       r"installed; pip install tensorboard"):  # fmt: skip
+        _parse("--tensorboard", str(tmp_path / "tb"))
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+    assert _parse("--tensorboard", str(tmp_path / "tb"))[0].tensorboard == tmp_path / "tb"

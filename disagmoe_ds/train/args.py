@@ -331,6 +331,7 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
     check_engine_config(ds_config, cfg, micro_batch_size, lr_flag=ns.lr is not None)
     if ns.resume == "" and ns.save_dir is None:
         raise ConfigError("--resume without a checkpoint path needs --save-dir (the run's checkpoint root)")
+    check_tensorboard(ns.tensorboard)
     return TrainArgs(
         model=ns.init_from or ns.model or default_model,
         pretrained=ns.init_from is not None,
@@ -363,6 +364,19 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
         log_every=ns.log_every,
         peak_tflops=ns.peak_tflops,
     )
+
+
+def check_tensorboard(log_dir: Path | None) -> None:
+    """``--tensorboard DIR`` needs the tensorboard package: refused here, not found missing mid-run."""
+    if log_dir is None:
+        return
+    try:
+        import tensorboard  # noqa: F401  (what torch.utils.tensorboard needs)
+    except ImportError:
+        raise ConfigError(
+            f"--tensorboard {log_dir} needs the tensorboard package, which is not installed; "
+            f"pip install tensorboard (or drop --tensorboard; --metrics-file writes the same records as JSON lines)"
+        ) from None
 
 
 def _check_counts(ns: argparse.Namespace) -> None:

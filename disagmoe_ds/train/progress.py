@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -128,14 +127,8 @@ class Progress:
 def _tensorboard_writer(log_dir: Path | None) -> Any:
     if log_dir is None:
         return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        warnings.warn(
-            f"--tensorboard {log_dir}: tensorboard is not installed, no events are written (pip install tensorboard)",
-            stacklevel=2,
-        )
-        return None
+    from torch.utils.tensorboard import SummaryWriter  # installed: args.check_tensorboard refused the run otherwise
+
     return SummaryWriter(log_dir=str(log_dir))
 
 
