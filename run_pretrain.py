@@ -57,6 +57,7 @@ from disagmoe_ds.train.balance import bias_update_rate, expert_load, imbalance, 
 from disagmoe_ds.train.checkpoints import ResumePoint, check_resume, effective_freezing, locate, restore, save
 from disagmoe_ds.train.data import TrainData, check_data_args, lane_loader, prepare_data, to_device
 from disagmoe_ds.train.export import export_hf
+from disagmoe_ds.train.failures import report_rank_failure
 from disagmoe_ds.train.hostfile import check_hostfile, deepspeed_command, describe, filters_slots, strip_launch_flags
 from disagmoe_ds.train.interrupt import STOPPED_EXIT, StopRequest, parent_waits_for_ranks
 from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run_pretrain.py: error: {err}", file=sys.stderr)
         return 2
     except RankFailedError as err:
-        print(f"run_pretrain.py: {err}", file=sys.stderr)
+        print(f"run_pretrain.py: {report_rank_failure(err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("run_pretrain.py: aborted", file=sys.stderr)

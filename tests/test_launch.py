@@ -48,6 +48,7 @@ def test_exception_surfaces_with_traceback_fast() -> None:
     assert time.monotonic() - start < FAST_S
     assert info.value.rank == 1
     assert "boom in rank 1" in str(info.value) and "_raise_in_rank_1" in str(info.value)
+    assert info.value.cause == "KeyError: 'boom in rank 1'"  # the root cause in one line (run_pretrain prints it)
 
 
 def _hang_in_rank_0(rank: int) -> int:
@@ -79,6 +80,7 @@ def test_dead_rank_fails_fast() -> None:
         spawn_local(_exit_in_rank_2, 3, timeout_s=60.0)
     assert time.monotonic() - start < FAST_S
     assert info.value.rank == 2
+    assert info.value.cause == "exited with code 7 before returning a result"
 
 
 def test_detect_launcher() -> None:

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -327,3 +328,37 @@ def test_tensorboard_without_the_package_is_refused_before_launch(tok_cache, tmp
     argv = ["--tensorboard", tmp_path / "tb"]
     assert_refused_before_launch(tok_cache, capfd, argv, r"needs the tensorboard package.*; pip install tensorboard")
     assert not (tmp_path / "tb").exists()
+
+
+def test_a_failure_inside_a_rank_is_one_line_naming_the_root_cause_and_the_log(tok_cache, tmp_path, capfd, monkeypatch):
+    """Rank 1 raises in step 2; its peers then fail in their collectives. One line names rank 1's exception and the
+    log file, which holds every failed rank's traceback."""
+    import torch.distributed as dist
+
+    step, calls = run_pretrain.run_step, []  # each forked rank counts its own calls
+
+    def fail_in_rank_1_at_step_2(runtime, batches, *, timeline):
+        calls.append(1)
+        if dist.get_rank() == 1 and len(calls) == 2:
+            raise RuntimeError("injected failure in rank 1")
+        return step(runtime, batches, timeline=timeline)
+
+    monkeypatch.setattr(run_pretrain, "run_step", fail_in_rank_1_at_step_2)  # the forked ranks inherit it
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the log goes ($TMPDIR, read once)
+    capfd.readouterr()
+    assert pretrain(tok_cache, "--steps", 4) == 1
+    out, err = capfd.readouterr()
+    assert "step 1/4" in out and "step 2/4" not in out
+    lines = [line for line in err.splitlines() if line.startswith("run_pretrain.py")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    match = re.fullmatch(
+        r"run_pretrain\.py: rank 1 failed: RuntimeError: injected failure in rank 1 "
+        r"\(tracebacks of every failed rank: (.*run_pretrain-failure-.*\.log)\)",
+        lines[0],
+    )
+    assert match, lines[0]
+    log = Path(match[1])
+    assert log.parent == tmp_path
+    header, first, *_ = log.read_text().splitlines()
+    assert re.fullmatch(r"\d of 4 ranks failed; killing ranks \[.*\]", header) and first == "rank 1 raised:", header
+    assert "Traceback" in log.read_text() and "fail_in_rank_1_at_step_2" in log.read_text()

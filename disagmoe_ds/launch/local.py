@@ -43,11 +43,16 @@ _DUMP_SIGNAL = signal.SIGUSR1
 
 
 class RankFailedError(RuntimeError):
-    """A rank of a local job raised or died; ``rank`` is the first one that failed."""
+    """A rank of a local job raised or died; ``rank`` is the first one that failed (the root cause).
 
-    def __init__(self, rank: int, message: str) -> None:
+    ``cause`` is that rank's failure in one line (its exception's last line, or how it died); the message holds
+    every failed rank's full traceback.
+    """
+
+    def __init__(self, rank: int, message: str, cause: str = "") -> None:
         super().__init__(message)
         self.rank = rank
+        self.cause = cause or message.splitlines()[0]
 
 
 @dataclass
@@ -281,7 +286,15 @@ def _failure_error(children: list[_Child]) -> RankFailedError:
     others = [child.rank for child in children if child not in failed and not child.exited]
     lines = [f"{len(failed)} of {len(children)} ranks failed; killing ranks {others}"]
     lines += [_describe_failure(child) for child in failed]
-    return RankFailedError(failed[0].rank, "\n".join(lines))
+    return RankFailedError(failed[0].rank, "\n".join(lines), cause=_one_line_cause(failed[0]))
+
+
+def _one_line_cause(child: _Child) -> str:
+    """The root cause in one line: the exception line of the rank's traceback, or how the rank died."""
+    if child.status == "error":
+        lines = [line for line in child.value.splitlines() if line.strip()]
+        return lines[-1] if lines else "raised"
+    return _describe_failure(child).removeprefix(f"rank {child.rank} ")
 
 
 def _timeout_error(children: list[_Child], timeout_s: float | None) -> TimeoutError:

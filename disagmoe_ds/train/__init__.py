@@ -11,5 +11,6 @@ progress     rank 0's output: start banner, progress bar or log lines, JSON line
 checkpoints  periodic/final saves with every lane's loader state, freezing, seed and tokenizer; keep-last-N; resume
              checks (files, layout, ZeRO stage, seed, freezing)
 export       --export-hf: the job's weights and tokenizer as a save_pretrained directory, written from inside the job
-interrupt    Ctrl-C / SIGTERM: every rank agrees to stop after the current step, then saves
+interrupt    Ctrl-C / SIGTERM / a lost launcher: every rank agrees to stop after the current step, then saves
+failures     ranks that failed: one line naming the root cause, every traceback in a log file
 """
