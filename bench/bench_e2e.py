@@ -206,7 +206,14 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
     ds = {**ds_config(a), SECTION: cfg.to_dict()}
     dtype = DTYPES[a.dtype]
     runtime = build_rank(
-        a.model, ds, cfg, micro_batch_size=a.micro_batch_size, dtype=dtype, device=device, model=make_model(a, device)
+        a.model,
+        ds,
+        cfg,
+        micro_batch_size=a.micro_batch_size,
+        dtype=dtype,
+        device=device,
+        model=make_model(a, device),
+        seq_len=a.seq_len,
     )
     if a.compile:  # every compiled kernel loaded before the first exchange
         runtime.executor.warm_up(a.seq_len)

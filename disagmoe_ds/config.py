@@ -18,6 +18,7 @@ from typing import Any
 from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
 _FLAGS = ("compile", "activation_checkpointing", "comm_stream")
@@ -44,6 +45,9 @@ class DisagMoEConfig:
         transport: how exchange payloads move: ``auto`` is torch.distributed's backend (NCCL on GPUs, gloo on
             CPUs); ``rendezvous`` is a CPU stand-in for NCCL's network transport that tests run under, where a send
             completes only once its receive has started (``comm.transport``).
+        cluster: what the schedule generator's task costs assume: a planner preset (``h800``, ``h100``, ``h200``)
+            or a cluster JSON (``docs/planner.md``), so the order it emits is the one the planner simulated.
+        profile: a ``disagmoe-plan profile`` JSON whose measured part times replace peak x efficiency there.
     """
 
     attention_gpus: int = 1
@@ -57,6 +61,8 @@ class DisagMoEConfig:
     activation_checkpointing: bool = False
     comm_stream: bool = True
     transport: str = "auto"
+    cluster: str = "h200"
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         for flag in _FLAGS:
@@ -64,9 +70,18 @@ class DisagMoEConfig:
                 raise ConfigError(f'"{SECTION}.{flag}" must be true or false, got {getattr(self, flag)!r}')
         if self.transport not in TRANSPORTS:
             raise ConfigError(f'"{SECTION}.transport" must be one of {sorted(TRANSPORTS)}, got {self.transport!r}')
+        if self.cluster not in PRESETS and not Path(self.cluster).is_file():
+            raise ConfigError(
+                f'"{SECTION}.cluster" must be one of the presets {sorted(PRESETS)} or a cluster JSON file; '
+                f"{self.cluster!r} is neither"
+            )
+        if self.profile is not None and not Path(self.profile).is_file():
+            raise ConfigError(
+                f'"{SECTION}.profile" {self.profile!r} is not a file; write one with disagmoe-plan profile'
+            )
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in (*_FLAGS, "transport") or (f.name == "max_in_flight" and value is None):
+            if f.name in (*_FLAGS, "transport", "cluster", "profile") or (f.name == "max_in_flight" and value is None):
                 continue
             kind = float if f.name == "comm_timeout_s" else int
             allowed = (int, float) if kind is float else (int,)

@@ -97,6 +97,7 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
         micro_batch_size=args.micro_batch_size,
         dtype=DTYPES[args.dtype],
         model=load_for_verify(args),
+        seq_len=args.seq_len,
     )
     role = runtime.role
     feeds = role.is_attention and role.group == 0  # A-group 0 embeds; the head reads labels there too

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import itertools
 import json
 import math
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner import (
@@ -33,10 +35,13 @@ from disagmoe_ds.planner import (
     save_cluster,
     simulate_baseline,
 )
+from disagmoe_ds.planner import runtime_costs as runtime_costs_module
 from disagmoe_ds.planner.cli import main
 from disagmoe_ds.planner.memory import attention_rank_memory, ffn_rank_memory
+from disagmoe_ds.planner.runtime_costs import runtime_costs
 from disagmoe_ds.planner.simulate import baseline_closed_form
 from disagmoe_ds.planner.stages import BaselineChunkCosts
+from disagmoe_ds.schedule import PipeShape, check_streams, generate
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ("qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "olmoe")
@@ -395,8 +400,11 @@ def test_cli_json_and_written_files(tmp_path, capsys):
     ):
         assert plan_json[key] is not None, key
     assert plan_json["attention_gpus"] + plan_json["ffn_gpus"] == 8
-    section = json.loads(ds.read_text())["disagmoe"]
+    written = json.loads(ds.read_text())
+    section = written["disagmoe"]
     assert {"attention_gpus", "ffn_gpus", "depth", "micro_batches", "expert_data_parallel"} <= set(section)
+    cfg = DisagMoEConfig.from_ds_config(written)  # the runtime takes the planner's section as it is
+    assert cfg.world_size == 8 and cfg.cluster == str(cluster.resolve())
     lines = [ln for ln in hosts.read_text().splitlines() if ln and not ln.startswith("#")]
     assert all(re.match(r"^\S+\s+slots=\d+$", ln) for ln in lines) and len(lines) == 2
     assert "A0.lane0" in hosts.read_text().splitlines()[2]  # the first node starts with attention rank 0
@@ -704,3 +712,43 @@ def test_variant_ladder_stops_once_memory_is_roomy():
     assert {c.work.variant for c in paper} <= {"recompute none, ZeRO 1/1", "recompute full, ZeRO 1/1"}
     # 80 GB for a 1.5B model: nothing needs saving, so no costlier variant is even tried.
     assert {c.work.variant for c in everything} == {"recompute none, ZeRO 1/1"}
+
+
+# ----- the runtime's schedule costs -----
+def test_runtime_costs_doctests() -> None:
+    assert doctest.testmod(runtime_costs_module).failed == 0
+
+
+@pytest.mark.parametrize(("m", "n", "p", "family"), [(1, 1, 1, "tiny-qwen3-moe"), (2, 2, 2, "tiny-qwen2-moe")])
+def test_runtime_costs_give_one_valid_schedule_everywhere(m: int, n: int, p: int, family: str) -> None:
+    """Every rank derives the costs alone: the same inputs must give the same streams, and they must be valid."""
+
+    config = json.loads((ROOT / "hf_models" / family / "config.json").read_text())
+    spec = ModelSpec.from_config(config)
+    layout = Layout(attention_gpus=m, ffn_gpus=n, depth=p, num_layers=spec.num_layers, num_experts=spec.num_experts)
+    shape = PipeShape(p, spec.num_layers, spec.moe_layers)
+    streams = [
+        generate(shape, 6, costs=runtime_costs(config, layout, seq_len=512, micro_batch_size=1)).streams
+        for _ in range(2)
+    ]
+    assert streams[0] == streams[1]
+    check_streams(streams[0])
+
+
+def test_runtime_costs_follow_the_model() -> None:
+    """The balanced model's two sides cost about the same per layer; the head costs what its vocabulary says."""
+
+    config = json.loads((ROOT / "hf_models" / "Qwen3-30B-A3B-balanced" / "config.json").read_text())
+    layout = Layout(attention_gpus=1, ffn_gpus=1, num_layers=8, num_experts=128)
+    costs = runtime_costs(config, layout, seq_len=4096, micro_batch_size=1)
+    assert 0.8 < costs.a_fwd / costs.f_fwd < 1.2 and costs.a_bwd == pytest.approx(2 * costs.a_fwd)
+    # head forward = 2 * H * V FLOPs per token at the same rate as the parts
+    assert costs.head_fwd / costs.a_fwd == pytest.approx(2 * 2048 * 16384 / 71.8e6, rel=0.05)
+    assert 0 < costs.m2n < costs.a_fwd  # NVLink inside one node: a transfer is cheaper than the compute
+
+
+def test_schedule_cluster_must_exist() -> None:
+    with pytest.raises(ConfigError, match="cluster.*presets"):
+        DisagMoEConfig(cluster="h900")
+    with pytest.raises(ConfigError, match="profile.*disagmoe-plan profile"):
+        DisagMoEConfig(profile="/nonexistent/profile.json")

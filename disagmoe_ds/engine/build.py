@@ -35,7 +35,8 @@ from disagmoe_ds.models.loading import load_config, place
 from disagmoe_ds.models.partial_load import rank_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, moe_layers, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
-from disagmoe_ds.schedule import PipeShape, Worker, check_streams, generate
+from disagmoe_ds.planner.runtime_costs import runtime_costs
+from disagmoe_ds.schedule import Costs, PipeShape, Worker, check_streams, generate
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,15 @@ def build_rank(
     model: nn.Module | None = None,
     weights: str | Path | None = None,
     seed: int = 0,
+    seq_len: int | None = None,
 ) -> RankRuntime:
     """Build this rank's part of the disaggregated job.
 
     ``model`` may be passed to skip loading ``model_dir``; ``weights`` is then the HF directory whose safetensors
     fill the parts cut from a meta ``model`` (``--init-from``). Without ``model``, ``model_dir``'s own weights fill
     them (``partial_load.model_to_cut``). A model on the meta device is never materialised whole: each rank
-    allocates only the parts it owns, then reads their pretrained values or initialises them.
+    allocates only the parts it owns, then reads their pretrained values or initialises them. ``seq_len`` gives the
+    schedule the planner's task costs (``schedule_costs``); without it every task costs one unit.
     """
     rank = dist.get_rank()
     device = device or process_device()
@@ -117,8 +120,9 @@ def build_rank(
         # Expert grads sum over the tokens of all lanes; DeepSpeed averages over the edp replicas only.
         grad_scale=1.0 if role.is_attention else layout.expert_data_parallel / layout.lanes,
     )
+    costs = schedule_costs(stage.config.to_dict(), layout, cfg, seq_len=seq_len, micro_batch_size=micro_batch_size)
     schedule = generate(
-        PipeShape(layout.depth, layout.num_layers, moe), cfg.micro_batches, max_in_flight=cfg.max_in_flight
+        PipeShape(layout.depth, layout.num_layers, moe), cfg.micro_batches, costs=costs, max_in_flight=cfg.max_in_flight
     )
     check_streams(schedule.streams)
     worker = Worker("A" if role.is_attention else "F", role.group)
@@ -163,6 +167,18 @@ def build_rank(
         comm_timeout_s=cfg.comm_timeout_s,
     )
     return RankRuntime(layout, role, executor, stage, engine)
+
+
+def schedule_costs(
+    config: dict[str, Any], layout: Layout, cfg: DisagMoEConfig, *, seq_len: int | None, micro_batch_size: int
+) -> Costs | None:
+    """The planner's per-task seconds for this job (same inputs on every rank, so the same schedule everywhere);
+    None (unit costs) when the sequence length is not known."""
+    if seq_len is None:
+        return None
+    return runtime_costs(
+        config, layout, seq_len=seq_len, micro_batch_size=micro_batch_size, cluster=cfg.cluster, profile=cfg.profile
+    )
 
 
 def preflight(model_dir: str | Path, cfg: DisagMoEConfig, ds_config: dict[str, Any], world_size: int) -> Layout:

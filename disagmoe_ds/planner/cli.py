@@ -214,7 +214,9 @@ def _write_outputs(args: argparse.Namespace, result: PlanResult) -> list[str]:
     if (args.write_ds_config or args.write_hostfile or args.timeline) and result.af is None:
         raise DisagMoEError("no AF-Pipe plan fits, so there is no ds_config, hostfile or timeline to write")
     if args.write_ds_config:
-        Path(args.write_ds_config).write_text(json.dumps(ds_config(result), indent=2) + "\n", encoding="utf-8")
+        cluster = str(Path(args.cluster).resolve()) if Path(args.cluster).is_file() else args.cluster
+        text = json.dumps(ds_config(result, cluster=cluster), indent=2) + "\n"
+        Path(args.write_ds_config).write_text(text, encoding="utf-8")
         notes.append(f"wrote ds_config {args.write_ds_config}")
         if result.af is not None and _simulated_only(result.af.candidate.work):
             notes.append(

@@ -302,28 +302,32 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
     ]
 
 
-def ds_config(result: PlanResult) -> dict[str, Any]:
-    """A ds_config with the plan's "disagmoe" section (the runtime reads it; DeepSpeed ignores unknown keys)."""
+def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
+    """A ds_config whose "disagmoe" section ``run_pretrain.py`` reads as it is: the layout, the in-flight cap, any
+    recompute as activation checkpointing (the runtime recomputes whole chunks), and the cluster (preset or JSON
+    path) the runtime's schedule costs assume.
+
+    The NIC split and placement are not runtime settings: the hostfile's order places the ranks.
+    """
     req, af = result.request, result.af
     assert af is not None
     c = af.candidate
+    section = {
+        "attention_gpus": c.layout.attention_gpus,
+        "ffn_gpus": c.layout.ffn_gpus,
+        "depth": c.layout.depth,
+        "micro_batches": c.micro_batches,
+        "expert_data_parallel": c.layout.expert_data_parallel,
+        "max_in_flight": af.in_flight,
+        "activation_checkpointing": c.work.recompute != "none",
+        "cluster": cluster or req.cluster.name,
+    }
     return {
         "train_micro_batch_size_per_gpu": req.work.micro_batch_size,
         "gradient_accumulation_steps": c.micro_batches,
         "bf16": {"enabled": req.work.precision == "bf16"},
         "zero_optimization": {"stage": req.work.zero_stage},
-        "disagmoe": {
-            "attention_gpus": c.layout.attention_gpus,
-            "ffn_gpus": c.layout.ffn_gpus,
-            "depth": c.layout.depth,
-            "micro_batches": c.micro_batches,
-            "expert_data_parallel": c.layout.expert_data_parallel,
-            "max_in_flight": af.in_flight,
-            "attention_nics": c.nics[0],
-            "ffn_nics": c.nics[1],
-            "placement": c.placement.kind,
-            "recompute": c.work.recompute,
-        },
+        "disagmoe": section,
     }
 
 

@@ -20,8 +20,9 @@ from torch import nn
 
 from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.layout import ColocatedLayout
-from disagmoe_ds.engine.build import build_rank, preflight
+from disagmoe_ds.engine.build import build_rank, preflight, schedule_costs
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.schedule import PipeShape, generate
 from disagmoe_ds.train.args import TrainArgs
 from disagmoe_ds.train.metrics import ModelFacts
@@ -67,17 +68,19 @@ class Disaggregated:
 
     def describe(self, args: TrainArgs, layout: Layout, facts: ModelFacts) -> list[str]:
         shape = PipeShape(layout.depth, layout.num_layers, facts.moe_layers)
-        schedule = generate(shape, args.cfg.micro_batches, max_in_flight=args.cfg.max_in_flight)
+        config = load_config(args.model).to_dict()
+        costs = schedule_costs(config, layout, args.cfg, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size)
+        schedule = generate(shape, args.cfg.micro_batches, costs=costs, max_in_flight=args.cfg.max_in_flight)
         bubble = sum(schedule.bubble_fraction.values()) / len(schedule.bubble_fraction)
         return [
             f"layout: {layout.describe()}",
             f"A:F split: {layout.attention_gpus}:{layout.ffn_gpus} of {layout.world_size} ranks",
             f"pipeline: {args.cfg.micro_batches} micro-batches per lane per step, at most {schedule.max_in_flight} "
-            f"in flight per worker; predicted bubble {bubble:.0%} (schedule simulation, unit task costs)",
+            f"in flight per worker; predicted bubble {bubble:.0%} (schedule simulation, {args.cfg.cluster} task costs)",
         ]
 
     def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
-        runtime = _build(build_rank, args, model=model, device=device, weights=weights)
+        runtime = _build(build_rank, args, model=model, device=device, weights=weights, seq_len=args.seq_len)
         if args.cfg.compile:  # every compiled kernel loaded before the first exchange
             runtime.executor.warm_up(args.seq_len)
         return runtime
@@ -106,9 +109,15 @@ class Colocated:
 
 
 def _build(
-    builder: Callable[..., Runtime], args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None
+    builder: Callable[..., Runtime],
+    args: TrainArgs,
+    *,
+    model: nn.Module,
+    device: torch.device,
+    weights: Path | None,
+    **extra: Any,
 ) -> Runtime:
-    """Both modes' builders take the same arguments from the command line."""
+    """Both modes' builders take the same arguments from the command line (``extra``: one mode's own)."""
     return builder(
         args.model,
         args.ds_config,
@@ -119,6 +128,7 @@ def _build(
         model=model,
         weights=weights,
         seed=args.seed,
+        **extra,
     )
 
 
