@@ -78,30 +78,31 @@ STARTUP_S = 150  # 4 ranks importing torch and DeepSpeed on 2 shared cores, then
 STOP_BOUND_S = 30
 
 
-def _start(launcher: list[str], tmp: Path, tok_cache: Path) -> subprocess.Popen:
-    argv = ["--steps", STEPS, *SHORT, "--tokenizer-cache", tok_cache, "--save-dir", tmp / "ck"]
+def start_job(launcher: list[str], tmp: Path, tok_cache: Path, *extra: object) -> subprocess.Popen:
+    """``launcher run_pretrain.py`` for STEPS steps in its own session, saving to tmp/ck; output in tmp/out, tmp/err."""
+    argv = [*extra, "--steps", STEPS, *SHORT, "--tokenizer-cache", tok_cache, "--save-dir", tmp / "ck"]
     command = [*launcher, str(ROOT / "run_pretrain.py"), *map(str, argv), "--metrics-file", str(tmp / "m.jsonl")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with (tmp / "out").open("w") as out, (tmp / "err").open("w") as err:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
 
 
-def _logged_steps(metrics: Path) -> list[int]:
+def logged_steps(metrics: Path) -> list[int]:
     if not metrics.exists():
         return []
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.endswith("}")]
 
 
-def _wait_for_steps(proc: subprocess.Popen, tmp: Path, n: int) -> None:
+def wait_for_steps(proc: subprocess.Popen, tmp: Path, n: int) -> None:
     deadline = time.monotonic() + STARTUP_S
-    while len(_logged_steps(tmp / "m.jsonl")) < n:
+    while len(logged_steps(tmp / "m.jsonl")) < n:
         assert proc.poll() is None, (tmp / "err").read_text()[-3000:]
         assert time.monotonic() < deadline, f"fewer than {n} steps after {STARTUP_S} s"
         time.sleep(0.2)
 
 
-def _assert_saved_at_the_stopped_step(tmp: Path) -> int:
-    steps = _logged_steps(tmp / "m.jsonl")
+def assert_saved_at_the_stopped_step(tmp: Path) -> int:
+    steps = logged_steps(tmp / "m.jsonl")
     stopped = steps[-1]
     assert 2 <= stopped < STEPS and steps == list(range(1, stopped + 1)), steps
     assert (tmp / "ck" / "latest").read_text() == f"step{stopped}"
@@ -110,7 +111,7 @@ def _assert_saved_at_the_stopped_step(tmp: Path) -> int:
     return stopped
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
+def kill_session(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the test's own session: only what it started
     except ProcessLookupError:
@@ -120,16 +121,16 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 def test_sigint_to_the_parent_alone_stops_saves_and_exits_130(tok_cache, tmp_path) -> None:
     """No launcher: the parent that forked the ranks gets the signal; the ranks never see a SIGINT."""
-    proc = _start([sys.executable], tmp_path, tok_cache)
+    proc = start_job([sys.executable], tmp_path, tok_cache)
     try:
-        _wait_for_steps(proc, tmp_path, 2)
+        wait_for_steps(proc, tmp_path, 2)
         sent = time.monotonic()
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=STOP_BOUND_S) == 130
         assert time.monotonic() - sent < STOP_BOUND_S
     finally:
-        _kill_session(proc)
-    stopped = _assert_saved_at_the_stopped_step(tmp_path)
+        kill_session(proc)
+    stopped = assert_saved_at_the_stopped_step(tmp_path)
     out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
     assert f"stopped on request after step {stopped} of {STEPS}; continue with --resume" in out
     assert err.count("stopping after this step and saving") == 1 and "Traceback" not in err, err
@@ -165,9 +166,9 @@ def test_deepspeed_launcher_matches_the_local_run_and_sigint_to_it_alone_stops(d
     to the ``deepspeed`` command alone: it dies at once and leaves its per-node launcher running; the ranks notice
     the launcher orphaned, stop after their step, save, and exit 130, which the per-node launcher passes on."""
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", "29517"]
-    proc = _start(launcher, tmp_path, tok_cache)
+    proc = start_job(launcher, tmp_path, tok_cache)
     try:
-        _wait_for_steps(proc, tmp_path, 2)
+        wait_for_steps(proc, tmp_path, 2)
         job = psutil.Process(proc.pid).children(recursive=True)  # the per-node launcher and the 4 ranks
         assert len(job) == 5, job
         sent = time.monotonic()
@@ -176,10 +177,10 @@ def test_deepspeed_launcher_matches_the_local_run_and_sigint_to_it_alone_stops(d
         _, alive = psutil.wait_procs(job, timeout=max(1.0, STOP_BOUND_S - (time.monotonic() - sent)))
         assert not alive, alive
     finally:
-        _kill_session(proc)
+        kill_session(proc)
     # Steps 1-2 sit in the warm-up, whose learning rates do not depend on --steps.
     assert same(records(tmp_path / "m.jsonl")[:2], default_run[1][:2])
-    stopped = _assert_saved_at_the_stopped_step(tmp_path)
+    stopped = assert_saved_at_the_stopped_step(tmp_path)
     out = (tmp_path / "out").read_text()
     assert f"stopped on request after step {stopped} of {STEPS}" in out
     assert "exits with return code = 130" in out  # the per-node launcher's log of the ranks' exit
