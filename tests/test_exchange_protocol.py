@@ -77,9 +77,9 @@ class FakeRank:
     def check(self, kind: str, layer: int, mb: int, got) -> None:
         lane, e = self.role.index, self.role.ep_rank
         if kind == "m2n":
-            (x, _, _), lane_rows = got
+            routed, lane_rows = got
             want = torch.cat([tokens(layer, mb, j, e) for j in self.lanes])
-            assert torch.equal(x, want) and lane_rows.pairs == sum(lane_rows.counts), (kind, layer, mb)
+            assert torch.equal(routed.x_RH, want) and routed.num_pairs == sum(lane_rows.counts), (kind, layer, mb)
         elif kind == "n2m_grad":  # src layer is layer + 1
             (dy,), _ = got
             want = torch.cat([tokens(layer - 1, mb, j, e) * 6 for j in self.lanes])

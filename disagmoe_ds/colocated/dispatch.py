@@ -23,17 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.comm.routing import DispatchPlan, combine, gather_rows, plan_dispatch
-
-
-@dataclass(frozen=True, eq=False)
-class RoutedTokens:
-    """The rows this rank's expert shard computes: from every ep peer, grouped by source ep rank."""
-
-    x_RH: torch.Tensor
-    local_idx_RK: torch.Tensor  # ids local to this rank's shard; ``experts_per_rank`` where the expert is elsewhere
-    w_RK: torch.Tensor  # 0 at those sentinel entries
-    num_pairs: int  # ids in local_idx_RK that are not the sentinel: the expert work, known on the host
+from disagmoe_ds.comm.routing import DispatchPlan, RoutedTokens, combine, gather_rows, plan_dispatch
 
 
 @dataclass(frozen=True, eq=False)

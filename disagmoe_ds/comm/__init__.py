@@ -16,7 +16,7 @@ from disagmoe_ds.comm.exchange import (
     endpoint,
     exchange_specs,
 )
-from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, combine, pack, plan_dispatch
+from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, RoutedTokens, combine, pack, plan_dispatch
 from disagmoe_ds.comm.transport import (
     Op,
     RendezvousTransport,
@@ -39,6 +39,7 @@ __all__ = [
     "MessageSpec",
     "Op",
     "RendezvousTransport",
+    "RoutedTokens",
     "TensorSpec",
     "TorchTransport",
     "Transport",

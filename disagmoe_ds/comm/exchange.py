@@ -201,4 +201,3 @@ class LaneRows:
 
     lanes: tuple[int, ...]  # the lanes' ranks
     counts: tuple[int, ...]
-    pairs: int = 0  # routed (row, expert) pairs in all those rows: sizes the expert buffers

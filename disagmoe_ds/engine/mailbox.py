@@ -11,7 +11,7 @@ order; the mailbox adds what makes that safe and fast under rendezvous:
 
 Payloads at the runner boundary (shape suffixes: T tokens, H hidden, K top-k, E experts, R/S rows, P ep ranks):
 
-    m2n        A sends ([(x_RH, local_idx_RK, w_RK)] per ep rank, pairs_P)   F gets ((x_SH, idx_SK, w_SK), LaneRows)
+    m2n        A sends ([(x_RH, local_idx_RK, w_RK)] per ep rank, pairs_P)   F gets (RoutedTokens, LaneRows)
     n2m        F sends ((y_SH,), LaneRows)                                   A gets [(y_RH,)] per ep rank
     m2n_grad   F sends ((dx_SH, dw_SK), LaneRows)                            A gets [(dx_RH, dw_RK)] per ep rank
     n2m_grad   A sends ([(dy_RH,)] per ep rank, None)                        F gets ((dy_SH,), LaneRows)
@@ -30,6 +30,7 @@ import torch
 
 from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn, FanOut
 from disagmoe_ds.comm.exchange import ExchangeComms, Kind, LaneRows, exchange_specs
+from disagmoe_ds.comm.routing import RoutedTokens
 from disagmoe_ds.schedule import Message
 
 Key = tuple[str, int, int]  # (kind, layer of the sending task, micro-batch)
@@ -185,9 +186,10 @@ class Mailbox:
     # ----- payloads for the runner -----
     def _unpack(self, kind: str, arrival: Arrival, whole: Sequence[torch.Tensor], per_peer: list) -> Any:
         if kind in ("m2n", "n2m_grad"):
-            counts = tuple(size[0] for size in arrival.sizes)
-            pairs = sum(meta[0] for meta in arrival.metas) if kind == "m2n" else 0
-            return tuple(whole), LaneRows(self._in[kind].fan_in.peers, counts, pairs)
+            rows = LaneRows(self._in[kind].fan_in.peers, tuple(size[0] for size in arrival.sizes))
+            if kind == "n2m_grad":
+                return tuple(whole), rows
+            return RoutedTokens(*whole, num_pairs=sum(meta[0] for meta in arrival.metas)), rows
         if kind in ("n2m", "m2n_grad"):
             return per_peer
         if kind == "resid":

@@ -319,9 +319,9 @@ class ExpertRunner:
                     _grad_of_inputs([shard(x_RH, idx_RK, w_RK, pairs)], [x_RH, w_RK])
 
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
-        (x_SH, local_idx_SK, w_SK), rows = incoming["m2n"]
-        x_SH, w_SK = _leaf(x_SH), _leaf(w_SK)
-        y_SH = self.recompute(self.stage.shard(layer), x_SH, local_idx_SK, w_SK, rows.pairs)
+        tokens, rows = incoming["m2n"]
+        x_SH, w_SK = _leaf(tokens.x_RH), _leaf(tokens.w_RK)
+        y_SH = self.recompute(self.stage.shard(layer), x_SH, tokens.local_idx_RK, w_SK, tokens.num_pairs)
         self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows)
         return {"n2m": ((y_SH,), rows)}
 
