@@ -23,6 +23,7 @@ setup(
         "safetensors>=0.4",
         "tqdm>=4.60",
         "numpy>=1.24",
+        "psutil>=5.9",  # train.interrupt: a rank notices its launcher is gone (deepspeed needs it too)
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6"],
