@@ -57,7 +57,7 @@ from disagmoe_ds.train.balance import bias_update_rate, expert_load, imbalance, 
 from disagmoe_ds.train.checkpoints import ResumePoint, check_resume, effective_freezing, locate, restore, save
 from disagmoe_ds.train.data import TrainData, check_data_args, lane_loader, prepare_data, to_device
 from disagmoe_ds.train.export import export_hf
-from disagmoe_ds.train.failures import report_rank_failure
+from disagmoe_ds.train.failures import job_key, report_launched_failure, report_rank_failure
 from disagmoe_ds.train.hostfile import check_hostfile, deepspeed_command, describe, filters_slots, strip_launch_flags
 from disagmoe_ds.train.interrupt import STOPPED_EXIT, StopRequest, parent_waits_for_ranks
 from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
@@ -158,7 +158,14 @@ def run_launched(args: TrainArgs) -> bool:
         sys.exit(2)  # every rank found the same problem; rank 0 reports it
     share_cores()
     init_from_env(comm_timeout_s=args.cfg.comm_timeout_s)
-    stopped = train(dist.get_rank(), args, None)
+    key = job_key()
+    try:
+        stopped = train(dist.get_rank(), args, None)
+    except Exception as err:  # one line from the first failing rank, every traceback in a file
+        line = report_launched_failure(key, dist.get_rank(), err)
+        if line is not None:
+            print(f"run_pretrain.py: {line}", file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown: the peers are failing or blocked, and the launcher ends them
     dist.barrier()
     dist.destroy_process_group()
     return stopped

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -180,3 +182,43 @@ def test_bad_input_is_a_one_line_error_before_any_rank_starts(
         "colocated flag": ["--ep-size", 2],
     }[case]
     assert_refused_before_launch(tok_cache, capfd, argv, message)
+
+
+_FAIL_IN_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":  # a rank of the launched job, not the launcher
+    from disagmoe_ds.colocated import executor
+
+    original, calls = executor.ColocatedExecutor.train_batch, []
+
+    def train_batch(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure in rank 1")
+        return original(self, *args, **kwargs)
+
+    executor.ColocatedExecutor.train_batch = train_batch
+"""
+
+
+def test_a_failure_under_torchrun_is_one_line_from_the_failing_rank(tok_cache, tmp_path) -> None:
+    """Rank 1 raises in step 2 under torchrun (injected through sitecustomize); its peer then fails or is ended. Our
+    output is one line naming rank 1's exception and where every rank's traceback went; the launcher's own
+    report follows it."""
+    (tmp_path / "sitecustomize.py").write_text(_FAIL_IN_RANK_1)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29523"]
+    argv = ["--mode", "colocated", "--steps", 4, *SHORT, "--tokenizer-cache", tok_cache]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "TMPDIR": str(tmp_path)}
+    command = [*launcher, str(ROOT / "run_pretrain.py"), *map(str, argv)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("run_pretrain.py:")]
+    assert len(ours) == 1, done.stderr[-3000:]
+    match = re.fullmatch(
+        r"run_pretrain\.py: rank 1 failed: RuntimeError: injected failure in rank 1 \(tracebacks: (.*)\)", ours[0]
+    )
+    assert match, ours[0]
+    pattern = Path(match[1])  # names every rank's log of this job
+    assert pattern.parent == tmp_path and pattern.name.endswith("-rank*.log"), pattern
+    rank1 = (tmp_path / pattern.name.replace("*", "1")).read_text()
+    assert "injected failure in rank 1" in rank1 and "Traceback" in rank1

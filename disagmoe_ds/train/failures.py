@@ -3,7 +3,8 @@
 A failing rank usually takes its peers down with it (their next collective fails with "Connection closed by
 peer"), so the full report holds several tracebacks of which only the first failing rank's matters.
 ``spawn_local`` orders the failed ranks root cause first; the line names that rank's exception and where the rest
-went.
+went. Under a launcher (torchrun, deepspeed) every rank reports for itself: each writes its own traceback, and only
+the first to fail prints the line (the launcher's own messages follow it).
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import traceback
 from pathlib import Path
+
+import torch.distributed as dist
 
 from disagmoe_ds.launch import RankFailedError
 
@@ -30,3 +34,25 @@ def report_rank_failure(err: RankFailedError) -> str:
     except OSError as write_err:  # the report must not hide the failure: fall back to printing it whole
         return f"rank {err.rank} failed: {err.cause} (could not write the log {path}: {write_err}); all ranks:\n{err}"
     return f"rank {err.rank} failed: {err.cause} (tracebacks of every failed rank: {path})"
+
+
+def job_key() -> str:
+    """One name for this launched job on every rank (rank 0's start time, broadcast): the failure files' prefix."""
+    key = [time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"]
+    dist.broadcast_object_list(key, src=0)
+    return key[0]
+
+
+def report_launched_failure(key: str, rank: int, err: BaseException) -> str | None:
+    """Under a launcher, a failing rank writes its traceback to ``run_pretrain-failure-KEY-rankR.log``; the first
+    rank of the job to fail (first to create the ``.first`` marker in the same temporary directory, one per node)
+    returns the one line to print, the others None: their failures are usually the first one's consequence."""
+    folder = Path(tempfile.gettempdir())
+    log = folder / f"run_pretrain-failure-{key}-rank{rank}.log"
+    log.write_text("".join(traceback.format_exception(err)))
+    try:
+        os.close(os.open(folder / f"run_pretrain-failure-{key}.first", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return None
+    cause = f"{type(err).__name__}: {err}".splitlines()[0]
+    return f"rank {rank} failed: {cause} (tracebacks: {folder}/run_pretrain-failure-{key}-rank*.log)"
