@@ -236,3 +236,32 @@ def test_readme_cpu_commands_run_as_written(tok_cache, tmp_path, monkeypatch, ca
     manifest = json.loads((tmp_path / "runs" / "ft" / "step2" / "manifest.json").read_text())
     assert manifest["frozen"]["router"] and manifest["client_state"]["step"] == 2
     assert (tmp_path / "runs" / "ft-hf" / "model.safetensors").exists()
+
+
+def test_the_pretraining_flow_end_to_end(tok_cache, tmp_path) -> None:
+    """The same flow for a pretraining run from scratch: save every step with an HF export -> resume bit for bit ->
+    ``from_pretrained`` of the export (with its tokenizer) -> relayout to another FFN split -> resume at the data
+    position."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt, export = tmp_path / "ck", tmp_path / "export"
+    base = ["--seq-len", 64, "--steps", 3]
+    argv = [*base, "--save-dir", ckpt, "--save-every", 1, "--keep-last", 0, "--export-hf", export]
+    assert pretrain(tok_cache, *argv, "--metrics-file", tmp_path / "m") == 0
+    metrics = records(tmp_path / "m")
+    resumed = tmp_path / "resumed"
+    assert (
+        pretrain(tok_cache, *base, "--save-dir", resumed, "--resume", ckpt / "step1", "--metrics-file", resumed / "m")
+        == 0
+    )
+    assert same(records(resumed / "m"), metrics[1:])
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(export), AutoTokenizer.from_pretrained(export)
+    assert model.config.num_hidden_layers == 4 and tokenizer.decode(tokenizer.encode("It is 7.")).endswith("It is 7.")
+    relaid = tmp_path / "relaid"
+    relayout = f"relayout --ckpt {ckpt} --tag step2 --model {MODEL} --out {relaid} --attention-gpus 2 --ffn-gpus 1"
+    assert convert(relayout.split()) == 0
+    out = tmp_path / "relaid-resumed"
+    argv = [*base, "--ffn-gpus", 1, "--save-dir", out, "--resume", relaid, "--metrics-file", out / "m"]
+    assert pretrain(tok_cache, *argv) == 0
+    (step3,) = records(out / "m")
+    assert step3["step"] == 3 and abs(step3["loss"] - metrics[2]["loss"]) <= RELAYOUT_TOL, (step3, metrics[2])
