@@ -158,7 +158,8 @@ class AttentionRunner:
                 h_BSH = torch.randn(self.B, seq_len, self.config.hidden_size, device=device, dtype=dtype)
                 h_BSH.requires_grad_()
                 position_ids_BS = torch.arange(seq_len, device=device).expand(self.B, seq_len)
-                out = self.stage.part(int(layer))(h_BSH, self.stage.context(h_BSH, position_ids_BS), self.config)
+                ctx = self.stage.context(h_BSH, position_ids_BS)
+                out = self.recompute(self.stage.part(int(layer)), h_BSH, ctx, self.config)  # as the step runs it
                 _grad_of_inputs([out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE], [h_BSH])
 
     # ----- forward -----
@@ -316,7 +317,7 @@ class ExpertRunner:
                     idx_RK = _warm_up_ids(rows, self.top_k, shard.num_local, pattern, device)
                     w_RK = torch.rand(rows, self.top_k, device=device, dtype=self.weight_dtype, requires_grad=True)
                     pairs = int((idx_RK < shard.num_local).sum())
-                    _grad_of_inputs([shard(x_RH, idx_RK, w_RK, pairs)], [x_RH, w_RK])
+                    _grad_of_inputs([self.recompute(shard, x_RH, idx_RK, w_RK, pairs)], [x_RH, w_RK])
 
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         tokens, rows = incoming["m2n"]
