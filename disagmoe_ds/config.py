@@ -21,7 +21,7 @@ from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
-_FLAGS = ("compile", "activation_checkpointing", "comm_stream")
+_FLAGS = ("compile", "activation_checkpointing", "comm_stream", "resend")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,10 @@ class DisagMoEConfig:
         transport: how exchange payloads move: ``auto`` is torch.distributed's backend (NCCL on GPUs, gloo on
             CPUs); ``rendezvous`` is a CPU stand-in for NCCL's network transport that tests run under, where a send
             completes only once its receive has started (``comm.transport``).
+        resend: the expert side keeps nothing between a micro-batch's forward and backward: the attention side
+            sends the routed tokens again with the backward's gradients, and the expert side recomputes its
+            forward from them (the planner's "resend" variant: F memory for A->F bytes). Depth 1 only: with p > 1
+            the rank that sends the gradients (A_next) does not hold the tokens.
         cluster: what the schedule generator's task costs assume: a planner preset (``h800``, ``h100``, ``h200``)
             or a cluster JSON (``docs/planner.md``), so the order it emits is the one the planner simulated.
         profile: a ``disagmoe-plan profile`` JSON whose measured part times replace peak x efficiency there.
@@ -61,6 +65,7 @@ class DisagMoEConfig:
     activation_checkpointing: bool = False
     comm_stream: bool = True
     transport: str = "auto"
+    resend: bool = False
     cluster: str = "h200"
     profile: str | None = None
 
@@ -68,6 +73,11 @@ class DisagMoEConfig:
         for flag in _FLAGS:
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f'"{SECTION}.{flag}" must be true or false, got {getattr(self, flag)!r}')
+        if self.resend and self.depth > 1:
+            raise ConfigError(
+                f'"{SECTION}.resend" needs depth 1 (got {self.depth}): with p > 1 the rank that sends the experts\' '
+                "gradients does not hold their tokens; set depth 1 or resend false"
+            )
         if self.transport not in TRANSPORTS:
             raise ConfigError(f'"{SECTION}.transport" must be one of {sorted(TRANSPORTS)}, got {self.transport!r}')
         if self.cluster not in PRESETS and not Path(self.cluster).is_file():

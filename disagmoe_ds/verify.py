@@ -301,6 +301,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         help="exchange transport: auto (NCCL on GPUs, gloo on CPUs) or rendezvous (CPU ranks; a send completes only "
         "once its receive has started, as on NCCL's network transport: shows deadlocks gloo hides)",
     )
+    p.add_argument("--resend", action="store_true", help="experts keep nothing between forward and backward (depth 1)")
     p.add_argument(
         "--comm-timeout", type=float, default=300.0, help="seconds a rank may wait for a peer; stacks at half of it"
     )
@@ -315,6 +316,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         activation_checkpointing=a.activation_checkpointing,
         transport=a.transport,
         comm_timeout_s=a.comm_timeout,
+        resend=a.resend,
     )
     return run_args(VerifyArgs, a, cfg)
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.launch.local import free_port
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.verify import VerifyArgs, run_verify
@@ -151,3 +152,24 @@ def test_kernel_warm_up_leaves_no_trace(tiny_checkpoint, monkeypatch):
     )
     args = VerifyArgs(str(tiny_checkpoint("deepseek-v3")), cfg, zero=1, seq_len=8, clip=CLIP)
     assert run_verify(args, timeout_s=240)["pass"]
+
+
+def test_resend_keeps_nothing_on_the_expert_side_and_equals_hf(tiny_checkpoint, monkeypatch):
+    """``resend``: between a micro-batch's forward and backward an FFN rank holds no tensor of it (the attention side
+    sends the tokens again with the gradients); the result is still HF's, exactly."""
+    from disagmoe_ds.engine.runners import ExpertRunner
+
+    forward = ExpertRunner.forward
+
+    def forward_holding_nothing(self, layer, mb, incoming):
+        outgoing = forward(self, layer, mb, incoming)
+        held = [t for chunk in self.chunks.values() for t in (chunk.x_SH, chunk.w_SK, chunk.y_SH) if t is not None]
+        assert not held, f"an FFN rank holds {len(held)} tensors between forward and backward"
+        return outgoing
+
+    monkeypatch.setattr(ExpertRunner, "forward", forward_holding_nothing)
+    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, micro_batches=3, transport="rendezvous", resend=True)
+    args = VerifyArgs(str(tiny_checkpoint("deepseek-v3")), cfg, zero=1, seq_len=8, clip=CLIP, skew=True)
+    assert run_verify(args, timeout_s=240)["pass"]
+    with pytest.raises(ConfigError, match="resend.*needs depth 1"):
+        DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=2, resend=True)

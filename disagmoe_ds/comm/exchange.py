@@ -167,7 +167,14 @@ def build_exchange_comms(layout: Layout, transport: Transport, *, device: torch.
 
 # ----- message specs -----
 def exchange_specs(
-    hidden: int, top_k: int, num_experts: int, ep_size: int, *, dtype: torch.dtype, weight_dtype: torch.dtype
+    hidden: int,
+    top_k: int,
+    num_experts: int,
+    ep_size: int,
+    *,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    resend: bool = False,
 ) -> dict[Kind, MessageSpec]:
     """The message of each kind. Sizes: R rows (M2N/N2M kinds); T tokens and S routed rows (resid kinds).
 
@@ -176,19 +183,21 @@ def exchange_specs(
         top_k: K.
         num_experts: E (the router statistics carried along the residual stream).
         ep_size: P; the resid header carries the combine plan's rows per ep rank (P ints).
+        resend: n2m_grad carries the m2n message again (``DisagMoEConfig.resend``).
         dtype: activations (bf16 in training).
         weight_dtype: router weights (often fp32 while activations are bf16).
     """
     rows_h = TensorSpec(dtype, (hidden,))
     rows_w = TensorSpec(weight_dtype, (top_k,))
     fixed_e = TensorSpec(torch.float32, (num_experts,), size=None)
+    m2n = (rows_h, TensorSpec(torch.int64, (top_k,)), rows_w)  # x_RH, local_idx_RK, w_RK
     specs = {
-        Kind.M2N: (rows_h, TensorSpec(torch.int64, (top_k,)), rows_w),  # x_RH, local_idx_RK, w_RK
+        Kind.M2N: m2n,
         Kind.N2M: (rows_h,),  # y_RH
         # residual_TH, token_idx_S (the combine plan), position_ids_T, counts_E, prob_sum_E
         Kind.RESID: (rows_h, TensorSpec(torch.int64, (), size=1), TensorSpec(torch.int64, ()), fixed_e, fixed_e),
         Kind.M2N_GRAD: (rows_h, rows_w),  # dx_RH, dw_RK
-        Kind.N2M_GRAD: (rows_h,),  # dy_RH
+        Kind.N2M_GRAD: (rows_h, *m2n) if resend else (rows_h,),  # dy_RH (+ the m2n message again)
         Kind.RESID_GRAD: (rows_h, fixed_e),  # d residual_TH, aux_grad_E
     }
     metas = {Kind.RESID: ep_size}

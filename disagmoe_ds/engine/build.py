@@ -134,6 +134,7 @@ def build_rank(
         weight_dtype=weight_dtype,
         device=device,
         comm_stream=cfg.comm_stream,
+        resend=cfg.resend,
     )
     if role.is_attention:
         aux_coef = stage.config.router_aux_loss_coef if aux_loss_enabled(stage.config) else None
@@ -147,6 +148,7 @@ def build_rank(
             micro_batch_size=micro_batch_size,
             aux_coef=aux_coef,
             activation_checkpointing=cfg.activation_checkpointing,
+            resend=cfg.resend,
         )
     else:
         runner = ExpertRunner(
@@ -155,6 +157,7 @@ def build_rank(
             top_k=top_k,
             weight_dtype=weight_dtype,
             activation_checkpointing=cfg.activation_checkpointing,
+            resend=cfg.resend,
         )
     name = f"rank {rank} {worker} {'lane' if role.is_attention else 'ffn'} {role.index}"
     executor = AFPipeExecutor(
@@ -177,7 +180,13 @@ def schedule_costs(
     if seq_len is None:
         return None
     return runtime_costs(
-        config, layout, seq_len=seq_len, micro_batch_size=micro_batch_size, cluster=cfg.cluster, profile=cfg.profile
+        config,
+        layout,
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        cluster=cfg.cluster,
+        profile=cfg.profile,
+        resend=cfg.resend,
     )
 
 

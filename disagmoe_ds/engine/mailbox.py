@@ -15,6 +15,7 @@ Payloads at the runner boundary (shape suffixes: T tokens, H hidden, K top-k, E 
     n2m        F sends ((y_SH,), LaneRows)                                   A gets [(y_RH,)] per ep rank
     m2n_grad   F sends ((dx_SH, dw_SK), LaneRows)                            A gets [(dx_RH, dw_RK)] per ep rank
     n2m_grad   A sends ([(dy_RH,)] per ep rank, None)                        F gets ((dy_SH,), LaneRows)
+               with resend: (dy_RH, x_RH, local_idx_RK, w_RK) per ep rank    F gets ((dy, x, idx, w)_S, LaneRows)
     resid      ((residual_TH, token_idx_S, position_ids_T, counts_E, prob_sum_E), rows_P)   the same
     resid_grad (d_residual_TH, aux_grad_E)                                                   the same
 """
@@ -64,10 +65,11 @@ class Mailbox:
         weight_dtype: torch.dtype,
         device: torch.device,
         comm_stream: bool = True,
+        resend: bool = False,
     ):
         layout, rank = comms.layout, comms.rank
         specs = exchange_specs(
-            hidden, top_k, layout.num_experts, layout.ep_size, dtype=dtype, weight_dtype=weight_dtype
+            hidden, top_k, layout.num_experts, layout.ep_size, dtype=dtype, weight_dtype=weight_dtype, resend=resend
         )
         stream = CommStream(device, enabled=comm_stream)
         self.depth = layout.depth

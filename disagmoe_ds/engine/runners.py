@@ -81,6 +81,7 @@ class _Chunk:
     y_leaves: list[torch.Tensor] = field(default_factory=list)
     residual_out: torch.Tensor | None = None
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    sent: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # the m2n messages (resend: sent again)
     prob_sum_E: torch.Tensor | None = None
     scaled_loss: torch.Tensor | None = None
     aux_grad_E: torch.Tensor | None = None
@@ -115,8 +116,9 @@ class AttentionRunner:
         micro_batch_size: int,
         aux_coef: float | None,
         activation_checkpointing: bool = False,
+        resend: bool = False,
     ):
-        self.engine, self.stage, self.layout = engine, stage, layout
+        self.engine, self.stage, self.layout, self.resend = engine, stage, layout, resend
         self.recompute = _checkpointed if activation_checkpointing else _run
         self.config = stage.config
         self.moe_layers = moe_layers
@@ -189,6 +191,7 @@ class AttentionRunner:
             plan = plan_dispatch(topk_idx_TK, self.layout.ep_size, self.layout.experts_per_rank)
             chunk.pieces = pack(out.x_TH, out.topk_w_TK, plan)
             messages = [(x_RH, idx_RK, w_RK) for (x_RH, w_RK), idx_RK in zip(chunk.pieces, plan.local_idx_RK)]
+            chunk.sent = [tuple(t.detach() for t in message) for message in messages] if self.resend else []
             outgoing["m2n"] = (messages, plan.pairs)
         residual_TH = out.residual_BSH.detach().reshape(T, H)
         if self.layout.depth == 1:  # the combine runs here: keep the plan itself
@@ -260,7 +263,10 @@ class AttentionRunner:
             d_resid_TH = _grad_or_zeros(chunk.resid_leaf).reshape(-1, chunk.resid_leaf.shape[-1])
             self._hand_off("resid_grad", layer, mb, (d_resid_TH, aux_grad_E), outgoing)
             if chunk.y_leaves:
-                outgoing["n2m_grad"] = ([(_grad_or_zeros(y),) for y in chunk.y_leaves], None)
+                grads = [(_grad_or_zeros(y),) for y in chunk.y_leaves]
+                if self.resend:  # the previous layer's tokens again (depth 1: its chunk is on this rank)
+                    grads = [g + m for g, m in zip(grads, self.chunks[(layer - 1, mb)].sent, strict=True)]
+                outgoing["n2m_grad"] = (grads, None)
         return outgoing
 
     # ----- residual hand-off: a message when p > 1, a local value when p == 1 -----
@@ -276,10 +282,11 @@ class AttentionRunner:
 
 @dataclass
 class _ExpertChunk:
-    x_SH: torch.Tensor
-    w_SK: torch.Tensor
-    y_SH: torch.Tensor
+    x_SH: torch.Tensor | None  # None between forward and backward with resend
+    w_SK: torch.Tensor | None
+    y_SH: torch.Tensor | None
     rows: Any
+    num_pairs: int
 
 
 class ExpertRunner:
@@ -293,8 +300,10 @@ class ExpertRunner:
         top_k: int,
         weight_dtype: torch.dtype,
         activation_checkpointing: bool = False,
+        resend: bool = False,
     ):
         self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, top_k, weight_dtype
+        self.resend = resend
         self.recompute = _checkpointed if activation_checkpointing else _run
         self.chunks: dict[tuple[int, int], _ExpertChunk] = {}
 
@@ -321,14 +330,23 @@ class ExpertRunner:
 
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         tokens, rows = incoming["m2n"]
+        if self.resend:  # keep nothing: the backward gets the tokens again and recomputes
+            with torch.no_grad():
+                y_SH = self.stage.shard(layer)(tokens.x_RH, tokens.local_idx_RK, tokens.w_RK, tokens.num_pairs)
+            self.chunks[(layer, mb)] = _ExpertChunk(None, None, None, rows, tokens.num_pairs)
+            return {"n2m": ((y_SH,), rows)}
         x_SH, w_SK = _leaf(tokens.x_RH), _leaf(tokens.w_RK)
         y_SH = self.recompute(self.stage.shard(layer), x_SH, tokens.local_idx_RK, w_SK, tokens.num_pairs)
-        self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows)
+        self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows, tokens.num_pairs)
         return {"n2m": ((y_SH,), rows)}
 
     def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         chunk = self.chunks.pop((layer, mb))
-        (dy_SH,), _ = incoming["n2m_grad"]
+        (dy_SH, *resent), _ = incoming["n2m_grad"]
+        if self.resend:  # recompute the forward from the tokens sent again
+            x_SH, idx_SK, w_SK = resent
+            chunk.x_SH, chunk.w_SK = _leaf(x_SH), _leaf(w_SK)
+            chunk.y_SH = self.stage.shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.num_pairs)
         if chunk.y_SH.requires_grad:
             self.engine.backward((chunk.y_SH * dy_SH).float().sum(), scale_wrt_gas=False)
         return {"m2n_grad": ((_grad_or_zeros(chunk.x_SH), _grad_or_zeros(chunk.w_SK)), chunk.rows)}

@@ -146,12 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _simulated_only(work: Workload) -> bool:
-    """True when the plan uses a variant the runtime does not implement yet (issue 16)."""
+def _simulated_only(work: Workload, depth: int) -> bool:
+    """True when the plan uses a variant the runtime lacks (issue 16); it resends at depth 1 (``resend``)."""
     z = work.zero_stage
     return (
         work.recompute == "selective"
-        or work.resend
+        or (work.resend and depth > 1)
         or work.offload != (0.0, 0.0)
         or work.split_backward
         or work.zero_of("attention") != z
@@ -218,7 +218,8 @@ def _write_outputs(args: argparse.Namespace, result: PlanResult) -> list[str]:
         text = json.dumps(ds_config(result, cluster=cluster), indent=2) + "\n"
         Path(args.write_ds_config).write_text(text, encoding="utf-8")
         notes.append(f"wrote ds_config {args.write_ds_config}")
-        if result.af is not None and _simulated_only(result.af.candidate.work):
+        candidate = result.af.candidate if result.af is not None else None
+        if candidate is not None and _simulated_only(candidate.work, candidate.layout.depth):
             notes.append(
                 f"note: the plan's variant ({result.af.candidate.work.variant}) is simulated only; the runtime does "
                 "not run it yet, so the ds_config carries the layout alone (plan with --variants paper to match)"

@@ -320,6 +320,7 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
         "expert_data_parallel": c.layout.expert_data_parallel,
         "max_in_flight": af.in_flight,
         "activation_checkpointing": c.work.recompute != "none",
+        "resend": c.work.resend and c.layout.depth == 1,
         "cluster": cluster or req.cluster.name,
     }
     return {

@@ -39,6 +39,7 @@ def runtime_costs(
     micro_batch_size: int,
     cluster: str = "h200",
     profile: str | None = None,
+    resend: bool = False,
 ) -> Costs:
     """Seconds per task and transfer of one micro-batch for ``layout``, ranks placed contiguously (attention first).
 
@@ -46,6 +47,7 @@ def runtime_costs(
         config: the model's Hugging Face config as a dict (the layers the job trains).
         cluster: a planner preset (``h800``, ``h100``, ``h200``; nodes from the world size) or a cluster JSON.
         profile: a ``disagmoe-plan profile`` JSON: measured part times instead of peak x efficiency.
+        resend: the backward's n2m_grad also carries the m2n payload (``DisagMoEConfig.resend``).
     """
     spec = ModelSpec.from_config(config)
     nodes = math.ceil(layout.world_size / GPUS_PER_PRESET_NODE)
@@ -54,5 +56,5 @@ def runtime_costs(
     rates = rates_from_profile(load_profile(profile), machines, eff) if profile else Rates.from_cluster(machines, eff)
     placement = Placement.contiguous(machines.nodes, machines.gpus_per_node)
     nics = placement.nic_splits(machines, layout.attention_gpus)[0]
-    work = Workload(seq_len, micro_batch_size)
+    work = Workload(seq_len, micro_batch_size, resend=resend)
     return schedule_costs(spec, af_task_costs(spec, layout, work, placement=placement, rates=rates, nics=nics))
