@@ -271,7 +271,13 @@ def run_launched(
     result = rank_fn(dist.get_rank(), args)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(_to_cpu(result), gathered, dst=0)
-    return compare(gathered, reference(args, args.cfg.lanes), args) if gathered is not None else None
+    summary = compare(gathered, reference(args, args.cfg.lanes), args) if gathered is not None else None
+    # Tear the groups down together, once rank 0 has its summary: a rank that exits first and leaves its many
+    # process groups to the interpreter's finalisation can abort in their threads' destructors, and the launcher
+    # then kills rank 0 before it prints.
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
 
 
 def _to_cpu(value: Any) -> Any:
