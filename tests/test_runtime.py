@@ -147,8 +147,13 @@ def test_kernel_warm_up_leaves_no_trace(tiny_checkpoint, monkeypatch):
         return runtime
 
     monkeypatch.setattr(build, "build_rank", build_and_warm)
-    cfg = DisagMoEConfig(
-        attention_gpus=1, ffn_gpus=2, micro_batches=2, transport="rendezvous", activation_checkpointing=True
+    cfg = DisagMoEConfig(  # checkpointing and resend: the warm-up runs the graphs of both
+        attention_gpus=1,
+        ffn_gpus=2,
+        micro_batches=2,
+        transport="rendezvous",
+        activation_checkpointing=True,
+        resend=True,
     )
     args = VerifyArgs(str(tiny_checkpoint("deepseek-v3")), cfg, zero=1, seq_len=8, clip=CLIP)
     assert run_verify(args, timeout_s=240)["pass"]

@@ -326,6 +326,9 @@ class ExpertRunner:
                     idx_RK = _warm_up_ids(rows, self.top_k, shard.num_local, pattern, device)
                     w_RK = torch.rand(rows, self.top_k, device=device, dtype=self.weight_dtype, requires_grad=True)
                     pairs = int((idx_RK < shard.num_local).sum())
+                    if self.resend:  # its forward runs without autograd: graphs of their own
+                        with torch.no_grad():
+                            shard(x_RH, idx_RK, w_RK, pairs)
                     _grad_of_inputs([self.recompute(shard, x_RH, idx_RK, w_RK, pairs)], [x_RH, w_RK])
 
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
