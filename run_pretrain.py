@@ -47,6 +47,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from disagmoe_ds.data.loader import to_device
 from disagmoe_ds.engine.executor import StepResult
 from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
 from disagmoe_ds.errors import ConfigError, DisagMoEError
@@ -55,7 +56,7 @@ from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.train.args import TrainArgs, parse_args
 from disagmoe_ds.train.balance import bias_update_rate, expert_load, imbalance, update_expert_bias
 from disagmoe_ds.train.checkpoints import ResumePoint, check_resume, effective_freezing, locate, restore, save
-from disagmoe_ds.train.data import TrainData, check_data_args, lane_loader, prepare_data, to_device
+from disagmoe_ds.train.data import TrainData, check_data_args, lane_loader, prepare_data
 from disagmoe_ds.train.export import export_hf
 from disagmoe_ds.train.failures import job_key, report_launched_failure, report_rank_failure
 from disagmoe_ds.train.hostfile import check_hostfile, deepspeed_command, describe, filters_slots, strip_launch_flags

@@ -21,6 +21,7 @@ import torch
 
 from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.data.loader import to_device
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -117,7 +118,6 @@ def train_steps(
     """Train ``args.steps`` steps, step s on ``batches_of(s)`` (moved to the rank's device); the last step is
     written as a job timeline when ``args.timeline`` is set. Returns the losses and global grad norms."""
     from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
-    from disagmoe_ds.train.data import to_device
 
     losses, norms = [], []
     for step in range(args.steps):

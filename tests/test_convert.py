@@ -21,7 +21,6 @@ from disagmoe_ds.colocated.verify import _written
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.convert import (
     Job,
-    _full_state,
     disagmoe_to_hf,
     hf_to_disagmoe,
     main,
@@ -30,6 +29,7 @@ from disagmoe_ds.convert import (
 )
 from disagmoe_ds.engine.build import build_rank
 from disagmoe_ds.engine.checkpoint import load_checkpoint, save_checkpoint
+from disagmoe_ds.engine.ds_state import _full_state
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.verify import DTYPES, VerifyArgs, load_for_verify, make_batches

@@ -30,8 +30,8 @@ from disagmoe_ds.engine.deepspeed_role import RoleMPU, role_ds_config
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.models.families import family_of
-from disagmoe_ds.models.loading import load_config, place
-from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
+from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.partial_load import PretrainedWeights, place, rank_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
 

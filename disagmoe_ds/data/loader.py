@@ -153,3 +153,9 @@ class MicroBatchLoader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def to_device(batches: list[dict[str, torch.Tensor]], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches moved to ``device``; pinned host tensors copy asynchronously, overlapping the previous
+    micro-batch's compute."""
+    return [{key: value.to(device, non_blocking=True) for key, value in mb.items()} for mb in batches]

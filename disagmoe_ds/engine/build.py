@@ -31,8 +31,8 @@ from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.families import family_of, router_of
 from disagmoe_ds.models.grouped_experts import compile_elementwise
-from disagmoe_ds.models.loading import load_config, place
-from disagmoe_ds.models.partial_load import rank_model
+from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.partial_load import place, rank_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, moe_layers, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.runtime_costs import runtime_costs

@@ -1,21 +1,17 @@
 """Load a Hugging Face MoE model (weights or config only) through HF's normal loading path, with clear errors; or
-build it on the meta device and allocate only the parts a rank cut from it (``materialize``)."""
+build it on the meta device (``partial_load.materialize`` then allocates only the parts a rank cut from it)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.models.families import family_of
-
-if TYPE_CHECKING:
-    from disagmoe_ds.models.partial_load import PretrainedWeights
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -108,67 +104,6 @@ def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) ->
     config = load_config(path)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
-def place(
-    stage: nn.Module,
-    model: nn.Module,
-    device: torch.device,
-    *,
-    seed: int = 0,
-    weights: PretrainedWeights | None = None,
-) -> None:
-    """Put a part cut from ``model`` on ``device``: ``materialize`` it when cut from a meta model, else move it."""
-    if next(stage.parameters()).is_meta:
-        materialize(stage, model, device, seed=seed, weights=weights)
-    else:
-        stage.to(device)
-
-
-def materialize(
-    stage: nn.Module,
-    model: nn.Module,
-    device: torch.device,
-    *,
-    seed: int = 0,
-    weights: PretrainedWeights | None = None,
-) -> None:
-    """Allocate a stage cut from a meta model on ``device``; fill it with the pretrained values of ``weights``, or
-    initialise it with HF's own ``_init_weights``.
-
-    Replicas of the same parameters may draw different values here; DeepSpeed broadcasts each data-parallel
-    group's rank-0 copy when the engine is built, so they start identical.
-    """
-    _allocate(stage, device)
-    if weights is not None:
-        weights.fill(stage)
-    else:
-        _initialise(stage, model, seed)
-    rotary = getattr(stage, "rotary_emb", None)
-    if rotary is not None:  # its inv_freq buffers are computed in __init__, neither initialised nor loaded
-        with torch.device(device):
-            stage.rotary_emb = type(rotary)(config=stage.config)
-
-
-def _allocate(stage: nn.Module, device: torch.device) -> None:
-    """``to_empty``, keeping tied parameters (one object under several names) tied: ``to_empty`` gives every
-    module a new parameter of its own."""
-    tied = shared_parameters(stage)
-    stage.to_empty(device=device)
-    for names in tied:
-        param = stage.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, attr = name.rpartition(".")
-            setattr(stage.get_submodule(owner), attr, param)
-
-
-def _initialise(stage: nn.Module, model: nn.Module, seed: int) -> None:
-    torch.manual_seed(seed)
-    for param in stage.parameters():
-        if getattr(param, "_is_hf_initialized", False):
-            param._is_hf_initialized = False  # set while building on meta, where nothing was written
-    for module in stage.modules():
-        model._init_weights(module)
 
 
 def shared_parameters(module: nn.Module) -> list[list[str]]:

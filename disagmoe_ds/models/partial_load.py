@@ -287,3 +287,64 @@ def _reader(path: Path, files: dict[str, str]) -> Iterator[Read]:
             return handles[file].get_slice(key)[rows.start : rows.stop]
 
         yield read
+
+
+def place(
+    stage: nn.Module,
+    model: nn.Module,
+    device: torch.device,
+    *,
+    seed: int = 0,
+    weights: PretrainedWeights | None = None,
+) -> None:
+    """Put a part cut from ``model`` on ``device``: ``materialize`` it when cut from a meta model, else move it."""
+    if next(stage.parameters()).is_meta:
+        materialize(stage, model, device, seed=seed, weights=weights)
+    else:
+        stage.to(device)
+
+
+def materialize(
+    stage: nn.Module,
+    model: nn.Module,
+    device: torch.device,
+    *,
+    seed: int = 0,
+    weights: PretrainedWeights | None = None,
+) -> None:
+    """Allocate a stage cut from a meta model on ``device``; fill it with the pretrained values of ``weights``, or
+    initialise it with HF's own ``_init_weights``.
+
+    Replicas of the same parameters may draw different values here; DeepSpeed broadcasts each data-parallel
+    group's rank-0 copy when the engine is built, so they start identical.
+    """
+    _allocate(stage, device)
+    if weights is not None:
+        weights.fill(stage)
+    else:
+        _initialise(stage, model, seed)
+    rotary = getattr(stage, "rotary_emb", None)
+    if rotary is not None:  # its inv_freq buffers are computed in __init__, neither initialised nor loaded
+        with torch.device(device):
+            stage.rotary_emb = type(rotary)(config=stage.config)
+
+
+def _allocate(stage: nn.Module, device: torch.device) -> None:
+    """``to_empty``, keeping tied parameters (one object under several names) tied: ``to_empty`` gives every
+    module a new parameter of its own."""
+    tied = shared_parameters(stage)
+    stage.to_empty(device=device)
+    for names in tied:
+        param = stage.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(stage.get_submodule(owner), attr, param)
+
+
+def _initialise(stage: nn.Module, model: nn.Module, seed: int) -> None:
+    torch.manual_seed(seed)
+    for param in stage.parameters():
+        if getattr(param, "_is_hf_initialized", False):
+            param._is_hf_initialized = False  # set while building on meta, where nothing was written
+    for module in stage.modules():
+        model._init_weights(module)

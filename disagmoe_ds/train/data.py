@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from disagmoe_ds.data import (
     DataError,
     MicroBatchLoader,
@@ -129,11 +127,6 @@ def lane_loader(data: TrainData, args: TrainArgs, lane: int, *, pin_memory: bool
         num_micro_batches=args.cfg.micro_batches,
         pin_memory=pin_memory,
     )
-
-
-def to_device(batches: list[dict[str, torch.Tensor]], device: torch.device) -> list[dict[str, torch.Tensor]]:
-    # Pinned host tensors copy asynchronously: the copy overlaps the previous micro-batch's compute.
-    return [{key: value.to(device, non_blocking=True) for key, value in mb.items()} for mb in batches]
 
 
 def steps_per_epoch(data: TrainData, args: TrainArgs) -> int:

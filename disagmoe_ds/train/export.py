@@ -1,7 +1,7 @@
 """``--export-hf DIR``: the job's current weights as a ``save_pretrained`` directory, written from inside the job.
 
-Every rank hands its share of the module weights (HF names; one copy of each tensor, ``convert.module_pieces``) to
-rank 0, which assembles the model and writes it with ``convert.write_hf``: the original per-expert keys, the
+Every rank hands its share of the module weights (HF names; one copy of each tensor, ``ds_state.module_pieces``)
+to rank 0, which assembles the model and writes it with ``hf_writer.write_hf``: the original per-expert keys, the
 model directory's config and generation files, and the run's tokenizer, so ``AutoModelForCausalLM`` and
 ``AutoTokenizer.from_pretrained(DIR)`` load it. DIR is replaced atomically; rank 0 holds the whole model in host
 memory while it writes.
@@ -15,8 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.convert import join_module_pieces, module_pieces, write_hf
 from disagmoe_ds.data import Tokenizer
+from disagmoe_ds.engine.ds_state import join_module_pieces, module_pieces
+from disagmoe_ds.models.hf_writer import write_hf
 from disagmoe_ds.train.modes import Runtime
 
 
