@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from disagmoe_ds.comm.routing import DispatchPlan, RoutedTokens, combine, gather_rows, plan_dispatch
+from disagmoe_ds.errors import LayoutError
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,7 +109,8 @@ class AllToAllDispatcher(LocalDispatcher):
     def __init__(self, group: dist.ProcessGroup, *, ep_size: int, experts_per_rank: int):
         super().__init__(experts_per_rank=experts_per_rank)
         self.ep_size = ep_size
-        assert dist.get_world_size(group) == ep_size, f"an ep group of {dist.get_world_size(group)} ranks, ep {ep_size}"
+        if dist.get_world_size(group) != ep_size:
+            raise LayoutError(f"an expert-parallel group of {dist.get_world_size(group)} ranks for ep_size {ep_size}")
         self.group = group
 
     def _exchange_counts(

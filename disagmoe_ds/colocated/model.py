@@ -26,6 +26,7 @@ from torch import nn
 
 from disagmoe_ds.colocated.dispatch import LocalDispatcher
 from disagmoe_ds.comm.routing import count_ids
+from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import (
     AttentionStage,
@@ -85,9 +86,12 @@ def _split_experts(module: ExpertStageMoE, state_dict: dict, prefix: str, local_
     stage_prefix = f"{prefix}stage.layers."
     for key in [k for k in state_dict if k.startswith(stage_prefix)]:
         layer, experts, name = key.removeprefix(stage_prefix).split(".", 2)
-        assert experts == "experts", f"unexpected expert-stage entry {key}"
         stacked_e = state_dict.pop(key)
-        assert stacked_e.shape[0] == module.num_local_experts, f"{key}: {tuple(stacked_e.shape)}, dim 0 not experts"
+        if experts != "experts" or stacked_e.shape[0] != module.num_local_experts:
+            raise CheckpointError(
+                f"expert entry {key} of shape {tuple(stacked_e.shape)} does not hold this rank's "
+                f"{module.num_local_experts} experts: the expert stage and its DeepSpeed-MoE wrapper disagree"
+            )
         for i, value in enumerate(stacked_e.unbind(0)):
             state_dict[f"{prefix}{_DS_EXPERTS}{i}.layers.{layer}.{name}"] = value
 
@@ -98,7 +102,8 @@ def _stack_experts(module: ExpertStageMoE, state_dict: dict, prefix: str, *args)
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     for key in [k for k in state_dict if k.startswith(prefix + _DS_EXPERTS)]:
         match = _DS_KEY.match(key.removeprefix(prefix))
-        assert match is not None, f"unexpected expert entry {key}"
+        if match is None:
+            raise CheckpointError(f"unexpected expert entry {key} in the checkpoint; was it written by this model?")
         stage_key = f"{prefix}stage.layers.{match['layer']}.experts.{match['name']}"
         pieces.setdefault(stage_key, {})[int(match["expert"])] = state_dict.pop(key)
     for key, by_expert in pieces.items():

@@ -42,8 +42,12 @@ class PackedDataset:
     position_ids: torch.Tensor
 
     def __post_init__(self) -> None:
-        assert self.input_ids.dim() == 2, f"expected [N, S] tensors, got {tuple(self.input_ids.shape)}"
-        assert self.input_ids.shape == self.labels.shape == self.position_ids.shape
+        shapes = [tuple(t.shape) for t in (self.input_ids, self.labels, self.position_ids)]
+        if self.input_ids.dim() != 2 or len(set(shapes)) != 1:
+            raise DataError(
+                f"packed data must be input_ids, labels and position_ids of one [N, S] shape, got {shapes}; "
+                "delete the packed cache and let the job pack the data again"
+            )
 
     @property
     def seq_len(self) -> int:
