@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -68,9 +69,6 @@ class MessageSpec:
         # hashlib, not hash(): Python's string hash is salted per process.
         digest = hashlib.blake2b(repr((self.tensors, self.metas)).encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little", signed=True)
-
-    def empty(self, sizes: Sequence[int], device: torch.device) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.empty(t.full_shape(sizes), dtype=t.dtype, device=device) for t in self.tensors)
 
     def sizes_of(self, tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
         """The message's sizes, read from the tensors' shapes (host metadata, no device read); checks the spec."""
@@ -146,7 +144,7 @@ class FanOut:
         self, transport: Transport, comm: Comm, peers: Sequence[int], spec: MessageSpec, headers: Headers | None
     ) -> None:
         self.transport, self.comm, self.peers, self.spec, self.headers = transport, comm, tuple(peers), spec, headers
-        self._in_flight: list[Sent] = []
+        self._in_flight: deque[Sent] = deque()
 
     def send(
         self,
@@ -188,7 +186,7 @@ class FanOut:
     def _reap(self) -> None:
         # Keep the list short on long steps: drop the leading fan-outs whose sends have completed.
         while self._in_flight and self._in_flight[0].is_completed():
-            self._in_flight.pop(0)
+            self._in_flight.popleft()
 
 
 @dataclass(eq=False)
@@ -205,6 +203,7 @@ class Arrival:
     header_buffers: tuple[torch.Tensor, ...] = ()
     header_works: tuple[dist.Work, ...] = ()
     buffers: tuple[torch.Tensor, ...] | None = None
+    per_peer: list[tuple[torch.Tensor, ...]] | None = None  # views of ``buffers``: peer i's message
     work: Work | None = None
 
 
@@ -212,8 +211,8 @@ class FanIn:
     """The receiving end: one message from each peer per arrival, in posting order.
 
     ``expect`` registers the next arrival (and posts its header receives, if the channel has headers);
-    ``post_ready`` posts the payload receives of the oldest arrivals whose sizes are known, in order;
-    ``complete`` blocks the host only for what is truly unknown (a header not yet in) and returns the buffers.
+    ``read_headers`` takes its sizes from them (blocking the host until they are in); ``post`` posts the payload
+    receives once the sizes are known (the caller posts arrivals in order); ``complete`` hands the buffers over.
     """
 
     def __init__(
@@ -269,14 +268,15 @@ class FanIn:
         with self.comm_stream.scope():
             buffers = self._concat_buffers(arrival.sizes)
             parts = [self._split(b, spec, arrival.sizes) for b, spec in zip(buffers, self.spec.tensors)]
-            ops = [Op("recv", part[i], peer) for i, peer in enumerate(self.peers) for part in parts if part[i].numel()]
-            arrival.buffers, arrival.work = buffers, self.transport.start(self.comm, ops)
+            per_peer = [tuple(part[i] for part in parts) for i in range(len(self.peers))]
+            ops = [Op("recv", t, peer) for peer, message in zip(self.peers, per_peer) for t in message if t.numel()]
+            arrival.buffers, arrival.per_peer = buffers, per_peer
+            arrival.work = self.transport.start(self.comm, ops)
 
-    def complete(self, arrival: Arrival) -> tuple[tuple[torch.Tensor, ...], list[tuple[tuple[torch.Tensor, ...]]]]:
+    def complete(self, arrival: Arrival) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
         """Hand the arrival's buffers to the compute stream; returns them whole and split per peer."""
         self.comm_stream.hand_over(arrival.work, arrival.buffers)
-        parts = [self._split(b, spec, arrival.sizes) for b, spec in zip(arrival.buffers, self.spec.tensors)]
-        return arrival.buffers, [tuple(part[i] for part in parts) for i in range(len(self.peers))]
+        return arrival.buffers, arrival.per_peer
 
     def _concat_buffers(self, sizes: Sequence[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
         out = []

@@ -73,8 +73,7 @@ class Mailbox:
         )
         stream = CommStream(device, enabled=comm_stream)
         self.depth = layout.depth
-        self.is_attention = layout.role_of(rank).is_attention
-        if self.is_attention:
+        if layout.role_of(rank).is_attention:
             sends, receives = [Kind.M2N, Kind.N2M_GRAD], [Kind.N2M, Kind.M2N_GRAD]
             if layout.depth > 1:  # resid first: ``pump`` learns n2m's sizes from its headers
                 sends, receives = [*sends, Kind.RESID, Kind.RESID_GRAD], [Kind.RESID, Kind.RESID_GRAD, *receives]
@@ -99,12 +98,13 @@ class Mailbox:
         keys = [k for k, _ in inbox.pending]
         if key not in keys:
             raise ChannelError(f"{message}: waited for without a PostRecv before")
-        for k, arrival in list(inbox.pending)[: keys.index(key) + 1]:
+        index = keys.index(key)
+        for k, arrival in list(inbox.pending)[: index + 1]:
             if arrival.work is None:
                 self._resolve(message.kind, k, arrival, block=True)
                 inbox.fan_in.post(arrival)
-        arrival = inbox.pending[keys.index(key)][1]
-        del inbox.pending[keys.index(key)]
+        arrival = inbox.pending[index][1]
+        del inbox.pending[index]
         whole, per_peer = inbox.fan_in.complete(arrival)
         return self._unpack(message.kind, arrival, whole, per_peer)
 
