@@ -119,6 +119,23 @@ def kill_session(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def sigint_the_launcher_alone(launcher: list[str], tmp: Path, tok_cache: Path, *extra: object, processes: int) -> None:
+    """Start ``launcher run_pretrain.py``, let it log 2 steps, SIGINT the launcher's PID only; it must exit non-zero
+    within STOP_BOUND_S and take its ``processes`` descendants with it."""
+    proc = start_job(launcher, tmp, tok_cache, *extra)
+    try:
+        wait_for_steps(proc, tmp, 2)
+        job = psutil.Process(proc.pid).children(recursive=True)
+        assert len(job) == processes, job
+        sent = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=STOP_BOUND_S) != 0
+        _, alive = psutil.wait_procs(job, timeout=max(1.0, STOP_BOUND_S - (time.monotonic() - sent)))
+        assert not alive, alive
+    finally:
+        kill_session(proc)
+
+
 def test_sigint_to_the_parent_alone_stops_saves_and_exits_130(tok_cache, tmp_path) -> None:
     """No launcher: the parent that forked the ranks gets the signal; the ranks never see a SIGINT."""
     proc = start_job([sys.executable], tmp_path, tok_cache)
@@ -166,18 +183,7 @@ def test_deepspeed_launcher_matches_the_local_run_and_sigint_to_it_alone_stops(d
     to the ``deepspeed`` command alone: it dies at once and leaves its per-node launcher running; the ranks notice
     the launcher orphaned, stop after their step, save, and exit 130, which the per-node launcher passes on."""
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", "29517"]
-    proc = start_job(launcher, tmp_path, tok_cache)
-    try:
-        wait_for_steps(proc, tmp_path, 2)
-        job = psutil.Process(proc.pid).children(recursive=True)  # the per-node launcher and the 4 ranks
-        assert len(job) == 5, job
-        sent = time.monotonic()
-        os.kill(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=STOP_BOUND_S) != 0
-        _, alive = psutil.wait_procs(job, timeout=max(1.0, STOP_BOUND_S - (time.monotonic() - sent)))
-        assert not alive, alive
-    finally:
-        kill_session(proc)
+    sigint_the_launcher_alone(launcher, tmp_path, tok_cache, processes=5)  # the per-node launcher and the 4 ranks
     # Steps 1-2 sit in the warm-up, whose learning rates do not depend on --steps.
     assert same(records(tmp_path / "m.jsonl")[:2], default_run[1][:2])
     stopped = assert_saved_at_the_stopped_step(tmp_path)

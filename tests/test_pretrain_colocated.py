@@ -10,29 +10,23 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.test_pretrain import (
     ROOT,
     SHORT,
     STEPS,
-    STOP_BOUND_S,
     assert_refused_before_launch,
     assert_saved_at_the_stopped_step,
-    kill_session,
     pretrain,
     records,
     run_script,
     same,
-    start_job,
-    wait_for_steps,
+    sigint_the_launcher_alone,
 )
 
 MODEL = ROOT / "hf_models" / "tiny-qwen3-moe-lm"  # the embedded default: 8 experts, 4 MoE layers
@@ -121,18 +115,7 @@ def test_torchrun_gives_the_world_size_and_sigint_to_it_alone_stops(two_rank_run
     SIGINT to torchrun alone: it passes the signal to its ranks, which stop after their step and save; torchrun
     exits non-zero (its SignalException)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519"]
-    proc = start_job(launcher, tmp_path, tok_cache, "--mode", "colocated")
-    try:
-        wait_for_steps(proc, tmp_path, 2)
-        job = psutil.Process(proc.pid).children(recursive=True)  # the 2 ranks
-        assert len(job) == 2, job
-        sent = time.monotonic()
-        os.kill(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=STOP_BOUND_S) != 0
-        _, alive = psutil.wait_procs(job, timeout=max(1.0, STOP_BOUND_S - (time.monotonic() - sent)))
-        assert not alive, alive
-    finally:
-        kill_session(proc)
+    sigint_the_launcher_alone(launcher, tmp_path, tok_cache, "--mode", "colocated", processes=2)  # the 2 ranks
     # Steps 1-2 sit in the warm-up, whose learning rates do not depend on --steps.
     assert same(records(tmp_path / "m.jsonl")[:2], two_rank_run[0][:2])
     stopped = assert_saved_at_the_stopped_step(tmp_path)
