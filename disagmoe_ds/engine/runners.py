@@ -193,11 +193,10 @@ class AttentionRunner:
             messages = [(x_RH, idx_RK, w_RK) for (x_RH, w_RK), idx_RK in zip(chunk.pieces, plan.local_idx_RK)]
             chunk.sent = [tuple(t.detach() for t in message) for message in messages] if self.resend else []
             outgoing["m2n"] = (messages, plan.pairs)
-        residual_TH = out.residual_BSH.detach().reshape(T, H)
-        if self.layout.depth == 1:  # the combine runs here: keep the plan itself
-            self.local[("resid", layer, mb)] = (residual_TH, plan, position_ids_BS.reshape(T), counts_E, probs_E)
-        else:  # A_next combines: send what combine needs of the plan, its sizes in the header
-            outgoing["resid"] = self._resid_message(residual_TH, plan, position_ids_BS.reshape(T), counts_E, probs_E)
+        # A_next combines from what combine needs of the plan (with p > 1 its rows per ep rank ride in the header).
+        residual_TH, position_ids_T = out.residual_BSH.detach().reshape(T, H), position_ids_BS.reshape(T)
+        resid = self._resid_message(residual_TH, plan, position_ids_T, counts_E, probs_E)
+        self._hand_off("resid", layer, mb, resid, outgoing)
         self.chunks[(layer, mb)] = chunk
         return outgoing
 
@@ -219,11 +218,10 @@ class AttentionRunner:
         return h_BSH, position_ids_BS, zeros_E, zeros_E
 
     def _combine(self, layer: int, mb: int, incoming: dict[str, Any], chunk: _Chunk):
-        if self.layout.depth == 1:
-            residual_TH, plan, position_ids_T, counts_E, probs_E = self.local.pop(("resid", layer - 1, mb))
-        else:
-            (residual_TH, token_idx_S, position_ids_T, counts_E, probs_E), rows_P = incoming["resid"]
-            plan = CombinePlan(residual_TH.shape[0], tuple(rows_P), token_idx_S)
+        (residual_TH, token_idx_S, position_ids_T, counts_E, probs_E), rows_P = self._take(
+            "resid", layer - 1, mb, incoming
+        )
+        plan = CombinePlan(residual_TH.shape[0], tuple(rows_P), token_idx_S)
         S = residual_TH.shape[0] // self.B
         chunk.resid_leaf = _leaf(residual_TH.view(self.B, S, -1))
         h_BSH = chunk.resid_leaf
