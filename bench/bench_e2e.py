@@ -62,6 +62,7 @@ from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_config
 
 METHODS = ("afpipe", "colocated", "deepspeed-moe")
+EP_METHODS = ("colocated", "deepspeed-moe")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -272,6 +273,7 @@ BUILDERS: dict[str, Callable[[argparse.Namespace, torch.device], tuple[Any, int,
 def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] | None:
     """Build ``method`` on this rank, train ``warmup + steps`` steps; the row on rank 0, None elsewhere."""
     del rank
+    label = f"{method}-ep{a.ep_size}" if method in EP_METHODS else method
     device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
     executor, num_micro_batches, layout = BUILDERS[method](a, device)
     batches = make_batches(a, load_config(a.model).vocab_size, num_micro_batches, device) or None
@@ -288,12 +290,12 @@ def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] 
             times.append(seconds)
         if a.timeline and last:
             breakdown = _host_breakdown(executor.timeline, seconds)
-            write_job_timeline(executor.timeline, t0, _timeline_path(a.timeline, method))
+            write_job_timeline(executor.timeline, t0, _timeline_path(a.timeline, label))
     step_s = statistics.median(times)
     tokens = a.global_batch * a.seq_len
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     row = {
-        "method": method,
+        "method": label,
         "layout": layout,
         "micro_batches": num_micro_batches,
         "tokens_per_step": tokens,
@@ -352,13 +354,16 @@ def _sync(device: torch.device) -> None:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    base = next((r["tokens_per_s"] for r in rows if r["method"] == "colocated"), None)
-    print(f"{'method':<15}{'micro-batches':>14}{'tokens/step':>13}{'step ms':>11}{'tokens/s':>12}{'vs colocated':>14}")
+    """One row per run; the ratio is against the fastest co-located run (the strongest baseline here)."""
+    colocated = [r["tokens_per_s"] for r in rows if r["method"].startswith("colocated")]
+    base = max(colocated, default=None)
+    header = f"{'method':<18}{'micro-batches':>14}{'tokens/step':>13}{'step ms':>11}{'tokens/s':>12}"
+    print(f"{header}{'vs best colocated':>19}")
     for r in rows:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         print(
-            f"{r['method']:<15}{r['micro_batches']:>14}{r['tokens_per_step']:>13}{r['step_ms']:>11.1f}"
-            f"{r['tokens_per_s']:>12.0f}{ratio:>14}"
+            f"{r['method']:<18}{r['micro_batches']:>14}{r['tokens_per_step']:>13}{r['step_ms']:>11.1f}"
+            f"{r['tokens_per_s']:>12.0f}{ratio:>19}"
         )
     for r in rows:
         print(f"  {r['method']}: {r['layout']}, loss {r['loss']:.4f}, max memory {r['max_memory_gib']:.1f} GiB")
@@ -387,7 +392,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention-gpus", type=int, default=None, help="AF-Pipe M (default: half the ranks)")
     p.add_argument("--ffn-gpus", type=int, default=None, help="AF-Pipe N (default: the other half)")
     p.add_argument("--depth", type=int, default=1, help="AF-Pipe p")
-    p.add_argument("--ep-size", type=int, default=None, help="co-located and DeepSpeed-MoE EP size (default: all)")
+    p.add_argument(
+        "--ep-size",
+        type=int,
+        nargs="+",
+        default=None,
+        help="co-located and DeepSpeed-MoE EP sizes, each run side by side (default: all ranks); e.g. "
+        "--ep-size 2 1 runs EP-2 and EP-1 (every rank holds every expert: plain data parallel)",
+    )
     p.add_argument("--ds-capacity-factor", type=float, default=0.0, help="DeepSpeed-MoE capacity (0: drop none)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2))
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on GPU, fp32 on CPU")
@@ -408,7 +420,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
     a.global_batch = a.global_batch or 2 * a.world_size * a.micro_batch_size
-    a.ep_size = a.ep_size or a.world_size
+    a.ep_sizes = a.ep_size or [a.world_size]
+    a.ep_size = a.ep_sizes[0]
     a.attention_gpus = a.attention_gpus or max(a.world_size // 2, 1)
     a.ffn_gpus = a.ffn_gpus or a.world_size - a.attention_gpus
     a.methods = a.methods or (list(METHODS) if a.world_size > 1 else ["colocated"])
@@ -419,6 +432,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def runs(a: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
+    """(method, its arguments) in run order: the EP methods once per ``--ep-size``."""
+    out = []
+    for method in a.methods:
+        for ep in a.ep_sizes if method in EP_METHODS else [a.ep_size]:
+            out.append((method, argparse.Namespace(**{**vars(a), "ep_size": ep})))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from disagmoe_ds.launch import detect_launcher, init_from_env, spawn_local
 
@@ -427,19 +449,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if detect_launcher():
         init_from_env(backend)
-        for method in a.methods:
-            rows.append(run_method(dist.get_rank(), method, a))
+        for method, run in runs(a):
+            rows.append(run_method(dist.get_rank(), method, run))
             gc.collect()  # drop the engine before the next method builds its own
             if a.device == "cuda":
                 torch.cuda.empty_cache()
         if dist.get_rank() != 0:
             return 0
     else:
-        for method in a.methods:  # one local job per method: fresh processes, nothing left from the last one
+        for method, run in runs(a):  # one local job per method: fresh processes, nothing left from the last one
             rows.append(
-                spawn_local(run_method, a.world_size, args=(method, a), backend=backend, timeout_s=a.timeout)[0]
+                spawn_local(run_method, a.world_size, args=(method, run), backend=backend, timeout_s=a.timeout)[0]
             )
-            print(f"{method}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+            print(f"{rows[-1]['method']}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
     print_table(rows)
     if a.json:
         Path(a.json).write_text(json.dumps({"setup": vars(a), "rows": rows}, indent=2))

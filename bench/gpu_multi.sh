@@ -2,14 +2,16 @@
 # Two or more GPUs of one host, in parts that each fit a 10-minute call:
 #   check     the runtimes on NCCL against HF (4 families), and the README's job under the deepspeed launcher
 #   exchange  M2N/N2M against all_to_all_single of the same bytes
-#   e2e       AF-Pipe against co-located EP on the balanced model, compiled from cold caches, with timelines
+#   e2e       AF-Pipe against co-located EP-all and EP-1 (the strongest co-located run on few GPUs) on the balanced
+#             model, compiled from cold caches, with timelines
+#   profile   the planner's part profile (eager and compiled parts) on GPU 0, for predicting the e2e rows
 # TRANSPORT: nvlink (NCCL's default between GPUs of one host) or socket (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 # NCCL_SOCKET_IFNAME=lo: NCCL's network transport, where a large send waits for its receive as between nodes).
 # Writes to $OUT: env.txt, multi-<part>-<transport>.txt (every command, its output and exit code), and for
-# exchange and e2e, <part>-<transport>.json and timeline-<transport>-<method>.json.
-# Usage: bash bench/gpu_multi.sh check|exchange|e2e [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH]
+# exchange and e2e, <part>-<transport>.json and timeline-<transport>-<method>.json; profile-{eager,compiled}.json.
+# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH]
 set -u
-PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH]}
+PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH]}
 TRANSPORT=${2:-nvlink}
 MODEL=${3:-hf_models/Qwen3-30B-A3B-balanced}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -53,9 +55,16 @@ exchange)
 e2e)
   export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)  # cold caches: compile time is part of what a user sees first
   step 400 python bench/bench_e2e.py --model "$MODEL" --layers 0 --world-size "$G" --seq-len 4096 \
-    --global-batch "$BATCH" --warmup 2 --steps 4 --methods afpipe colocated --compile \
+    --global-batch "$BATCH" --warmup 2 --steps 4 --methods afpipe colocated --ep-size "$G" 1 --compile \
     --json "$OUT/e2e-$TRANSPORT.json" --timeline "$OUT/timeline-$TRANSPORT.json"
   ;;
-*) echo "PART must be check, exchange or e2e" >&2; exit 2 ;;
+profile)
+  for parts in eager compiled; do
+    factory=disagmoe_ds.models.one_layer:$([ $parts = eager ] && echo disagmoe_parts || echo compiled_disagmoe_parts)
+    step 200 python -m disagmoe_ds.planner.cli profile --model "$MODEL" --seq-len 2048,4096,8192 --parts "$factory" \
+      --out "$OUT/profile-$parts.json"
+  done
+  ;;
+*) echo "PART must be check, exchange, e2e or profile" >&2; exit 2 ;;
 esac
 grep -E '^###|"pass"|tokens/s|GB/s|^  rank|^    rank|Error|error:' "$LOG" | cut -c1-300

@@ -54,6 +54,13 @@ def test_bench_exchange_moves_the_runtime_bytes(tmp_path):
         assert rows[(direction, "exchange", 4)]["ratio"] > 0
 
 
+def test_bench_e2e_runs_every_ep_size_side_by_side():
+    bench = _load("bench_e2e")
+    a = bench.parse_args(["--device", "cpu", "--world-size", "2", "--ep-size", "2", "1"])
+    runs = [(method, run.ep_size) for method, run in bench.runs(a)]
+    assert runs == [("afpipe", 2), ("colocated", 2), ("colocated", 1), ("deepspeed-moe", 2), ("deepspeed-moe", 1)]
+
+
 def test_bench_e2e_three_methods_same_tokens(tmp_path):
     bench = _load("bench_e2e")
     out = tmp_path / "e2e.json"
@@ -62,7 +69,7 @@ def test_bench_e2e_three_methods_same_tokens(tmp_path):
     assert bench.main([*argv, "--json", str(out), "--timeline", str(tmp_path / "trace.json")]) == 0
     report = json.loads(out.read_text())
     rows = {r["method"]: r for r in report["rows"]}
-    assert set(rows) == {"afpipe", "colocated", "deepspeed-moe"}
+    assert set(rows) == {"afpipe", "colocated-ep2", "deepspeed-moe-ep2"}
     # The last step's trace of every method, and each rank's share of it per category.
     for method, row in rows.items():
         assert json.loads((tmp_path / f"trace-{method}.json").read_text())["traceEvents"]
@@ -70,7 +77,7 @@ def test_bench_e2e_three_methods_same_tokens(tmp_path):
     shares = rows["afpipe"]["host_time_share"].values()
     assert all("wait" in share for share in shares)  # AF-Pipe ranks wait for each other's messages
     # AF-Pipe has 1 attention lane, the others 2 data-parallel ranks: twice the micro-batches for the same tokens.
-    assert rows["afpipe"]["micro_batches"] == 4 and rows["colocated"]["micro_batches"] == 2
+    assert rows["afpipe"]["micro_batches"] == 4 and rows["colocated-ep2"]["micro_batches"] == 2
     for row in rows.values():
         assert row["tokens_per_step"] == 4 * 8
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from disagmoe_ds.models.grouped_experts import compile_elementwise
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, build_context, num_routed_experts
 
 
@@ -34,15 +35,26 @@ def one_layer_model(config, *, device: str, dtype: torch.dtype, experts: str = "
 
 
 def disagmoe_parts(
-    config: Any, *, layer_index: int, seq_len: int, micro_batch_size: int, device: str, dtype: torch.dtype
+    config: Any,
+    *,
+    layer_index: int,
+    seq_len: int,
+    micro_batch_size: int,
+    device: str,
+    dtype: torch.dtype,
+    compiled: bool = False,
 ) -> tuple[Callable[[], tuple], Callable[[], tuple]]:
-    """Our attention part and expert shard (every expert on one rank) as ``disagmoe-plan profile`` measures them.
+    """Our attention part and expert shard (every expert on one rank) as ``disagmoe-plan profile`` measures them;
+    ``compiled``: as a ``"compile": true`` job runs them.
 
     ``layer_index`` is ignored: the one-layer model's layer is made MoE, with the same sizes.
     """
     del layer_index
     model = one_layer_model(config, device=device, dtype=dtype, experts=config._experts_implementation or "eager")
     attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
+    if compiled:
+        attention.part(0).compile()
+        compile_elementwise()
     experts = ExpertStage(model, (0,), 0, num_routed_experts(model))
     H = model.config.hidden_size
     h_BSH = torch.randn(micro_batch_size, seq_len, H, device=device, dtype=dtype, requires_grad=True)
@@ -61,3 +73,8 @@ def disagmoe_parts(
         return (experts.shard(0)(x_TH, idx_TK, w_TK, idx_TK.numel()),)  # pairs known, as the M2N header gives them
 
     return attention_fn, experts_fn
+
+
+def compiled_disagmoe_parts(config: Any, **kwargs: Any) -> tuple[Callable[[], tuple], Callable[[], tuple]]:
+    """``disagmoe_parts`` compiled, as ``--parts disagmoe_ds.models.one_layer:compiled_disagmoe_parts``."""
+    return disagmoe_parts(config, compiled=True, **kwargs)
