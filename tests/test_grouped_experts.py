@@ -8,7 +8,7 @@ import torch
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_model
-from disagmoe_ds.models.parts import ExpertStage
+from disagmoe_ds.models.parts import ExpertStage, compile_stage
 
 FAMILY_DIRS = {
     "qwen2_moe": "qwen2-moe",
@@ -66,15 +66,16 @@ def test_grouped_equals_hf_loop(tiny_checkpoint, family, case, pairs_known):
 
 
 @pytest.mark.parametrize("case", ["random", "sentinels"])
-def test_compiled_fusions_equal_eager(tiny_checkpoint, case, monkeypatch):
-    """``compile_elementwise`` (fused activation and gather-sum un-permute) computes what the eager path does."""
-    for name in ("_gated", "_sum_slots"):
-        monkeypatch.setattr(grouped_experts, name, getattr(grouped_experts, name))  # restored after the test
+def test_compiled_fusions_equal_eager(tiny_checkpoint, case):
+    """``compile_stage`` (fused activation and gather-sum un-permute, held by the shard) computes what the eager
+    path does, and changes no other shard."""
     shard, x, idx, w, _ = _routed_case(tiny_checkpoint, "qwen3_moe", case)
+    other, *_ = _routed_case(tiny_checkpoint, "qwen3_moe", case)
     # The row count changes between micro-batches: the compiled graphs go dynamic after the first change.
     calls = [(x[:r], idx[:r], w[:r], int((idx[:r] < shard.num_local).sum())) for r in (9, 7, 5)]
     eager = [shard(*call) for call in calls]
-    grouped_experts.compile_elementwise()
-    assert grouped_experts._sum_slots is not grouped_experts._sum_slots_eager
+    compile_stage(shard)
+    assert shard.elementwise is grouped_experts.compiled_elementwise()
+    assert other.elementwise is grouped_experts.EAGER
     for call, ref in zip(calls, eager, strict=True):
         _assert_close(shard, x, w, shard(*call), ref)

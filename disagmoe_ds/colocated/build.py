@@ -25,14 +25,13 @@ from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
 from disagmoe_ds.colocated.groups import ColocatedGroups, build_colocated_groups, register_with_deepspeed
 from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout, ColocatedRole
 from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
-from disagmoe_ds.engine.build import compile_stage
 from disagmoe_ds.engine.deepspeed_role import RoleMPU, role_ds_config
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.models.families import family_of
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.partial_load import PretrainedWeights, place, rank_model
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_routed_experts
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
 
 
@@ -81,8 +80,7 @@ def build_colocated_rank(
     )
     del model
     if cfg.compile:
-        compile_stage(module.attention)
-        compile_stage(module.experts.stage)
+        compile_stage(module)
     engine = _build_engine(module, ds_config, cfg, groups, micro_batch_size)
     grad_norm = ColocatedGradNorm(
         groups.data_parallel, attention_replicas=layout.world_size, expert_replicas=layout.expert_data_parallel

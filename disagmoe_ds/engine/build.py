@@ -30,10 +30,9 @@ from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.families import family_of, router_of
-from disagmoe_ds.models.grouped_experts import compile_elementwise
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.partial_load import place, rank_model
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, moe_layers, num_routed_experts
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, moe_layers, num_routed_experts
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.runtime_costs import runtime_costs
 from disagmoe_ds.schedule import Costs, PipeShape, Worker, check_streams, generate
@@ -209,15 +208,6 @@ def _moe_pattern(config) -> tuple[bool, ...]:
         step = getattr(config, "decoder_sparse_step", 1) or 1
         return tuple(i not in config.mlp_only_layers and (i + 1) % step == 0 for i in range(L))
     return (True,) * L
-
-
-def compile_stage(stage: nn.Module) -> None:
-    """``torch.compile`` in place (parameter names unchanged): attention parts, and the experts' elementwise middle."""
-    if isinstance(stage, AttentionStage):
-        for part in stage.layers.values():
-            part.compile()
-    else:
-        compile_elementwise()
 
 
 def _check_layout_fits(layout: Layout, moe: tuple[bool, ...], ds_config: dict[str, Any]) -> None:

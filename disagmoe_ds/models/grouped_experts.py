@@ -12,18 +12,27 @@ direction at Qwen3-30B-A3B sizes on an H200 (expert path 8.45 -> 6.67 ms, ``benc
 The math is HF's, ``w * (act(x W_g^T) * (x W_u^T)) W_d^T`` summed per row, with one
 re-association: the routing weight scales the I-wide intermediate before the down projection instead of the
 H-wide output after it (linear, so equal up to rounding; it saves an H-wide multiply and its backward). The
-elementwise middle (activation, gating, weighting) and the un-permute's gather-and-sum are functions that
-``compile_elementwise`` fuses (experts of Qwen3-30B-A3B, 8192 tokens: 5.52 -> 4.56 ms on an H200, against
-3.71 ms for the grouped GEMMs alone). No host sync when the caller passes ``num_pairs``.
+elementwise middle (activation, gating, weighting) and the un-permute's gather-and-sum are the two functions of
+an ``Elementwise`` value that each caller passes: ``EAGER``, or ``compiled_elementwise()``, which fuses them with
+``torch.compile`` (experts of Qwen3-30B-A3B, 8192 tokens: 5.52 -> 4.56 ms on an H200, against 3.71 ms for the
+grouped GEMMs alone). An expert shard holds its own (``ExpertShard.elementwise``); nothing here is process-wide.
+No host sync when the caller passes ``num_pairs``.
 
 Shape suffixes: R rows, H hidden, K top-k, P routed (row, expert) pairs, I expert intermediate size, e experts.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+GatedFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]  # (gate_up_PF, w_P, act_fn) -> hidden_PI
+SumSlotsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (y_PH, slot_RK, keep_RK)
 
 GATED_FUSED_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3")
 
@@ -50,13 +59,16 @@ def grouped_gated_experts(
     down_eHI: torch.Tensor,
     act_fn: nn.Module,
     num_pairs: int | None = None,
+    elementwise: Elementwise | None = None,
 ) -> torch.Tensor:
     """Each row's sum over its local experts of ``w * expert(x)``; sentinel ids (>= e) are skipped.
 
     ``num_pairs``, the number of non-sentinel ids, sizes the buffers. Pass it when the host knows it (the
     dispatch plan counts it, the M2N header carries it): else it is read from the device, a host sync that
-    drains the compute stream.
+    drains the compute stream. ``elementwise``: the middle's functions (``ExpertShard`` passes its own); None is
+    ``EAGER`` unless ``compile_elementwise`` was called.
     """
+    elementwise = _default_elementwise if elementwise is None else elementwise
     num_experts, K = gate_up_eFH.shape[0], local_idx_RK.shape[1]
     sorted_ids_P, order_P = torch.sort(local_idx_RK.reshape(-1), stable=True)  # sentinels (== e) sort last
     # Each expert's end offset in the sorted order, without a host sync (the ids are sorted anyway).
@@ -66,12 +78,12 @@ def grouped_gated_experts(
         num_pairs = int(offsets_e[-1])  # host sync
     if num_pairs == 0:
         return x_RH * 0  # nothing routed here; keeps the autograd edge to x
-    slots = _Slots.of(order_P, num_pairs, K, x_RH.dtype)
+    slots = _Slots.of(order_P, num_pairs, K, x_RH.dtype, elementwise.sum_slots)
     order_P = order_P[:num_pairs]
     x_PH = _Permute.apply(x_RH, slots)
     gate_up_PF = _grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offsets_e)
     w_P = w_RK.reshape(-1).index_select(0, order_P)
-    hidden_PI = _gated(gate_up_PF, w_P, act_fn)
+    hidden_PI = elementwise.gated(gate_up_PF, w_P, act_fn)
     out_PH = _grouped_mm(hidden_PI, down_eHI.transpose(1, 2), offsets_e)
     return _Unpermute.apply(out_PH, slots)
 
@@ -80,25 +92,28 @@ class _Slots:
     """The permutation between rows and sorted pairs, for gathers in both directions (no atomic scatter-add).
 
     ``rows_P``: the row of sorted pair p. ``slot_RK``: where pair (r, k) sits in the sorted order; a dropped pair
-    (sentinel id) points at pair 0 and has ``keep_RK`` 0, which is None when no pair is dropped.
+    (sentinel id) points at pair 0 and has ``keep_RK`` 0, which is None when no pair is dropped. ``sum_fn``: the
+    gather-and-sum of the caller's ``Elementwise``.
     """
 
-    def __init__(self, rows_P: torch.Tensor, slot_RK: torch.Tensor, keep_RK: torch.Tensor | None) -> None:
-        self.rows_P, self.slot_RK, self.keep_RK = rows_P, slot_RK, keep_RK
+    def __init__(
+        self, rows_P: torch.Tensor, slot_RK: torch.Tensor, keep_RK: torch.Tensor | None, sum_fn: SumSlotsFn
+    ) -> None:
+        self.rows_P, self.slot_RK, self.keep_RK, self.sum_fn = rows_P, slot_RK, keep_RK, sum_fn
 
     @classmethod
-    def of(cls, order_P: torch.Tensor, num_pairs: int, K: int, dtype: torch.dtype) -> _Slots:
+    def of(cls, order_P: torch.Tensor, num_pairs: int, K: int, dtype: torch.dtype, sum_fn: SumSlotsFn) -> _Slots:
         positions = torch.arange(order_P.numel(), device=order_P.device)
         slot = torch.empty_like(order_P).index_copy_(0, order_P, positions)
         rows_P = order_P[:num_pairs] // K
         if num_pairs == order_P.numel():
-            return cls(rows_P, slot.view(-1, K), None)
+            return cls(rows_P, slot.view(-1, K), None, sum_fn)
         keep = slot < num_pairs
-        return cls(rows_P, torch.where(keep, slot, 0).view(-1, K), keep.to(dtype).view(-1, K))
+        return cls(rows_P, torch.where(keep, slot, 0).view(-1, K), keep.to(dtype).view(-1, K), sum_fn)
 
     def sum_slots(self, y_PH: torch.Tensor) -> torch.Tensor:
         """Row r's sum over its kept pairs of ``y_PH[slot]``."""
-        return _sum_slots(y_PH, self.slot_RK, self.keep_RK)
+        return self.sum_fn(y_PH, self.slot_RK, self.keep_RK)
 
 
 class _Permute(torch.autograd.Function):
@@ -149,17 +164,39 @@ def _gated_eager(gate_up_PF: torch.Tensor, w_P: torch.Tensor, act_fn: nn.Module)
     return (act_fn(gate_PI) * up_PI * w_P.unsqueeze(1)).to(gate_up_PF.dtype)
 
 
-_gated, _sum_slots = _gated_eager, _sum_slots_eager
+@dataclass(frozen=True)
+class Elementwise:
+    """The expert path's elementwise functions: the gated middle and the un-permute's gather-and-sum."""
+
+    gated: GatedFn
+    sum_slots: SumSlotsFn
 
 
-def compile_elementwise() -> None:
-    """Fuse with ``torch.compile``: the activation, gating and weighting into one kernel (and its backward), and
-    each un-permute's gather with its sum over K.
+EAGER = Elementwise(_gated_eager, _sum_slots_eager)
 
-    Off by default: compiling costs seconds per new shape class on first use, which CPU tests do not need.
+
+@functools.cache
+def compiled_elementwise() -> Elementwise:
+    """The same functions fused by ``torch.compile``: the activation, gating and weighting into one kernel (and its
+    backward), and each un-permute's gather with its sum over K. Made once per process, so every expert shard
+    that uses it shares its compiled graphs.
+
+    Not the default: compiling costs seconds per new shape class on first use, which CPU tests do not need.
     """
-    global _gated, _sum_slots
     # Automatic dynamic shapes: the row count becomes dynamic at its first change, the widths stay static. Fully
     # dynamic kernels index with run-time divisions and took 2-3x longer (bench/bench_experts.py, H200).
-    _gated = torch.compile(_gated_eager)
-    _sum_slots = torch.compile(_sum_slots_fusable)
+    return Elementwise(torch.compile(_gated_eager), torch.compile(_sum_slots_fusable))
+
+
+_default_elementwise = EAGER  # what a caller passing no ``elementwise`` gets; only ``compile_elementwise`` changes it
+
+
+def compile_elementwise() -> Elementwise:
+    """Make ``compiled_elementwise()`` what callers passing no ``elementwise`` get, in this process, and return it.
+
+    Only for ``bench/bench_experts.py``, which times ``grouped_gated_experts`` itself; the runtime never passes
+    None (every ``ExpertShard`` holds its own), so this default reaches none of its stages.
+    """
+    global _default_elementwise
+    _default_elementwise = compiled_elementwise()
+    return _default_elementwise

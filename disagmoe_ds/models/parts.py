@@ -24,7 +24,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer, router_of
-from disagmoe_ds.models.grouped_experts import grouped_gated_experts, supports_grouped
+from disagmoe_ds.models.grouped_experts import EAGER, compiled_elementwise, grouped_gated_experts, supports_grouped
 
 # ----------------------------------------------------------------------------------------------------------------
 # Per-micro-batch context (mask and rotary embeddings), computed locally on every attention rank
@@ -198,7 +198,7 @@ class ExpertShard(nn.Module):
     experts held elsewhere) and routing weights, and returns each token's weighted sum over its local experts:
     with grouped GEMMs where the family and dtype allow, else (and in ``forward_hf``) through HF's module. Only
     real (row, expert) pairs are computed, so no work is spent on sentinels and HF versions that do not know the
-    sentinel work too.
+    sentinel work too. ``elementwise``: the grouped path's elementwise functions (``compile_stage`` fuses them).
     """
 
     def __init__(self, experts: nn.Module, first_expert: int, num_local: int, family: str):
@@ -207,6 +207,7 @@ class ExpertShard(nn.Module):
         self.first_expert = first_expert
         self.num_local = num_local
         self.family = family
+        self.elementwise = EAGER
 
     def forward(
         self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int | None = None
@@ -214,7 +215,9 @@ class ExpertShard(nn.Module):
         """``num_pairs``: the non-sentinel ids in ``local_idx_RK`` when the host knows it (saves a host sync)."""
         if supports_grouped(self.family, self.experts, x_RH):
             e = self.experts
-            return grouped_gated_experts(x_RH, local_idx_RK, w_RK, e.gate_up_proj, e.down_proj, e.act_fn, num_pairs)
+            return grouped_gated_experts(
+                x_RH, local_idx_RK, w_RK, e.gate_up_proj, e.down_proj, e.act_fn, num_pairs, self.elementwise
+            )
         return self.forward_hf(x_RH, local_idx_RK, w_RK)
 
     def forward_hf(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
@@ -288,6 +291,16 @@ class ExpertStage(nn.Module):
 
     def shard(self, layer: int) -> ExpertShard:
         return self.layers[str(layer)]
+
+
+def compile_stage(module: nn.Module) -> None:
+    """``torch.compile`` the parts of ``module`` in place (parameter names unchanged): every attention part, and
+    the elementwise middle of every expert shard (``grouped_experts.compiled_elementwise``)."""
+    for sub in module.modules():
+        if isinstance(sub, AttentionPart):
+            sub.compile()
+        elif isinstance(sub, ExpertShard):
+            sub.elementwise = compiled_elementwise()
 
 
 def moe_layers(model: nn.Module) -> tuple[bool, ...]:
