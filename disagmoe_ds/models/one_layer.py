@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagmoe_ds.models.grouped_experts import compile_elementwise
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, build_context, num_routed_experts
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, build_context, compile_stage, num_routed_experts
 
 
 def one_layer_model(config, *, device: str, dtype: torch.dtype, experts: str = "grouped_mm") -> nn.Module:
@@ -52,10 +51,10 @@ def disagmoe_parts(
     del layer_index
     model = one_layer_model(config, device=device, dtype=dtype, experts=config._experts_implementation or "eager")
     attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
-    if compiled:
-        attention.part(0).compile()
-        compile_elementwise()
     experts = ExpertStage(model, (0,), 0, num_routed_experts(model))
+    if compiled:
+        compile_stage(attention)
+        compile_stage(experts)
     H = model.config.hidden_size
     h_BSH = torch.randn(micro_batch_size, seq_len, H, device=device, dtype=dtype, requires_grad=True)
     ctx = build_context(model.config, attention.rotary_emb, h_BSH, None)
