@@ -19,19 +19,14 @@ from safetensors.torch import load_file
 
 from disagmoe_ds.colocated.verify import _written
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.convert import (
-    Job,
-    disagmoe_to_hf,
-    hf_to_disagmoe,
-    main,
-    open_checkpoint,
-    relayout,
-)
+from disagmoe_ds.convert import main
 from disagmoe_ds.engine.build import build_rank
 from disagmoe_ds.engine.checkpoint import load_checkpoint, save_checkpoint
 from disagmoe_ds.engine.ds_state import _full_state
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.launch.testing import run_ranks
+from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe, relayout
+from disagmoe_ds.train.conversion_jobs import Job, open_checkpoint
 from disagmoe_ds.verify import DTYPES, VerifyArgs, load_for_verify, make_batches
 from tests.test_pretrain import ROOT, SHORT, run_pretrain
 

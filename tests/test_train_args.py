@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.train.args import build_parser, parse_args
+from disagmoe_ds.train.args import parse_args
+from disagmoe_ds.train.flags import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,7 +99,7 @@ def test_missing_ds_config_is_one_line() -> None:
         _parse("--deepspeed_config", "/nope.json")
 
 
-@pytest.mark.parametrize("module", ["args", "hostfile", "balance"])
+@pytest.mark.parametrize("module", ["settings", "hostfile", "balance"])
 def test_doctests(module: str) -> None:
     assert doctest.testmod(importlib.import_module(f"disagmoe_ds.train.{module}")).failed == 0
 

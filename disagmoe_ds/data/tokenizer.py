@@ -145,14 +145,6 @@ def _hf_from_sentencepiece(sp: spm.SentencePieceProcessor) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=rust, **specials)
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _training_options(vocab_size: int, model_type: str, byte_fallback: bool) -> dict[str, Any]:
     """SentencePiece trainer options; everything that changes the model is part of the cache key."""
     return {
@@ -177,7 +169,8 @@ def _cache_path(files: Sequence[Path], options: Mapping[str, Any], extra: Mappin
     """Cache file named by a hash of the corpus bytes and of every training setting."""
     key = hashlib.sha256()
     for path in files:
-        key.update(_file_digest(path).encode())
+        with path.open("rb") as handle:
+            key.update(hashlib.file_digest(handle, "sha256").hexdigest().encode())
     key.update(json.dumps({**options, **extra, "version": _TRAINING_VERSION}, sort_keys=True).encode())
     return cache_dir / f"spm-{options['model_type']}-{options['vocab_size']}-{key.hexdigest()[:16]}.model"
 

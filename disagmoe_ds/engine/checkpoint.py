@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Protocol
 import torch.distributed as dist
 
 from disagmoe_ds.errors import CheckpointError
+from disagmoe_ds.jsonfile import read_json_object
 from disagmoe_ds.layout import Layout, RankRole
 
 MANIFEST = "manifest.json"
@@ -112,11 +113,9 @@ def model_fingerprint(config) -> str:
 
 
 def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
+    """The sha256 of a file, read in chunks (checkpoint files are GiB)."""
     with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _hash_files(directory: Path) -> dict[str, dict[str, Any]]:
@@ -210,10 +209,8 @@ def resolve_tag(root: str | Path, tag: str | None = None) -> str:
 
 
 def read_manifest(root: str | Path, tag: str) -> dict[str, Any]:
-    try:
-        return json.loads((Path(root) / tag / MANIFEST).read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{Path(root) / tag / MANIFEST} is corrupt: {err}") from err
+    fix = "the checkpoint is damaged; resume from another one (--resume ROOT/TAG)"
+    return read_json_object(Path(root) / tag / MANIFEST, what="checkpoint manifest", fix=fix, error=CheckpointError)
 
 
 def _file_problem(where: Path, files: Mapping[str, Any], *, hashes: bool) -> str | None:

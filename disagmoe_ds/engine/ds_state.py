@@ -1,10 +1,16 @@
 """The only code that reads or writes DeepSpeed's optimizer internals: a rank's training state by HF name.
 
 ``rank_share`` reads one rank's module weights, fp32 masters, optimizer moments and scalars under HF names (each
-tensor from the one rank whose copy is read); ``join_pieces`` assembles the ranks' shares into whole tensors;
-``set_rank_state`` writes such a state into a freshly built rank of any layout. ZeRO 1/2 keep a parameter's
-master and moments as fragments of flat per-rank partitions (``single_partition_of_fp32_groups``, ``_hp_mapping``);
-ZeRO 0 keeps them per parameter. ``disagmoe-convert`` (re-layout, HF export) and ``--export-hf`` build on this.
+tensor from the one rank whose copy is read; expert slices are rows of HF's fused expert tensors); ``join_pieces``
+assembles the ranks' shares into whole tensors (``gather_state``: the job's whole ``TrainState``);
+``set_rank_state`` writes such a state into a freshly built rank of any layout. ``disagmoe-convert`` (re-layout,
+HF export) and ``--export-hf`` build on this.
+
+ZeRO 1/2 keep a parameter's master and moments as fragments of flat per-rank partitions
+(``single_partition_of_fp32_groups``), at the parameter's ``_hp_mapping`` fragment: the addresses
+``deepspeed.utils.safe_get_full_fp32_param`` uses. DeepSpeed's ``safe_*_optimizer_state`` helpers cannot be used
+because they need the state fragments that only ``step()`` links, and a freshly built engine has no optimizer state
+to write into. ZeRO 0 keeps master and moments per parameter.
 """
 
 from __future__ import annotations
@@ -128,6 +134,33 @@ def holds_read_copy(rt) -> bool:
 def _expert_part(stage: nn.Module, *, writer: bool) -> _Part:
     experts = range(stage.first_expert, stage.first_expert + stage.num_local)
     return _Part(stage, expert_name_to_hf, experts, writer)
+
+
+def read_share(rt, weights: Weights, *, extras: bool) -> dict[str, Any]:
+    """This rank's input to ``gather_state``: its ``rank_share`` with, where ``extras``, its ``engine_extras``; empty
+    where every tensor it holds is read from another rank's copy. Collective like ``rank_share``: every rank calls it.
+    """
+    share = rank_share(rt, weights)
+    if not holds_read_copy(rt):
+        return {}
+    if extras:
+        share["extras"] = engine_extras(rt.engine)
+    return share
+
+
+def gather_state(shares: list[dict[str, Any]], client_state: dict[str, Any]) -> TrainState:
+    """The job's state from every rank's ``read_share`` (one of them with ``extras``)."""
+    shares = [share for share in shares if share]
+    extras = next(share["extras"] for share in shares if "extras" in share)
+    moments = {key: join_pieces([s["moments"].get(key, {}) for s in shares]) for key in shares[0]["moments"]}
+    return TrainState(
+        params=join_pieces([s["params"] for s in shares]),
+        buffers=join_pieces([s["buffers"] for s in shares]),
+        moments=moments,
+        scalars=one_scalar_set([s["scalars"] for s in shares]),
+        client_state=dict(client_state),
+        **extras,
+    )
 
 
 def engine_extras(engine) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +54,25 @@ def write_hf(
     partial = out.with_name(f".partial-{out.name}")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
-    for name in CARRIED_FILES:
-        if (Path(model_dir) / name).is_file():
-            shutil.copy2(Path(model_dir) / name, partial / name)
+    copy_into(present_files(model_dir, CARRIED_FILES), partial)
     if tokenizer_dir is not None:
         shutil.copytree(tokenizer_dir, partial, dirs_exist_ok=True)
     if tokenizer is not None:
         tokenizer.save_hf(partial)
     replace_dir(partial, out)
     return out
+
+
+def present_files(model_dir: str | Path, names: Iterable[str]) -> list[Path]:
+    """Those of ``names`` that ``model_dir`` holds (``TOKENIZER_FILES``: none when it has no tokenizer)."""
+    return [Path(model_dir) / name for name in names if (Path(model_dir) / name).is_file()]
+
+
+def copy_into(files: Iterable[Path], dest: Path) -> None:
+    """Copy ``files`` into the directory ``dest``, made if missing."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        shutil.copy2(file, dest / file.name)
 
 
 def replace_dir(new: Path, out: Path) -> None:

@@ -3,7 +3,6 @@ build it on the meta device (``partial_load.materialize`` then allocates only th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,6 +10,7 @@ import torch
 from torch import nn
 
 from disagmoe_ds.errors import CheckpointError, ConfigError
+from disagmoe_ds.jsonfile import read_json_object
 from disagmoe_ds.models.families import family_of
 
 WEIGHT_FILES = (
@@ -19,6 +19,8 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+_MODEL_DIR_FIX = "pass an HF model directory (one of hf_models/*, or one written by save_pretrained)"
+_RESAVE_FIX = "write the model again with save_pretrained"
 
 
 def load_config(path: str | Path):
@@ -27,12 +29,7 @@ def load_config(path: str | Path):
 
     path = Path(path)
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(f"no config.json in {path}: pass an HF model directory or one of hf_models/*")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{config_file} is not valid JSON: {err}") from err
+    raw = read_json_object(config_file, what="model config", fix=_MODEL_DIR_FIX)
     family_of(SimpleNamespace(model_type=raw.get("model_type")))  # reject unsupported families first
     try:
         return AutoConfig.from_pretrained(path)
@@ -59,7 +56,8 @@ def _check_shards(path: Path) -> None:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = path / index_name
         if index.is_file():
-            shards = set(json.loads(index.read_text())["weight_map"].values())
+            index_map = read_json_object(index, what="weight index", fix=_RESAVE_FIX, error=CheckpointError)
+            shards = set(index_map["weight_map"].values())
             missing = sorted(s for s in shards if not (path / s).is_file())
             if missing:
                 raise CheckpointError(f"{index} lists weight files that are missing: {', '.join(missing)}")

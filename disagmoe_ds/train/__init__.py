@@ -1,6 +1,9 @@
 """The pieces of the training job that ``run_pretrain.py`` strings together, one concept per module.
 
 args         command line -> ``TrainArgs`` (the ds_config with its overrides applied, the layout of --mode)
+flags        run_pretrain.py's flags, as --help groups them
+settings     what the flags derive from the ds_config: the layout of --mode, the ds_config with the overrides
+checks       values refused before any rank starts, each naming the flag or key to change
 modes        disaggregated or co-located: preflight, banner lines and build of one mode; the ``Runtime`` the loop uses
 hostfile     DeepSpeed hostfile validation, and re-launching ``run_pretrain.py`` through ``deepspeed``
 data         tokenizer, packed pretraining or SFT samples, and each lane's resumable loader
@@ -13,4 +16,9 @@ checkpoints  periodic/final saves with every lane's loader state, freezing, seed
 export       --export-hf: the job's weights and tokenizer as a save_pretrained directory, written from inside the job
 interrupt    Ctrl-C / SIGTERM / a lost launcher: every rank agrees to stop after the current step, then saves
 failures     ranks that failed: one line naming the root cause, every traceback in a log file
+
+disagmoe-convert's work on the checkpoints these write (``disagmoe_ds.convert`` is its command line):
+
+conversion_jobs  the job of a layout, and a checkpoint opened (and checked) with the job that wrote it
+conversion       HF -> checkpoint, checkpoint -> HF, and re-layout, each run on a layout's CPU ranks
 """

@@ -127,7 +127,7 @@ class Progress:
 def _tensorboard_writer(log_dir: Path | None) -> Any:
     if log_dir is None:
         return None
-    from torch.utils.tensorboard import SummaryWriter  # installed: args.check_tensorboard refused the run otherwise
+    from torch.utils.tensorboard import SummaryWriter  # installed: checks.check_tensorboard refused the run otherwise
 
     return SummaryWriter(log_dir=str(log_dir))
 

@@ -1,0 +1,185 @@
+"""``disagmoe-convert``'s three conversions: HF -> checkpoint, checkpoint -> HF, checkpoint -> other layout.
+
+Every conversion runs a layout's ranks as CPU processes (``spawn_local``, gloo) through the same ``build_rank``
+(``build_colocated_rank`` for a co-located checkpoint), ``load_checkpoint`` and ``save_checkpoint`` as training, so
+what it writes is exactly what training writes and reads. The HF model is loaded once in this process; the forked
+ranks share it copy-on-write.
+
+Between layouts the state travels as an ``engine.ds_state.TrainState``: full tensors under HF's in-memory names,
+the fp32 master weights, the optimizer's state, the LR scheduler and the engine counters. Frozen parameters travel
+as their module weights without optimizer state.
+
+A re-layout carries the manifest's training entries (what was frozen, every lane's data position, the tokenizer
+directory), so ``run_pretrain.py --resume`` continues the re-laid-out checkpoint where the source stood.
+``hf-to-disagmoe`` writes step 0 with no data position (a resume starts at the beginning of the data), the HF
+directory's tokenizer, and the freezing of ``--freeze-router`` / ``--freeze-attention`` for the run that resumes it.
+The client state a re-layout carries is the manifest's (its int/float/str entries, e.g. ``step``): what
+DeepSpeed's ``load_checkpoint`` returns as client state also holds DeepSpeed's own entries of the old layout.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.engine.checkpoint import load_checkpoint, save_checkpoint
+from disagmoe_ds.engine.ds_state import TrainState, Weights, gather_state, read_share, set_rank_state
+from disagmoe_ds.errors import CheckpointError
+from disagmoe_ds.models.hf_writer import TOKENIZER_FILES, copy_into, present_files, write_hf
+from disagmoe_ds.models.loading import load_model
+from disagmoe_ds.train.conversion_jobs import Job, Source, refuse_checkpoint_as_model, require_disaggregated
+
+# engine.build, engine.deepspeed_role, launch.local, train.model and disagmoe_ds.colocated import DeepSpeed (~5 s):
+# they are imported where they are used, so that --help and bad arguments answer at once.
+
+FIRST_TAG = "step0"
+TOKENIZER_DIR = "tokenizer"  # under the tag, as train.checkpoints names it
+# Conversions of real models load and save many GiB per rank; a rank that fails still ends the job at once.
+TIMEOUT_S = 3600.0
+
+
+def hf_to_disagmoe(job: Job, out: str | Path, *, tag: str = FIRST_TAG) -> Path:
+    """Write the weights of the HF directory ``job.model_dir`` as a checkpoint of ``job``'s layout (step 0)."""
+    refuse_checkpoint_as_model(job.model_dir)  # at once: before importing DeepSpeed (seconds, and a warning)
+    from disagmoe_ds.launch.local import spawn_local
+
+    _check_job(job)
+    _refuse_existing(Path(out) / tag, "checkpoint tag")
+    model = _job_model(job, require_weights=True)
+    spawn_local(_save_initial_rank, job.cfg.world_size, args=(job, model, str(out), tag), timeout_s=TIMEOUT_S)
+    return Path(out) / tag
+
+
+def disagmoe_to_hf(source: Source, out: str | Path) -> Path:
+    """Write a checkpoint's module weights as an HF directory (``from_pretrained`` loads it), atomically.
+
+    Either mode: ``source.job`` rebuilds the ranks of the disaggregated or co-located job that wrote it.
+    """
+    out = Path(out)
+    _refuse_existing(out, "output directory")
+    state = read_state(source, weights="module")
+    tensors = {**state.params, **state.buffers}
+    return write_hf(source.job.model_dir, tensors, out, dtype=source.job.dtype, tokenizer_dir=source.tokenizer_dir)
+
+
+def relayout(source: Source, job: Job, out: str | Path) -> Path:
+    """Write ``source`` under ``job``'s layout with the same masters, optimizer state, scheduler and step."""
+    from disagmoe_ds.launch.local import spawn_local
+
+    require_disaggregated(source.root / source.tag, source.mode, "relayout")
+    _check_job(job)
+    _refuse_existing(Path(out) / source.tag, "checkpoint tag")
+    state = read_state(source, weights="master")
+    model = _job_model(job)
+    target = (job, model, state, str(out), source.tag, source.extra, source.tokenizer_dir)
+    spawn_local(_restore_rank, job.cfg.world_size, args=target, timeout_s=TIMEOUT_S)
+    return Path(out) / source.tag
+
+
+def read_state(source: Source, *, weights: Weights) -> TrainState:
+    """Load ``source`` under its own layout and gather its state by HF name.
+
+    Args:
+        weights: "module" (the module weights, what an HF export holds) or "master" (fp32 masters, plus the
+            optimizer state, the scheduler and the counters: what a re-layout carries).
+    """
+    from disagmoe_ds.launch.local import spawn_local
+
+    model = _job_model(source.job)
+    shares = spawn_local(_read_rank, source.job.cfg.world_size, args=(source, model, weights), timeout_s=TIMEOUT_S)
+    return gather_state(shares, source.client_state)
+
+
+def _job_model(job: Job, *, require_weights: bool = False) -> nn.Module:
+    """The whole HF model the ranks cut their parts from, frozen as the job's training froze it."""
+    from disagmoe_ds.train.model import freeze
+
+    model = load_model(job.model_dir, dtype=job.dtype, require_weights=require_weights)
+    freeze(model, router=job.frozen.get("router", False), attention=job.frozen.get("attention", False))
+    return model
+
+
+def _check_job(job: Job) -> None:
+    """Fail in this process, before any rank starts, on a layout or DeepSpeed config that cannot run."""
+    from disagmoe_ds.engine.build import preflight
+    from disagmoe_ds.engine.deepspeed_role import role_ds_config
+
+    preflight(job.model_dir, job.cfg, job.ds_config, job.cfg.world_size)
+    role_ds_config(job.ds_config, micro_batches=job.cfg.micro_batches, micro_batch_size=1, dp_size=1)
+
+
+def _refuse_existing(path: Path, what: str) -> None:
+    if path.exists():
+        raise CheckpointError(
+            f"{what} {path} already exists; remove it or choose another --out (nothing is overwritten)"
+        )
+
+
+# ----- rank bodies (run by spawn_local in forked ranks) -----
+
+
+def _build(job: Job, model: nn.Module):
+    """This rank of ``job``, built as training builds it (collective)."""
+    if isinstance(job.cfg, DisagMoEConfig):
+        from disagmoe_ds.engine.build import build_rank as build
+    else:
+        from disagmoe_ds.colocated.build import build_colocated_rank as build
+
+    return build(job.model_dir, job.ds_config, job.cfg, micro_batch_size=1, dtype=job.dtype, model=model)
+
+
+def _save_initial_rank(rank: int, job: Job, model: nn.Module, out: str, tag: str) -> None:
+    rt = _build(job, model)
+    tokenizer = present_files(job.model_dir, TOKENIZER_FILES)
+
+    def attach(tag_dir: Path) -> None:
+        copy_into(tokenizer, tag_dir / TOKENIZER_DIR)
+
+    extra = {"frozen": job.frozen, **({"tokenizer": TOKENIZER_DIR} if tokenizer else {})}
+    _save(rt, job, out, tag, {"step": 0}, extra, attach if tokenizer else None)
+
+
+def _read_rank(rank: int, source: Source, model: nn.Module, weights: Weights) -> dict[str, Any]:
+    """Load the checkpoint under its own layout; return this rank's share of the state (rank 0: with extras)."""
+    rt = _build(source.job, model)
+    load_checkpoint(rt.engine, rt.role, rt.layout, rt.module.config, source.root, source.tag)
+    return read_share(rt, weights, extras=rank == 0)
+
+
+def _restore_rank(
+    rank: int,
+    job: Job,
+    model: nn.Module,
+    state: TrainState,
+    out: str,
+    tag: str,
+    extra: dict[str, Any],
+    tokenizer_dir: Path | None,
+) -> None:
+    rt = _build(job, model)
+    set_rank_state(rt, state)
+
+    def attach(tag_dir: Path) -> None:
+        shutil.copytree(tokenizer_dir, tag_dir / extra["tokenizer"])
+
+    _save(rt, job, out, tag, state.client_state, extra, attach if tokenizer_dir is not None else None)
+
+
+def _save(
+    rt,
+    job: Job,
+    out: str,
+    tag: str,
+    client_state: dict[str, Any],
+    extra: dict[str, Any],
+    attach: Callable[[Path], None] | None,
+) -> None:
+    """Save this rank under ``out/tag`` with the job's ds_config and the manifest's training entries (collective)."""
+    config = rt.module.config
+    save_checkpoint(rt.engine, rt.role, rt.layout, config, out, tag, client_state, ds_config=job.ds_config,
+                    manifest_extra=extra, attach=attach)  # fmt: skip

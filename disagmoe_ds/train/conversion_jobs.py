@@ -1,0 +1,177 @@
+"""What ``disagmoe-convert`` runs: the job of a layout, and a checkpoint opened with the job that wrote it.
+
+A checkpoint's manifest records the DeepSpeed config it was trained with (``save_checkpoint(..., ds_config=)``): it
+is loaded again under its own ZeRO stage and precision. It also records what training froze (``--freeze-router``,
+``--freeze-attention``): the ranks are built with the same parameters frozen, so the optimizer's parameter groups
+match. ``open_checkpoint`` checks, before any rank starts, every file of the checkpoint against the size and sha256
+in its manifest, and that the checkpoint belongs to the model given.
+
+``disagmoe-to-hf`` also reads checkpoints of co-located jobs (``run_pretrain.py --mode colocated``; the manifest
+records the mode); ``hf-to-disagmoe`` and ``relayout`` write and read disaggregated checkpoints only.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from disagmoe_ds.config import SECTION, DisagMoEConfig
+from disagmoe_ds.engine.checkpoint import (
+    DISAGGREGATED,
+    LATEST,
+    MANIFEST,
+    model_fingerprint,
+    read_manifest,
+    resolve_tag,
+    verify_files,
+)
+from disagmoe_ds.errors import CheckpointError
+from disagmoe_ds.models.families import family_of
+from disagmoe_ds.models.loading import load_config
+
+if TYPE_CHECKING:
+    from disagmoe_ds.colocated.layout import ColocatedConfig
+
+# Manifest entries of run_pretrain.py's checkpoints (train.checkpoints) that a re-layout carries unchanged.
+TRAINING_ENTRIES = ("frozen", "data", "tokenizer")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One layout to run: the model directory, the layout and the user's DeepSpeed config (no ``disagmoe``).
+
+    ``cfg`` is a co-located job's ``ColocatedConfig`` only for a checkpoint being exported to HF.
+    """
+
+    model_dir: str
+    cfg: DisagMoEConfig | ColocatedConfig
+    ds_config: dict[str, Any]
+    frozen: dict[str, bool] = field(default_factory=dict)  # {"router": bool, "attention": bool}, as training froze
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.ds_config.get("bf16", {}).get("enabled") else torch.float32
+
+
+@dataclass(frozen=True)
+class Source:
+    """A checkpoint opened for reading: where it is and the job that wrote it."""
+
+    root: Path
+    tag: str
+    job: Job
+    client_state: dict[str, Any]  # the manifest's copy: the trainer's int/float/str entries
+    mode: str = DISAGGREGATED  # the manifest's: disaggregated or colocated
+    extra: dict[str, Any] = field(default_factory=dict)  # the manifest's training entries: frozen, data, tokenizer
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        name = self.extra.get("tokenizer")
+        return None if name is None else self.root / self.tag / name
+
+
+def without_section(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """The layout lives in the manifest; a stale "disagmoe" section would contradict a re-layout."""
+    return {k: v for k, v in ds_config.items() if k != SECTION}
+
+
+def resolve_ds_config(base: dict[str, Any] | None, *, zero: int | None, dtype: str | None) -> dict[str, Any]:
+    """``base`` (or DeepSpeed's defaults) with the ``--zero`` / ``--dtype`` flags applied.
+
+    >>> resolve_ds_config(None, zero=1, dtype="bf16")
+    {'zero_optimization': {'stage': 1}, 'bf16': {'enabled': True}}
+    """
+    config = without_section(copy.deepcopy(base or {}))
+    if zero is not None:
+        config.setdefault("zero_optimization", {})["stage"] = zero
+    if dtype is not None:
+        config["bf16"] = {"enabled": dtype == "bf16"}
+    return config
+
+
+def open_checkpoint(
+    root: str | Path,
+    model_dir: str | Path,
+    *,
+    tag: str | None = None,
+    ds_config: dict[str, Any] | None = None,
+    command: str = "disagmoe-to-hf",
+) -> Source:
+    """Check that ``root`` holds a complete checkpoint of the model in ``model_dir`` and read its job.
+
+    A checkpoint is always read under the DeepSpeed config it records; ``ds_config`` is used only for one that
+    records none (saved without ``ds_config``). ``command`` is the conversion that will read it: only
+    disagmoe-to-hf reads co-located checkpoints; the others are refused here, before the co-located runtime (and
+    DeepSpeed) is imported.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist; pass --ckpt the --out of a training run")
+    tag = resolve_tag(root, tag)
+    verify_files(root, tag)
+    manifest = read_manifest(root, tag)
+    _check_same_model(manifest, model_dir, root / tag)
+    mode = manifest.get("mode", DISAGGREGATED)
+    if command != "disagmoe-to-hf":
+        require_disaggregated(root / tag, mode, command)
+    cfg = _recorded_cfg(mode, manifest["layout"], root / tag)
+    recorded = manifest.get("ds_config")
+    if recorded is None and ds_config is None:
+        raise CheckpointError(
+            f"checkpoint {root / tag} does not record its DeepSpeed config; pass --ds-config with the one it was "
+            "trained with (its ZeRO stage and precision)"
+        )
+    frozen = dict(manifest.get("frozen") or {})
+    job = Job(str(model_dir), cfg, without_section(recorded if recorded is not None else ds_config), frozen)
+    extra = {key: manifest[key] for key in TRAINING_ENTRIES if key in manifest}
+    return Source(root, tag, job, dict(manifest["client_state"]), mode, extra)
+
+
+def _recorded_cfg(mode: str, saved: dict[str, int], path: Path) -> DisagMoEConfig | ColocatedConfig:
+    """The config that rebuilds the layout a manifest records (its ``manifest_layout`` values)."""
+    if mode == DISAGGREGATED:
+        keys = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel")
+        return DisagMoEConfig(**{key: saved[key] for key in keys})
+    from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout  # imports DeepSpeed (seconds)
+
+    if mode != ColocatedLayout.mode:
+        raise CheckpointError(f"checkpoint {path} was written by a {mode} job, a mode disagmoe-convert does not know")
+    return ColocatedConfig(world_size=saved["world_size"], ep_size=saved["ep_size"])
+
+
+def require_disaggregated(path: Path, mode: str, command: str) -> None:
+    if mode != DISAGGREGATED:
+        raise CheckpointError(
+            f"checkpoint {path} was written by a {mode} job; disagmoe-convert {command} handles disaggregated "
+            f"checkpoints only (export it to HF with disagmoe-convert disagmoe-to-hf, or resume it with "
+            f"run_pretrain.py --mode {mode})"
+        )
+
+
+def refuse_checkpoint_as_model(model_dir: str | Path) -> None:
+    """A checkpoint where an HF directory belongs (``load_config`` would only say that config.json is missing)."""
+    path = Path(model_dir)
+    if (path / LATEST).is_file() or (path / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{path} is a DisagMoE checkpoint, not an HF directory; hf-to-disagmoe reads HF weights: export the "
+            "checkpoint with disagmoe-convert disagmoe-to-hf (disaggregated or colocated) and pass that directory, "
+            "or re-lay out a disaggregated checkpoint with disagmoe-convert relayout"
+        )
+
+
+def _check_same_model(manifest: dict[str, Any], model_dir: str | Path, path: Path) -> None:
+    """The fingerprint covers type, sizes and layer count, the manifest's layout the expert count."""
+    config = load_config(model_dir)
+    num_experts = getattr(config, family_of(config).num_experts_attr)
+    saved = manifest["layout"]
+    if manifest["model"] != model_fingerprint(config) or saved["num_experts"] != num_experts:
+        layers = f"{saved['num_layers']} layers, " if "num_layers" in saved else ""  # co-located ones do not say
+        raise CheckpointError(
+            f"checkpoint {path} was written for another model than {model_dir} ({config.model_type}, "
+            f"{config.num_hidden_layers} layers, {num_experts} experts; the checkpoint has {layers}"
+            f"{saved['num_experts']} experts); pass --model the directory the checkpoint was trained from"
+        )

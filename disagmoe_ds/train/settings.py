@@ -1,0 +1,90 @@
+"""What the flags derive from the ds_config: the layout of ``--mode``, and the ds_config with the flags applied.
+
+The layout flags replace keys of the ds_config's ``"disagmoe"`` section (validated by ``DisagMoEConfig`` wherever a
+value came from); ``--lr``, ``--dtype``, ``--zero`` and ``--steps`` edit its optimizer, scheduler, ``bf16`` and
+``zero_optimization`` sections.
+
+``--mode colocated`` replaces the disaggregated layout by a ``ColocatedConfig``: ``--world-size`` ranks (the
+launcher's world size under a launcher, else 1) and ``--ep-size``; micro-batches, the communication timeout and
+``compile`` still come from the section (or ``--micro-batches``), its attention/FFN layout keys are not used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+from disagmoe_ds.colocated.layout import ColocatedConfig
+from disagmoe_ds.config import SECTION, DisagMoEConfig
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.train.flags import COLOCATED_FLAGS, DEFAULT_MICRO_BATCH_SIZE, LAYOUT_FLAGS, flag_of
+
+# Schedulers whose peak learning rate is a scheduler parameter, not the optimizer's lr.
+_PEAK_LR_PARAM = {"WarmupLR": "warmup_max_lr", "WarmupDecayLR": "warmup_max_lr"}
+# Schedulers that need the run length.
+_NEEDS_TOTAL_STEPS = ("WarmupDecayLR", "WarmupCosineLR")
+
+
+def micro_batch_size(flag: int | None, ds_config: dict[str, Any]) -> int:
+    return flag or ds_config.get("train_micro_batch_size_per_gpu", DEFAULT_MICRO_BATCH_SIZE)
+
+
+def dtype_name(flag: str | None, ds_config: dict[str, Any]) -> str:
+    return flag or ("bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32")
+
+
+def mode_config(
+    ns: argparse.Namespace, ds_config: dict[str, Any], launched_world_size: int | None
+) -> DisagMoEConfig | ColocatedConfig:
+    """The layout of ``--mode``; each mode's flags are refused in the other mode."""
+    if ns.mode == "disaggregated":
+        _refuse_flags(ns, COLOCATED_FLAGS, "is a --mode colocated flag; the disaggregated layout is set by "
+                      "--attention-gpus, --ffn-gpus, --depth and --expert-data-parallel")  # fmt: skip
+        return DisagMoEConfig.from_ds_config(ds_config, {k: getattr(ns, k) for k in (*LAYOUT_FLAGS, "micro_batches")})
+    _refuse_flags(ns, LAYOUT_FLAGS, "sets the disaggregated layout; --mode colocated takes --world-size and --ep-size")
+    section = DisagMoEConfig.from_ds_config(ds_config, {"micro_batches": ns.micro_batches})
+    if section.activation_checkpointing or section.max_in_flight is not None:
+        warnings.warn(
+            f'"{SECTION}.activation_checkpointing" and "{SECTION}.max_in_flight" are ignored in co-located mode: '
+            "each rank runs one micro-batch at a time and keeps its activations",
+            stacklevel=2,
+        )
+    return ColocatedConfig(
+        world_size=ns.world_size or launched_world_size or 1,
+        ep_size=ns.ep_size,
+        micro_batches=section.micro_batches,
+        comm_timeout_s=section.comm_timeout_s,
+        compile=section.compile,
+    )
+
+
+def _refuse_flags(ns: argparse.Namespace, names: Iterable[str], why: str) -> None:
+    wrong = [name for name in names if getattr(ns, name) is not None]
+    if wrong:
+        raise ConfigError(f"{flag_of(wrong[0])} {why}")
+
+
+def apply_overrides(
+    ds_config: dict[str, Any], *, lr: float | None, dtype: str, steps: int, zero: int | None = None
+) -> dict[str, Any]:
+    """A copy of ``ds_config`` with the learning rate, precision, ZeRO stage and run length of the command line.
+
+    >>> cfg = apply_overrides({"scheduler": {"type": "WarmupLR", "params": {}}}, lr=0.1, dtype="fp32", steps=5)
+    >>> cfg["optimizer"]["params"]["lr"], cfg["scheduler"]["params"]["warmup_max_lr"], cfg["bf16"]["enabled"]
+    (0.1, 0.1, False)
+    """
+    config = copy.deepcopy(ds_config)
+    scheduler = config.get("scheduler")
+    if lr is not None:
+        config.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["lr"] = lr
+        if scheduler and scheduler.get("type") in _PEAK_LR_PARAM:
+            scheduler.setdefault("params", {})[_PEAK_LR_PARAM[scheduler["type"]]] = lr
+    if scheduler and scheduler.get("type") in _NEEDS_TOTAL_STEPS:
+        scheduler.setdefault("params", {}).setdefault("total_num_steps", steps)
+    config.setdefault("bf16", {})["enabled"] = dtype == "bf16"
+    if zero is not None:
+        config.setdefault("zero_optimization", {})["stage"] = zero
+    return config
