@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import doctest
+import importlib
 import itertools
 import json
 import math
+import pkgutil
 import re
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import disagmoe_ds.planner as planner_package
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.layout import Layout
@@ -35,12 +38,10 @@ from disagmoe_ds.planner import (
     save_cluster,
     simulate_baseline,
 )
-from disagmoe_ds.planner import runtime_costs as runtime_costs_module
 from disagmoe_ds.planner.cli import main
 from disagmoe_ds.planner.memory import attention_rank_memory, ffn_rank_memory
 from disagmoe_ds.planner.runtime_costs import runtime_costs
-from disagmoe_ds.planner.simulate import baseline_closed_form
-from disagmoe_ds.planner.stages import BaselineChunkCosts
+from disagmoe_ds.planner.simulate import BaselineChunkCosts, baseline_closed_form
 from disagmoe_ds.schedule import PipeShape, check_streams, generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -454,7 +455,7 @@ def test_planner_imports_neither_torch_nor_deepspeed():
 
 
 def test_profile_fit_recovers_a_known_time_model():
-    from disagmoe_ds.planner.profile import fit_part
+    from disagmoe_ds.planner.profile_fit import fit_part
 
     true = PartModel(per_flop=1 / 400e12, per_core_flop=1 / 600e12, per_call=3e-4)
     points = [(lin, core, true.seconds(lin, core)) for lin, core in ((1e11, 1e11), (2e11, 4e11), (4e11, 16e11))]
@@ -542,13 +543,13 @@ def _af_setup(**work_kw):
 
 
 def test_selective_recompute_drops_the_listed_bytes_and_adds_their_flops():
+    from disagmoe_ds.planner.part_times import attention_call_s, expert_call_s
     from disagmoe_ds.planner.recompute import (
         a_side_recompute_flops,
         a_side_saved_bytes,
         expert_recompute_flops_per_assignment,
         expert_saved_bytes_per_assignment,
     )
-    from disagmoe_ds.planner.stages import attention_call_s, expert_call_s
 
     spec, layout, work = _af_setup()
     sel = replace(work, recompute="selective")
@@ -583,7 +584,8 @@ def test_selective_recompute_drops_the_listed_bytes_and_adds_their_flops():
 
 def test_resend_frees_the_received_tokens_and_costs_one_more_m2n():
     from disagmoe_ds.planner.placement import Placement
-    from disagmoe_ds.planner.stages import af_roofline, af_task_costs
+    from disagmoe_ds.planner.stages import af_roofline
+    from disagmoe_ds.planner.task_costs import af_task_costs
 
     spec, layout, work = _af_setup(recompute="full")
     resend = replace(work, resend=True)
@@ -714,9 +716,12 @@ def test_variant_ladder_stops_once_memory_is_roomy():
     assert {c.work.variant for c in everything} == {"recompute none, ZeRO 1/1"}
 
 
+@pytest.mark.parametrize("module", sorted(m.name for m in pkgutil.iter_modules(planner_package.__path__)))
+def test_planner_doctests(module: str) -> None:
+    assert doctest.testmod(importlib.import_module(f"disagmoe_ds.planner.{module}")).failed == 0
+
+
 # ----- the runtime's schedule costs -----
-def test_runtime_costs_doctests() -> None:
-    assert doctest.testmod(runtime_costs_module).failed == 0
 
 
 @pytest.mark.parametrize(("m", "n", "p", "family"), [(1, 1, 1, "tiny-qwen3-moe"), (2, 2, 2, "tiny-qwen2-moe")])

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cluster import Cluster, Rates
-from disagmoe_ds.planner.colocated import ColocatedCandidate, colocated_candidates, simulate_colocated
+from disagmoe_ds.planner.colocated import ColocatedCandidate, colocated_candidates, divisors, simulate_colocated
+from disagmoe_ds.planner.grad_sync import af_sync_s, exposed_sync_s
 from disagmoe_ds.planner.memory import (
     RankMemory,
     Recompute,
@@ -30,14 +31,8 @@ from disagmoe_ds.planner.memory import (
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.placement import Placement, placements
 from disagmoe_ds.planner.simulate import SimResult, simulate_af
-from disagmoe_ds.planner.stages import (
-    AfRoofline,
-    af_roofline,
-    af_sync_s,
-    af_task_costs,
-    compute_multiplier,
-    exposed_sync_s,
-)
+from disagmoe_ds.planner.stages import AfRoofline, af_roofline, compute_multiplier
+from disagmoe_ds.planner.task_costs import af_task_costs
 from disagmoe_ds.planner.variants import VARIANTS, dominated, memory_variants, offload_share, savings
 
 PAYS_THRESHOLD = 1.05  # below this predicted speed-up, disaggregation is not worth its complexity
@@ -109,30 +104,14 @@ class AfCandidate:
         return max(exposed_sync_s(sync, share * side.compute_s) for sync, side in sides)
 
 
-@dataclass(frozen=True)
-class AfPlan:
-    """A simulated AF-Pipe plan. ``step_time_s`` is never below the roofline bottleneck T*."""
-
-    candidate: AfCandidate
-    sim: SimResult
-    in_flight: int
-
-    @property
-    def step_time_s(self) -> float:
-        """Simulated step (at least the roofline T*) plus the exposed gradient sync."""
-        c = self.candidate
-        return max(self.sim.step_time_s, c.roofline.bottleneck_s) + c.exposed_sync_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.candidate.tokens / self.step_time_s
+Candidate = TypeVar("Candidate", AfCandidate, ColocatedCandidate)
 
 
 @dataclass(frozen=True)
-class BaselinePlan:
-    """A simulated co-located plan."""
+class SimulatedPlan(Generic[Candidate]):
+    """A candidate of either system with its simulated step; both are compared by tokens per second."""
 
-    candidate: ColocatedCandidate
+    candidate: Candidate
     sim: SimResult
 
     @property
@@ -143,6 +122,24 @@ class BaselinePlan:
     @property
     def tokens_per_s(self) -> float:
         return self.candidate.tokens / self.step_time_s
+
+
+@dataclass(frozen=True)
+class AfPlan(SimulatedPlan[AfCandidate]):
+    """A simulated AF-Pipe plan. ``step_time_s`` is never below the roofline bottleneck T*."""
+
+    in_flight: int
+
+    @property
+    def step_time_s(self) -> float:
+        """Simulated step (at least the roofline T*) plus the exposed gradient sync."""
+        c = self.candidate
+        return max(self.sim.step_time_s, c.roofline.bottleneck_s) + c.exposed_sync_s
+
+
+@dataclass(frozen=True)
+class BaselinePlan(SimulatedPlan[ColocatedCandidate]):
+    """A simulated co-located plan."""
 
 
 @dataclass(frozen=True)
@@ -168,10 +165,6 @@ class PlanResult:
 
 
 # ----- AF-Pipe search -----
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _layouts(req: PlanRequest, counter: Counter) -> list[Layout]:
     """Every layout the Layout class accepts (placements filter the splits further)."""
     spec, world = req.spec, req.cluster.world_size

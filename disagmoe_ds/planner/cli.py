@@ -18,12 +18,13 @@ from pathlib import Path
 from disagmoe_ds.errors import DisagMoEError
 from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, plan
 from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
+from disagmoe_ds.planner.inputs import check_at_least_one
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import load_model_spec
-from disagmoe_ds.planner.profile import load_profile, profile_warnings, rates_from_profile
+from disagmoe_ds.planner.profile_fit import load_profile, profile_warnings, rates_from_profile
 from disagmoe_ds.planner.report import ds_config, hostfile, to_json, to_text
 from disagmoe_ds.planner.simulate import simulate_af, simulate_baseline, write_timeline
-from disagmoe_ds.planner.stages import af_task_costs
+from disagmoe_ds.planner.task_costs import af_task_costs
 from disagmoe_ds.planner.variants import PAPER, VARIANTS
 
 _EPILOG = """\
@@ -36,6 +37,14 @@ rank every split that divides and fits memory; the best few are simulated with t
 and compared with the best co-located EP+DP interleaved-1F1B configuration, simulated too. Details and the
 cluster JSON format: docs/planner.md.
 """
+
+# ``Efficiency`` fields settable from the command line, with what each is a share of (defaults from the class)
+_EFFICIENCY_FLAGS = {
+    "compute": "achievable share of peak FLOP/s",
+    "network": "achievable share of NIC bandwidth",
+    "nvlink": "achievable share of NVLink bandwidth",
+    "memory": "usable share of GPU memory",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,28 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("gpu", "node"),
         help="contiguous splits move by one GPU or by whole nodes",
     )
-    eff = Efficiency()
-    p.add_argument(
-        "--compute-efficiency",
-        type=float,
-        default=eff.compute,
-        help=f"achievable share of peak FLOP/s (default {eff.compute})",
-    )
-    p.add_argument(
-        "--network-efficiency",
-        type=float,
-        default=eff.network,
-        help=f"achievable share of NIC bandwidth (default {eff.network})",
-    )
-    p.add_argument(
-        "--nvlink-efficiency",
-        type=float,
-        default=eff.nvlink,
-        help=f"achievable share of NVLink bandwidth (default {eff.nvlink})",
-    )
-    p.add_argument(
-        "--memory-efficiency", type=float, default=eff.memory, help=f"usable share of GPU memory (default {eff.memory})"
-    )
+    defaults = Efficiency()
+    for name, what in _EFFICIENCY_FLAGS.items():
+        default = getattr(defaults, name)
+        p.add_argument(f"--{name}-efficiency", type=float, default=default, help=f"{what} (default {default})")
     p.add_argument(
         "--baseline-overlap",
         type=float,
@@ -174,7 +165,7 @@ def _variants(text: str) -> frozenset[str]:
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
     spec = load_model_spec(args.model)
     cluster = load_cluster(args.cluster, args.nodes)
-    eff = Efficiency(args.compute_efficiency, args.network_efficiency, args.nvlink_efficiency, args.memory_efficiency)
+    eff = Efficiency(**{name: getattr(args, f"{name}_efficiency") for name in _EFFICIENCY_FLAGS})
     warnings: list[str] = []
     if args.profile:
         profile = load_profile(args.profile)
@@ -182,11 +173,13 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
         warnings = profile_warnings(profile, spec, args.seq_len)
     else:
         rates = Rates.from_cluster(cluster, eff)
-    for name in ("seq_len", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            raise DisagMoEError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.global_batch_size is not None and args.global_batch_size < 1:
-        raise DisagMoEError(f"--global-batch-size must be at least 1, got {args.global_batch_size}")
+    check_at_least_one(
+        {
+            "--seq-len": args.seq_len,
+            "--micro-batch-size": args.micro_batch_size,
+            "--global-batch-size": args.global_batch_size,
+        }
+    )
     if args.baseline_ep is not None and (args.baseline_ep < 1 or spec.num_experts % args.baseline_ep):
         raise DisagMoEError(f"--baseline-ep {args.baseline_ep} must divide the expert count ({spec.num_experts})")
     if not 0 <= args.baseline_overlap <= 1:
@@ -250,7 +243,7 @@ def _write_timelines(result: PlanResult, path: Path) -> list[str]:
     if result.baseline is not None:
         b = result.baseline.candidate
         base_path = path.with_name(f"{path.stem}-baseline{path.suffix}")
-        base = simulate_baseline(b.costs, pp=b.pp, vpp=b.vpp, micro_batches=b.micro_batches)
+        base = simulate_baseline(b.costs, pp=b.shape.pp, vpp=b.shape.vpp, micro_batches=b.micro_batches)
         drawn = " (drawn as plain 1F1B, without the fused pairs)" if b.shape.overlap == "paired" else ""
         write_timeline(base.events, base_path, title=f"co-located {req.spec.name}: {b.shape.describe()}{drawn}")
         notes.append(f"wrote baseline timeline {base_path}")

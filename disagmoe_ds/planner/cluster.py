@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.planner.inputs import read_json
 
 _MIB = 1 << 20
 # PCIe Gen5 x16 between an H100/H800/H200 SXM GPU and its PCIe switch: 32 GT/s x 16 lanes x 128b/130b = 63 GB/s
@@ -141,11 +142,7 @@ def load_cluster(spec: str, nodes: int | None = None) -> Cluster:
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(f"--cluster {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing JSON file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--cluster {path}: not valid JSON ({err})") from err
-    cluster = Cluster.from_dict(data)
+    cluster = Cluster.from_dict(read_json(path, "--cluster"))
     if nodes is not None and nodes != cluster.nodes:
         cluster = replace(cluster, nodes=nodes, hosts=cluster.hosts[:nodes] if len(cluster.hosts) >= nodes else ())
     return cluster
@@ -188,7 +185,7 @@ class PartModel:
 
     ``linear_flops`` scale with tokens (projections, router, MLPs); ``core_flops`` are the attention core
     (s^2). From peak numbers both per-FLOP terms are 1 / (peak x efficiency) (x2 for backward) and per_call is 0;
-    a profile fits all three to measurements (``profile.py``)."""
+    a profile fits all three to measurements (``profile_fit.py``)."""
 
     per_flop: float
     per_core_flop: float
@@ -228,3 +225,7 @@ class Rates:
             pcie_bw=cluster.pcie_bw * eff.pcie,
             source=f"peak x efficiency (compute {eff.compute:g}, network {eff.network:g}, nvlink {eff.nvlink:g})",
         )
+
+    def nic_bw_per_gpu(self, cluster: Cluster) -> float:
+        """Achievable NIC bytes/s of one GPU, the node's NICs shared evenly by its GPUs."""
+        return cluster.nics_per_node * self.nic_bw / cluster.gpus_per_node

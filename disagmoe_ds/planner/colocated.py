@@ -1,7 +1,7 @@
 """The strongest co-located baseline: what Megatron-LM users run for MoE (pure Python).
 
 Every rank holds attention and a slice of the experts. On top of the plain EP+DP interleaved 1F1B
-(``stages.baseline_chunk_costs``), this searches what Megatron-Core offers and models each from first
+(``--baseline ep``: t = c = 1, partial overlap), this searches what Megatron-Core offers and models each from first
 principles (bytes over links, FLOPs over rates; nothing is fitted to make either system win):
 
 * **Tensor parallel** t (with sequence parallel; 1, 2, 4, 8 inside a node, dividing the query and KV heads):
@@ -36,18 +36,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from disagmoe_ds.planner.cluster import Cluster, Rates
+from disagmoe_ds.planner.colocated_costs import ColocatedCosts, Shape, colocated_costs, tp_options
+from disagmoe_ds.planner.grad_sync import baseline_sync_s, exposed_sync_s
 from disagmoe_ds.planner.memory import RankMemory, Workload, baseline_rank_memory
-from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
-from disagmoe_ds.planner.simulate import Op, SimResult, _input_ready, megatron_order
-from disagmoe_ds.planner.stages import (
-    BaselineChunkCosts,
-    alltoall_s,
-    attention_call_s,
-    baseline_sync_s,
-    expert_call_s,
-    exposed_sync_s,
-    head_call_s,
-)
+from disagmoe_ds.planner.model import ModelSpec
+from disagmoe_ds.planner.simulate import Op, SimResult, input_ready, megatron_order, run_in_order
 
 OVERLAPS = ("partial", "paired")
 CONTEXT_PARALLEL = (1, 2, 4, 8, 16)
@@ -55,113 +48,6 @@ CONTEXT_PARALLEL = (1, 2, 4, 8, 16)
 # projection of N = 2048-8192 columns needs about 1K rows to give every SM a tile. TP x CP shards the rows
 # (tokens) of a micro-batch, so shapes leaving fewer than this many tokens per rank are not searched.
 MIN_ROWS_PER_RANK = 1024
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A co-located configuration: pipeline (pp x vpp), tensor, context and expert parallel, a2a overlap."""
-
-    pp: int
-    vpp: int
-    tp: int
-    cp: int
-    ep: int
-    overlap: str
-
-    def describe(self) -> str:
-        return f"TP {self.tp} CP {self.cp} EP {self.ep} PP {self.pp} x v {self.vpp}, a2a overlap {self.overlap}"
-
-
-@dataclass(frozen=True)
-class ColocatedCosts(BaselineChunkCosts):
-    """Per-chunk costs with the raw all-to-all (for paired overlap) and the exposed TP/CP communication."""
-
-    fwd_a2a: tuple[float, ...] = ()
-    bwd_a2a: tuple[float, ...] = ()
-    fwd_other: tuple[float, ...] = ()
-    bwd_other: tuple[float, ...] = ()
-
-
-def tp_options(spec: ModelSpec, gpus_per_node: int) -> list[int]:
-    """TP sizes inside a node that divide the query heads and (GQA) the KV heads, as Megatron requires."""
-    a = spec.attention
-    heads = (a.num_heads, a.num_kv_heads) if a.kind == "gqa" else (a.num_heads,)
-    return [t for t in (1, 2, 4, 8) if t <= gpus_per_node and all(h % t == 0 for h in heads)]
-
-
-def kv_bytes_per_token(spec: ModelSpec, tp: int) -> float:
-    """K and V of one token on one TP rank, the tensors ring attention passes around (bf16)."""
-    a = spec.attention
-    if a.kind == "gqa":
-        return 2 * ACT_BYTES * a.num_kv_heads * a.head_dim / tp
-    return ACT_BYTES * a.num_heads * (a.head_dim + a.v_head_dim) / tp
-
-
-def tp_cp_exposed_s(
-    spec: ModelSpec, work: Workload, shape: Shape, *, layer: int, cluster: Cluster, rates: Rates
-) -> tuple[float, float]:
-    """(forward, backward) seconds of TP and CP communication of one layer not hidden behind its compute."""
-    t, c = shape.tp, shape.cp
-    tokens = work.tokens_per_micro_batch / (t * c)
-    core_flops = tokens * spec.attention_core_flops(work.seq_len, layer)
-    core = rates.attention_fwd.seconds(0.0, core_flops, calls=0)
-    linear = rates.attention_fwd.seconds(tokens * spec.attention_side_flops(work.seq_len, layer) - core_flops, calls=0)
-    blocks = 1 + (1 if spec.shared_intermediate or not spec.moe_layers[layer] else 0)
-    tp_bytes = blocks * 2 * (t - 1) / t * (work.tokens_per_micro_batch / c) * ACT_BYTES * spec.hidden_size
-    tp_s = tp_bytes / rates.nvlink_bw
-    cp_bytes = (c - 1) / c * work.tokens_per_micro_batch * kv_bytes_per_token(spec, t)
-    nic_per_gpu = cluster.nics_per_node * rates.nic_bw / cluster.gpus_per_node
-    cp_rate = rates.nvlink_bw if t * c <= cluster.gpus_per_node else nic_per_gpu
-    cp_s = cp_bytes / cp_rate if c > 1 else 0.0
-    fwd = max(0.0, tp_s - linear) + max(0.0, cp_s - core)
-    bwd = max(0.0, 1.5 * tp_s - 2 * linear) + max(0.0, 2 * cp_s - 2 * core)
-    return fwd, bwd
-
-
-def colocated_costs(
-    spec: ModelSpec, work: Workload, shape: Shape, *, cluster: Cluster, rates: Rates, overlap: float
-) -> ColocatedCosts:
-    """Per-chunk compute, exposed communication (alone) and raw all-to-all (paired) of one rank."""
-    t, c = shape.tp, shape.cp
-    tokens = work.tokens_per_micro_batch / (t * c)
-    a2a = alltoall_s(spec, work, ep=shape.ep, cluster=cluster, rates=rates) / (t * c)
-    shared = rates.attention_fwd.per_flop * tokens * spec.shared_flops()
-    alone = max(0.0, 2 * a2a - min(2 * a2a, overlap * 2 * a2a + shared))
-    per_chunk = spec.num_layers // (shape.pp * shape.vpp)
-    rows: dict[str, list[float]] = {k: [] for k in ("fc", "bc", "fx", "bx", "fa", "ba", "fo", "bo")}
-    for start in range(0, spec.num_layers, per_chunk):
-        layers = range(start, start + per_chunk)
-        fc = bc = fo = bo = 0.0
-        for i in layers:
-            for fwd, bwd in (
-                attention_call_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=work.recompute),
-                expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=work.recompute),
-            ):
-                fc, bc = fc + fwd, bc + bwd
-            other = tp_cp_exposed_s(spec, work, shape, layer=i, cluster=cluster, rates=rates)
-            fo, bo = fo + other[0], bo + other[1]
-        if start + per_chunk == spec.num_layers:
-            head = head_call_s(spec, rates, tokens=tokens)
-            fc, bc = fc + head[0], bc + head[1]
-        moe = sum(spec.moe_layers[start : start + per_chunk])
-        redo = 2 if work.recompute == "full" else 1  # full recompute re-runs the forward all-to-alls
-        for key, value in zip(
-            rows, (fc, bc, moe * alone + fo, redo * moe * alone + bo, moe * 2 * a2a, redo * moe * 2 * a2a, fo, bo)
-        ):
-            rows[key].append(value)
-    p2p = _stage_p2p_s(spec, work, shape, cluster=cluster, rates=rates)
-    r = {k: tuple(v) for k, v in rows.items()}
-    return ColocatedCosts(r["fc"], r["bc"], r["fx"], r["bx"], a2a, p2p, r["fa"], r["ba"], r["fo"], r["bo"])
-
-
-def _stage_p2p_s(spec: ModelSpec, work: Workload, shape: Shape, *, cluster: Cluster, rates: Rates) -> float:
-    """Stage-to-stage hand-off of a rank's B*s*H/(t c) slice: through NICs when a stage fills whole nodes."""
-    if shape.pp == 1:
-        return 0.0
-    nbytes = work.tokens_per_micro_batch / (shape.tp * shape.cp) * ACT_BYTES * spec.hidden_size
-    if cluster.world_size // shape.pp >= cluster.gpus_per_node:
-        return nbytes / (cluster.nics_per_node * rates.nic_bw / cluster.gpus_per_node)
-    return nbytes / rates.nvlink_bw
 
 
 # ----- schedule -----
@@ -196,13 +82,11 @@ def simulate_colocated(costs: ColocatedCosts, *, shape: Shape, micro_batches: in
         costs, fwd_comm=zero, bwd_comm=zero, fwd_a2a=zero, bwd_a2a=zero, fwd_other=zero, bwd_other=zero, p2p_s=0.0
     )
     step = max(end for end, _ in timed)
-    free_step = max(end for end, _ in _run(free_costs, shape, micro_batches))
-    return SimResult(
-        system=f"co-located ({shape.describe()}, {micro_batches} micro-batches)",
-        step_time_s=step,
+    return SimResult.from_steps(
+        f"co-located ({shape.describe()}, {micro_batches} micro-batches)",
+        step_s=step,
+        free_step_s=max(end for end, _ in _run(free_costs, shape, micro_batches)),
         compute_fraction=sum(c for _, c in timed) / (shape.pp * step),
-        exposed_comm_fraction=max(0.0, step - free_step) / step,
-        events=(),
     )
 
 
@@ -220,34 +104,29 @@ def _unit_s(costs: ColocatedCosts, unit: tuple[Op, ...], stage: list[int]) -> tu
 
 
 def _run(costs: ColocatedCosts, shape: Shape, micro_batches: int) -> list[tuple[float, float]]:
-    """(end, compute seconds) per unit; every unit waits for its ops' inputs (``simulate._input_ready``)."""
+    """(end, compute seconds) per unit; every unit waits for its ops' inputs (``simulate.input_ready``)."""
     pp, vpp = shape.pp, shape.vpp
     if shape.overlap == "paired":
         orders = [paired_order(pp, vpp, micro_batches, r) for r in range(pp)]
     else:
         orders = [[(o,) for o in megatron_order(pp, vpp, micro_batches, r)] for r in range(pp)]
     done: dict[tuple[bool, int, int], float] = {}
-    free, pos, out, last = [0.0] * pp, [0] * pp, [], pp * vpp - 1
-    while any(pos[r] < len(orders[r]) for r in range(pp)):
-        progressed = False
-        for r in range(pp):
-            if pos[r] == len(orders[r]):
-                continue
-            unit = orders[r][pos[r]]
-            stages = [op.chunk * pp + r for op in unit]
-            ready = [_input_ready(done, op, s, last, pp, costs.p2p_s) for op, s in zip(unit, stages)]
-            if any(x is None for x in ready):
-                continue
-            duration, comp = _unit_s(costs, unit, stages)
-            end = max(free[r], *ready) + duration  # type: ignore[type-var]
-            for op, s in zip(unit, stages):
-                done[op.forward, s, op.micro_batch] = end
-            free[r] = end
-            out.append((end, comp))
-            pos[r] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError(f"co-located simulation deadlocked ({shape.describe()})")
+    free, out, last = [0.0] * pp, [], pp * vpp - 1
+
+    def start(r: int, unit: tuple[Op, ...]) -> bool:
+        stages = [op.chunk * pp + r for op in unit]
+        ready = [input_ready(done, op, s, last, pp, costs.p2p_s) for op, s in zip(unit, stages)]
+        if any(x is None for x in ready):
+            return False
+        duration, comp = _unit_s(costs, unit, stages)
+        end = max(free[r], *ready) + duration  # type: ignore[type-var]
+        for op, s in zip(unit, stages):
+            done[op.forward, s, op.micro_batch] = end
+        free[r] = end
+        out.append((end, comp))
+        return True
+
+    run_in_order(orders, start, deadlock=f"co-located simulation deadlocked ({shape.describe()})")
     return out
 
 
@@ -261,29 +140,12 @@ class ColocatedCandidate:
     micro_batches: int
     memory: RankMemory
     costs: ColocatedCosts
-    replicas: int  # model replicas W / (pp tp cp)
+    replicas: int  # model replicas (data parallel) W / (pp tp cp)
     sync_s: float
 
     @property
     def tokens(self) -> int:
         return self.micro_batches * self.replicas * self.work.tokens_per_micro_batch
-
-    @property
-    def pp(self) -> int:
-        return self.shape.pp
-
-    @property
-    def vpp(self) -> int:
-        return self.shape.vpp
-
-    @property
-    def ep(self) -> int:
-        return self.shape.ep
-
-    @property
-    def data_parallel(self) -> int:
-        """Model replicas (data parallel) W / (pp tp cp)."""
-        return self.replicas
 
     @property
     def exposed_sync_s(self) -> float:
@@ -305,6 +167,10 @@ class ColocatedCandidate:
         return (self.micro_batches * s.vpp + s.pp - 1) * max(units) + hops + self.exposed_sync_s
 
 
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def shapes(
     spec: ModelSpec, cluster: Cluster, seq_len: int, *, micro_batch_size: int, ep: int | None, strongest: bool
 ) -> Iterator[Shape]:
@@ -314,9 +180,9 @@ def shapes(
     cps = [c for c in CONTEXT_PARALLEL if seq_len % (2 * c) == 0] if strongest else [1]
     rows = seq_len * micro_batch_size
     overlaps = OVERLAPS if strongest else ("partial",)
-    for pp in (p for p in _divisors(spec.num_layers) if world % p == 0):
-        eps = [e for e in _divisors(spec.num_experts) if (world // pp) % e == 0 and e in (ep or e,)]
-        for vpp in (v for v in _divisors(spec.num_layers // pp) if v <= 8 and (v == 1 or pp > 1)):
+    for pp in (p for p in divisors(spec.num_layers) if world % p == 0):
+        eps = [e for e in divisors(spec.num_experts) if (world // pp) % e == 0 and e in (ep or e,)]
+        for vpp in (v for v in divisors(spec.num_layers // pp) if v <= 8 and (v == 1 or pp > 1)):
             for t in tps:
                 for c in (
                     c for c in cps if world % (pp * t * c) == 0 and rows // (t * c) >= min(rows, MIN_ROWS_PER_RANK)
@@ -379,7 +245,3 @@ def _chunks_alive(shape: Shape, micro_batches: int) -> int:
     pp, vpp = shape.pp, shape.vpp
     warm = pp - 1 if vpp == 1 else (pp - 1) * 2 + (vpp - 1) * pp
     return min(warm + (pp if shape.overlap == "paired" else 0), micro_batches * vpp) + 1
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -146,6 +146,15 @@ def ffn_rank_params(spec: ModelSpec, layout: Layout, group: int) -> int:
     return moe * layout.experts_per_rank * spec.expert_params()
 
 
+def busiest_group_params(spec: ModelSpec, layout: Layout) -> tuple[int, int]:
+    """(A lane, F rank) parameters of the group holding the most: what a per-rank sync or ZeRO gather waits for."""
+    groups = range(layout.depth)
+    return (
+        max(attention_lane_params(spec, layout, g) for g in groups),
+        max(ffn_rank_params(spec, layout, g) for g in groups),
+    )
+
+
 def baseline_stage_params(spec: ModelSpec, *, pp: int, vpp: int, ep: int, stage: int) -> tuple[list[int], int, int]:
     """(layers, dense params, expert params) of a co-located rank of pipeline stage ``stage`` (interleaved chunks)."""
     per_chunk = spec.num_layers // (pp * vpp)

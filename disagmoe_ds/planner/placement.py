@@ -46,6 +46,10 @@ class Placement:
             return rank // self.attention_per_node
         return (rank - attention_gpus) // (self.gpus_per_node - self.attention_per_node)
 
+    def spans_nodes(self, ranks: tuple[int, ...], *, attention_gpus: int) -> bool:
+        """Whether layout ranks ``ranks`` sit on more than one node (their collectives then cross NICs)."""
+        return len({self.node_of(r, attention_gpus=attention_gpus) for r in ranks}) > 1
+
     def launcher_to_layout_rank(self, node: int, local: int, *, attention_gpus: int) -> int:
         """Layout rank of the process the launcher starts as local rank ``local`` on ``node``."""
         if self.kind == "contiguous":

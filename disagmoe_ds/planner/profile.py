@@ -1,8 +1,8 @@
 """``disagmoe-plan profile``: measure one MoE layer's attention part and expert part, forward and backward, on
 this machine, and write a profile JSON the planner uses instead of peak x efficiency.
 
-torch and transformers are imported lazily, inside the measuring functions only; reading a profile
-(``load_profile``, ``rates_from_profile``) is pure Python, so the planner stays torch-free.
+torch and transformers are imported lazily, inside the measuring functions only; the profile's format, reading
+it and fitting it (``profile_fit.py``) are pure Python, so the planner stays torch-free.
 
 What is measured is pluggable: ``--parts module:function`` names a factory
 ``function(config, *, layer_index, seq_len, micro_batch_size, device, dtype) -> (attention_fn, experts_fn)``
@@ -12,16 +12,9 @@ the runtime runs). ``hf_decoder_parts`` builds the model's own HF decoder layer 
 random weights) instead: the attention part is input norm + self-attention + residual + post-attention norm +
 router (+ shared experts), the expert part is ``mlp.experts(x, top_k_index, top_k_weights)`` on uniformly
 routed tokens. Timing: warm-up runs, device synchronisation around each run, median of the repeats;
-backward = median(forward + backward) - median(forward).
-
-Profile JSON (format "disagmoe-profile/1"): device, versions, model; ``points``, one per measured sequence
-length, each with per-part {fwd_s, bwd_s, linear_flops, core_flops, tokens}; ``fit``, the per-call time
-models the planner uses (``cluster.PartModel``: t = per_flop * linear + per_core_flop * core + per_call, fitted
-by least squares to the points: all three terms for attention from 3 points on, flops + per-call for the
-experts from 2 points on, a single rate from one point); ``nvlink_bytes_per_s`` when two GPUs exist (a
-device-to-device copy); ``nic_bytes_per_s`` is null unless filled in from a multi-node measurement (e.g.
-nccl-tests). Measure at several sequence lengths (``--seq-len 2048,4096,8192,16384``): a single point cannot
-separate per-call overhead from the s^2 core, and the planner warns when it extrapolates.
+backward = median(forward + backward) - median(forward). Measure at several sequence lengths
+(``--seq-len 2048,4096,8192,16384``): three or more let the attention fit tell per-call overhead from the s^2
+core (``profile_fit.fit_part``).
 """
 
 from __future__ import annotations
@@ -32,146 +25,14 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.planner.cluster import Cluster, Efficiency, PartModel, Rates
+from disagmoe_ds.planner.inputs import check_at_least_one
 from disagmoe_ds.planner.model import ModelSpec, load_model_spec
+from disagmoe_ds.planner.profile_fit import FORMAT, fit_profile, load_profile, part_flops, predicted_times
 
-FORMAT = "disagmoe-profile/1"
-
-
-# ----- reading a profile and fitting it (pure) -----
-_PARTS = ("attention_fwd", "attention_bwd", "experts_fwd", "experts_bwd")
-
-
-def load_profile(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--profile {path}: no such file; write one with `disagmoe-plan profile`")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--profile {path}: not valid JSON ({err})") from err
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ConfigError(f"--profile {path}: format is not {FORMAT!r}; write one with `disagmoe-plan profile`")
-    for key in _PARTS:
-        model = (data.get("fit") or {}).get(key)
-        if not isinstance(model, dict) or not all(
-            isinstance(model.get(k), (int, float)) for k in ("per_flop", "per_core_flop", "per_call")
-        ):
-            raise ConfigError(f"--profile {path}: fit.{key} must hold per_flop, per_core_flop and per_call")
-    return data
-
-
-def part_models(profile: dict[str, Any]) -> dict[str, PartModel]:
-    return {key: PartModel(**{k: float(v) for k, v in profile["fit"][key].items()}) for key in _PARTS}
-
-
-def rates_from_profile(profile: dict[str, Any], cluster: Cluster, eff: Efficiency) -> Rates:
-    """Measured time models replace peak x efficiency; measured bandwidths replace theirs where present."""
-    base = Rates.from_cluster(cluster, eff)
-    seqs = sorted(pt["seq_len"] for pt in profile["points"])
-    return replace(
-        base,
-        **part_models(profile),
-        nic_bw=float(profile.get("nic_bytes_per_s") or base.nic_bw),
-        nvlink_bw=float(profile.get("nvlink_bytes_per_s") or base.nvlink_bw),
-        source=f"profile of {profile.get('model')} at seq {seqs} on {profile.get('device')}",
-    )
-
-
-def profile_warnings(profile: dict[str, Any], spec: ModelSpec, seq_len: int) -> list[str]:
-    """Where a profile is used outside the conditions it was measured in."""
-    out = []
-    if profile.get("model_type") != spec.model_type:
-        out.append(f"profile measured {profile.get('model_type')}, planning {spec.model_type}")
-    seqs = [pt["seq_len"] for pt in profile["points"]]
-    if not min(seqs) <= seq_len <= max(seqs):
-        out.append(f"profile measured at seq {sorted(seqs)}, planning seq {seq_len}: extrapolating its time model")
-    return out
-
-
-def _solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
-    """Least squares by the normal equations (Gauss-Jordan); None when singular."""
-    n = len(rows[0])
-    a = [
-        [sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))] for i in range(n)
-    ]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-30:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(n):
-            if r != col:
-                factor = a[r][col] / a[col][col]
-                a[r] = [x - factor * y for x, y in zip(a[r], a[col])]
-    return [a[i][n] / a[i][i] for i in range(n)]
-
-
-def fit_part(points: list[tuple[float, float, float]]) -> PartModel:
-    """Fit t = per_flop * linear + per_core_flop * core + per_call to (linear, core, seconds) points.
-
-    Uses as many terms as the points determine (3: all; 2: one per-FLOP rate + per-call; 1: one rate) and
-    drops terms whose fitted value is negative. FLOPs are scaled to TFLOP so the equations are well conditioned.
-    """
-    has_core = any(core > 0 for _, core, _ in points)
-    layouts = [("lin", "core", "call"), ("all", "call"), ("all",)] if has_core else [("all", "call"), ("all",)]
-    for terms in layouts:
-        if len(terms) > len(points):
-            continue
-        rows = [
-            [{"lin": lin, "core": core, "all": lin + core, "call": 1e12}[t] / 1e12 for t in terms]
-            for lin, core, _ in points
-        ]
-        coef = _solve(rows, [t for _, _, t in points])
-        if coef is None or min(coef) < 0:
-            continue
-        c = dict(zip(terms, (x / 1e12 for x in coef)))
-        per_flop = c.get("lin", c.get("all", 0.0))
-        return PartModel(per_flop, c.get("core", per_flop), c.get("call", 0.0) * 1e12)
-    raise ConfigError("the profile's measurements do not determine a positive time model; repeat the measurement")
-
-
-def fit_profile(points: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """The ``fit`` section of a profile from its ``points``."""
-    out = {}
-    for part in ("attention", "experts"):
-        for phase in ("fwd", "bwd"):
-            data = [(pt[part]["linear_flops"], pt[part]["core_flops"], pt[part][f"{phase}_s"]) for pt in points]
-            model = fit_part(data)
-            out[f"{part}_{phase}"] = {
-                "per_flop": model.per_flop,
-                "per_core_flop": model.per_core_flop,
-                "per_call": model.per_call,
-            }
-    return out
-
-
-def part_flops(spec: ModelSpec, *, seq_len: int, tokens: int) -> dict[str, tuple[float, float]]:
-    """(linear, core) forward FLOPs of the measured attention part and expert part of the first MoE layer."""
-    layer = spec.moe_layers.index(True)
-    core = tokens * spec.attention_core_flops(seq_len, layer)
-    return {
-        "attention": (tokens * spec.attention_side_flops(seq_len, layer) - core, core),
-        "experts": (tokens * spec.routed_flops_per_token(), 0.0),
-    }
-
-
-def predicted_times(spec: ModelSpec, profile: dict[str, Any], *, seq_len: int, tokens: int) -> dict[str, float]:
-    """Per-part forward and backward seconds of one call for ``tokens`` tokens at ``seq_len`` (profile's fit)."""
-    models, flops = part_models(profile), part_flops(spec, seq_len=seq_len, tokens=tokens)
-    return {
-        f"{part}_{phase}_s": models[f"{part}_{phase}"].seconds(*flops[part])
-        for part in ("attention", "experts")
-        for phase in ("fwd", "bwd")
-    }
-
-
-# ----- measuring (torch, lazily) -----
 PartsFactory = Callable[..., tuple[Callable[[], Any], Callable[[], Any]]]
 
 
@@ -412,13 +273,9 @@ def main(argv: Sequence[str]) -> int:
         args.seq_lens = [int(x) for x in args.seq_len.split(",")]
     except ValueError as err:
         raise ConfigError(f"--seq-len {args.seq_len!r}: expected integers separated by commas") from err
-    for name, value in (
-        ("seq-len", min(args.seq_lens)),
-        ("micro-batch-size", args.micro_batch_size),
-        ("repeats", args.repeats),
-    ):
-        if value < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {value}")
+    check_at_least_one(
+        {"--seq-len": min(args.seq_lens), "--micro-batch-size": args.micro_batch_size, "--repeats": args.repeats}
+    )
     reference = load_profile(args.predict_from) if args.predict_from else None
     if args.device is None:
         import torch

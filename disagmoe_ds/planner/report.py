@@ -66,7 +66,7 @@ def _comparison(af: AfPlan, base: BaselinePlan) -> list[str]:
     b, sim = base.candidate, base.sim
     a2a = b.costs.a2a_per_layer_s
     return [
-        f"co-located EP {b.ep}: each dispatch/combine takes {a2a * 1e3:.2f} ms per layer and micro-batch; "
+        f"co-located EP {b.shape.ep}: each dispatch/combine takes {a2a * 1e3:.2f} ms per layer and micro-batch; "
         f"{sim.exposed_comm_fraction:.0%} of its step is exposed all-to-all, {sim.bubble_fraction:.0%} pipeline bubble",
         f"AF-Pipe: {af.sim.compute_fraction:.0%} of GPU time computes, {af.sim.exposed_comm_fraction:.0%} waits on "
         f"transfers, {af.sim.bubble_fraction:.0%} is bubble or imbalance (A vs F) in the simulated schedule",
@@ -84,9 +84,9 @@ def _why_not(af: AfPlan, base: BaselinePlan) -> list[str]:
             f"span nodes and sync through NICs (co-located: {base.candidate.exposed_sync_s:.3f} s)"
         )
     if base.sim.exposed_comm_fraction < 0.1:
-        where = "inside a node over NVLink" if base.candidate.ep <= 8 else "with little exposure"
+        where = "inside a node over NVLink" if base.candidate.shape.ep <= 8 else "with little exposure"
         out.append(
-            f"co-located EP {base.candidate.ep} keeps its all-to-all {where}; AF-Pipe sends tokens between groups"
+            f"co-located EP {base.candidate.shape.ep} keeps its all-to-all {where}; AF-Pipe sends tokens between groups"
         )
     return out + _af_diagnostics(af)
 
@@ -122,7 +122,7 @@ def _baseline_name(base: BaselinePlan | None) -> str:
     if base is None:
         return "none fits"
     b = base.candidate
-    return f"{b.shape.describe()}, DP {b.data_parallel}, recompute {b.work.recompute}"
+    return f"{b.shape.describe()}, DP {b.replicas}, recompute {b.work.recompute}"
 
 
 def mfu(result: PlanResult, step_s: float, tokens: int) -> float:
@@ -209,13 +209,13 @@ def _side_json(side: SideTimes, memory: float) -> dict[str, Any]:
 def _baseline_json(result: PlanResult, base: BaselinePlan) -> dict[str, Any]:
     b = base.candidate
     return {
-        "pipeline_parallel": b.pp,
-        "virtual_stages": b.vpp,
+        "pipeline_parallel": b.shape.pp,
+        "virtual_stages": b.shape.vpp,
         "tensor_parallel": b.shape.tp,
         "context_parallel": b.shape.cp,
         "alltoall_overlap": b.shape.overlap,
-        "data_parallel": b.data_parallel,
-        "expert_parallel": b.ep,
+        "data_parallel": b.replicas,
+        "expert_parallel": b.shape.ep,
         "micro_batches": b.micro_batches,
         "recompute": b.work.recompute,
         "tokens_per_step": b.tokens,

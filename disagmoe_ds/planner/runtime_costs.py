@@ -23,9 +23,9 @@ from disagmoe_ds.planner.cluster import Efficiency, Rates, load_cluster
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.placement import Placement
-from disagmoe_ds.planner.profile import load_profile, rates_from_profile
+from disagmoe_ds.planner.profile_fit import load_profile, rates_from_profile
 from disagmoe_ds.planner.simulate import schedule_costs
-from disagmoe_ds.planner.stages import af_task_costs
+from disagmoe_ds.planner.task_costs import af_task_costs
 from disagmoe_ds.schedule import Costs
 
 GPUS_PER_PRESET_NODE = 8

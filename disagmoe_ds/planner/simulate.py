@@ -12,16 +12,19 @@ compute (busy), exposed communication = (step - step with free communication) / 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.model import ModelSpec
-from disagmoe_ds.planner.stages import AfTaskCosts, BaselineChunkCosts
+from disagmoe_ds.planner.task_costs import AfTaskCosts
 from disagmoe_ds.planner.zerobubble import simulate_split_backward
 from disagmoe_ds.schedule import Costs, PipeShape, TimelineEvent, write_chrome_trace
 
 _MESSAGE_KINDS = ("m2n", "n2m", "resid", "m2n_grad", "n2m_grad", "resid_grad")
+Unit = TypeVar("Unit")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,19 @@ class SimResult:
     compute_fraction: float
     exposed_comm_fraction: float
     events: tuple[TimelineEvent, ...]
+
+    @classmethod
+    def from_steps(
+        cls,
+        system: str,
+        *,
+        step_s: float,
+        free_step_s: float,
+        compute_fraction: float,
+        events: tuple[TimelineEvent, ...] = (),
+    ) -> SimResult:
+        """``free_step_s`` is the same step with communication free: what the step loses to it is exposed."""
+        return cls(system, step_s, compute_fraction, max(0.0, step_s - free_step_s) / step_s, events)
 
     @property
     def bubble_fraction(self) -> float:
@@ -75,13 +91,8 @@ def simulate_af(
     if exposed_comm:
         free_step = _run_af(shape, micro_batches, spec, task_costs, cap, with_comm=False)[0]
     variant = ", split backward" if task_costs.wgrad else ""
-    return SimResult(
-        system=f"AF-Pipe (p={layout.depth}, {micro_batches} micro-batches, {cap} in flight{variant})",
-        step_time_s=step,
-        compute_fraction=compute,
-        exposed_comm_fraction=max(0.0, step - free_step) / step,
-        events=events,
-    )
+    system = f"AF-Pipe (p={layout.depth}, {micro_batches} micro-batches, {cap} in flight{variant})"
+    return SimResult.from_steps(system, step_s=step, free_step_s=free_step, compute_fraction=compute, events=events)
 
 
 def _run_af(
@@ -97,6 +108,18 @@ def _run_af(
 
 
 # ----- co-located EP + DP, interleaved 1F1B -----
+@dataclass(frozen=True)
+class BaselineChunkCosts:
+    """Seconds per (chunk, micro-batch) on one co-located rank: compute and exposed all-to-all, fwd and bwd."""
+
+    fwd_compute: tuple[float, ...]
+    bwd_compute: tuple[float, ...]
+    fwd_comm: tuple[float, ...]
+    bwd_comm: tuple[float, ...]
+    a2a_per_layer_s: float  # one dispatch or combine of one MoE layer, before overlap
+    p2p_s: float
+
+
 @dataclass(frozen=True)
 class Op:
     """One chunk of one micro-batch on one pipeline rank."""
@@ -137,15 +160,12 @@ def simulate_baseline(costs: BaselineChunkCosts, *, pp: int, vpp: int, micro_bat
         replace(costs, fwd_comm=zero, bwd_comm=zero, p2p_s=0.0), pp=pp, vpp=vpp, micro_batches=micro_batches
     )
     step = max(end for _, _, end, _ in timed)
-    compute = sum(c for _, _, _, c in timed) / (pp * step)
-    free_step = max(end for _, _, end, _ in free)
-    events = tuple(_baseline_events(timed, costs, vpp))
-    return SimResult(
-        system=f"co-located 1F1B (pp={pp}, v={vpp}, {micro_batches} micro-batches)",
-        step_time_s=step,
-        compute_fraction=compute,
-        exposed_comm_fraction=max(0.0, step - free_step) / step,
-        events=events,
+    return SimResult.from_steps(
+        f"co-located 1F1B (pp={pp}, v={vpp}, {micro_batches} micro-batches)",
+        step_s=step,
+        free_step_s=max(end for _, _, end, _ in free),
+        compute_fraction=sum(c for _, _, _, c in timed) / (pp * step),
+        events=tuple(_baseline_events(timed, costs, vpp)),
     )
 
 
@@ -159,34 +179,43 @@ def _run_1f1b(
     costs: BaselineChunkCosts, *, pp: int, vpp: int, micro_batches: int
 ) -> list[tuple[int, Op, float, float]]:
     """(rank, op, end, compute seconds) per op; each rank runs its order, each op waits for its input."""
-    orders = [megatron_order(pp, vpp, micro_batches, r) for r in range(pp)]
     done: dict[tuple[bool, int, int], float] = {}
-    free, pos, out = [0.0] * pp, [0] * pp, []
-    last = pp * vpp - 1
-    while any(pos[r] < len(orders[r]) for r in range(pp)):
-        progressed = False
-        for r in range(pp):
-            if pos[r] == len(orders[r]):
-                continue
-            op = orders[r][pos[r]]
-            stage = op.chunk * pp + r
-            ready = _input_ready(done, op, stage, last, pp, costs.p2p_s)
-            if ready is None:
-                continue
-            layer_chunk = stage
-            comp = (costs.fwd_compute if op.forward else costs.bwd_compute)[layer_chunk]
-            comm = (costs.fwd_comm if op.forward else costs.bwd_comm)[layer_chunk]
-            end = max(free[r], ready) + comp + comm
-            done[op.forward, stage, op.micro_batch] = free[r] = end
-            out.append((r, op, end, comp))
-            pos[r] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError("baseline 1F1B simulation deadlocked; the schedule order is inconsistent")
+    free, out, last = [0.0] * pp, [], pp * vpp - 1
+
+    def start(r: int, op: Op) -> bool:
+        stage = op.chunk * pp + r
+        ready = input_ready(done, op, stage, last, pp, costs.p2p_s)
+        if ready is None:
+            return False
+        comp = (costs.fwd_compute if op.forward else costs.bwd_compute)[stage]
+        comm = (costs.fwd_comm if op.forward else costs.bwd_comm)[stage]
+        end = max(free[r], ready) + comp + comm
+        done[op.forward, stage, op.micro_batch] = free[r] = end
+        out.append((r, op, end, comp))
+        return True
+
+    orders = [megatron_order(pp, vpp, micro_batches, r) for r in range(pp)]
+    run_in_order(orders, start, deadlock="baseline 1F1B simulation deadlocked; the schedule order is inconsistent")
     return out
 
 
-def _input_ready(done: dict, op: Op, stage: int, last: int, pp: int, p2p_s: float) -> float | None:
+def run_in_order(orders: Sequence[Sequence[Unit]], start: Callable[[int, Unit], bool], *, deadlock: str) -> None:
+    """Run each rank's ``orders[rank]`` in sequence, sweeping the ranks in turn until all are done.
+
+    ``start(rank, unit)`` runs the rank's next unit if its inputs are ready and says whether it did; a sweep in
+    which no rank can start means the orders wait on each other (``RuntimeError(deadlock)``)."""
+    pos = [0] * len(orders)
+    while any(p < len(order) for p, order in zip(pos, orders)):
+        progressed = False
+        for r, order in enumerate(orders):
+            if pos[r] < len(order) and start(r, order[pos[r]]):
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(deadlock)
+
+
+def input_ready(done: dict, op: Op, stage: int, last: int, pp: int, p2p_s: float) -> float | None:
     """When the op's input is available on its rank, or None if its producer has not run yet."""
     if op.forward:
         if stage == 0:

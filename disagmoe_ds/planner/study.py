@@ -8,6 +8,8 @@ efficiency rates, ZeRO-1 bf16, one sequence per micro-batch, 8 x GPUs sequences 
 
 from __future__ import annotations
 
+import argparse
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,8 +54,7 @@ def af_summary(result: PlanResult) -> str:
     """The AF-Pipe plan in one cell: split, depth, variant, step and where its time goes."""
     af = result.af
     if af is None:
-        top = result.rejected.most_common(1)
-        return f"nothing fits ({top[0][0]})" if top else "nothing fits"
+        return _nothing_fits(result.rejected)
     c, sim = af.candidate, af.sim
     mem_a, mem_f = c.memory_attention.total_at(af.in_flight), c.memory_ffn.total_at(af.in_flight)
     return (
@@ -67,14 +68,19 @@ def af_summary(result: PlanResult) -> str:
 def baseline_summary(result: PlanResult) -> str:
     base = result.baseline
     if base is None:
-        top = result.baseline_rejected.most_common(1)
-        return f"nothing fits ({top[0][0]})" if top else "nothing fits"
+        return _nothing_fits(result.baseline_rejected)
     b, sim = base.candidate, base.sim
     return (
         f"{b.shape.describe()}, recompute {b.work.recompute}: {base.step_time_s:.2f} s; compute "
         f"{sim.compute_fraction:.0%} / a2a {sim.exposed_comm_fraction:.0%} / bubble {sim.bubble_fraction:.0%}; "
         f"{b.memory.total / GB:.0f} GB"
     )
+
+
+def _nothing_fits(rejected: Counter) -> str:
+    """A cell without a plan, with the commonest reason its candidates were rejected."""
+    top = rejected.most_common(1)
+    return f"nothing fits ({top[0][0]})" if top else "nothing fits"
 
 
 def af_ceiling(result: PlanResult) -> float | None:
@@ -148,8 +154,6 @@ def ablation_rows(cells: list[Cell], models: Path) -> Iterator[str]:
 
 def main(argv: list[str]) -> int:
     """``disagmoe-plan study``: print the tables (Markdown) for docs/planner.md."""
-    import argparse
-
     p = argparse.ArgumentParser(prog="disagmoe-plan study", description=__doc__.split("\n")[0])
     p.add_argument("--hf-models", default="hf_models", help="directory holding the model config directories")
     p.add_argument("--models", default="", help="comma-separated subset of the grid's models (default: all)")

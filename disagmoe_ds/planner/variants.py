@@ -3,8 +3,8 @@
 A variant is a ``Workload``: the recompute policy, ``resend`` (F drops the tokens it received), per-side ZeRO
 stages (memory at rest), ``offload`` shares (activations in host memory) and ``split_backward`` (a schedule
 change only, tried at simulation time). Every saving costs something (FLOPs, wire bytes, collective bytes or
-PCIe bytes; ``stages.py``), so a layout tries a variant only if no variant with a subset of its savings
-already holds twice the ring (2 (2p + 1) micro-batches) in flight: beyond that memory buys no speed.
+PCIe bytes; ``stages.py``, ``task_costs.py``), so a layout tries a variant only if no variant with a subset of
+its savings already holds twice the ring (2 (2p + 1) micro-batches) in flight: beyond that memory buys no speed.
 
 >>> [w.variant for w in memory_variants(Workload(4096, 1), ("none",), frozenset({"resend"}))]
 ['recompute none, ZeRO 1/1', 'recompute none, resend, ZeRO 1/1']

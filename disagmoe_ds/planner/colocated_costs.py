@@ -1,0 +1,140 @@
+"""Per-chunk costs of one rank of a co-located configuration (``Shape``): compute, the Megatron all-to-all
+dispatch and combine, the exposed TP and CP communication and the stage-to-stage hand-off (pure Python).
+
+``colocated.py`` describes the model these implement (TP+SP, CP ring attention, EP folding, a2a overlap) and
+searches and simulates the shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagmoe_ds.planner.cluster import Cluster, Rates
+from disagmoe_ds.planner.memory import Workload
+from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
+from disagmoe_ds.planner.part_times import attention_call_s, expert_call_s, head_call_s
+from disagmoe_ds.planner.simulate import BaselineChunkCosts
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A co-located configuration: pipeline (pp x vpp), tensor, context and expert parallel, a2a overlap."""
+
+    pp: int
+    vpp: int
+    tp: int
+    cp: int
+    ep: int
+    overlap: str
+
+    def describe(self) -> str:
+        return f"TP {self.tp} CP {self.cp} EP {self.ep} PP {self.pp} x v {self.vpp}, a2a overlap {self.overlap}"
+
+
+@dataclass(frozen=True)
+class ColocatedCosts(BaselineChunkCosts):
+    """Per-chunk costs with the raw all-to-all (for paired overlap) and the exposed TP/CP communication."""
+
+    fwd_a2a: tuple[float, ...] = ()
+    bwd_a2a: tuple[float, ...] = ()
+    fwd_other: tuple[float, ...] = ()
+    bwd_other: tuple[float, ...] = ()
+
+
+def tp_options(spec: ModelSpec, gpus_per_node: int) -> list[int]:
+    """TP sizes inside a node that divide the query heads and (GQA) the KV heads, as Megatron requires."""
+    a = spec.attention
+    heads = (a.num_heads, a.num_kv_heads) if a.kind == "gqa" else (a.num_heads,)
+    return [t for t in (1, 2, 4, 8) if t <= gpus_per_node and all(h % t == 0 for h in heads)]
+
+
+def kv_bytes_per_token(spec: ModelSpec, tp: int) -> float:
+    """K and V of one token on one TP rank, the tensors ring attention passes around (bf16)."""
+    a = spec.attention
+    if a.kind == "gqa":
+        return 2 * ACT_BYTES * a.num_kv_heads * a.head_dim / tp
+    return ACT_BYTES * a.num_heads * (a.head_dim + a.v_head_dim) / tp
+
+
+def alltoall_s(spec: ModelSpec, work: Workload, *, ep: int, cluster: Cluster, rates: Rates) -> float:
+    """One dispatch (or combine) of one micro-batch on one rank, Megatron's all-to-all token dispatcher.
+
+    Each of the B*s tokens is sent top_k times (no de-duplication), (ep-1)/ep of the copies leave the GPU
+    (paper-notes.md section 4: V = (EP-1)/EP * N * k); an EP group fills whole nodes, so the share
+    (ep - g)/ep of copies goes through the node's NICs (g GPUs per node), the rest over NVLink.
+    """
+    if ep == 1:
+        return 0.0
+    copies = work.tokens_per_micro_batch * spec.top_k
+    per_copy = ACT_BYTES * spec.hidden_size + 4  # hidden state + its routing probability
+    g = cluster.gpus_per_node
+    off_node = max(ep - g, 0) / ep
+    on_node = (min(ep, g) - 1) / ep
+    nic_per_gpu = rates.nic_bw_per_gpu(cluster)
+    return max(copies * off_node * per_copy / nic_per_gpu, copies * on_node * per_copy / rates.nvlink_bw)
+
+
+def tp_cp_exposed_s(
+    spec: ModelSpec, work: Workload, shape: Shape, *, layer: int, cluster: Cluster, rates: Rates
+) -> tuple[float, float]:
+    """(forward, backward) seconds of TP and CP communication of one layer not hidden behind its compute."""
+    t, c = shape.tp, shape.cp
+    tokens = work.tokens_per_micro_batch / (t * c)
+    core_flops = tokens * spec.attention_core_flops(work.seq_len, layer)
+    core = rates.attention_fwd.seconds(0.0, core_flops, calls=0)
+    linear = rates.attention_fwd.seconds(tokens * spec.attention_side_flops(work.seq_len, layer) - core_flops, calls=0)
+    blocks = 1 + (1 if spec.shared_intermediate or not spec.moe_layers[layer] else 0)
+    tp_bytes = blocks * 2 * (t - 1) / t * (work.tokens_per_micro_batch / c) * ACT_BYTES * spec.hidden_size
+    tp_s = tp_bytes / rates.nvlink_bw
+    cp_bytes = (c - 1) / c * work.tokens_per_micro_batch * kv_bytes_per_token(spec, t)
+    cp_rate = rates.nvlink_bw if t * c <= cluster.gpus_per_node else rates.nic_bw_per_gpu(cluster)
+    cp_s = cp_bytes / cp_rate if c > 1 else 0.0
+    fwd = max(0.0, tp_s - linear) + max(0.0, cp_s - core)
+    bwd = max(0.0, 1.5 * tp_s - 2 * linear) + max(0.0, 2 * cp_s - 2 * core)
+    return fwd, bwd
+
+
+def colocated_costs(
+    spec: ModelSpec, work: Workload, shape: Shape, *, cluster: Cluster, rates: Rates, overlap: float
+) -> ColocatedCosts:
+    """Per-chunk compute, exposed communication (alone) and raw all-to-all (paired) of one rank."""
+    t, c = shape.tp, shape.cp
+    tokens = work.tokens_per_micro_batch / (t * c)
+    a2a = alltoall_s(spec, work, ep=shape.ep, cluster=cluster, rates=rates) / (t * c)
+    shared = rates.attention_fwd.per_flop * tokens * spec.shared_flops()
+    alone = max(0.0, 2 * a2a - min(2 * a2a, overlap * 2 * a2a + shared))
+    per_chunk = spec.num_layers // (shape.pp * shape.vpp)
+    rows: dict[str, list[float]] = {k: [] for k in ("fc", "bc", "fx", "bx", "fa", "ba", "fo", "bo")}
+    for start in range(0, spec.num_layers, per_chunk):
+        layers = range(start, start + per_chunk)
+        fc = bc = fo = bo = 0.0
+        for i in layers:
+            for fwd, bwd in (
+                attention_call_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=work.recompute),
+                expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=work.recompute),
+            ):
+                fc, bc = fc + fwd, bc + bwd
+            other = tp_cp_exposed_s(spec, work, shape, layer=i, cluster=cluster, rates=rates)
+            fo, bo = fo + other[0], bo + other[1]
+        if start + per_chunk == spec.num_layers:
+            head = head_call_s(spec, rates, tokens=tokens)
+            fc, bc = fc + head[0], bc + head[1]
+        moe = sum(spec.moe_layers[start : start + per_chunk])
+        redo = 2 if work.recompute == "full" else 1  # full recompute re-runs the forward all-to-alls
+        for key, value in zip(
+            rows, (fc, bc, moe * alone + fo, redo * moe * alone + bo, moe * 2 * a2a, redo * moe * 2 * a2a, fo, bo)
+        ):
+            rows[key].append(value)
+    p2p = _stage_p2p_s(spec, work, shape, cluster=cluster, rates=rates)
+    r = {k: tuple(v) for k, v in rows.items()}
+    return ColocatedCosts(r["fc"], r["bc"], r["fx"], r["bx"], a2a, p2p, r["fa"], r["ba"], r["fo"], r["bo"])
+
+
+def _stage_p2p_s(spec: ModelSpec, work: Workload, shape: Shape, *, cluster: Cluster, rates: Rates) -> float:
+    """Stage-to-stage hand-off of a rank's B*s*H/(t c) slice: through NICs when a stage fills whole nodes."""
+    if shape.pp == 1:
+        return 0.0
+    nbytes = work.tokens_per_micro_batch / (shape.tp * shape.cp) * ACT_BYTES * spec.hidden_size
+    if cluster.world_size // shape.pp >= cluster.gpus_per_node:
+        return nbytes / rates.nic_bw_per_gpu(cluster)
+    return nbytes / rates.nvlink_bw

@@ -1,0 +1,171 @@
+"""A Hugging Face MoE config.json read into the planner's vocabulary (pure Python; transformers is not imported).
+
+Supported ``model_type``s: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, gpt_oss. Field names
+differ per family (``hf-notes.md`` section 1); the maps below resolve them into ``model_fields``, the keyword
+arguments of ``model.ModelSpec``, and into an ``AttentionSpec``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from disagmoe_ds.errors import ConfigError, UnsupportedModelError
+from disagmoe_ds.planner.inputs import read_json
+
+SUPPORTED_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Self-attention shape. ``kind`` is "gqa" (MHA/GQA/MQA) or "mla" (DeepSeek multi-head latent attention)."""
+
+    kind: Literal["gqa", "mla"]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # GQA head size; for MLA the query/key head size qk_nope + qk_rope
+    v_head_dim: int
+    q_lora_rank: int = 0  # MLA only; 0 means a direct q_proj
+    kv_lora_rank: int = 0  # MLA only
+    qk_rope_head_dim: int = 0  # MLA only
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: Literal["", "head", "full"] = ""  # Qwen3: per-head RMSNorm; OLMoE: over the whole projection
+    sinks: bool = False  # GPT-OSS learned attention sinks, one per head
+
+
+def read_model_config(path: str | Path) -> tuple[dict[str, Any], str]:
+    """(config dict, model name) of ``path``: a model directory holding config.json, or the json file itself."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"--model {path}: no config.json there; pass a Hugging Face model directory or its config")
+    cfg = read_json(file, "--model")
+    return cfg, file.parent.name if file.name == "config.json" else file.stem
+
+
+def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``ModelSpec``'s fields but its name, from a config.json dict; ``UnsupportedModelError`` / ``ConfigError``
+    name the field at fault."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported by the planner; supported: {', '.join(SUPPORTED_TYPES)}"
+        )
+    num_layers = _int(cfg, "num_hidden_layers")
+    experts = _experts(cfg, model_type)
+    return {
+        "model_type": model_type,
+        "hidden_size": _int(cfg, "hidden_size"),
+        "num_layers": num_layers,
+        "vocab_size": _int(cfg, "vocab_size"),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "attention": _attention(cfg, model_type),
+        "moe_layers": _moe_layers(cfg, model_type, num_layers),
+        "windows": _windows(cfg, model_type, num_layers),
+        **experts,
+    }
+
+
+# ----- family field maps -----
+def _int(cfg: dict[str, Any], *names: str, default: int | None = None) -> int:
+    """First present, non-null field of ``names`` as an int; ConfigError naming the field if none is."""
+    for name in names:
+        value = cfg.get(name)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"config field {name} must be a non-negative integer, got {value!r}")
+            return value
+    if default is None:
+        raise ConfigError(f"config.json lacks {' / '.join(names)} (model_type {cfg.get('model_type')!r})")
+    return default
+
+
+def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Routed/shared/dense MLP sizes: num_experts | num_local_experts | n_routed_experts, etc."""
+    num_experts = _int(cfg, "num_experts", "num_local_experts", "n_routed_experts")
+    top_k = _int(cfg, "num_experts_per_tok", "experts_per_token")
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError(f"num_experts_per_tok ({top_k}) must be between 1 and the expert count ({num_experts})")
+    deepseek, qwen = model_type.startswith("deepseek"), model_type in ("qwen2_moe", "qwen3_moe")
+    expert_i = _int(cfg, "moe_intermediate_size") if deepseek or qwen else _int(cfg, "intermediate_size")
+    shared = 0
+    if model_type == "qwen2_moe":
+        shared = _int(cfg, "shared_expert_intermediate_size", default=0)
+    elif deepseek:
+        shared = _int(cfg, "n_shared_experts", default=0) * expert_i
+    return {
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "expert_intermediate": expert_i,
+        "dense_intermediate": _int(cfg, "intermediate_size", default=0) if deepseek or qwen else 0,
+        "shared_intermediate": shared,
+        "shared_gate": model_type == "qwen2_moe" and shared > 0,
+        "expert_bias": model_type == "gpt_oss",
+        "router_bias": model_type == "gpt_oss",
+    }
+
+
+def _attention(cfg: dict[str, Any], model_type: str) -> AttentionSpec:
+    heads = _int(cfg, "num_attention_heads")
+    hidden = _int(cfg, "hidden_size")
+    if model_type.startswith("deepseek"):
+        rope, nope = _int(cfg, "qk_rope_head_dim"), _int(cfg, "qk_nope_head_dim")
+        return AttentionSpec(
+            kind="mla",
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=rope + nope,
+            v_head_dim=_int(cfg, "v_head_dim"),
+            q_lora_rank=_int(cfg, "q_lora_rank", default=0),
+            kv_lora_rank=_int(cfg, "kv_lora_rank"),
+            qk_rope_head_dim=rope,
+            qkv_bias=bool(cfg.get("attention_bias", False)),
+            o_bias=bool(cfg.get("attention_bias", False)),
+        )
+    head_dim = _int(cfg, "head_dim", default=hidden // heads)
+    bias = bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else bool(cfg.get("attention_bias", False))
+    return AttentionSpec(
+        kind="gqa",
+        num_heads=heads,
+        num_kv_heads=_int(cfg, "num_key_value_heads", default=heads),
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        qkv_bias=bias,
+        o_bias=bias and model_type != "qwen2_moe",
+        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(model_type, ""),
+        sinks=model_type == "gpt_oss",
+    )
+
+
+def _moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[bool, ...]:
+    """Which layers route: DeepSeek first_k_dense_replace; Qwen mlp_only_layers and decoder_sparse_step."""
+    if model_type.startswith("deepseek"):
+        first_dense = _int(cfg, "first_k_dense_replace", default=0 if model_type == "deepseek_v2" else 3)
+        return tuple(i >= first_dense for i in range(num_layers))
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        dense = set(cfg.get("mlp_only_layers") or [])
+        step = _int(cfg, "decoder_sparse_step", default=1) or 1
+        return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return (True,) * num_layers
+
+
+def _windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """Per-layer sliding window (0 = full causal), from layer_types or each family's default rule."""
+    window = cfg.get("sliding_window") or 0
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if model_type == "gpt_oss":
+        return tuple(window if i % 2 == 0 else 0 for i in range(num_layers))
+    if model_type in ("qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        return (0,) * num_layers
+    if model_type == "qwen2_moe":
+        last = _int(cfg, "max_window_layers", default=num_layers)
+        return tuple(window if i % 2 == 0 and i < last else 0 for i in range(num_layers))
+    if model_type in ("qwen3_moe", "mixtral"):
+        return (window,) * num_layers
+    return (0,) * num_layers

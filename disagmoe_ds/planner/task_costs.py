@@ -1,0 +1,93 @@
+"""Per-task seconds of an AF-Pipe step for the schedule generator and the simulator: each layer's A part and F
+share per micro-batch, and each A <-> F and A -> A transfer (pure Python).
+
+With a split backward the weight-gradient half of each GEMM's backward (the dgrad and wgrad GEMMs cost the
+same) becomes its own task (``zerobubble.py``). The same costs order the runtime's schedule
+(``runtime_costs.py``), so what the planner simulates is what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner.cluster import Rates
+from disagmoe_ds.planner.memory import Workload
+from disagmoe_ds.planner.model import ModelSpec
+from disagmoe_ds.planner.part_times import (
+    attention_call_s,
+    attention_wgrad_s,
+    expert_call_s,
+    expert_wgrad_s,
+    head_call_s,
+)
+from disagmoe_ds.planner.placement import Placement
+from disagmoe_ds.planner.stages import cross_node_share
+
+
+@dataclass(frozen=True)
+class AfTaskCosts:
+    """Seconds per (layer, micro-batch) task and transfer; ``per_layer`` maps kind -> one value per layer.
+
+    With a split backward, ``A_bwd``/``F_bwd`` (and ``head_bwd``) hold the input-gradient part only and
+    ``wgrad`` maps "A"/"F" to the per-layer weight-gradient tasks (``head_wgrad`` for the LM head)."""
+
+    per_layer: dict[str, tuple[float, ...]]
+    head_fwd: float
+    head_bwd: float
+    wgrad: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    head_wgrad: float = 0.0
+
+
+def af_task_costs(
+    spec: ModelSpec, layout: Layout, work: Workload, *, placement: Placement, rates: Rates, nics: tuple[int, int]
+) -> AfTaskCosts:
+    """Per-task seconds for the schedule generator: a lane's A part, an F rank's share, and each transfer.
+
+    A transfer of one micro-batch moves d lanes' tokens through the group's NIC share (M_a/p on the A side,
+    M_f/p on the F side; the slower end sets the time) or over NVLink for the intra-node share. With
+    ``resend`` the backward's n2m_grad message also carries the layer's m2n payload again.
+    """
+    p, d, tokens = layout.depth, layout.lanes, work.tokens_per_micro_batch
+    rc = work.recompute
+    af_cross, res_cross = cross_node_share(layout, placement)
+    af_link = _link(
+        min(nics) / p * rates.nic_bw, rates.nvlink_bw * min(layout.lanes, layout.ffn_ranks_per_group), af_cross
+    )
+    res_link = _link(nics[0] / p * rates.nic_bw, rates.nvlink_bw * d, res_cross)
+    wire = spec.wire_bytes_per_token(layout.ep_size)
+    group_tokens, f_tokens = d * tokens, d * tokens / layout.ffn_ranks_per_group
+    per_layer: dict[str, list[float]] = {k: [] for k in ("A_fwd", "A_bwd", "F_fwd", "F_bwd")}
+    wgrad: dict[str, list[float]] = {"A": [], "F": []}
+    for i in range(spec.num_layers):
+        a_fwd, a_bwd = attention_call_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=rc)
+        f_fwd, f_bwd = expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=rc)
+        a_w = attention_wgrad_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens)
+        f_w = expert_wgrad_s(spec, rates, layer=i, tokens=f_tokens)
+        if not work.split_backward:
+            a_w = f_w = 0.0
+        per_layer["A_fwd"].append(a_fwd)
+        per_layer["A_bwd"].append(a_bwd - a_w)
+        per_layer["F_fwd"].append(f_fwd)
+        per_layer["F_bwd"].append(f_bwd - f_w)
+        wgrad["A"].append(a_w)
+        wgrad["F"].append(f_w)
+    costs = {k: tuple(v) for k, v in per_layer.items()}
+    for kind in ("m2n", "n2m", "m2n_grad", "n2m_grad"):
+        payload = getattr(wire, kind) + (wire.m2n if kind == "n2m_grad" and work.resend else 0.0)
+        costs[kind] = (group_tokens * payload / af_link,) * spec.num_layers
+    for kind in ("resid", "resid_grad"):
+        costs[kind] = (group_tokens * getattr(wire, kind) / res_link if p > 1 else 0.0,) * spec.num_layers
+    head_fwd, head_bwd = head_call_s(spec, rates, tokens=tokens)
+    head_w = head_bwd / 2 if work.split_backward else 0.0
+    wgrads = {k: tuple(v) for k, v in wgrad.items()} if work.split_backward else {}
+    return AfTaskCosts(costs, head_fwd=head_fwd, head_bwd=head_bwd - head_w, wgrad=wgrads, head_wgrad=head_w)
+
+
+def _link(nic_rate: float, nvlink_rate: float, cross: float) -> float:
+    """Effective bytes/s of a transfer whose ``cross`` share goes over NICs, the rest over NVLink, in parallel."""
+    if cross == 0:
+        return nvlink_rate
+    if cross == 1:
+        return nic_rate
+    return min(nic_rate / cross, nvlink_rate / (1 - cross))
