@@ -17,7 +17,7 @@ from typing import Any
 
 from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.layout import Layout
+from disagmoe_ds.layout import Layout, RankCounts
 from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
@@ -25,8 +25,8 @@ _FLAGS = ("compile", "activation_checkpointing", "comm_stream", "resend")
 
 
 @dataclass(frozen=True)
-class DisagMoEConfig:
-    """The disaggregated layout and pipeline settings.
+class DisagMoEConfig(RankCounts):
+    """The disaggregated layout and pipeline settings (``world_size`` and ``lanes`` as the layout derives them).
 
     Attributes:
         attention_gpus: M, attention ranks in total.
@@ -97,15 +97,6 @@ class DisagMoEConfig:
             allowed = (int, float) if kind is float else (int,)
             if isinstance(value, bool) or not isinstance(value, allowed) or value <= 0:
                 raise ConfigError(f'"{SECTION}.{f.name}" must be a positive {kind.__name__}, got {value!r}')
-
-    @property
-    def world_size(self) -> int:
-        return self.attention_gpus + self.ffn_gpus
-
-    @property
-    def lanes(self) -> int:
-        """Data-parallel attention ranks per A-group (how many distinct batches one step consumes)."""
-        return self.attention_gpus // self.depth
 
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any], overrides: dict[str, Any] | None = None) -> DisagMoEConfig:

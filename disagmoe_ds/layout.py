@@ -14,6 +14,8 @@ Layer l is owned by A-group and F-group ``l % p``. The final norm, LM head and l
 (2, 1, (1, 3))
 >>> lay.role_of(5)
 RankRole(role='ffn', group=1, index=0, ep_rank=0, edp_rank=0)
+>>> lay.group_ranks().data_parallel  # the lanes of A_0 and A_1, then each F rank alone (no expert replicas)
+((0, 1), (2, 3), (4,), (5,))
 """
 
 from __future__ import annotations
@@ -42,7 +44,52 @@ class RankRole:
 
 
 @dataclass(frozen=True)
-class Layout:
+class GroupRanks:
+    """The ranks of every process group a layout needs, per axis, in the order every rank creates them
+    (``groups.build_process_groups``).
+
+    Attributes:
+        data_parallel: ranks holding replicas of the same parameters (DeepSpeed's data-parallel group).
+        expert_parallel: ranks that together hold one copy of every expert and exchange tokens all-to-all.
+        expert_data_parallel: ranks holding the same expert slice beside parameters of other replication (DeepSpeed's
+            expert-data-parallel group).
+    """
+
+    data_parallel: tuple[tuple[int, ...], ...]
+    expert_parallel: tuple[tuple[int, ...], ...] = ()
+    expert_data_parallel: tuple[tuple[int, ...], ...] = ()
+
+
+class RankCounts:
+    """``world_size`` and ``lanes`` of what has ``attention_gpus``, ``ffn_gpus`` and ``depth``: a ``Layout``, and the
+    ``config.DisagMoEConfig`` that names one before the model is known."""
+
+    @property
+    def world_size(self) -> int:
+        return self.attention_gpus + self.ffn_gpus
+
+    @property
+    def lanes(self) -> int:
+        """d: data-parallel attention ranks per A-group (how many distinct batches one step consumes)."""
+        return self.attention_gpus // self.depth
+
+
+class ExpertSlices:
+    """Which routed experts an expert-parallel rank holds, for what has ``num_experts`` and ``ep_size``: both modes'
+    layouts (``Layout``, ``colocated.layout.ColocatedLayout``)."""
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def expert_range(self, ep_rank: int) -> range:
+        """Global ids of the routed experts held by expert-parallel rank ``ep_rank``."""
+        start = ep_rank * self.experts_per_rank
+        return range(start, start + self.experts_per_rank)
+
+
+@dataclass(frozen=True)
+class Layout(RankCounts, ExpertSlices):
     """A validated disaggregated layout.
 
     Args:
@@ -94,16 +141,7 @@ class Layout:
                 f"choose ffn_gpus so that each F-group splits the experts evenly"
             )
 
-    # ----- sizes -----
-    @property
-    def world_size(self) -> int:
-        return self.attention_gpus + self.ffn_gpus
-
-    @property
-    def lanes(self) -> int:
-        """d: data-parallel attention ranks per A-group."""
-        return self.attention_gpus // self.depth
-
+    # ----- sizes (world_size, lanes: RankCounts; experts_per_rank: ExpertSlices) -----
     @property
     def ffn_ranks_per_group(self) -> int:
         return self.ffn_gpus // self.depth
@@ -112,10 +150,6 @@ class Layout:
     def ep_size(self) -> int:
         """Expert-parallel ranks per F-group (each holds num_experts / ep_size experts)."""
         return self.ffn_ranks_per_group // self.expert_data_parallel
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.ep_size
 
     @property
     def layers_per_group(self) -> int:
@@ -151,11 +185,6 @@ class Layout:
         """The F-group ranks that hold the same expert shard (they average its gradients)."""
         return self.ffn_ranks(group)[ep_rank :: self.ep_size]
 
-    def expert_range(self, ep_rank: int) -> range:
-        """Global ids of the routed experts held by expert-parallel rank ``ep_rank``."""
-        start = ep_rank * self.experts_per_rank
-        return range(start, start + self.experts_per_rank)
-
     def ffn_peer_of_lane(self, group: int, lane: int, ep_rank: int) -> int:
         """The F-group replica a lane sends to for shard ``ep_rank`` (lanes spread over the replicas)."""
         return self.ep_group_ranks(group, lane % self.expert_data_parallel)[ep_rank]
@@ -174,6 +203,14 @@ class Layout:
             ep_rank=index % self.ep_size,
             edp_rank=index // self.ep_size,
         )
+
+    def group_ranks(self) -> GroupRanks:
+        """Data parallel only: the lanes of every A-group, then the replicas of every expert shard (an FFN engine holds
+        nothing but its shard, so its replicas are its data-parallel group). The exchanges' communicators are
+        ``comm.exchange``'s."""
+        lanes = [self.attention_ranks(g) for g in range(self.depth)]
+        replicas = [self.edp_group_ranks(g, e) for g in range(self.depth) for e in range(self.ep_size)]
+        return GroupRanks(data_parallel=(*lanes, *replicas))
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:

@@ -91,15 +91,7 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     """One rank: build, train ``steps`` steps, return losses, grad norms and its parameters under HF names."""
     from disagmoe_ds.engine.build import build_rank
 
-    runtime = build_rank(
-        args.model,
-        args.ds_config(),
-        args.cfg,
-        micro_batch_size=args.micro_batch_size,
-        dtype=DTYPES[args.dtype],
-        model=load_for_verify(args),
-        seq_len=args.seq_len,
-    )
+    runtime = build_for_verify(build_rank, args)
     role = runtime.role
     feeds = role.is_attention and role.group == 0  # A-group 0 embeds; the head reads labels there too
     vocab = runtime.module.config.vocab_size if feeds else 0
@@ -110,6 +102,19 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     writer = role.index == 0 if role.is_attention else role.edp_rank == 0  # one copy of every parameter
     params = _hf_named(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()}) if writer else {}
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads if writer else []}
+
+
+def build_for_verify(build: Callable[..., Any], args: VerifyArgs):
+    """``build`` (either mode's rank builder, ``engine.rank.RankBuilder``) on the verify run's model and shapes."""
+    return build(
+        args.model,
+        args.ds_config(),
+        args.cfg,
+        micro_batch_size=args.micro_batch_size,
+        dtype=DTYPES[args.dtype],
+        model=load_for_verify(args),
+        seq_len=args.seq_len,
+    )
 
 
 def train_steps(

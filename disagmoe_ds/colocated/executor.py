@@ -19,13 +19,15 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 
+from disagmoe_ds.engine.deepspeed_role import GradNorm, clip_by_norm, zero_grads_of_untouched
 from disagmoe_ds.engine.executor import StepResult
 from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.schedule import TimelineEvent
 
 
 class ColocatedGradNorm:
-    """The global gradient norm of a rank that holds replicated attention parameters and one expert slice.
+    """The global gradient norm of a rank that holds replicated attention parameters and one expert slice (a
+    ``deepspeed_role.GradNorm``).
 
     ZeRO 1/2: DeepSpeed's MoE norm path is already global (expert partitions are summed over the data-parallel
     group, then averaged over identical EDP values); it is read back after the step. ZeRO 0 (fp32): DeepSpeed's
@@ -46,6 +48,7 @@ class ColocatedGradNorm:
         if not engine.zero_optimization():
             engine.clip_fp32_gradients = lambda: self._clip_fp32(engine)
 
+    @property
     def last_norm(self) -> float | None:
         """The norm of the last step (None with ZeRO 0 and clipping off: nothing computed it)."""
         if not self._engine.zero_optimization():
@@ -63,12 +66,8 @@ class ColocatedGradNorm:
         )
         total = squares.sum()
         dist.all_reduce(total, group=self.group)
-        norm = total.sqrt()
-        self._own_norm = norm.item()
-        coef = engine.gradient_clipping() / (self._own_norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
-        if coef < 1:
-            for p in params:
-                p.grad.mul_(coef)
+        self._own_norm = total.sqrt().item()
+        clip_by_norm([p.grad for p in params], self._own_norm, engine.gradient_clipping())
 
 
 class ColocatedRunner:
@@ -113,7 +112,7 @@ class ColocatedExecutor:
         *,
         engine,
         num_micro_batches: int,
-        grad_norm: ColocatedGradNorm,
+        grad_norm: GradNorm,
         group,
         name: str,
         comm_timeout_s: float | None = None,
@@ -146,16 +145,10 @@ class ColocatedExecutor:
         sums = self.runner.sums
         dist.all_reduce(sums, group=self.group)
         loss, lm, aux, count = sums.tolist()
-        return StepResult(
-            loss / count, lm / count, aux / count, self.grad_norm.last_norm(), time.perf_counter() - start
-        )
+        return StepResult(loss / count, lm / count, aux / count, self.grad_norm.last_norm, time.perf_counter() - start)
 
     def _step(self) -> None:
-        # Parameters no token reached this step (an expert slice nobody routed to) get a zero gradient, so every
-        # replica reduces the same buffers.
-        for param in self.engine.module.parameters():
-            if param.requires_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
+        zero_grads_of_untouched(self.engine)  # an expert slice nobody routed to: every replica reduces the same buffers
         self.engine.step()
 
     def _timed(self, name: str, category: str, fn: Callable[[], Any]) -> Any:

@@ -10,6 +10,8 @@ expert-parallel (EP) group is a run of ``ep_size`` consecutive ranks and the ran
 ((2, 3), (1, 3), range(4, 8))
 >>> lay.role_of(3)
 ColocatedRole(index=3, ep_rank=1, edp_rank=1)
+>>> lay.group_ranks().expert_parallel, lay.group_ranks().expert_data_parallel
+(((0, 1), (2, 3)), ((0, 2), (1, 3)))
 >>> ColocatedConfig(world_size=6).layout(num_experts=8).ep_size  # default: the largest that divides both
 2
 """
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 from disagmoe_ds.errors import ConfigError, LayoutError
+from disagmoe_ds.layout import ExpertSlices, GroupRanks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +97,7 @@ class ColocatedRole:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ColocatedLayout:
+class ColocatedLayout(ExpertSlices):
     """A validated co-located layout: W ranks, EP groups of ``ep_size`` ranks, E routed experts per MoE layer.
 
     It also says what a checkpoint records of it (``engine.checkpoint.RecordedLayout``): the mode, the values a
@@ -124,10 +127,6 @@ class ColocatedLayout:
         return self.world_size // self.ep_size
 
     @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.ep_size
-
-    @property
     def expert_group_name(self) -> str:
         """The name DeepSpeed keys its expert groups and expert parameters by (``MoE.expert_group_name``)."""
         return f"ep_size_{self.ep_size}"
@@ -147,10 +146,14 @@ class ColocatedLayout:
         """The ranks that hold the same expert slice (they reduce its gradients)."""
         return tuple(range(ep_rank, self.world_size, self.ep_size))
 
-    def expert_range(self, ep_rank: int) -> range:
-        """Global ids of the routed experts held by expert-parallel rank ``ep_rank``."""
-        start = ep_rank * self.experts_per_rank
-        return range(start, start + self.experts_per_rank)
+    def group_ranks(self) -> GroupRanks:
+        """All W ranks in one data-parallel group (the attention side), the EP groups, then the EDP groups: the ranks
+        of DeepSpeed's ``_create_expert_and_data_parallel(ep_size)`` (E + D order)."""
+        return GroupRanks(
+            data_parallel=(tuple(range(self.world_size)),),
+            expert_parallel=tuple(self.ep_group_ranks(r) for r in range(self.expert_data_parallel)),
+            expert_data_parallel=tuple(self.edp_group_ranks(e) for e in range(self.ep_size)),
+        )
 
     def role_of(self, rank: int) -> ColocatedRole:
         if not 0 <= rank < self.world_size:

@@ -17,17 +17,17 @@ from typing import Any
 
 import torch
 
-from disagmoe_ds.colocated.build import ColocatedRuntime, build_colocated_rank, preflight_colocated
+from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION
+from disagmoe_ds.engine.rank import RankRuntime
 from disagmoe_ds.verify import (
-    DTYPES,
     VerifyArgs,
     _full_grad,
     add_run_args,
+    build_for_verify,
     cli,
     compare,
-    load_for_verify,
     make_batches,
     reference,
     run_args,
@@ -51,14 +51,7 @@ class ColocatedVerifyArgs(VerifyArgs):
 
 def rank_main(rank: int, args: ColocatedVerifyArgs) -> dict[str, Any]:
     """One rank: build, train, return losses, grad norms, and its share of the parameters and gradients."""
-    runtime = build_colocated_rank(
-        args.model,
-        args.ds_config(),
-        args.cfg,
-        micro_batch_size=args.micro_batch_size,
-        dtype=DTYPES[args.dtype],
-        model=load_for_verify(args),
-    )
+    runtime = build_for_verify(build_colocated_rank, args)
     grads = capture_grads(runtime)
     vocab = runtime.module.config.vocab_size
     losses, norms = train_steps(runtime, args, lambda step: make_batches(args, vocab, step, lane=rank))
@@ -66,7 +59,7 @@ def rank_main(rank: int, args: ColocatedVerifyArgs) -> dict[str, Any]:
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads}
 
 
-def capture_grads(runtime: ColocatedRuntime) -> list[Named]:
+def capture_grads(runtime: RankRuntime) -> list[Named]:
     """Record, at every step, the reduced and clipped gradients the optimizer applies (this rank's share).
 
     ZeRO steps its torch optimizer once per parameter group (dense, then the MoE group), each time with only that
@@ -98,7 +91,7 @@ def _zero_group_index(optimizer, inner) -> int | None:
     return next(i for i, partition in enumerate(partitions) if partition is stepped)
 
 
-def _written(runtime: ColocatedRuntime, tensors: dict[str, torch.Tensor]) -> Named:
+def _written(runtime: RankRuntime, tensors: dict[str, torch.Tensor]) -> Named:
     """One copy of every parameter: attention side from rank 0, expert slices from the first replica."""
     hf_names = runtime.module.hf_names()
     role = runtime.role

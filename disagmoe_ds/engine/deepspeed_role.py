@@ -16,18 +16,23 @@ Two corrections make the result equal to one HF model trained on the whole batch
 * gradient clipping must use the norm over *all* unique parameters. Each engine computes its role's norm as
   usual; ``GlobalGradNorm`` combines them with one world all-reduce and hands the global norm back to DeepSpeed's
   own clipping code.
+
+The co-located mode builds its engine here too (``build_engine``), over a module that holds both kinds of
+parameters (DeepSpeed's MoE conventions, ``colocated.model``), with its own ``GradNorm`` (``colocated.executor``).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
+import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from disagmoe_ds.config import SECTION, DisagMoEConfig
+from disagmoe_ds.config import SECTION
 from disagmoe_ds.errors import ConfigError
 
 
@@ -117,8 +122,22 @@ def allow_backward_without_gradients(optimizer) -> None:
     optimizer.reduce_ipg_grads = reduce_allocated
 
 
+class GradNorm(Protocol):
+    """The gradient norm a rank's engine clips with: over every unique parameter of the job, the same on every rank.
+
+    ``install(engine)`` once, after ``deepspeed.initialize``; after each ``step()``, ``last_norm`` is that step's
+    norm (None where nothing computed it: ZeRO 0 with clipping off). ``GlobalGradNorm`` (a role engine),
+    ``colocated.executor.ColocatedGradNorm`` (a co-located engine).
+    """
+
+    def install(self, engine) -> None: ...
+
+    @property
+    def last_norm(self) -> float | None: ...
+
+
 class GlobalGradNorm:
-    """Turns each role engine's norm into the norm over all unique parameters of the model.
+    """Turns each role engine's norm into the norm over all unique parameters of the model (a ``GradNorm``).
 
     Every rank of a *norm domain* (the ranks that hold the same role norm: the lanes of an A-group, or the
     replicas of an expert shard) contributes ``norm**2 / domain_size`` to one world all-reduce, so every unique
@@ -148,34 +167,52 @@ class GlobalGradNorm:
     def _clip_fp32(self, engine) -> None:
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
         role_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        norm = self.combine(role_norm)
-        coef = engine.gradient_clipping() / (norm + 1e-6)
-        if coef < 1:
-            for g in grads:
-                g.mul_(coef)
+        clip_by_norm(grads, self.combine(role_norm), engine.gradient_clipping())
 
 
-def build_role_engine(
+def clip_by_norm(grads: Iterable[torch.Tensor], norm: torch.Tensor | float, max_norm: float) -> None:
+    """Scale ``grads`` in place as ``torch.nn.utils.clip_grad_norm_`` does when their total norm is ``norm``."""
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1:
+        for grad in grads:
+            grad.mul_(coef)
+
+
+def zero_grads_of_untouched(engine) -> None:
+    """Give the parameters no token reached this step (an expert nobody chose) a zero gradient, before ``step()``.
+
+    Replicas must reduce the same buckets; a zero backward through DeepSpeed (not ``p.grad = 0``) also sets up its
+    reduction buffers on a rank where no gradient was produced at all. ZeRO-2 reduces (and clears ``p.grad``)
+    during backward, and runs only where every replica's backward reaches every parameter (no expert replicas in
+    AF-Pipe engines, ep_size 1 co-located), so it needs none of this.
+    """
+    if engine.zero_optimization_stage() >= 2:
+        return
+    missing = [p for p in engine.module.parameters() if p.requires_grad and p.grad is None]
+    if missing:
+        engine.backward(torch.stack([p.reshape(-1)[0] for p in missing]).sum() * 0, scale_wrt_gas=False)
+
+
+def build_engine(
     module: nn.Module,
     ds_config: dict[str, Any],
-    cfg: DisagMoEConfig,
     *,
-    data_parallel_group: dist.ProcessGroup,
+    micro_batches: int,
     micro_batch_size: int,
-    norm_domain_size: int,
+    data_parallel_group: dist.ProcessGroup,
     grad_scale: float = 1.0,
 ):
-    """``deepspeed.initialize`` over one role module, with the corrections described in the module docstring.
+    """``deepspeed.initialize`` over one rank's module (a role stage, or a co-located model), with the corrections
+    described in the module docstring; the caller installs the rank's ``GradNorm``.
 
-    Returns:
-        ``(engine, global_norm)``; ``global_norm.last_norm`` is the global gradient norm of the last step.
+    Args:
+        data_parallel_group: the replicas of the module's parameters (the ``RoleMPU``'s group).
+        grad_scale: every gradient is multiplied by it as autograd produces it (``scale_gradients``).
     """
-    import deepspeed
-
     mpu = RoleMPU(data_parallel_group)
     config = role_ds_config(
         ds_config,
-        micro_batches=cfg.micro_batches,
+        micro_batches=micro_batches,
         micro_batch_size=micro_batch_size,
         dp_size=mpu.get_data_parallel_world_size(),
     )
@@ -185,6 +222,4 @@ def build_role_engine(
     )
     if engine.zero_optimization_stage() == 2:
         allow_backward_without_gradients(engine.optimizer)
-    global_norm = GlobalGradNorm(norm_domain_size)
-    global_norm.install(engine)
-    return engine, global_norm
+    return engine

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from disagmoe_ds.engine import instructions as ins
+from disagmoe_ds.engine.deepspeed_role import GradNorm, zero_grads_of_untouched
 from disagmoe_ds.engine.mailbox import Mailbox, message_key
 from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.schedule import TimelineEvent
@@ -51,7 +52,7 @@ class AFPipeExecutor:
         runner,
         mailbox: Mailbox,
         schedule: ins.AFPipeSchedule,
-        global_norm,
+        grad_norm: GradNorm,
         name: str,
         comm_timeout_s: float | None = None,
     ):
@@ -59,7 +60,7 @@ class AFPipeExecutor:
         self.runner = runner
         self.mailbox = mailbox
         self.schedule = schedule
-        self.global_norm = global_norm
+        self.grad_norm = grad_norm
         self.name = name
         self.timeline: list[TimelineEvent] | None = None
         self.stall_watch = StallWatch.before_timeout(comm_timeout_s)  # this rank's stacks if an instruction stalls
@@ -135,20 +136,7 @@ class AFPipeExecutor:
     def _exec_reduce_grads(self) -> None:
         # With managed_gradient_accumulation off, DeepSpeed reduces inside step(): nothing to send here.
         self.mailbox.flush()
-        self._zero_grads_of_untouched()
-
-    def _zero_grads_of_untouched(self) -> None:
-        """Give parameters no token reached this step (an expert nobody chose) a zero gradient.
-
-        Replicas must reduce the same buckets; a zero backward through DeepSpeed (not ``p.grad = 0``) also sets
-        up its reduction buffers on a rank where no gradient was produced at all. ZeRO-2 reduces (and clears
-        ``p.grad``) during backward, and is only used without expert replicas, so it needs none of this.
-        """
-        if self.engine.zero_optimization_stage() >= 2:
-            return
-        missing = [p for p in self.engine.module.parameters() if p.requires_grad and p.grad is None]
-        if missing:
-            self.engine.backward(torch.stack([p.reshape(-1)[0] for p in missing]).sum() * 0, scale_wrt_gas=False)
+        zero_grads_of_untouched(self.engine)
 
     def _exec_optimizer_step(self) -> None:
         self.engine.step()
@@ -161,7 +149,7 @@ class AFPipeExecutor:
             sums[3] = stats.micro_batches
         dist.all_reduce(sums)  # only the head lanes contribute
         loss, lm, aux, count = sums.tolist()
-        return StepResult(loss / count, lm / count, aux / count, self.global_norm.last_norm, seconds)
+        return StepResult(loss / count, lm / count, aux / count, self.grad_norm.last_norm, seconds)
 
     _INSTRUCTION_MAP = {
         ins.PostRecv: _exec_post_recv,

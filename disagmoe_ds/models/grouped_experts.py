@@ -65,10 +65,10 @@ def grouped_gated_experts(
 
     ``num_pairs``, the number of non-sentinel ids, sizes the buffers. Pass it when the host knows it (the
     dispatch plan counts it, the M2N header carries it): else it is read from the device, a host sync that
-    drains the compute stream. ``elementwise``: the middle's functions (``ExpertShard`` passes its own); None is
-    ``EAGER`` unless ``compile_elementwise`` was called.
+    drains the compute stream. ``elementwise``: the middle's functions (``ExpertShard`` passes its own), ``EAGER``
+    when None.
     """
-    elementwise = _default_elementwise if elementwise is None else elementwise
+    elementwise = EAGER if elementwise is None else elementwise
     num_experts, K = gate_up_eFH.shape[0], local_idx_RK.shape[1]
     sorted_ids_P, order_P = torch.sort(local_idx_RK.reshape(-1), stable=True)  # sentinels (== e) sort last
     # Each expert's end offset in the sorted order, without a host sync (the ids are sorted anyway).
@@ -186,17 +186,3 @@ def compiled_elementwise() -> Elementwise:
     # Automatic dynamic shapes: the row count becomes dynamic at its first change, the widths stay static. Fully
     # dynamic kernels index with run-time divisions and took 2-3x longer (bench/bench_experts.py, H200).
     return Elementwise(torch.compile(_gated_eager), torch.compile(_sum_slots_fusable))
-
-
-_default_elementwise = EAGER  # what a caller passing no ``elementwise`` gets; only ``compile_elementwise`` changes it
-
-
-def compile_elementwise() -> Elementwise:
-    """Make ``compiled_elementwise()`` what callers passing no ``elementwise`` get, in this process, and return it.
-
-    Only for ``bench/bench_experts.py``, which times ``grouped_gated_experts`` itself; the runtime never passes
-    None (every ``ExpertShard`` holds its own), so this default reaches none of its stages.
-    """
-    global _default_elementwise
-    _default_elementwise = compiled_elementwise()
-    return _default_elementwise

@@ -25,6 +25,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer, router_of
 from disagmoe_ds.models.grouped_experts import EAGER, compiled_elementwise, grouped_gated_experts, supports_grouped
+from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 
 # ----------------------------------------------------------------------------------------------------------------
 # Per-micro-batch context (mask and rotary embeddings), computed locally on every attention rank
@@ -303,13 +304,41 @@ def compile_stage(module: nn.Module) -> None:
             sub.elementwise = compiled_elementwise()
 
 
-def moe_layers(model: nn.Module) -> tuple[bool, ...]:
-    return tuple(is_moe_layer(layer) for layer in model.model.layers)
+# ----------------------------------------------------------------------------------------------------------------
+# Facts of the whole model, from its config (the preflight knows no more) or, for the router's output, its modules
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def num_experts_of(config) -> int:
+    """E, the routed experts of every MoE layer, from the HF config."""
+    return getattr(config, family_of(config).num_experts_attr)
 
 
 def num_routed_experts(model: nn.Module) -> int:
-    family = family_of(model.config)
-    for layer in model.model.layers:
-        if is_moe_layer(layer):
-            return router_of(family, layer).num_experts
-    raise ValueError("the model has no MoE layer")
+    """E of ``model`` (its config's ``num_experts_of``)."""
+    return num_experts_of(model.config)
+
+
+@dataclass(frozen=True)
+class RoutingFacts:
+    """What a rank's runners need to know of the whole model's routing once its own parts are cut.
+
+    Attributes:
+        moe_layers: one bool per layer, True where it routes (``moe_pattern.moe_layer_pattern`` of the config).
+        top_k: K, experts chosen per token.
+        weight_dtype: dtype of the routing weights (fp32 for Mixtral/DeepSeek even in bf16 models).
+    """
+
+    moe_layers: tuple[bool, ...]
+    top_k: int
+    weight_dtype: torch.dtype
+
+
+def routing_facts(model: nn.Module) -> RoutingFacts:
+    """The ``RoutingFacts`` of ``model`` (on the meta device too): its first router runs once on a zero token."""
+    moe = moe_layer_pattern(model.config.to_dict())
+    router = router_of(family_of(model.config), model.model.layers[moe.index(True)])
+    param = next(model.parameters())
+    with torch.no_grad():
+        _, weights, _ = router(torch.zeros(1, model.config.hidden_size, dtype=param.dtype, device=param.device))
+    return RoutingFacts(moe, router.top_k, weights.dtype)

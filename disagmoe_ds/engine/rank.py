@@ -1,0 +1,180 @@
+"""Build one rank of either mode, in a fixed order on every rank (collective steps run on all of them).
+
+    1. the rank's model (``partial_load.rank_model``; a meta model allocates nothing) and the layout, derived from
+       the model config alone as the preflight derives it, checked against the world size, the model and ZeRO;
+    2. the job's process groups (``groups.build_process_groups``);
+    3. the rank's module cut from the model, its parts placed on the device (pretrained values, or initialised
+       from the seed and the rank) and, with ``compile``, compiled (``parts.compile_stage``);
+    4. its DeepSpeed engine (``deepspeed_role.build_engine``) and the global gradient norm it clips with;
+    5. the executor whose ``train_batch`` runs a step.
+
+A mode decides only its ``RankMode`` steps: the layout and its checks, what it adds to the groups, the module, the
+gradient scale and norm, and the executor (``engine.build.Disaggregated``, ``colocated.build.Colocated``). Each
+mode's ``build_rank`` and ``preflight`` are one ``RankBuilder``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disagmoe_ds.engine.deepspeed_role import GradNorm, build_engine
+from disagmoe_ds.errors import UnsupportedModelError
+from disagmoe_ds.groups import ProcessGroups
+from disagmoe_ds.launch.env import process_device
+from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.moe_pattern import moe_layer_pattern
+from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
+from disagmoe_ds.models.parts import RoutingFacts, compile_stage, routing_facts
+
+
+@dataclass
+class RankRuntime:
+    """Everything one rank built, in either mode; ``executor.train_batch`` runs a step. The training loop, its
+    checkpoints and its balancing read these fields and never ask which mode built them."""
+
+    layout: Any  # layout.Layout or colocated.layout.ColocatedLayout
+    role: Any  # layout.RankRole or colocated.layout.ColocatedRole
+    executor: Any  # executor.AFPipeExecutor or colocated.executor.ColocatedExecutor
+    module: nn.Module
+    engine: Any
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """What the shared steps built for this rank, handed to the mode's executor."""
+
+    rank: int
+    layout: Any
+    role: Any
+    groups: ProcessGroups
+    module: nn.Module
+    engine: Any
+    grad_norm: GradNorm
+    routing: RoutingFacts
+    dtype: torch.dtype
+    device: torch.device
+    micro_batch_size: int
+    seq_len: int | None
+
+
+class RankMode(Protocol):
+    """One mode's own steps of ``RankBuilder`` (made from the mode's config)."""
+
+    def layout(self, config) -> Any:
+        """The validated layout from the HF config alone (the preflight and the build derive it the same way)."""
+        ...
+
+    def check(self, layout: Any, config, ds_config: dict[str, Any]) -> None:
+        """Refuse a layout the model or the ZeRO stage cannot run, with the fix."""
+        ...
+
+    def groups(self, layout: Any, rank: int, *, timeout: timedelta, device: torch.device) -> ProcessGroups:
+        """``groups.build_process_groups`` and what the mode adds (exchange communicators, DeepSpeed's registry)."""
+        ...
+
+    def module(
+        self,
+        model: nn.Module,
+        layout: Any,
+        groups: ProcessGroups,
+        role: Any,
+        *,
+        device: torch.device,
+        seed: int,
+        weights: PretrainedWeights | None,
+    ) -> nn.Module:
+        """The rank's module cut from ``model``, its parts placed on ``device`` (``partial_load.place``: filled from
+        ``weights``, or initialised from ``seed``)."""
+        ...
+
+    def grad_scale(self, layout: Any, role: Any) -> float:
+        """The factor on the rank's gradients before DeepSpeed averages them over the data-parallel group."""
+        ...
+
+    def grad_norm(self, layout: Any, groups: ProcessGroups) -> GradNorm: ...
+
+    def executor(self, parts: RankParts) -> Any: ...
+
+
+class RankBuilder:
+    """One mode's ``build_rank`` (call it) and ``preflight``."""
+
+    def __init__(self, mode: Callable[[Any], RankMode]):
+        self.mode = mode
+
+    def __call__(
+        self,
+        model_dir: str | Path,
+        ds_config: dict[str, Any],
+        cfg: Any,
+        *,
+        micro_batch_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        model: nn.Module | None = None,
+        weights: str | Path | None = None,
+        seed: int = 0,
+        seq_len: int | None = None,
+    ) -> RankRuntime:
+        """Build this rank's part of the job (collective: every rank calls it).
+
+        ``model`` may be passed to skip loading ``model_dir``; ``weights`` is then the HF directory whose safetensors
+        fill the parts cut from a meta ``model`` (``--init-from``). Without ``model``, ``model_dir``'s own weights
+        fill them (``partial_load.model_to_cut``). A model on the meta device is never materialised whole: each rank
+        allocates only the parts it owns, then reads their pretrained values or initialises them (from ``seed`` and
+        its rank; DeepSpeed then broadcasts the replicas' first copy). ``seq_len`` gives the AF-Pipe schedule the
+        planner's task costs (``engine.build.schedule_costs``; without it every task costs one unit); the
+        co-located mode has no schedule to cost.
+        """
+        mode = self.mode(cfg)
+        rank = dist.get_rank()
+        device = device or process_device()
+        model, pretrained = rank_model(model_dir, dtype=dtype, model=model, weights=weights)
+        layout = self._layout(mode, model.config, ds_config, dist.get_world_size())
+        role = layout.role_of(rank)
+        # A rank waiting longer than this for a peer fails (and the launcher ends the job) instead of hanging.
+        groups = mode.groups(layout, rank, timeout=timedelta(seconds=cfg.comm_timeout_s), device=device)
+        routing = routing_facts(model)
+        # Freshly initialised replicas differ until DeepSpeed broadcasts them; pretrained ones start identical.
+        module = mode.module(model, layout, groups, role, device=device, seed=seed * 100_003 + rank, weights=pretrained)
+        del model
+        if cfg.compile:
+            compile_stage(module)
+        engine = build_engine(
+            module,
+            ds_config,
+            micro_batches=cfg.micro_batches,
+            micro_batch_size=micro_batch_size,
+            data_parallel_group=groups.data_parallel,
+            grad_scale=mode.grad_scale(layout, role),
+        )
+        grad_norm = mode.grad_norm(layout, groups)
+        grad_norm.install(engine)
+        parts = RankParts(
+            rank, layout, role, groups, module, engine, grad_norm, routing, dtype, device, micro_batch_size, seq_len
+        )
+        return RankRuntime(layout, role, mode.executor(parts), module, engine)
+
+    def preflight(self, model_dir: str | Path, cfg: Any, ds_config: dict[str, Any], world_size: int) -> Any:
+        """Validate the layout against the model config and the world size before any rank starts (no weights
+        read); the layout the ranks will build."""
+        return self._layout(self.mode(cfg), load_config(model_dir), ds_config, world_size)
+
+    @staticmethod
+    def _layout(mode: RankMode, config, ds_config: dict[str, Any], world_size: int) -> Any:
+        if not any(moe_layer_pattern(config.to_dict())):
+            raise UnsupportedModelError(
+                f"the {config.model_type} config has no MoE layer (every MLP is dense); DisagMoE-DS trains MoE models"
+            )
+        layout = mode.layout(config)
+        layout.check_world_size(world_size)
+        mode.check(layout, config, ds_config)
+        return layout

@@ -1,0 +1,90 @@
+"""Every process group of a job, made in one function and held in one frozen value that is passed explicitly.
+
+``torch.distributed.new_group`` is collective over the world, so every rank creates every group of the layout in
+the same order: the axes of ``layout.group_ranks()`` (data parallel, expert parallel, expert data parallel), then,
+for a disaggregated layout, the exchange communicators and their header groups
+(``comm.exchange.build_exchange_comms``, which also warms them up). Each rank keeps its own group of every axis.
+No other code creates a group; DeepSpeed is shown the co-located expert groups by one adapter
+(``colocated.groups.register_with_deepspeed``).
+
+    axis                  disaggregated                        co-located
+    data_parallel         lanes of an A-group, or the          all W ranks (attention side)
+                          replicas of an expert shard
+    expert_parallel       -                                    ep_size ranks: one copy of the experts, all-to-all
+    expert_data_parallel  -                                    W / ep_size ranks: replicas of an expert slice
+    exchange              one communicator per (kind, group)   -
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from disagmoe_ds.comm.exchange import ExchangeComms, build_exchange_comms
+from disagmoe_ds.comm.transport import Transport
+from disagmoe_ds.layout import GroupRanks
+
+
+class GroupedLayout(Protocol):
+    """What the groups are made from: either mode's layout."""
+
+    def check_world_size(self, world_size: int) -> None: ...
+
+    def group_ranks(self) -> GroupRanks: ...
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's group of every axis and its global ranks (increasing); None and no ranks where the layout has no
+    such axis (see the module docstring)."""
+
+    data_parallel: dist.ProcessGroup
+    data_parallel_ranks: tuple[int, ...]
+    expert_parallel: dist.ProcessGroup | None = None
+    expert_parallel_ranks: tuple[int, ...] = ()
+    expert_data_parallel: dist.ProcessGroup | None = None
+    expert_data_parallel_ranks: tuple[int, ...] = ()
+    exchange: ExchangeComms | None = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of this rank's parameters (what DeepSpeed averages the gradients over)."""
+        return len(self.data_parallel_ranks)
+
+
+def build_process_groups(
+    layout: GroupedLayout,
+    rank: int,
+    *,
+    timeout: timedelta | None = None,
+    transport: Transport | None = None,
+    device: torch.device | None = None,
+) -> ProcessGroups:
+    """Create every group of ``layout`` on every rank (same order everywhere) and keep ``rank``'s.
+
+    ``transport`` (disaggregated layouts): the exchange communicators are created over it and warmed up on ``device``.
+    ``timeout``: a rank waiting longer than this on a collective fails instead of hanging (the transport has its own).
+    """
+    layout.check_world_size(dist.get_world_size())
+    plan = layout.group_ranks()
+    data_parallel = _create(plan.data_parallel, rank, timeout)
+    expert_parallel = _create(plan.expert_parallel, rank, timeout)
+    expert_data_parallel = _create(plan.expert_data_parallel, rank, timeout)
+    exchange = None if transport is None else build_exchange_comms(layout, transport, device=device)
+    return ProcessGroups(*data_parallel, *expert_parallel, *expert_data_parallel, exchange)
+
+
+def _create(
+    axis: tuple[tuple[int, ...], ...], rank: int, timeout: timedelta | None
+) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
+    """Every group of one axis, created in order; ``rank``'s group and ranks (None, () if it is in none)."""
+    mine: tuple[dist.ProcessGroup | None, tuple[int, ...]] = (None, ())
+    for ranks in axis:
+        group = dist.new_group(list(ranks), timeout=timeout)
+        if rank in ranks:
+            mine = (group, ranks)
+    return mine
