@@ -34,6 +34,7 @@ launched processes. Prints a table and writes ``--json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -286,10 +287,14 @@ def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] 
         last = step == a.warmup + a.steps - 1
         executor.record_timeline(bool(a.timeline) and last)
         _sync(device)
-        t0 = start_clock()
-        result = executor.train_batch(batches)
-        _sync(device)
-        seconds = _max_over_ranks(time.perf_counter() - t0, device)
+        with _profiled(a.torch_profile if last else None, label) as profiled:
+            t0 = start_clock()
+            result = executor.train_batch(batches)
+            _sync(device)
+            wall_s = time.perf_counter() - t0
+        if profiled is not None:
+            _write_profile(profiled, a.torch_profile, label, wall_s)
+        seconds = _max_over_ranks(wall_s, device)
         if step >= a.warmup:
             times.append(seconds)
         if a.timeline and last:
@@ -311,6 +316,34 @@ def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] 
     if a.timeline:  # collective
         row["host_time_share"] = _gather_breakdown(executor.name, breakdown)
     return row if dist.get_rank() == 0 else None
+
+
+@contextlib.contextmanager
+def _profiled(directory: str | None, label: str):
+    """``torch.profiler`` over the block (CPU and CUDA activity) when ``directory`` is set, else nothing."""
+    if directory is None:
+        yield None
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield prof
+
+
+def _write_profile(prof, directory: str, label: str, wall_s: float) -> None:
+    """This rank's last step: the device-busy share, then the top operators by host time and by device time."""
+    events = prof.key_averages()
+    device_s = sum(e.self_device_time_total for e in events) / 1e6
+    host_s = sum(e.self_cpu_time_total for e in events) / 1e6
+    path = Path(directory) / f"{label}-rank{dist.get_rank()}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        f.write(f"step {wall_s * 1e3:.1f} ms; device kernels {device_s * 1e3:.1f} ms ({device_s / wall_s:.0%}); ")
+        f.write(f"host operators {host_s * 1e3:.1f} ms\n\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60) + "\n")
+        if device_s:
+            f.write(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
 
 
 def _host_breakdown(events, step_s: float) -> dict[str, float]:
@@ -415,6 +448,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a local job is killed")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the setup as JSON")
+    p.add_argument(
+        "--torch-profile",
+        metavar="DIR",
+        help="profile the last step of each method with torch.profiler; per rank, DIR/METHOD-rankR.txt has the "
+        "device-busy share of the step and the top operators by host and by device time",
+    )
     p.add_argument(
         "--timeline",
         metavar="PATH",
