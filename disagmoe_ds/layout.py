@@ -87,6 +87,12 @@ class ExpertSlices:
         start = ep_rank * self.experts_per_rank
         return range(start, start + self.experts_per_rank)
 
+    def _check_even_split(self, ep_size_is: str, fix: str) -> None:
+        """Every expert-parallel rank holds the same number of experts (``ep_size_is`` says where ep_size comes
+        from)."""
+        if self.num_experts % self.ep_size:
+            raise LayoutError(f"num_experts ({self.num_experts}) must be divisible by {ep_size_is}; {fix}")
+
 
 @dataclass(frozen=True)
 class Layout(RankCounts, ExpertSlices):
@@ -134,12 +140,11 @@ class Layout(RankCounts, ExpertSlices):
                 f"FFN ranks per group ({self.ffn_ranks_per_group}) must be divisible by expert_data_parallel "
                 f"({self.expert_data_parallel})"
             )
-        if self.num_experts % self.ep_size:
-            raise LayoutError(
-                f"num_experts ({self.num_experts}) must be divisible by the expert-parallel size ({self.ep_size} = "
-                f"ffn_gpus {self.ffn_gpus} / depth {p} / expert_data_parallel {self.expert_data_parallel}); "
-                f"choose ffn_gpus so that each F-group splits the experts evenly"
-            )
+        self._check_even_split(
+            f"the expert-parallel size ({self.ep_size} = ffn_gpus {self.ffn_gpus} / depth {p} / expert_data_parallel "
+            f"{self.expert_data_parallel})",
+            "choose ffn_gpus so that each F-group splits the experts evenly",
+        )
 
     # ----- sizes (world_size, lanes: RankCounts; experts_per_rank: ExpertSlices) -----
     @property

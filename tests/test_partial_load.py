@@ -19,7 +19,7 @@ from torch import nn
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models import partial_load
 from disagmoe_ds.models.loading import build_meta_model, load_model
-from disagmoe_ds.models.partial_load import PretrainedWeights, check_pretrained, materialize, model_to_cut
+from disagmoe_ds.models.partial_load import PretrainedWeights, check_pretrained, model_to_cut, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_routed_experts
 from disagmoe_ds.train.model import freeze
 from tests.conftest import ROOT, TINY_FAMILIES
@@ -44,7 +44,7 @@ def load_parts(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, nn.M
     weights = PretrainedWeights(path, model)
     parts = cut(model)
     for part in parts.values():
-        materialize(part, model, CPU, weights=weights)
+        place(part, model, CPU, weights=weights)
     return parts
 
 
@@ -78,7 +78,7 @@ def test_tied_embeddings_come_from_the_one_tensor_saved(tiny_checkpoint) -> None
     assert attention.head.lm_head.weight is attention.embed_tokens.weight  # still one parameter, as in HF's model
     model = build_meta_model(path)
     head_only = AttentionStage(model, (3,), with_embedding=False, with_head=True)  # a deeper pipeline's last group
-    materialize(head_only, model, CPU, weights=PretrainedWeights(path, model))
+    place(head_only, model, CPU, weights=PretrainedWeights(path, model))
     assert torch.equal(head_only.head.lm_head.weight, load_model(path).model.embed_tokens.weight)
 
 
@@ -90,7 +90,7 @@ def test_frozen_parameters_stay_frozen_when_their_part_is_allocated(tiny_checkpo
     trainable = {}
     for kind, part in cut(model).items():
         before = {name: p.requires_grad for name, p in part.named_parameters()}
-        materialize(part, model, CPU, weights=weights)
+        place(part, model, CPU, weights=weights)
         assert {name: p.requires_grad for name, p in part.named_parameters()} == before, kind
         trainable.update({f"{kind}.{name}": flag for name, flag in before.items()})
     assert frozen.router > 0 and frozen.attention > 0

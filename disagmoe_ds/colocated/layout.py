@@ -115,11 +115,17 @@ class ColocatedLayout(ExpertSlices):
     def __post_init__(self) -> None:
         if self.world_size % self.ep_size:
             raise LayoutError(f"ep_size ({self.ep_size}) must divide world_size ({self.world_size})")
-        if self.num_experts % self.ep_size:
-            raise LayoutError(
-                f"num_experts ({self.num_experts}) must be divisible by ep_size ({self.ep_size}): every "
-                f"expert-parallel rank holds the same number of experts; choose an ep_size that divides it"
-            )
+        self._check_even_split(
+            f"ep_size ({self.ep_size}): every expert-parallel rank holds the same number of experts",
+            "choose an ep_size that divides it",
+        )
+
+    def ep_rank(self, rank: int) -> int:
+        return rank % self.ep_size
+
+    def edp_rank(self, rank: int) -> int:
+        """Which replica of the experts ``rank`` belongs to (the index of its EP group)."""
+        return rank // self.ep_size
 
     @property
     def expert_data_parallel(self) -> int:
@@ -130,13 +136,6 @@ class ColocatedLayout(ExpertSlices):
     def expert_group_name(self) -> str:
         """The name DeepSpeed keys its expert groups and expert parameters by (``MoE.expert_group_name``)."""
         return f"ep_size_{self.ep_size}"
-
-    def ep_rank(self, rank: int) -> int:
-        return rank % self.ep_size
-
-    def edp_rank(self, rank: int) -> int:
-        """Which replica of the experts ``rank`` belongs to (the index of its EP group)."""
-        return rank // self.ep_size
 
     def ep_group_ranks(self, replica: int) -> tuple[int, ...]:
         """The ranks that together hold one full copy of the experts (they exchange tokens)."""

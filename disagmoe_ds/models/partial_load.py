@@ -66,7 +66,7 @@ def reads_partially(path: str | Path) -> bool:
 def model_to_cut(
     path: str | Path, *, dtype: torch.dtype = torch.float32, require_weights: bool = False
 ) -> tuple[nn.Module, Path | None]:
-    """The model a rank cuts its parts from, and the directory whose weights fill them (``materialize``).
+    """The model a rank cuts its parts from, and the directory whose weights fill them (``place``).
 
     Safetensors: the meta model and ``path``; each rank reads only its parts. ``pytorch_model.bin`` or a quantized
     checkpoint: the whole model, loaded by ``from_pretrained`` in every rank, and None. No weights: the meta model
@@ -140,7 +140,7 @@ class PretrainedWeights:
 
     def fill(self, stage: nn.Module) -> None:
         """Copy the pretrained values into ``stage`` (an ``AttentionStage`` or ``ExpertStage`` allocated by
-        ``materialize``): its parameters and persistent buffers, each read once."""
+        ``place``): its parameters and persistent buffers, each read once."""
         to_hf, experts = _hf_names(stage)
         done: set[int] = set()
         with _reader(self.path, self._files) as read, torch.no_grad():
@@ -297,27 +297,15 @@ def place(
     seed: int = 0,
     weights: PretrainedWeights | None = None,
 ) -> None:
-    """Put a part cut from ``model`` on ``device``: ``materialize`` it when cut from a meta model, else move it."""
-    if next(stage.parameters()).is_meta:
-        materialize(stage, model, device, seed=seed, weights=weights)
-    else:
-        stage.to(device)
-
-
-def materialize(
-    stage: nn.Module,
-    model: nn.Module,
-    device: torch.device,
-    *,
-    seed: int = 0,
-    weights: PretrainedWeights | None = None,
-) -> None:
-    """Allocate a stage cut from a meta model on ``device``; fill it with the pretrained values of ``weights``, or
-    initialise it with HF's own ``_init_weights``.
+    """Put a part cut from ``model`` on ``device``: moved there, or, cut from a meta model, allocated there and
+    filled with the pretrained values of ``weights`` or initialised with HF's own ``_init_weights`` from ``seed``.
 
     Replicas of the same parameters may draw different values here; DeepSpeed broadcasts each data-parallel
     group's rank-0 copy when the engine is built, so they start identical.
     """
+    if not next(stage.parameters()).is_meta:
+        stage.to(device)
+        return
     _allocate(stage, device)
     if weights is not None:
         weights.fill(stage)

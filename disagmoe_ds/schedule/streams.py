@@ -12,21 +12,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 
-from disagmoe_ds.schedule.instructions import (
-    COMPUTE_OF_KIND,
-    Instruction,
-    OptimizerStep,
-    PostRecv,
-    ReduceGrads,
-    Send,
-    WaitRecv,
-)
+from disagmoe_ds.schedule import instructions as ins
 from disagmoe_ds.schedule.tasks import Channel, Message, Task, TaskGraph, Worker
 
 
 def build_streams(
     graph: TaskGraph, order: Mapping[Worker, tuple[Task, ...]], *, lookahead: int
-) -> dict[Worker, tuple[Instruction, ...]]:
+) -> dict[Worker, tuple[ins.Instruction, ...]]:
     """One instruction stream per worker that runs the worker's tasks in ``order`` (execution order)."""
     sent: dict[Channel, list[Message]] = defaultdict(list)  # every channel's messages in send order
     for tasks in order.values():
@@ -54,15 +46,15 @@ def _wait_slots(
 
 def _stream(
     graph: TaskGraph, tasks: tuple[Task, ...], sent: Mapping[Channel, list[Message]], lookahead: int
-) -> tuple[Instruction, ...]:
+) -> tuple[ins.Instruction, ...]:
     waits = _wait_slots(graph, tasks, sent)
     posts: list[list[Message]] = [[] for _ in tasks]
     for i, messages in enumerate(waits):
         posts[max(0, i - lookahead)] += messages  # waits keep send order per channel, so posts do too
-    stream: list[Instruction] = []
+    stream: list[ins.Instruction] = []
     for task, post, wait in zip(tasks, posts, waits):
-        stream += [PostRecv(message) for message in post]
-        stream += [WaitRecv(message) for message in wait]
-        stream.append(COMPUTE_OF_KIND[task.kind](task.layer, task.micro_batch))
-        stream += [Send(message) for message in graph.outputs[task]]
-    return (*stream, ReduceGrads(), OptimizerStep())
+        stream += [ins.PostRecv(message) for message in post]
+        stream += [ins.WaitRecv(message) for message in wait]
+        stream.append(ins.COMPUTE_OF_KIND[task.kind](task.layer, task.micro_batch))
+        stream += [ins.Send(message) for message in graph.outputs[task]]
+    return (*stream, ins.ReduceGrads(), ins.OptimizerStep())

@@ -71,7 +71,8 @@ class Task:
 
 @dataclass(frozen=True, order=True)
 class Channel:
-    """A one-way link with its own process group at run time, so no kind queues behind another."""
+    """A one-way link: the messages of one kind from one worker to another, received in their send order. At run
+    time each is a communicator of its own (``comm.exchange``), so no kind queues behind another."""
 
     kind: MessageKind
     src: Worker
@@ -83,7 +84,11 @@ class Channel:
 
 @dataclass(frozen=True, order=True)
 class Message:
-    """``src`` produces a tensor that ``dst`` consumes on another worker."""
+    """``src`` produces a tensor that ``dst`` consumes on another worker.
+
+    ``src_worker`` runs ``src`` and ``dst_worker`` runs ``dst``; the message travels on their ``channel`` (one per
+    kind and worker pair), where receives match sends in the sender's order.
+    """
 
     kind: MessageKind
     src: Task
