@@ -17,6 +17,7 @@ from typing import Any
 
 from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.jsonfile import read_json_object
 from disagmoe_ds.layout import Layout, RankCounts
 from disagmoe_ds.planner.cluster import PRESETS
 
@@ -126,13 +127,4 @@ def load_ds_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
     """A DeepSpeed config as a dict, from a JSON file or an in-memory dict (copied)."""
     if isinstance(path_or_dict, dict):
         return json.loads(json.dumps(path_or_dict))
-    path = Path(path_or_dict)
-    if not path.is_file():
-        raise ConfigError(f"DeepSpeed config {path} does not exist; see ds_configs/ for examples")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"DeepSpeed config {path} is not valid JSON: line {err.lineno}: {err.msg}") from err
-    if not isinstance(config, dict):
-        raise ConfigError(f"DeepSpeed config {path} must hold a JSON object, got {type(config).__name__}")
-    return config
+    return read_json_object(path_or_dict, what="DeepSpeed config", fix="see ds_configs/ for examples")
