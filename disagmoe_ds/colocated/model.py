@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from deepspeed.moe.layer import MoE
+from deepspeed.utils import groups as ds_groups
 from torch import nn
 
 from disagmoe_ds.colocated.dispatch import LocalDispatcher
@@ -69,8 +70,6 @@ class ExpertStageMoE(MoE):
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by the engine; the groups are registered already, so there is nothing to create."""
-        from deepspeed.utils import groups as ds_groups
-
         assert self.expert_group_name in ds_groups._get_expert_parallel_group_dict(), "register_with_deepspeed first"
 
     def shard(self, layer: int) -> ExpertShard:
