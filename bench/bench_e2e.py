@@ -34,6 +34,7 @@ launched processes. Prints a table and writes ``--json``.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import gc
@@ -42,6 +43,8 @@ import os
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -287,7 +290,10 @@ def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] 
         last = step == a.warmup + a.steps - 1
         executor.record_timeline(bool(a.timeline) and last)
         _sync(device)
-        with _profiled(a.torch_profile if last else None, label) as profiled:
+        with (
+            _profiled(a.torch_profile if last else None, label) as profiled,
+            _syncs_traced(a.trace_syncs if last else None, label),
+        ):
             t0 = start_clock()
             result = executor.train_batch(batches)
             _sync(device)
@@ -329,6 +335,35 @@ def _profiled(directory: str | None, label: str):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         yield prof
+
+
+@contextlib.contextmanager
+def _syncs_traced(directory: str | None, label: str):
+    """Count where the block makes the host wait for the device (``torch.cuda.set_sync_debug_mode``): per rank,
+    DIR/METHOD-syncs-rankR.txt lists each synchronising call site (its innermost frames) with its count."""
+    if directory is None or not torch.cuda.is_available():
+        yield
+        return
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            frames = traceback.extract_stack()[:-2][-6:]
+            sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))] += 1
+
+    previous = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = previous
+    path = Path(directory) / f"{label}-syncs-rank{dist.get_rank()}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{count:5d}  {site}\n" for site, count in sites.most_common()))
 
 
 def _write_profile(prof, directory: str, label: str, wall_s: float) -> None:
@@ -448,6 +483,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a local job is killed")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the setup as JSON")
+    p.add_argument(
+        "--trace-syncs",
+        metavar="DIR",
+        help="GPU: list where the last step of each method makes the host wait for the device (per rank, "
+        "DIR/METHOD-syncs-rankR.txt: call sites and counts)",
+    )
     p.add_argument(
         "--torch-profile",
         metavar="DIR",
