@@ -1,49 +1,87 @@
-"""Per-layer training throughput: our attention part + expert part versus HF's own decoder layer.
+"""Per-layer training throughput: our attention part + expert part versus HF's own decoder layer, compiled.
 
     PYTHONPATH=$PWD python bench/bench_layer.py --model hf_models/Qwen3-30B-A3B --seq-len 4096 --batch 2
 
-For each model and sequence length it builds ONE decoder layer at real size (bf16, SDPA attention) and times
-forward + backward of:
+For each model and sequence length it builds ONE decoder layer at real size (bf16 on CUDA, fp32 on CPU; SDPA
+attention; weights random, only the config is read) and times forward + backward of each path in ``--paths``
+(default all):
 
     hf-eager      HF ``XDecoderLayer`` with the per-expert Python loop (``experts_implementation="eager"``)
     hf-grouped    HF ``XDecoderLayer`` with ``grouped_mm`` experts
+    hf-compiled   the same layer under ``torch.compile`` (default options, the whole layer): the reference
     ours          ``AttentionPart`` -> dispatch plan -> ``ExpertShard`` (all experts, one rank) -> combine
-    ours-compiled the same under ``torch.compile`` (attention part; the experts' activation/gating/weighting)
+    ours-compiled the same under ``compile_stage`` as a ``"compile": true`` job runs it (attention part; the
+                  experts' activation/gating/weighting and un-permute)
 
-and prints tokens/s, TFLOP/s and MFU (model FLOPs, Megatron convention: active experts, causal attention,
-training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs). ``--json`` writes the table;
-``--profile`` prints the top CUDA kernels of ``ours`` (where the time goes).
+and prints tokens/s, TFLOP/s, MFU (model FLOPs, Megatron convention: active experts, causal attention,
+training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs) and each path's tokens/s over
+hf-compiled's at the same model and sequence length (``vs_hf_compiled`` in the JSON; null, printed ``-``, when
+hf-compiled did not run). ``--json`` writes the rows, rewritten after every row so that a run cut short keeps
+what it measured; ``--profile`` prints the top CUDA kernels of the last path.
+
+A path that cannot run (a layer that does not compile, out of memory) is a row marked failed with its error's
+first line (the traceback goes to stderr); the other paths still run, and the exit code is 1.
+
+Dynamo's caches are reset before and after every compiled path, so each is compiled for its own shapes whatever
+ran before it. ``--compile-backend aot_eager`` (CPU tests) traces and differentiates the same graphs without
+inductor's code generation; the default, inductor, is what the numbers mean.
 
 Timing is that of a training loop: every step starts with the gradients set to None (``zero_grad``'s default, so
 the weight gradients are written, not accumulated) and steps run back to back, the device synchronised only at
-the ends of each timed window (the host launches ahead, as it does in training).
+the ends of each timed window (the host launches ahead, as it does in training). Compilation happens in the
+warm-up steps and is not timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import gc
 import json
 import statistics
 import sys
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
 from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
-from disagmoe_ds.engine.build import compile_stage
+from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.one_layer import one_layer_model
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, build_context
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, build_context, compile_stage
 from disagmoe_ds.planner.model import load_model_spec
 
 PEAK_TFLOPS = 989.0
+PATHS = ("hf-eager", "hf-grouped", "hf-compiled", "ours", "ours-compiled")
+REFERENCE = "hf-compiled"
 
 
 def fresh_grads(*tensors: torch.Tensor) -> None:
     """Start a step as a training loop does after ``zero_grad()``: gradients None, so they are written, not added."""
     for t in tensors:
         t.grad = None
+
+
+@contextlib.contextmanager
+def compile_backend(backend: str):
+    """Within: ``torch.compile`` calls that name no backend use ``backend`` (nothing changes for ``"inductor"``,
+    the default). ``compiled_elementwise`` is re-made inside, and forgotten on leaving, so its process-wide cache
+    never hands another caller functions compiled with a test backend."""
+    if backend == "inductor":
+        yield
+        return
+    original = torch.compile
+    torch.compile = functools.partial(original, backend=backend)
+    grouped_experts.compiled_elementwise.cache_clear()
+    try:
+        yield
+    finally:
+        torch.compile = original
+        grouped_experts.compiled_elementwise.cache_clear()
 
 
 def _hf_step(model, h_BSH, ctx, grad_BSH):
@@ -90,51 +128,86 @@ def time_step(step, *args, warmup: int, iters: int, device: str, windows: int = 
     return statistics.median(times)
 
 
+def first_line(error: BaseException) -> str:
+    """``Type: first line of the message``; dynamo's ``backend='inductor' raised:`` wrapper adds the line after it."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith("raised:") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
+    return f"{type(error).__name__}: {text}"[:300]
+
+
+def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, device: str, backend: str):
+    """``(step, args)`` of one path, compiled where its name says so."""
+    experts = "eager" if name == "hf-eager" else "grouped_mm"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = one_layer_model(AutoConfig.from_pretrained(model_dir), device=device, dtype=dtype, experts=experts)
+    h_BSH = torch.randn(batch, seq_len, model.config.hidden_size, device=device, dtype=model.dtype) * 0.5
+    h_BSH.requires_grad_()
+    grad_BSH = torch.randn_like(h_BSH) * 1e-3
+    ctx = build_context(model.config, model.model.rotary_emb, h_BSH, None)
+    if name.endswith("compiled"):
+        torch._dynamo.reset()
+    if name.startswith("ours"):
+        attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
+        expert_stage = ExpertStage(model, (0,), 0, spec.num_experts)
+        if name == "ours-compiled":
+            with compile_backend(backend):
+                compile_stage(attention)
+                compile_stage(expert_stage)
+        return _ours_step, ((attention.part(0), expert_stage, model.config), h_BSH, ctx, grad_BSH)
+    if name == "hf-compiled":
+        with compile_backend(backend):
+            model.model.layers[0].compile()
+    return _hf_step, (model, h_BSH, ctx, grad_BSH)
+
+
 def bench_model(
-    model_dir: str, seq_len: int, batch: int, *, device: str, warmup: int, iters: int, profile: bool, paths: list[str]
-):
+    model_dir: str,
+    seq_len: int,
+    batch: int,
+    *,
+    device: str,
+    warmup: int,
+    iters: int,
+    profile: bool,
+    paths: list[str],
+    backend: str = "inductor",
+) -> Iterator[dict]:
+    """One row per path, as each is measured (``vs_hf_compiled`` is filled in by ``add_ratios``)."""
     spec = load_model_spec(model_dir)
     flops_per_token = 3 * (spec.attention_side_flops(seq_len, 0) + spec.expert_side_flops(0))
     tokens = batch * seq_len
-    rows = []
     for name in paths:
-        experts = "eager" if name == "hf-eager" else "grouped_mm"
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model = one_layer_model(AutoConfig.from_pretrained(model_dir), device=device, dtype=dtype, experts=experts)
-        h_BSH = torch.randn(batch, seq_len, model.config.hidden_size, device=device, dtype=model.dtype) * 0.5
-        h_BSH.requires_grad_()
-        grad_BSH = torch.randn_like(h_BSH) * 1e-3
-        ctx = build_context(model.config, model.model.rotary_emb, h_BSH, None)
-        if name.startswith("ours"):
-            attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
-            experts = ExpertStage(model, (0,), 0, spec.num_experts)
-            if name == "ours-compiled":
-                compile_stage(attention)
-                compile_stage(experts)
-            args = ((attention.part(0), experts, model.config), h_BSH, ctx, grad_BSH)
-            step = _ours_step
-        else:
-            args, step = (model, h_BSH, ctx, grad_BSH), _hf_step
-        seconds = time_step(step, *args, warmup=warmup, iters=iters, device=device)
-        tflops = flops_per_token * tokens / seconds / 1e12
-        rows.append(
-            {
-                "model": Path(model_dir).name,
-                "seq_len": seq_len,
-                "batch": batch,
-                "path": name,
-                "ms": seconds * 1e3,
-                "tokens_per_s": tokens / seconds,
-                "tflops": tflops,
-                "mfu": tflops / PEAK_TFLOPS,
-            }
-        )
-        if profile and name == paths[-1] and device == "cuda":
-            print_profile(step, args)
-        del model, args
+        row = {"model": Path(model_dir).name, "seq_len": seq_len, "batch": batch, "path": name}
+        row.update(ms=None, tokens_per_s=None, tflops=None, mfu=None, vs_hf_compiled=None, error=None)
+        step = args = None
+        try:
+            step, args = build_path(name, model_dir, spec, seq_len, batch, device=device, backend=backend)
+            seconds = time_step(step, *args, warmup=warmup, iters=iters, device=device)
+            tflops = flops_per_token * tokens / seconds / 1e12
+            row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds, tflops=tflops, mfu=tflops / PEAK_TFLOPS)
+            if profile and name == paths[-1] and device == "cuda":
+                print_profile(step, args)
+        except Exception as error:  # a path that cannot run is a row of the table, not the end of the run
+            traceback.print_exc()
+            row["error"] = first_line(error)
+        del step, args
+        if name.endswith("compiled"):
+            torch._dynamo.reset()  # its graphs, and what they hold, go before the next path builds its layer
+        gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    return rows
+        yield row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """``vs_hf_compiled``: tokens/s over hf-compiled's at the same model and sequence length (None where either
+    is missing)."""
+    base = {(r["model"], r["seq_len"]): r["tokens_per_s"] for r in rows if r["path"] == REFERENCE}
+    for r in rows:
+        ref = base.get((r["model"], r["seq_len"]))
+        r["vs_hf_compiled"] = r["tokens_per_s"] / ref if r["tokens_per_s"] and ref else None
 
 
 def print_profile(step, args, top: int = 25) -> None:
@@ -150,15 +223,24 @@ def print_profile(step, args, top: int = 25) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'model':<18}{'seq':>6}{'path':>12}{'ms':>10}{'tok/s':>12}{'TFLOP/s':>10}{'MFU':>7}{'vs hf-grouped':>15}"
+    header = (
+        f"{'model':<18}{'seq':>6}{'path':>15}{'ms':>10}{'tok/s':>12}{'TFLOP/s':>10}{'MFU':>7}{'vs hf-compiled':>16}"
+    )
     print(header)
-    base = {(r["model"], r["seq_len"]): r["tokens_per_s"] for r in rows if r["path"] == "hf-grouped"}
     for r in rows:
-        ratio = r["tokens_per_s"] / base[(r["model"], r["seq_len"])]
+        prefix = f"{r['model']:<18}{r['seq_len']:>6}{r['path']:>15}"
+        if r["error"]:
+            print(f"{prefix}  failed: {r['error']}")
+            continue
+        ratio = f"{r['vs_hf_compiled']:>15.2f}x" if r["vs_hf_compiled"] else f"{'-':>16}"
         print(
-            f"{r['model']:<18}{r['seq_len']:>6}{r['path']:>12}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}"
-            f"{r['tflops']:>10.1f}{r['mfu']:>7.1%}{ratio:>14.2f}x"
+            f"{prefix}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.1f}{r['mfu']:>7.1%}{ratio}",
+            flush=True,
         )
+
+
+def _short(row: dict) -> str:
+    return "failed" if row["error"] else f"{row['tokens_per_s']:.0f} tok/s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,17 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", nargs="+", default=["hf_models/Qwen3-30B-A3B"], help="model config directories")
     p.add_argument("--seq-len", type=int, nargs="+", default=[4096])
     p.add_argument("--batch", type=int, default=2, help="sequences per step")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens in them)")
+    p.add_argument("--iters", type=int, default=10, help="steps per timed window (3 windows, median)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda: bf16; cpu: fp32")
     p.add_argument("--profile", action="store_true", help="print the top kernels of the last path")
-    p.add_argument("--paths", nargs="+", default=["hf-eager", "hf-grouped", "ours", "ours-compiled"])
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, metavar="PATH", help=", ".join(PATHS))
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: CPU tests)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
     rows = []
     for model_dir in a.model:
         for seq_len in a.seq_len:
-            new = bench_model(
+            for row in bench_model(
                 model_dir,
                 seq_len,
                 a.batch,
@@ -185,13 +268,15 @@ def main(argv: list[str] | None = None) -> int:
                 iters=a.iters,
                 profile=a.profile,
                 paths=a.paths,
-            )
-            print(", ".join(f"{r['path']} {r['tokens_per_s']:.0f} tok/s" for r in new), flush=True)
-            rows += new
+                backend=a.compile_backend,
+            ):
+                rows.append(row)
+                add_ratios(rows)
+                print(f"{row['model']} {seq_len} {row['path']}: {_short(row)}", flush=True)
+                if a.json:  # after every row: a run cut short keeps what it measured
+                    Path(a.json).write_text(json.dumps(rows, indent=2))
     print_table(rows)
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=2))
-    return 0
+    return 1 if any(r["error"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,110 @@
+"""bench/bench_layer.py and bench/bench_experts.py run every path on a tiny model on CPU (fp32) and rate each
+against the compiled HF reference; a path that fails is a row of the table, not the end of the run.
+
+The compiled paths use a backend that counts dynamo's graphs and hands them to ``aot_eager`` (AOT autograd's
+backward exactly as under inductor, without inductor's C++ code generation, which costs tens of seconds per
+graph on a cold CPU cache): the compiled paths must compile something, the others nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_experts  # noqa: E402
+import bench_layer  # noqa: E402
+
+GRAPHS: list[int] = []  # dynamo graphs compiled during each timed path, in order
+
+
+@torch._dynamo.register_backend
+def bench_test_backend(gm, example_inputs):
+    GRAPHS[-1] += 1
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+TINY = ["--device", "cpu", "--warmup", "1", "--iters", "1", "--compile-backend", "bench_test_backend"]
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """The graph count of each path (compilation happens in ``time_step``'s warm-up)."""
+    GRAPHS.clear()
+    for module in (bench_layer, bench_experts):
+        timed = module.time_step
+
+        def counted(*args, _timed=timed, **kwargs):
+            GRAPHS.append(0)
+            return _timed(*args, **kwargs)
+
+        monkeypatch.setattr(module, "time_step", counted)
+    return GRAPHS
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: tiny ops on a shared 2-core host otherwise stall on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _check_rows(rows, key, names, out, graphs):
+    assert [r[key] for r in rows] == list(names)
+    assert [n > 0 for n in graphs] == [name.endswith("compiled") for name in names], graphs
+    for r in rows:
+        assert r["error"] is None, r
+        assert r["ms"] > 0 and r["vs_hf_compiled"] > 0, r
+        assert f"{r['vs_hf_compiled']:.2f}x" in out
+    assert next(r for r in rows if r[key] == "hf-compiled")["vs_hf_compiled"] == pytest.approx(1.0)
+    assert "vs hf-compiled" in out
+
+
+@pytest.mark.parametrize(
+    "model, paths",
+    [("tiny-qwen3-moe", bench_layer.PATHS), ("tiny-deepseek-v3", ("hf-compiled", "ours-compiled"))],
+)
+def test_layer_every_path_against_compiled_hf(tmp_path, capsys, graphs, model, paths):
+    out_json = tmp_path / "layer.json"
+    argv = ["--model", str(ROOT / "hf_models" / model), "--seq-len", "8", "--batch", "2", "--json", str(out_json)]
+    if paths != bench_layer.PATHS:
+        argv += ["--paths", *paths]  # the default is every path
+    assert bench_layer.main(argv + TINY) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out_json.read_text())
+    _check_rows(rows, "path", paths, out, graphs)
+    for r in rows:
+        assert r["model"] == model and r["tokens_per_s"] > 0 and r["tokens_per_s"] == pytest.approx(16 / r["ms"] * 1e3)
+
+
+def test_experts_every_variant_against_compiled_hf(tmp_path, capsys, graphs):
+    out_json = tmp_path / "experts.json"
+    argv = ["--tokens", "32", "--hidden", "64", "--inter", "32", "--experts", "8", "--top-k", "2"]
+    assert bench_experts.main(argv + TINY + ["--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())
+    _check_rows(rows, "variant", bench_experts.VARIANTS, capsys.readouterr().out, graphs)
+
+
+def test_a_failed_path_is_reported_and_the_others_run(tmp_path, capsys, monkeypatch):
+    def broken(module):
+        raise RuntimeError("backend='inductor' raised:\nLoweringException: no lowering\n  more detail")
+
+    monkeypatch.setattr(bench_layer, "compile_stage", broken)
+    out_json = tmp_path / "layer.json"
+    argv = ["--model", str(ROOT / "hf_models" / "tiny-qwen3-moe"), "--seq-len", "8", "--batch", "2"]
+    argv += ["--paths", "ours-compiled", "hf-grouped", "--json", str(out_json)]
+    assert bench_layer.main(argv + TINY) == 1
+    out = capsys.readouterr().out
+    failed, grouped = json.loads(out_json.read_text())
+    assert failed["error"] == "RuntimeError: backend='inductor' raised: LoweringException: no lowering"
+    assert failed["tokens_per_s"] is None
+    assert f"ours-compiled  failed: {failed['error']}" in out
+    assert grouped["error"] is None and grouped["tokens_per_s"] > 0
+    assert grouped["vs_hf_compiled"] is None  # no reference ran
