@@ -49,6 +49,7 @@ class VerifyArgs:
     seed: int = 0
     skew: bool = False
     timeline: str | None = None
+    packed: bool = False  # two documents per sequence: position ids restart mid-sequence (block-diagonal mask)
 
     def ds_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
@@ -72,7 +73,12 @@ def make_batches(args: VerifyArgs, vocab_size: int, step: int, lane: int) -> lis
     batches = []
     for _ in range(args.cfg.micro_batches):
         ids = torch.randint(3, vocab_size, (args.micro_batch_size, args.seq_len), generator=gen)
-        batches.append({"input_ids": ids, "labels": ids.clone()})
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        if args.packed:
+            first = args.seq_len // 2 + 1
+            positions = torch.cat([torch.arange(first), torch.arange(args.seq_len - first)])
+            batch["position_ids"] = positions.expand(args.micro_batch_size, -1).contiguous()
+        batches.append(batch)
     return batches
 
 
@@ -189,7 +195,12 @@ def reference(args: VerifyArgs, lanes: int) -> dict[str, Any]:
         count = lanes * args.cfg.micro_batches
         for lane in range(lanes):
             for batch in make_batches(args, vocab, step, lane):
-                out = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
+                out = model(
+                    input_ids=batch["input_ids"],
+                    labels=batch["labels"],
+                    position_ids=batch.get("position_ids"),
+                    use_cache=False,
+                )
                 (out.loss / count).backward()
                 total += out.loss.item() / count
         losses.append(total)
@@ -344,6 +355,7 @@ def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", action="store_true", help="route every token to expert 0 first (load imbalance)")
+    p.add_argument("--packed", action="store_true", help="two documents per sequence (position ids restart)")
     p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
     p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
@@ -352,7 +364,19 @@ def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
 def run_args(cls: type[VerifyArgs], a: argparse.Namespace, cfg: Any) -> VerifyArgs:
     """``cls`` (``VerifyArgs`` or a subclass) from ``add_run_args``'s flags and the mode's config."""
     return cls(
-        a.model, cfg, a.zero, a.steps, a.dtype, a.seq_len, a.micro_batch_size, a.clip, a.lr, a.seed, a.skew, a.timeline
+        a.model,
+        cfg,
+        a.zero,
+        a.steps,
+        a.dtype,
+        a.seq_len,
+        a.micro_batch_size,
+        a.clip,
+        a.lr,
+        a.seed,
+        a.skew,
+        a.timeline,
+        a.packed,
     )
 
 

@@ -57,6 +57,14 @@ def test_disaggregated_equals_hf(tiny_checkpoint, family, overrides, M, N, p, ed
     assert summary["pass"], summary
 
 
+def test_packed_documents_equal_hf(tiny_checkpoint):
+    """Position ids that restart mid-sequence (a block-diagonal mask): A-group 0 takes them from the batch, A-group
+    1 from the residual message; each builds a micro-batch's mask once and reuses it for its layers."""
+    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=2, micro_batches=3, transport="rendezvous")
+    args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, seq_len=8, clip=CLIP, packed=True)
+    assert run_verify(args, timeout_s=240)["pass"]
+
+
 def test_timeline_has_every_rank(tiny_checkpoint, tmp_path):
     cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=2, micro_batches=3)
     trace = tmp_path / "trace.json"

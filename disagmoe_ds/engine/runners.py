@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, combine, count_ids, pack, plan_dispatch
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, router_stats
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, LayerContext, router_stats
 
 Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction
 
@@ -133,9 +133,10 @@ class AttentionRunner:
         self.batches: list[dict[str, torch.Tensor]] | None = None
         self.stats = HeadStats()
         self.expert_counts: dict[int, torch.Tensor] = {}  # layer -> [E] (token, expert) pairs routed this step
+        self.contexts: dict[int, LayerContext] = {}  # micro-batch -> its mask and rotary embeddings, this step
 
     def start_step(self, batches: list[dict[str, torch.Tensor]] | None) -> None:
-        self.batches, self.stats, self.expert_counts = batches, HeadStats(), {}
+        self.batches, self.stats, self.expert_counts, self.contexts = batches, HeadStats(), {}, {}
 
     def step_expert_counts(self) -> torch.Tensor:
         """[L, E] int64: tokens this lane routed to each expert in the step so far, per layer (top-k choices).
@@ -159,8 +160,7 @@ class AttentionRunner:
             for layer in self.stage.layers:
                 h_BSH = torch.randn(self.B, seq_len, self.config.hidden_size, device=device, dtype=dtype)
                 h_BSH.requires_grad_()
-                position_ids_BS = torch.arange(seq_len, device=device).expand(self.B, seq_len)
-                ctx = self.stage.context(h_BSH, position_ids_BS)
+                ctx = self.stage.context(h_BSH, None)  # default positions, as a batch without position_ids
                 out = self.recompute(self.stage.part(int(layer)), h_BSH, ctx, self.config)  # as the step runs it
                 _grad_of_inputs([out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE], [h_BSH])
 
@@ -175,7 +175,7 @@ class AttentionRunner:
             self._head(mb, h_BSH, counts_E, probs_E, chunk)
             self.chunks[(layer, mb)] = chunk
             return {}
-        out = self.recompute(self.stage.part(layer), h_BSH, self.stage.context(h_BSH, position_ids_BS), self.config)
+        out = self.recompute(self.stage.part(layer), h_BSH, self._context(mb, h_BSH, position_ids_BS), self.config)
         chunk.residual_out = out.residual_BSH
         outgoing: Outgoing = {}
         T, H = h_BSH.shape[0] * h_BSH.shape[1], h_BSH.shape[2]
@@ -199,6 +199,16 @@ class AttentionRunner:
         self._hand_off("resid", layer, mb, resid, outgoing)
         self.chunks[(layer, mb)] = chunk
         return outgoing
+
+    def _context(self, mb: int, h_BSH: torch.Tensor, position_ids_BS: torch.Tensor):
+        """The micro-batch's mask and rotary embeddings, built once per rank and step: building them from given
+        positions syncs the host with the device (HF looks for packed documents), so the embedding rank builds them
+        from the batch's own positions (None: the default ones, no sync) and every layer reuses them."""
+        ctx = self.contexts.get(mb)
+        if ctx is None:
+            given = self.batches[mb].get("position_ids") if self.batches is not None else position_ids_BS
+            ctx = self.contexts[mb] = self.stage.context(h_BSH, given)
+        return ctx
 
     def _resid_message(self, residual_TH, plan: DispatchPlan | None, position_ids_T, counts_E, probs_E):
         if plan is None:  # dense layer: nothing to combine (-1 tells A_next's mailbox no n2m follows)

@@ -56,14 +56,16 @@ def build_context(
 ) -> LayerContext:
     """Masks and rotary embeddings exactly as ``XModel.forward`` builds them (no KV cache, no padding mask).
 
-    Passing ``position_ids`` lets HF detect packed documents (position restarts) and build a block-diagonal mask.
+    Passing ``position_ids`` lets HF detect packed documents (position restarts) and build a block-diagonal mask;
+    it reads them on the host to find out (a device sync), so pass None when the batch has the default positions.
     """
+    given = position_ids
     if position_ids is None:
         position_ids = torch.arange(h_BSH.shape[1], device=h_BSH.device).unsqueeze(0)
     needed = {_layer_type(config, i) for i in range(config.num_hidden_layers)}
     builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
     # The cache argument is passed positionally: it is named past_key_values in transformers 5.17, cache in 5.2x.
-    masks = {kind: builders[kind](config, h_BSH, None, None, position_ids=position_ids) for kind in needed}
+    masks = {kind: builders[kind](config, h_BSH, None, None, position_ids=given) for kind in needed}
     return LayerContext(position_ids, rotary_emb(h_BSH, position_ids), masks)
 
 
