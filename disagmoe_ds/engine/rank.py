@@ -99,9 +99,13 @@ class RankMode(Protocol):
         """The factor on the rank's gradients before DeepSpeed averages them over the data-parallel group."""
         ...
 
-    def grad_norm(self, layout: Any, groups: ProcessGroups) -> GradNorm: ...
+    def grad_norm(self, layout: Any, groups: ProcessGroups) -> GradNorm:
+        """The global gradient norm the rank's engine clips with (installed by the builder)."""
+        ...
 
-    def executor(self, parts: RankParts) -> Any: ...
+    def executor(self, parts: RankParts) -> Any:
+        """What runs a step: ``train_batch(batches) -> StepResult``."""
+        ...
 
 
 class RankBuilder:
@@ -159,7 +163,18 @@ class RankBuilder:
         grad_norm = mode.grad_norm(layout, groups)
         grad_norm.install(engine)
         parts = RankParts(
-            rank, layout, role, groups, module, engine, grad_norm, routing, dtype, device, micro_batch_size, seq_len
+            rank=rank,
+            layout=layout,
+            role=role,
+            groups=groups,
+            module=module,
+            engine=engine,
+            grad_norm=grad_norm,
+            routing=routing,
+            dtype=dtype,
+            device=device,
+            micro_batch_size=micro_batch_size,
+            seq_len=seq_len,
         )
         return RankRuntime(layout, role, mode.executor(parts), module, engine)
 
