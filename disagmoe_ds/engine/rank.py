@@ -162,19 +162,8 @@ class RankBuilder:
         )
         grad_norm = mode.grad_norm(layout, groups)
         grad_norm.install(engine)
-        parts = RankParts(
-            rank=rank,
-            layout=layout,
-            role=role,
-            groups=groups,
-            module=module,
-            engine=engine,
-            grad_norm=grad_norm,
-            routing=routing,
-            dtype=dtype,
-            device=device,
-            micro_batch_size=micro_batch_size,
-            seq_len=seq_len,
+        parts = RankParts(  # in field order
+            rank, layout, role, groups, module, engine, grad_norm, routing, dtype, device, micro_batch_size, seq_len
         )
         return RankRuntime(layout, role, mode.executor(parts), module, engine)
 
