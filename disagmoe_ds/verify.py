@@ -14,15 +14,23 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.data.loader import to_device
+from disagmoe_ds.engine import build as engine_build
+from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
+from disagmoe_ds.errors import DisagMoEError
+from disagmoe_ds.launch.env import detect_launcher, init_from_env
+from disagmoe_ds.launch.local import spawn_local
+from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
+from disagmoe_ds.models.skew import skew_router
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # fp32: only the order of sums differs from the reference (expert partials, lane reduction); bf16: see README.
@@ -83,21 +91,16 @@ def make_batches(args: VerifyArgs, vocab_size: int, step: int, lane: int) -> lis
 
 
 def load_for_verify(args: VerifyArgs):
-    from disagmoe_ds.models.loading import load_model
 
     model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
     if args.skew:
-        from disagmoe_ds.models.skew import skew_router
-
         skew_router(model)
     return model
 
 
 def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     """One rank: build, train ``steps`` steps, return losses, grad norms and its parameters under HF names."""
-    from disagmoe_ds.engine.build import build_rank
-
-    runtime = build_for_verify(build_rank, args)
+    runtime = build_for_verify(engine_build.build_rank, args)  # looked up per call: tests wrap it
     role = runtime.role
     feeds = role.is_attention and role.group == 0  # A-group 0 embeds; the head reads labels there too
     vocab = runtime.module.config.vocab_size if feeds else 0
@@ -128,8 +131,6 @@ def train_steps(
 ) -> tuple[list[float], list[float | None]]:
     """Train ``args.steps`` steps, step s on ``batches_of(s)`` (moved to the rank's device); the last step is
     written as a job timeline when ``args.timeline`` is set. Returns the losses and global grad norms."""
-    from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
-
     losses, norms = [], []
     for step in range(args.steps):
         last = step == args.steps - 1
@@ -262,10 +263,7 @@ def compare(ranks: list[dict[str, Any]], ref: dict[str, Any], args: VerifyArgs) 
 
 def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
     """Start the ranks on this machine (CPU, gloo), then compare with the reference."""
-    from disagmoe_ds.engine.build import preflight
-    from disagmoe_ds.launch.local import spawn_local
-
-    preflight(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
+    engine_build.preflight(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
     ranks = spawn_local(rank_main, args.cfg.world_size, args=(args,), timeout_s=timeout_s)
     return compare(ranks, reference(args, args.cfg.lanes), args)
 
@@ -277,13 +275,8 @@ def run_launched(
 
     ``rank_fn`` and ``preflight_fn`` default to the disaggregated runtime's (the co-located verify passes its own).
     """
-    import torch.distributed as dist
-
-    from disagmoe_ds.engine.build import preflight
-    from disagmoe_ds.launch.env import init_from_env
-
     init_from_env(comm_timeout_s=args.cfg.comm_timeout_s)
-    (preflight_fn or preflight)(args.model, args.cfg, args.ds_config(), dist.get_world_size())
+    (preflight_fn or engine_build.preflight)(args.model, args.cfg, args.ds_config(), dist.get_world_size())
     result = rank_fn(dist.get_rank(), args)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(_to_cpu(result), gathered, dst=0)
@@ -363,21 +356,7 @@ def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
 
 def run_args(cls: type[VerifyArgs], a: argparse.Namespace, cfg: Any) -> VerifyArgs:
     """``cls`` (``VerifyArgs`` or a subclass) from ``add_run_args``'s flags and the mode's config."""
-    return cls(
-        a.model,
-        cfg,
-        a.zero,
-        a.steps,
-        a.dtype,
-        a.seq_len,
-        a.micro_batch_size,
-        a.clip,
-        a.lr,
-        a.seed,
-        a.skew,
-        a.timeline,
-        a.packed,
-    )
+    return cls(cfg=cfg, **{f.name: getattr(a, f.name) for f in fields(VerifyArgs) if f.name != "cfg"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,9 +375,6 @@ def cli(
 
     Exit code 0 on pass, 1 on a mismatch, 2 on a configuration error (one line on stderr).
     """
-    from disagmoe_ds.errors import DisagMoEError
-    from disagmoe_ds.launch.env import detect_launcher
-
     try:
         args = parse(argv)
         summary = run_launched(args, **launched) if detect_launcher() else run_local(args)
