@@ -30,10 +30,13 @@
         --save-dir runs/ft --export-hf runs/ft-hf
     python run_pretrain.py --init-from HF_DIR --sft --data chat.jsonl --steps 800 --save-dir runs/ft --resume
 
-main(): parse the command line -> preflight (layout, data, checkpoint; no rank started, nothing allocated)
--> start the ranks here or join the launcher's job -> on every rank: build its engine, then the loop. The mode
-(``train.modes``) decides the preflight, the banner's layout lines and the build; the loop is the same for both.
+Everything is checked (layout against the world size, data, checkpoint) before any rank starts; a mistake is one
+line that says what to change.
 """
+
+# main(): parse the command line -> preflight (layout, data, checkpoint; no rank started, nothing allocated)
+# -> start the ranks here or join the launcher's job -> on every rank: build its engine, then the loop. The mode
+# (train.modes) decides the preflight, the banner's layout lines and the build; the loop is the same for both.
 
 from __future__ import annotations
 

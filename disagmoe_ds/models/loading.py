@@ -1,5 +1,5 @@
 """Load a Hugging Face MoE model (weights or config only) through HF's normal loading path, with clear errors; or
-build it on the meta device (``partial_load.materialize`` then allocates only the parts a rank cut from it)."""
+build it on the meta device (``partial_load.place`` then allocates only the parts a rank cut from it)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def load_model(
 def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The model's module tree on the meta device: no memory, no initialisation.
 
-    A rank cuts the parts it owns from it and materialises only those (``materialize``), so a job never holds
+    A rank cuts the parts it owns from it and materialises only those (``partial_load.place``), so a job never holds
     the whole model in one process.
     """
     from transformers import AutoModelForCausalLM

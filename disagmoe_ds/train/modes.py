@@ -29,7 +29,7 @@ from disagmoe_ds.train.metrics import ModelFacts
 
 
 class Runtime(Protocol):
-    """One built rank as the training loop sees it (``engine.build.RankRuntime``, ``colocated.ColocatedRuntime``).
+    """One built rank as the training loop sees it (``engine.rank.RankRuntime``, both modes).
 
     ``layout.role_of(rank)`` and ``role`` name the same role: a rank with ``role.is_attention and role.group == 0``
     reads lane ``role.index``'s data (every co-located rank does). ``layout`` and ``role`` are also what
