@@ -21,6 +21,7 @@ from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocate
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION
 from disagmoe_ds.engine.rank import RankRuntime
+from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.verify import (
     VerifyArgs,
     _full_grad,
@@ -106,8 +107,6 @@ def _written(runtime: RankRuntime, tensors: dict[str, torch.Tensor]) -> Named:
 
 def run_colocated_verify(args: ColocatedVerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
     """Start the ranks on this machine (CPU, gloo), then compare with the reference."""
-    from disagmoe_ds.launch.local import spawn_local
-
     preflight_colocated(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
     ranks = spawn_local(rank_main, args.cfg.world_size, args=(args,), timeout_s=timeout_s)
     return compare(ranks, reference(args, args.cfg.lanes), args)
