@@ -1,0 +1,15 @@
+"""Hugging Face MoE models, cut into the two halves DisagMoE places on different GPUs.
+
+families       per-family facts as data: router, shared experts, expert count (Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3,
+               GPT-OSS, OLMoE)
+moe_pattern    which layers route to experts, from the config alone (no torch)
+parts          the attention part and the expert shard of every layer, built from HF's own modules
+grouped_experts  the expert compute: grouped GEMMs over the routed (row, expert) pairs
+loading        load a model or its config with clear errors; a meta model that allocates nothing
+partial_load   fill the parts a rank cut from a meta model, reading only its own tensors
+naming         our parameter names <-> HF's
+hf_writer      write a ``save_pretrained`` directory atomically
+split          single-process reference of the disaggregated data flow; check: it against HF's model
+one_layer      one real-size layer and its parts as timed callables (benchmarks, ``disagmoe-plan profile``)
+skew           a skewed router for tests and ``disagmoe-verify --skew``
+"""
