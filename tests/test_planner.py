@@ -757,3 +757,138 @@ def test_schedule_cluster_must_exist() -> None:
         DisagMoEConfig(cluster="h900")
     with pytest.raises(ConfigError, match="profile.*disagmoe-plan profile"):
         DisagMoEConfig(profile="/nonexistent/profile.json")
+
+
+# ----- the optimizer step and which link numbers win -----
+def test_optimizer_step_scales_with_the_params_a_rank_steps():
+    from disagmoe_ds.planner.colocated_costs import Shape
+    from disagmoe_ds.planner.optimizer_step import (
+        BYTES_PER_PARAM,
+        af_optimizer_s,
+        baseline_optimizer_s,
+        optimizer_step_s,
+        state_params,
+    )
+
+    # doctest-sized: 1e9 parameters of bf16 state at 1 TB/s, every byte counted: BYTES_PER_PARAM ms
+    rates = Rates.from_cluster(small_cluster(hbm_bw=1e12), Efficiency(hbm=1.0))
+    assert BYTES_PER_PARAM["bf16"] == pytest.approx(93.0, abs=0.1)  # the F rank's 104 ms on an H200 (module notes)
+    assert optimizer_step_s(1e9, precision="bf16", rates=rates) == pytest.approx(BYTES_PER_PARAM["bf16"] / 1e3)
+    assert optimizer_step_s(2e9, precision="bf16", rates=rates) == pytest.approx(2 * BYTES_PER_PARAM["bf16"] / 1e3)
+    assert BYTES_PER_PARAM["fp32"] < BYTES_PER_PARAM["bf16"]  # no casts, no bf16 copy
+    assert state_params(8e9, replicas=4, zero_stage=1) == 2e9 and state_params(8e9, replicas=4, zero_stage=0) == 8e9
+
+    spec, work = mid_model(), Workload(4096, 1)
+    expert_total = spec.num_moe_layers * spec.num_experts * spec.expert_params()
+    for edp in (1, 2, 4):  # ZeRO-1 over the replicas: an F rank steps 1/N of the experts whatever EP x EDP is
+        layout = Layout(2, 4, spec.num_layers, spec.num_experts, expert_data_parallel=edp)
+        f = af_optimizer_s(spec, layout, work, rates)[1]
+        assert f == pytest.approx(optimizer_step_s(expert_total / 4, precision="bf16", rates=rates))
+        unsharded = af_optimizer_s(spec, layout, replace(work, ffn_zero_stage=0), rates)[1]
+        assert unsharded == pytest.approx(edp * f)
+    one_lane, two_lanes = (
+        af_optimizer_s(spec, Layout(m, 4, spec.num_layers, spec.num_experts), work, rates)[0] for m in (1, 2)
+    )
+    assert two_lanes == pytest.approx(one_lane / 2)  # A state sharded over the lanes
+
+    # co-located, one stage: the distributed optimizer gives every rank 1/W of all parameters
+    def shape(ep: int) -> Shape:
+        return Shape(pp=1, vpp=1, tp=1, cp=1, ep=ep, overlap="paired")
+
+    for ep in (1, 2, 8):
+        base = baseline_optimizer_s(spec, work, shape(ep), world_size=8, rates=rates)
+        assert base == pytest.approx(optimizer_step_s(spec.total_params() / 8, precision="bf16", rates=rates))
+    # without ZeRO every rank steps all dense parameters, and its EP 8 shard of the experts
+    unsharded = spec.total_params() - expert_total + expert_total / 8
+    assert baseline_optimizer_s(
+        spec, replace(work, zero_stage=0), shape(8), world_size=8, rates=rates
+    ) == pytest.approx(optimizer_step_s(unsharded, precision="bf16", rates=rates))
+
+
+def test_af_pipe_step_waits_for_the_slower_sides_optimizer_and_co_located_adds_its_own():
+    from disagmoe_ds.planner.report import to_json
+
+    spec, cluster = mid_model(), small_cluster()
+    result = plan_for(spec, cluster, 4096)
+    af, base = result.af, result.baseline
+    c = af.candidate
+    assert c.optimizer_s[1] > c.optimizer_s[0] > 0  # F ranks hold the experts' state
+    assert c.optimizer_step_s == max(c.optimizer_s)
+    assert af.step_time_s == pytest.approx(
+        max(af.sim.step_time_s, c.roofline.bottleneck_s) + c.exposed_sync_s + c.optimizer_s[1]
+    )
+    b = base.candidate
+    assert b.optimizer_step_s > 0
+    assert base.step_time_s == pytest.approx(base.sim.step_time_s + b.exposed_sync_s + b.optimizer_step_s)
+    # Slower HBM makes both steps longer by exactly their optimizer terms (same plans, nothing else moves).
+    slow = plan_for(spec, replace(cluster, hbm_bw=cluster.hbm_bw / 2), 4096)
+    assert slow.af.candidate.layout == c.layout
+    assert slow.af.step_time_s == pytest.approx(af.step_time_s + c.optimizer_step_s)
+    assert slow.baseline.step_time_s == pytest.approx(base.step_time_s + b.optimizer_step_s)
+    plan_json = json.loads(json.dumps(to_json(result)))
+    assert plan_json["optimizer_step_s"] == c.optimizer_step_s and plan_json["ffn"]["optimizer_s"] > 0
+    assert plan_json["baseline"]["optimizer_step_s"] == b.optimizer_step_s
+
+
+def test_cluster_hbm_bandwidth_defaults_by_kind(tmp_path):
+    assert [preset(n, nodes=1).hbm_bw for n in ("h800", "h100", "h200")] == [3.35e12, 3.35e12, 4.8e12]
+    path = tmp_path / "c.json"
+    fields = {"name": "x", "nodes": 1, "gpus_per_node": 2, "peak_flops": 989e12, "nvlink_bw": 1e11}
+    fields |= {"nics_per_node": 1, "nic_bw": 1e10}
+    for hbm, want in ((143771 * 2**20, 4.8e12), (81559 * 2**20, 3.35e12)):  # a JSON without hbm_bw: by memory size
+        path.write_text(json.dumps({**fields, "hbm_bytes": hbm}))
+        assert load_cluster(str(path)).hbm_bw == want
+    path.write_text(json.dumps({**fields, "hbm_bytes": 80e9, "hbm_bw": 2e12}))
+    assert load_cluster(str(path)).hbm_bw == 2e12
+    path.write_text(json.dumps({**fields, "hbm_bytes": 80e9, "hbm_bw": 0}))
+    with pytest.raises(ConfigError, match="hbm_bw"):
+        load_cluster(str(path))
+
+
+def _profile_json(nvlink: float = 377e9) -> dict:
+    from disagmoe_ds.planner.profile_fit import FORMAT
+
+    model = {"per_flop": 1e-15, "per_core_flop": 1e-15, "per_call": 1e-4}
+    parts = ("attention_fwd", "attention_bwd", "experts_fwd", "experts_bwd")
+    return {
+        "format": FORMAT,
+        "model": "m",
+        "model_type": "qwen3_moe",
+        "device": "NVIDIA H200",
+        "points": [{"seq_len": 4096}],
+        "fit": {p: model for p in parts},
+        "nvlink_bytes_per_s": nvlink,
+        "nic_bytes_per_s": None,
+    }
+
+
+def test_a_cluster_json_describes_the_links_a_profile_only_replaces_a_presets():
+    from disagmoe_ds.planner.profile_fit import rates_from_profile
+
+    profile, eff = _profile_json(), Efficiency(nvlink=1.0)
+    socket = small_cluster(nodes=1, gpus_per_node=2, nics_per_node=1, nvlink_bw=3.8e9, nic_bw=3.8e9)
+    assert rates_from_profile(profile, socket, eff, measured_links=False).nvlink_bw == 3.8e9
+    assert "links from the cluster" in rates_from_profile(profile, socket, eff, measured_links=False).source
+    measured = rates_from_profile(profile, preset("h200", nodes=1), eff, measured_links=True)
+    assert measured.nvlink_bw == 377e9 and "nvlink_bw from the profile" in measured.source
+    assert measured.nic_bw == preset("h200", nodes=1).nic_bw * eff.network  # no NIC measurement: the preset's
+
+
+def test_cli_profile_with_a_cluster_json_keeps_its_links(tmp_path, capsys):
+    """The issue's bug: a 3.8 GB/s socket cluster planned exactly like NVLink, because the profile's measured
+    NVLink replaced the cluster's link."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(_profile_json()))
+    steps = {}
+    for name, bw in (("nvlink", 280e9), ("socket", 3.8e9)):
+        path = tmp_path / f"{name}.json"
+        two_h200s = small_cluster(name=name, nodes=1, gpus_per_node=2, nics_per_node=1, hbm_bytes=143771 * 2**20)
+        save_cluster(replace(two_h200s, nvlink_bw=bw, nic_bw=bw), path)
+        args = ("--model", str(ROOT / "hf_models" / "Qwen3-30B-A3B-balanced"), "--seq-len", "4096")
+        args += ("--global-batch-size", "8")
+        rc, out, _ = run_cli(capsys, *args, "--cluster", str(path), "--profile", str(profile), "--json")
+        assert rc == 0 and "links from the cluster" in json.loads(out)["rates"]
+        steps[name] = json.loads(out)["step_time_s"]
+    assert steps["socket"] > 2 * steps["nvlink"]
+    rc, out, _ = run_cli(capsys, *args, "--cluster", "h200", "--nodes", "1", "--profile", str(profile), "--json")
+    assert rc == 0 and "nvlink_bw from the profile" in json.loads(out)["rates"]

@@ -4,7 +4,8 @@ micro-batches, and compare with the best co-located EP+DP interleaved-1F1B confi
 Search (paper-notes.md section 6, "recommended re-implementation"): enumerate every attention/FFN split
 M + N = W, every depth p dividing L, every expert-DP that the ``Layout`` accepts, both placements and every
 NIC split they allow (``placement.py``). Reject what does not divide or does not fit memory; rank the rest
-by the roofline bottleneck T* = max(T_a, T_f) (paper section 4.3) plus the exposed gradient sync, after
+by the roofline bottleneck T* = max(T_a, T_f) (paper section 4.3) plus the exposed gradient sync and the optimizer
+step (``optimizer_step.py``), after
 those that fit a full ring of micro-batches in flight; simulate the best of each (depth, placement,
 recompute) family with the AF-Pipe schedule generator and keep the highest throughput (equivalently MFU,
 the paper's second criterion). The co-located baseline is searched the same way (``best_baseline``).
@@ -29,6 +30,7 @@ from disagmoe_ds.planner.memory import (
     ffn_rank_memory,
 )
 from disagmoe_ds.planner.model import ModelSpec
+from disagmoe_ds.planner.optimizer_step import af_optimizer_s
 from disagmoe_ds.planner.placement import Placement, placements
 from disagmoe_ds.planner.simulate import SimResult, simulate_af
 from disagmoe_ds.planner.stages import AfRoofline, af_roofline, compute_multiplier
@@ -91,6 +93,12 @@ class AfCandidate:
     memory_attention: RankMemory
     memory_ffn: RankMemory
     sync_s: tuple[float, float]  # gradient sync per step: A lane, F rank
+    optimizer_s: tuple[float, float]  # optimizer step: A lane, F rank
+
+    @property
+    def optimizer_step_s(self) -> float:
+        """The sides step in parallel after the global gradient norm: the step waits for the slower one."""
+        return max(self.optimizer_s)
 
     @property
     def tokens(self) -> int:
@@ -116,8 +124,8 @@ class SimulatedPlan(Generic[Candidate]):
 
     @property
     def step_time_s(self) -> float:
-        """Simulated step plus the exposed gradient sync."""
-        return self.sim.step_time_s + self.candidate.exposed_sync_s
+        """Simulated step plus the exposed gradient sync and the optimizer step."""
+        return self.sim.step_time_s + self.candidate.exposed_sync_s + self.candidate.optimizer_step_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -132,9 +140,10 @@ class AfPlan(SimulatedPlan[AfCandidate]):
 
     @property
     def step_time_s(self) -> float:
-        """Simulated step (at least the roofline T*) plus the exposed gradient sync."""
+        """Simulated step (at least the roofline T*) plus the exposed gradient sync and the slower side's optimizer
+        step."""
         c = self.candidate
-        return max(self.sim.step_time_s, c.roofline.bottleneck_s) + c.exposed_sync_s
+        return max(self.sim.step_time_s, c.roofline.bottleneck_s) + c.exposed_sync_s + c.optimizer_step_s
 
 
 @dataclass(frozen=True)
@@ -251,6 +260,7 @@ def _placed(
     if not options:
         rejected["no placement gives each side a NIC (a shared node with one NIC)"] += 1
     offloaded = (memory[0].offloaded_per_micro_batch, memory[1].offloaded_per_micro_batch)
+    optimizer = af_optimizer_s(req.spec, layout, work, req.rates)
     out = []
     for place, nics in options:
         roof = af_roofline(
@@ -264,7 +274,7 @@ def _placed(
             offloaded=offloaded,
         )
         sync = af_sync_s(req.spec, layout, work, placement=place, rates=req.rates, nics=nics)
-        out.append(AfCandidate(layout, place, nics, work, micro_batches, cap, roof, memory[0], memory[1], sync))
+        out.append(AfCandidate(layout, place, nics, work, micro_batches, cap, roof, *memory, sync, optimizer))
     return out
 
 
@@ -278,7 +288,7 @@ def _rank_key(c: AfCandidate) -> tuple[bool, float, float, int]:
     """Ring-filling candidates first; then roofline bottleneck per token; then the most network slack
     (transfers hide better in the pipeline); then the most micro-batches that fit in flight."""
     network = max(c.roofline.attention.network_s, c.roofline.ffn.network_s)
-    step = c.roofline.bottleneck_s + c.exposed_sync_s
+    step = c.roofline.bottleneck_s + c.exposed_sync_s + c.optimizer_step_s
     return (not fills_ring(c), step / c.tokens, network / c.tokens, -c.max_in_flight)
 
 

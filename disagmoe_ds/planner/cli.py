@@ -34,8 +34,9 @@ against the strongest co-located baseline; docs/planner.md).
 
 How it decides: T_a = max(C_a/(M P), V/(M_a B)) and T_f = max(C_f/(N P), V/(M_f B)) (DisagMoE paper, sec. 4.3)
 rank every split that divides and fits memory; the best few are simulated with the AF-Pipe schedule generator
-and compared with the best co-located EP+DP interleaved-1F1B configuration, simulated too. Details and the
-cluster JSON format: docs/planner.md.
+and compared with the best co-located EP+DP interleaved-1F1B configuration, simulated too. Both steps add the
+exposed gradient sync and the optimizer step (memory-bound: each rank's ZeRO shard over the cluster's hbm_bw; in
+AF-Pipe the slower side's). Details and the cluster JSON format: docs/planner.md.
 """
 
 # ``Efficiency`` fields settable from the command line, with what each is a share of (defaults from the class)
@@ -44,6 +45,7 @@ _EFFICIENCY_FLAGS = {
     "network": "achievable share of NIC bandwidth",
     "nvlink": "achievable share of NVLink bandwidth",
     "memory": "usable share of GPU memory",
+    "hbm": "achievable share of HBM bandwidth (the optimizer step)",
 }
 
 
@@ -72,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--profile",
         default=None,
-        help="profile JSON from `disagmoe-plan profile`: measured FLOP/s replace peak x efficiency",
+        help="profile JSON from `disagmoe-plan profile`: measured part times replace peak x efficiency; its "
+        "measured link bandwidths (nvlink_bytes_per_s, nic_bytes_per_s) replace a preset's nominal ones, never "
+        "those of a --cluster JSON (which describes your links)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument(
@@ -169,7 +173,7 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
     warnings: list[str] = []
     if args.profile:
         profile = load_profile(args.profile)
-        rates = rates_from_profile(profile, cluster, eff)
+        rates = rates_from_profile(profile, cluster, eff, measured_links=args.cluster in PRESETS)
         warnings = profile_warnings(profile, spec, args.seq_len)
     else:
         rates = Rates.from_cluster(cluster, eff)

@@ -1,14 +1,17 @@
 """Cluster descriptions (presets and a JSON file format) and the achievable-rate model (pure Python).
 
-Bandwidths are bytes per second in one direction: ``nvlink_bw`` per GPU, ``nic_bw`` per NIC. The planner
-never uses peak numbers directly: ``Rates`` multiplies them by documented efficiency factors, or replaces
-the compute rates by FLOP/s measured with ``disagmoe-plan profile``.
+Bandwidths are bytes per second in one direction: ``nvlink_bw`` per GPU, ``nic_bw`` per NIC; ``hbm_bw`` is one
+GPU's memory bandwidth (the optimizer step is bound by it). The planner never uses peak numbers directly:
+``Rates`` multiplies them by documented efficiency factors, or replaces the compute rates by FLOP/s measured with
+``disagmoe-plan profile``.
 
 >>> c = preset("h800", nodes=4)
 >>> c.world_size, c.total_nics, c.nic_bw / 1e9
 (32, 32, 50.0)
 >>> Cluster.from_dict(c.to_dict()) == c
 True
+>>> c.hbm_bw / 1e12, preset("h200", nodes=1).hbm_bw / 1e12
+(3.35, 4.8)
 """
 
 from __future__ import annotations
@@ -27,6 +30,20 @@ _MIB = 1 << 20
 PCIE_GEN5_X16 = 63e9
 # Host memory of a DGX H100/H800-class node: 2 TiB (32 x 64 GiB DIMMs).
 DGX_HOST_BYTES = float(2 << 40)
+# HBM bandwidth per GPU (NVIDIA's data sheets): H100 and H800 SXM, 80 GB of HBM3, 3.35 TB/s; H200 SXM, 141 GB of
+# HBM3e, 4.8 TB/s. A cluster JSON without hbm_bw gets the one of its memory size (``default_hbm_bw``).
+HBM_BW_H100 = 3.35e12
+HBM_BW_H200 = 4.8e12
+_H200_CLASS_BYTES = 100e9  # more HBM than any 80 GB part: an H200-class GPU
+# A device-to-device copy through PyTorch moves about 4.3 of an H200's 4.8 TB/s (read plus write; measured on this
+# project's machines): the share of HBM bandwidth streaming kernels such as the optimizer step reach.
+STREAMING_HBM_SHARE = 0.9
+
+
+def default_hbm_bw(hbm_bytes: float) -> float:
+    """HBM bandwidth of a GPU with ``hbm_bytes`` of memory, for a cluster JSON that does not say: the H200's
+    4.8 TB/s above 100 GB (141 GB parts), else the H100/H800's 3.35 TB/s (80 GB parts)."""
+    return HBM_BW_H200 if hbm_bytes > _H200_CLASS_BYTES else HBM_BW_H100
 
 
 @dataclass(frozen=True)
@@ -46,6 +63,7 @@ class Cluster:
         pcie_bw: host link of one GPU, bytes/s, one direction (activation offload; the GPU's NIC traffic
             crosses the same x16 link to its PCIe switch under GPUDirect RDMA).
         host_bytes: host memory of one node in bytes (where offloaded activations go).
+        hbm_bw: memory bandwidth of one GPU, bytes/s (None: ``default_hbm_bw(hbm_bytes)``).
     """
 
     name: str
@@ -59,13 +77,16 @@ class Cluster:
     hosts: tuple[str, ...] = ()
     pcie_bw: float = PCIE_GEN5_X16
     host_bytes: float = DGX_HOST_BYTES
+    hbm_bw: float | None = None
 
     def __post_init__(self) -> None:
+        if self.hbm_bw is None and isinstance(self.hbm_bytes, (int, float)):
+            object.__setattr__(self, "hbm_bw", default_hbm_bw(self.hbm_bytes))
         for f in ("nodes", "gpus_per_node", "nics_per_node"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"cluster field {f} must be a positive integer, got {value!r}")
-        for f in ("peak_flops", "hbm_bytes", "nvlink_bw", "nic_bw", "pcie_bw", "host_bytes"):
+        for f in ("peak_flops", "hbm_bytes", "nvlink_bw", "nic_bw", "pcie_bw", "host_bytes", "hbm_bw"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"cluster field {f} must be a positive number, got {value!r}")
@@ -101,7 +122,7 @@ class Cluster:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown cluster field(s) {unknown}; allowed: {sorted(known)}")
-        optional = ("hosts", "pcie_bw", "host_bytes")
+        optional = ("hosts", "pcie_bw", "host_bytes", "hbm_bw")
         missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if missing:
             raise ConfigError(f"cluster JSON lacks field(s) {missing}")
@@ -111,17 +132,17 @@ class Cluster:
 def _h800(nodes: int) -> Cluster:
     # H800 SXM: 989 TFLOP/s dense bf16, 80 GB (81559 MiB reported), NVLink 400 GB/s total (200 one way),
     # 8 x ConnectX-7 400 Gb/s per node (the paper's testbed, paper-notes.md section 9.1).
-    return Cluster("h800", nodes, 8, 989e12, 81559 * _MIB, 200e9, 8, 50e9)
+    return Cluster("h800", nodes, 8, 989e12, 81559 * _MIB, 200e9, 8, 50e9, hbm_bw=HBM_BW_H100)
 
 
 def _h100(nodes: int) -> Cluster:
     # H100 SXM: 989 TFLOP/s dense bf16, 80 GB, NVLink 900 GB/s total (450 one way), 8 x 400 Gb/s NICs.
-    return Cluster("h100", nodes, 8, 989e12, 81559 * _MIB, 450e9, 8, 50e9)
+    return Cluster("h100", nodes, 8, 989e12, 81559 * _MIB, 450e9, 8, 50e9, hbm_bw=HBM_BW_H100)
 
 
 def _h200(nodes: int) -> Cluster:
     # H200 SXM: 989 TFLOP/s dense bf16, 141 GB (143771 MiB reported), NVLink 450 GB/s one way, 8 x 400 Gb/s.
-    return Cluster("h200", nodes, 8, 989e12, 143771 * _MIB, 450e9, 8, 50e9)
+    return Cluster("h200", nodes, 8, 989e12, 143771 * _MIB, 450e9, 8, 50e9, hbm_bw=HBM_BW_H200)
 
 
 PRESETS = {"h800": _h800, "h100": _h100, "h200": _h200}
@@ -162,9 +183,11 @@ class Efficiency:
     nvlink 0.8: NCCL intra-node bus bandwidth relative to the NVLink line rate.
     memory 0.9: usable share of HBM after the CUDA context, NCCL buffers and allocator fragmentation.
     pcie 0.8: achieved share of the PCIe line rate by large pinned-memory DMA copies (~50 of 63 GB/s on Gen5).
+    hbm 0.9: achieved share of HBM bandwidth by streaming kernels (``STREAMING_HBM_SHARE``).
     """
 
     compute: float = 0.5
+    hbm: float = STREAMING_HBM_SHARE
     network: float = 0.8
     nvlink: float = 0.8
     memory: float = 0.9
@@ -198,7 +221,8 @@ class PartModel:
 @dataclass(frozen=True)
 class Rates:
     """Achievable speeds: per-call time models of the attention part and the expert part (forward and
-    backward, both in terms of the part's forward FLOPs), bytes/s per NIC and over NVLink, usable memory."""
+    backward, both in terms of the part's forward FLOPs), bytes/s per NIC, over NVLink and from HBM, usable
+    memory."""
 
     attention_fwd: PartModel
     attention_bwd: PartModel
@@ -207,6 +231,7 @@ class Rates:
     nic_bw: float
     nvlink_bw: float
     usable_hbm: float
+    hbm_bw: float  # bytes/s one GPU's streaming kernels move to and from its memory (the optimizer step)
     source: str
     pcie_bw: float = PCIE_GEN5_X16 * 0.8  # bytes/s per GPU and direction over its host link
 
@@ -222,6 +247,7 @@ class Rates:
             nic_bw=cluster.nic_bw * eff.network,
             nvlink_bw=cluster.nvlink_bw * eff.nvlink,
             usable_hbm=cluster.hbm_bytes * eff.memory,
+            hbm_bw=cluster.hbm_bw * eff.hbm,
             pcie_bw=cluster.pcie_bw * eff.pcie,
             source=f"peak x efficiency (compute {eff.compute:g}, network {eff.network:g}, nvlink {eff.nvlink:g})",
         )

@@ -40,6 +40,7 @@ from disagmoe_ds.planner.colocated_costs import ColocatedCosts, Shape, colocated
 from disagmoe_ds.planner.grad_sync import baseline_sync_s, exposed_sync_s
 from disagmoe_ds.planner.memory import RankMemory, Workload, baseline_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
+from disagmoe_ds.planner.optimizer_step import baseline_optimizer_s
 from disagmoe_ds.planner.simulate import Op, SimResult, input_ready, megatron_order, run_in_order
 
 OVERLAPS = ("partial", "paired")
@@ -142,6 +143,7 @@ class ColocatedCandidate:
     costs: ColocatedCosts
     replicas: int  # model replicas (data parallel) W / (pp tp cp)
     sync_s: float
+    optimizer_step_s: float  # the heaviest stage's optimizer step, after the global gradient norm
 
     @property
     def tokens(self) -> int:
@@ -153,7 +155,7 @@ class ColocatedCandidate:
 
     @property
     def estimate_s(self) -> float:
-        """(m v + pp - 1) x the slowest chunk's fwd+bwd unit, plus hops and sync: for ranking."""
+        """(m v + pp - 1) x the slowest chunk's fwd+bwd unit, plus hops, sync and optimizer step: for ranking."""
         units = []
         for i in range(len(self.costs.fwd_compute)):
             comp = self.costs.fwd_compute[i] + self.costs.bwd_compute[i]
@@ -164,7 +166,7 @@ class ColocatedCandidate:
                 units.append(comp + self.costs.fwd_comm[i] + self.costs.bwd_comm[i])
         s = self.shape
         hops = 2 * (s.pp - 1) * self.costs.p2p_s
-        return (self.micro_batches * s.vpp + s.pp - 1) * max(units) + hops + self.exposed_sync_s
+        return (self.micro_batches * s.vpp + s.pp - 1) * max(units) + hops + self.exposed_sync_s + self.optimizer_step_s
 
 
 def divisors(n: int) -> list[int]:
@@ -235,7 +237,8 @@ def colocated_candidates(
             sync = baseline_sync_s(
                 spec, w, pp=shape.pp, vpp=shape.vpp, ep=shape.ep, cluster=cluster, rates=rates, tp=shape.tp
             )
-            out.append(ColocatedCandidate(shape, w, micro_batches, mem, costs, replicas, sync))
+            optimizer = baseline_optimizer_s(spec, w, shape, world_size=cluster.world_size, rates=rates)
+            out.append(ColocatedCandidate(shape, w, micro_batches, mem, costs, replicas, sync, optimizer))
             break
     return out, rejected
 

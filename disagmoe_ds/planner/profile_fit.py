@@ -6,7 +6,8 @@ per-part {fwd_s, bwd_s, linear_flops, core_flops, tokens}; ``fit``, the per-call
 (``cluster.PartModel``: t = per_flop * linear + per_core_flop * core + per_call, fitted by least squares to the
 points: all three terms for attention from 3 points on, flops + per-call for the experts from 2 points on, a
 single rate from one point); ``nvlink_bytes_per_s`` when two GPUs exist (a device-to-device copy);
-``nic_bytes_per_s`` is null unless filled in from a multi-node measurement (e.g. nccl-tests). A single point
+``nic_bytes_per_s`` is null unless filled in from a multi-node measurement (e.g. nccl-tests); both replace a
+preset cluster's nominal links, never a cluster JSON's (``rates_from_profile``). A single point
 cannot separate per-call overhead from the s^2 core, and ``profile_warnings`` says when the planner extrapolates.
 """
 
@@ -46,16 +47,22 @@ def part_models(profile: dict[str, Any]) -> dict[str, PartModel]:
     return {key: PartModel(**{k: float(v) for k, v in profile["fit"][key].items()}) for key in _PARTS}
 
 
-def rates_from_profile(profile: dict[str, Any], cluster: Cluster, eff: Efficiency) -> Rates:
-    """Measured time models replace peak x efficiency; measured bandwidths replace theirs where present."""
+def rates_from_profile(profile: dict[str, Any], cluster: Cluster, eff: Efficiency, *, measured_links: bool) -> Rates:
+    """Measured time models replace peak x efficiency. The profile's measured link bandwidths
+    (``nvlink_bytes_per_s``, ``nic_bytes_per_s``) replace the cluster's only with ``measured_links``: for a preset,
+    whose links are nominal numbers. A cluster JSON describes the user's links (a socket transport, another
+    machine than the profiled one), so its numbers win.
+    """
     base = Rates.from_cluster(cluster, eff)
     seqs = sorted(pt["seq_len"] for pt in profile["points"])
+    keys = {"nvlink_bw": "nvlink_bytes_per_s", "nic_bw": "nic_bytes_per_s"}
+    links = {f: float(profile[k]) for f, k in keys.items() if measured_links and profile.get(k)}
+    where = " and ".join(f"{f} from the profile" for f in links) or "links from the cluster"
     return replace(
         base,
         **part_models(profile),
-        nic_bw=float(profile.get("nic_bytes_per_s") or base.nic_bw),
-        nvlink_bw=float(profile.get("nvlink_bytes_per_s") or base.nvlink_bw),
-        source=f"profile of {profile.get('model')} at seq {seqs} on {profile.get('device')}",
+        **links,
+        source=f"profile of {profile.get('model')} at seq {seqs} on {profile.get('device')}; {where}",
     )
 
 

@@ -51,7 +51,10 @@ def _side_reason(name: str, af: AfPlan, side: SideTimes) -> str:
     c = af.candidate
     gpus, nics = (c.layout.attention_gpus, c.nics[0]) if name == "attention" else (c.layout.ffn_gpus, c.nics[1])
     if side.nic_bytes == 0:
-        return f"{name} side: {gpus} GPUs, no traffic crosses NICs -> compute-bound ({side.compute_s:.2f} s/step)"
+        return (
+            f"{name} side: {gpus} GPUs, no traffic crosses NICs -> {side.bound}-bound (compute {side.compute_s:.2f} s, "
+            f"NVLink {side.nvlink_s:.2f} s per step)"
+        )
     intensity = side.flops / side.nic_bytes
     turning = intensity * side.network_s / side.compute_s if side.compute_s else float("inf")
     relation = ">" if side.bound == "compute" else "<"
@@ -189,18 +192,21 @@ def _af_json(result: PlanResult, af: AfPlan) -> dict[str, Any]:
         "simulated_step_time_s": af.sim.step_time_s,
         "tokens_per_s": af.tokens_per_s,
         "mfu": mfu(result, af.step_time_s, c.tokens),
-        "attention": _side_json(c.roofline.attention, c.memory_attention.total_at(af.in_flight)),
-        "ffn": _side_json(c.roofline.ffn, c.memory_ffn.total_at(af.in_flight)),
+        "exposed_sync_s": c.exposed_sync_s,
+        "optimizer_step_s": c.optimizer_step_s,
+        "attention": _side_json(c.roofline.attention, c.memory_attention.total_at(af.in_flight), c.optimizer_s[0]),
+        "ffn": _side_json(c.roofline.ffn, c.memory_ffn.total_at(af.in_flight), c.optimizer_s[1]),
         "compute_fraction": af.sim.compute_fraction,
         "exposed_comm_fraction": af.sim.exposed_comm_fraction,
         "bubble_fraction": af.sim.bubble_fraction,
     }
 
 
-def _side_json(side: SideTimes, memory: float) -> dict[str, Any]:
+def _side_json(side: SideTimes, memory: float, optimizer_s: float) -> dict[str, Any]:
     return {
         "compute_s": side.compute_s,
         "network_s": side.network_s,
+        "optimizer_s": optimizer_s,
         "bound": side.bound,
         "memory_bytes_per_rank": memory,
     }
@@ -220,6 +226,8 @@ def _baseline_json(result: PlanResult, base: BaselinePlan) -> dict[str, Any]:
         "recompute": b.work.recompute,
         "tokens_per_step": b.tokens,
         "step_time_s": base.step_time_s,
+        "exposed_sync_s": b.exposed_sync_s,
+        "optimizer_step_s": b.optimizer_step_s,
         "tokens_per_s": base.tokens_per_s,
         "mfu": mfu(result, base.step_time_s, b.tokens),
         "memory_bytes_per_rank": b.memory.total,
@@ -240,7 +248,7 @@ def to_text(result: PlanResult) -> str:
         f"workload seq {req.work.seq_len} x micro-batch {req.work.micro_batch_size} per lane, global batch "
         f"{req.global_batch} sequences, ZeRO-{req.work.zero_stage} {req.work.precision}",
         f"cluster  {cl.nodes} x {cl.gpus_per_node} {cl.name} = {cl.world_size} GPUs, {cl.total_nics} NICs x "
-        f"{cl.nic_bw / GB:.0f} GB/s; rates from {req.rates.source}",
+        f"{cl.nic_bw / GB:.3g} GB/s; rates from {req.rates.source}",
         _per_token_line(result),
         "",
     ]
@@ -253,6 +261,8 @@ def to_text(result: PlanResult) -> str:
             f"  step {base.step_time_s:.3f} s ({base.tokens_per_s:,.0f} tokens/s, MFU "
             f"{mfu(result, base.step_time_s, b.tokens):.1%}); compute {sim.compute_fraction:.0%}, exposed all-to-all "
             f"{sim.exposed_comm_fraction:.0%}, bubble {sim.bubble_fraction:.0%}; {b.memory.total / GB:.1f} GB per rank",
+            f"  = simulated {sim.step_time_s:.3f} s + gradient sync {b.exposed_sync_s:.3f} s exposed + optimizer step "
+            f"{b.optimizer_step_s:.3f} s",
             "",
         ]
     head, reasons = verdict(result)
@@ -286,18 +296,21 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
         ),
         ("compute s/step", f"{ra.compute_s:.3f}", f"{rf.compute_s:.3f}"),
         ("network s/step", f"{ra.network_s:.3f}", f"{rf.network_s:.3f}"),
+        ("optimizer s/step", f"{c.optimizer_s[0]:.3f}", f"{c.optimizer_s[1]:.3f}"),
         ("bound", ra.bound, rf.bound),
         ("memory/rank", f"{mem_a / GB:.1f} GB", f"{mem_f / GB:.1f} GB (of {usable / GB:.1f})"),
     ]
-    table = [f"  {a:<16}{b:<24}{d}" for a, b, d in rows]
+    table = [f"  {a:<18}{b:<24}{d}" for a, b, d in rows]
     return [
         "AF-Pipe plan",
         *table,
         f"  depth p={lay.depth} ({lay.layers_per_group} layers per group), {c.micro_batches} micro-batches "
         f"({af.in_flight} in flight), {c.work.variant}",
         f"  placement {c.placement.describe(lay.attention_gpus)}",
-        f"  roofline T* {c.roofline.bottleneck_s:.3f} s; simulated step {af.sim.step_time_s:.3f} s -> "
-        f"{af.tokens_per_s:,.0f} tokens/s, MFU {mfu(result, af.step_time_s, c.tokens):.1%}",
+        f"  roofline T* {c.roofline.bottleneck_s:.3f} s; simulated step {af.sim.step_time_s:.3f} s; step "
+        f"{af.step_time_s:.3f} s with gradient sync {c.exposed_sync_s:.3f} s exposed and optimizer step "
+        f"{c.optimizer_step_s:.3f} s -> {af.tokens_per_s:,.0f} tokens/s, MFU "
+        f"{mfu(result, af.step_time_s, c.tokens):.1%}",
         "",
     ]
 

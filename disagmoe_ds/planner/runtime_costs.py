@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.planner.cluster import Efficiency, Rates, load_cluster
+from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.placement import Placement
@@ -53,7 +53,10 @@ def runtime_costs(
     nodes = math.ceil(layout.world_size / GPUS_PER_PRESET_NODE)
     machines = load_cluster(cluster, nodes if not cluster.endswith(".json") else None)
     eff = Efficiency()
-    rates = rates_from_profile(load_profile(profile), machines, eff) if profile else Rates.from_cluster(machines, eff)
+    if profile:  # a profile's measured links replace a preset's nominal ones, never a cluster JSON's
+        rates = rates_from_profile(load_profile(profile), machines, eff, measured_links=cluster in PRESETS)
+    else:
+        rates = Rates.from_cluster(machines, eff)
     placement = Placement.contiguous(machines.nodes, machines.gpus_per_node)
     nics = placement.nic_splits(machines, layout.attention_gpus)[0]
     work = Workload(seq_len, micro_batch_size, resend=resend)

@@ -1,0 +1,84 @@
+"""The optimizer step that ends every training step, for both systems (pure Python).
+
+The step is memory-bound: a rank streams the gradients, master weights and Adam moments of the parameters whose
+optimizer state it holds (its ZeRO shard) through HBM a few times, so it takes
+
+    parameters of the shard x bytes moved per parameter / (HBM bandwidth x hbm efficiency)
+
+It starts after the global gradient norm (clipping needs it), so after the last backward of every rank:
+
+* AF-Pipe: the A lanes and the F ranks step in parallel once the pipeline has drained; the step waits for the
+  slower side, usually an F rank holding the state of many experts (``af_optimizer_s``);
+* co-located: every rank steps its own shard; the rank of the heaviest stage decides (``baseline_optimizer_s``).
+
+>>> from disagmoe_ds.planner.cluster import Efficiency, Rates, preset
+>>> rates = Rates.from_cluster(preset("h200", nodes=1), Efficiency())
+>>> round(optimizer_step_s(4.832e9, precision="bf16", rates=rates), 3)  # AF-Pipe's F rank on 2 H200s: 104 ms
+0.104
+>>> round(optimizer_step_s(state_params(4.832e9, replicas=2, zero_stage=1), precision="bf16", rates=rates), 3)
+0.052
+"""
+
+from __future__ import annotations
+
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner.cluster import HBM_BW_H200, Efficiency, Rates
+from disagmoe_ds.planner.colocated_costs import Shape
+from disagmoe_ds.planner.memory import Workload, baseline_stage_params, busiest_group_params
+from disagmoe_ds.planner.model import ModelSpec
+
+# HBM bytes one mixed-precision Adam step moves per parameter of a rank's shard, as DeepSpeed's ZeRO-1/2 bf16
+# optimizer runs it with torch's fused AdamW and gradient clipping. Counted, per parameter:
+#   the global norm reads the bf16 gradient                                      2
+#   the gradient partition is cast to fp32 (read bf16 2, write fp32 4)           6
+#   clipping scales the fp32 gradient in place (read 4, write 4)                 8
+#   fused AdamW reads fp32 param, grad, m, v (16) and writes param, m, v (12)   28
+#   the updated fp32 partition is copied into the bf16 parameters (read 4, write 2)  6
+# = 50 B. fp32 training has no cast and no bf16 copy, and its norm reads 4 B: 4 + 8 + 28 = 40 B.
+COUNTED_BYTES_PER_PARAM = {"bf16": 50.0, "fp32": 40.0}
+# Calibration: on 2 H200s (bench_e2e, compiled, AF-Pipe 1 A + 1 F; docs/planner.md section 5) the F rank, which
+# holds all 4.832B expert parameters of the balanced model, spends 104 ms of its host timeline in the optimizer step.
+# At 4.8 TB/s x 0.9 that is 93 B per parameter, 1.86x the count. The difference was not measured apart: DeepSpeed's
+# step is not one streaming pass per line above (per-tensor norm kernels, the flatten, allocations), and the host
+# time also holds the wait for the global norm's all-reduce. The constant is the calibrated 93 B; fp32 keeps the
+# counted ratio to it.
+_F_RANK_PARAMS, _F_RANK_STEP_S = 4.832e9, 0.104
+BYTES_PER_PARAM = {
+    name: counted * _F_RANK_STEP_S * HBM_BW_H200 * Efficiency().hbm / _F_RANK_PARAMS / COUNTED_BYTES_PER_PARAM["bf16"]
+    for name, counted in COUNTED_BYTES_PER_PARAM.items()
+}
+
+
+def state_params(params: float, *, replicas: int, zero_stage: int) -> float:
+    """Parameters whose optimizer state one rank holds: ZeRO-1 and up shard it over the group's replicas."""
+    return params / replicas if zero_stage >= 1 else params
+
+
+def optimizer_step_s(params: float, *, precision: str, rates: Rates) -> float:
+    """Seconds one rank's optimizer step takes for the ``params`` parameters of its shard."""
+    return params * BYTES_PER_PARAM[precision] / rates.hbm_bw
+
+
+def af_optimizer_s(spec: ModelSpec, layout: Layout, work: Workload, rates: Rates) -> tuple[float, float]:
+    """(A lane, F rank) optimizer step of the busiest group: A state sharded over the d lanes, F state over the
+    expert-DP replicas."""
+    a_params, f_params = busiest_group_params(spec, layout)
+    a = state_params(a_params, replicas=layout.lanes, zero_stage=work.zero_of("attention"))
+    f = state_params(f_params, replicas=layout.expert_data_parallel, zero_stage=work.zero_of("ffn"))
+    return (
+        optimizer_step_s(a, precision=work.precision, rates=rates),
+        optimizer_step_s(f, precision=work.precision, rates=rates),
+    )
+
+
+def baseline_optimizer_s(spec: ModelSpec, work: Workload, shape: Shape, *, world_size: int, rates: Rates) -> float:
+    """Co-located optimizer step on the heaviest stage: dense parameters (split over tp) with their state over the
+    W/(pp tp) data- and context-parallel ranks, expert shards over their W/(pp ep) replicas (the distributed
+    optimizer, as ``memory.baseline_rank_memory`` counts it)."""
+    pp, tp, ep, worst = shape.pp, shape.tp, shape.ep, 0.0
+    for stage in range(pp):
+        _, dense, experts = baseline_stage_params(spec, pp=pp, vpp=shape.vpp, ep=ep, stage=stage)
+        params = state_params(dense / tp, replicas=world_size // (pp * tp), zero_stage=work.zero_stage)
+        params += state_params(experts, replicas=world_size // (pp * ep), zero_stage=work.zero_stage)
+        worst = max(worst, optimizer_step_s(params, precision=work.precision, rates=rates))
+    return worst
