@@ -84,7 +84,15 @@ def start_job(launcher: list[str], tmp: Path, tok_cache: Path, *extra: object) -
     command = [*launcher, str(ROOT / "run_pretrain.py"), *map(str, argv), "--metrics-file", str(tmp / "m.jsonl")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with (tmp / "out").open("w") as out, (tmp / "err").open("w") as err:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+        return subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True, preexec_fn=_default_sigint
+        )
+
+
+def _default_sigint() -> None:
+    # As from a terminal: a suite started in the background by a shell (``pytest &``) inherits SIGINT ignored, and
+    # a Python launcher that starts with SIGINT ignored never installs its KeyboardInterrupt handler.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def logged_steps(metrics: Path) -> list[int]:
@@ -119,6 +127,13 @@ def kill_session(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def signal_state(pid: int) -> str:
+    """The process's signal masks (blocked, ignored, caught; hex bit sets) and where its main thread waits."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    masks = [line for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+    return f"{', '.join(masks)}; state {psutil.Process(pid).status()}"
+
+
 def sigint_the_launcher_alone(launcher: list[str], tmp: Path, tok_cache: Path, *extra: object, processes: int) -> None:
     """Start ``launcher run_pretrain.py``, let it log 2 steps, SIGINT the launcher's PID only; it must exit non-zero
     within STOP_BOUND_S and take its ``processes`` descendants with it."""
@@ -129,7 +144,11 @@ def sigint_the_launcher_alone(launcher: list[str], tmp: Path, tok_cache: Path, *
         assert len(job) == processes, job
         sent = time.monotonic()
         os.kill(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=STOP_BOUND_S) != 0
+        try:
+            code = proc.wait(timeout=STOP_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher outlived a SIGINT by {STOP_BOUND_S} s; {signal_state(proc.pid)}")
+        assert code != 0
         _, alive = psutil.wait_procs(job, timeout=max(1.0, STOP_BOUND_S - (time.monotonic() - sent)))
         assert not alive, alive
     finally:
