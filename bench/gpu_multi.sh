@@ -9,15 +9,18 @@
 # NCCL_SOCKET_IFNAME=lo: NCCL's network transport, where a large send waits for its receive as between nodes).
 # Writes to $OUT: env.txt, multi-<part>-<transport>.txt (every command, its output and exit code), and for
 # exchange and e2e, <part>-<transport>.json and timeline-<transport>-<method>.json; profile-{eager,compiled}.json.
-# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH]
+# E2E_DEPTH: AF-Pipe's depth p in the e2e part (default 1; the planner's choice for the GPU count and transport:
+# `disagmoe-plan --model ... --cluster ...` prints it).
+# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]
 set -u
-PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH]}
+PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]}
 TRANSPORT=${2:-nvlink}
 MODEL=${3:-hf_models/Qwen3-30B-A3B-balanced}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$(python -c "import torch; print(torch.cuda.device_count())")
 H=$((G / 2))
 BATCH=${4:-$((4 * G))}
+DEPTH=${5:-1}
 case $TRANSPORT in
   nvlink) ;;
   socket) export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo ;;
@@ -34,14 +37,30 @@ step() {  # step TIMEOUT_S COMMAND...: run, log the command, its output and its 
   timeout "$limit" "$@" >> "$LOG" 2>&1
   echo "### exit $? after $((SECONDS - t0)) s" >> "$LOG"
 }
-verify() { step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.verify --json --attention-gpus "$H" --ffn-gpus "$H" "$@"; }
 case $PART in
 check)
-  # AF-Pipe and co-located on NCCL against the single-process HF model (the reference runs on rank 0's CPU)
-  verify --model hf_models/tiny-qwen3-moe --micro-batches 3
-  verify --model hf_models/tiny-qwen2-moe --micro-batches 4 --zero 1
-  verify --model hf_models/tiny-deepseek-v3 --micro-batches 3 --zero 2 --skew
-  verify --model hf_models/tiny-mixtral --micro-batches 3 --dtype bf16 --zero 1
+  # AF-Pipe and co-located on NCCL against the single-process HF model (the reference runs on rank 0's CPU): the
+  # four family cases on the first layout, then one case each (in turn) on the other (M N p EDP) layouts of this
+  # GPU count: depth, lanes, expert parallelism and expert replicas (ZeRO-2 is refused with replicas: ZeRO-1 there)
+  cases=("--model hf_models/tiny-qwen3-moe --micro-batches 3"
+         "--model hf_models/tiny-qwen2-moe --micro-batches 4 --zero 1 --packed"
+         "--model hf_models/tiny-deepseek-v3 --micro-batches 3 --zero 2 --skew"
+         "--model hf_models/tiny-mixtral --micro-batches 3 --dtype bf16 --zero 1")
+  case $G in
+    2) layouts=("1 1 1 1") ;;
+    4) layouts=("2 2 1 1" "2 2 2 1" "2 2 1 2" "1 3 1 3") ;;
+    *) layouts=("$H $H 1 1" "$H $H 2 1" "3 $((G - 3)) 1 $((G - 3))" "2 $((G - 2)) 1 $(((G - 2) / 2))") ;;
+  esac
+  for i in "${!layouts[@]}"; do
+    read -r m n p edp <<< "${layouts[$i]}"
+    picked=("${cases[@]}"); [ "$i" -gt 0 ] && picked=("${cases[$((i % ${#cases[@]}))]}")
+    for case_ in "${picked[@]}"; do
+      [ "$edp" -gt 1 ] && case_=${case_/--zero 2/--zero 1}
+      # shellcheck disable=SC2086
+      step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.verify --json --attention-gpus "$m" --ffn-gpus "$n" \
+        --depth "$p" --expert-data-parallel "$edp" $case_
+    done
+  done
   step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.colocated.verify --json --world-size "$G" --ep-size "$G" \
     --model hf_models/tiny-qwen3-moe --micro-batches 3
   # The README's training job under the deepspeed launcher, then an exact resume
@@ -55,8 +74,8 @@ exchange)
 e2e)
   export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)  # cold caches: compile time is part of what a user sees first
   step 400 python bench/bench_e2e.py --model "$MODEL" --layers 0 --world-size "$G" --seq-len 4096 \
-    --global-batch "$BATCH" --warmup 2 --steps 4 --methods afpipe colocated --ep-size "$G" 1 --compile \
-    --json "$OUT/e2e-$TRANSPORT.json" --timeline "$OUT/timeline-$TRANSPORT.json"
+    --global-batch "$BATCH" --warmup 2 --steps 4 --methods afpipe colocated --ep-size "$G" 1 --depth "$DEPTH" \
+    --compile --json "$OUT/e2e-$TRANSPORT.json" --timeline "$OUT/timeline-$TRANSPORT.json"
   ;;
 profile)
   for parts in eager compiled; do
