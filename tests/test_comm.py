@@ -33,6 +33,7 @@ from disagmoe_ds.comm import (
     plan_dispatch,
 )
 from disagmoe_ds.comm.channel import Headers
+from disagmoe_ds.comm.transport import new_host_group
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.layout import Layout
 
@@ -213,6 +214,31 @@ def test_rendezvous_transport_exposes_what_gloo_hides(transport: str, comms: int
         assert any("did not complete within 3 s" in r for r in results), results
     if outcome == "got":
         assert results == ["got 1", "got 0"]
+
+
+def _host_groups_body(rank: int) -> dict[str, object]:
+    # A bound device on the default group (DeepSpeed binds the GPU) sends a rank outside a new gloo group down
+    # torch's communicator-split path (on NCCL: a split its members never join, so new_group hangs); gloo's CPU
+    # device shows the same path as an error.
+    default = dist.distributed_c10d._get_default_group()
+    default.bound_device_id = torch.device("cpu", 0)
+    try:
+        dist.new_group([0, 2], backend="gloo")
+        plain = "created"
+    except (RuntimeError, ValueError) as err:
+        plain = type(err).__name__
+    groups = [new_host_group(ranks) for ranks in ([0, 2], [1, 3], [0, 1, 2, 3])]
+    mine = groups[rank % 2]
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=mine)
+    return {"plain": plain, "sum": total.item(), "bound": str(default.bound_device_id)}
+
+
+def test_host_groups_with_ranks_left_out_on_a_device_bound_job() -> None:
+    results = run_ranks(_host_groups_body, 4, timeout_s=60)
+    assert [r["sum"] for r in results] == [2.0, 4.0, 2.0, 4.0]
+    assert all(r["bound"] == "cpu:0" for r in results)  # restored
+    assert results[1]["plain"] != "created"  # what new_host_group avoids
 
 
 # ----- fan-out / fan-in (2 ranks) -----

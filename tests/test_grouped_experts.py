@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from disagmoe_ds.engine.runners import _warm_up_cases, _warm_up_ids
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_model
@@ -79,3 +80,21 @@ def test_compiled_fusions_equal_eager(tiny_checkpoint, case):
     assert other.elementwise is grouped_experts.EAGER
     for call, ref in zip(calls, eager, strict=True):
         _assert_close(shard, x, w, shard(*call), ref)
+
+
+def test_compiled_fusions_stay_compiled_across_the_warm_up_cases(tiny_checkpoint):
+    """Forward and backward over every row/pair case the expert runner warms up: the compiled gather-and-sum keeps
+    within dynamo's recompile limit (past it, a case silently runs eager for the rest of the job, as the gradient
+    flag of its input once made it on 4 H200s)."""
+    shard, *_ = _routed_case(tiny_checkpoint, "qwen3_moe", "random")
+    compile_stage(shard)
+    torch._dynamo.reset()
+    hidden, top_k = shard.experts.gate_up_proj.shape[-1], 2
+    for rows, pattern in _warm_up_cases(16):
+        x = torch.randn(rows, hidden, requires_grad=True)
+        idx = _warm_up_ids(rows, top_k, shard.num_local, pattern, x.device)
+        w = torch.rand(rows, top_k, requires_grad=True)
+        out = shard(x, idx, w, int((idx < shard.num_local).sum()))
+        torch.autograd.grad(out.sum(), [x, w], allow_unused=True)
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(grouped_experts._sum_slots_fusable.__code__)
+    assert 0 < len(entries) < torch._dynamo.config.recompile_limit

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from disagmoe_ds.comm.channel import CommStream, FanIn, FanOut, Headers, MessageSpec, TensorSpec
-from disagmoe_ds.comm.transport import Comm, Transport
+from disagmoe_ds.comm.transport import Comm, Transport, new_host_group
 from disagmoe_ds.layout import Layout
 
 
@@ -157,7 +157,7 @@ def build_exchange_comms(layout: Layout, transport: Transport, *, device: torch.
         pairs = comm_pairs(layout, kind, group)
         comms[kind, group] = transport.new_comm(f"{kind.value}[{group}]", ranks, pairs)
         if kind in WITH_HEADERS:
-            header_group = dist.new_group(list(ranks), backend="gloo", timeout=transport.timeout)
+            header_group = new_host_group(ranks, transport.timeout)
             if rank in ranks:
                 headers[kind, group] = Headers(header_group)
     transport.warm_up(list(comms.values()), device)

@@ -70,6 +70,24 @@ class Transport(Protocol):
     def start(self, comm: Comm, ops: Sequence[Op]) -> Work: ...
 
 
+def new_host_group(ranks: Sequence[int], timeout: timedelta | None = None) -> dist.ProcessGroup | None:
+    """A gloo group over ``ranks`` (host-to-host messages); collective over the world like every ``new_group``.
+
+    On a job whose default group has a bound device (DeepSpeed binds it on CUDA), torch makes each rank *outside*
+    a new group join an NCCL ``ncclCommSplit`` of the world, whatever the new group's backend; the members of a gloo
+    group never join it, so with any rank left out every rank hangs in ``new_group`` (pytorch/pytorch#145376; seen
+    here with depth 2 on 4 GPUs). Creating the group with the device unbound keeps every rank off that path; NCCL
+    groups are not affected (members and non-members both split).
+    """
+    default = dist.distributed_c10d._get_default_group()
+    bound = default.bound_device_id
+    default.bound_device_id = None
+    try:
+        return dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+    finally:
+        default.bound_device_id = bound
+
+
 @dataclass(eq=False)
 class _Works:
     works: list[dist.Work]
@@ -156,8 +174,7 @@ class RendezvousTransport:
 
     def new_comm(self, name: str, ranks: Sequence[int], pairs: Sequence[tuple[int, int]] = ()) -> Comm:
         ranks = tuple(sorted(ranks))
-        data = dist.new_group(list(ranks), timeout=self.timeout, backend="gloo")
-        control = dist.new_group(list(ranks), timeout=self.timeout, backend="gloo")
+        data, control = new_host_group(ranks, self.timeout), new_host_group(ranks, self.timeout)
         if dist.get_rank() not in ranks:
             return Comm(name, ranks, None)
         comm = Comm(name, ranks, data, tuple(pairs), control, queue.Queue())

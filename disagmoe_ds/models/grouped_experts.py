@@ -113,7 +113,9 @@ class _Slots:
 
     def sum_slots(self, y_PH: torch.Tensor) -> torch.Tensor:
         """Row r's sum over its kept pairs of ``y_PH[slot]``."""
-        return self.sum_fn(y_PH, self.slot_RK, self.keep_RK)
+        # Detached: both callers run without autograd (a Function's forward or backward); a compiled sum_fn would
+        # otherwise compile again for each requires_grad flag and run out of recompiles (eager from then on).
+        return self.sum_fn(y_PH.detach(), self.slot_RK, self.keep_RK)
 
 
 class _Permute(torch.autograd.Function):
