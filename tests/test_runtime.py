@@ -138,20 +138,35 @@ def test_activation_checkpointing_keeps_parity(tiny_checkpoint):
     assert run_verify(args, timeout_s=120)["pass"]
 
 
+def _noting_mask(ctx, seen: set):
+    """Note the context's mask by the number of (query, key) pairs it allows (None: the default causal mask)."""
+    mask = next(iter(ctx.masks.values()))
+    seen.add(None if mask is None else int((mask if mask.dtype == torch.bool else mask == 0).sum()))
+    return ctx
+
+
 def test_kernel_warm_up_leaves_no_trace(tiny_checkpoint, monkeypatch):
     """``warm_up`` (compiled jobs run it before the first step, so no kernel loads while receives are posted) runs
-    every part's forward and backward, 0- and 1-row shards included, and leaves no gradient, RNG state or
-    result behind: the job still equals HF exactly."""
+    every part's forward and backward, 0- and 1-row shards included, with the default and the packed documents'
+    mask, and leaves no gradient, RNG state or result behind: the job still equals HF exactly."""
     from disagmoe_ds.engine import build
+    from disagmoe_ds.engine.runners import AttentionRunner
 
     original = build.build_rank
 
     def build_and_warm(*args, **kwargs):
         runtime = original(*args, **kwargs)
         rng = torch.get_rng_state()
-        runtime.executor.warm_up(seq_len=8)
+        runner, masks = runtime.executor.runner, set()
+        if isinstance(runner, AttentionRunner):
+            context = runner.stage.context
+            runner.stage.context = lambda h, positions: _noting_mask(context(h, positions), masks)
+        runtime.executor.warm_up(seq_len=8, packed=True)
         assert all(p.grad is None for p in runtime.module.parameters()), "warm-up touched a gradient"
         assert torch.equal(rng, torch.get_rng_state()), "warm-up moved the RNG"
+        if isinstance(runner, AttentionRunner):
+            runner.stage.context = context
+            assert len(masks) == 2, f"warm-up built {len(masks)} kind of mask, not the default and the packed one"
         return runtime
 
     monkeypatch.setattr(build, "build_rank", build_and_warm)

@@ -67,10 +67,11 @@ class AFPipeExecutor:
         self._incoming: dict[tuple[str, int, int], dict[str, Any]] = defaultdict(dict)
         self._outgoing: dict[tuple[str, int, int], Any] = {}
 
-    def warm_up(self, seq_len: int) -> None:
+    def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
         """Compile and load this rank's compiled kernels before the first step (``compile`` jobs): a kernel loaded
-        inside a step can synchronise the GPU behind a receive posted ahead, whose sender waits for this rank."""
-        self.runner.warm_up(seq_len)
+        inside a step can synchronise the GPU behind a receive posted ahead, whose sender waits for this rank.
+        ``packed``: the batches carry position ids that may restart (the block-mask graphs too)."""
+        self.runner.warm_up(seq_len, packed=packed)
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
 

@@ -149,20 +149,23 @@ class AttentionRunner:
             counts_LE[layer] = counts_E
         return counts_LE
 
-    def warm_up(self, seq_len: int) -> None:
+    def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
         """Compile and load every compiled kernel of the attention parts (forward and backward) now.
 
         Loading a kernel can synchronise the whole GPU; inside a step it would wait for receives posted ahead,
-        whose senders may wait for this rank. So compiled jobs run this once, before any exchange.
+        whose senders may wait for this rank. So compiled jobs run this once, before any exchange. ``packed``: the
+        batches carry position ids that may restart (packed documents), whose block mask is a graph of its own.
         """
         device, dtype = self.engine.device, next(self.stage.parameters()).dtype
+        restarting = torch.arange(seq_len, device=device).remainder(max(seq_len // 2, 1)).expand(self.B, -1)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for layer in self.stage.layers:
-                h_BSH = torch.randn(self.B, seq_len, self.config.hidden_size, device=device, dtype=dtype)
-                h_BSH.requires_grad_()
-                ctx = self.stage.context(h_BSH, None)  # default positions, as a batch without position_ids
-                out = self.recompute(self.stage.part(int(layer)), h_BSH, ctx, self.config)  # as the step runs it
-                _grad_of_inputs([out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE], [h_BSH])
+            for positions_BS in (None, restarting) if packed else (None,):
+                for layer in self.stage.layers:
+                    h_BSH = torch.randn(self.B, seq_len, self.config.hidden_size, device=device, dtype=dtype)
+                    h_BSH.requires_grad_()
+                    ctx = self.stage.context(h_BSH, positions_BS)  # None: the default positions, no mask
+                    out = self.recompute(self.stage.part(int(layer)), h_BSH, ctx, self.config)  # as the step runs
+                    _grad_of_inputs([out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE], [h_BSH])
 
     # ----- forward -----
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
@@ -318,13 +321,14 @@ class ExpertRunner:
     def start_step(self, batches) -> None:
         del batches  # the FFN side reads no data
 
-    def warm_up(self, seq_len: int) -> None:
+    def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
         """Compile and load every compiled kernel of the expert shards now (see ``AttentionRunner.warm_up``).
 
         Row and pair counts change every micro-batch: after two sizes the compiled graphs are dynamic in them, but a
         count of 1 gets graphs of its own, and so do messages whose ids all live here (no sentinel, as with one ep
         rank): ``_warm_up_cases`` covers each combination.
         """
+        del packed  # the experts see rows, not documents
         device, dtype, hidden = self.engine.device, next(self.stage.parameters()).dtype, self.stage.config.hidden_size
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for layer in self.stage.layers:

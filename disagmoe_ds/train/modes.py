@@ -81,8 +81,8 @@ class Disaggregated:
 
     def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
         runtime = _build(build_rank, args, model=model, device=device, weights=weights, seq_len=args.seq_len)
-        if args.cfg.compile:  # every compiled kernel loaded before the first exchange
-            runtime.executor.warm_up(args.seq_len)
+        if args.cfg.compile:  # every compiled kernel loaded before the first exchange; packed data carries positions
+            runtime.executor.warm_up(args.seq_len, packed=True)
         return runtime
 
 
