@@ -12,7 +12,8 @@ packs them exactly as the runtime does (``routing.plan_dispatch`` + ``pack``) an
 
     exchange    the runtime's own ends (``comm.exchange``), on its transport (``--transport``):
                 m2n: ``FanOut.send`` on the lanes (a host-to-host header per message, then one grouped operation),
-                ``FanIn`` on the FFN ranks (read the headers, post, complete) of x, local ids and weights;
+                ``FanIn`` on the FFN ranks (read the headers, post, complete) of x, local ids and weights; with one
+                ep rank per F-group the sizes are known at both ends and m2n goes without headers, as in the runtime;
                 n2m: ``FanOut.send`` of the received rows back, ``FanIn`` on the lanes with sizes they know
     all-to-all  one ``all_to_all_single`` over all M + N ranks of a byte buffer whose splits are exactly the payload
                 bytes of every (src, dst) message of that direction (zero between ranks that do not talk)
@@ -99,7 +100,9 @@ class ExchangeSide:
         )
         self.role = self.layout.role_of(rank)
         self.device = device
-        comms = build_exchange_comms(self.layout, make_transport(args.transport), device=device)
+        transport = make_transport(args.transport)
+        comms = build_exchange_comms(self.layout, transport, device=device, tokens_per_micro_batch=args.tokens)
+        self.static_rows, self.top_k = comms.static_m2n_rows, args.top_k
         specs = exchange_specs(
             args.hidden, args.top_k, args.experts, self.layout.ep_size, dtype=args.dtype, weight_dtype=WEIGHT_DTYPE
         )
@@ -136,7 +139,11 @@ class ExchangeSide:
             return None
         arrivals = [self.m2n.expect(tag) for tag in tags]
         for arrival in arrivals:
-            self.m2n.read_headers(arrival)
+            if self.static_rows is None:
+                self.m2n.read_headers(arrival)
+            else:  # one ep rank: every lane sends its whole micro-batch, all pairs local (``engine.mailbox``)
+                rows, lanes = self.static_rows, len(self.m2n.peers)
+                arrival.sizes, arrival.metas = [(rows,)] * lanes, ((rows * self.top_k,),) * lanes
             self.m2n.post(arrival)
         whole = [self.m2n.complete(arrival)[0] for arrival in arrivals][-1]
         return whole, tuple(size[0] for size in arrivals[-1].sizes)

@@ -25,7 +25,12 @@ CPU = torch.device("cpu")
 T = 5  # tokens per micro-batch
 
 
+_STATIC = False  # set per rank process: m2n without headers, every lane sends its whole micro-batch (one ep rank)
+
+
 def rows(layer: int, mb: int, lane: int, e: int) -> int:
+    if _STATIC:
+        return T
     return (3 * layer + 5 * mb + 7 * lane + 11 * e) % 4  # 0 .. 3, zero-row messages included
 
 
@@ -57,7 +62,7 @@ class FakeRank:
                 )
                 for e in range(self.P)
             ]
-            return msgs, tuple(rows(layer, mb, lane, e) for e in range(self.P))
+            return msgs, tuple(rows(layer, mb, lane, e) * K for e in range(self.P))  # pairs: every id is local
         if kind == "resid":
             sizes = tuple(rows(layer, mb, lane, e) for e in range(self.P)) if self.moe[layer] else (-1,) * self.P
             idx = torch.arange(sum(max(s, 0) for s in sizes), dtype=torch.int64)
@@ -79,7 +84,7 @@ class FakeRank:
         if kind == "m2n":
             routed, lane_rows = got
             want = torch.cat([tokens(layer, mb, j, e) for j in self.lanes])
-            assert torch.equal(routed.x_RH, want) and routed.num_pairs == sum(lane_rows.counts), (kind, layer, mb)
+            assert torch.equal(routed.x_RH, want) and routed.num_pairs == K * sum(lane_rows.counts), (kind, layer, mb)
         elif kind == "n2m_grad":  # src layer is layer + 1
             (dy,), _ = got
             want = torch.cat([tokens(layer - 1, mb, j, e) * 6 for j in self.lanes])
@@ -98,10 +103,14 @@ class FakeRank:
         self.checked += 1
 
 
-def _body(rank: int, shape: tuple[int, int, int, int], micro_batches: int, moe: tuple[bool, ...]) -> int:
+def _body(rank: int, shape: tuple[int, int, int, int], micro_batches: int, moe: tuple[bool, ...], static: bool) -> int:
+    global _STATIC
+    _STATIC = static
     m, n, p, edp = shape
     layout = Layout(attention_gpus=m, ffn_gpus=n, depth=p, num_layers=len(moe), num_experts=E, expert_data_parallel=edp)
-    comms = build_exchange_comms(layout, RendezvousTransport(timedelta(seconds=8)), device=CPU)
+    transport, tokens = RendezvousTransport(timedelta(seconds=8)), T if static else None
+    comms = build_exchange_comms(layout, transport, device=CPU, tokens_per_micro_batch=tokens)
+    assert (comms.static_m2n_rows is not None) == static and static == all(k[0] != "m2n" for k in comms.headers)
     mailbox = Mailbox(comms, hidden=H, top_k=K, dtype=torch.float32, weight_dtype=torch.float32, device=CPU)
     role, fake = layout.role_of(rank), FakeRank(layout, rank, moe)
     schedule = generate(PipeShape(p, len(moe), moe), micro_batches)
@@ -121,22 +130,26 @@ def _body(rank: int, shape: tuple[int, int, int, int], micro_batches: int, moe: 
     return fake.checked
 
 
-CASES = [  # (M, N, p, edp), micro-batches, MoE pattern
-    ((1, 1, 1, 1), 1, (True,)),
-    ((1, 1, 1, 1), 16, (True, True)),
-    ((2, 2, 1, 1), 4, (False, True)),
-    ((2, 3, 1, 1), 5, (True, True)),
-    ((2, 4, 1, 2), 3, (True, True)),
-    ((2, 2, 2, 1), 16, (True, True, True, True)),
-    ((4, 2, 2, 1), 6, (False, True, True, True)),
-    ((3, 3, 3, 1), 7, (True,) * 6),
-    ((4, 4, 4, 1), 9, (True,) * 4),
+CASES = [  # (M, N, p, edp), micro-batches, MoE pattern, m2n without headers (one ep rank per F-group only)
+    ((1, 1, 1, 1), 1, (True,), False),
+    ((1, 1, 1, 1), 16, (True, True), False),
+    ((1, 1, 1, 1), 16, (True, True), True),
+    ((2, 2, 1, 1), 4, (False, True), False),
+    ((2, 3, 1, 1), 5, (True, True), False),
+    ((2, 4, 1, 2), 3, (True, True), False),
+    ((2, 2, 1, 2), 3, (True, True), True),
+    ((2, 2, 2, 1), 16, (True, True, True, True), False),
+    ((2, 2, 2, 1), 16, (True, True, True, True), True),
+    ((4, 2, 2, 1), 6, (False, True, True, True), False),
+    ((4, 2, 2, 1), 6, (False, True, True, True), True),
+    ((3, 3, 3, 1), 7, (True,) * 6, False),
+    ((4, 4, 4, 1), 9, (True,) * 4, False),
 ]
 
 
-@pytest.mark.parametrize(("shape", "micro_batches", "moe"), CASES, ids=lambda c: str(c).replace(" ", ""))
-def test_every_message_arrives_exactly_under_rendezvous(shape, micro_batches, moe) -> None:
-    checked = run_ranks(_body, shape[0] + shape[1], args=(shape, micro_batches, moe), timeout_s=120)
+@pytest.mark.parametrize(("shape", "micro_batches", "moe", "static"), CASES, ids=lambda c: str(c).replace(" ", ""))
+def test_every_message_arrives_exactly_under_rendezvous(shape, micro_batches, moe, static) -> None:
+    checked = run_ranks(_body, shape[0] + shape[1], args=(shape, micro_batches, moe, static), timeout_s=120)
     p, moe_layers = shape[2], sum(moe)
     # per micro-batch and step: A lanes receive n2m + m2n_grad per MoE layer (+ resid, resid_grad per layer if p > 1)
     lanes = shape[0] // p

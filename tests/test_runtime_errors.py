@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import re
 import time
+from dataclasses import replace
 
 import pytest
 
+from disagmoe_ds.comm.channel import ChannelError
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.engine.build import build_rank, preflight
 from disagmoe_ds.engine.runners import ExpertRunner
@@ -82,3 +84,26 @@ def test_silent_peer_times_out(tiny_checkpoint, capfd):
     # Before the timeout ended it, the waiting rank printed where it waited (after half the timeout).
     err = capfd.readouterr().err
     assert "Timeout (0:00:02)" in err and "in _exec_wait_recv" in err, err[-3000:]
+
+
+def _trains_a_shorter_batch(rank: int, args: VerifyArgs) -> str:
+    rt = build_rank(
+        args.model, args.ds_config(), args.cfg, micro_batch_size=1, model=load_for_verify(args), seq_len=args.seq_len
+    )
+    if not rt.role.is_attention:
+        return "not trained"
+    short = replace(args, seq_len=args.seq_len - 2)  # not the length the ranks were built for
+    try:
+        rt.executor.train_batch(make_batches(short, rt.module.config.vocab_size, 0, 0))
+    except ChannelError as err:
+        return str(err)
+    return "trained"
+
+
+def test_batch_of_another_length_than_built_fails_clearly(tiny_checkpoint):
+    """One ep rank and a known length: m2n travels without headers, so a lane must send exactly its micro-batch's
+    tokens; a batch of another length is refused on the attention rank with the fix, before anything is sent."""
+    cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=1, micro_batches=1, transport="rendezvous")
+    args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, steps=1, seq_len=8, clip=0.0)
+    message, _ = spawn_local(_trains_a_shorter_batch, 2, args=(args,), timeout_s=60)
+    assert "m2n rows [6], but the FFN side expects the micro-batch's 8 tokens" in message

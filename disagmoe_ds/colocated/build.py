@@ -47,8 +47,16 @@ class Colocated:
         del config
         check_zero(layout, ds_config)
 
-    def groups(self, layout: ColocatedLayout, rank: int, *, timeout: timedelta, device: torch.device) -> ProcessGroups:
-        del device
+    def groups(
+        self,
+        layout: ColocatedLayout,
+        rank: int,
+        *,
+        timeout: timedelta,
+        device: torch.device,
+        tokens_per_micro_batch: int | None,
+    ) -> ProcessGroups:
+        del device, tokens_per_micro_batch  # no exchange
         groups = build_process_groups(layout, rank, timeout=timeout)
         register_with_deepspeed(groups, layout)  # before deepspeed.initialize looks its expert groups up
         return groups

@@ -19,7 +19,10 @@ Communicators: one per (kind, g), over the ranks of its two sides, so each is on
 
 Only two kinds carry headers (gloo groups over the same ranks): m2n, whose receiver cannot know how many tokens
 a lane routed to it, and resid, which tells A_next the combine plan's sizes. Every other receiver knows its sizes
-already: the A side from its own dispatch plan, the F side from the m2n headers.
+already: the A side from its own dispatch plan, the F side from the m2n headers. With one ep rank per F-group and
+a known micro-batch size, m2n needs no header either: every token of a lane's micro-batch goes to its one peer
+with all K of its pairs, so both ends know the sizes (``ExchangeComms.static_m2n_rows``), and the F side posts its
+receives without waiting for anything host to host.
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ class Kind(str, Enum):
 
 A_TO_F = (Kind.M2N, Kind.N2M_GRAD)
 A_TO_A = (Kind.RESID, Kind.RESID_GRAD)
-WITH_HEADERS = (Kind.M2N, Kind.RESID)
 # The F-group an A lane of group g talks to is g + offset; the A-group an F rank of group g talks to is g - offset.
 _F_OFFSET = {Kind.M2N: 0, Kind.M2N_GRAD: 0, Kind.N2M: -1, Kind.N2M_GRAD: -1}
 
@@ -136,6 +138,7 @@ class ExchangeComms:
     transport: Transport
     comms: Mapping[tuple[Kind, int], Comm]
     headers: Mapping[tuple[Kind, int], Headers]
+    static_m2n_rows: int | None = None  # rows of every m2n message when it has no header (see the module docstring)
 
     def fan_out(self, kind: Kind, spec: MessageSpec) -> FanOut:
         key, peers = endpoint(self.layout, kind, self.rank, sending=True)
@@ -146,23 +149,36 @@ class ExchangeComms:
         return FanIn(self.transport, self.comms[key], peers, spec, self.headers.get(key), device, comm_stream)
 
 
-def build_exchange_comms(layout: Layout, transport: Transport, *, device: torch.device) -> ExchangeComms:
-    """Create every exchange communicator (and header group) on every rank in the same order, then warm them up."""
+def static_m2n_rows(layout: Layout, tokens_per_micro_batch: int | None) -> int | None:
+    """Rows of every m2n message when both ends know them (one ep rank: a lane sends all its tokens), else None."""
+    return tokens_per_micro_batch if layout.ep_size == 1 else None
+
+
+def build_exchange_comms(
+    layout: Layout, transport: Transport, *, device: torch.device, tokens_per_micro_batch: int | None = None
+) -> ExchangeComms:
+    """Create every exchange communicator (and header group) on every rank in the same order, then warm them up.
+
+    ``tokens_per_micro_batch`` (a lane's B x S, the same on every rank): with one ep rank per F-group, m2n then
+    goes without headers (``static_m2n_rows``).
+    """
     layout.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
+    static_rows = static_m2n_rows(layout, tokens_per_micro_batch)
+    with_headers = (Kind.RESID,) if static_rows is not None else (Kind.M2N, Kind.RESID)
     comms: dict[tuple[Kind, int], Comm] = {}
     headers: dict[tuple[Kind, int], Headers] = {}
     for kind, group in comm_keys(layout):
         ranks = comm_ranks(layout, kind, group)
         pairs = comm_pairs(layout, kind, group)
         comms[kind, group] = transport.new_comm(f"{kind.value}[{group}]", ranks, pairs)
-        if kind in WITH_HEADERS:
+        if kind in with_headers:
             header_group = new_host_group(ranks, transport.timeout)
             if rank in ranks:
                 headers[kind, group] = Headers(header_group)
     transport.warm_up(list(comms.values()), device)
     mine = {key: comm for key, comm in comms.items() if comm.group is not None}
-    return ExchangeComms(layout, rank, transport, MappingProxyType(mine), MappingProxyType(headers))
+    return ExchangeComms(layout, rank, transport, MappingProxyType(mine), MappingProxyType(headers), static_rows)
 
 
 # ----- message specs -----

@@ -63,9 +63,13 @@ class Disaggregated:
                 "produce gradients in different orders; use zero_optimization.stage 1"
             )
 
-    def groups(self, layout: Layout, rank: int, *, timeout: timedelta, device: torch.device) -> ProcessGroups:
-        transport = make_transport(self.cfg.transport, timeout)
-        return build_process_groups(layout, rank, timeout=timeout, transport=transport, device=device)
+    def groups(
+        self, layout: Layout, rank: int, *, timeout: timedelta, device: torch.device, tokens_per_micro_batch: int | None
+    ) -> ProcessGroups:
+        transport, tokens = make_transport(self.cfg.transport, timeout), tokens_per_micro_batch
+        return build_process_groups(
+            layout, rank, timeout=timeout, transport=transport, device=device, tokens_per_micro_batch=tokens
+        )
 
     def module(
         self,

@@ -5,7 +5,8 @@ Every message kind a rank sends leaves through one ``FanOut`` and every kind it 
 order; the mailbox adds what makes that safe and fast under rendezvous:
 
 - **sizes before receives.** A payload receive is posted as soon as its sizes are known: from a header (m2n, resid),
-  or from what this rank itself sent earlier (the reverse paths). ``pump`` posts every receive that has become
+  from the micro-batch size (m2n with one ep rank: ``ExchangeComms.static_m2n_rows``), or from what this rank
+  itself sent earlier (the reverse paths). ``pump`` posts every receive that has become
   postable, oldest first per channel, without blocking; a wait blocks only for a header that is not in yet.
 - **no host sync per send.** Sizes come from tensor shapes and host ints, headers go host to host.
 
@@ -82,6 +83,7 @@ class Mailbox:
         self._out: dict[str, FanOut] = {k.value: comms.fan_out(k, specs[k]) for k in sends}
         self._in = {k.value: _Inbox(comms.fan_in(k, specs[k], device, stream)) for k in receives}
         self._known: dict[Key, list[tuple[int, ...]]] = {}  # sizes of receives this rank can predict
+        self._static_m2n_rows, self._top_k = comms.static_m2n_rows, top_k
 
     # ----- the schedule's verbs -----
     def post(self, message: Message) -> None:
@@ -119,6 +121,7 @@ class Mailbox:
             fan_out.send(list(zip(*parts, strict=True)), tag=tag)
         elif kind == "m2n":
             messages, pairs = payload
+            self._check_static_m2n(key, messages)
             sizes = fan_out.send(messages, tag=tag, metas=[(p,) for p in pairs])
             self._known[("m2n_grad", layer, mb)] = sizes
             if self.depth == 1:  # A_next is this rank
@@ -157,6 +160,11 @@ class Mailbox:
         if arrival.sizes is not None:
             return True
         fan_in = self._in[kind].fan_in
+        if kind == "m2n" and fan_in.headers is None:  # one ep rank: each lane's whole micro-batch, all K pairs
+            rows = self._static_m2n_rows
+            arrival.sizes, arrival.metas = [(rows,)] * len(fan_in.peers), ((rows * self._top_k,),) * len(fan_in.peers)
+            self._learn_from_header(kind, key, arrival)
+            return True
         if fan_in.headers is not None:
             if not (block or fan_in.header_arrived(arrival)):
                 return False
@@ -171,6 +179,15 @@ class Mailbox:
             return False
         arrival.sizes = self._known.pop(key)
         return True
+
+    def _check_static_m2n(self, key: Key, messages) -> None:
+        rows = self._static_m2n_rows
+        if self._out["m2n"].headers is None and any(message[0].shape[0] != rows for message in messages):
+            got = [message[0].shape[0] for message in messages]
+            raise ChannelError(
+                f"{key}: m2n rows {got}, but the FFN side expects the micro-batch's {rows} tokens (one ep rank, no "
+                "header): every micro-batch must have the micro_batch_size x seq_len the ranks were built with"
+            )
 
     def _learn_from_header(self, kind: str, key: Key, arrival: Arrival) -> None:
         _, layer, mb = key

@@ -76,8 +76,11 @@ class RankMode(Protocol):
         """Refuse a layout the model or the ZeRO stage cannot run, with the fix."""
         ...
 
-    def groups(self, layout: Any, rank: int, *, timeout: timedelta, device: torch.device) -> ProcessGroups:
-        """``groups.build_process_groups`` and what the mode adds (exchange communicators, DeepSpeed's registry)."""
+    def groups(
+        self, layout: Any, rank: int, *, timeout: timedelta, device: torch.device, tokens_per_micro_batch: int | None
+    ) -> ProcessGroups:
+        """``groups.build_process_groups`` and what the mode adds (exchange communicators, DeepSpeed's registry);
+        ``tokens_per_micro_batch``: a lane's B x S when known (fixed-size messages need no header)."""
         ...
 
     def module(
@@ -145,7 +148,9 @@ class RankBuilder:
         layout = self._layout(mode, model.config, ds_config, dist.get_world_size())
         role = layout.role_of(rank)
         # A rank waiting longer than this for a peer fails (and the launcher ends the job) instead of hanging.
-        groups = mode.groups(layout, rank, timeout=timedelta(seconds=cfg.comm_timeout_s), device=device)
+        tokens = None if seq_len is None else seq_len * micro_batch_size
+        timeout = timedelta(seconds=cfg.comm_timeout_s)
+        groups = mode.groups(layout, rank, timeout=timeout, device=device, tokens_per_micro_batch=tokens)
         routing = routing_facts(model)
         # Freshly initialised replicas differ until DeepSpeed broadcasts them; pretrained ones start identical.
         module = mode.module(model, layout, groups, role, device=device, seed=seed * 100_003 + rank, weights=pretrained)
