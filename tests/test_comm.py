@@ -308,6 +308,26 @@ def test_fan_in_fifo_sizes_dtypes_and_checks() -> None:
     assert "spec differs" in result["errors"][0]
 
 
+def test_coalesced_message_round_trips_through_one_byte_buffer() -> None:
+    """Odd widths (bf16 x 3 = 6 bytes a row) need the padding; zero rows give an empty buffer."""
+    spec = MessageSpec(
+        (TensorSpec(torch.bfloat16, (3,)), TensorSpec(torch.int64, (K,)), TensorSpec(torch.float32, (K,))),
+        coalesced=True,
+    )
+    for rows in (0, 1, 5):
+        gen = torch.Generator().manual_seed(rows)
+        message = (
+            torch.randn(rows, 3, generator=gen).bfloat16(),
+            torch.randint(0, 1 << 40, (rows, K), generator=gen),
+            torch.rand(rows, K, generator=gen),
+        )
+        wire = spec.to_wire(message)
+        assert wire.dtype == torch.uint8 and wire.numel() == spec.wire_bytes((rows,))
+        assert all(torch.equal(a, b) for a, b in zip(spec.from_wire(wire.clone(), (rows,)), message, strict=True))
+    with pytest.raises(ChannelError, match="only messages of row tensors"):
+        MessageSpec(FIXED.tensors, coalesced=True)
+
+
 def test_fan_out_checks_the_spec_locally() -> None:
     x_RH, idx_RK, w_RK = _message(2, 0)
     with pytest.raises(ChannelError, match=r"tensor 2 is torch.float64\[2, 2\], the spec wants torch.float32"):

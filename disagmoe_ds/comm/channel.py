@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from disagmoe_ds.comm.transport import Comm, Op, Transport, Work
 
 HEADER_FIXED = 2  # tag, fingerprint; then the metas and the sizes
+WIRE_ALIGN = 16  # bytes: each tensor of a coalesced message starts at a multiple, so the receiver can view it
 
 
 class ChannelError(RuntimeError):
@@ -59,6 +61,13 @@ class MessageSpec:
     tensors: tuple[TensorSpec, ...]
     name: str = "message"
     metas: int = 1  # ints of sender metadata in each header (M2N: routed pairs; resid: rows per ep rank)
+    # One byte buffer per peer on the wire instead of one transfer per tensor (row tensors only): NCCL runs the
+    # operations of a group one after another per peer, so a message's small tensors each add a transfer's latency.
+    coalesced: bool = False
+
+    def __post_init__(self) -> None:
+        if self.coalesced and any(t.size is None for t in self.tensors):
+            raise ChannelError(f"{self.name}: only messages of row tensors can be coalesced")
 
     @cached_property
     def num_sizes(self) -> int:
@@ -69,6 +78,26 @@ class MessageSpec:
         # hashlib, not hash(): Python's string hash is salted per process.
         digest = hashlib.blake2b(repr((self.tensors, self.metas)).encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little", signed=True)
+
+    def to_wire(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The message as one byte buffer: each tensor's bytes, padded to ``WIRE_ALIGN``."""
+        pieces = []
+        for tensor in tensors:
+            raw = tensor.reshape(-1).view(torch.uint8)
+            pieces += [raw, raw.new_zeros(-raw.numel() % WIRE_ALIGN)]
+        return torch.cat(pieces)
+
+    def wire_bytes(self, sizes: Sequence[int]) -> int:
+        return sum(_padded(_nbytes(spec, sizes)) for spec in self.tensors)
+
+    def from_wire(self, wire: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """Views of ``to_wire``'s buffer as the message's tensors (no copy)."""
+        tensors, offset = [], 0
+        for spec in self.tensors:
+            nbytes = _nbytes(spec, sizes)
+            tensors.append(wire[offset : offset + nbytes].view(spec.dtype).view(spec.full_shape(sizes)))
+            offset += _padded(nbytes)
+        return tuple(tensors)
 
     def sizes_of(self, tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
         """The message's sizes, read from the tensors' shapes (host metadata, no device read); checks the spec."""
@@ -84,6 +113,14 @@ class MessageSpec:
                 got = f"{tensor.dtype}{list(tensor.shape)}"
                 raise ChannelError(f"{self.name}: tensor {i} is {got}, the spec wants {spec.dtype}{list(want)}")
         return tuple(sizes)
+
+
+def _nbytes(spec: TensorSpec, sizes: Sequence[int]) -> int:
+    return math.prod(spec.full_shape(sizes)) * spec.dtype.itemsize
+
+
+def _padded(nbytes: int) -> int:
+    return nbytes + -nbytes % WIRE_ALIGN
 
 
 class CommStream:
@@ -171,6 +208,8 @@ class FanOut:
                     raise ChannelError(f"{self.spec.name}: {len(meta)} header metas, the spec has {self.spec.metas}")
                 header = torch.tensor([tag, self.spec.fingerprint, *meta, *size], dtype=torch.int64)
                 header_works.append(dist.isend(header, peer, group=self.headers.group))
+        if self.spec.coalesced:
+            payloads = [(self.spec.to_wire(payload),) for payload in payloads]
         ops = [Op("send", t, peer) for peer, payload in zip(self.peers, payloads) for t in payload if t.numel()]
         flat = tuple(t for payload in payloads for t in payload)
         self._in_flight.append(Sent(self.transport.start(self.comm, ops), flat, tuple(header_works)))
@@ -266,17 +305,31 @@ class FanIn:
                 f"{self.spec.name}: sizes for {len(arrival.sizes)} peers, the channel has {len(self.peers)}"
             )
         with self.comm_stream.scope():
-            buffers = self._concat_buffers(arrival.sizes)
-            parts = [self._split(b, spec, arrival.sizes) for b, spec in zip(buffers, self.spec.tensors)]
-            per_peer = [tuple(part[i] for part in parts) for i in range(len(self.peers))]
-            ops = [Op("recv", t, peer) for peer, message in zip(self.peers, per_peer) for t in message if t.numel()]
-            arrival.buffers, arrival.per_peer = buffers, per_peer
+            if self.spec.coalesced:  # one byte buffer per peer; the tensors are views of it
+                wires = tuple(self._empty_bytes(self.spec.wire_bytes(size)) for size in arrival.sizes)
+                per_peer = [self.spec.from_wire(wire, size) for wire, size in zip(wires, arrival.sizes)]
+                receives, arrival.buffers = [(wire,) for wire in wires], wires
+            else:
+                buffers = self._concat_buffers(arrival.sizes)
+                parts = [self._split(b, spec, arrival.sizes) for b, spec in zip(buffers, self.spec.tensors)]
+                per_peer = [tuple(part[i] for part in parts) for i in range(len(self.peers))]
+                receives, arrival.buffers = per_peer, buffers
+            arrival.per_peer = per_peer
+            ops = [Op("recv", t, peer) for peer, message in zip(self.peers, receives) for t in message if t.numel()]
             arrival.work = self.transport.start(self.comm, ops)
 
     def complete(self, arrival: Arrival) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
         """Hand the arrival's buffers to the compute stream; returns them whole and split per peer."""
         self.comm_stream.hand_over(arrival.work, arrival.buffers)
-        return arrival.buffers, arrival.per_peer
+        if not self.spec.coalesced:
+            return arrival.buffers, arrival.per_peer
+        if len(self.peers) == 1:
+            return arrival.per_peer[0], arrival.per_peer
+        # Several peers' messages sit in separate wire buffers: joining them is a copy, on the compute stream.
+        return tuple(torch.cat(parts) for parts in zip(*arrival.per_peer)), arrival.per_peer
+
+    def _empty_bytes(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _concat_buffers(self, sizes: Sequence[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
         out = []

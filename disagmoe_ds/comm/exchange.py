@@ -217,7 +217,11 @@ def exchange_specs(
         Kind.RESID_GRAD: (rows_h, fixed_e),  # d residual_TH, aux_grad_E
     }
     metas = {Kind.RESID: ep_size}
-    return {kind: MessageSpec(t, name=kind.value, metas=metas.get(kind, 1)) for kind, t in specs.items()}
+    coalesced = {Kind.M2N, Kind.M2N_GRAD, Kind.N2M_GRAD}  # A<->F messages of several row tensors: one buffer each
+    return {
+        kind: MessageSpec(t, name=kind.value, metas=metas.get(kind, 1), coalesced=kind in coalesced and len(t) > 1)
+        for kind, t in specs.items()
+    }
 
 
 @dataclass(frozen=True)
