@@ -76,7 +76,7 @@ class MessageSpec:
     @cached_property
     def fingerprint(self) -> int:
         # hashlib, not hash(): Python's string hash is salted per process.
-        digest = hashlib.blake2b(repr((self.tensors, self.metas)).encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(repr((self.tensors, self.metas, self.coalesced)).encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little", signed=True)
 
     def to_wire(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
