@@ -26,9 +26,10 @@ a positive factor drops tokens beyond ``factor * k * tokens / experts``. Its exp
 ``nn.Linear`` MLPs. The FLOPs per token are the same as HF's unless tokens are dropped.
 
 Step time = the slowest rank's wall time of one ``train_batch`` (device synchronised), median over ``--steps``
-after ``--warmup``; tokens/s = tokens per step / step time. Each method runs as its own local job (fresh
-processes, NCCL on GPUs, gloo on CPU); under ``torchrun``/``deepspeed`` the methods run one after another in the
-launched processes. Prints a table and writes ``--json``.
+after ``--warmup``; tokens/s = tokens per step / step time; MFU = tokens/s x model FLOPs per token (Megatron's
+convention: active experts, causal attention, 3x forward; ``planner.model``) / (ranks x 989 TFLOP/s). Each method
+runs as its own local job (fresh processes, NCCL on GPUs, gloo on CPU); under ``torchrun``/``deepspeed`` the
+methods run one after another in the launched processes. Prints a table and writes ``--json``.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.planner.model import ModelSpec
 
 METHODS = ("afpipe", "colocated", "deepspeed-moe")
 EP_METHODS = ("colocated", "deepspeed-moe")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PEAK_FLOPS = 989e12  # dense bf16 of an H100/H200-class GPU (MFU's denominator, also on CPU runs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -157,17 +160,28 @@ class DeepSpeedMoEModel(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def bench_config(a: argparse.Namespace):
+    """The benchmark model's HF config: ``--model``'s, cut to ``--layers``."""
+    config = load_config(a.model)
+    if a.layers:
+        truncate_layers(config, a.layers)
+    return config
+
+
 def make_model(a: argparse.Namespace, device: torch.device) -> nn.Module:
     """The benchmark model (``--layers`` of ``--model``), random weights under ``--seed``, built on the device."""
     from transformers import AutoModelForCausalLM
 
-    config = load_config(a.model)
-    if a.layers:
-        truncate_layers(config, a.layers)
+    config = bench_config(a)
     torch.manual_seed(a.seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[a.dtype])
     return model.train()
+
+
+def flops_per_token(a: argparse.Namespace) -> float:
+    """Model FLOPs of training one token (Megatron's convention: active experts, causal attention, 3x forward)."""
+    return ModelSpec.from_config(bench_config(a).to_dict()).step_flops_per_token(a.seq_len)
 
 
 def truncate_layers(config, layers: int) -> None:
@@ -316,6 +330,7 @@ def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] 
         "tokens_per_step": tokens,
         "step_ms": step_s * 1e3,
         "tokens_per_s": tokens / step_s,
+        "mfu": tokens / step_s * flops_per_token(a) / (a.world_size * PEAK_FLOPS),
         "loss": result.loss,
         "max_memory_gib": _max_over_ranks(memory, device),
     }
@@ -427,13 +442,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """One row per run; the ratio is against the fastest co-located run (the strongest baseline here)."""
     colocated = [r["tokens_per_s"] for r in rows if r["method"].startswith("colocated")]
     base = max(colocated, default=None)
-    header = f"{'method':<18}{'micro-batches':>14}{'tokens/step':>13}{'step ms':>11}{'tokens/s':>12}"
+    header = f"{'method':<18}{'micro-batches':>14}{'tokens/step':>13}{'step ms':>11}{'tokens/s':>12}{'MFU':>7}"
     print(f"{header}{'vs best colocated':>19}")
     for r in rows:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         print(
             f"{r['method']:<18}{r['micro_batches']:>14}{r['tokens_per_step']:>13}{r['step_ms']:>11.1f}"
-            f"{r['tokens_per_s']:>12.0f}{ratio:>19}"
+            f"{r['tokens_per_s']:>12.0f}{r['mfu']:>7.1%}{ratio:>19}"
         )
     for r in rows:
         print(f"  {r['method']}: {r['layout']}, loss {r['loss']:.4f}, max memory {r['max_memory_gib']:.1f} GiB")

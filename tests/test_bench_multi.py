@@ -82,4 +82,7 @@ def test_bench_e2e_three_methods_same_tokens(tmp_path):
         assert row["tokens_per_step"] == 4 * 8
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
         assert math.isclose(row["tokens_per_s"], row["tokens_per_step"] / row["step_ms"] * 1e3)
+        flops = bench.ModelSpec.from_config(json.loads((ROOT / "hf_models/tiny-qwen2-moe/config.json").read_text()))
+        mfu = row["tokens_per_s"] * flops.step_flops_per_token(8) / (2 * bench.PEAK_FLOPS)
+        assert math.isclose(row["mfu"], mfu) and row["mfu"] > 0
         assert abs(row["loss"] - math.log(128)) < 0.5  # random init on a vocabulary of 128
