@@ -53,6 +53,7 @@ from disagmoe_ds.comm import (
     pack,
     plan_dispatch,
 )
+from disagmoe_ds.comm.exchange import assume_static_m2n
 from disagmoe_ds.layout import Layout
 
 WEIGHT_DTYPE = torch.float32  # router weights travel in fp32 (Mixtral/DeepSeek keep them fp32 in bf16 models)
@@ -141,9 +142,8 @@ class ExchangeSide:
         for arrival in arrivals:
             if self.static_rows is None:
                 self.m2n.read_headers(arrival)
-            else:  # one ep rank: every lane sends its whole micro-batch, all pairs local (``engine.mailbox``)
-                rows, lanes = self.static_rows, len(self.m2n.peers)
-                arrival.sizes, arrival.metas = [(rows,)] * lanes, ((rows * self.top_k,),) * lanes
+            else:  # one ep rank: no header, every lane sends its whole micro-batch (as ``engine.mailbox`` does)
+                assume_static_m2n(arrival, self.static_rows, self.top_k, len(self.m2n.peers))
             self.m2n.post(arrival)
         whole = [self.m2n.complete(arrival)[0] for arrival in arrivals][-1]
         return whole, tuple(size[0] for size in arrivals[-1].sizes)

@@ -35,7 +35,7 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.comm.channel import CommStream, FanIn, FanOut, Headers, MessageSpec, TensorSpec
+from disagmoe_ds.comm.channel import Arrival, CommStream, FanIn, FanOut, Headers, MessageSpec, TensorSpec
 from disagmoe_ds.comm.transport import Comm, Transport, new_host_group
 from disagmoe_ds.layout import Layout
 
@@ -152,6 +152,11 @@ class ExchangeComms:
 def static_m2n_rows(layout: Layout, tokens_per_micro_batch: int | None) -> int | None:
     """Rows of every m2n message when both ends know them (one ep rank: a lane sends all its tokens), else None."""
     return tokens_per_micro_batch if layout.ep_size == 1 else None
+
+
+def assume_static_m2n(arrival: Arrival, rows: int, top_k: int, lanes: int) -> None:
+    """Give a header-less m2n arrival its sizes: each of ``lanes`` sent its whole micro-batch, all K pairs local."""
+    arrival.sizes, arrival.metas = [(rows,)] * lanes, ((rows * top_k,),) * lanes
 
 
 def build_exchange_comms(

@@ -66,9 +66,13 @@ class Disaggregated:
     def groups(
         self, layout: Layout, rank: int, *, timeout: timedelta, device: torch.device, tokens_per_micro_batch: int | None
     ) -> ProcessGroups:
-        transport, tokens = make_transport(self.cfg.transport, timeout), tokens_per_micro_batch
         return build_process_groups(
-            layout, rank, timeout=timeout, transport=transport, device=device, tokens_per_micro_batch=tokens
+            layout,
+            rank,
+            timeout=timeout,
+            transport=make_transport(self.cfg.transport, timeout),
+            device=device,
+            tokens_per_micro_batch=tokens_per_micro_batch,
         )
 
     def module(

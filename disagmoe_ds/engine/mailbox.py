@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn, FanOut
-from disagmoe_ds.comm.exchange import ExchangeComms, Kind, LaneRows, exchange_specs
+from disagmoe_ds.comm.exchange import ExchangeComms, Kind, LaneRows, assume_static_m2n, exchange_specs
 from disagmoe_ds.comm.routing import RoutedTokens
 from disagmoe_ds.schedule import Message
 
@@ -160,9 +160,8 @@ class Mailbox:
         if arrival.sizes is not None:
             return True
         fan_in = self._in[kind].fan_in
-        if kind == "m2n" and fan_in.headers is None:  # one ep rank: each lane's whole micro-batch, all K pairs
-            rows = self._static_m2n_rows
-            arrival.sizes, arrival.metas = [(rows,)] * len(fan_in.peers), ((rows * self._top_k,),) * len(fan_in.peers)
+        if kind == "m2n" and fan_in.headers is None:  # one ep rank: no header, the sizes are the micro-batch's
+            assume_static_m2n(arrival, self._static_m2n_rows, self._top_k, len(fan_in.peers))
             self._learn_from_header(kind, key, arrival)
             return True
         if fan_in.headers is not None:
