@@ -17,7 +17,7 @@ and prints tokens/s, TFLOP/s, MFU (model FLOPs, Megatron convention: active expe
 training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs) and each path's tokens/s over
 hf-compiled's at the same model and sequence length (``vs_hf_compiled`` in the JSON; null, printed ``-``, when
 hf-compiled did not run). ``--json`` writes the rows, rewritten after every row so that a run cut short keeps
-what it measured; ``--profile`` prints the top CUDA kernels of the last path.
+what it measured; ``--profile`` prints the top CUDA kernels of every path (to compare them kernel by kernel).
 
 A path that cannot run (a layer that does not compile, out of memory) is a row marked failed with its error's
 first line (the traceback goes to stderr); the other paths still run, and the exit code is 1.
@@ -187,7 +187,8 @@ def bench_model(
             seconds = time_step(step, *args, warmup=warmup, iters=iters, device=device)
             tflops = flops_per_token * tokens / seconds / 1e12
             row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds, tflops=tflops, mfu=tflops / PEAK_TFLOPS)
-            if profile and name == paths[-1] and device == "cuda":
+            if profile and device == "cuda":
+                print(f"--- profile: {row['model']} {seq_len} {name}", flush=True)
                 print_profile(step, args)
         except Exception as error:  # a path that cannot run is a row of the table, not the end of the run
             traceback.print_exc()
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens in them)")
     p.add_argument("--iters", type=int, default=10, help="steps per timed window (3 windows, median)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda: bf16; cpu: fp32")
-    p.add_argument("--profile", action="store_true", help="print the top kernels of the last path")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of every path")
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, metavar="PATH", help=", ".join(PATHS))
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: CPU tests)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")

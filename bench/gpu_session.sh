@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session, about 8 minutes on one H200 with compilation from cold caches:
 #   1. bench_layer.py, one process per model: HF's layer (grouped_mm; and compiled, the reference) and ours (eager
-#      and compiled), seq SEQS x batch 2, with a profile of ours-compiled
+#      and compiled), seq SEQS x batch 2, with a profile of every path (top CUDA kernels)
 #   2. bench_experts.py: the experts alone at Qwen3-30B-A3B sizes, 8192 tokens, against HF's compiled experts
 #   3. correctness of the split on CUDA (disagmoe_ds.models.check, 7 tiny families x fp32/bf16), unless --no-check
 # Every step runs under `timeout`, at most its own limit and never past BUDGET_S seconds from the start (default
