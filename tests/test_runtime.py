@@ -147,8 +147,8 @@ def _noting_mask(ctx, seen: set):
 
 def test_kernel_warm_up_leaves_no_trace(tiny_checkpoint, monkeypatch):
     """``warm_up`` (compiled jobs run it before the first step, so no kernel loads while receives are posted) runs
-    every part's forward and backward, 0- and 1-row shards included, with the default and the packed documents'
-    mask, and leaves no gradient, RNG state or result behind: the job still equals HF exactly."""
+    every part's forward and backward (the head's too), 0- and 1-row shards included, with the default and the packed
+    documents' mask, and leaves no gradient, RNG state or result behind: the job still equals HF exactly."""
     from disagmoe_ds.engine import build
     from disagmoe_ds.engine.runners import AttentionRunner
 
@@ -157,11 +157,15 @@ def test_kernel_warm_up_leaves_no_trace(tiny_checkpoint, monkeypatch):
     def build_and_warm(*args, **kwargs):
         runtime = original(*args, **kwargs)
         rng = torch.get_rng_state()
-        runner, masks = runtime.executor.runner, set()
+        runner, masks, heads = runtime.executor.runner, set(), []
+        head = getattr(getattr(runner, "stage", None), "head", None)
         if isinstance(runner, AttentionRunner):
             context = runner.stage.context
             runner.stage.context = lambda h, positions: _noting_mask(context(h, positions), masks)
+        if head is not None:
+            head.register_forward_hook(lambda *_: heads.append(1))
         runtime.executor.warm_up(seq_len=8, packed=True)
+        assert head is None or heads, "warm-up skipped the head"
         assert all(p.grad is None for p in runtime.module.parameters()), "warm-up touched a gradient"
         assert torch.equal(rng, torch.get_rng_state()), "warm-up moved the RNG"
         if isinstance(runner, AttentionRunner):

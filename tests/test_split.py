@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -98,3 +100,24 @@ def test_missing_weight_file_error(tiny_checkpoint, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00001-of-00002.safetensors"}}')
     with pytest.raises(CheckpointError, match="lists weight files that are missing: model-00001-of-00002"):
         load_model(tmp_path)
+
+
+def test_compiled_head_equals_hf_loss(tiny_checkpoint, monkeypatch):
+    """``compile_stage`` compiles the head (norm, LM head, HF's loss) too; compiled, it gives HF's loss and input
+    gradient (``aot_eager`` here: the same graphs, differentiated as inductor gets them)."""
+    from disagmoe_ds.models.parts import AttentionStage, compile_stage
+
+    model = load_model(tiny_checkpoint("qwen3-moe"))
+    stage = AttentionStage(model, (0,), with_embedding=True, with_head=True)
+    h = torch.randn(2, 12, model.config.hidden_size, requires_grad=True)
+    labels = torch.randint(3, model.config.vocab_size, (2, 12))
+    labels[0, 5] = -100  # ignored, as HF's loss ignores it
+    _, eager = stage.head(h, labels)
+    (grad_eager,) = torch.autograd.grad(eager, h)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    compile_stage(stage)
+    assert stage.head._compiled_call_impl is not None
+    _, compiled = stage.head(h, labels)
+    (grad_compiled,) = torch.autograd.grad(compiled, h)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=FP32_TOL)
+    torch.testing.assert_close(grad_compiled, grad_eager, rtol=0, atol=FP32_TOL)

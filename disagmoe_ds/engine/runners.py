@@ -150,7 +150,7 @@ class AttentionRunner:
         return counts_LE
 
     def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
-        """Compile and load every compiled kernel of the attention parts (forward and backward) now.
+        """Compile and load every compiled kernel of the attention parts and the head (forward and backward) now.
 
         Loading a kernel can synchronise the whole GPU; inside a step it would wait for receives posted ahead,
         whose senders may wait for this rank. So compiled jobs run this once, before any exchange. ``packed``: the
@@ -166,6 +166,11 @@ class AttentionRunner:
                     ctx = self.stage.context(h_BSH, positions_BS)  # None: the default positions, no mask
                     out = self.recompute(self.stage.part(int(layer)), h_BSH, ctx, self.config)  # as the step runs
                     _grad_of_inputs([out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE], [h_BSH])
+            if self.stage.head is not None:
+                h_BSH = torch.randn(self.B, seq_len, self.config.hidden_size, device=device, dtype=dtype)
+                h_BSH.requires_grad_()
+                labels_BS = torch.randint(0, self.config.vocab_size, (self.B, seq_len), device=device)
+                _grad_of_inputs([self.stage.head(h_BSH, labels_BS)[1]], [h_BSH])
 
     # ----- forward -----
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:

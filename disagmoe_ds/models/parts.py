@@ -297,10 +297,12 @@ class ExpertStage(nn.Module):
 
 
 def compile_stage(module: nn.Module) -> None:
-    """``torch.compile`` the parts of ``module`` in place (parameter names unchanged): every attention part, and
-    the elementwise middle of every expert shard (``grouped_experts.compiled_elementwise``)."""
+    """``torch.compile`` the parts of ``module`` in place (parameter names unchanged): every attention part, the
+    head (norm, LM head and loss: compiled, the loss reads the bf16 logits once instead of writing and reading an
+    fp32 copy of them, 2.5 GB per 4,096 tokens at a 152K vocabulary), and the elementwise middle of every expert
+    shard (``grouped_experts.compiled_elementwise``)."""
     for sub in module.modules():
-        if isinstance(sub, AttentionPart):
+        if isinstance(sub, AttentionPart | Head):
             sub.compile()
         elif isinstance(sub, ExpertShard):
             sub.elementwise = compiled_elementwise()
