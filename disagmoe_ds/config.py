@@ -11,7 +11,7 @@ values before validation, so a bad value fails with the same message wherever it
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
 _FLAGS = ("compile", "activation_checkpointing", "comm_stream", "resend")
+OFFLOAD_SIDES = ("attention", "ffn")
+_NOT_NUMBERS = (*_FLAGS, "transport", "offload", "cluster", "profile")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class DisagMoEConfig(RankCounts):
             sends the routed tokens again with the backward's gradients, and the expert side recomputes its
             forward from them (the planner's "resend" variant: F memory for A->F bytes). Depth 1 only: with p > 1
             the rank that sends the gradients (A_next) does not hold the tokens.
+        offload: per side (``attention``, ``ffn``), the share in [0, 1] of each micro-batch's layers whose saved
+            activations wait for their backward in host memory (the planner's "offload" variant; ``engine.offload``).
         cluster: what the schedule generator's task costs assume: a planner preset (``h800``, ``h100``, ``h200``)
             or a cluster JSON (``docs/planner.md``), so the order it emits is the one the planner simulated.
         profile: a ``disagmoe-plan profile`` JSON whose measured part times replace peak x efficiency there.
@@ -67,6 +71,7 @@ class DisagMoEConfig(RankCounts):
     comm_stream: bool = True
     transport: str = "auto"
     resend: bool = False
+    offload: dict[str, float] = field(default_factory=dict)
     cluster: str = "h200"
     profile: str | None = None
 
@@ -79,6 +84,7 @@ class DisagMoEConfig(RankCounts):
                 f'"{SECTION}.resend" needs depth 1 (got {self.depth}): with p > 1 the rank that sends the experts\' '
                 "gradients does not hold their tokens; set depth 1 or resend false"
             )
+        _check_offload(self.offload)
         if self.transport not in TRANSPORTS:
             raise ConfigError(f'"{SECTION}.transport" must be one of {sorted(TRANSPORTS)}, got {self.transport!r}')
         if self.cluster not in PRESETS and not Path(self.cluster).is_file():
@@ -92,7 +98,7 @@ class DisagMoEConfig(RankCounts):
             )
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in (*_FLAGS, "transport", "cluster", "profile") or (f.name == "max_in_flight" and value is None):
+            if f.name in _NOT_NUMBERS or (f.name == "max_in_flight" and value is None):
                 continue
             kind = float if f.name == "comm_timeout_s" else int
             allowed = (int, float) if kind is float else (int,)
@@ -119,8 +125,26 @@ class DisagMoEConfig(RankCounts):
             expert_data_parallel=self.expert_data_parallel,
         )
 
+    def offload_share(self, side: str) -> float:
+        """The offload share of the ``attention`` or ``ffn`` side (0.0 where the section leaves it out)."""
+        return float(self.offload.get(side, 0.0))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _check_offload(offload: Any) -> None:
+    example = '{"attention": 0.5, "ffn": 0.0}'
+    if not isinstance(offload, dict):
+        raise ConfigError(f'"{SECTION}.offload" must be an object like {example}, got {offload!r}')
+    unknown = sorted(map(str, set(offload) - set(OFFLOAD_SIDES)))
+    if unknown:
+        raise ConfigError(f'unknown key(s) in "{SECTION}.offload": {", ".join(unknown)}; known: attention, ffn')
+    for side, share in offload.items():
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ConfigError(
+                f'"{SECTION}.offload.{side}" is the share of layers offloaded to host memory, in [0, 1]; got {share!r}'
+            )
 
 
 def load_ds_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:

@@ -318,6 +318,14 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
     )
     p.add_argument("--resend", action="store_true", help="experts keep nothing between forward and backward (depth 1)")
     p.add_argument(
+        "--offload",
+        nargs=2,
+        type=float,
+        metavar=("A", "F"),
+        default=(0.0, 0.0),
+        help="share of each micro-batch's layers whose saved activations go to host memory, attention and FFN side",
+    )
+    p.add_argument(
         "--comm-timeout", type=float, default=300.0, help="seconds a rank may wait for a peer; stacks at half of it"
     )
     add_run_args(p, zero_help="ZeRO stage inside each group")
@@ -332,6 +340,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         transport=a.transport,
         comm_timeout_s=a.comm_timeout,
         resend=a.resend,
+        offload={"attention": a.offload[0], "ffn": a.offload[1]},
     )
     return run_args(VerifyArgs, a, cfg)
 

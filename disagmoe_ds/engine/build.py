@@ -25,6 +25,7 @@ from disagmoe_ds.engine.deepspeed_role import GlobalGradNorm
 from disagmoe_ds.engine.executor import AFPipeExecutor
 from disagmoe_ds.engine.instructions import AFPipeSchedule
 from disagmoe_ds.engine.mailbox import Mailbox
+from disagmoe_ds.engine.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
 from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
 from disagmoe_ds.errors import ConfigError, LayoutError
@@ -35,7 +36,16 @@ from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.runtime_costs import runtime_costs
-from disagmoe_ds.schedule import Costs, PipeShape, Worker, check_streams, generate
+from disagmoe_ds.schedule import (
+    BackwardAttn,
+    BackwardExperts,
+    Costs,
+    PipeShape,
+    Schedule,
+    Worker,
+    check_streams,
+    generate,
+)
 
 __all__ = ["Disaggregated", "RankRuntime", "build_rank", "compile_stage", "preflight", "schedule_costs"]
 
@@ -133,6 +143,27 @@ class Disaggregated:
             grad_norm=parts.grad_norm,
             name=f"rank {parts.rank} {worker} {'lane' if role.is_attention else 'ffn'} {role.index}",
             comm_timeout_s=cfg.comm_timeout_s,
+            offloader=self._offloader(parts, schedule, worker),
+        )
+
+    def _offloader(self, parts: RankParts, schedule: Schedule, worker: Worker) -> ActivationOffloader | None:
+        """The side's offload share of this rank's chunk layers (None: nothing offloaded), prefetching in the order
+        the worker's stream runs its backward chunks."""
+        side = "attention" if parts.role.is_attention else "ffn"
+        layers = [
+            layer
+            for layer in parts.layout.layers_of_group(parts.role.group)
+            if parts.role.is_attention or parts.routing.moe_layers[layer]  # F chunks: the MoE layers only
+        ]
+        chosen = offloaded_layers(layers, self.cfg.offload_share(side))
+        if not chosen:
+            return None
+        backwards = [i for i in schedule.streams[worker] if isinstance(i, (BackwardAttn, BackwardExperts))]
+        return ActivationOffloader(
+            chosen,
+            device=parts.device,
+            params=parts.module.parameters(),
+            backward_order=[(i.layer, i.micro_batch) for i in backwards],
         )
 
     def _runner(self, parts: RankParts) -> AttentionRunner | ExpertRunner:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from disagmoe_ds.engine import instructions as ins
 from disagmoe_ds.engine.deepspeed_role import GradNorm, zero_grads_of_untouched
 from disagmoe_ds.engine.mailbox import Mailbox, message_key
+from disagmoe_ds.engine.offload import ActivationOffloader
 from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.schedule import TimelineEvent
 
@@ -55,8 +57,10 @@ class AFPipeExecutor:
         grad_norm: GradNorm,
         name: str,
         comm_timeout_s: float | None = None,
+        offloader: ActivationOffloader | None = None,
     ):
         self.engine = engine
+        self.offloader = offloader  # saved activations of chosen chunks to host memory (``"offload"``)
         self.runner = runner
         self.mailbox = mailbox
         self.schedule = schedule
@@ -117,9 +121,17 @@ class AFPipeExecutor:
     # ----- compute -----
     def _compute(self, kind: str, fn, layer: int, micro_batch: int) -> None:
         incoming = self._incoming.pop((kind, layer, micro_batch), {})
-        for msg_kind, payload in fn(layer, micro_batch, incoming).items():
+        with self._offloading(kind, layer, micro_batch):
+            outgoing = fn(layer, micro_batch, incoming)
+        for msg_kind, payload in outgoing.items():
             self._outgoing[(msg_kind, layer, micro_batch)] = payload
         self.mailbox.pump()  # headers that came in while computing: post their payload receives now
+
+    def _offloading(self, kind: str, layer: int, micro_batch: int):
+        if self.offloader is None:
+            return nullcontext()
+        phase = self.offloader.forward if kind.endswith("fwd") else self.offloader.backward
+        return phase((layer, micro_batch))
 
     def _exec_forward_attn(self, layer: int, micro_batch: int) -> None:
         self._compute("A_fwd", self.runner.forward, layer, micro_batch)

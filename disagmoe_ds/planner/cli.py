@@ -142,12 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulated_only(work: Workload, depth: int) -> bool:
-    """True when the plan uses a variant the runtime lacks (issue 16); it resends at depth 1 (``resend``)."""
+    """True when the plan uses a variant the runtime lacks (issue 16); it resends at depth 1 (``resend``) and
+    offloads (``offload``)."""
     z = work.zero_stage
     return (
         work.recompute == "selective"
         or (work.resend and depth > 1)
-        or work.offload != (0.0, 0.0)
         or work.split_backward
         or work.zero_of("attention") != z
         or work.zero_of("ffn") != z

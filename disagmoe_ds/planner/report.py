@@ -317,8 +317,8 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
 
 def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
     """A ds_config whose "disagmoe" section ``run_pretrain.py`` reads as it is: the layout, the in-flight cap, any
-    recompute as activation checkpointing (the runtime recomputes whole chunks), and the cluster (preset or JSON
-    path) the runtime's schedule costs assume.
+    recompute as activation checkpointing (the runtime recomputes whole chunks), resend (depth 1), the offload
+    shares, and the cluster (preset or JSON path) the runtime's schedule costs assume.
 
     The NIC split and placement are not runtime settings: the hostfile's order places the ranks.
     """
@@ -334,6 +334,7 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
         "max_in_flight": af.in_flight,
         "activation_checkpointing": c.work.recompute != "none",
         "resend": c.work.resend and c.layout.depth == 1,
+        "offload": {"attention": round(c.work.offload[0], 6), "ffn": round(c.work.offload[1], 6)},
         "cluster": cluster or req.cluster.name,
     }
     return {

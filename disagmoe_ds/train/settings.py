@@ -46,10 +46,10 @@ def mode_config(
         return DisagMoEConfig.from_ds_config(ds_config, {k: getattr(ns, k) for k in (*LAYOUT_FLAGS, "micro_batches")})
     _refuse_flags(ns, LAYOUT_FLAGS, "sets the disaggregated layout; --mode colocated takes --world-size and --ep-size")
     section = DisagMoEConfig.from_ds_config(ds_config, {"micro_batches": ns.micro_batches})
-    if section.activation_checkpointing or section.max_in_flight is not None:
+    if section.activation_checkpointing or section.max_in_flight is not None or any(section.offload.values()):
         warnings.warn(
-            f'"{SECTION}.activation_checkpointing" and "{SECTION}.max_in_flight" are ignored in co-located mode: '
-            "each rank runs one micro-batch at a time and keeps its activations",
+            f'"{SECTION}.activation_checkpointing", "{SECTION}.max_in_flight" and "{SECTION}.offload" are ignored in '
+            "co-located mode: each rank runs one micro-batch at a time and keeps its activations",
             stacklevel=2,
         )
     return ColocatedConfig(
