@@ -604,6 +604,33 @@ def test_resend_frees_the_received_tokens_and_costs_one_more_m2n():
     assert roof.ffn.nic_bytes == pytest.approx(roof0.ffn.nic_bytes * expected)
 
 
+def test_message_host_time_adds_to_every_exchanging_task():
+    """``message_host_s``: two exchange operations per MoE task on each side (send one message, post one receive),
+    two more per A task with p > 1 (the residual hand-off), two all-to-all calls per co-located MoE layer and pass
+    at EP > 1; nothing at 0 (the default) and a negative value is refused."""
+    from disagmoe_ds.planner.colocated_costs import Shape, colocated_costs
+    from disagmoe_ds.planner.placement import Placement
+    from disagmoe_ds.planner.task_costs import af_task_costs
+
+    spec, layout, work = _af_setup()
+    h = 3e-4
+    kw = {"placement": Placement.contiguous(2, 4), "nics": (4, 4)}
+    base = af_task_costs(spec, layout, work, rates=Rates.from_cluster(small_cluster(), Efficiency()), **kw)
+    slow = Rates.from_cluster(small_cluster(message_host_s=h), Efficiency())
+    more = af_task_costs(spec, layout, work, rates=slow, **kw)
+    for i, moe in enumerate(spec.moe_layers):
+        for kind, ops in (("A_fwd", 2 * moe + 2), ("A_bwd", 2 * moe + 2), ("F_fwd", 2 * moe), ("F_bwd", 2 * moe)):
+            assert more.per_layer[kind][i] - base.per_layer[kind][i] == pytest.approx(ops * h)
+    rates0 = Rates.from_cluster(small_cluster(), Efficiency())
+    for ep, extra in ((1, 0.0), (2, 2 * h)):
+        shape = Shape(tp=1, cp=1, ep=ep, pp=1, vpp=1, overlap="partial")
+        c0 = colocated_costs(spec, work, shape, cluster=small_cluster(), rates=rates0, overlap=0.5)
+        c1 = colocated_costs(spec, work, shape, cluster=small_cluster(), rates=slow, overlap=0.5)
+        assert c1.fwd_compute[0] - c0.fwd_compute[0] == pytest.approx(extra * sum(spec.moe_layers))
+    with pytest.raises(ConfigError, match="message_host_s"):
+        small_cluster(message_host_s=-1.0)
+
+
 def test_offload_is_limited_by_pcie_bandwidth():
     from disagmoe_ds.planner.placement import Placement
     from disagmoe_ds.planner.stages import af_roofline

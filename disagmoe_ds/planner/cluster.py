@@ -64,6 +64,9 @@ class Cluster:
             crosses the same x16 link to its PCIe switch under GPUDirect RDMA).
         host_bytes: host memory of one node in bytes (where offloaded activations go).
         hbm_bw: memory bandwidth of one GPU, bytes/s (None: ``default_hbm_bw(hbm_bytes)``).
+        message_host_s: host seconds a rank spends issuing one exchange operation (a grouped send, a posted
+            receive, an all-to-all call), on the critical path of a rank whose host is the busier side. 0 by
+            default; the runtime's timeline measured 0.3-0.4 ms on H200 hosts (docs/planner.md section 5).
     """
 
     name: str
@@ -78,6 +81,7 @@ class Cluster:
     pcie_bw: float = PCIE_GEN5_X16
     host_bytes: float = DGX_HOST_BYTES
     hbm_bw: float | None = None
+    message_host_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.hbm_bw is None and isinstance(self.hbm_bytes, (int, float)):
@@ -90,6 +94,9 @@ class Cluster:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"cluster field {f} must be a positive number, got {value!r}")
+        host_s = self.message_host_s
+        if isinstance(host_s, bool) or not isinstance(host_s, (int, float)) or not host_s >= 0:
+            raise ConfigError(f"cluster field message_host_s must be a number >= 0, got {host_s!r}")
         if self.hosts and len(self.hosts) != self.nodes:
             raise ConfigError(f"cluster hosts lists {len(self.hosts)} names but nodes is {self.nodes}")
 
@@ -122,7 +129,7 @@ class Cluster:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown cluster field(s) {unknown}; allowed: {sorted(known)}")
-        optional = ("hosts", "pcie_bw", "host_bytes", "hbm_bw")
+        optional = ("hosts", "pcie_bw", "host_bytes", "hbm_bw", "message_host_s")
         missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if missing:
             raise ConfigError(f"cluster JSON lacks field(s) {missing}")
@@ -234,6 +241,7 @@ class Rates:
     hbm_bw: float  # bytes/s one GPU's streaming kernels move to and from its memory (the optimizer step)
     source: str
     pcie_bw: float = PCIE_GEN5_X16 * 0.8  # bytes/s per GPU and direction over its host link
+    message_host_s: float = 0.0  # host seconds per exchange operation (``Cluster.message_host_s``)
 
     @classmethod
     def from_cluster(cls, cluster: Cluster, eff: Efficiency) -> Rates:
@@ -249,6 +257,7 @@ class Rates:
             usable_hbm=cluster.hbm_bytes * eff.memory,
             hbm_bw=cluster.hbm_bw * eff.hbm,
             pcie_bw=cluster.pcie_bw * eff.pcie,
+            message_host_s=cluster.message_host_s,
             source=f"peak x efficiency (compute {eff.compute:g}, network {eff.network:g}, nvlink {eff.nvlink:g})",
         )
 

@@ -120,6 +120,8 @@ def colocated_costs(
             head = head_call_s(spec, rates, tokens=tokens)
             fc, bc = fc + head[0], bc + head[1]
         moe = sum(spec.moe_layers[start : start + per_chunk])
+        if shape.ep > 1:  # each MoE layer's dispatch and combine all-to-all calls, forward and backward
+            fc, bc = fc + 2 * moe * rates.message_host_s, bc + 2 * moe * rates.message_host_s
         redo = 2 if work.recompute == "full" else 1  # full recompute re-runs the forward all-to-alls
         for key, value in zip(
             rows, (fc, bc, moe * alone + fo, redo * moe * alone + bo, moe * 2 * a2a, redo * moe * 2 * a2a, fo, bo)

@@ -72,6 +72,7 @@ def af_task_costs(
         per_layer["F_bwd"].append(f_bwd - f_w)
         wgrad["A"].append(a_w)
         wgrad["F"].append(f_w)
+    _add_message_host_time(per_layer, spec, layout, rates.message_host_s)
     costs = {k: tuple(v) for k, v in per_layer.items()}
     for kind in ("m2n", "n2m", "m2n_grad", "n2m_grad"):
         payload = getattr(wire, kind) + (wire.m2n if kind == "n2m_grad" and work.resend else 0.0)
@@ -82,6 +83,18 @@ def af_task_costs(
     head_w = head_bwd / 2 if work.split_backward else 0.0
     wgrads = {k: tuple(v) for k, v in wgrad.items()} if work.split_backward else {}
     return AfTaskCosts(costs, head_fwd=head_fwd, head_bwd=head_bwd - head_w, wgrad=wgrads, head_wgrad=head_w)
+
+
+def _add_message_host_time(
+    per_layer: dict[str, list[float]], spec: ModelSpec, layout: Layout, message_host_s: float
+) -> None:
+    """Each task's exchange operations, issued by its rank's host: an MoE layer's A task sends one message and
+    posts one receive (forward: m2n out, n2m in; backward: m2n_grad in, n2m_grad out), and so does its F task;
+    with p > 1 every A task also sends and receives a residual hand-off."""
+    for i, moe in enumerate(spec.moe_layers):
+        a_ops = 2 * moe + (2 if layout.depth > 1 else 0)
+        for kind, ops in (("A_fwd", a_ops), ("A_bwd", a_ops), ("F_fwd", 2 * moe), ("F_bwd", 2 * moe)):
+            per_layer[kind][i] += ops * message_host_s
 
 
 def _link(nic_rate: float, nvlink_rate: float, cross: float) -> float:
