@@ -225,6 +225,8 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
         depth=a.depth,
         micro_batches=micro_batches(a, a.attention_gpus // a.depth),
         compile=a.compile,
+        resend=a.resend,
+        offload={"attention": a.offload[0], "ffn": a.offload[1]},
     )
     ds = {**ds_config(a), SECTION: cfg.to_dict()}
     dtype = DTYPES[a.dtype]
@@ -484,6 +486,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="co-located and DeepSpeed-MoE EP sizes, each run side by side (default: all ranks); e.g. "
         "--ep-size 2 1 runs EP-2 and EP-1 (every rank holds every expert: plain data parallel)",
+    )
+    p.add_argument("--resend", action="store_true", help="AF-Pipe: the expert side keeps nothing in flight (depth 1)")
+    p.add_argument(
+        "--offload",
+        nargs=2,
+        type=float,
+        default=(0.0, 0.0),
+        metavar=("A", "F"),
+        help="AF-Pipe: share of each micro-batch's layers whose activations wait in host memory, per side",
     )
     p.add_argument("--ds-capacity-factor", type=float, default=0.0, help="DeepSpeed-MoE capacity (0: drop none)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2))
