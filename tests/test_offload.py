@@ -108,6 +108,19 @@ def test_offloaded_activations_leave_the_device_and_grads_are_exact():
     assert kept(None) and not kept(off)
 
 
+def test_an_inplace_change_of_an_offloaded_tensor_is_still_refused():
+    """Autograd refuses a backward through a saved tensor changed in place since; the host copy keeps that check
+    (on a GPU the change could race the copy out)."""
+    x = torch.randn(32, 64, requires_grad=True)
+    off = ActivationOffloader([0], device=CPU)
+    with off.forward((0, 0)):
+        h = x * 2
+        y = h.sin()
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"), off.backward((0, 0)):
+        y.sum().backward()
+
+
 def test_checkpointed_chunks_offload_only_their_inputs():
     lin, x = _model()
     reference = _grads(_gated, lin, x, None)

@@ -23,6 +23,7 @@ autograd function calls ``save_for_backward``); ``tests/test_offload.py`` checks
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -84,8 +85,17 @@ class _Packed:
     offset: int  # in elements of ``dtype``
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    original: weakref.ref  # the saved tensor and its version then: autograd's in-place check, kept
+    version: int
 
     def view(self) -> torch.Tensor:
+        saved = self.original()
+        if saved is not None and saved._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation "
+                f"after its chunk's forward saved it (offloaded to host memory at version {self.version}, now "
+                f"{saved._version})"
+            )
         assert self.storage.device is not None
         out = torch.empty(0, dtype=self.dtype, device=self.storage.device.device)
         return out.set_(self.storage.device.untyped_storage(), self.offset, self.size, self.stride)
@@ -179,11 +189,13 @@ class ActivationOffloader:
         storage = t.untyped_storage()
         if storage.nbytes() > 2 * t.numel() * t.element_size():  # a small view of a large storage: itself alone
             stored = self._copy_out(t, chunk)
-            return _Packed(chunk, stored, t.dtype, 0, t.shape, torch.empty(t.shape, device="meta").stride())
+            contiguous = torch.empty(t.shape, device="meta").stride()
+            return _Packed(chunk, stored, t.dtype, 0, t.shape, contiguous, weakref.ref(t), t._version)
         address = storage.data_ptr()  # else the storage, once for all its views
         if address not in chunk.by_address:
             chunk.by_address[address] = self._copy_out(_bytes_of(storage, t.device), chunk)
-        return _Packed(chunk, chunk.by_address[address], t.dtype, t.storage_offset(), t.shape, t.stride())
+        stored = chunk.by_address[address]
+        return _Packed(chunk, stored, t.dtype, t.storage_offset(), t.shape, t.stride(), weakref.ref(t), t._version)
 
     def _unpack(self, packed: torch.Tensor | _Packed) -> torch.Tensor:
         if not isinstance(packed, _Packed):
