@@ -105,6 +105,34 @@ def test_pack_combine_match_dense_reference(case: str, ep_size: int) -> None:
     torch.testing.assert_close(out_TH, dense_reference(x_TH, idx_TK, w_TK), rtol=TOL_FP64, atol=TOL_FP64)
 
 
+@pytest.mark.parametrize("case", ["random", "skewed", "same_rank"])
+@pytest.mark.parametrize("ep_size", [1, 2, 3, 6])
+def test_start_dispatch_equals_plan_and_pack_without_a_sync(case: str, ep_size: int) -> None:
+    """``start_dispatch`` (rows gathered at capacity, sizes read later) gives ``plan_dispatch`` + ``pack``'s plan,
+    rows and gradients exactly, ep_size above top-k included (capacity K x T)."""
+    from disagmoe_ds.comm.routing import start_dispatch
+
+    gen = torch.Generator().manual_seed(5)
+    x_TH = torch.randn(13, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    w_TK = torch.rand(13, K, dtype=torch.float64, generator=gen, requires_grad=True)
+    idx_TK = routing_case(case, 13, seed=6)
+    epr = E // ep_size
+    plan = plan_dispatch(idx_TK, ep_size, epr)
+    pieces = pack(x_TH, w_TK, plan)
+    pending = start_dispatch(x_TH, w_TK, idx_TK, ep_size, epr)
+    assert pending.ready() and pending.landed is None  # CPU: the sizes are on the host at once
+    got_plan, got_pieces = pending.resolved
+    assert (got_plan.counts, got_plan.pairs) == (plan.counts, plan.pairs)
+    assert torch.equal(got_plan.token_idx_S, plan.token_idx_S) and torch.equal(got_plan.local_idx_SK, plan.local_idx_SK)
+    g = [torch.randn_like(x) for x, _ in pieces]
+    want = torch.autograd.grad(sum((x * gx).sum() + w.sum() for (x, w), gx in zip(pieces, g)), (x_TH, w_TK))
+    got = torch.autograd.grad(sum((x * gx).sum() + w.sum() for (x, w), gx in zip(got_pieces, g)), (x_TH, w_TK))
+    for (x, w), (gx_, gw_) in zip(pieces, got_pieces, strict=True):
+        assert torch.equal(x, gx_) and torch.equal(w, gw_)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_pack_zeroes_sentinel_weights_and_keeps_dtypes() -> None:
     x_TH = torch.randn(4, H).bfloat16()
     w_TK = torch.rand(4, K)  # fp32 weights beside bf16 activations, as HF routers produce

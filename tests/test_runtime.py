@@ -57,6 +57,25 @@ def test_disaggregated_equals_hf(tiny_checkpoint, family, overrides, M, N, p, ed
     assert summary["pass"], summary
 
 
+@pytest.mark.parametrize("landing", ["second-poll", "never"])
+@pytest.mark.parametrize(("M", "N", "p"), [(1, 2, 1), (2, 4, 2)])
+def test_sends_waiting_for_device_sizes_keep_parity_under_rendezvous(tiny_checkpoint, monkeypatch, landing, M, N, p):
+    """With several ep ranks the m2n (and, p > 1, resid) sizes come from the device: the mailbox queues those sends
+    until the sizes land, keeps every later send behind them and sends them all before anything that may block
+    the host. Here the sizes land on the second poll, or never (then only the blocking calls send them), on the
+    transport where a send completes only once its receive is posted: still HF's result, no deadlock."""
+    from disagmoe_ds.comm.routing import PendingDispatch
+
+    def ready(self) -> bool:
+        polls = self.__dict__["_polls"] = self.__dict__.get("_polls", 0) + 1
+        return landing == "second-poll" and polls > 1
+
+    monkeypatch.setattr(PendingDispatch, "ready", ready)
+    cfg = DisagMoEConfig(attention_gpus=M, ffn_gpus=N, depth=p, micro_batches=3, transport="rendezvous")
+    args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, zero=1, seq_len=8, clip=CLIP, skew=landing == "never")
+    assert run_verify(args, timeout_s=240)["pass"]
+
+
 def test_packed_documents_equal_hf(tiny_checkpoint):
     """Position ids that restart mid-sequence (a block-diagonal mask): A-group 0 takes them from the batch, A-group
     1 from the residual message; each builds a micro-batch's mask once and reuses it for its layers."""

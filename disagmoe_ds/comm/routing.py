@@ -16,6 +16,7 @@ num_experts, so an F rank can feed the rows straight into its slice of the HF ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -97,7 +98,8 @@ def plan_dispatch(topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int
         experts_per_rank: routed experts held by each ep rank (``Layout.experts_per_rank``).
 
     Returns:
-        The plan; one host sync (the per-rank row and pair counts), none when ``ep_size`` is 1.
+        The plan; one host sync (the per-rank row and pair counts), none when ``ep_size`` is 1. ``start_dispatch``
+        does the same work without the sync.
     """
     num_tokens = topk_idx_TK.shape[0]
     topk_idx_TK = topk_idx_TK.long()
@@ -106,24 +108,98 @@ def plan_dispatch(topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int
         return DispatchPlan(
             num_tokens, experts_per_rank, (num_tokens,), (topk_idx_TK.numel(),), token_idx_S, topk_idx_TK
         )
+    token_idx_C, local_idx_CK, sizes_2P = _plan_on_device(topk_idx_TK, ep_size, experts_per_rank)
+    counts, pairs = (tuple(c) for c in sizes_2P.tolist())  # host sync: the message sizes
+    return _sliced_plan(num_tokens, experts_per_rank, counts, pairs, token_idx_C, local_idx_CK)
+
+
+def _plan_on_device(
+    topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's tensors at capacity C = min(ep_size, K) x T rows (no token reaches more ranks), with no host
+    sync: the hits in (ep rank, token) order first, then padding rows (token 0) that the plan slices off once the
+    sizes are known. Returns ``(token_idx_C, local_idx_CK, sizes_2P)``, sizes_2P = rows and pairs per ep rank."""
+    num_tokens, top_k = topk_idx_TK.shape
     rank_TK = topk_idx_TK // experts_per_rank
     hit_PT = torch.zeros(ep_size, num_tokens, dtype=torch.bool, device=topk_idx_TK.device)
     hit_PT[rank_TK, torch.arange(num_tokens, device=topk_idx_TK.device).unsqueeze(1)] = True
-    # nonzero() walks row-major: rows grouped by ep rank, tokens increasing inside each rank.
-    rank_S, token_idx_S = hit_PT.nonzero(as_tuple=True)
+    # Row-major: rows grouped by ep rank, tokens increasing inside each rank; a fixed size needs no host sync.
+    capacity = min(ep_size, top_k) * num_tokens
+    rank_C, token_idx_C = torch.nonzero_static(hit_PT, size=capacity, fill_value=0).unbind(1)
+    idx_CK = topk_idx_TK.index_select(0, token_idx_C)
+    here_CK = rank_TK.index_select(0, token_idx_C) == rank_C.unsqueeze(1)
+    local_idx_CK = torch.where(here_CK, idx_CK - rank_C.unsqueeze(1) * experts_per_rank, experts_per_rank)
     sizes_2P = torch.stack([hit_PT.sum(dim=1), count_ids(rank_TK, ep_size)])
-    counts, pairs = (tuple(c) for c in sizes_2P.tolist())  # host sync: the message sizes
-    idx_SK = topk_idx_TK.index_select(0, token_idx_S)
-    here_SK = rank_TK.index_select(0, token_idx_S) == rank_S.unsqueeze(1)
-    local_idx_SK = torch.where(here_SK, idx_SK - rank_S.unsqueeze(1) * experts_per_rank, experts_per_rank)
-    return DispatchPlan(
-        num_tokens=num_tokens,
-        experts_per_rank=experts_per_rank,
-        counts=counts,
-        pairs=pairs,
-        token_idx_S=token_idx_S,
-        local_idx_SK=local_idx_SK,
-    )
+    return token_idx_C, local_idx_CK, sizes_2P
+
+
+def _sliced_plan(
+    num_tokens: int, experts_per_rank: int, counts: tuple[int, ...], pairs: tuple[int, ...], token_idx_C, local_idx_CK
+) -> DispatchPlan:
+    rows = sum(counts)
+    return DispatchPlan(num_tokens, experts_per_rank, counts, pairs, token_idx_C[:rows], local_idx_CK[:rows])
+
+
+@dataclass(eq=False)
+class PendingDispatch:
+    """``plan_dispatch`` + ``pack`` of one micro-batch, queued on the device without a host sync
+    (``start_dispatch``): the rows are gathered at capacity while the sizes (rows and routed pairs per ep rank)
+    travel to the host by a non-blocking copy. ``ready`` says whether they have landed; ``resolved`` waits for
+    them if not and gives the plan and each ep rank's ``(x_RH, w_RK)``, views of the gathered rows."""
+
+    num_tokens: int
+    experts_per_rank: int
+    token_idx_C: torch.Tensor
+    local_idx_CK: torch.Tensor
+    x_CH: torch.Tensor
+    w_CK: torch.Tensor
+    sizes_2P: torch.Tensor  # on the host (pinned on CUDA), filled by the copy
+    landed: torch.cuda.Event | None  # after the gathers and the copy on the compute stream; None: already there
+
+    def ready(self) -> bool:
+        return self.landed is None or self.landed.query()
+
+    @property
+    def is_resolved(self) -> bool:
+        return "resolved" in self.__dict__  # ``resolved`` has run (a cached property)
+
+    @cached_property
+    def resolved(self) -> tuple[DispatchPlan, list[tuple[torch.Tensor, torch.Tensor]]]:
+        if self.landed is not None:
+            self.landed.synchronize()  # a no-op once ``ready``
+        counts, pairs = (tuple(c) for c in self.sizes_2P.tolist())
+        plan = _sliced_plan(self.num_tokens, self.experts_per_rank, counts, pairs, self.token_idx_C, self.local_idx_CK)
+        rows = sum(counts)
+        return plan, list(zip(self.x_CH[:rows].split(counts), self.w_CK[:rows].split(counts), strict=True))
+
+
+def start_dispatch(
+    x_TH: torch.Tensor, topk_w_TK: torch.Tensor, topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int
+) -> PendingDispatch:
+    """Start ``plan_dispatch`` and ``pack`` without blocking the host (differentiable in x and w, as ``pack``).
+
+    With several ep ranks the message sizes come from the device; ``plan_dispatch`` waits for them, which stops
+    the host from queueing more work until the GPU has caught up. Here they land in pinned host memory while the
+    host goes on (CUDA); the caller sends once ``ready``. The gathers run at capacity (``_plan_on_device``).
+    """
+    num_tokens = topk_idx_TK.shape[0]
+    topk_idx_TK = topk_idx_TK.long()
+    if ep_size == 1:  # sizes known on the host, no gather (``gather_rows``)
+        plan = plan_dispatch(topk_idx_TK, 1, experts_per_rank)
+        sizes_2P = torch.tensor([plan.counts, plan.pairs])
+        return PendingDispatch(
+            num_tokens, experts_per_rank, plan.token_idx_S, plan.local_idx_SK, x_TH, topk_w_TK, sizes_2P, None
+        )
+    token_idx_C, local_idx_CK, sizes_2P = _plan_on_device(topk_idx_TK, ep_size, experts_per_rank)
+    x_CH = x_TH.index_select(0, token_idx_C)
+    w_CK = topk_w_TK.index_select(0, token_idx_C).masked_fill(local_idx_CK == experts_per_rank, 0)
+    landed = None
+    if sizes_2P.device.type == "cuda":
+        host = torch.empty(sizes_2P.shape, dtype=sizes_2P.dtype, pin_memory=True)
+        sizes_2P = host.copy_(sizes_2P, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+    return PendingDispatch(num_tokens, experts_per_rank, token_idx_C, local_idx_CK, x_CH, w_CK, sizes_2P, landed)
 
 
 def gather_rows(x_TH: torch.Tensor, topk_w_TK: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,12 @@ order; the mailbox adds what makes that safe and fast under rendezvous:
   from the micro-batch size (m2n with one ep rank: ``ExchangeComms.static_m2n_rows``), or from what this rank
   itself sent earlier (the reverse paths). ``pump`` posts every receive that has become
   postable, oldest first per channel, without blocking; a wait blocks only for a header that is not in yet.
-- **no host sync per send.** Sizes come from tensor shapes and host ints, headers go host to host.
+- **no host sync per send.** Sizes come from tensor shapes and host ints, headers go host to host. Where the sizes
+  come from the device (m2n and resid with several ep ranks: rows per ep rank), the runner hands over a ``Later``
+  and the sizes land in host memory while the host goes on; the mailbox sends it once they have (``pump``), keeps
+  every later send behind it (the schedule's order of sends), and sends them all, waiting for their sizes,
+  before anything that may block the host. Sent late, a message leaves from a side stream after the compute that
+  made it, not after the compute queued since.
 
 Payloads at the runner boundary (shape suffixes: T tokens, H hidden, K top-k, E experts, R/S rows, P ep ranks):
 
@@ -23,6 +28,7 @@ Payloads at the runner boundary (shape suffixes: T tokens, H hidden, K top-k, E 
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +39,7 @@ import torch
 from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn, FanOut
 from disagmoe_ds.comm.exchange import ExchangeComms, Kind, LaneRows, assume_static_m2n, exchange_specs
 from disagmoe_ds.comm.routing import RoutedTokens
+from disagmoe_ds.engine.later import Later
 from disagmoe_ds.schedule import Message
 
 Key = tuple[str, int, int]  # (kind, layer of the sending task, micro-batch)
@@ -84,6 +91,11 @@ class Mailbox:
         self._in = {k.value: _Inbox(comms.fan_in(k, specs[k], device, stream)) for k in receives}
         self._known: dict[Key, list[tuple[int, ...]]] = {}  # sizes of receives this rank can predict
         self._static_m2n_rows, self._top_k = comms.static_m2n_rows, top_k
+        # Sends not made yet, in schedule order, each with the point of the compute stream that produced it.
+        self._queued: deque[tuple[Message, Any, torch.cuda.Event | None]] = deque()
+        cuda = device.type == "cuda"
+        self._send_stream = torch.cuda.Stream(device) if cuda else None
+        self._waits_block_host = not cuda  # NCCL waits are the compute stream's; gloo's block the host
 
     # ----- the schedule's verbs -----
     def post(self, message: Message) -> None:
@@ -101,9 +113,13 @@ class Mailbox:
         if key not in keys:
             raise ChannelError(f"{message}: waited for without a PostRecv before")
         index = keys.index(key)
+        if self._waits_block_host:
+            self._drain(block=True)
         for k, arrival in list(inbox.pending)[: index + 1]:
             if arrival.work is None:
-                self._resolve(message.kind, k, arrival, block=True)
+                if not self._resolve(message.kind, k, arrival, block=False):
+                    self._drain(block=True)  # this rank's queued sends may be what the sender waits for
+                    self._resolve(message.kind, k, arrival, block=True)
                 inbox.fan_in.post(arrival)
         arrival = inbox.pending[index][1]
         del inbox.pending[index]
@@ -111,6 +127,15 @@ class Mailbox:
         return self._unpack(message.kind, arrival, whole, per_peer)
 
     def send(self, message: Message, payload: Any) -> None:
+        """Send ``payload`` now, or queue it (a ``Later`` whose sizes are not on the host yet, or anything behind
+        one): ``pump`` sends the queue in order as it becomes ready."""
+        if self._queued or (isinstance(payload, Later) and not payload.ready()):
+            self._queued.append((message, payload, self._produced()))
+        else:
+            self._send_now(message, payload.make() if isinstance(payload, Later) else payload)
+        self.pump()
+
+    def _send_now(self, message: Message, payload: Any) -> None:
         key = message_key(message)
         kind, layer, mb = key
         tag = _tag(key)
@@ -134,10 +159,11 @@ class Mailbox:
             self._known[("resid_grad", layer + 1, mb)] = [sizes[:1]]
         else:  # resid_grad
             fan_out.send([payload], tag=tag)
-        self.pump()
 
     def pump(self) -> None:
-        """Post every payload receive whose sizes are known by now, oldest first per channel; never blocks."""
+        """Send what has become sendable, then post every payload receive whose sizes are known by now, oldest first
+        per channel; never blocks."""
+        self._drain(block=False)
         for kind, inbox in self._in.items():
             for key, arrival in inbox.pending:
                 if arrival.work is not None:
@@ -148,11 +174,38 @@ class Mailbox:
 
     def flush(self) -> None:
         """Wait until every send has left (end of step: buffers may be freed)."""
+        self._drain(block=True)
         for fan_out in self._out.values():
             fan_out.wait_all()
         stale = [key for inbox in self._in.values() for key, _ in inbox.pending]
         if stale or self._known:
             raise ChannelError(f"end of step with messages expected but never waited: {stale or list(self._known)}")
+
+    # ----- queued sends -----
+    def _drain(self, *, block: bool) -> None:
+        """Send the queue in order: up to the first ``Later`` not ready (``block``: waiting for each)."""
+        while self._queued:
+            message, payload, produced = self._queued[0]
+            if isinstance(payload, Later) and not (block or payload.ready()):
+                return
+            self._queued.popleft()
+            with self._after(produced):
+                self._send_now(message, payload.make() if isinstance(payload, Later) else payload)
+
+    def _produced(self) -> torch.cuda.Event | None:
+        """The point of the compute stream after which a payload queued now is complete (None on CPUs)."""
+        if self._send_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _after(self, produced: torch.cuda.Event | None) -> contextlib.AbstractContextManager:
+        # On the compute stream NCCL would start the send only after all compute queued since.
+        if produced is None:
+            return contextlib.nullcontext()
+        self._send_stream.wait_event(produced)
+        return torch.cuda.stream(self._send_stream)
 
     # ----- sizes -----
     def _resolve(self, kind: str, key: Key, arrival: Arrival, *, block: bool) -> bool:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, combine, count_ids, pack, plan_dispatch
+from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, PendingDispatch, combine, count_ids, start_dispatch
+from disagmoe_ds.engine.later import Later
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, LayerContext, router_stats
 
@@ -69,6 +70,14 @@ def _grad_of_inputs(outputs: list[torch.Tensor | None], inputs: list[torch.Tenso
         torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
 
 
+def _sent(dispatch: PendingDispatch) -> PendingDispatch:
+    """``dispatch``, whose m2n message the mailbox has made (and so resolved): a runner that waited here for the
+    sizes while the mailbox still held earlier sends could wait for its own GPU behind a receive that needs them."""
+    if not dispatch.is_resolved:
+        raise RuntimeError("a dispatch was read before its m2n message was sent: the schedule sends m2n first")
+    return dispatch
+
+
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
@@ -80,11 +89,23 @@ class _Chunk:
     resid_leaf: torch.Tensor | None = None
     y_leaves: list[torch.Tensor] = field(default_factory=list)
     residual_out: torch.Tensor | None = None
-    pieces: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    sent: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # the m2n messages (resend: sent again)
+    dispatch: PendingDispatch | None = None  # MoE layers: the tokens packed for the ep ranks
     prob_sum_E: torch.Tensor | None = None
     scaled_loss: torch.Tensor | None = None
     aux_grad_E: torch.Tensor | None = None
+
+    @property
+    def pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each ep rank's ``(x_RH, w_RK)``; read in the backward, after the m2n message went out."""
+        return _sent(self.dispatch).resolved[1] if self.dispatch is not None else []
+
+    @property
+    def messages(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The m2n messages ``(x_RH, local_idx_RK, w_RK)`` per ep rank (with resend: sent again, detached)."""
+        if self.dispatch is None:
+            return []
+        plan, pieces = self.dispatch.resolved
+        return [(x_RH, idx_RK, w_RK) for (x_RH, w_RK), idx_RK in zip(pieces, plan.local_idx_RK, strict=True)]
 
 
 @dataclass
@@ -187,7 +208,6 @@ class AttentionRunner:
         chunk.residual_out = out.residual_BSH
         outgoing: Outgoing = {}
         T, H = h_BSH.shape[0] * h_BSH.shape[1], h_BSH.shape[2]
-        plan = None
         if out.x_TH is not None:
             topk_idx_TK = out.topk_idx_TK.long()
             load_E = count_ids(topk_idx_TK, self.num_experts)
@@ -196,14 +216,20 @@ class AttentionRunner:
                 stats = router_stats(out.router_logits_TE, self.top_k)
                 chunk.prob_sum_E = stats.prob_sum_E
                 counts_E, probs_E = counts_E + stats.counts_E, probs_E + stats.prob_sum_E.detach()
-            plan = plan_dispatch(topk_idx_TK, self.layout.ep_size, self.layout.experts_per_rank)
-            chunk.pieces = pack(out.x_TH, out.topk_w_TK, plan)
-            messages = [(x_RH, idx_RK, w_RK) for (x_RH, w_RK), idx_RK in zip(chunk.pieces, plan.local_idx_RK)]
-            chunk.sent = [tuple(t.detach() for t in message) for message in messages] if self.resend else []
-            outgoing["m2n"] = (messages, plan.pairs)
+            # No host sync: the sizes reach the host while it goes on, and the mailbox sends once they have.
+            chunk.dispatch = start_dispatch(
+                out.x_TH, out.topk_w_TK, topk_idx_TK, self.layout.ep_size, self.layout.experts_per_rank
+            )
+            outgoing["m2n"] = Later(chunk.dispatch, lambda: (chunk.messages, chunk.dispatch.resolved[0].pairs))
         # A_next combines from what combine needs of the plan (with p > 1 its rows per ep rank ride in the header).
         residual_TH, position_ids_T = out.residual_BSH.detach().reshape(T, H), position_ids_BS.reshape(T)
-        resid = self._resid_message(residual_TH, plan, position_ids_T, counts_E, probs_E)
+        dispatch = chunk.dispatch
+        resid = Later(
+            dispatch,
+            lambda: self._resid_message(
+                residual_TH, dispatch.resolved[0] if dispatch else None, position_ids_T, counts_E, probs_E
+            ),
+        )
         self._hand_off("resid", layer, mb, resid, outgoing)
         self.chunks[(layer, mb)] = chunk
         return outgoing
@@ -281,7 +307,8 @@ class AttentionRunner:
             if chunk.y_leaves:
                 grads = [(_grad_or_zeros(y),) for y in chunk.y_leaves]
                 if self.resend:  # the previous layer's tokens again (depth 1: its chunk is on this rank)
-                    grads = [g + m for g, m in zip(grads, self.chunks[(layer - 1, mb)].sent, strict=True)]
+                    sent = [tuple(t.detach() for t in m) for m in self.chunks[(layer - 1, mb)].messages]
+                    grads = [g + m for g, m in zip(grads, sent, strict=True)]
                 outgoing["n2m_grad"] = (grads, None)
         return outgoing
 
@@ -293,7 +320,14 @@ class AttentionRunner:
             self.local[(kind, layer, mb)] = payload
 
     def _take(self, kind: str, layer: int, mb: int, incoming: dict[str, Any]):
-        return incoming[kind] if self.layout.depth > 1 else self.local.pop((kind, layer, mb))
+        if self.layout.depth > 1:
+            return incoming[kind]
+        value = self.local.pop((kind, layer, mb))
+        if isinstance(value, Later):  # the resid of a layer whose n2m came back: its m2n went out
+            if value.source is not None:
+                _sent(value.source)
+            return value.make()
+        return value
 
 
 @dataclass
