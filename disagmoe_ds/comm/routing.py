@@ -121,8 +121,10 @@ def _plan_on_device(
     sizes are known. Returns ``(token_idx_C, local_idx_CK, sizes_2P)``, sizes_2P = rows and pairs per ep rank."""
     num_tokens, top_k = topk_idx_TK.shape
     rank_TK = topk_idx_TK // experts_per_rank
-    hit_PT = torch.zeros(ep_size, num_tokens, dtype=torch.bool, device=topk_idx_TK.device)
-    hit_PT[rank_TK, torch.arange(num_tokens, device=topk_idx_TK.device).unsqueeze(1)] = True
+    # A comparison, not ``hit[rank, token] = True``: CUDA's index_put waits for the device (16 ms on an H200 behind
+    # queued GEMMs).
+    ranks_P11 = torch.arange(ep_size, device=topk_idx_TK.device).view(-1, 1, 1)
+    hit_PT = (rank_TK.unsqueeze(0) == ranks_P11).any(dim=2)
     # Row-major: rows grouped by ep rank, tokens increasing inside each rank; a fixed size needs no host sync.
     capacity = min(ep_size, top_k) * num_tokens
     rank_C, token_idx_C = torch.nonzero_static(hit_PT, size=capacity, fill_value=0).unbind(1)
