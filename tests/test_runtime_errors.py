@@ -26,7 +26,6 @@ MODEL = "hf_models/tiny-qwen2-moe"  # 4 layers, 8 experts, layer 0 dense
         (["--ffn-gpus", "3"], r"num_experts \(8\) must be divisible by the expert-parallel size \(3"),
         (["--depth", "3", "--attention-gpus", "3", "--ffn-gpus", "3"], r"must be divisible by depth \(3\)"),
         (["--attention-gpus", "3", "--depth", "2", "--ffn-gpus", "2"], r"attention_gpus \(3\) must be divisible"),
-        (["--ffn-gpus", "4", "--expert-data-parallel", "2", "--zero", "2"], "ZeRO stage 2 with expert_data_parallel"),
     ],
 )
 def test_bad_layout_fails_before_launch(capsys, flags, message):

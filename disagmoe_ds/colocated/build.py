@@ -2,7 +2,7 @@
 
 The steps and their order are ``engine.rank.RankBuilder``'s, shared with the disaggregated mode; this mode's own:
 
-    layout   ``ColocatedConfig.layout`` (W ranks, EP groups of ep_size), ZeRO-2 only with ep_size 1;
+    layout   ``ColocatedConfig.layout`` (W ranks, EP groups of ep_size);
     groups   data parallel (all W ranks), expert parallel and expert data parallel, registered as DeepSpeed's
              expert groups (``colocated.groups``);
     module   the whole attention side, the rank's expert slice dressed as DeepSpeed MoE, and its dispatcher
@@ -25,7 +25,6 @@ from disagmoe_ds.colocated.groups import register_with_deepspeed
 from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout, ColocatedRole
 from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
 from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
-from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_experts_of
@@ -44,8 +43,7 @@ class Colocated:
         return self.cfg.layout(num_experts=num_experts_of(config))
 
     def check(self, layout: ColocatedLayout, config, ds_config: dict[str, Any]) -> None:
-        del config
-        check_zero(layout, ds_config)
+        del layout, config, ds_config  # every ZeRO stage role_ds_config accepts, any ep_size (ExpertShard)
 
     def groups(
         self,
@@ -117,13 +115,3 @@ class Colocated:
 
 build_colocated_rank = RankBuilder(Colocated)
 preflight_colocated = build_colocated_rank.preflight
-
-
-def check_zero(layout: ColocatedLayout, ds_config: dict[str, Any]) -> None:
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage >= 2 and layout.ep_size > 1:
-        raise ConfigError(
-            f"ZeRO stage {stage} with ep_size {layout.ep_size} is not supported in co-located mode: an expert slice "
-            "that receives no token in a micro-batch produces no gradient, and DeepSpeed's stage-2 gradient buckets "
-            "(shared by attention and expert parameters) then differ between ranks; use zero_optimization.stage 1"
-        )

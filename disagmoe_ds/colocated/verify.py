@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
     p.add_argument("--world-size", type=int, default=2, help="W: ranks, each with attention and an expert slice")
     p.add_argument("--ep-size", type=int, default=2, help="expert-parallel ranks per copy of the experts (divides W)")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per rank")
-    add_run_args(p, zero_help="ZeRO stage (2 only with ep-size 1)")
+    add_run_args(p, zero_help="ZeRO stage")
     a = p.parse_args(argv)
     cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=a.micro_batches)
     return run_args(ColocatedVerifyArgs, a, cfg)

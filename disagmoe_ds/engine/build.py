@@ -3,7 +3,7 @@
 The steps and their order are ``engine.rank.RankBuilder``'s, shared with the co-located mode; this mode's own:
 
     layout   ``DisagMoEConfig.layout`` (M attention ranks in p A-groups, N FFN ranks in p F-groups), every
-             F-group owning an MoE layer, ZeRO-2 only without expert replicas;
+             F-group owning an MoE layer;
     groups   data parallel = the lanes of an A-group or the replicas of an expert shard, plus the exchange
              communicators (``comm.exchange``) over the configured transport;
     module   the rank's role stage cut from the HF model (``AttentionStage`` or ``ExpertStage``);
@@ -28,7 +28,7 @@ from disagmoe_ds.engine.mailbox import Mailbox
 from disagmoe_ds.engine.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
 from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
-from disagmoe_ds.errors import ConfigError, LayoutError
+from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
@@ -60,6 +60,7 @@ class Disaggregated:
         return self.cfg.layout(num_layers=config.num_hidden_layers, num_experts=num_experts_of(config))
 
     def check(self, layout: Layout, config, ds_config: dict[str, Any]) -> None:
+        del ds_config  # every ZeRO stage role_ds_config accepts works, with expert replicas too (ExpertShard)
         moe = moe_layer_pattern(config.to_dict())
         for g in range(layout.depth):
             if not any(moe[layer] for layer in layout.layers_of_group(g)):
@@ -67,11 +68,6 @@ class Disaggregated:
                     f"F-group {g} would own no MoE layer (layers {layout.layers_of_group(g)} are dense); "
                     "choose a depth whose groups all contain an MoE layer"
                 )
-        if ds_config.get("zero_optimization", {}).get("stage", 0) >= 2 and layout.expert_data_parallel > 1:
-            raise ConfigError(
-                "ZeRO stage 2 with expert_data_parallel > 1 is not supported: replicas routing different tokens "
-                "produce gradients in different orders; use zero_optimization.stage 1"
-            )
 
     def groups(
         self, layout: Layout, rank: int, *, timeout: timedelta, device: torch.device, tokens_per_micro_batch: int | None

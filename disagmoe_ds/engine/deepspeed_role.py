@@ -105,10 +105,11 @@ def allow_backward_without_gradients(optimizer) -> None:
     """Let a ZeRO-2 backward reach no parameter of the engine.
 
     ZeRO-2 allocates its gradient buckets at a backward's first parameter gradient and frees them when the backward
-    ends, where it reduces the last bucket unconditionally. An expert shard that no token of a micro-batch was routed
-    to still runs that micro-batch's backward (for the gradient of its inputs) but produces no parameter gradient, and
-    DeepSpeed then indexes a bucket that was never allocated (``IndexError`` in ``reduce_ipg_grads``). With nothing
-    in any bucket there is nothing to reduce, so that call is skipped; every other call is DeepSpeed's.
+    ends, where it reduces the last bucket unconditionally. A backward that produces no parameter gradient (a chunk
+    whose trainable parameters it does not reach) would make DeepSpeed index a bucket that was never allocated
+    (``IndexError`` in ``reduce_ipg_grads``). With nothing in any bucket there is nothing to reduce, so that call is
+    skipped; every other call is DeepSpeed's. Expert shards never need it: their forward reaches every parameter
+    even with no token routed to them (``ExpertShard.forward``), so that their replicas reduce the same buckets.
     """
     reduce = optimizer.reduce_ipg_grads
 
@@ -183,8 +184,8 @@ def zero_grads_of_untouched(engine) -> None:
 
     Replicas must reduce the same buckets; a zero backward through DeepSpeed (not ``p.grad = 0``) also sets up its
     reduction buffers on a rank where no gradient was produced at all. ZeRO-2 reduces (and clears ``p.grad``)
-    during backward, and runs only where every replica's backward reaches every parameter (no expert replicas in
-    AF-Pipe engines, ep_size 1 co-located), so it needs none of this.
+    during each backward instead, and every backward of an expert shard reaches all its parameters
+    (``ExpertShard.forward``), so it needs none of this.
     """
     if engine.zero_optimization_stage() >= 2:
         return

@@ -215,13 +215,37 @@ class ExpertShard(nn.Module):
     def forward(
         self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int | None = None
     ) -> torch.Tensor:
-        """``num_pairs``: the non-sentinel ids in ``local_idx_RK`` when the host knows it (saves a host sync)."""
+        """``num_pairs``: the non-sentinel ids in ``local_idx_RK`` when the host knows it (saves a host sync).
+
+        With no pair here the result still reaches every parameter (``_untouched``), so a backward always gives
+        the whole shard a gradient, in the same order, however the tokens were routed.
+        """
+        if num_pairs is None:
+            num_pairs = int((local_idx_RK < self.num_local).sum())  # host sync
+        if num_pairs == 0:
+            return x_RH * 0 + self._untouched(x_RH, local_idx_RK, w_RK)
+        return self._pairs(x_RH, local_idx_RK, w_RK, num_pairs)
+
+    def _pairs(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int):
         if supports_grouped(self.family, self.experts, x_RH):
             e = self.experts
             return grouped_gated_experts(
                 x_RH, local_idx_RK, w_RK, e.gate_up_proj, e.down_proj, e.act_fn, num_pairs, self.elementwise
             )
         return self.forward_hf(x_RH, local_idx_RK, w_RK)
+
+    def _untouched(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
+        """An exact zero [1, H] that depends on every parameter as a routed pair does: one zero row to local expert
+        0 with weight 0, through the same path (the warm-up's one-pair case, so no new compiled graph).
+
+        Why: ZeRO-2 reduces gradients during each backward, bucket by bucket in the order they are produced, so the
+        replicas of a shard must produce the same parameters' gradients in the same order in every backward, also
+        the replica no token reached (its gradients are then exactly zero: every term carries the weight 0).
+        """
+        top_k = local_idx_RK.shape[1]
+        idx_1K = local_idx_RK.new_full((1, top_k), self.num_local)
+        idx_1K[0, 0] = 0
+        return self._pairs(x_RH.new_zeros(1, x_RH.shape[1]), idx_1K, w_RK.new_zeros(1, top_k), 1)
 
     def forward_hf(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
         """Through HF's own experts module (its configured implementation): the reference path."""
