@@ -582,15 +582,22 @@ def test_selective_recompute_drops_the_listed_bytes_and_adds_their_flops():
     assert e_sel - e_none == pytest.approx(per * tokens * spec.top_k * expert_recompute_flops_per_assignment(spec))
 
 
-def test_resend_frees_the_received_tokens_and_costs_one_more_m2n():
+def test_resend_keeps_nothing_on_f_and_costs_one_more_m2n():
+    """Resend as the runtime runs it: F holds no activation in flight under any recompute policy (one layer's full
+    set, tokens included, is working memory while its backward re-runs the forward), and n2m_grad carries the
+    m2n payload again."""
     from disagmoe_ds.planner.placement import Placement
     from disagmoe_ds.planner.stages import af_roofline
     from disagmoe_ds.planner.task_costs import af_task_costs
 
-    spec, layout, work = _af_setup(recompute="full")
-    resend = replace(work, resend=True)
-    assert ffn_rank_memory(spec, layout, resend).activations_per_micro_batch == 0  # F keeps nothing in flight
-    assert ffn_rank_memory(spec, layout, work).activations_per_micro_batch > 0
+    for rc in ("none", "selective", "full"):
+        spec, layout, work = _af_setup(recompute=rc)
+        resend = replace(work, resend=True)
+        mem, mem0 = ffn_rank_memory(spec, layout, resend), ffn_rank_memory(spec, layout, work)
+        assert mem.activations_per_micro_batch == 0 and mem.max_in_flight(1e12) == 10**6  # F keeps nothing
+        assert mem0.activations_per_micro_batch > 0
+        assert mem.working >= ffn_rank_memory(spec, layout, replace(work, recompute="full")).working
+        assert mem.state == mem0.state
     rates = Rates.from_cluster(small_cluster(), Efficiency())
     place = Placement.contiguous(2, 4)
     kw = {"placement": place, "rates": rates, "nics": (4, 4)}
@@ -602,6 +609,50 @@ def test_resend_frees_the_received_tokens_and_costs_one_more_m2n():
     roof0 = af_roofline(spec, layout, work, micro_batches=4, **kw)
     expected = max(wire.a_to_f + wire.m2n, wire.f_to_a) / max(wire.a_to_f, wire.f_to_a)
     assert roof.ffn.nic_bytes == pytest.approx(roof0.ffn.nic_bytes * expected)
+
+
+def test_resend_costs_exactly_one_more_expert_forward_in_the_f_backward():
+    """The F backward with resend re-runs the expert forward once: plain backward + one forward whatever the
+    recompute policy (selective's partial re-run is part of it; full recompute is not charged twice), in the
+    simulator's task costs and in the roofline alike; the A side is untouched."""
+    from disagmoe_ds.planner.part_times import expert_call_s
+    from disagmoe_ds.planner.placement import Placement
+    from disagmoe_ds.planner.stages import af_roofline, compute_multiplier
+    from disagmoe_ds.planner.task_costs import af_task_costs
+
+    spec, layout, plain = _af_setup()
+    rates = Rates.from_cluster(small_cluster(), Efficiency())
+    kw = {"placement": Placement.contiguous(2, 4), "rates": rates, "nics": (4, 4)}
+    f_tokens = layout.lanes * plain.tokens_per_micro_batch / layout.ffn_ranks_per_group
+    base = af_task_costs(spec, layout, plain, **kw)
+    roof0 = af_roofline(spec, layout, plain, micro_batches=4, **kw)
+    for rc in ("none", "selective", "full"):
+        work = replace(plain, recompute=rc)
+        costs = af_task_costs(spec, layout, replace(work, resend=True), **kw)
+        for i in range(spec.num_layers):
+            fwd, _ = expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute="none")
+            assert costs.per_layer["F_bwd"][i] == pytest.approx(base.per_layer["F_bwd"][i] + fwd)
+            assert costs.per_layer["F_fwd"][i] == pytest.approx(base.per_layer["F_fwd"][i])
+            assert costs.per_layer["A_bwd"][i] == pytest.approx(
+                af_task_costs(spec, layout, work, **kw).per_layer["A_bwd"][i]
+            )
+        assert any(costs.per_layer["F_bwd"][i] > base.per_layer["F_bwd"][i] for i in range(spec.num_layers))
+        roof = af_roofline(spec, layout, replace(work, resend=True), micro_batches=4, **kw)
+        assert roof.ffn.flops == pytest.approx(roof0.ffn.flops * 4 / 3)  # fwd + 2x bwd + the re-run forward
+        assert roof.ffn.compute_s > roof0.ffn.compute_s
+        assert compute_multiplier(replace(work, resend=True), "ffn") == 4
+    full = replace(plain, recompute="full")
+    assert af_task_costs(spec, layout, replace(full, resend=True), **kw).per_layer["F_bwd"] == pytest.approx(
+        af_task_costs(spec, layout, full, **kw).per_layer["F_bwd"]
+    )
+    assert af_roofline(spec, layout, replace(full, resend=True), micro_batches=4, **kw).ffn.compute_s == pytest.approx(
+        af_roofline(spec, layout, full, micro_batches=4, **kw).ffn.compute_s
+    )
+    # A split backward moves the same weight-gradient half of the experts off the critical path.
+    split = af_task_costs(spec, layout, replace(plain, resend=True, split_backward=True), **kw)
+    whole = af_task_costs(spec, layout, replace(plain, resend=True), **kw)
+    for i in range(spec.num_layers):
+        assert split.per_layer["F_bwd"][i] + split.wgrad["F"][i] == pytest.approx(whole.per_layer["F_bwd"][i])
 
 
 def test_message_host_time_adds_to_every_exchanging_task():

@@ -37,6 +37,7 @@ from disagmoe_ds.planner.stages import AfRoofline, af_roofline, compute_multipli
 from disagmoe_ds.planner.task_costs import af_task_costs
 from disagmoe_ds.planner.variants import VARIANTS, dominated, memory_variants, offload_share, savings
 
+SIDES = ("attention", "ffn")
 PAYS_THRESHOLD = 1.05  # below this predicted speed-up, disaggregation is not worth its complexity
 
 
@@ -107,9 +108,9 @@ class AfCandidate:
     @property
     def exposed_sync_s(self) -> float:
         """The slower side's gradient sync that does not hide behind its backward compute."""
-        share = (compute_multiplier(self.work) - 1) / compute_multiplier(self.work)
-        sides = zip(self.sync_s, (self.roofline.attention, self.roofline.ffn))
-        return max(exposed_sync_s(sync, share * side.compute_s) for sync, side in sides)
+        shares = [(compute_multiplier(self.work, side) - 1) / compute_multiplier(self.work, side) for side in SIDES]
+        sides = zip(self.sync_s, shares, (self.roofline.attention, self.roofline.ffn))
+        return max(exposed_sync_s(sync, share * side.compute_s) for sync, share, side in sides)
 
 
 Candidate = TypeVar("Candidate", AfCandidate, ColocatedCandidate)

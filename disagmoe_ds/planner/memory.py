@@ -9,7 +9,8 @@ replicas of an F-group, and, in the baseline, the DP (attention) or expert-DP (e
 Activations are kept per in-flight micro-batch for every layer a rank owns (``ModelSpec`` per-token
 bytes); with full recompute only the layer inputs stay, plus one layer's full set while it is recomputed.
 
-Selective recompute drops the tensors ``recompute.py`` lists. Offload keeps a share of a micro-batch's
+Selective recompute drops the tensors ``recompute.py`` lists. Resend keeps nothing on the F side (its backward
+gets the tokens again and re-runs the expert forward). Offload keeps a share of a micro-batch's
 activations in host memory between its forward and backward, holding two layers' worth on the GPU as the
 copy window. ZeRO-3 also shards the bf16 parameters and holds two gathered layers (current and prefetch).
 
@@ -91,8 +92,12 @@ class Workload:
     and the AF-Pipe variants (ignored by the co-located baseline).
 
     Args:
-        resend: the F side drops the tokens it received after the forward; the A side (which keeps them as its
-            post-attention norm output) sends them again with the backward's gradient.
+        resend: the F side keeps nothing between a micro-batch's forward and its backward: the A side (which keeps
+            the tokens as its post-attention norm output) sends them again with the backward's gradient, and F
+            re-runs the expert forward from them before its backward (one more expert forward per micro-batch and
+            layer, whatever ``recompute`` is; with "full" that is the recompute F pays anyway, not a second one).
+            The runtime resends at depth 1 only (``DisagMoEConfig.resend``); the planner also costs p > 1 so the
+            simulator can study it (``cli._simulated_only`` flags such plans).
         offload: (A, F) share of a micro-batch's kept activations moved to host memory between its forward
             and its backward.
         split_backward: each backward runs as an input-gradient task on the critical path and a weight-gradient
@@ -119,6 +124,12 @@ class Workload:
         """ZeRO stage of the "attention" or "ffn" side."""
         stage = self.attention_zero_stage if side == "attention" else self.ffn_zero_stage
         return self.zero_stage if stage is None else stage
+
+    @property
+    def ffn_recompute(self) -> Recompute:
+        """The recompute the F side's backward pays for: with ``resend`` it re-runs the whole expert forward (the
+        compute of full recompute, charged once), otherwise the global policy."""
+        return "full" if self.resend else self.recompute
 
     @property
     def variant(self) -> str:
@@ -193,15 +204,15 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
 
     A micro-batch brings d * B * s tokens to the F-group; a replica sees 1/edp of them, and each of its ep
     ranks receives a token once per chosen local expert set and keeps top_k/ep assignments per token.
-    With ``resend`` the received tokens and their gathered per-expert copies are dropped after the forward
-    and come back with the backward (one layer's worth is then working memory).
+    With ``resend`` the F side keeps nothing in flight, whatever the recompute policy: the forward runs without
+    autograd and the backward gets the tokens again and re-runs the forward, so one layer's full set (tokens,
+    gathered copies and every expert tensor) is working memory.
     """
     zero = work.zero_of("ffn")
     per_param = Precision.named(work.precision).per_param(zero_stage=zero, dp=layout.expert_data_parallel)
     tokens_per_replica = layout.lanes * work.tokens_per_micro_batch / layout.expert_data_parallel
     assignments = tokens_per_replica * spec.top_k / layout.ep_size
     received = tokens_per_replica * spec.distinct_ranks_per_token(layout.ep_size) / layout.ep_size
-    inputs = (received + assignments) * ACT_BYTES * spec.hidden_size  # received tokens + gathered copies
     worst: RankMemory | None = None
     for g in range(layout.depth):
         moe = [i for i in layout.layers_of_group(g) if spec.moe_layers[i]]
@@ -209,11 +220,13 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
         layer_full = (
             assignments * spec.f_side_activation_bytes_per_assignment() + received * ACT_BYTES * spec.hidden_size
         )
-        full = [layer_full - (inputs if work.resend else 0.0)] * len(moe)
+        full = [layer_full] * len(moe)
         saved = [assignments * expert_saved_bytes_per_assignment(spec)] * len(moe)
-        kept_input = 0.0 if work.resend else received * ACT_BYTES * spec.hidden_size
-        act = _kept(full, saved, kept_input, work.recompute)
-        working = _working(full, saved, work.recompute) + (inputs if work.resend else 0.0)
+        if work.resend:  # nothing kept; the backward rematerialises one layer at a time, tokens included
+            act, working = 0.0, max(full, default=0.0)
+        else:
+            act = _kept(full, saved, received * ACT_BYTES * spec.hidden_size, work.recompute)
+            working = _working(full, saved, work.recompute)
         share = work.offload[1]
         working += _offload_window(act, len(moe), share)
         working += _gathered(layout.experts_per_rank * spec.expert_params(), zero, work.precision)

@@ -6,17 +6,18 @@ Roofline of one training step (paper-notes.md section 5.3, with per-side NIC poo
 
     T_a = max(C_a / (M * P_a), V_a / (M_a * B)),    T_f = max(C_f / (N * P_f), V_f / (M_f * B))
 
-C are the step's FLOPs of each side (3x forward, 4x with full recompute) and P the achievable FLOP/s per
-GPU; here C/(M P) is computed as the busiest group's sum of per-call times (``cluster.PartModel``: peak x
-efficiency, or a measured profile with its per-call overhead). B is the achievable bandwidth per NIC and V the
-bytes per direction that cross NICs: A <-> F tokens (m2n and n2m_grad one way, n2m and m2n_grad the other),
-plus on the A side the residual hand-off A_g -> A_g+1 when p > 1. Traffic between two GPUs of one node goes
-over NVLink instead (see ``placement.py`` for which pairs share a node).
+C are the step's FLOPs of each side (3x forward, 4x with full recompute; F also 4x with resend) and P the
+achievable FLOP/s per GPU; here C/(M P) is computed as the busiest group's sum of per-call times
+(``cluster.PartModel``: peak x efficiency, or a measured profile with its per-call overhead). B is the
+achievable bandwidth per NIC and V the bytes per direction that cross NICs: A <-> F tokens (m2n and n2m_grad
+one way, n2m and m2n_grad the other), plus on the A side the residual hand-off A_g -> A_g+1 when p > 1. Traffic
+between two GPUs of one node goes over NVLink instead (see ``placement.py`` for which pairs share a node).
 
 The variants add, from first principles:
 
 * selective recompute: the backward re-runs the forward FLOPs ``recompute.py`` lists (full: the whole forward);
-* resend: the A -> F direction carries each token's m2n payload a second time, with the backward;
+* resend: the A -> F direction carries each token's m2n payload a second time, with the backward, and the F
+  side's backward re-runs the expert forward (one more forward on F, as with full recompute, charged once);
 * ZeRO-2 / ZeRO-3 on a side: each micro-batch reduce-scatters its gradients over the side's replicas, and
   ZeRO-3 all-gathers the parameters before the forward and the backward ((r - 1)/r of the bytes leave a
   rank), over NICs when the replicas span nodes, else NVLink;
@@ -75,10 +76,12 @@ class AfRoofline:
         return max(self.attention.stage_s, self.ffn.stage_s)
 
 
-def compute_multiplier(work: Workload) -> int:
-    """Forward passes' worth of matmul work per step: fwd + 2x bwd, plus one more forward under full recompute
-    (selective recompute adds a fraction, counted exactly in ``af_roofline``)."""
-    return 4 if work.recompute == "full" else 3
+def compute_multiplier(work: Workload, side: str = "attention") -> int:
+    """Forward passes' worth of matmul work per step on the "attention" or "ffn" side: fwd + 2x bwd, plus one
+    more forward under full recompute or, on the F side, resend (selective recompute adds a fraction, counted
+    exactly in ``af_roofline``)."""
+    policy = work.ffn_recompute if side == "ffn" else work.recompute
+    return 4 if policy == "full" else 3
 
 
 @lru_cache(maxsize=4096)
@@ -101,14 +104,16 @@ def cross_node_share(layout: Layout, placement: Placement) -> tuple[float, float
 def _group_compute_s(
     spec: ModelSpec, layout: Layout, work: Workload, rates: Rates, micro_batches: int
 ) -> tuple[float, float]:
-    """(A lane, F rank) compute seconds per step on the busiest group."""
-    a, f = _group_compute_per_micro_batch(spec, layout, work.recompute, work.seq_len, work.micro_batch_size, rates)
+    """(A lane, F rank) compute seconds per step on the busiest group (F: with resend's re-run forward)."""
+    a, f = _group_compute_per_micro_batch(
+        spec, layout, work.recompute, work.ffn_recompute, work.seq_len, work.micro_batch_size, rates
+    )
     return micro_batches * a, micro_batches * f
 
 
 @lru_cache(maxsize=65536)
 def _group_compute_per_micro_batch(
-    spec: ModelSpec, layout: Layout, rc: Recompute, seq_len: int, micro_batch_size: int, rates: Rates
+    spec: ModelSpec, layout: Layout, rc: Recompute, f_rc: Recompute, seq_len: int, micro_batch_size: int, rates: Rates
 ) -> tuple[float, float]:
     tokens = seq_len * micro_batch_size
     f_tokens = layout.lanes * tokens / layout.ffn_ranks_per_group
@@ -119,18 +124,19 @@ def _group_compute_per_micro_batch(
             sum(attention_call_s(spec, rates, seq_len=seq_len, layer=i, tokens=tokens, recompute=rc)) for i in layers
         )
         a += sum(head_call_s(spec, rates, tokens=tokens)) if g == layout.head_group else 0.0
-        f = sum(sum(expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=rc)) for i in layers)
+        f = sum(sum(expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=f_rc)) for i in layers)
         a_worst, f_worst = max(a_worst, a), max(f_worst, f)
     return a_worst, f_worst
 
 
 def side_flops(spec: ModelSpec, work: Workload) -> tuple[float, float]:
-    """(A, F) FLOPs per token of one step: 3x forward (+ the head on A) plus what the recompute policy re-runs."""
-    return _side_flops(spec, work.seq_len, work.recompute)
+    """(A, F) FLOPs per token of one step: 3x forward (+ the head on A) plus what the recompute policy re-runs;
+    with resend F re-runs its whole forward (once, whatever the policy)."""
+    return _side_flops(spec, work.seq_len, work.recompute, work.resend)
 
 
 @lru_cache(maxsize=4096)
-def _side_flops(spec: ModelSpec, s: int, recompute: Recompute) -> tuple[float, float]:
+def _side_flops(spec: ModelSpec, s: int, recompute: Recompute, resend: bool = False) -> tuple[float, float]:
     a_fwd = sum(spec.attention_side_flops(s, i) for i in range(spec.num_layers))
     f_fwd = sum(spec.expert_side_flops(i) for i in range(spec.num_layers))
     both = recompute_flops_per_token(spec, s, recompute)
@@ -139,6 +145,7 @@ def _side_flops(spec: ModelSpec, s: int, recompute: Recompute) -> tuple[float, f
     else:
         f_rc = spec.num_moe_layers * spec.top_k * expert_recompute_flops_per_assignment(spec) if both else 0.0
         a_rc = both - f_rc
+    f_rc = f_fwd if resend else f_rc
     return 3 * (a_fwd + spec.head_flops()) + a_rc, 3 * f_fwd + f_rc
 
 

@@ -46,7 +46,8 @@ def af_task_costs(
 
     A transfer of one micro-batch moves d lanes' tokens through the group's NIC share (M_a/p on the A side,
     M_f/p on the F side; the slower end sets the time) or over NVLink for the intra-node share. With
-    ``resend`` the backward's n2m_grad message also carries the layer's m2n payload again.
+    ``resend`` the backward's n2m_grad message also carries the layer's m2n payload again and each F backward
+    re-runs the expert forward first (``Workload.ffn_recompute``: charged once, also under full recompute).
     """
     p, d, tokens = layout.depth, layout.lanes, work.tokens_per_micro_batch
     rc = work.recompute
@@ -61,7 +62,7 @@ def af_task_costs(
     wgrad: dict[str, list[float]] = {"A": [], "F": []}
     for i in range(spec.num_layers):
         a_fwd, a_bwd = attention_call_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=rc)
-        f_fwd, f_bwd = expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=rc)
+        f_fwd, f_bwd = expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=work.ffn_recompute)
         a_w = attention_wgrad_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens)
         f_w = expert_wgrad_s(spec, rates, layer=i, tokens=f_tokens)
         if not work.split_backward:

@@ -1,10 +1,12 @@
 """The AF-Pipe variants the allocator tries for a layout, and how much offload a side needs (pure Python).
 
-A variant is a ``Workload``: the recompute policy, ``resend`` (F drops the tokens it received), per-side ZeRO
-stages (memory at rest), ``offload`` shares (activations in host memory) and ``split_backward`` (a schedule
-change only, tried at simulation time). Every saving costs something (FLOPs, wire bytes, collective bytes or
-PCIe bytes; ``stages.py``, ``task_costs.py``), so a layout tries a variant only if no variant with a subset of
-its savings already holds twice the ring (2 (2p + 1) micro-batches) in flight: beyond that memory buys no speed.
+A variant is a ``Workload``: the recompute policy, ``resend`` (F keeps nothing between a micro-batch's forward and
+backward: the tokens come again with the backward and F re-runs the expert forward), per-side ZeRO stages (memory
+at rest), ``offload`` shares (activations in host memory) and ``split_backward`` (a schedule change only, tried at
+simulation time). Every saving costs something (FLOPs, wire bytes, collective bytes or PCIe bytes; resend both
+FLOPs and wire bytes; ``stages.py``, ``task_costs.py``), so a layout tries a variant only if no variant with a
+subset of its savings already holds twice the ring (2 (2p + 1) micro-batches) in flight: beyond that memory buys
+no speed.
 
 >>> [w.variant for w in memory_variants(Workload(4096, 1), ("none",), frozenset({"resend"}))]
 ['recompute none, ZeRO 1/1', 'recompute none, resend, ZeRO 1/1']
@@ -30,6 +32,8 @@ def memory_variants(base: Workload, recompute: Iterable[Recompute], allowed: fro
     attention_stages = sorted({z} | ({max(z, 2)} if "zero2" in allowed else set()))
     out = []
     for rc in recompute:
+        # resend is tried at every depth so the simulator can study it; the runtime resends at depth 1 only
+        # (``DisagMoEConfig.resend``), and ``cli._simulated_only`` flags a p > 1 plan that uses it.
         for resend in (False, True) if "resend" in allowed else (False,):
             for fz in ffn_stages:
                 for az in attention_stages:
@@ -38,7 +42,8 @@ def memory_variants(base: Workload, recompute: Iterable[Recompute], allowed: fro
 
 
 def savings(work: Workload) -> frozenset[str]:
-    """The memory savings a workload switches on, as comparable labels."""
+    """The memory savings a workload switches on, as comparable labels. "resend" stands for all of F's
+    activations (it re-runs the expert forward, so it also costs FLOPs on F, not only A->F bytes)."""
     out = {"recompute selective", "recompute full"} if work.recompute == "full" else set()
     out |= {"recompute selective"} if work.recompute == "selective" else set()
     out |= {"resend"} if work.resend else set()
