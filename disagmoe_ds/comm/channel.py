@@ -325,6 +325,8 @@ class FanIn:
             return arrival.buffers, arrival.per_peer
         if len(self.peers) == 1:
             return arrival.per_peer[0], arrival.per_peer
+        if not self.peers:  # a replica no lane sends to (fewer lanes than replicas): an empty message
+            return self.spec.from_wire(self._empty_bytes(0), (0,) * self.spec.num_sizes), arrival.per_peer
         # Several peers' messages sit in separate wire buffers: joining them is a copy, on the compute stream.
         return tuple(torch.cat(parts) for parts in zip(*arrival.per_peer)), arrival.per_peer
 
