@@ -23,3 +23,8 @@ class Later:
 
     def ready(self) -> bool:
         return self.source is None or self.source.ready()
+
+
+def made(payload: Any) -> Any:
+    """The payload itself: ``make()`` of a ``Later``, anything else as it is."""
+    return payload.make() if isinstance(payload, Later) else payload

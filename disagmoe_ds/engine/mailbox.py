@@ -39,7 +39,7 @@ import torch
 from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn, FanOut
 from disagmoe_ds.comm.exchange import ExchangeComms, Kind, LaneRows, assume_static_m2n, exchange_specs
 from disagmoe_ds.comm.routing import RoutedTokens
-from disagmoe_ds.engine.later import Later
+from disagmoe_ds.engine.later import Later, made
 from disagmoe_ds.schedule import Message
 
 Key = tuple[str, int, int]  # (kind, layer of the sending task, micro-batch)
@@ -132,7 +132,7 @@ class Mailbox:
         if self._queued or (isinstance(payload, Later) and not payload.ready()):
             self._queued.append((message, payload, self._produced()))
         else:
-            self._send_now(message, payload.make() if isinstance(payload, Later) else payload)
+            self._send_now(message, made(payload))
         self.pump()
 
     def _send_now(self, message: Message, payload: Any) -> None:
@@ -190,7 +190,7 @@ class Mailbox:
                 return
             self._queued.popleft()
             with self._after(produced):
-                self._send_now(message, payload.make() if isinstance(payload, Later) else payload)
+                self._send_now(message, made(payload))
 
     def _produced(self) -> torch.cuda.Event | None:
         """The point of the compute stream after which a payload queued now is complete (None on CPUs)."""

@@ -24,7 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, PendingDispatch, combine, count_ids, start_dispatch
-from disagmoe_ds.engine.later import Later
+from disagmoe_ds.engine.later import Later, made
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, LayerContext, router_stats
 
@@ -323,11 +323,9 @@ class AttentionRunner:
         if self.layout.depth > 1:
             return incoming[kind]
         value = self.local.pop((kind, layer, mb))
-        if isinstance(value, Later):  # the resid of a layer whose n2m came back: its m2n went out
-            if value.source is not None:
-                _sent(value.source)
-            return value.make()
-        return value
+        if isinstance(value, Later) and value.source is not None:  # a layer whose n2m came back: its m2n went out
+            _sent(value.source)
+        return made(value)
 
 
 @dataclass
