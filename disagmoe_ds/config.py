@@ -22,9 +22,10 @@ from disagmoe_ds.layout import Layout, RankCounts
 from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
-_FLAGS = ("compile", "activation_checkpointing", "comm_stream", "resend")
+_FLAGS = ("compile", "activation_checkpointing", "comm_stream", "resend", "split_backward")
 OFFLOAD_SIDES = ("attention", "ffn")
-_NOT_NUMBERS = (*_FLAGS, "transport", "offload", "cluster", "profile")
+_NOT_NUMBERS = (*_FLAGS, "transport", "offload", "zero_stage", "cluster", "profile")
+ZERO_STAGES = {"attention": (0, 1, 2), "ffn": (0, 1, 2, 3)}  # ZeRO-3 (parameters sharded) on the expert side only
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,12 @@ class DisagMoEConfig(RankCounts):
             the rank that sends the gradients (A_next) does not hold the tokens.
         offload: per side (``attention``, ``ffn``), the share in [0, 1] of each micro-batch's layers whose saved
             activations wait for their backward in host memory (the planner's "offload" variant; ``engine.offload``).
+        split_backward: each backward computes the input gradients its upstream peer waits for, and defers the weight
+            gradients to a task of their own that the schedule runs when the worker would idle (the planner's "split
+            backward" variant, the zero-bubble idea on the A/F ring).
+        zero_stage: per side (``attention``, ``ffn``), the ZeRO stage of that side's engines, replacing
+            ``zero_optimization.stage`` there (the planner's "ZeRO a/f"); the expert side also takes stage 3 (its
+            parameters sharded over the expert replicas).
         cluster: what the schedule generator's task costs assume: a planner preset (``h800``, ``h100``, ``h200``)
             or a cluster JSON (``docs/planner.md``), so the order it emits is the one the planner simulated.
         profile: a ``disagmoe-plan profile`` JSON whose measured part times replace peak x efficiency there.
@@ -72,6 +79,8 @@ class DisagMoEConfig(RankCounts):
     transport: str = "auto"
     resend: bool = False
     offload: dict[str, float] = field(default_factory=dict)
+    split_backward: bool = False
+    zero_stage: dict[str, int] = field(default_factory=dict)
     cluster: str = "h200"
     profile: str | None = None
 
@@ -85,6 +94,7 @@ class DisagMoEConfig(RankCounts):
                 "gradients does not hold their tokens; set depth 1 or resend false"
             )
         _check_offload(self.offload)
+        _check_zero_stage(self.zero_stage)
         if self.transport not in TRANSPORTS:
             raise ConfigError(f'"{SECTION}.transport" must be one of {sorted(TRANSPORTS)}, got {self.transport!r}')
         if self.cluster not in PRESETS and not Path(self.cluster).is_file():
@@ -129,6 +139,10 @@ class DisagMoEConfig(RankCounts):
         """The offload share of the ``attention`` or ``ffn`` side (0.0 where the section leaves it out)."""
         return float(self.offload.get(side, 0.0))
 
+    def zero_stage_of(self, side: str, default: int) -> int:
+        """The ZeRO stage of the ``attention`` or ``ffn`` side (``default``, the ds_config's, where not set)."""
+        return int(self.zero_stage.get(side, default))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -144,6 +158,21 @@ def _check_offload(offload: Any) -> None:
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
             raise ConfigError(
                 f'"{SECTION}.offload.{side}" is the share of layers offloaded to host memory, in [0, 1]; got {share!r}'
+            )
+
+
+def _check_zero_stage(zero_stage: Any) -> None:
+    example = '{"attention": 1, "ffn": 2}'
+    if not isinstance(zero_stage, dict):
+        raise ConfigError(f'"{SECTION}.zero_stage" must be an object like {example}, got {zero_stage!r}')
+    unknown = sorted(map(str, set(zero_stage) - set(ZERO_STAGES)))
+    if unknown:
+        raise ConfigError(f'unknown key(s) in "{SECTION}.zero_stage": {", ".join(unknown)}; known: attention, ffn')
+    for side, stage in zero_stage.items():
+        if isinstance(stage, bool) or stage not in ZERO_STAGES[side]:
+            raise ConfigError(
+                f'"{SECTION}.zero_stage.{side}" must be one of {list(ZERO_STAGES[side])}, got {stage!r}'
+                + (" (ZeRO-3 shards parameters on the expert side only)" if side == "attention" and stage == 3 else "")
             )
 
 
