@@ -16,6 +16,7 @@ True
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from disagmoe_ds.layout import Layout
@@ -25,7 +26,7 @@ from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.placement import Placement
 from disagmoe_ds.planner.profile_fit import load_profile, rates_from_profile
 from disagmoe_ds.planner.simulate import schedule_costs
-from disagmoe_ds.planner.task_costs import af_task_costs
+from disagmoe_ds.planner.task_costs import AfTaskCosts, af_task_costs
 from disagmoe_ds.schedule import Costs
 
 GPUS_PER_PRESET_NODE = 8
@@ -40,6 +41,8 @@ def runtime_costs(
     cluster: str = "h200",
     profile: str | None = None,
     resend: bool = False,
+    split_backward: bool = False,
+    compiled: bool = False,
 ) -> Costs:
     """Seconds per task and transfer of one micro-batch for ``layout``, ranks placed contiguously (attention first).
 
@@ -48,6 +51,10 @@ def runtime_costs(
         cluster: a planner preset (``h800``, ``h100``, ``h200``; nodes from the world size) or a cluster JSON.
         profile: a ``disagmoe-plan profile`` JSON: measured part times instead of peak x efficiency.
         resend: the backward's n2m_grad also carries the m2n payload (``DisagMoEConfig.resend``).
+        split_backward: each backward's weight-gradient half becomes a task of its own (``Costs.a_wgt`` ...), as the
+            planner's "split backward" variant costs it (``DisagMoEConfig.split_backward``).
+        compiled: the attention parts and the head are ``torch.compile``d: their backward is one autograd node, so
+            their weight gradients stay in the backward (no A-side W task); the experts' GEMMs still split.
     """
     spec = ModelSpec.from_config(config)
     nodes = math.ceil(layout.world_size / GPUS_PER_PRESET_NODE)
@@ -59,5 +66,36 @@ def runtime_costs(
         rates = Rates.from_cluster(machines, eff)
     placement = Placement.contiguous(machines.nodes, machines.gpus_per_node)
     nics = placement.nic_splits(machines, layout.attention_gpus)[0]
-    work = Workload(seq_len, micro_batch_size, resend=resend)
-    return schedule_costs(spec, af_task_costs(spec, layout, work, placement=placement, rates=rates, nics=nics))
+    work = Workload(seq_len, micro_batch_size, resend=resend, split_backward=split_backward)
+    task_costs = af_task_costs(spec, layout, work, placement=placement, rates=rates, nics=nics)
+    return schedule_costs(spec, attention_wgrad_folded(task_costs) if compiled else task_costs)
+
+
+def unit_costs(*, split_backward: bool = False, compiled: bool = False) -> Costs:
+    """``Costs()`` (forward 1, backward 2, transfers 0.5) for a job whose sequence length is not known; with a
+    split backward, half of each backward is its W task (all of it stays in B on a compiled attention side)."""
+    if not split_backward:
+        return Costs()
+    a_bwd, a_wgt = (2.0, 0.0) if compiled else (1.0, 1.0)
+    return Costs(a_bwd=a_bwd, head_bwd=a_bwd, f_bwd=1.0, a_wgt=a_wgt, head_wgt=a_wgt, f_wgt=1.0)
+
+
+def attention_wgrad_folded(task_costs: AfTaskCosts) -> AfTaskCosts:
+    """The attention side's W tasks (and the head's) folded back into its backward tasks.
+
+    >>> costs = AfTaskCosts({"A_bwd": (1.0,), "F_bwd": (2.0,)}, 1.0, 3.0, {"A": (0.5,), "F": (1.0,)}, 2.0)
+    >>> folded = attention_wgrad_folded(costs)
+    >>> folded.per_layer["A_bwd"], folded.wgrad, folded.head_bwd, folded.head_wgrad
+    ((1.5,), {'A': (0.0,), 'F': (1.0,)}, 5.0, 0.0)
+    """
+    if not task_costs.wgrad:
+        return task_costs
+    a_w = task_costs.wgrad["A"]
+    a_bwd = tuple(b + w for b, w in zip(task_costs.per_layer["A_bwd"], a_w, strict=True))
+    return replace(
+        task_costs,
+        per_layer={**task_costs.per_layer, "A_bwd": a_bwd},
+        wgrad={**task_costs.wgrad, "A": (0.0,) * len(a_w)},
+        head_bwd=task_costs.head_bwd + task_costs.head_wgrad,
+        head_wgrad=0.0,
+    )

@@ -62,9 +62,11 @@ def schedule_costs(spec: ModelSpec, task_costs: AfTaskCosts, *, with_comm: bool 
     per_layer = dict(task_costs.per_layer)
     if not with_comm:
         per_layer.update({k: (0.0,) * spec.num_layers for k in _MESSAGE_KINDS})
+    per_layer.update({f"{side}_wgt": per for side, per in task_costs.wgrad.items()})  # split backward: the W tasks
     defaults = {k.lower(): v[ref] for k, v in per_layer.items()}
     overrides = {(k, i): v[i] for k, v in per_layer.items() for i in range(spec.num_layers) if v[i] != v[ref]}
-    return Costs(**defaults, head_fwd=task_costs.head_fwd, head_bwd=task_costs.head_bwd, overrides=overrides)
+    head = {"head_fwd": task_costs.head_fwd, "head_bwd": task_costs.head_bwd, "head_wgt": task_costs.head_wgrad}
+    return Costs(**defaults, **head, overrides=overrides)
 
 
 def simulate_af(
@@ -100,11 +102,8 @@ def _run_af(
 ) -> tuple[float, dict, tuple[TimelineEvent, ...]]:
     """(step, busy share per worker, timeline events) of one simulated AF-Pipe step."""
     costs = schedule_costs(spec, task_costs, with_comm=with_comm)
-    wgrad = {(f"{side}_wgt", i): v for side, per in task_costs.wgrad.items() for i, v in enumerate(per)}
-    if task_costs.wgrad:
-        wgrad["A_wgt", spec.num_layers] = task_costs.head_wgrad
-    # Without weight-gradient tasks this is ``generate``'s own simulation, minus building instruction streams.
-    return simulate_split_backward(shape, micro_batches, costs, cap=cap, wgrad=wgrad)
+    # ``generate``'s own simulation (with a split backward's W tasks when costed), minus building instruction streams.
+    return simulate_split_backward(shape, micro_batches, costs, cap=cap)
 
 
 # ----- co-located EP + DP, interleaved 1F1B -----

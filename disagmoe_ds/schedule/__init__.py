@@ -22,6 +22,8 @@ from disagmoe_ds.schedule.instructions import (
     ReduceGrads,
     Send,
     WaitRecv,
+    WeightGradAttn,
+    WeightGradExperts,
 )
 from disagmoe_ds.schedule.streams import build_streams
 from disagmoe_ds.schedule.tasks import Channel, Message, PipeShape, ScheduleError, Task, TaskGraph, Worker, build_graph
@@ -49,6 +51,8 @@ __all__ = [
     "TaskGraph",
     "TimelineEvent",
     "WaitRecv",
+    "WeightGradAttn",
+    "WeightGradExperts",
     "Worker",
     "build_graph",
     "build_streams",

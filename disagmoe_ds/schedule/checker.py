@@ -11,7 +11,8 @@ transfers before it on the same channel, which the receiver waited for earlier; 
 its ``WaitRecv``; and the host never blocks on a send.
 
 ``render`` shows compute only, one line per worker: ``F<layer>.<micro_batch>`` is a forward and
-``B<layer>.<micro_batch>`` a backward; on the A side ``layer == L`` is the head chunk (norm, LM head, loss).
+``B<layer>.<micro_batch>`` a backward (with a split backward: its input gradients), ``W<layer>.<micro_batch>`` a
+deferred weight-gradient task; on the A side ``layer == L`` is the head chunk (norm, LM head, loss).
 
 >>> from disagmoe_ds.schedule.instructions import BackwardAttn, ForwardAttn
 >>> print(render({Worker("A", 0): [ForwardAttn(0, 0), BackwardAttn(0, 0)]}))

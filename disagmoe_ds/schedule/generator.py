@@ -11,12 +11,19 @@ different channels overlap each other and compute. An idle worker starts the rea
 
 A worker admits micro-batches in increasing order and holds at most ``max_in_flight`` (admitted, not yet
 finished there). The order this produces becomes each worker's instruction stream.
+
+Split backward (the zero-bubble idea of Qi et al. 2023 on the A/F ring): where ``Costs`` gives a backward's
+weight-gradient half a positive cost (``a_wgt``, ``f_wgt``, ``head_wgt``), the backward task B computes only the
+input gradients its upstream peer waits for and a weight-gradient task W (``A_wgt``/``F_wgt``) follows it on the
+same worker. A worker with no forward or B it may start runs its oldest pending W, so W fills what would be
+bubbles. A micro-batch stays in flight on a worker until its W tasks there are done too (the wgrad GEMMs read its
+activations), so the cap bounds memory as before. With every W cost zero nothing changes.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
@@ -26,7 +33,11 @@ from disagmoe_ds.schedule.streams import build_streams
 from disagmoe_ds.schedule.tasks import Message, PipeShape, ScheduleError, Task, TaskGraph, Worker, build_graph
 from disagmoe_ds.schedule.trace import TimelineEvent
 
-_KINDS = ("A_fwd", "A_bwd", "F_fwd", "F_bwd", "m2n", "n2m", "resid", "m2n_grad", "n2m_grad", "resid_grad")
+_KINDS = (
+    *("A_fwd", "A_bwd", "F_fwd", "F_bwd", "A_wgt", "F_wgt"),
+    *("m2n", "n2m", "resid", "m2n_grad", "n2m_grad", "resid_grad"),
+)
+_WGRAD_OF = {"A_bwd": "A_wgt", "F_bwd": "F_wgt"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +46,8 @@ class Costs:
 
     ``overrides`` maps (kind, layer) to seconds; kind is a task or message kind, layer that of the task or of
     the sending task. A dense layer 0 that costs more on A: ``{("A_fwd", 0): 3.0, ("A_bwd", 0): 6.0}``.
+    ``a_wgt``, ``f_wgt``, ``head_wgt``: a split backward's deferred weight-gradient tasks (0: not split); the
+    ``*_bwd`` costs are then the input-gradient half only.
     """
 
     a_fwd: float = 1.0
@@ -49,6 +62,9 @@ class Costs:
     m2n_grad: float = 0.5
     n2m_grad: float = 0.5
     resid_grad: float = 0.5
+    a_wgt: float = 0.0
+    f_wgt: float = 0.0
+    head_wgt: float = 0.0
     overrides: Mapping[tuple[str, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -64,8 +80,16 @@ class Costs:
         if (task.kind, task.layer) in self.overrides:
             return self.overrides[task.kind, task.layer]
         if task.layer == num_layers:
-            return self.head_fwd if task.is_forward else self.head_bwd
+            return self.head_fwd if task.is_forward else self.head_wgt if task.is_weight_grad else self.head_bwd
         return getattr(self, task.kind.lower())
+
+    def weight_grad_of(self, task: Task, num_layers: int) -> Task | None:
+        """The W task a backward ``task`` defers (split backward), None where its W costs nothing."""
+        kind = _WGRAD_OF.get(task.kind)
+        if kind is None:
+            return None
+        wgrad = Task(kind, task.layer, task.micro_batch)  # type: ignore[arg-type]
+        return wgrad if self.compute_s(wgrad, num_layers) > 0 else None
 
     def transfer_s(self, message: Message) -> float:
         return self.overrides.get((message.kind, message.src.layer), getattr(self, message.kind))
@@ -169,6 +193,9 @@ class _Simulation:
         self.left = Counter((self.worker_of(t), t.micro_batch) for t in graph.deps)  # unfinished, per worker
         self.admitted = dict.fromkeys(graph.tasks, 0)  # micro-batches 0 .. admitted-1 have started there
         self.in_flight = dict.fromkeys(graph.tasks, 0)  # of those, the ones not finished there
+        self.pending: dict[Worker, deque[Task]] = {w: deque() for w in graph.tasks}  # W tasks, in release order
+        self.wgrad = {t: w for t in graph.deps if (w := costs.weight_grad_of(t, graph.shape.num_layers)) is not None}
+        self.left.update((self.worker_of(w), w.micro_batch) for w in self.wgrad.values())  # in flight until W too
         self.order: dict[Worker, list[Task]] = {w: [] for w in graph.tasks}
         self.compute: dict[Task, tuple[float, float]] = {}
         self.transfers: dict[Message, tuple[float, float]] = {}
@@ -191,20 +218,23 @@ class _Simulation:
                     self._finish(item, now)
                 else:
                     self._release(item.dst)
-        if len(self.compute) < len(self.missing):
+        if any(task not in self.compute for task in self.missing):
             raise ScheduleError(self._stall_report(now))
         return {w: tuple(ts) for w, ts in self.order.items()}, self.compute, self.transfers
 
     def _start(self, worker: Worker, now: float) -> bool:
         admit = self.admitted[worker] if self.in_flight[worker] < self.cap else -1  # the one it may admit
         candidates = [t for t in self.ready[worker] if t.micro_batch < self.admitted[worker] or t.micro_batch == admit]
-        if not candidates:
+        if candidates:
+            task = min(candidates, key=_priority)
+            if task.micro_batch == admit:
+                self.admitted[worker] += 1
+                self.in_flight[worker] += 1
+            self.ready[worker].remove(task)
+        elif self.pending[worker]:  # nothing else may start: the oldest deferred weight gradients fill the gap
+            task = self.pending[worker].popleft()
+        else:
             return False
-        task = min(candidates, key=_priority)
-        if task.micro_batch == admit:
-            self.admitted[worker] += 1
-            self.in_flight[worker] += 1
-        self.ready[worker].remove(task)
         self.order[worker].append(task)
         self.compute[task] = (now, now + self.costs.compute_s(task, self.graph.shape.num_layers))
         self._push(self.compute[task][1], task)
@@ -215,6 +245,8 @@ class _Simulation:
         self.left[worker, task.micro_batch] -= 1
         if not self.left[worker, task.micro_batch]:
             self.in_flight[worker] -= 1
+        if task in self.wgrad:
+            self.pending[worker].append(self.wgrad[task])
         for succ in self.successors[task]:
             msg = self.message.get((task, succ))
             if msg is None:

@@ -2,7 +2,8 @@
 
 A worker's stream is, for each compute task in order: ``WaitRecv`` for each remote input (and for messages sent
 ahead of it on the same channel), the compute, ``Send`` for each remote output; ``PostRecv`` placed ahead of
-need; then ``ReduceGrads`` and ``OptimizerStep``. Compute
+need; then ``ReduceGrads`` and ``OptimizerStep``. With a split backward, ``WeightGrad*`` tasks (no messages) sit
+between them where the worker would otherwise idle. Compute
 instructions pair with nothing directly: their inputs arrive by ``WaitRecv`` and outputs leave by ``Send``. This
 mirrors DeepSpeed's ``PipeInstruction`` classes but does not import deepspeed, so schedules stay testable anywhere.
 """
@@ -82,6 +83,19 @@ class BackwardExperts(ComputeInstruction):
 
 
 @dataclass(frozen=True)
+class WeightGradAttn(ComputeInstruction):
+    """Split backward: the parameter gradients a BackwardAttn chunk deferred; its activations live until here.
+
+    Pairs with nothing: no message in or out, and nothing but ``ReduceGrads`` waits for it.
+    """
+
+
+@dataclass(frozen=True)
+class WeightGradExperts(ComputeInstruction):
+    """Split backward: the expert weight gradients a BackwardExperts chunk deferred. Pairs with nothing."""
+
+
+@dataclass(frozen=True)
 class ReduceGrads(Instruction):
     """Reduce gradients inside the group (over lanes, or over expert-data-parallel replicas).
 
@@ -102,5 +116,7 @@ COMPUTE_OF_KIND: dict[TaskKind, type[ComputeInstruction]] = {
     "A_bwd": BackwardAttn,
     "F_fwd": ForwardExperts,
     "F_bwd": BackwardExperts,
+    "A_wgt": WeightGradAttn,
+    "F_wgt": WeightGradExperts,
 }
 KIND_OF_COMPUTE: dict[type[Instruction], TaskKind] = {cls: kind for kind, cls in COMPUTE_OF_KIND.items()}

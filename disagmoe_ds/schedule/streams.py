@@ -23,7 +23,7 @@ def build_streams(
     sent: dict[Channel, list[Message]] = defaultdict(list)  # every channel's messages in send order
     for tasks in order.values():
         for task in tasks:
-            for message in graph.outputs[task]:
+            for message in graph.outputs.get(task, ()):  # a weight-gradient task is not in the graph: none
                 sent[message.channel].append(message)
     return {w: _stream(graph, order[w], sent, lookahead) for w in sorted(order)}
 
@@ -36,7 +36,7 @@ def _wait_slots(
     num_waited: dict[Channel, int] = defaultdict(int)
     slots: list[list[Message]] = [[] for _ in tasks]
     for slot, task in zip(slots, tasks):
-        for message in graph.inputs[task]:
+        for message in graph.inputs.get(task, ()):
             channel = message.channel
             while num_waited[channel] <= rank[message]:
                 slot.append(sent[channel][num_waited[channel]])
@@ -56,5 +56,5 @@ def _stream(
         stream += [ins.PostRecv(message) for message in post]
         stream += [ins.WaitRecv(message) for message in wait]
         stream.append(ins.COMPUTE_OF_KIND[task.kind](task.layer, task.micro_batch))
-        stream += [ins.Send(message) for message in graph.outputs[task]]
+        stream += [ins.Send(message) for message in graph.outputs.get(task, ())]
     return (*stream, ins.ReduceGrads(), ins.OptimizerStep())

@@ -6,6 +6,8 @@ Per micro-batch m, with L layers, depth p and g(l) = l % p:
                              l = L: combine the last layer's output, final norm, LM head, loss
     F_fwd(l, m)  on F_g(l)   routed experts of MoE layer l
     A_bwd, F_bwd             the mirror images, on the same workers
+    A_wgt, F_wgt             split backward only: a backward's deferred weight gradients, on its worker; not in
+                             the graph (nothing depends on them), the generator adds them (``generator``)
 
 A dependency between two different workers is a message on the channel (kind, src worker, dst worker):
 
@@ -29,7 +31,7 @@ from typing import Literal
 
 from disagmoe_ds.errors import DisagMoEError
 
-TaskKind = Literal["A_fwd", "F_fwd", "A_bwd", "F_bwd"]
+TaskKind = Literal["A_fwd", "F_fwd", "A_bwd", "F_bwd", "A_wgt", "F_wgt"]
 MessageKind = Literal["m2n", "n2m", "resid", "m2n_grad", "n2m_grad", "resid_grad"]
 
 
@@ -61,9 +63,15 @@ class Task:
         return self.kind.endswith("fwd")
 
     @property
+    def is_weight_grad(self) -> bool:
+        """A deferred weight-gradient task (split backward): never in the graph, nothing waits for it."""
+        return self.kind.endswith("wgt")
+
+    @property
     def label(self) -> str:
-        """``F<layer>.<micro_batch>`` for a forward, ``B<layer>.<micro_batch>`` for a backward."""
-        return f"{'F' if self.is_forward else 'B'}{self.layer}.{self.micro_batch}"
+        """``F<layer>.<micro_batch>`` for a forward, ``B...`` for a backward, ``W...`` for a weight-gradient task."""
+        letter = "F" if self.is_forward else "W" if self.is_weight_grad else "B"
+        return f"{letter}{self.layer}.{self.micro_batch}"
 
     def __str__(self) -> str:
         return f"{self.kind}({self.layer}.{self.micro_batch})"
