@@ -318,6 +318,11 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
     )
     p.add_argument("--resend", action="store_true", help="experts keep nothing between forward and backward (depth 1)")
     p.add_argument(
+        "--split-backward",
+        action="store_true",
+        help="each backward sends its input gradients first and runs its weight gradients when the rank would idle",
+    )
+    p.add_argument(
         "--offload",
         nargs=2,
         type=float,
@@ -340,6 +345,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         transport=a.transport,
         comm_timeout_s=a.comm_timeout,
         resend=a.resend,
+        split_backward=a.split_backward,
         offload={"attention": a.offload[0], "ffn": a.offload[1]},
     )
     return run_args(VerifyArgs, a, cfg)

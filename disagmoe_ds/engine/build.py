@@ -28,6 +28,7 @@ from disagmoe_ds.engine.mailbox import Mailbox
 from disagmoe_ds.engine.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
 from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
+from disagmoe_ds.engine.split_backward import check_split_backward
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
@@ -35,13 +36,15 @@ from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
 from disagmoe_ds.models.split import aux_loss_enabled
-from disagmoe_ds.planner.runtime_costs import runtime_costs
+from disagmoe_ds.planner.runtime_costs import runtime_costs, unit_costs
 from disagmoe_ds.schedule import (
     BackwardAttn,
     BackwardExperts,
     Costs,
     PipeShape,
     Schedule,
+    WeightGradAttn,
+    WeightGradExperts,
     Worker,
     check_streams,
     generate,
@@ -60,7 +63,7 @@ class Disaggregated:
         return self.cfg.layout(num_layers=config.num_hidden_layers, num_experts=num_experts_of(config))
 
     def check(self, layout: Layout, config, ds_config: dict[str, Any]) -> None:
-        del ds_config  # every ZeRO stage role_ds_config accepts works, with expert replicas too (ExpertShard)
+        check_split_backward(self.cfg, ds_config)
         moe = moe_layer_pattern(config.to_dict())
         for g in range(layout.depth):
             if not any(moe[layer] for layer in layout.layers_of_group(g)):
@@ -133,7 +136,7 @@ class Disaggregated:
         )
         return AFPipeExecutor(
             engine=parts.engine,
-            runner=self._runner(parts),
+            runner=self._runner(parts, split_layers=split_layers(schedule, worker)),
             mailbox=mailbox,
             schedule=AFPipeSchedule(schedule, worker),
             grad_norm=parts.grad_norm,
@@ -162,7 +165,7 @@ class Disaggregated:
             backward_order=[(i.layer, i.micro_batch) for i in backwards],
         )
 
-    def _runner(self, parts: RankParts) -> AttentionRunner | ExpertRunner:
+    def _runner(self, parts: RankParts, *, split_layers: frozenset[int]) -> AttentionRunner | ExpertRunner:
         cfg, stage, routing = self.cfg, parts.module, parts.routing
         if not parts.role.is_attention:
             return ExpertRunner(
@@ -172,6 +175,7 @@ class Disaggregated:
                 weight_dtype=routing.weight_dtype,
                 activation_checkpointing=cfg.activation_checkpointing,
                 resend=cfg.resend,
+                split_layers=split_layers,
             )
         return AttentionRunner(
             parts.engine,
@@ -184,7 +188,13 @@ class Disaggregated:
             aux_coef=stage.config.router_aux_loss_coef if aux_loss_enabled(stage.config) else None,
             activation_checkpointing=cfg.activation_checkpointing,
             resend=cfg.resend,
+            split_layers=split_layers,
         )
+
+
+def split_layers(schedule: Schedule, worker: Worker) -> frozenset[int]:
+    """The layers whose backward the worker splits: those its stream runs W tasks of (split backward)."""
+    return frozenset(i.layer for i in schedule.streams[worker] if isinstance(i, WeightGradAttn | WeightGradExperts))
 
 
 build_rank = RankBuilder(Disaggregated)
@@ -193,11 +203,12 @@ preflight = build_rank.preflight
 
 def schedule_costs(
     config: dict[str, Any], layout: Layout, cfg: DisagMoEConfig, *, seq_len: int | None, micro_batch_size: int
-) -> Costs | None:
+) -> Costs:
     """The planner's per-task seconds for this job (same inputs on every rank, so the same schedule everywhere);
-    None (unit costs) when the sequence length is not known."""
+    unit costs when the sequence length is not known. With ``split_backward`` the weight-gradient halves are W
+    tasks, except on a compiled attention side (one autograd node per part: nothing to split)."""
     if seq_len is None:
-        return None
+        return unit_costs(split_backward=cfg.split_backward, compiled=cfg.compile)
     return runtime_costs(
         config,
         layout,
@@ -206,4 +217,6 @@ def schedule_costs(
         cluster=cfg.cluster,
         profile=cfg.profile,
         resend=cfg.resend,
+        split_backward=cfg.split_backward,
+        compiled=cfg.compile,
     )

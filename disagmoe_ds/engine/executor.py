@@ -145,6 +145,11 @@ class AFPipeExecutor:
     def _exec_backward_experts(self, layer: int, micro_batch: int) -> None:
         self._compute("F_bwd", self.runner.backward, layer, micro_batch)
 
+    def _exec_weight_grad(self, layer: int, micro_batch: int) -> None:
+        # Outside the offload hooks: B brought the chunk's saved tensors back, and they stay until this frees them.
+        self.runner.weight_grad(layer, micro_batch)
+        self.mailbox.pump()
+
     # ----- step -----
     def _exec_reduce_grads(self) -> None:
         # With managed_gradient_accumulation off, DeepSpeed reduces inside step(): nothing to send here.
@@ -172,6 +177,8 @@ class AFPipeExecutor:
         ins.BackwardAttn: _exec_backward_attn,
         ins.ForwardExperts: _exec_forward_experts,
         ins.BackwardExperts: _exec_backward_experts,
+        ins.WeightGradAttn: _exec_weight_grad,
+        ins.WeightGradExperts: _exec_weight_grad,
         ds_schedule.ReduceGrads: _exec_reduce_grads,
         ds_schedule.OptimizerStep: _exec_optimizer_step,
     }

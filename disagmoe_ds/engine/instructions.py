@@ -43,6 +43,14 @@ class BackwardExperts(ds_schedule.PipeInstruction):
     """Backward of this rank's expert shard of one MoE layer."""
 
 
+class WeightGradAttn(ds_schedule.PipeInstruction):
+    """Split backward: the parameter gradients a ``BackwardAttn`` deferred; no message in or out."""
+
+
+class WeightGradExperts(ds_schedule.PipeInstruction):
+    """Split backward: the expert weight gradients a ``BackwardExperts`` deferred; no message in or out."""
+
+
 _LOWER = {
     af.PostRecv: PostRecv,
     af.WaitRecv: WaitRecv,
@@ -51,6 +59,8 @@ _LOWER = {
     af.BackwardAttn: BackwardAttn,
     af.ForwardExperts: ForwardExperts,
     af.BackwardExperts: BackwardExperts,
+    af.WeightGradAttn: WeightGradAttn,
+    af.WeightGradExperts: WeightGradExperts,
     af.ReduceGrads: ds_schedule.ReduceGrads,
     af.OptimizerStep: ds_schedule.OptimizerStep,
 }

@@ -17,6 +17,7 @@ Shape suffixes: B micro-batch size, S sequence, T = B*S, H hidden, K top-k, E ex
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, PendingDispatch, combine, count_ids, start_dispatch
 from disagmoe_ds.engine.later import Later, made
+from disagmoe_ds.engine.split_backward import ChunkBackward, retained_graph_compiles
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, LayerContext, router_stats
 
@@ -138,8 +140,10 @@ class AttentionRunner:
         aux_coef: float | None,
         activation_checkpointing: bool = False,
         resend: bool = False,
+        split_layers: frozenset[int] = frozenset(),
     ):
         self.engine, self.stage, self.layout, self.resend = engine, stage, layout, resend
+        self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
         self.recompute = _checkpointed if activation_checkpointing else _run
         self.config = stage.config
         self.moe_layers = moe_layers
@@ -289,9 +293,10 @@ class AttentionRunner:
     # ----- backward -----
     def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         chunk = self.chunks.pop((layer, mb))
+        inputs = [chunk.resid_leaf, *chunk.y_leaves]
         if layer == self.num_layers:
             aux_grad_E = chunk.aux_grad_E
-            self.engine.backward(chunk.scaled_loss, scale_wrt_gas=False)
+            self.backward_pass.run((layer, mb), chunk.scaled_loss, inputs)
         else:
             d_residual_TH, aux_grad_E = self._take("resid_grad", layer + 1, mb, incoming)
             terms = [(chunk.residual_out * d_residual_TH.view_as(chunk.residual_out)).sum()]
@@ -299,7 +304,7 @@ class AttentionRunner:
                 terms += [(x_RH * dx_RH).sum(), (w_RK * dw_RK).sum()]
             if chunk.prob_sum_E is not None:
                 terms.append((chunk.prob_sum_E * aux_grad_E).sum())
-            self.engine.backward(torch.stack([t.float() for t in terms]).sum(), scale_wrt_gas=False)
+            self.backward_pass.run((layer, mb), torch.stack([t.float() for t in terms]).sum(), inputs)
         outgoing: Outgoing = {}
         if layer > 0:
             d_resid_TH = _grad_or_zeros(chunk.resid_leaf).reshape(-1, chunk.resid_leaf.shape[-1])
@@ -311,6 +316,10 @@ class AttentionRunner:
                     grads = [g + m for g, m in zip(grads, sent, strict=True)]
                 outgoing["n2m_grad"] = (grads, None)
         return outgoing
+
+    def weight_grad(self, layer: int, mb: int) -> None:
+        """Split backward: the parameter gradients ``backward`` deferred for this chunk."""
+        self.backward_pass.weight_grad((layer, mb))
 
     # ----- residual hand-off: a message when p > 1, a local value when p == 1 -----
     def _hand_off(self, kind: str, layer: int, mb: int, payload, outgoing: Outgoing) -> None:
@@ -349,9 +358,13 @@ class ExpertRunner:
         weight_dtype: torch.dtype,
         activation_checkpointing: bool = False,
         resend: bool = False,
+        split_layers: frozenset[int] = frozenset(),
     ):
         self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, top_k, weight_dtype
         self.resend = resend
+        self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
+        # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
+        self.compiling = retained_graph_compiles if split_layers else nullcontext
         self.recompute = _checkpointed if activation_checkpointing else _run
         self.chunks: dict[tuple[int, int], _ExpertChunk] = {}
 
@@ -359,6 +372,10 @@ class ExpertRunner:
         del batches  # the FFN side reads no data
 
     def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
+        with self.compiling():
+            self._warm_up(seq_len, packed=packed)
+
+    def _warm_up(self, seq_len: int, *, packed: bool = False) -> None:
         """Compile and load every compiled kernel of the expert shards now (see ``AttentionRunner.warm_up``).
 
         Row and pair counts change every micro-batch: after two sizes the compiled graphs are dynamic in them, but a
@@ -381,6 +398,10 @@ class ExpertRunner:
                     _grad_of_inputs([self.recompute(shard, x_RH, idx_RK, w_RK, pairs)], [x_RH, w_RK])
 
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+        with self.compiling():
+            return self._forward(layer, mb, incoming)
+
+    def _forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         tokens, rows = incoming["m2n"]
         if self.resend:  # keep nothing: the backward gets the tokens again and recomputes
             with torch.no_grad():
@@ -393,6 +414,14 @@ class ExpertRunner:
         return {"n2m": ((y_SH,), rows)}
 
     def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+        with self.compiling():
+            return self._backward(layer, mb, incoming)
+
+    def weight_grad(self, layer: int, mb: int) -> None:
+        """Split backward: the expert weight gradients ``backward`` deferred for this chunk."""
+        self.backward_pass.weight_grad((layer, mb))
+
+    def _backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         chunk = self.chunks.pop((layer, mb))
         (dy_SH, *resent), _ = incoming["n2m_grad"]
         if self.resend:  # recompute the forward from the tokens sent again
@@ -400,5 +429,5 @@ class ExpertRunner:
             chunk.x_SH, chunk.w_SK = _leaf(x_SH), _leaf(w_SK)
             chunk.y_SH = self.stage.shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.num_pairs)
         if chunk.y_SH.requires_grad:
-            self.engine.backward((chunk.y_SH * dy_SH).float().sum(), scale_wrt_gas=False)
+            self.backward_pass.run((layer, mb), (chunk.y_SH * dy_SH).float().sum(), [chunk.x_SH, chunk.w_SK])
         return {"m2n_grad": ((_grad_or_zeros(chunk.x_SH), _grad_or_zeros(chunk.w_SK)), chunk.rows)}
