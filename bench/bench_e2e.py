@@ -226,6 +226,7 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
         micro_batches=micro_batches(a, a.attention_gpus // a.depth),
         compile=a.compile,
         resend=a.resend,
+        split_backward=a.split_backward,
         offload={"attention": a.offload[0], "ffn": a.offload[1]},
     )
     ds = {**ds_config(a), SECTION: cfg.to_dict()}
@@ -488,6 +489,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ep-size 2 1 runs EP-2 and EP-1 (every rank holds every expert: plain data parallel)",
     )
     p.add_argument("--resend", action="store_true", help="AF-Pipe: the expert side keeps nothing in flight (depth 1)")
+    p.add_argument(
+        "--split-backward",
+        action="store_true",
+        help="AF-Pipe: weight gradients deferred to when a rank would idle (zero bubble; ZeRO 0/1 only)",
+    )
     p.add_argument(
         "--offload",
         nargs=2,
