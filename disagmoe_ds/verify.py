@@ -24,6 +24,7 @@ from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.data.loader import to_device
 from disagmoe_ds.engine import build as engine_build
+from disagmoe_ds.engine.ds_state import gathered
 from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
 from disagmoe_ds.errors import DisagMoEError
 from disagmoe_ds.launch.env import detect_launcher, init_from_env
@@ -109,7 +110,8 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
         runtime, args, lambda step: make_batches(args, vocab, step, role.index) if feeds else None
     )
     writer = role.index == 0 if role.is_attention else role.edp_rank == 0  # one copy of every parameter
-    params = _hf_named(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()}) if writer else {}
+    with gathered(runtime.engine, runtime.module):  # ZeRO-3: every replica gathers, the writer keeps them
+        params = _hf_named(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()}) if writer else {}
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads if writer else []}
 
 
@@ -163,6 +165,12 @@ def capture_grads(runtime) -> list[dict[str, tuple[int, torch.Tensor]]]:
 
 def _full_grad(optimizer, param: torch.Tensor) -> torch.Tensor | None:
     """The reduced, clipped gradient the optimizer applies to ``param`` (assembled from ZeRO partitions)."""
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: the param's rows of its fp32 partition's grad
+        if len(optimizer.fp32_partitioned_groups_flat) > 1:
+            raise RuntimeError("verify reads ZeRO-3 gradients of one optimizer sub-group (raise sub_group_size)")
+        group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
+        grad = optimizer.fp32_partitioned_groups_flat[group].grad.narrow(0, offset, numel)
+        return optimizer._fp32_state_allgather(param, grad)
     mapping = getattr(param, "_hp_mapping", "plain")
     if mapping == "plain":
         return param.grad

@@ -24,7 +24,10 @@ from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
 from disagmoe_ds.colocated.groups import register_with_deepspeed
 from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout, ColocatedRole
 from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
+from disagmoe_ds.config import SECTION
+from disagmoe_ds.engine.deepspeed_role import check_stage, ds_stage
 from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
+from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_experts_of
@@ -43,7 +46,17 @@ class Colocated:
         return self.cfg.layout(num_experts=num_experts_of(config))
 
     def check(self, layout: ColocatedLayout, config, ds_config: dict[str, Any]) -> None:
-        del layout, config, ds_config  # every ZeRO stage role_ds_config accepts, any ep_size (ExpertShard)
+        del layout, config  # any ep_size (ExpertShard)
+        if ds_config.get(SECTION, {}).get("zero_stage"):
+            raise ConfigError(
+                f'"{SECTION}.zero_stage" sets a ZeRO stage per side of a disaggregated job; a co-located rank has one '
+                'engine over both kinds of parameters: set "zero_optimization.stage" (--zero) instead'
+            )
+        check_stage(ds_config, ds_stage(ds_config), where="in a co-located job")
+
+    def zero_stage(self, role: ColocatedRole, ds_config: dict[str, Any]) -> int:
+        del role
+        return ds_stage(ds_config)
 
     def groups(
         self,

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from disagmoe_ds.comm.transport import make_transport
-from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.deepspeed_role import GlobalGradNorm
+from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
+from disagmoe_ds.engine.deepspeed_role import GlobalGradNorm, check_stage, ds_stage
 from disagmoe_ds.engine.executor import AFPipeExecutor
 from disagmoe_ds.engine.instructions import AFPipeSchedule
 from disagmoe_ds.engine.mailbox import Mailbox
@@ -29,7 +29,7 @@ from disagmoe_ds.engine.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
 from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
 from disagmoe_ds.engine.split_backward import check_split_backward
-from disagmoe_ds.errors import LayoutError
+from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
@@ -63,6 +63,7 @@ class Disaggregated:
         return self.cfg.layout(num_layers=config.num_hidden_layers, num_experts=num_experts_of(config))
 
     def check(self, layout: Layout, config, ds_config: dict[str, Any]) -> None:
+        check_zero_stages(self.cfg, ds_config)  # with expert replicas too (ExpertShard)
         check_split_backward(self.cfg, ds_config)
         moe = moe_layer_pattern(config.to_dict())
         for g in range(layout.depth):
@@ -106,6 +107,9 @@ class Disaggregated:
             stage = ExpertStage(model, layers, experts.start, experts.stop)
         place(stage, model, device, seed=seed, weights=weights)
         return stage
+
+    def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
+        return self.cfg.zero_stage_of("attention" if role.is_attention else "ffn", ds_stage(ds_config))
 
     def grad_scale(self, layout: Layout, role: RankRole) -> float:
         # Expert grads sum over the tokens of all lanes; DeepSpeed averages over the edp replicas only.
@@ -199,6 +203,34 @@ def split_layers(schedule: Schedule, worker: Worker) -> frozenset[int]:
 
 build_rank = RankBuilder(Disaggregated)
 preflight = build_rank.preflight
+
+
+def check_zero_stages(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
+    """Refuse a side's ZeRO stage its engines cannot run, and what does not work beside ZeRO-3 on the expert side.
+
+    ZeRO-3 gathers an expert shard's parameters in module hooks around each forward and backward: ``compile`` would
+    trace through those hooks, and activation offload would copy the gathered parameters that autograd saved to
+    host memory (neither is tested with it); DeepSpeed's own parameter and optimizer offload are not either.
+    """
+    check_stage(ds_config, cfg.zero_stage_of("attention", ds_stage(ds_config)), where="on the attention side")
+    ffn = cfg.zero_stage_of("ffn", ds_stage(ds_config))
+    check_stage(ds_config, ffn, where="on the expert side", stages=ZERO_STAGES["ffn"])
+    if ffn != 3:
+        return
+    zero = ds_config.get("zero_optimization", {})
+    refused = {
+        "compile": cfg.compile,
+        'offload {"ffn": > 0}': cfg.offload_share("ffn") > 0,
+        "zero_optimization.offload_param": bool(zero.get("offload_param")),
+        "zero_optimization.offload_optimizer": bool(zero.get("offload_optimizer")),
+    }
+    chosen = [name for name, on in refused.items() if on]
+    if chosen:
+        raise ConfigError(
+            f"ZeRO-3 on the expert side does not work with {', '.join(chosen)} yet; turn "
+            f"{'it' if len(chosen) == 1 else 'them'} off or use ZeRO stage 2 there "
+            f'("{SECTION}": {{"zero_stage": {{"ffn": 2}}}})'
+        )
 
 
 def schedule_costs(

@@ -24,16 +24,19 @@ parameters (DeepSpeed's MoE conventions, ``colocated.model``), with its own ``Gr
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.utils import combine_grad_norm_groups
 from torch import nn
 
 from disagmoe_ds.config import SECTION
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.models.parts import ExpertShard
 
 
 class RoleMPU:
@@ -65,11 +68,37 @@ class RoleMPU:
     get_tensor_model_parallel_rank = get_model_parallel_rank
 
 
-def role_ds_config(ds_config: dict[str, Any], *, micro_batches: int, micro_batch_size: int, dp_size: int) -> dict:
-    """The user's ds_config adapted to one role engine.
+def ds_stage(ds_config: dict[str, Any]) -> int:
+    """The ds_config's own ``zero_optimization.stage`` (each side's default)."""
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def side_stage(ds_config: dict[str, Any], side: str) -> int:
+    """The ZeRO stage of the ``attention`` or ``ffn`` engines: ``"disagmoe": {"zero_stage": ...}`` where set, else
+    the ds_config's (``DisagMoEConfig.zero_stage_of``)."""
+    return int(ds_config.get(SECTION, {}).get("zero_stage", {}).get(side, ds_stage(ds_config)))
+
+
+def check_stage(ds_config: dict[str, Any], stage: int, *, where: str, stages: tuple[int, ...] = (0, 1, 2)) -> None:
+    """Refuse a ZeRO stage ``where`` (``"on the attention side"``...) cannot run, with the fix."""
+    if stage not in stages:
+        hint = ' (ZeRO-3 shards the expert side only: "disagmoe": {"zero_stage": {"attention": 2, "ffn": 3}})'
+        raise ConfigError(
+            f"ZeRO stage {stage} {where} is not supported; use one of {list(stages)}{hint if stage == 3 else ''}"
+        )
+    if ds_config.get("bf16", {}).get("enabled") and stage == 0:
+        raise ConfigError(f"bf16 needs ZeRO stage >= 1 {where} in DisagMoE-DS (--zero 1, its zero_stage or fp32)")
+
+
+def role_ds_config(
+    ds_config: dict[str, Any], *, micro_batches: int, micro_batch_size: int, dp_size: int, stage: int | None = None
+) -> dict:
+    """The user's ds_config adapted to one role engine, at ZeRO ``stage`` (default: the ds_config's).
 
     Gradient accumulation is owned by the AF-Pipe executor (one ``step()`` per batch after many partial
-    backwards), so ``managed_gradient_accumulation`` is off and the batch sizes are made consistent.
+    backwards), so ``managed_gradient_accumulation`` is off and the batch sizes are made consistent. At stage 3
+    every parameter is sharded (DeepSpeed keeps parameters under 1e5 elements whole by default; the ones an expert
+    shard has are its biases) unless the ds_config says otherwise.
     """
     config = copy.deepcopy(ds_config)
     config.pop(SECTION, None)
@@ -84,11 +113,20 @@ def role_ds_config(ds_config: dict[str, Any], *, micro_batches: int, micro_batch
     optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
     if not torch.cuda.is_available() and optimizer.get("type", "").lower() in ("adam", "adamw"):
         optimizer.setdefault("params", {})["torch_adam"] = True  # FusedAdam would JIT-compile for minutes on CPU
-    stage = config.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2):
-        raise ConfigError(f'"zero_optimization.stage" {stage} is not supported; use 0, 1 or 2 (--zero 1)')
-    if config.get("bf16", {}).get("enabled") and stage == 0:
-        raise ConfigError('bf16 needs "zero_optimization.stage" 1 or 2 in DisagMoE-DS (--zero 1, or --dtype fp32)')
+    if stage is None:  # the ds_config's own stage, every side's default: 0-2
+        stage = ds_stage(config)
+        if stage not in (0, 1, 2):
+            raise ConfigError(
+                f'"zero_optimization.stage" {stage} is not supported; use 0, 1 or 2 (--zero 1), and ZeRO-3 on the '
+                f'expert side only ("{SECTION}": {{"zero_stage": {{"ffn": 3}}}})'
+            )
+        if config.get("bf16", {}).get("enabled") and stage == 0:
+            raise ConfigError('bf16 needs "zero_optimization.stage" 1 or 2 in DisagMoE-DS (--zero 1, or --dtype fp32)')
+    check_stage(config, stage, where="in a role engine", stages=(0, 1, 2, 3))
+    zero = config.setdefault("zero_optimization", {})
+    zero["stage"] = stage
+    if stage == 3:
+        zero.setdefault("stage3_param_persistence_threshold", 0)
     return config
 
 
@@ -162,6 +200,9 @@ class GlobalGradNorm:
         if hasattr(optimizer, "scaled_global_norm"):  # ZeRO stage 1/2
             role_norm = optimizer.scaled_global_norm
             optimizer.scaled_global_norm = lambda *a, **k: self.combine(role_norm(*a, **k))
+        elif engine.zero_optimization_stage() == 3:  # step() clips with the L2 combination of these group norms
+            norm_groups = optimizer._get_norm_groups
+            optimizer._get_norm_groups = lambda: [self.combine(combine_grad_norm_groups(norm_groups()))]
         else:  # plain fp32 engine: DeepSpeed clips with torch's clip_grad_norm_ in clip_fp32_gradients
             engine.clip_fp32_gradients = lambda: self._clip_fp32(engine)
 
@@ -194,6 +235,62 @@ def zero_grads_of_untouched(engine) -> None:
         engine.backward(torch.stack([p.reshape(-1)[0] for p in missing]).sum() * 0, scale_wrt_gas=False)
 
 
+def gather_read_parameters(module: nn.Module) -> None:
+    """Make ZeRO-3 gather what each ``ExpertShard`` of ``module`` reads around its forward and backward.
+
+    ZeRO-3 gathers a module's own parameters in hooks around that module's forward and backward; a shard's forward
+    reads its HF experts module's fused tensors itself (grouped GEMMs) instead of calling that module, whose hooks
+    would then not fire. Registered as the shard's external parameters, they are gathered with the shard (HF's
+    module untouched; where the shard does call it, as GPT-OSS does, its own hooks find them gathered).
+    """
+    for shard in module.modules():
+        if isinstance(shard, ExpertShard):
+            for param in shard.experts.parameters():
+                deepspeed.zero.register_external_parameter(shard, param)
+
+
+def accumulate_across_backwards(optimizer) -> None:
+    """Make ZeRO-3 sum the gradient partitions of every backward between two ``step()`` calls.
+
+    ZeRO-3 copies a backward's reduced partitions into its gradient buffer while ``micro_step_id`` is 0 and adds
+    them after that; only ``engine.forward`` advances the counter and only ``step()`` resets it. The AF-Pipe runs
+    its chunks outside ``engine.forward``, and a backward reaches one layer's parameters: so every backward adds,
+    into a buffer that is zero at the start of each step (it is allocated zero; ``step`` leaves it zero again).
+    """
+    partition_grads, step = optimizer.partition_grads, optimizer.step
+
+    def accumulating(params_to_release, grad_partitions) -> None:
+        optimizer.micro_step_id = 1
+        partition_grads(params_to_release, grad_partitions)
+
+    def step_then_zero(*args, **kwargs):
+        result = step(*args, **kwargs)
+        optimizer.grad_partitions_flat_buffer.zero_()
+        return result
+
+    optimizer.partition_grads, optimizer.step = accumulating, step_then_zero
+
+
+@contextmanager
+def barriers_within(replicas: dist.ProcessGroup) -> Iterator[None]:
+    """Inside it, DeepSpeed's world barriers (``group=None``) are barriers of ``group`` only.
+
+    ZeRO-3's optimizer set-up places world barriers between its steps (sync points, nothing exchanged); the ranks of
+    the other side build engines at another stage that issue none, so those barriers would wait forever. The engine's
+    own data-parallel group (the replicas it partitions over) is the set of ranks that must be in step there.
+    """
+    barrier = deepspeed.comm.barrier
+
+    def replica_barrier(group=None, **kwargs):
+        return barrier(group=group or replicas, **kwargs)
+
+    deepspeed.comm.barrier = replica_barrier
+    try:
+        yield
+    finally:
+        deepspeed.comm.barrier = barrier
+
+
 def build_engine(
     module: nn.Module,
     ds_config: dict[str, Any],
@@ -202,6 +299,7 @@ def build_engine(
     micro_batch_size: int,
     data_parallel_group: dist.ProcessGroup,
     grad_scale: float = 1.0,
+    zero_stage: int | None = None,
 ):
     """``deepspeed.initialize`` over one rank's module (a role stage, or a co-located model), with the corrections
     described in the module docstring; the caller installs the rank's ``GradNorm``.
@@ -209,6 +307,7 @@ def build_engine(
     Args:
         data_parallel_group: the replicas of the module's parameters (the ``RoleMPU``'s group).
         grad_scale: every gradient is multiplied by it as autograd produces it (``scale_gradients``).
+        zero_stage: the rank's side's ZeRO stage (default: the ds_config's); 3 shards the module's parameters.
     """
     mpu = RoleMPU(data_parallel_group)
     config = role_ds_config(
@@ -216,11 +315,18 @@ def build_engine(
         micro_batches=micro_batches,
         micro_batch_size=micro_batch_size,
         dp_size=mpu.get_data_parallel_world_size(),
+        stage=zero_stage,
     )
     scale_gradients(module, grad_scale)
-    engine, *_ = deepspeed.initialize(
-        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config, mpu=mpu
-    )
+    stage3 = config["zero_optimization"]["stage"] == 3
+    if stage3:
+        gather_read_parameters(module)
+    with barriers_within(data_parallel_group) if stage3 else nullcontext():
+        engine, *_ = deepspeed.initialize(
+            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config, mpu=mpu
+        )
     if engine.zero_optimization_stage() == 2:
         allow_backward_without_gradients(engine.optimizer)
+    elif engine.zero_optimization_stage() == 3:
+        accumulate_across_backwards(engine.optimizer)
     return engine

@@ -10,15 +10,19 @@ ZeRO 1/2 keep a parameter's master and moments as fragments of flat per-rank par
 (``single_partition_of_fp32_groups``), at the parameter's ``_hp_mapping`` fragment: the addresses
 ``deepspeed.utils.safe_get_full_fp32_param`` uses. DeepSpeed's ``safe_*_optimizer_state`` helpers cannot be used
 because they need the state fragments that only ``step()`` links, and a freshly built engine has no optimizer state
-to write into. ZeRO 0 keeps master and moments per parameter.
+to write into. ZeRO 0 keeps master and moments per parameter. ZeRO-3 (an expert side) shards the module weights too:
+they are read inside ``gathered``, and a parameter's master and moments are its rows of the flat partitions
+``fp32_partitioned_groups_flat`` at ``grad_position`` (what ``get_full_hp_param`` reads), padded at the end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -82,7 +86,8 @@ def rank_share(rt, weights: Weights) -> dict[str, Any]:
     for part in _parts(rt):
         buffers = dict(persistent_buffers(part.module))
         if weights == "module":
-            params = {n: t.detach().clone() for n, t in part.module.state_dict().items() if n not in buffers}
+            with gathered(engine, part.module):
+                params = {n: t.detach().clone() for n, t in part.module.state_dict().items() if n not in buffers}
             moments = {}
         else:
             named = dict(part.module.named_parameters())
@@ -178,12 +183,26 @@ def _is_zero(engine) -> bool:
     return engine.zero_optimization_stage() > 0
 
 
+def _is_zero3(engine) -> bool:
+    return engine.zero_optimization_stage() == 3
+
+
+def gathered(engine, module: nn.Module) -> AbstractContextManager:
+    """Inside it, ``module``'s parameters are whole (ZeRO-3 gathers them over their replicas: every replica must
+    enter it together); a no-op below stage 3."""
+    if not _is_zero3(engine):
+        return nullcontext()
+    return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+
+
 def _inner_state(engine) -> dict:
     """The torch optimizer's ``state``: keyed by flat fp32 partition (ZeRO) or by parameter (ZeRO 0)."""
     return engine.optimizer.optimizer.state if _is_zero(engine) else engine.optimizer.state
 
 
 def _state_owners(engine) -> list[torch.Tensor]:
+    if _is_zero3(engine):
+        return list(engine.optimizer.fp32_partitioned_groups_flat)
     if _is_zero(engine):
         return list(engine.optimizer.single_partition_of_fp32_groups)
     return [p for group in engine.optimizer.param_groups for p in group["params"]]
@@ -215,6 +234,8 @@ def _full_state(engine, param: torch.Tensor, key: str | None) -> torch.Tensor:
     ZeRO: each rank of the parameter's data-parallel group holds a fragment; one all-reduce (every other rank
     contributes zeros) assembles it, so every rank of the group must call this for the same parameters in order.
     """
+    if _is_zero3(engine):
+        return _full_state_z3(engine, param, key)
     if not param.requires_grad:  # frozen: no master, no state; the module weight never changes
         return param.detach().float().clone()
     if not _is_zero(engine):
@@ -235,6 +256,28 @@ def _fragments(engine, param: torch.Tensor, key: str | None) -> Iterator[tuple[t
     source = flat if key is None else engine.optimizer.optimizer.state[flat][key]
     hp = mapping.hp_fragment_address
     yield source.narrow(0, hp.start, hp.numel), mapping.lp_fragment_address
+
+
+def _full_state_z3(engine, param: nn.Parameter, key: str | None) -> torch.Tensor:
+    """ZeRO-3's ``_full_state``: an all-gather over the parameter's replicas (collective like it)."""
+    if not param.requires_grad:
+        with deepspeed.zero.GatheredParameters([param]):
+            return param.detach().float().clone()
+    return engine.optimizer.get_full_hp_param(param, key).float().clone()
+
+
+def _set_partition_z3(engine, param: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+    """Write this rank's rows of ``value`` (the whole tensor) into the parameter's ZeRO-3 master (and its bit16
+    shard) or moment ``key``; the padding after the last element stays as it is."""
+    optimizer = engine.optimizer
+    group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
+    flat = optimizer.fp32_partitioned_groups_flat[group]
+    dst = (flat if key is None else optimizer.optimizer.state[flat][key]).narrow(0, offset, numel)
+    start = numel * dist.get_rank(param.ds_process_group)
+    src = value.reshape(-1)[start : start + numel]
+    dst[: src.numel()].copy_(src)
+    if key is None:
+        param.ds_tensor.view(-1)[: src.numel()].copy_(src)
 
 
 # ----- writing a state into a freshly built rank -----
@@ -275,6 +318,13 @@ def _create_optimizer_state(engine, keys: list[str], scalars: dict[str, torch.Te
 def _set_full(engine, param: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
     """Write the whole parameter's master (and module weight) or state ``key`` from the full tensor ``value``."""
     with torch.no_grad():
+        if _is_zero3(engine) and param.requires_grad:
+            _set_partition_z3(engine, param, value, key)
+            return
+        if _is_zero3(engine):  # frozen: only the module weight, whole on every replica while gathered
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                param.data.copy_(value)
+            return
         if key is None:
             param.data.copy_(value)  # the module weight; rounds to bf16 exactly as DeepSpeed's step does
         if not param.requires_grad or not _is_zero(engine):

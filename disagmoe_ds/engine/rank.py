@@ -98,6 +98,10 @@ class RankMode(Protocol):
         ``weights``, or initialised from ``seed``)."""
         ...
 
+    def zero_stage(self, role: Any, ds_config: dict[str, Any]) -> int:
+        """The ZeRO stage of the rank's engine (its side's, in the disaggregated mode)."""
+        ...
+
     def grad_scale(self, layout: Any, role: Any) -> float:
         """The factor on the rank's gradients before DeepSpeed averages them over the data-parallel group."""
         ...
@@ -164,6 +168,7 @@ class RankBuilder:
             micro_batch_size=micro_batch_size,
             data_parallel_group=groups.data_parallel,
             grad_scale=mode.grad_scale(layout, role),
+            zero_stage=mode.zero_stage(role, ds_config),
         )
         grad_norm = mode.grad_norm(layout, groups)
         grad_norm.install(engine)

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from disagmoe_ds.colocated.layout import ColocatedConfig
-from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.deepspeed_role import role_ds_config
+from disagmoe_ds.config import ZERO_STAGES, DisagMoEConfig
+from disagmoe_ds.engine.deepspeed_role import ds_stage, role_ds_config
 from disagmoe_ds.errors import ConfigError
 
 
@@ -81,7 +81,11 @@ def check_engine_config(
 ) -> None:
     """What DeepSpeed would refuse inside every rank, refused here: precision and ZeRO rules (``role_ds_config``)
     and optimizer hyper-parameters out of range."""
-    role_ds_config(ds_config, micro_batches=cfg.micro_batches, micro_batch_size=micro_batch_size, dp_size=1)
+    sides = getattr(cfg, "zero_stage", None)  # a disaggregated job's per-side stages replace the ds_config's
+    for stage in [cfg.zero_stage_of(side, ds_stage(ds_config)) for side in ZERO_STAGES] if sides else [None]:
+        role_ds_config(
+            ds_config, micro_batches=cfg.micro_batches, micro_batch_size=micro_batch_size, dp_size=1, stage=stage
+        )
     params = ds_config.get("optimizer", {}).get("params", {})
     where = "--lr" if lr_flag else 'ds_config "optimizer.params.lr"'
     _check_range(where, params.get("lr"), lambda v: v > 0, "a positive number")

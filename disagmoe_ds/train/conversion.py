@@ -109,8 +109,9 @@ def _check_job(job: Job) -> None:
     from disagmoe_ds.engine.build import preflight
     from disagmoe_ds.engine.deepspeed_role import role_ds_config
 
-    preflight(job.model_dir, job.cfg, job.ds_config, job.cfg.world_size)
-    role_ds_config(job.ds_config, micro_batches=job.cfg.micro_batches, micro_batch_size=1, dp_size=1)
+    preflight(job.model_dir, job.cfg, job.ds_config, job.cfg.world_size)  # each side's ZeRO stage too
+    if not job.cfg.zero_stage:
+        role_ds_config(job.ds_config, micro_batches=job.cfg.micro_batches, micro_batch_size=1, dp_size=1)
 
 
 def _refuse_existing(path: Path, what: str) -> None:
