@@ -32,7 +32,12 @@ from disagmoe_ds.schedule import Costs
 GPUS_PER_PRESET_NODE = 8
 
 
-def runtime_costs(
+def runtime_costs(config: dict[str, Any], layout: Layout, **kwargs: Any) -> Costs:
+    """``schedule.Costs`` of ``runtime_task_costs`` (same arguments): what the runtime's schedule generator reads."""
+    return schedule_costs(ModelSpec.from_config(config), runtime_task_costs(config, layout, **kwargs))
+
+
+def runtime_task_costs(
     config: dict[str, Any],
     layout: Layout,
     *,
@@ -43,7 +48,7 @@ def runtime_costs(
     resend: bool = False,
     split_backward: bool = False,
     compiled: bool = False,
-) -> Costs:
+) -> AfTaskCosts:
     """Seconds per task and transfer of one micro-batch for ``layout``, ranks placed contiguously (attention first).
 
     Args:
@@ -68,7 +73,7 @@ def runtime_costs(
     nics = placement.nic_splits(machines, layout.attention_gpus)[0]
     work = Workload(seq_len, micro_batch_size, resend=resend, split_backward=split_backward)
     task_costs = af_task_costs(spec, layout, work, placement=placement, rates=rates, nics=nics)
-    return schedule_costs(spec, attention_wgrad_folded(task_costs) if compiled else task_costs)
+    return attention_wgrad_folded(task_costs) if compiled else task_costs
 
 
 def unit_costs(*, split_backward: bool = False, compiled: bool = False) -> Costs:
