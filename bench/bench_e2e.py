@@ -225,6 +225,7 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
         depth=a.depth,
         micro_batches=micro_batches(a, a.attention_gpus // a.depth),
         compile=a.compile,
+        selective_recompute=a.selective_recompute,
         resend=a.resend,
         split_backward=a.split_backward,
         offload={"attention": a.offload[0], "ffn": a.offload[1]},
@@ -489,6 +490,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ep-size 2 1 runs EP-2 and EP-1 (every rank holds every expert: plain data parallel)",
     )
     p.add_argument("--resend", action="store_true", help="AF-Pipe: the expert side keeps nothing in flight (depth 1)")
+    p.add_argument(
+        "--selective-recompute",
+        action="store_true",
+        help="AF-Pipe: attention blocks, shared/dense SwiGLUs and the experts' gate/up outputs rebuilt in backward",
+    )
     p.add_argument(
         "--split-backward",
         action="store_true",

@@ -22,7 +22,7 @@ from disagmoe_ds.layout import Layout, RankCounts
 from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
-_FLAGS = ("compile", "activation_checkpointing", "comm_stream", "resend", "split_backward")
+_FLAGS = ("compile", "activation_checkpointing", "selective_recompute", "comm_stream", "resend", "split_backward")
 OFFLOAD_SIDES = ("attention", "ffn")
 _NOT_NUMBERS = (*_FLAGS, "transport", "offload", "zero_stage", "cluster", "profile")
 ZERO_STAGES = {"attention": (0, 1, 2), "ffn": (0, 1, 2, 3)}  # ZeRO-3 (parameters sharded) on the expert side only
@@ -44,6 +44,9 @@ class DisagMoEConfig(RankCounts):
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
         activation_checkpointing: keep only each chunk's inputs and recompute its activations in backward
             (attention parts and expert shards), trading compute for the memory of micro-batches in flight.
+        selective_recompute: drop only the large, cheap-to-rebuild activations (attention blocks, shared/dense
+            SwiGLUs, the routed experts' gate/up outputs) and rebuild them in backward (``models.recompute``; the
+            planner's "recompute selective"). Exclusive with ``activation_checkpointing``, which drops more.
         comm_stream: on GPUs, allocate and post the exchanges' receives on a side CUDA stream, so that a receive
             posted ahead starts at once instead of after the compute queued before it (``comm.channel.CommStream``).
         transport: how exchange payloads move: ``auto`` is torch.distributed's backend (NCCL on GPUs, gloo on
@@ -75,6 +78,7 @@ class DisagMoEConfig(RankCounts):
     comm_timeout_s: float = 300.0
     compile: bool = False
     activation_checkpointing: bool = False
+    selective_recompute: bool = False
     comm_stream: bool = True
     transport: str = "auto"
     resend: bool = False
@@ -88,6 +92,11 @@ class DisagMoEConfig(RankCounts):
         for flag in _FLAGS:
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f'"{SECTION}.{flag}" must be true or false, got {getattr(self, flag)!r}')
+        if self.selective_recompute and self.activation_checkpointing:
+            raise ConfigError(
+                f'"{SECTION}.selective_recompute" and "{SECTION}.activation_checkpointing" are exclusive: the latter '
+                "already recomputes every activation of a chunk; set one of them"
+            )
         if self.resend and self.depth > 1:
             raise ConfigError(
                 f'"{SECTION}.resend" needs depth 1 (got {self.depth}): with p > 1 the rank that sends the experts\' '

@@ -318,6 +318,9 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per lane")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute chunk activations in backward")
     p.add_argument(
+        "--selective-recompute", action="store_true", help="recompute attention blocks, SwiGLUs, experts' gate/up"
+    )
+    p.add_argument(
         "--transport",
         choices=sorted(TRANSPORTS),
         default="auto",
@@ -350,6 +353,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         micro_batches=a.micro_batches,
         expert_data_parallel=a.expert_data_parallel,
         activation_checkpointing=a.activation_checkpointing,
+        selective_recompute=a.selective_recompute,
         transport=a.transport,
         comm_timeout_s=a.comm_timeout,
         resend=a.resend,

@@ -35,6 +35,7 @@ from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
+from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.runtime_costs import runtime_costs, unit_costs
 from disagmoe_ds.schedule import (
@@ -106,6 +107,8 @@ class Disaggregated:
             experts = layout.expert_range(role.ep_rank)
             stage = ExpertStage(model, layers, experts.start, experts.stop)
         place(stage, model, device, seed=seed, weights=weights)
+        if self.cfg.selective_recompute:
+            apply_selective_recompute(stage)
         return stage
 
     def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:

@@ -60,13 +60,15 @@ def grouped_gated_experts(
     act_fn: nn.Module,
     num_pairs: int | None = None,
     elementwise: Elementwise | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """Each row's sum over its local experts of ``w * expert(x)``; sentinel ids (>= e) are skipped.
 
     ``num_pairs``, the number of non-sentinel ids, sizes the buffers. Pass it when the host knows it (the
     dispatch plan counts it, the M2N header carries it): else it is read from the device, a host sync that
     drains the compute stream. ``elementwise``: the middle's functions (``ExpertShard`` passes its own), ``EAGER``
-    when None.
+    when None. ``recompute``: keep only the permuted inputs for the backward, which re-runs the gate/up GEMM and
+    the activation (selective recompute: ``_RecomputedMiddle``).
     """
     elementwise = EAGER if elementwise is None else elementwise
     num_experts, K = gate_up_eFH.shape[0], local_idx_RK.shape[1]
@@ -81,10 +83,12 @@ def grouped_gated_experts(
     slots = _Slots.of(order_P, num_pairs, K, x_RH.dtype, elementwise.sum_slots)
     order_P = order_P[:num_pairs]
     x_PH = _Permute.apply(x_RH, slots)
-    gate_up_PF = _grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offsets_e)
     w_P = w_RK.reshape(-1).index_select(0, order_P)
-    hidden_PI = elementwise.gated(gate_up_PF, w_P, act_fn)
-    out_PH = _grouped_mm(hidden_PI, down_eHI.transpose(1, 2), offsets_e)
+    if recompute:
+        out_PH = _RecomputedMiddle.apply(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise.gated)
+    else:
+        hidden_PI = elementwise.gated(_grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offsets_e), w_P, act_fn)
+        out_PH = _grouped_mm(hidden_PI, down_eHI.transpose(1, 2), offsets_e)
     return _Unpermute.apply(out_PH, slots)
 
 
@@ -142,6 +146,37 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RH: torch.Tensor):
         return grad_RH.index_select(0, ctx.slots.rows_P), None
+
+
+class _RecomputedMiddle(torch.autograd.Function):
+    """``gated(x W_gu^T, w) W_d^T`` per group, saving only its inputs: the gate/up output and the activation
+    (3 x I per pair) are rebuilt in the backward, which re-runs the gate/up GEMM and the elementwise middle but not
+    the down GEMM (its two backward GEMMs are written out here, as autograd's grouped-GEMM backward computes them).
+    The planner's "selective" recompute of routed experts (``planner/recompute.py``)."""
+
+    @staticmethod
+    def forward(ctx, x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn: nn.Module, gated: GatedFn):
+        ctx.save_for_backward(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e)
+        ctx.act_fn, ctx.gated = act_fn, gated
+        hidden_PI = gated(_grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offsets_e), w_P, act_fn)
+        return _grouped_mm(hidden_PI, down_eHI.transpose(1, 2), offsets_e)
+
+    @staticmethod
+    def backward(ctx, grad_PH: torch.Tensor):
+        x_PH, w_P, gate_up_eFH, down_eHI, offsets_e = ctx.saved_tensors
+        leaves = [t.detach().requires_grad_(need) for t, need in zip((x_PH, w_P, gate_up_eFH), ctx.needs_input_grad)]
+        with torch.enable_grad():
+            gate_up_PF = _grouped_mm(leaves[0], leaves[2].transpose(1, 2), offsets_e)
+            hidden_PI = ctx.gated(gate_up_PF, leaves[1], ctx.act_fn)
+        d_down = None
+        if ctx.needs_input_grad[3]:
+            d_down = _grouped_mm(grad_PH.t(), hidden_PI.detach(), offsets_e)  # [e, H, I]
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(
+            torch.autograd.grad(hidden_PI, wanted, _grouped_mm(grad_PH, down_eHI, offsets_e)) if wanted else ()
+        )
+        d_x, d_w, d_gate_up = (next(grads) if t.requires_grad else None for t in leaves)
+        return d_x, d_w, d_gate_up, d_down, None, None, None
 
 
 def _sum_slots_eager(y_PH: torch.Tensor, slot_RK: torch.Tensor, keep_RK: torch.Tensor | None) -> torch.Tensor:

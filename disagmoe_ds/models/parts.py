@@ -201,7 +201,8 @@ class ExpertShard(nn.Module):
     experts held elsewhere) and routing weights, and returns each token's weighted sum over its local experts:
     with grouped GEMMs where the family and dtype allow, else (and in ``forward_hf``) through HF's module. Only
     real (row, expert) pairs are computed, so no work is spent on sentinels and HF versions that do not know the
-    sentinel work too. ``elementwise``: the grouped path's elementwise functions (``compile_stage`` fuses them).
+    sentinel work too. ``elementwise``: the grouped path's elementwise functions (``compile_stage`` fuses them);
+    ``recompute``: the grouped path keeps only its permuted inputs for the backward (``models.recompute``).
     """
 
     def __init__(self, experts: nn.Module, first_expert: int, num_local: int, family: str):
@@ -211,6 +212,7 @@ class ExpertShard(nn.Module):
         self.num_local = num_local
         self.family = family
         self.elementwise = EAGER
+        self.recompute = False
 
     def forward(
         self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int | None = None
@@ -230,7 +232,15 @@ class ExpertShard(nn.Module):
         if supports_grouped(self.family, self.experts, x_RH):
             e = self.experts
             return grouped_gated_experts(
-                x_RH, local_idx_RK, w_RK, e.gate_up_proj, e.down_proj, e.act_fn, num_pairs, self.elementwise
+                x_RH,
+                local_idx_RK,
+                w_RK,
+                e.gate_up_proj,
+                e.down_proj,
+                e.act_fn,
+                num_pairs,
+                self.elementwise,
+                self.recompute,
             )
         return self.forward_hf(x_RH, local_idx_RK, w_RK)
 
