@@ -576,6 +576,12 @@ def test_selective_recompute_drops_the_listed_bytes_and_adds_their_flops():
     _, sel_bwd = attention_call_s(spec, rates, seq_len=1024, layer=1, tokens=tokens, recompute="selective")
     linear, core = a_side_recompute_flops(spec, 1024, 1)
     assert linear == 2 * 64 * 64 + 4 * 64 * 32  # q, k, v projections
+    # AF-Pipe's runtime checkpoints the attention block whole: o_proj is re-run too (no shared expert here).
+    assert a_side_recompute_flops(spec, 1024, 1, whole_blocks=True) == (linear + 2 * 64 * 64, core)
+    _, af_bwd = attention_call_s(
+        spec, rates, seq_len=1024, layer=1, tokens=tokens, recompute="selective", whole_blocks=True
+    )
+    assert af_bwd - sel_bwd == pytest.approx(per * tokens * 2 * 64 * 64)
     assert sel_bwd - none_bwd == pytest.approx(per * tokens * (linear + core))
     _, e_none = expert_call_s(spec, rates, layer=1, tokens=tokens, recompute="none")
     _, e_sel = expert_call_s(spec, rates, layer=1, tokens=tokens, recompute="selective")

@@ -13,10 +13,18 @@ from disagmoe_ds.planner.recompute import Recompute, a_side_recompute_flops, exp
 
 
 def attention_call_s(
-    spec: ModelSpec, rates: Rates, *, seq_len: int, layer: int, tokens: float, recompute: Recompute
+    spec: ModelSpec,
+    rates: Rates,
+    *,
+    seq_len: int,
+    layer: int,
+    tokens: float,
+    recompute: Recompute,
+    whole_blocks: bool = False,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one A part of ``layer`` on ``tokens`` tokens; the backward includes what
-    ``recompute`` re-runs (full: the forward; selective: Q/K/V projections, core and gate/up GEMMs)."""
+    ``recompute`` re-runs (full: the forward; selective: Q/K/V projections, core and gate/up GEMMs, or with
+    ``whole_blocks`` every projection of the attention block and the shared/dense SwiGLU: AF-Pipe's runtime)."""
     core = tokens * spec.attention_core_flops(seq_len, layer)
     linear = tokens * spec.attention_side_flops(seq_len, layer) - core
     fwd = rates.attention_fwd.seconds(linear, core)
@@ -24,7 +32,7 @@ def attention_call_s(
     if recompute == "full":
         return fwd, bwd + fwd
     if recompute == "selective":
-        rc_linear, rc_core = a_side_recompute_flops(spec, seq_len, layer)
+        rc_linear, rc_core = a_side_recompute_flops(spec, seq_len, layer, whole_blocks=whole_blocks)
         return fwd, bwd + rates.attention_fwd.seconds(tokens * rc_linear, tokens * rc_core, calls=0)
     return fwd, bwd
 

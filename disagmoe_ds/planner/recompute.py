@@ -9,7 +9,10 @@ Three policies, for the A part, the F part and the co-located layer alike:
   up-projected heads; the latents stay), the attention output and its log-sum-exp are dropped; every SwiGLU
   (routed experts, shared experts, dense MLP) drops its gate, up and activation outputs and keeps its input.
   The backward re-runs the Q/K/V (MLA: q_b/kv_b) projections, the attention core forward and the gate/up
-  GEMMs. Nothing else changes, so the recompute costs exactly these forward FLOPs again.
+  GEMMs. Nothing else changes, so the recompute costs exactly these forward FLOPs again. That is the co-located
+  baseline's (Megatron's) policy. AF-Pipe's runtime (``models/recompute.py``) drops the same tensors but
+  checkpoints the attention block and the shared/dense SwiGLU as whole modules, so its backward also re-runs their
+  output and down projections (``whole_blocks``); its routed experts re-run the gate/up GEMM only, as here.
 * ``full``: only the layer input stays; the backward re-runs the whole forward (``memory.py``).
 
 Bytes are bf16 (``ACT_BYTES``) except the log-sum-exp (fp32, one per head). FLOPs follow ``model.py``'s
@@ -69,11 +72,18 @@ def a_side_saved_bytes(spec: ModelSpec, layer: int) -> int:
     return attention_saved_bytes(spec) + mlp_saved_bytes(width)
 
 
-def a_side_recompute_flops(spec: ModelSpec, seq_len: int, layer: int) -> tuple[float, float]:
-    """(linear, attention-core) forward FLOPs per token that selective recompute adds to ``layer``'s backward."""
+def a_side_recompute_flops(
+    spec: ModelSpec, seq_len: int, layer: int, *, whole_blocks: bool = False
+) -> tuple[float, float]:
+    """(linear, attention-core) forward FLOPs per token that selective recompute adds to ``layer``'s backward;
+    ``whole_blocks``: every projection of the attention block and of the shared/dense SwiGLU (AF-Pipe's runtime)."""
+    core = spec.attention_core_flops(seq_len, layer)
+    if whole_blocks:
+        mlp = spec.shared_flops() if spec.moe_layers[layer] else spec.dense_mlp_flops()
+        return float(spec.attention_projection_flops() + mlp), core
     width = spec.shared_intermediate if spec.moe_layers[layer] else spec.dense_intermediate
     linear = attention_recompute_linear_flops(spec) + mlp_recompute_flops(spec.hidden_size, width)
-    return float(linear), spec.attention_core_flops(seq_len, layer)
+    return float(linear), core
 
 
 def expert_saved_bytes_per_assignment(spec: ModelSpec) -> int:
@@ -84,7 +94,7 @@ def expert_recompute_flops_per_assignment(spec: ModelSpec) -> int:
     return mlp_recompute_flops(spec.hidden_size, spec.expert_intermediate)
 
 
-def recompute_flops_per_token(spec: ModelSpec, seq_len: int, policy: Recompute) -> float:
+def recompute_flops_per_token(spec: ModelSpec, seq_len: int, policy: Recompute, *, whole_blocks: bool = False) -> float:
     """Forward FLOPs per token the backward re-runs over the whole model (the head is never recomputed)."""
     if policy == "none":
         return 0.0
@@ -93,6 +103,6 @@ def recompute_flops_per_token(spec: ModelSpec, seq_len: int, policy: Recompute) 
         if policy == "full":
             total += spec.attention_side_flops(seq_len, i) + spec.expert_side_flops(i)
             continue
-        total += sum(a_side_recompute_flops(spec, seq_len, i))
+        total += sum(a_side_recompute_flops(spec, seq_len, i, whole_blocks=whole_blocks))
         total += spec.top_k * expert_recompute_flops_per_assignment(spec) if spec.moe_layers[i] else 0
     return total

@@ -121,7 +121,8 @@ def _group_compute_per_micro_batch(
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
         a = sum(
-            sum(attention_call_s(spec, rates, seq_len=seq_len, layer=i, tokens=tokens, recompute=rc)) for i in layers
+            sum(attention_call_s(spec, rates, seq_len=seq_len, layer=i, tokens=tokens, recompute=rc, whole_blocks=True))
+            for i in layers
         )
         a += sum(head_call_s(spec, rates, tokens=tokens)) if g == layout.head_group else 0.0
         f = sum(sum(expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=f_rc)) for i in layers)
@@ -139,7 +140,7 @@ def side_flops(spec: ModelSpec, work: Workload) -> tuple[float, float]:
 def _side_flops(spec: ModelSpec, s: int, recompute: Recompute, resend: bool = False) -> tuple[float, float]:
     a_fwd = sum(spec.attention_side_flops(s, i) for i in range(spec.num_layers))
     f_fwd = sum(spec.expert_side_flops(i) for i in range(spec.num_layers))
-    both = recompute_flops_per_token(spec, s, recompute)
+    both = recompute_flops_per_token(spec, s, recompute, whole_blocks=True)  # as the runtime recomputes
     if recompute == "full":
         a_rc, f_rc = a_fwd, f_fwd
     else:

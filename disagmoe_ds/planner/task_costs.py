@@ -61,7 +61,9 @@ def af_task_costs(
     per_layer: dict[str, list[float]] = {k: [] for k in ("A_fwd", "A_bwd", "F_fwd", "F_bwd")}
     wgrad: dict[str, list[float]] = {"A": [], "F": []}
     for i in range(spec.num_layers):
-        a_fwd, a_bwd = attention_call_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=rc)
+        a_fwd, a_bwd = attention_call_s(
+            spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=rc, whole_blocks=True
+        )
         f_fwd, f_bwd = expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=work.ffn_recompute)
         a_w = attention_wgrad_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens)
         f_w = expert_wgrad_s(spec, rates, layer=i, tokens=f_tokens)
