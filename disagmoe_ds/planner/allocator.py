@@ -332,10 +332,9 @@ def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
     plans = sorted((simulate_candidate(req, c) for c in shortlist), key=lambda p: -p.tokens_per_s)
     if not plans:
         return None, rejected
-    if "split_backward" in req.af_variants:  # the split only changes the schedule: try it on the two best
+    if "split_backward" in req.af_variants:  # the split only changes the schedule: try it on every simulated plan
         plans = sorted(
-            [simulate_candidate(req, p.candidate, splits=(False, True)) for p in plans[:2]] + plans[2:],
-            key=lambda p: -p.tokens_per_s,
+            (simulate_candidate(req, p.candidate, splits=(False, True)) for p in plans), key=lambda p: -p.tokens_per_s
         )
     best = plans[0]
     splits = (best.candidate.work.split_backward,)
