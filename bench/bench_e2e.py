@@ -229,6 +229,7 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
         resend=a.resend,
         split_backward=a.split_backward,
         offload={"attention": a.offload[0], "ffn": a.offload[1]},
+        zero_stage=dict(zip(("attention", "ffn"), a.zero_stage, strict=True)) if a.zero_stage else {},
     )
     ds = {**ds_config(a), SECTION: cfg.to_dict()}
     dtype = DTYPES[a.dtype]
@@ -510,6 +511,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--ds-capacity-factor", type=float, default=0.0, help="DeepSpeed-MoE capacity (0: drop none)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2))
+    p.add_argument(
+        "--zero-stage",
+        nargs=2,
+        type=int,
+        metavar=("A", "F"),
+        help="AF-Pipe: ZeRO stage of the attention and the FFN side (F may be 3), replacing --zero there",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-4)

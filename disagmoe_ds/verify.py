@@ -342,6 +342,13 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         help="share of each micro-batch's layers whose saved activations go to host memory, attention and FFN side",
     )
     p.add_argument(
+        "--zero-stage",
+        nargs=2,
+        type=int,
+        metavar=("A", "F"),
+        help="ZeRO stage of the attention and the FFN side (F may be 3: expert parameters sharded), replacing --zero",
+    )
+    p.add_argument(
         "--comm-timeout", type=float, default=300.0, help="seconds a rank may wait for a peer; stacks at half of it"
     )
     add_run_args(p, zero_help="ZeRO stage inside each group")
@@ -359,6 +366,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         resend=a.resend,
         split_backward=a.split_backward,
         offload={"attention": a.offload[0], "ffn": a.offload[1]},
+        zero_stage=dict(zip(("attention", "ffn"), a.zero_stage, strict=True)) if a.zero_stage else {},
     )
     return run_args(VerifyArgs, a, cfg)
 

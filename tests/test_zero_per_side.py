@@ -1,0 +1,192 @@
+"""A ZeRO stage per side (``"disagmoe": {"zero_stage": {"attention": a, "ffn": f}}``), and ZeRO-3 on the expert side.
+
+Each case is ``disagmoe-verify``'s own path (CPU ranks, gloo, the rendezvous transport) against the single-process
+HF model: loss, global gradient norm, every applied gradient and every updated parameter. At ZeRO-3 an FFN rank
+holds only its 1/edp of each expert tensor, gathers them around each expert forward and backward, and sums the
+gradients of the many backwards of a step into its partition; the cases check that each rank runs its side's stage
+and, with replicas, that parameters really are sharded, gradients scaled by edp / lanes, and that a replica no token
+reached beside a busy one keeps the replicas' collectives in step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from disagmoe_ds.colocated import ColocatedConfig
+from disagmoe_ds.colocated.build import preflight_colocated
+from disagmoe_ds.config import SECTION, DisagMoEConfig
+from disagmoe_ds.engine import build as engine_build
+from disagmoe_ds.engine.checkpoint import load_checkpoint, save_checkpoint
+from disagmoe_ds.engine.deepspeed_role import role_ds_config
+from disagmoe_ds.engine.ds_state import gathered
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.launch.testing import run_ranks
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.models.parts import num_experts_of
+from disagmoe_ds.train.checks import check_engine_config
+from disagmoe_ds.train.export import export_hf
+from disagmoe_ds.verify import TOLERANCE, VerifyArgs, _assemble, _hf_named, load_for_verify, make_batches, run_verify
+from tests.test_zero_replicas import _idle_beside_busy, pairs_log  # noqa: F401  (pairs_log is a fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+CLIP = 0.05  # below the tiny models' gradient norms, so global-norm clipping is active
+
+
+@pytest.fixture
+def engines_log(monkeypatch, tmp_path):
+    """Every rank (forked) writes its side, its engine's ZeRO stage and whether it holds only its 1/dp share of
+    each parameter (ZeRO-3's partition, nothing gathered) right after the build to ``engine<r>.json``."""
+    build = engine_build.build_rank
+
+    def logged(*args, **kwargs):
+        rt = build(*args, **kwargs)
+        dp = dist.get_world_size(rt.engine.optimizer.dp_process_group) if rt.engine.zero_optimization() else 1
+        params = list(rt.module.parameters())
+        share_only = all(
+            p.numel() == 0 and p.ds_tensor.numel() == math.ceil(p.ds_numel / dp) for p in params if hasattr(p, "ds_id")
+        )
+        entry = {"attention": rt.role.is_attention, "stage": rt.engine.zero_optimization_stage(), "dp": dp}
+        entry["share_only"] = share_only and all(hasattr(p, "ds_id") for p in params)
+        (tmp_path / f"engine{dist.get_rank()}.json").write_text(json.dumps(entry))
+        return rt
+
+    monkeypatch.setattr(engine_build, "build_rank", logged)
+    return tmp_path
+
+
+def _engines(log: Path, world_size: int) -> list[dict]:
+    return [json.loads((log / f"engine{r}.json").read_text()) for r in range(world_size)]
+
+
+# (family, M, N, depth, edp, stages (A, F), dtype, skew): A1/F2 and A0/F3 in fp32, at depth 1 and 2, the GPT-OSS
+# path (HF's experts module called by the shard: its biases too); A1/F3 over 2 replicas of 2 ep ranks with one lane
+# (gradients scaled by edp / lanes = 2, one replica's shard gets no token from any lane, and skewed routing leaves
+# ep rank 1's shard idle); bf16 within its tolerance.
+CASES = [
+    ("qwen3-moe", 2, 2, 1, 1, (1, 2), "fp32", False),
+    ("gpt-oss", 2, 2, 2, 1, (0, 3), "fp32", False),
+    ("deepseek-v3", 1, 4, 1, 2, (1, 3), "fp32", True),
+    ("qwen3-moe", 2, 2, 1, 2, (1, 3), "bf16", False),
+]
+
+
+@pytest.mark.parametrize(("family", "M", "N", "p", "edp", "stages", "dtype", "skew"), CASES)
+def test_per_side_stages_equal_hf(engines_log, pairs_log, family, M, N, p, edp, stages, dtype, skew):  # noqa: F811
+    cfg = DisagMoEConfig(
+        attention_gpus=M,
+        ffn_gpus=N,
+        depth=p,
+        micro_batches=3,
+        expert_data_parallel=edp,
+        transport="rendezvous",
+        zero_stage=dict(zip(("attention", "ffn"), stages, strict=True)),
+    )
+    model = ROOT / "hf_models" / f"tiny-{family}"
+    args = VerifyArgs(str(model), cfg, zero=2, seq_len=8, clip=CLIP, skew=skew, dtype=dtype)  # zero: overridden
+    summary = run_verify(args, timeout_s=240)
+    assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
+    assert summary["max_abs_diff"]["params"] <= TOLERANCE[dtype], summary  # after the optimizer steps
+    assert summary["pass"], summary
+    engines = _engines(engines_log, cfg.world_size)
+    assert [e["stage"] for e in engines] == [stages[0]] * M + [stages[1]] * N
+    if stages[1] == 3:  # each FFN rank built its engine holding 1/edp of every expert tensor, nothing gathered
+        assert all(e["share_only"] and e["dp"] == edp for e in engines[M:]), engines
+    if skew:
+        config = load_for_verify(args).config
+        layout = Layout(M, N, config.num_hidden_layers, num_experts_of(config), expert_data_parallel=edp)
+        groups = [layout.edp_group_ranks(0, e) for e in range(layout.ep_size)]
+        assert _idle_beside_busy(pairs_log, groups) > 0
+
+
+# ----- checkpoint save -> resume and HF export with the experts at ZeRO-3 -----
+CKPT_CFG = DisagMoEConfig(
+    attention_gpus=2, ffn_gpus=2, micro_batches=2, expert_data_parallel=2, zero_stage={"attention": 1, "ffn": 3}
+)
+
+
+def _train(rank: int, args: VerifyArgs, ckpt: str, export: str, mode: str) -> dict:
+    """'full': 3 steps, saving after step 1, then an HF export; 'resume': load that checkpoint, run steps 2-3. Returns
+    the losses and the trained parameters by HF name (gathered; one copy of each)."""
+    rt = engine_build.build_rank(
+        args.model, args.ds_config(), args.cfg, micro_batch_size=1, model=load_for_verify(args)
+    )
+    config = rt.module.config
+    start = load_checkpoint(rt.engine, rt.role, rt.layout, config, ckpt)[1]["step"] if mode == "resume" else 0
+    losses = []
+    for step in range(start, args.steps):
+        vocab = config.vocab_size if rt.role.is_attention else 0
+        batches = make_batches(args, vocab, step, rt.role.index) if rt.role.is_attention else None
+        losses.append(rt.executor.train_batch(batches).loss)
+        if mode == "full" and step == 0:
+            save_checkpoint(
+                rt.engine, rt.role, rt.layout, config, ckpt, "step1", {"step": 1}, ds_config=args.ds_config()
+            )
+    if mode == "full":
+        export_hf(rt, Path(args.model), Path(export), dtype=torch.float32, tokenizer=None)
+    writer = rt.role.index == 0 if rt.role.is_attention else rt.role.edp_rank == 0
+    with gathered(rt.engine, rt.module):
+        params = _hf_named(rt, {n: p.detach() for n, p in rt.module.named_parameters()})
+    return {"losses": losses, "params": params if writer else {}}
+
+
+def test_resume_and_hf_export_under_ffn_zero3(tiny_checkpoint, tmp_path):
+    args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), CKPT_CFG, zero=1, steps=3, seq_len=8, clip=CLIP, lr=1e-2)
+    ckpt, export = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    full = run_ranks(_train, CKPT_CFG.world_size, args=(args, ckpt, export, "full"), timeout_s=180)
+    resumed = run_ranks(_train, CKPT_CFG.world_size, args=(args, ckpt, export, "resume"), timeout_s=180)
+    assert resumed[0]["losses"] == full[0]["losses"][1:]  # bit-identical, on CPU
+    trained, again = _assemble([r["params"] for r in full]), _assemble([r["params"] for r in resumed])
+    assert trained.keys() == again.keys() and all(torch.equal(trained[n], again[n]) for n in trained)
+    loaded = dict(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).named_parameters())
+    assert loaded.keys() == trained.keys()
+    assert all(torch.equal(loaded[n], trained[n]) for n in trained)
+    initial = dict(load_for_verify(args).named_parameters())
+    experts = [n for n in trained if ".experts." in n]
+    assert experts and not any(torch.equal(initial[n], trained[n]) for n in experts)  # the shards did train
+
+
+# ----- what is refused, before any rank starts -----
+def _ds(stage: int, *, bf16: bool = False, **zero) -> dict:
+    config = {"zero_optimization": {"stage": stage, **zero}}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def test_refused_combinations_name_the_fix():
+    model = str(ROOT / "hf_models" / "tiny-qwen3-moe")
+    per_side = {"attention": 1, "ffn": 3}
+
+    def preflight(ds_config: dict, **fields) -> None:
+        cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=2, expert_data_parallel=2, **fields)
+        engine_build.preflight(model, cfg, {**ds_config, SECTION: cfg.to_dict()}, cfg.world_size)
+
+    refused = [
+        (_ds(3), {}, r"ZeRO stage 3 on the attention side is not supported; .*\"ffn\": 3"),
+        (_ds(1, bf16=True), {"zero_stage": {"ffn": 0}}, r"bf16 needs ZeRO stage >= 1 on the expert side"),
+        (_ds(0, bf16=True), {"zero_stage": {"ffn": 1}}, r"bf16 needs ZeRO stage >= 1 on the attention side"),
+        (_ds(1), {"zero_stage": per_side, "compile": True}, r"ZeRO-3 on the expert side does not work with compile"),
+        (_ds(1), {"zero_stage": per_side, "offload": {"ffn": 0.5}}, r"does not work with offload \{\"ffn\": > 0\}"),
+        (_ds(1, offload_optimizer={"device": "cpu"}), {"zero_stage": per_side}, r"zero_optimization.offload_optim"),
+    ]
+    for ds_config, fields, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            preflight(ds_config, **fields)
+    preflight(_ds(0, bf16=True), zero_stage={"attention": 2, "ffn": 3})  # every side >= 1: accepted
+    preflight(_ds(1), zero_stage=per_side, offload={"attention": 0.5})  # offload on the attention side: accepted
+    cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=2, expert_data_parallel=2, zero_stage=per_side)
+    check_engine_config(_ds(0, bf16=True), cfg, 1, lr_flag=False)  # the flags' check knows the per-side stages
+    with pytest.raises(ConfigError, match=r'"zero_optimization.stage" 3 is not supported; use 0, 1 or 2'):
+        role_ds_config(_ds(3), micro_batches=1, micro_batch_size=1, dp_size=1)
+    colocated = ColocatedConfig(world_size=2, ep_size=2)
+    with pytest.raises(ConfigError, match=r"co-located rank has one engine .*set \"zero_optimization.stage\""):
+        preflight_colocated(model, colocated, {**_ds(1), SECTION: {"zero_stage": {"ffn": 2}}}, 2)
+    with pytest.raises(ConfigError, match=r"ZeRO stage 3 in a co-located job is not supported"):
+        preflight_colocated(model, colocated, _ds(3), 2)
