@@ -37,7 +37,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
 
-from disagmoe_ds.config import SECTION
+from disagmoe_ds.config import SECTION, DisagMoEConfig
 from disagmoe_ds.errors import ConfigError
 
 
@@ -57,7 +57,9 @@ class DeferredWeightGrad:
     loss: torch.Tensor | None = None
 
 
-def backward_input(loss: torch.Tensor, inputs: Iterable[torch.Tensor | None], params: Iterable[torch.Tensor]):
+def backward_input(
+    loss: torch.Tensor, inputs: Iterable[torch.Tensor | None], params: Iterable[torch.Tensor]
+) -> DeferredWeightGrad:
     """B: accumulate d ``loss`` / d ``inputs`` into the inputs' ``.grad`` (no parameter's) and keep what W needs.
 
     Args:
@@ -163,7 +165,7 @@ class ChunkBackward:
         backward_weight(self.engine, self.deferred.pop(key))
 
 
-def check_split_backward(cfg, ds_config: dict[str, Any]) -> None:
+def check_split_backward(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
     """Refuse ``split_backward`` where W could not accumulate as ``engine.backward`` does, before any rank starts.
 
     ZeRO-2 (and the expert side's ZeRO-3) reduce gradients from hooks during every backward, bucket by bucket,
