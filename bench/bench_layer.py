@@ -12,12 +12,15 @@ attention; weights random, only the config is read) and times forward + backward
     ours          ``AttentionPart`` -> dispatch plan -> ``ExpertShard`` (all experts, one rank) -> combine
     ours-compiled the same under ``compile_stage`` as a ``"compile": true`` job runs it (attention part; the
                   experts' activation/gating/weighting and un-permute)
+    selective-compiled  ours-compiled with selective recompute (``"selective_recompute": true``, ``models.recompute``):
+                  what rebuilding the attention block and the experts' gate/up outputs costs, and the memory it saves
 
 and prints tokens/s, TFLOP/s, MFU (model FLOPs, Megatron convention: active experts, causal attention,
 training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs) and each path's tokens/s over
 hf-compiled's at the same model and sequence length (``vs_hf_compiled`` in the JSON; null, printed ``-``, when
-hf-compiled did not run). ``--json`` writes the rows, rewritten after every row so that a run cut short keeps
-what it measured; ``--profile`` prints the top CUDA kernels of every path (to compare them kernel by kernel).
+hf-compiled did not run), and on CUDA the peak memory of the path's steps. ``--json`` writes the rows, rewritten
+after every row so that a run cut short keeps what it measured; ``--profile`` prints the top CUDA kernels of every
+path (to compare them kernel by kernel).
 
 A path that cannot run (a layer that does not compile, out of memory) is a row marked failed with its error's
 first line (the traceback goes to stderr); the other paths still run, and the exit code is 1.
@@ -53,10 +56,11 @@ from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.one_layer import one_layer_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, build_context, compile_stage
+from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.planner.model import load_model_spec
 
 PEAK_TFLOPS = 989.0
-PATHS = ("hf-eager", "hf-grouped", "hf-compiled", "ours", "ours-compiled")
+PATHS = ("hf-eager", "hf-grouped", "hf-compiled", "ours", "ours-compiled", "selective-compiled")
 REFERENCE = "hf-compiled"
 
 
@@ -148,10 +152,13 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
     ctx = build_context(model.config, model.model.rotary_emb, h_BSH, None)
     if name.endswith("compiled"):
         torch._dynamo.reset()
-    if name.startswith("ours"):
+    if name in ("ours", "ours-compiled", "selective-compiled"):
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
         expert_stage = ExpertStage(model, (0,), 0, spec.num_experts)
-        if name == "ours-compiled":
+        if name == "selective-compiled":
+            apply_selective_recompute(attention)
+            apply_selective_recompute(expert_stage)
+        if name in ("ours-compiled", "selective-compiled"):
             with compile_backend(backend):
                 compile_stage(attention)
                 compile_stage(expert_stage)
@@ -180,13 +187,17 @@ def bench_model(
     tokens = batch * seq_len
     for name in paths:
         row = {"model": Path(model_dir).name, "seq_len": seq_len, "batch": batch, "path": name}
-        row.update(ms=None, tokens_per_s=None, tflops=None, mfu=None, vs_hf_compiled=None, error=None)
+        row.update(ms=None, tokens_per_s=None, tflops=None, mfu=None, vs_hf_compiled=None, peak_gib=None, error=None)
         step = args = None
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         try:
             step, args = build_path(name, model_dir, spec, seq_len, batch, device=device, backend=backend)
             seconds = time_step(step, *args, warmup=warmup, iters=iters, device=device)
             tflops = flops_per_token * tokens / seconds / 1e12
             row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds, tflops=tflops, mfu=tflops / PEAK_TFLOPS)
+            if device == "cuda":
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if profile and device == "cuda":
                 print(f"--- profile: {row['model']} {seq_len} {name}", flush=True)
                 print_profile(step, args)
@@ -225,17 +236,19 @@ def print_profile(step, args, top: int = 25) -> None:
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'model':<18}{'seq':>6}{'path':>15}{'ms':>10}{'tok/s':>12}{'TFLOP/s':>10}{'MFU':>7}{'vs hf-compiled':>16}"
+        f"{'model':<18}{'seq':>6}{'path':>19}{'ms':>10}{'tok/s':>12}{'TFLOP/s':>10}{'MFU':>7}{'vs hf-compiled':>16}"
+        f"{'peak GiB':>10}"
     )
     print(header)
     for r in rows:
-        prefix = f"{r['model']:<18}{r['seq_len']:>6}{r['path']:>15}"
+        prefix = f"{r['model']:<18}{r['seq_len']:>6}{r['path']:>19}"
         if r["error"]:
             print(f"{prefix}  failed: {r['error']}")
             continue
         ratio = f"{r['vs_hf_compiled']:>15.2f}x" if r["vs_hf_compiled"] else f"{'-':>16}"
+        peak = f"{r['peak_gib']:>10.1f}" if r["peak_gib"] is not None else f"{'-':>10}"
         print(
-            f"{prefix}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.1f}{r['mfu']:>7.1%}{ratio}",
+            f"{prefix}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.1f}{r['mfu']:>7.1%}{ratio}{peak}",
             flush=True,
         )
 
