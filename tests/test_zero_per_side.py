@@ -65,20 +65,21 @@ def _engines(log: Path, world_size: int) -> list[dict]:
     return [json.loads((log / f"engine{r}.json").read_text()) for r in range(world_size)]
 
 
-# (family, M, N, depth, edp, stages (A, F), dtype, skew): A1/F2 and A0/F3 in fp32, at depth 1 and 2, the GPT-OSS
-# path (HF's experts module called by the shard: its biases too); A1/F3 over 2 replicas of 2 ep ranks with one lane
-# (gradients scaled by edp / lanes = 2, one replica's shard gets no token from any lane, and skewed routing leaves
-# ep rank 1's shard idle); bf16 within its tolerance.
+# (family, M, N, depth, edp, stages (A, F), dtype, skew, extra): A1/F2 and A0/F3 in fp32, at depth 1 and 2, the
+# GPT-OSS path (HF's experts module called by the shard: its biases too) with activation checkpointing; A1/F3 over 2
+# replicas of 2 ep ranks with one lane (gradients scaled by edp / lanes = 2, one replica's shard gets no token from
+# any lane, and skewed routing leaves ep rank 1's shard idle) with resend (the expert forward re-run in backward);
+# bf16 within its tolerance, with selective recompute (the gate/up GEMM re-run in backward).
 CASES = [
-    ("qwen3-moe", 2, 2, 1, 1, (1, 2), "fp32", False),
-    ("gpt-oss", 2, 2, 2, 1, (0, 3), "fp32", False),
-    ("deepseek-v3", 1, 4, 1, 2, (1, 3), "fp32", True),
-    ("qwen3-moe", 2, 2, 1, 2, (1, 3), "bf16", False),
+    ("qwen3-moe", 2, 2, 1, 1, (1, 2), "fp32", False, {}),
+    ("gpt-oss", 2, 2, 2, 1, (0, 3), "fp32", False, {"activation_checkpointing": True}),
+    ("deepseek-v3", 1, 4, 1, 2, (1, 3), "fp32", True, {"resend": True}),
+    ("qwen3-moe", 2, 2, 1, 2, (1, 3), "bf16", False, {"selective_recompute": True}),
 ]
 
 
-@pytest.mark.parametrize(("family", "M", "N", "p", "edp", "stages", "dtype", "skew"), CASES)
-def test_per_side_stages_equal_hf(engines_log, pairs_log, family, M, N, p, edp, stages, dtype, skew):  # noqa: F811
+@pytest.mark.parametrize(("family", "M", "N", "p", "edp", "stages", "dtype", "skew", "extra"), CASES)
+def test_per_side_stages_equal_hf(engines_log, pairs_log, family, M, N, p, edp, stages, dtype, skew, extra):  # noqa: F811
     cfg = DisagMoEConfig(
         attention_gpus=M,
         ffn_gpus=N,
@@ -87,6 +88,7 @@ def test_per_side_stages_equal_hf(engines_log, pairs_log, family, M, N, p, edp, 
         expert_data_parallel=edp,
         transport="rendezvous",
         zero_stage=dict(zip(("attention", "ffn"), stages, strict=True)),
+        **extra,
     )
     model = ROOT / "hf_models" / f"tiny-{family}"
     args = VerifyArgs(str(model), cfg, zero=2, seq_len=8, clip=CLIP, skew=skew, dtype=dtype)  # zero: overridden
