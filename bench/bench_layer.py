@@ -18,9 +18,9 @@ attention; weights random, only the config is read) and times forward + backward
 and prints tokens/s, TFLOP/s, MFU (model FLOPs, Megatron convention: active experts, causal attention,
 training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs) and each path's tokens/s over
 hf-compiled's at the same model and sequence length (``vs_hf_compiled`` in the JSON; null, printed ``-``, when
-hf-compiled did not run), and on CUDA the peak memory of the path's steps. ``--json`` writes the rows, rewritten
-after every row so that a run cut short keeps what it measured; ``--profile`` prints the top CUDA kernels of every
-path (to compare them kernel by kernel).
+hf-compiled did not run), and on CUDA the peak memory of the path's steps and the activations one step holds for
+its backward (``HeldActivations``). ``--json`` writes the rows, rewritten after every row so that a run cut short
+keeps what it measured; ``--profile`` prints the top CUDA kernels of every path (to compare them kernel by kernel).
 
 A path that cannot run (a layer that does not compile, out of memory) is a row marked failed with its error's
 first line (the traceback goes to stderr); the other paths still run, and the exit code is 1.
@@ -88,24 +88,57 @@ def compile_backend(backend: str):
         grouped_experts.compiled_elementwise.cache_clear()
 
 
+class HeldActivations:
+    """CUDA bytes a step holds when its backward starts beyond what it held when it started: the activations kept
+    for the backward, i.e. what each micro-batch in flight costs a pipeline (recompute shrinks it)."""
+
+    active = False
+    start = held = 0
+
+    @classmethod
+    def begin(cls) -> None:
+        if cls.active:
+            cls.start = torch.cuda.memory_allocated()
+
+    @classmethod
+    def end(cls) -> None:
+        if cls.active:
+            cls.held = torch.cuda.memory_allocated() - cls.start
+
+    @classmethod
+    def measure(cls, step, args) -> float:
+        """GiB held by one ``step(*args)``."""
+        cls.active = True
+        try:
+            step(*args)
+            torch.cuda.synchronize()
+        finally:
+            cls.active = False
+        return cls.held / 2**30
+
+
 def _hf_step(model, h_BSH, ctx, grad_BSH):
     fresh_grads(h_BSH, *model.parameters())
+    HeldActivations.begin()
     out = model.model.layers[0](
         h_BSH,
         attention_mask=ctx.mask_for(model.config, 0),
         position_embeddings=ctx.position_embeddings,
         position_ids=ctx.position_ids,
     )
+    HeldActivations.end()
     out.backward(grad_BSH)
 
 
 def _ours_step(parts, h_BSH, ctx, grad_BSH):
     attention_part, experts, config = parts
     fresh_grads(h_BSH, *attention_part.parameters(), *experts.parameters())
+    HeldActivations.begin()
     out = attention_part(h_BSH, ctx, config)
     plan = plan_dispatch(out.topk_idx_TK, 1, experts.num_local)
     ((x_RH, w_RK),) = pack(out.x_TH, out.topk_w_TK, plan)
     y_RH = experts.shard(0)(x_RH, plan.local_idx_RK[0], w_RK, plan.pairs[0])
+    HeldActivations.end()
     (out.residual_BSH + combine([y_RH], plan).view_as(out.residual_BSH)).backward(grad_BSH)
 
 
@@ -187,7 +220,8 @@ def bench_model(
     tokens = batch * seq_len
     for name in paths:
         row = {"model": Path(model_dir).name, "seq_len": seq_len, "batch": batch, "path": name}
-        row.update(ms=None, tokens_per_s=None, tflops=None, mfu=None, vs_hf_compiled=None, peak_gib=None, error=None)
+        row.update(ms=None, tokens_per_s=None, tflops=None, mfu=None, vs_hf_compiled=None, error=None)
+        row.update(peak_gib=None, held_gib=None)
         step = args = None
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -198,6 +232,7 @@ def bench_model(
             row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds, tflops=tflops, mfu=tflops / PEAK_TFLOPS)
             if device == "cuda":
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                row["held_gib"] = HeldActivations.measure(step, args)
             if profile and device == "cuda":
                 print(f"--- profile: {row['model']} {seq_len} {name}", flush=True)
                 print_profile(step, args)
@@ -237,7 +272,7 @@ def print_profile(step, args, top: int = 25) -> None:
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'model':<18}{'seq':>6}{'path':>19}{'ms':>10}{'tok/s':>12}{'TFLOP/s':>10}{'MFU':>7}{'vs hf-compiled':>16}"
-        f"{'peak GiB':>10}"
+        f"{'peak GiB':>10}{'held GiB':>10}"
     )
     print(header)
     for r in rows:
@@ -246,7 +281,7 @@ def print_table(rows: list[dict]) -> None:
             print(f"{prefix}  failed: {r['error']}")
             continue
         ratio = f"{r['vs_hf_compiled']:>15.2f}x" if r["vs_hf_compiled"] else f"{'-':>16}"
-        peak = f"{r['peak_gib']:>10.1f}" if r["peak_gib"] is not None else f"{'-':>10}"
+        peak = "".join(f"{r[k]:>10.2f}" if r[k] is not None else f"{'-':>10}" for k in ("peak_gib", "held_gib"))
         print(
             f"{prefix}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.1f}{r['mfu']:>7.1%}{ratio}{peak}",
             flush=True,
