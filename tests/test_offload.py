@@ -250,26 +250,6 @@ def test_offload_equals_hf(tiny_checkpoint, monkeypatch, family, M, N, p, shares
     assert summary["pass"], summary
 
 
-def test_the_planners_ds_config_carries_its_offload_shares():
-    """A plan with offload is no longer "simulated only": its ds_config sets the shares, and the runtime takes them."""
-    from types import SimpleNamespace
-
-    from disagmoe_ds.layout import Layout
-    from disagmoe_ds.planner.cli import _simulated_only
-    from disagmoe_ds.planner.memory import Workload
-    from disagmoe_ds.planner.report import ds_config
-
-    work = Workload(4096, 1, offload=(0.15000000000000002, 1.0))
-    layout = Layout(attention_gpus=2, ffn_gpus=2, num_layers=4, num_experts=8)
-    candidate = SimpleNamespace(layout=layout, micro_batches=8, work=work)
-    request = SimpleNamespace(work=Workload(4096, 1), cluster=SimpleNamespace(name="h800"))
-    result = SimpleNamespace(request=request, af=SimpleNamespace(candidate=candidate, in_flight=5))
-    written = ds_config(result)
-    assert written["disagmoe"]["offload"] == {"attention": 0.15, "ffn": 1.0}
-    assert DisagMoEConfig.from_ds_config(written).offload_share("attention") == 0.15
-    assert not _simulated_only(work, depth=1)
-
-
 def test_colocated_mode_warns_that_it_ignores_offload():
     import argparse
 

@@ -44,21 +44,21 @@ class SavedBytes:
 
 def _experts_step(recompute: bool, dropped_pairs: bool):
     g = torch.Generator().manual_seed(0)
-    R, H, I, E, K = 48, 32, 16, 4, 2
+    R, H, inter, E, K = 48, 32, 16, 4, 2
     x = torch.randn(R, H, generator=g, requires_grad=True)
     idx = torch.randint(0, E, (R, K), generator=g)
     if dropped_pairs:
         idx[::3, 1] = E  # held by another rank: the sentinel
     w = torch.rand(R, K, generator=g, requires_grad=True)
-    gate_up = torch.randn(E, 2 * I, H, generator=g, requires_grad=True)
-    down = torch.randn(E, H, I, generator=g, requires_grad=True)
+    gate_up = torch.randn(E, 2 * inter, H, generator=g, requires_grad=True)
+    down = torch.randn(E, H, inter, generator=g, requires_grad=True)
     pairs = int((idx < E).sum())
     with SavedBytes() as saved:
         out = grouped_experts.grouped_gated_experts(
             x, idx, w, gate_up, down, F.silu, pairs, grouped_experts.EAGER, recompute=recompute
         )
     out.backward(torch.randn(R, H, generator=g))
-    return [out.detach(), x.grad, w.grad, gate_up.grad, down.grad], saved.total, pairs * I * 4
+    return [out.detach(), x.grad, w.grad, gate_up.grad, down.grad], saved.total, pairs * inter * 4
 
 
 @pytest.mark.parametrize("dropped_pairs", [False, True])

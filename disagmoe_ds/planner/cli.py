@@ -22,7 +22,7 @@ from disagmoe_ds.planner.inputs import check_at_least_one
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.profile_fit import load_profile, profile_warnings, rates_from_profile
-from disagmoe_ds.planner.report import ds_config, hostfile, to_json, to_text
+from disagmoe_ds.planner.report import ds_config, hostfile, runtime_refusal, to_json, to_text
 from disagmoe_ds.planner.simulate import simulate_af, simulate_baseline, write_timeline
 from disagmoe_ds.planner.task_costs import af_task_costs
 from disagmoe_ds.planner.variants import PAPER, VARIANTS
@@ -141,19 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _simulated_only(work: Workload, depth: int) -> bool:
-    """True when the plan uses a variant the runtime lacks (issue 16); it resends at depth 1 (``resend``) and
-    offloads (``offload``)."""
-    z = work.zero_stage
-    return (
-        work.recompute == "selective"
-        or (work.resend and depth > 1)
-        or work.split_backward
-        or work.zero_of("attention") != z
-        or work.zero_of("ffn") != z
-    )
-
-
 def _variants(text: str) -> frozenset[str]:
     if text == "all":
         return frozenset(VARIANTS)
@@ -216,10 +203,11 @@ def _write_outputs(args: argparse.Namespace, result: PlanResult) -> list[str]:
         Path(args.write_ds_config).write_text(text, encoding="utf-8")
         notes.append(f"wrote ds_config {args.write_ds_config}")
         candidate = result.af.candidate if result.af is not None else None
-        if candidate is not None and _simulated_only(candidate.work, candidate.layout.depth):
+        refusal = runtime_refusal(candidate.work, candidate.layout.depth) if candidate is not None else None
+        if refusal is not None:
             notes.append(
-                f"note: the plan's variant ({result.af.candidate.work.variant}) is simulated only; the runtime does "
-                "not run it yet, so the ds_config carries the layout alone (plan with --variants paper to match)"
+                f"note: the plan's variant ({candidate.work.variant}) is simulated only: the runtime does not run "
+                f"{refusal} yet, so the ds_config carries the layout alone (plan with --variants paper to match)"
             )
     if args.write_hostfile:
         Path(args.write_hostfile).write_text(hostfile(result), encoding="utf-8")

@@ -12,6 +12,7 @@ from typing import Any
 
 from disagmoe_ds.layout import RankRole
 from disagmoe_ds.planner.allocator import PAYS_THRESHOLD, AfPlan, BaselinePlan, PlanResult
+from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.stages import SideTimes
 
 GB = 1e9
@@ -315,16 +316,31 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
     ]
 
 
+def runtime_refusal(work: Workload, depth: int) -> str | None:
+    """What of the variant ``work`` the runtime refuses at ``depth`` (None: it runs all of it). The runtime's own
+    checks (``DisagMoEConfig``, ``engine.build.check_zero_stages``, ``engine.split_backward.check_split_backward``)
+    cannot be imported here (engine imports the planner); a test holds the two to the same answers."""
+    stages = (work.zero_of("attention"), work.zero_of("ffn"))
+    if work.resend and depth > 1:
+        return "resend at depth > 1"
+    if work.split_backward and max(stages) >= 2:
+        return "the split backward with ZeRO 2 or 3"
+    if stages[1] == 3 and work.offload[1] > 0:
+        return "offload on an expert side at ZeRO-3"
+    return None
+
+
 def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
-    """A ds_config whose "disagmoe" section ``run_pretrain.py`` reads as it is: the layout, the in-flight cap, any
-    recompute as activation checkpointing (the runtime recomputes whole chunks), resend (depth 1), the offload
-    shares, and the cluster (preset or JSON path) the runtime's schedule costs assume.
+    """A ds_config whose "disagmoe" section ``run_pretrain.py`` reads as it is: the layout, the in-flight cap, the
+    cluster (preset or JSON path) the runtime's schedule costs assume and, where the runtime runs it
+    (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing), resend, split backward,
+    the offload shares and each side's ZeRO stage.
 
     The NIC split and placement are not runtime settings: the hostfile's order places the ranks.
     """
     req, af = result.request, result.af
     assert af is not None
-    c = af.candidate
+    c, w = af.candidate, af.candidate.work
     section = {
         "attention_gpus": c.layout.attention_gpus,
         "ffn_gpus": c.layout.ffn_gpus,
@@ -332,11 +348,17 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
         "micro_batches": c.micro_batches,
         "expert_data_parallel": c.layout.expert_data_parallel,
         "max_in_flight": af.in_flight,
-        "activation_checkpointing": c.work.recompute != "none",
-        "resend": c.work.resend and c.layout.depth == 1,
-        "offload": {"attention": round(c.work.offload[0], 6), "ffn": round(c.work.offload[1], 6)},
         "cluster": cluster or req.cluster.name,
     }
+    if runtime_refusal(w, c.layout.depth) is None:
+        section |= {
+            "activation_checkpointing": w.recompute == "full",
+            "selective_recompute": w.recompute == "selective",
+            "resend": w.resend,
+            "split_backward": w.split_backward,
+            "offload": {"attention": round(w.offload[0], 6), "ffn": round(w.offload[1], 6)},
+            "zero_stage": {"attention": w.zero_of("attention"), "ffn": w.zero_of("ffn")},
+        }
     return {
         "train_micro_batch_size_per_gpu": req.work.micro_batch_size,
         "gradient_accumulation_steps": c.micro_batches,
