@@ -499,7 +499,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--split-backward",
         action="store_true",
-        help="AF-Pipe: weight gradients deferred to when a rank would idle (zero bubble; ZeRO 0/1 only)",
+        help="AF-Pipe: weight gradients deferred to when a rank would idle (zero bubble; ZeRO 0-2)",
     )
     p.add_argument(
         "--offload",

@@ -168,19 +168,22 @@ class ChunkBackward:
 def check_split_backward(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
     """Refuse ``split_backward`` where W could not accumulate as ``engine.backward`` does, before any rank starts.
 
-    ZeRO-2 (and the expert side's ZeRO-3) reduce gradients from hooks during every backward, bucket by bucket,
-    and the replicas of a parameter must produce them in the same order; with the split, B produces none and W
-    produces them in parameter-group order, which nobody has checked against DeepSpeed's bucketing yet.
+    ZeRO-2 reduces gradients from hooks during every backward, bucket by bucket, and the replicas of a parameter
+    must produce them in the same order: with the split, B produces none and W all, through the same hooks, in the
+    same order on every replica (an expert shard no token reached runs its zero row on the input path, so its W
+    reaches every parameter too; ``ExpertShard._untouched``). The expert side's ZeRO-3 also gathers, releases and
+    reduce-scatters in hooks around each module's backward; a job with both crashed in its first reduce-scatter on
+    CPU ranks (not investigated yet), so the pair is refused.
     """
     if not cfg.split_backward:
         return
     default = ds_config.get("zero_optimization", {}).get("stage", 0)
     stages = {side: cfg.zero_stage_of(side, default) for side in ("attention", "ffn")}
-    high = {side: stage for side, stage in stages.items() if stage >= 2}
+    high = {side: stage for side, stage in stages.items() if stage >= 3}
     if high:
         where = ", ".join(f"{side} side {stage}" for side, stage in high.items())
         raise ConfigError(
-            f'"{SECTION}.split_backward" needs ZeRO stage 0 or 1 on both sides (got {where}): ZeRO 2 and 3 reduce '
-            "gradients from hooks during each backward, which the deferred weight-gradient pass does not reproduce "
-            f'yet; set "zero_optimization.stage" (and "{SECTION}.zero_stage") to 1, or split_backward false'
+            f'"{SECTION}.split_backward" needs ZeRO stage 0, 1 or 2 on both sides (got {where}): ZeRO-3 gathers '
+            "and reduce-scatters in module hooks the deferred weight-gradient pass does not follow yet; set "
+            f'"{SECTION}.zero_stage" to 2 on that side, or split_backward false'
         )

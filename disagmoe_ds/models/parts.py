@@ -250,12 +250,15 @@ class ExpertShard(nn.Module):
 
         Why: ZeRO-2 reduces gradients during each backward, bucket by bucket in the order they are produced, so the
         replicas of a shard must produce the same parameters' gradients in the same order in every backward, also
-        the replica no token reached (its gradients are then exactly zero: every term carries the weight 0).
+        the replica no token reached (its gradients are then exactly zero: every term carries the weight 0). The
+        zero row is made from ``x_RH`` so that it lies on the input path: a split backward's W then reaches every
+        parameter here as it does on a busy replica (``engine.split_backward``).
         """
         top_k = local_idx_RK.shape[1]
         idx_1K = local_idx_RK.new_full((1, top_k), self.num_local)
         idx_1K[0, 0] = 0
-        return self._pairs(x_RH.new_zeros(1, x_RH.shape[1]), idx_1K, w_RK.new_zeros(1, top_k), 1)
+        zero_1H = x_RH.sum(0, keepdim=True) * 0
+        return self._pairs(zero_1H, idx_1K, w_RK.new_zeros(1, top_k), 1)
 
     def forward_hf(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
         """Through HF's own experts module (its configured implementation): the reference path."""

@@ -323,8 +323,8 @@ def runtime_refusal(work: Workload, depth: int) -> str | None:
     stages = (work.zero_of("attention"), work.zero_of("ffn"))
     if work.resend and depth > 1:
         return "resend at depth > 1"
-    if work.split_backward and max(stages) >= 2:
-        return "the split backward with ZeRO 2 or 3"
+    if work.split_backward and max(stages) >= 3:
+        return "the split backward with ZeRO-3"
     if stages[1] == 3 and work.offload[1] > 0:
         return "offload on an expert side at ZeRO-3"
     return None
