@@ -171,9 +171,10 @@ def check_split_backward(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None
     ZeRO-2 reduces gradients from hooks during every backward, bucket by bucket, and the replicas of a parameter
     must produce them in the same order: with the split, B produces none and W all, through the same hooks, in the
     same order on every replica (an expert shard no token reached runs its zero row on the input path, so its W
-    reaches every parameter too; ``ExpertShard._untouched``). The expert side's ZeRO-3 also gathers, releases and
-    reduce-scatters in hooks around each module's backward; a job with both crashed in its first reduce-scatter on
-    CPU ranks (not investigated yet), so the pair is refused.
+    reaches every parameter too; ``ExpertShard._untouched``). The expert side's ZeRO-3 is refused: it releases a
+    shard's parameters after B's module backward, so W's ``AccumulateGrad`` meets an empty parameter (shape
+    mismatch); gathering them around W (``GatheredParameters``) passes with one replica, but with two the release
+    at its exit finds the parameter still active in the shard module and the job hangs.
     """
     if not cfg.split_backward:
         return
@@ -184,6 +185,6 @@ def check_split_backward(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None
         where = ", ".join(f"{side} side {stage}" for side, stage in high.items())
         raise ConfigError(
             f'"{SECTION}.split_backward" needs ZeRO stage 0, 1 or 2 on both sides (got {where}): ZeRO-3 gathers '
-            "and reduce-scatters in module hooks the deferred weight-gradient pass does not follow yet; set "
+            "and releases the parameters in module hooks around B, and W accumulates into them later; set "
             f'"{SECTION}.zero_stage" to 2 on that side, or split_backward false'
         )
