@@ -5,15 +5,19 @@
 #   e2e       AF-Pipe against co-located EP-all and EP-1 (the strongest co-located run on few GPUs) on the balanced
 #             model, compiled from cold caches, with timelines
 #   profile   the planner's part profile (eager and compiled parts) on GPU 0, for predicting the e2e rows
+#   variants  on NCCL against HF: the mailbox's late sends (bench/verify_late_sends.py) and the memory levers
+#             (split backward at ZeRO 1 and 2, selective recompute, ZeRO-3 on the expert side)
+#   levers    each memory lever's AF-Pipe step beside plain AF-Pipe on the balanced model, compiled, with timelines
 # TRANSPORT: nvlink (NCCL's default between GPUs of one host) or socket (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 # NCCL_SOCKET_IFNAME=lo: NCCL's network transport, where a large send waits for its receive as between nodes).
 # Writes to $OUT: env.txt, multi-<part>-<transport>.txt (every command, its output and exit code), and for
 # exchange and e2e, <part>-<transport>.json and timeline-<transport>-<method>.json; profile-{eager,compiled}.json.
 # E2E_DEPTH: AF-Pipe's depth p in the e2e part (default 1; the planner's choice for the GPU count and transport:
 # `disagmoe-plan --model ... --cluster ...` prints it).
-# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]
+# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH]
+#        [E2E_DEPTH]
 set -u
-PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]}
+PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]}
 TRANSPORT=${2:-nvlink}
 MODEL=${3:-hf_models/Qwen3-30B-A3B-balanced}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -83,6 +87,32 @@ profile)
       --out "$OUT/profile-$parts.json"
   done
   ;;
-*) echo "PART must be check, exchange, e2e or profile" >&2; exit 2 ;;
+variants)
+  edp=$((G > 2 ? G - 1 : 1))  # the expert side's replicas: ZeRO-3 really shards from 3 GPUs on
+  for landing in second-poll never; do
+    step 90 torchrun --nproc_per_node "$G" bench/verify_late_sends.py "$landing" --json --attention-gpus "$H" \
+      --ffn-gpus "$H" --model hf_models/tiny-qwen3-moe --micro-batches 3 --zero 1
+  done
+  levers=("--attention-gpus $H --ffn-gpus $H --model hf_models/tiny-qwen3-moe --split-backward --zero 1"
+          "--attention-gpus $H --ffn-gpus $H --model hf_models/tiny-mixtral --split-backward --zero 2 --dtype bf16"
+          "--attention-gpus $H --ffn-gpus $H --model hf_models/tiny-deepseek-v3 --selective-recompute --zero 1 --skew"
+          "--attention-gpus 1 --ffn-gpus $((G - 1)) --expert-data-parallel $edp --model hf_models/tiny-qwen3-moe \
+           --zero-stage 1 3 --skew")
+  for lever in "${levers[@]}"; do
+    # shellcheck disable=SC2086
+    step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.verify --json --micro-batches 3 $lever
+  done
+  ;;
+levers)
+  export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+  for lever in "" --split-backward --selective-recompute "--zero-stage 1 2"; do
+    name=$(echo "${lever:-plain}" | tr -d ' -')
+    # shellcheck disable=SC2086
+    step 150 python bench/bench_e2e.py --model "$MODEL" --layers 0 --world-size "$G" --seq-len 4096 \
+      --global-batch "$BATCH" --warmup 2 --steps 3 --methods afpipe --depth "$DEPTH" --compile $lever \
+      --json "$OUT/levers-$name-$TRANSPORT.json" --timeline "$OUT/timeline-$TRANSPORT-$name.json"
+  done
+  ;;
+*) echo "PART must be check, exchange, e2e, profile, variants or levers" >&2; exit 2 ;;
 esac
 grep -E '^###|"pass"|tokens/s|GB/s|^  rank|^    rank|Error|error:' "$LOG" | cut -c1-300

@@ -65,13 +65,9 @@ def test_sends_waiting_for_device_sizes_keep_parity_under_rendezvous(tiny_checkp
     until the sizes land, keeps every later send behind them and sends them all before anything that may block
     the host. Here the sizes land on the second poll, or never (then only the blocking calls send them), on the
     transport where a send completes only once its receive is posted: still HF's result, no deadlock."""
-    from disagmoe_ds.comm.routing import PendingDispatch
+    from disagmoe_ds.comm.routing import PendingDispatch, sizes_landing_late
 
-    def ready(self) -> bool:
-        polls = self.__dict__["_polls"] = self.__dict__.get("_polls", 0) + 1
-        return landing == "second-poll" and polls > 1
-
-    monkeypatch.setattr(PendingDispatch, "ready", ready)
+    monkeypatch.setattr(PendingDispatch, "ready", sizes_landing_late(landing))
     cfg = DisagMoEConfig(attention_gpus=M, ffn_gpus=N, depth=p, micro_batches=3, transport="rendezvous")
     args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, zero=1, seq_len=8, clip=CLIP, skew=landing == "never")
     assert run_verify(args, timeout_s=240)["pass"]

@@ -15,6 +15,7 @@ num_experts, so an F rank can feed the rows straight into its slice of the HF ex
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -173,6 +174,20 @@ class PendingDispatch:
         plan = _sliced_plan(self.num_tokens, self.experts_per_rank, counts, pairs, self.token_idx_C, self.local_idx_CK)
         rows = sum(counts)
         return plan, list(zip(self.x_CH[:rows].split(counts), self.w_CK[:rows].split(counts), strict=True))
+
+
+def sizes_landing_late(landing: str) -> Callable[[PendingDispatch], bool]:
+    """A ``PendingDispatch.ready`` for tests and GPU checks (``bench/verify_late_sends.py``): the sizes land on the
+    second poll (``"second-poll"``) or never (``"never"``; only the blocking calls then send), so the mailbox's
+    late-send path runs whatever the ep size."""
+    if landing not in ("second-poll", "never"):
+        raise ValueError(f"landing must be 'second-poll' or 'never', got {landing!r}")
+
+    def ready(self: PendingDispatch) -> bool:
+        polls = self.__dict__["_polls"] = self.__dict__.get("_polls", 0) + 1
+        return landing == "second-poll" and polls > 1
+
+    return ready
 
 
 def start_dispatch(
