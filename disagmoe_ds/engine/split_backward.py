@@ -174,7 +174,8 @@ def check_split_backward(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None
     reaches every parameter too; ``ExpertShard._untouched``). The expert side's ZeRO-3 is refused: it releases a
     shard's parameters after B's module backward, so W's ``AccumulateGrad`` meets an empty parameter (shape
     mismatch); gathering them around W (``GatheredParameters``) passes with one replica, but with two the release
-    at its exit finds the parameter still active in the shard module and the job hangs.
+    at its exit finds the parameter still active in the shard module (other micro-batches in flight), and gathering
+    only the released ones desynchronises the replicas (in one run one had 6 of 6 released, the other 4 of 6).
     """
     if not cfg.split_backward:
         return
