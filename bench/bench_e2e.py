@@ -490,7 +490,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="co-located and DeepSpeed-MoE EP sizes, each run side by side (default: all ranks); e.g. "
         "--ep-size 2 1 runs EP-2 and EP-1 (every rank holds every expert: plain data parallel)",
     )
-    p.add_argument("--resend", action="store_true", help="AF-Pipe: the expert side keeps nothing in flight (depth 1)")
+    p.add_argument("--resend", action="store_true", help="AF-Pipe: the expert side keeps nothing in flight")
     p.add_argument(
         "--selective-recompute",
         action="store_true",

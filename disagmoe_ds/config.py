@@ -54,8 +54,8 @@ class DisagMoEConfig(RankCounts):
             completes only once its receive has started (``comm.transport``).
         resend: the expert side keeps nothing between a micro-batch's forward and backward: the attention side
             sends the routed tokens again with the backward's gradients, and the expert side recomputes its
-            forward from them (the planner's "resend" variant: F memory for A->F bytes). Depth 1 only: with p > 1
-            the rank that sends the gradients (A_next) does not hold the tokens.
+            forward from them (the planner's "resend" variant: F memory for A->F bytes). With p > 1 the rank that
+            sends those gradients (A_next) gets the tokens with the residual hand-off and keeps them until then.
         offload: per side (``attention``, ``ffn``), the share in [0, 1] of each micro-batch's layers whose saved
             activations wait for their backward in host memory (the planner's "offload" variant; ``engine.offload``).
         split_backward: each backward computes the input gradients its upstream peer waits for, and defers the weight
@@ -96,11 +96,6 @@ class DisagMoEConfig(RankCounts):
             raise ConfigError(
                 f'"{SECTION}.selective_recompute" and "{SECTION}.activation_checkpointing" are exclusive: the latter '
                 "already recomputes every activation of a chunk; set one of them"
-            )
-        if self.resend and self.depth > 1:
-            raise ConfigError(
-                f'"{SECTION}.resend" needs depth 1 (got {self.depth}): with p > 1 the rank that sends the experts\' '
-                "gradients does not hold their tokens; set depth 1 or resend false"
             )
         _check_offload(self.offload)
         _check_zero_stage(self.zero_stage)

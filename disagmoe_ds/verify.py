@@ -327,7 +327,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         help="exchange transport: auto (NCCL on GPUs, gloo on CPUs) or rendezvous (CPU ranks; a send completes only "
         "once its receive has started, as on NCCL's network transport: shows deadlocks gloo hides)",
     )
-    p.add_argument("--resend", action="store_true", help="experts keep nothing between forward and backward (depth 1)")
+    p.add_argument("--resend", action="store_true", help="experts keep nothing between forward and backward")
     p.add_argument(
         "--split-backward",
         action="store_true",

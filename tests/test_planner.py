@@ -615,6 +615,17 @@ def test_resend_keeps_nothing_on_f_and_costs_one_more_m2n():
     roof0 = af_roofline(spec, layout, work, micro_batches=4, **kw)
     expected = max(wire.a_to_f + wire.m2n, wire.f_to_a) / max(wire.a_to_f, wire.f_to_a)
     assert roof.ffn.nic_bytes == pytest.approx(roof0.ffn.nic_bytes * expected)
+    # p = 2: the tokens ride to A_next with the residual of every MoE layer and wait there for its backward
+    moe = spec.moe_layers
+    for i in range(spec.num_layers):
+        extra = more.per_layer["resid"][i] - base.per_layer["resid"][i]
+        assert extra == pytest.approx(base.per_layer["resid"][i] * wire.m2n / wire.resid if moe[i] else 0.0)
+    a0, a1 = attention_rank_memory(spec, layout, work), attention_rank_memory(spec, layout, resend)
+    kept = [
+        sum(wire.m2n * work.tokens_per_micro_batch for i in layout.layers_of_group(g) if i and moe[i - 1])
+        for g in (0, 1)
+    ]
+    assert a1.activations_per_micro_batch - a0.activations_per_micro_batch == pytest.approx(max(kept))
 
 
 def test_resend_costs_exactly_one_more_expert_forward_in_the_f_backward():

@@ -68,7 +68,7 @@ def test_the_planners_refusals_are_the_runtimes(recompute, resend, split, za, zf
         ffn_zero_stage=zf,
         offload=(0.15000000000000002, offload_f),  # the writer rounds
     )
-    refusal = runtime_refusal(work, depth)
+    refusal = runtime_refusal(work)
     assert _runtime_accepts(_full_variant(work, depth)) == (refusal is None), refusal
     written = _written(work, depth)
     assert _runtime_accepts(written)  # what the planner writes always launches

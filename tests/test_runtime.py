@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.launch.local import free_port
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.verify import VerifyArgs, run_verify
@@ -202,9 +201,11 @@ def test_kernel_warm_up_leaves_no_trace(tiny_checkpoint, monkeypatch):
     assert run_verify(args, timeout_s=240)["pass"]
 
 
-def test_resend_keeps_nothing_on_the_expert_side_and_equals_hf(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize(("M", "N", "p", "zero"), [(2, 2, 1, 1), (4, 4, 2, 2)])
+def test_resend_keeps_nothing_on_the_expert_side_and_equals_hf(tiny_checkpoint, monkeypatch, M, N, p, zero):
     """``resend``: between a micro-batch's forward and backward an FFN rank holds no tensor of it (the attention side
-    sends the tokens again with the gradients); the result is still HF's, exactly."""
+    sends the tokens again with the gradients; with p > 1 A_next, which got them with the residual); the result is
+    still HF's, exactly. Depth 2 with 2 lanes and 2 ep ranks per group, ZeRO-2."""
     from disagmoe_ds.engine.runners import ExpertRunner
 
     forward = ExpertRunner.forward
@@ -216,8 +217,6 @@ def test_resend_keeps_nothing_on_the_expert_side_and_equals_hf(tiny_checkpoint, 
         return outgoing
 
     monkeypatch.setattr(ExpertRunner, "forward", forward_holding_nothing)
-    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, micro_batches=3, transport="rendezvous", resend=True)
-    args = VerifyArgs(str(tiny_checkpoint("deepseek-v3")), cfg, zero=1, seq_len=8, clip=CLIP, skew=True)
+    cfg = DisagMoEConfig(attention_gpus=M, ffn_gpus=N, depth=p, micro_batches=3, transport="rendezvous", resend=True)
+    args = VerifyArgs(str(tiny_checkpoint("deepseek-v3")), cfg, zero=zero, seq_len=8, clip=CLIP, skew=True)
     assert run_verify(args, timeout_s=240)["pass"]
-    with pytest.raises(ConfigError, match="resend.*needs depth 1"):
-        DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=2, resend=True)

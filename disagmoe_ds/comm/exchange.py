@@ -204,7 +204,8 @@ def exchange_specs(
         top_k: K.
         num_experts: E (the router statistics carried along the residual stream).
         ep_size: P; the resid header carries the combine plan's rows per ep rank (P ints).
-        resend: n2m_grad carries the m2n message again (``DisagMoEConfig.resend``).
+        resend: n2m_grad carries the m2n message again (``DisagMoEConfig.resend``); with p > 1 resid carries it to
+            A_next, which sends n2m_grad (every ep rank's rows concatenated, split by the header's rows per ep rank).
         dtype: activations (bf16 in training).
         weight_dtype: router weights (often fp32 while activations are bf16).
     """
@@ -212,11 +213,13 @@ def exchange_specs(
     rows_w = TensorSpec(weight_dtype, (top_k,))
     fixed_e = TensorSpec(torch.float32, (num_experts,), size=None)
     m2n = (rows_h, TensorSpec(torch.int64, (top_k,)), rows_w)  # x_RH, local_idx_RK, w_RK
+    routed_s = tuple(TensorSpec(t.dtype, t.shape, size=1) for t in m2n)  # the same, S rows (every ep rank's)
+    resid = (rows_h, TensorSpec(torch.int64, (), size=1), TensorSpec(torch.int64, ()), fixed_e, fixed_e)
     specs = {
         Kind.M2N: m2n,
         Kind.N2M: (rows_h,),  # y_RH
-        # residual_TH, token_idx_S (the combine plan), position_ids_T, counts_E, prob_sum_E
-        Kind.RESID: (rows_h, TensorSpec(torch.int64, (), size=1), TensorSpec(torch.int64, ()), fixed_e, fixed_e),
+        # residual_TH, token_idx_S (the combine plan), position_ids_T, counts_E, prob_sum_E (+ the m2n messages)
+        Kind.RESID: (*resid, *routed_s) if resend else resid,
         Kind.M2N_GRAD: (rows_h, rows_w),  # dx_RH, dw_RK
         Kind.N2M_GRAD: (rows_h, *m2n) if resend else (rows_h,),  # dy_RH (+ the m2n message again)
         Kind.RESID_GRAD: (rows_h, fixed_e),  # d residual_TH, aux_grad_E

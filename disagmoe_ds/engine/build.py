@@ -193,6 +193,7 @@ class Disaggregated:
             num_micro_batches=cfg.micro_batches,
             micro_batch_size=parts.micro_batch_size,
             aux_coef=stage.config.router_aux_loss_coef if aux_loss_enabled(stage.config) else None,
+            weight_dtype=routing.weight_dtype,
             activation_checkpointing=cfg.activation_checkpointing,
             resend=cfg.resend,
             split_layers=split_layers,

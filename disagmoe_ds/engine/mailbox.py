@@ -23,6 +23,7 @@ Payloads at the runner boundary (shape suffixes: T tokens, H hidden, K top-k, E 
     n2m_grad   A sends ([(dy_RH,)] per ep rank, None)                        F gets ((dy_SH,), LaneRows)
                with resend: (dy_RH, x_RH, local_idx_RK, w_RK) per ep rank    F gets ((dy, x, idx, w)_S, LaneRows)
     resid      ((residual_TH, token_idx_S, position_ids_T, counts_E, prob_sum_E), rows_P)   the same
+               with resend: (..., x_SH, local_idx_SK, w_SK), every ep rank's m2n rows
     resid_grad (d_residual_TH, aux_grad_E)                                                   the same
 """
 

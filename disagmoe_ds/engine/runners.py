@@ -95,6 +95,7 @@ class _Chunk:
     prob_sum_E: torch.Tensor | None = None
     scaled_loss: torch.Tensor | None = None
     aux_grad_E: torch.Tensor | None = None
+    resent: list[tuple[torch.Tensor, ...]] | None = None  # resend, p > 1: the previous layer's m2n messages
 
     @property
     def pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -138,11 +139,13 @@ class AttentionRunner:
         num_micro_batches: int,
         micro_batch_size: int,
         aux_coef: float | None,
+        weight_dtype: torch.dtype = torch.float32,
         activation_checkpointing: bool = False,
         resend: bool = False,
         split_layers: frozenset[int] = frozenset(),
     ):
         self.engine, self.stage, self.layout, self.resend = engine, stage, layout, resend
+        self.weight_dtype = weight_dtype  # the router weights' (resend at p > 1 sends them with the residual)
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
         self.recompute = _checkpointed if activation_checkpointing else _run
         self.config = stage.config
@@ -231,7 +234,7 @@ class AttentionRunner:
         resid = Later(
             dispatch,
             lambda: self._resid_message(
-                residual_TH, dispatch.resolved[0] if dispatch else None, position_ids_T, counts_E, probs_E
+                residual_TH, dispatch.resolved[0] if dispatch else None, position_ids_T, counts_E, probs_E, chunk
             ),
         )
         self._hand_off("resid", layer, mb, resid, outgoing)
@@ -248,12 +251,22 @@ class AttentionRunner:
             ctx = self.contexts[mb] = self.stage.context(h_BSH, given)
         return ctx
 
-    def _resid_message(self, residual_TH, plan: DispatchPlan | None, position_ids_T, counts_E, probs_E):
+    def _resid_message(self, residual_TH, plan: DispatchPlan | None, position_ids_T, counts_E, probs_E, chunk):
         if plan is None:  # dense layer: nothing to combine (-1 tells A_next's mailbox no n2m follows)
             token_idx_S, rows_P = position_ids_T.new_empty(0), (-1,) * self.layout.ep_size
         else:
             token_idx_S, rows_P = plan.token_idx_S, plan.counts
-        return (residual_TH, token_idx_S, position_ids_T, counts_E, probs_E), rows_P
+        tensors = (residual_TH, token_idx_S, position_ids_T, counts_E, probs_E)
+        if self.resend and self.layout.depth > 1:  # A_next sends n2m_grad: it needs the tokens again
+            tensors += self._routed_rows(residual_TH, chunk.messages)
+        return tensors, rows_P
+
+    def _routed_rows(self, residual_TH: torch.Tensor, messages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every ep rank's m2n message concatenated (S rows), detached; empty for a dense layer."""
+        if not messages:
+            empty_K = residual_TH.new_empty(0, self.top_k)
+            return residual_TH[:0], empty_K.long(), empty_K.to(self.weight_dtype)
+        return tuple(torch.cat([m[i].detach() for m in messages]) for i in range(3))
 
     def _embed(self, mb: int):
         batch = self.batches[mb]
@@ -266,9 +279,11 @@ class AttentionRunner:
         return h_BSH, position_ids_BS, zeros_E, zeros_E
 
     def _combine(self, layer: int, mb: int, incoming: dict[str, Any], chunk: _Chunk):
-        (residual_TH, token_idx_S, position_ids_T, counts_E, probs_E), rows_P = self._take(
+        (residual_TH, token_idx_S, position_ids_T, counts_E, probs_E, *routed), rows_P = self._take(
             "resid", layer - 1, mb, incoming
         )
+        if routed and self.moe_layers[layer - 1]:  # resend, p > 1: kept for n2m_grad, split as the m2n messages were
+            chunk.resent = list(zip(*(t.split(list(rows_P)) for t in routed), strict=True))
         plan = CombinePlan(residual_TH.shape[0], tuple(rows_P), token_idx_S)
         S = residual_TH.shape[0] // self.B
         chunk.resid_leaf = _leaf(residual_TH.view(self.B, S, -1))
@@ -311,9 +326,11 @@ class AttentionRunner:
             self._hand_off("resid_grad", layer, mb, (d_resid_TH, aux_grad_E), outgoing)
             if chunk.y_leaves:
                 grads = [(_grad_or_zeros(y),) for y in chunk.y_leaves]
-                if self.resend:  # the previous layer's tokens again (depth 1: its chunk is on this rank)
-                    sent = [tuple(t.detach() for t in m) for m in self.chunks[(layer - 1, mb)].messages]
-                    grads = [g + m for g, m in zip(grads, sent, strict=True)]
+                if self.resend:  # the previous layer's tokens again (p = 1: its chunk is on this rank)
+                    sent = chunk.resent
+                    if sent is None:
+                        sent = [tuple(t.detach() for t in m) for m in self.chunks[(layer - 1, mb)].messages]
+                    grads = [g + tuple(m) for g, m in zip(grads, sent, strict=True)]
                 outgoing["n2m_grad"] = (grads, None)
         return outgoing
 

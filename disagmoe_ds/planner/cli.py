@@ -203,7 +203,7 @@ def _write_outputs(args: argparse.Namespace, result: PlanResult) -> list[str]:
         Path(args.write_ds_config).write_text(text, encoding="utf-8")
         notes.append(f"wrote ds_config {args.write_ds_config}")
         candidate = result.af.candidate if result.af is not None else None
-        refusal = runtime_refusal(candidate.work, candidate.layout.depth) if candidate is not None else None
+        refusal = runtime_refusal(candidate.work) if candidate is not None else None
         if refusal is not None:
             notes.append(
                 f"note: the plan's variant ({candidate.work.variant}) is simulated only: the runtime does not run "

@@ -96,8 +96,8 @@ class Workload:
             the tokens as its post-attention norm output) sends them again with the backward's gradient, and F
             re-runs the expert forward from them before its backward (one more expert forward per micro-batch and
             layer, whatever ``recompute`` is; with "full" that is the recompute F pays anyway, not a second one).
-            The runtime resends at depth 1 only (``DisagMoEConfig.resend``); the planner also costs p > 1 so the
-            simulator can study it (``cli._simulated_only`` flags such plans).
+            With p > 1 the tokens go to A_next with the residual hand-off (it sends the backward's gradient) and
+            wait there: more resid bytes and A memory (``DisagMoEConfig.resend``).
         offload: (A, F) share of a micro-batch's kept activations moved to host memory between its forward
             and its backward.
         split_backward: each backward runs as an input-gradient task on the critical path and a weight-gradient
@@ -189,6 +189,7 @@ def attention_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_fl
         full = [spec.a_side_activation_bytes(i) * tokens for i in layers]
         saved = [a_side_saved_bytes(spec, i) * tokens for i in layers]
         act = _kept(full, saved, spec.layer_input_bytes() * tokens, work.recompute)
+        act += _resent(spec, layout, work, layers)
         logits = tokens * spec.vocab_size * LOGIT_BYTES if g == layout.head_group else 0
         share = work.offload[0]
         working = _working(full, saved, work.recompute) + logits + _offload_window(act, len(layers), share)
@@ -197,6 +198,15 @@ def attention_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_fl
         worst = mem if worst is None or mem.total > worst.total else worst
     assert worst is not None
     return worst
+
+
+def _resent(spec: ModelSpec, layout: Layout, work: Workload, layers: tuple[int, ...]) -> float:
+    """Bytes a lane keeps per micro-batch for resend at p > 1: the m2n messages of each MoE layer before one of its
+    layers, which it sends again with that layer's n2m_grad."""
+    if not (work.resend and layout.depth > 1):
+        return 0.0
+    per_token = spec.wire_bytes_per_token(layout.ep_size).m2n
+    return sum(per_token * work.tokens_per_micro_batch for i in layers if i > 0 and spec.moe_layers[i - 1])
 
 
 def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: int = 1) -> RankMemory:

@@ -316,13 +316,11 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
     ]
 
 
-def runtime_refusal(work: Workload, depth: int) -> str | None:
-    """What of the variant ``work`` the runtime refuses at ``depth`` (None: it runs all of it). The runtime's own
+def runtime_refusal(work: Workload) -> str | None:
+    """What of the variant ``work`` the runtime refuses (None: it runs all of it, at any depth). The runtime's own
     checks (``DisagMoEConfig``, ``engine.build.check_zero_stages``, ``engine.split_backward.check_split_backward``)
     cannot be imported here (engine imports the planner); a test holds the two to the same answers."""
     stages = (work.zero_of("attention"), work.zero_of("ffn"))
-    if work.resend and depth > 1:
-        return "resend at depth > 1"
     if work.split_backward and max(stages) >= 3:
         return "the split backward with ZeRO-3"
     if stages[1] == 3 and work.offload[1] > 0:
@@ -350,7 +348,7 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
         "max_in_flight": af.in_flight,
         "cluster": cluster or req.cluster.name,
     }
-    if runtime_refusal(w, c.layout.depth) is None:
+    if runtime_refusal(w) is None:
         section |= {
             "activation_checkpointing": w.recompute == "full",
             "selective_recompute": w.recompute == "selective",

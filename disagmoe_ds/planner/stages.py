@@ -194,6 +194,7 @@ def af_roofline(
     a_to_f = wire.a_to_f + (wire.m2n if work.resend else 0.0)
     af_dir = tokens * moe * max(a_to_f, wire.f_to_a)
     res_dir = tokens * res_layers * (wire.resid + wire.resid_grad)
+    res_dir += tokens * moe * wire.m2n if work.resend and layout.depth > 1 else 0.0  # the tokens again, to A_next
     a_zero, f_zero = _zero_bytes(spec, layout, work, placement)
     m, n = layout.attention_gpus, layout.ffn_gpus
     a_nic = af_dir * af_cross + res_dir * res_cross + micro_batches * m * a_zero.get("nic", 0.0)

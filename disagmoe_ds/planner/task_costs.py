@@ -80,8 +80,10 @@ def af_task_costs(
     for kind in ("m2n", "n2m", "m2n_grad", "n2m_grad"):
         payload = getattr(wire, kind) + (wire.m2n if kind == "n2m_grad" and work.resend else 0.0)
         costs[kind] = (group_tokens * payload / af_link,) * spec.num_layers
+    resent = [wire.m2n if work.resend and moe else 0.0 for moe in spec.moe_layers]  # p > 1: to A_next, see memory.py
     for kind in ("resid", "resid_grad"):
-        costs[kind] = (group_tokens * getattr(wire, kind) / res_link if p > 1 else 0.0,) * spec.num_layers
+        per_layer_bytes = [getattr(wire, kind) + (extra if kind == "resid" else 0.0) for extra in resent]
+        costs[kind] = tuple(group_tokens * b / res_link if p > 1 else 0.0 for b in per_layer_bytes)
     head_fwd, head_bwd = head_call_s(spec, rates, tokens=tokens)
     head_w = head_bwd / 2 if work.split_backward else 0.0
     wgrads = {k: tuple(v) for k, v in wgrad.items()} if work.split_backward else {}

@@ -32,8 +32,6 @@ def memory_variants(base: Workload, recompute: Iterable[Recompute], allowed: fro
     attention_stages = sorted({z} | ({max(z, 2)} if "zero2" in allowed else set()))
     out = []
     for rc in recompute:
-        # resend is tried at every depth so the simulator can study it; the runtime resends at depth 1 only
-        # (``DisagMoEConfig.resend``), and ``cli._simulated_only`` flags a p > 1 plan that uses it.
         for resend in (False, True) if "resend" in allowed else (False,):
             for fz in ffn_stages:
                 for az in attention_stages:
