@@ -11,6 +11,7 @@ values before validation, so a bad value fails with the same message wherever it
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
 _FLAGS = ("compile", "activation_checkpointing", "selective_recompute", "comm_stream", "resend", "split_backward")
-OFFLOAD_SIDES = ("attention", "ffn")
+SIDES = ("attention", "ffn")  # the keys of the per-side settings (offload, zero_stage)
 _NOT_NUMBERS = (*_FLAGS, "transport", "offload", "zero_stage", "cluster", "profile")
 ZERO_STAGES = {"attention": (0, 1, 2), "ffn": (0, 1, 2, 3)}  # ZeRO-3 (parameters sharded) on the expert side only
 
@@ -97,8 +98,8 @@ class DisagMoEConfig(RankCounts):
                 f'"{SECTION}.selective_recompute" and "{SECTION}.activation_checkpointing" are exclusive: the latter '
                 "already recomputes every activation of a chunk; set one of them"
             )
-        _check_offload(self.offload)
-        _check_zero_stage(self.zero_stage)
+        _check_per_side("offload", self.offload, '{"attention": 0.5, "ffn": 0.0}', _offload_problem)
+        _check_per_side("zero_stage", self.zero_stage, '{"attention": 1, "ffn": 2}', _zero_stage_problem)
         if self.transport not in TRANSPORTS:
             raise ConfigError(f'"{SECTION}.transport" must be one of {sorted(TRANSPORTS)}, got {self.transport!r}')
         if self.cluster not in PRESETS and not Path(self.cluster).is_file():
@@ -151,33 +152,31 @@ class DisagMoEConfig(RankCounts):
         return asdict(self)
 
 
-def _check_offload(offload: Any) -> None:
-    example = '{"attention": 0.5, "ffn": 0.0}'
-    if not isinstance(offload, dict):
-        raise ConfigError(f'"{SECTION}.offload" must be an object like {example}, got {offload!r}')
-    unknown = sorted(map(str, set(offload) - set(OFFLOAD_SIDES)))
+def _check_per_side(key: str, value: Any, example: str, problem: Callable[[str, Any], str | None]) -> None:
+    """A per-side object (``{"attention": ..., "ffn": ...}``): its type, its keys and each side's value (``problem``
+    says what is wrong with one, or None)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f'"{SECTION}.{key}" must be an object like {example}, got {value!r}')
+    unknown = sorted(map(str, set(value) - set(SIDES)))
     if unknown:
-        raise ConfigError(f'unknown key(s) in "{SECTION}.offload": {", ".join(unknown)}; known: attention, ffn')
-    for side, share in offload.items():
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-            raise ConfigError(
-                f'"{SECTION}.offload.{side}" is the share of layers offloaded to host memory, in [0, 1]; got {share!r}'
-            )
+        raise ConfigError(f'unknown key(s) in "{SECTION}.{key}": {", ".join(unknown)}; known: attention, ffn')
+    for side, item in value.items():
+        wrong = problem(side, item)
+        if wrong:
+            raise ConfigError(f'"{SECTION}.{key}.{side}" {wrong}')
 
 
-def _check_zero_stage(zero_stage: Any) -> None:
-    example = '{"attention": 1, "ffn": 2}'
-    if not isinstance(zero_stage, dict):
-        raise ConfigError(f'"{SECTION}.zero_stage" must be an object like {example}, got {zero_stage!r}')
-    unknown = sorted(map(str, set(zero_stage) - set(ZERO_STAGES)))
-    if unknown:
-        raise ConfigError(f'unknown key(s) in "{SECTION}.zero_stage": {", ".join(unknown)}; known: attention, ffn')
-    for side, stage in zero_stage.items():
-        if isinstance(stage, bool) or stage not in ZERO_STAGES[side]:
-            raise ConfigError(
-                f'"{SECTION}.zero_stage.{side}" must be one of {list(ZERO_STAGES[side])}, got {stage!r}'
-                + (" (ZeRO-3 shards parameters on the expert side only)" if side == "attention" and stage == 3 else "")
-            )
+def _offload_problem(side: str, share: Any) -> str | None:
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        return f"is the share of layers offloaded to host memory, in [0, 1]; got {share!r}"
+    return None
+
+
+def _zero_stage_problem(side: str, stage: Any) -> str | None:
+    if isinstance(stage, bool) or stage not in ZERO_STAGES[side]:
+        hint = " (ZeRO-3 shards parameters on the expert side only)" if side == "attention" and stage == 3 else ""
+        return f"must be one of {list(ZERO_STAGES[side])}, got {stage!r}{hint}"
+    return None
 
 
 def load_ds_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
