@@ -250,13 +250,20 @@ def test_offload_equals_hf(tiny_checkpoint, monkeypatch, family, M, N, p, shares
     assert summary["pass"], summary
 
 
-def test_colocated_mode_warns_that_it_ignores_offload():
+def test_colocated_mode_warns_that_it_ignores_the_memory_levers():
     import argparse
+    import warnings
 
     from disagmoe_ds.train.flags import LAYOUT_FLAGS
     from disagmoe_ds.train.settings import mode_config
 
     ns = argparse.Namespace(mode="colocated", micro_batches=None, world_size=None, ep_size=None)
     vars(ns).update(dict.fromkeys(LAYOUT_FLAGS))
-    with pytest.warns(UserWarning, match='"disagmoe.offload" are ignored in co-located mode'):
+    with pytest.warns(UserWarning, match='"disagmoe.offload" is ignored in co-located mode'):
         mode_config(ns, {"disagmoe": {"offload": {"attention": 0.5}}}, None)
+    levers = {"selective_recompute": True, "resend": True, "split_backward": True}
+    with pytest.warns(UserWarning, match='"disagmoe.selective_recompute", .*"disagmoe.split_backward" are ignored'):
+        mode_config(ns, {"disagmoe": levers}, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mode_config(ns, {"disagmoe": {"compile": True}}, None)  # what co-located uses: no warning

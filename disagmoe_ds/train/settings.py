@@ -46,10 +46,19 @@ def mode_config(
         return DisagMoEConfig.from_ds_config(ds_config, {k: getattr(ns, k) for k in (*LAYOUT_FLAGS, "micro_batches")})
     _refuse_flags(ns, LAYOUT_FLAGS, "sets the disaggregated layout; --mode colocated takes --world-size and --ep-size")
     section = DisagMoEConfig.from_ds_config(ds_config, {"micro_batches": ns.micro_batches})
-    if section.activation_checkpointing or section.max_in_flight is not None or any(section.offload.values()):
+    ignored = {
+        "activation_checkpointing": section.activation_checkpointing,
+        "selective_recompute": section.selective_recompute,
+        "max_in_flight": section.max_in_flight is not None,
+        "offload": any(section.offload.values()),
+        "resend": section.resend,
+        "split_backward": section.split_backward,
+    }
+    named = [f'"{SECTION}.{key}"' for key, on in ignored.items() if on]
+    if named:
         warnings.warn(
-            f'"{SECTION}.activation_checkpointing", "{SECTION}.max_in_flight" and "{SECTION}.offload" are ignored in '
-            "co-located mode: each rank runs one micro-batch at a time and keeps its activations",
+            f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} ignored in co-located mode: each rank runs one "
+            "micro-batch at a time and keeps its activations (they are AF-Pipe's memory levers)",
             stacklevel=2,
         )
     return ColocatedConfig(
