@@ -28,7 +28,6 @@ from disagmoe_ds.engine.mailbox import Mailbox
 from disagmoe_ds.engine.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
 from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
-from disagmoe_ds.engine.split_backward import check_split_backward
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
@@ -65,7 +64,6 @@ class Disaggregated:
 
     def check(self, layout: Layout, config, ds_config: dict[str, Any]) -> None:
         check_zero_stages(self.cfg, ds_config)  # with expert replicas too (ExpertShard)
-        check_split_backward(self.cfg, ds_config)
         moe = moe_layer_pattern(config.to_dict())
         for g in range(layout.depth):
             if not any(moe[layer] for layer in layout.layers_of_group(g)):
@@ -243,8 +241,9 @@ def schedule_costs(
     """The planner's per-task seconds for this job (same inputs on every rank, so the same schedule everywhere);
     unit costs when the sequence length is not known. With ``split_backward`` the weight-gradient halves are W
     tasks, except on a compiled attention side (one autograd node per part: nothing to split)."""
+    ffn_zero3 = cfg.zero_stage.get("ffn") == 3  # only this setting puts the expert side at ZeRO-3
     if seq_len is None:
-        return unit_costs(split_backward=cfg.split_backward, compiled=cfg.compile)
+        return unit_costs(split_backward=cfg.split_backward, compiled=cfg.compile, ffn_zero3=ffn_zero3)
     return runtime_costs(
         config,
         layout,
@@ -255,4 +254,5 @@ def schedule_costs(
         resend=cfg.resend,
         split_backward=cfg.split_backward,
         compiled=cfg.compile,
+        ffn_zero_stage=3 if ffn_zero3 else None,
     )

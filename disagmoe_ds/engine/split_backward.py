@@ -22,6 +22,15 @@ What cannot be split, and so runs whole in W or whole in B:
   (``planner.runtime_costs``, ``compiled``); the expert shards' grouped GEMMs are outside their compiled regions
   and split as usual.
 
+ZeRO: ZeRO-2 reduces gradients from hooks during every backward, bucket by bucket, and the replicas of a parameter
+must produce them in the same order: with the split, B produces none and W all, through the same hooks, in the same
+order on every replica (an expert shard no token reached makes its zero row from its input, so its W reaches every
+parameter too: ``ExpertShard._untouched``). An expert side at ZeRO-3 keeps its backward whole (no F-side W task,
+``planner.task_costs``): ZeRO-3 releases a shard's parameters after B's module backward, so a later W would
+accumulate into empty parameters; gathering them around W passed with one replica but hung with two (the release
+found a parameter still active for other micro-batches in flight, and gathering only the released ones
+desynchronised the replicas).
+
 Costs of the split: non-reentrant activation checkpointing recomputes a chunk's forward once in B and once in W
 (each autograd pass recomputes what it unpacks), and what B recomputed stays alive until W frees the graph; with
 activation offload, a chunk's tensors come back to the device for B and stay there until W.
@@ -36,9 +45,6 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
-
-from disagmoe_ds.config import SECTION, DisagMoEConfig
-from disagmoe_ds.errors import ConfigError
 
 
 @dataclass
@@ -163,29 +169,3 @@ class ChunkBackward:
     def weight_grad(self, key: tuple[int, int]) -> None:
         """W of chunk ``key``: its parameter gradients; its activations are freed afterwards."""
         backward_weight(self.engine, self.deferred.pop(key))
-
-
-def check_split_backward(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
-    """Refuse ``split_backward`` where W could not accumulate as ``engine.backward`` does, before any rank starts.
-
-    ZeRO-2 reduces gradients from hooks during every backward, bucket by bucket, and the replicas of a parameter
-    must produce them in the same order: with the split, B produces none and W all, through the same hooks, in the
-    same order on every replica (an expert shard no token reached runs its zero row on the input path, so its W
-    reaches every parameter too; ``ExpertShard._untouched``). The expert side's ZeRO-3 is refused: it releases a
-    shard's parameters after B's module backward, so W's ``AccumulateGrad`` meets an empty parameter (shape
-    mismatch); gathering them around W (``GatheredParameters``) passes with one replica, but with two the release
-    at its exit finds the parameter still active in the shard module (other micro-batches in flight), and gathering
-    only the released ones desynchronises the replicas (in one run one had 6 of 6 released, the other 4 of 6).
-    """
-    if not cfg.split_backward:
-        return
-    default = ds_config.get("zero_optimization", {}).get("stage", 0)
-    stages = {side: cfg.zero_stage_of(side, default) for side in ("attention", "ffn")}
-    high = {side: stage for side, stage in stages.items() if stage >= 3}
-    if high:
-        where = ", ".join(f"{side} side {stage}" for side, stage in high.items())
-        raise ConfigError(
-            f'"{SECTION}.split_backward" needs ZeRO stage 0, 1 or 2 on both sides (got {where}): ZeRO-3 gathers '
-            "and releases the parameters in module hooks around B, and W accumulates into them later; set "
-            f'"{SECTION}.zero_stage" to 2 on that side, or split_backward false'
-        )

@@ -318,12 +318,9 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
 
 def runtime_refusal(work: Workload) -> str | None:
     """What of the variant ``work`` the runtime refuses (None: it runs all of it, at any depth). The runtime's own
-    checks (``DisagMoEConfig``, ``engine.build.check_zero_stages``, ``engine.split_backward.check_split_backward``)
-    cannot be imported here (engine imports the planner); a test holds the two to the same answers."""
-    stages = (work.zero_of("attention"), work.zero_of("ffn"))
-    if work.split_backward and max(stages) >= 3:
-        return "the split backward with ZeRO-3"
-    if stages[1] == 3 and work.offload[1] > 0:
+    checks (``DisagMoEConfig``, ``engine.build.check_zero_stages``) cannot be imported here (engine imports the
+    planner); a test holds the two to the same answers."""
+    if work.zero_of("ffn") == 3 and work.offload[1] > 0:
         return "offload on an expert side at ZeRO-3"
     return None
 

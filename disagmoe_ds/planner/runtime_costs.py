@@ -48,6 +48,7 @@ def runtime_task_costs(
     resend: bool = False,
     split_backward: bool = False,
     compiled: bool = False,
+    ffn_zero_stage: int | None = None,
 ) -> AfTaskCosts:
     """Seconds per task and transfer of one micro-batch for ``layout``, ranks placed contiguously (attention first).
 
@@ -60,6 +61,7 @@ def runtime_task_costs(
             planner's "split backward" variant costs it (``DisagMoEConfig.split_backward``).
         compiled: the attention parts and the head are ``torch.compile``d: their backward is one autograd node, so
             their weight gradients stay in the backward (no A-side W task); the experts' GEMMs still split.
+        ffn_zero_stage: the expert side's ZeRO stage where the job sets one; at 3 its backward stays whole.
     """
     spec = ModelSpec.from_config(config)
     nodes = math.ceil(layout.world_size / GPUS_PER_PRESET_NODE)
@@ -71,18 +73,22 @@ def runtime_task_costs(
         rates = Rates.from_cluster(machines, eff)
     placement = Placement.contiguous(machines.nodes, machines.gpus_per_node)
     nics = placement.nic_splits(machines, layout.attention_gpus)[0]
-    work = Workload(seq_len, micro_batch_size, resend=resend, split_backward=split_backward)
+    work = Workload(
+        seq_len, micro_batch_size, resend=resend, split_backward=split_backward, ffn_zero_stage=ffn_zero_stage
+    )
     task_costs = af_task_costs(spec, layout, work, placement=placement, rates=rates, nics=nics)
     return attention_wgrad_folded(task_costs) if compiled else task_costs
 
 
-def unit_costs(*, split_backward: bool = False, compiled: bool = False) -> Costs:
+def unit_costs(*, split_backward: bool = False, compiled: bool = False, ffn_zero3: bool = False) -> Costs:
     """``Costs()`` (forward 1, backward 2, transfers 0.5) for a job whose sequence length is not known; with a
-    split backward, half of each backward is its W task (all of it stays in B on a compiled attention side)."""
+    split backward, half of each backward is its W task (all of it stays in B on a compiled attention side, and on
+    an expert side at ZeRO-3)."""
     if not split_backward:
         return Costs()
     a_bwd, a_wgt = (2.0, 0.0) if compiled else (1.0, 1.0)
-    return Costs(a_bwd=a_bwd, head_bwd=a_bwd, f_bwd=1.0, a_wgt=a_wgt, head_wgt=a_wgt, f_wgt=1.0)
+    f_bwd, f_wgt = (2.0, 0.0) if ffn_zero3 else (1.0, 1.0)
+    return Costs(a_bwd=a_bwd, head_bwd=a_bwd, f_bwd=f_bwd, a_wgt=a_wgt, head_wgt=a_wgt, f_wgt=f_wgt)
 
 
 def attention_wgrad_folded(task_costs: AfTaskCosts) -> AfTaskCosts:

@@ -48,6 +48,8 @@ def af_task_costs(
     M_f/p on the F side; the slower end sets the time) or over NVLink for the intra-node share. With
     ``resend`` the backward's n2m_grad message also carries the layer's m2n payload again and each F backward
     re-runs the expert forward first (``Workload.ffn_recompute``: charged once, also under full recompute).
+    With a split backward the expert side keeps its weight gradients in its backward at ZeRO-3, which gathers and
+    releases the parameters around each backward (``engine.split_backward``); only the attention side splits then.
     """
     p, d, tokens = layout.depth, layout.lanes, work.tokens_per_micro_batch
     rc = work.recompute
@@ -69,6 +71,8 @@ def af_task_costs(
         f_w = expert_wgrad_s(spec, rates, layer=i, tokens=f_tokens)
         if not work.split_backward:
             a_w = f_w = 0.0
+        if work.zero_of("ffn") == 3:
+            f_w = 0.0
         per_layer["A_fwd"].append(a_fwd)
         per_layer["A_bwd"].append(a_bwd - a_w)
         per_layer["F_fwd"].append(f_fwd)
