@@ -66,6 +66,7 @@ from disagmoe_ds.models.families import Family, family_of, is_moe_layer
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.planner.model import ModelSpec
+from disagmoe_ds.verify import add_lever_args, lever_settings
 
 METHODS = ("afpipe", "colocated", "deepspeed-moe")
 EP_METHODS = ("colocated", "deepspeed-moe")
@@ -225,11 +226,7 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
         depth=a.depth,
         micro_batches=micro_batches(a, a.attention_gpus // a.depth),
         compile=a.compile,
-        selective_recompute=a.selective_recompute,
-        resend=a.resend,
-        split_backward=a.split_backward,
-        offload={"attention": a.offload[0], "ffn": a.offload[1]},
-        zero_stage=dict(zip(("attention", "ffn"), a.zero_stage, strict=True)) if a.zero_stage else {},
+        **lever_settings(a),
     )
     ds = {**ds_config(a), SECTION: cfg.to_dict()}
     dtype = DTYPES[a.dtype]
@@ -490,34 +487,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="co-located and DeepSpeed-MoE EP sizes, each run side by side (default: all ranks); e.g. "
         "--ep-size 2 1 runs EP-2 and EP-1 (every rank holds every expert: plain data parallel)",
     )
-    p.add_argument("--resend", action="store_true", help="AF-Pipe: the expert side keeps nothing in flight")
-    p.add_argument(
-        "--selective-recompute",
-        action="store_true",
-        help="AF-Pipe: attention blocks, shared/dense SwiGLUs and the experts' gate/up outputs rebuilt in backward",
-    )
-    p.add_argument(
-        "--split-backward",
-        action="store_true",
-        help="AF-Pipe: weight gradients deferred to when a rank would idle (zero bubble; ZeRO 0-2)",
-    )
-    p.add_argument(
-        "--offload",
-        nargs=2,
-        type=float,
-        default=(0.0, 0.0),
-        metavar=("A", "F"),
-        help="AF-Pipe: share of each micro-batch's layers whose activations wait in host memory, per side",
-    )
+    add_lever_args(p)  # AF-Pipe's: --resend --selective-recompute --split-backward --offload A F --zero-stage A F
     p.add_argument("--ds-capacity-factor", type=float, default=0.0, help="DeepSpeed-MoE capacity (0: drop none)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2))
-    p.add_argument(
-        "--zero-stage",
-        nargs=2,
-        type=int,
-        metavar=("A", "F"),
-        help="AF-Pipe: ZeRO stage of the attention and the FFN side (F may be 3), replacing --zero there",
-    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-4)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from disagmoe_ds.comm.transport import TRANSPORTS
-from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.config import SIDES, DisagMoEConfig
 from disagmoe_ds.data.loader import to_device
 from disagmoe_ds.engine import build as engine_build
 from disagmoe_ds.engine.ds_state import gathered
@@ -318,16 +318,39 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per lane")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute chunk activations in backward")
     p.add_argument(
-        "--selective-recompute", action="store_true", help="recompute attention blocks, SwiGLUs, experts' gate/up"
-    )
-    p.add_argument(
         "--transport",
         choices=sorted(TRANSPORTS),
         default="auto",
         help="exchange transport: auto (NCCL on GPUs, gloo on CPUs) or rendezvous (CPU ranks; a send completes only "
         "once its receive has started, as on NCCL's network transport: shows deadlocks gloo hides)",
     )
+    add_lever_args(p)
+    p.add_argument(
+        "--comm-timeout", type=float, default=300.0, help="seconds a rank may wait for a peer; stacks at half of it"
+    )
+    add_run_args(p, zero_help="ZeRO stage inside each group")
+    a = p.parse_args(argv)
+    cfg = DisagMoEConfig(
+        attention_gpus=a.attention_gpus,
+        ffn_gpus=a.ffn_gpus,
+        depth=a.depth,
+        micro_batches=a.micro_batches,
+        expert_data_parallel=a.expert_data_parallel,
+        activation_checkpointing=a.activation_checkpointing,
+        transport=a.transport,
+        comm_timeout_s=a.comm_timeout,
+        **lever_settings(a),
+    )
+    return run_args(VerifyArgs, a, cfg)
+
+
+def add_lever_args(p: argparse.ArgumentParser) -> None:
+    """AF-Pipe's memory levers as flags (``lever_settings`` turns them into ``DisagMoEConfig`` fields); shared with
+    ``bench/bench_e2e.py``."""
     p.add_argument("--resend", action="store_true", help="experts keep nothing between forward and backward")
+    p.add_argument(
+        "--selective-recompute", action="store_true", help="recompute attention blocks, SwiGLUs, experts' gate/up"
+    )
     p.add_argument(
         "--split-backward",
         action="store_true",
@@ -348,27 +371,17 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         metavar=("A", "F"),
         help="ZeRO stage of the attention and the FFN side (F may be 3: expert parameters sharded), replacing --zero",
     )
-    p.add_argument(
-        "--comm-timeout", type=float, default=300.0, help="seconds a rank may wait for a peer; stacks at half of it"
-    )
-    add_run_args(p, zero_help="ZeRO stage inside each group")
-    a = p.parse_args(argv)
-    cfg = DisagMoEConfig(
-        attention_gpus=a.attention_gpus,
-        ffn_gpus=a.ffn_gpus,
-        depth=a.depth,
-        micro_batches=a.micro_batches,
-        expert_data_parallel=a.expert_data_parallel,
-        activation_checkpointing=a.activation_checkpointing,
-        selective_recompute=a.selective_recompute,
-        transport=a.transport,
-        comm_timeout_s=a.comm_timeout,
-        resend=a.resend,
-        split_backward=a.split_backward,
-        offload={"attention": a.offload[0], "ffn": a.offload[1]},
-        zero_stage=dict(zip(("attention", "ffn"), a.zero_stage, strict=True)) if a.zero_stage else {},
-    )
-    return run_args(VerifyArgs, a, cfg)
+
+
+def lever_settings(a: argparse.Namespace) -> dict[str, Any]:
+    """The ``DisagMoEConfig`` fields of ``add_lever_args``' flags."""
+    return {
+        "resend": a.resend,
+        "selective_recompute": a.selective_recompute,
+        "split_backward": a.split_backward,
+        "offload": dict(zip(SIDES, a.offload, strict=True)),
+        "zero_stage": dict(zip(SIDES, a.zero_stage, strict=True)) if a.zero_stage else {},
+    }
 
 
 def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
