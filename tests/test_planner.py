@@ -752,10 +752,10 @@ def test_split_backward_reduces_to_the_generator_and_fills_bubbles():
     shape = PipeShape(depth=2, num_layers=8, moe_layers=(True,) * 8)
     for m, cap in ((8, 5), (6, 2)):
         plain = generate(shape, m, costs=Costs(), max_in_flight=cap).step_time_s
-        assert simulate_split_backward(shape, m, Costs(), cap=cap, wgrad={})[0] == plain
-        half = Costs(a_bwd=1.0, f_bwd=1.0, head_bwd=1.0)  # the same total work, half of each backward deferred
-        wgrad = {(k, i): 1.0 for k in ("A_wgt", "F_wgt") for i in range(9)}
-        step, busy, _ = simulate_split_backward(shape, m, half, cap=cap, wgrad=wgrad)
+        assert simulate_split_backward(shape, m, Costs(), cap=cap)[0] == plain
+        # the same total work, half of each backward deferred
+        half = Costs(a_bwd=1.0, f_bwd=1.0, head_bwd=1.0, a_wgt=1.0, f_wgt=1.0, head_wgt=1.0)
+        step, busy, _ = simulate_split_backward(shape, m, half, cap=cap)
         assert step < plain
         assert max(busy.values()) <= 1.0 + 1e-9
 

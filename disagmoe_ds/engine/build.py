@@ -241,7 +241,7 @@ def schedule_costs(
     """The planner's per-task seconds for this job (same inputs on every rank, so the same schedule everywhere);
     unit costs when the sequence length is not known. With ``split_backward`` the weight-gradient halves are W
     tasks, except on a compiled attention side (one autograd node per part: nothing to split)."""
-    ffn_zero3 = cfg.zero_stage.get("ffn") == 3  # only this setting puts the expert side at ZeRO-3
+    ffn_zero3 = cfg.zero_stage_of("ffn", 0) == 3  # only "zero_stage" puts a side at ZeRO-3 (the ds stage is 0-2)
     if seq_len is None:
         return unit_costs(split_backward=cfg.split_backward, compiled=cfg.compile, ffn_zero3=ffn_zero3)
     return runtime_costs(

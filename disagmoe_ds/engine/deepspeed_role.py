@@ -73,12 +73,6 @@ def ds_stage(ds_config: dict[str, Any]) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
-def side_stage(ds_config: dict[str, Any], side: str) -> int:
-    """The ZeRO stage of the ``attention`` or ``ffn`` engines: ``"disagmoe": {"zero_stage": ...}`` where set, else
-    the ds_config's (``DisagMoEConfig.zero_stage_of``)."""
-    return int(ds_config.get(SECTION, {}).get("zero_stage", {}).get(side, ds_stage(ds_config)))
-
-
 def check_stage(ds_config: dict[str, Any], stage: int, *, where: str, stages: tuple[int, ...] = (0, 1, 2)) -> None:
     """Refuse a ZeRO stage ``where`` (``"on the attention side"``...) cannot run, with the fix."""
     if stage not in stages:

@@ -12,24 +12,14 @@ With every W cost zero this reduces to ``generate`` exactly (tested).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from disagmoe_ds.schedule import Costs, PipeShape, TimelineEvent, Worker, build_graph
 from disagmoe_ds.schedule.generator import _Simulation
 
 
 def simulate_split_backward(
-    shape: PipeShape, micro_batches: int, costs: Costs, *, cap: int, wgrad: dict | None = None
+    shape: PipeShape, micro_batches: int, costs: Costs, *, cap: int
 ) -> tuple[float, dict[Worker, float], tuple[TimelineEvent, ...]]:
-    """(step seconds, busy share per worker, timeline) of one step with deferred weight-gradient tasks.
-
-    Args:
-        costs: task and transfer seconds; its ``*_wgt`` costs are the W tasks.
-        wgrad: more W costs, (kind ``"A_wgt"``/``"F_wgt"``, layer) -> seconds (the head is layer L on A), added to
-            ``costs.overrides``.
-    """
-    if wgrad:
-        costs = replace(costs, overrides={**costs.overrides, **wgrad})
+    """(step seconds, busy share per worker, timeline) of one step; ``costs``' ``*_wgt`` costs are the W tasks."""
     _, compute, transfers = _Simulation(build_graph(shape, micro_batches), costs, cap).run()
     step = max(end for _, end in compute.values())
     busy: dict[Worker, float] = dict.fromkeys(shape.workers, 0.0)
