@@ -9,8 +9,10 @@ holding every expert, random weights):
     hf-grouped     HF's experts module (``Qwen3MoeExperts``) with its ``grouped_mm`` implementation
     hf-compiled    the same module under ``torch.compile`` (default options): the reference
     ours           ``grouped_gated_experts`` (sort, gather, two grouped GEMMs, elementwise middle, gather-sum)
-    ours-compiled  the same with ``compiled_elementwise()`` (the middle and the un-permute fused by
-                   ``torch.compile``), as an expert shard of a ``"compile": true`` job runs it
+    cutlass-compiled  the same with ``compiled_elementwise()`` without its Triton kernels (``fused_swiglu=False``):
+                   CUTLASS GEMMs, the middle and the un-permute fused by ``torch.compile``
+    ours-compiled  ``compiled_elementwise()``, as an expert shard of a ``"compile": true`` job runs it: on CUDA the
+                   permutation and the SwiGLU inside Triton GEMMs (``models/fused_experts.py``)
 
 Prints ms, TFLOP/s (3 x 6 * pairs * H * I) and each variant's speed over hf-compiled's (time of hf-compiled /
 time of the variant; ``vs_hf_compiled`` in the JSON written by ``--json``). bf16 on CUDA, fp32 on CPU. A variant
@@ -22,6 +24,7 @@ that cannot run is a row marked failed with its error's first line, and the exit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import traceback
@@ -35,7 +38,7 @@ from bench_layer import compile_backend, first_line, fresh_grads, print_profile,
 
 from disagmoe_ds.models import grouped_experts  # noqa: E402
 
-VARIANTS = ("gemm-only", "hf-grouped", "hf-compiled", "ours", "ours-compiled")
+VARIANTS = ("gemm-only", "hf-grouped", "hf-compiled", "ours", "cutlass-compiled", "ours-compiled")
 REFERENCE = "hf-compiled"
 
 
@@ -94,9 +97,10 @@ def build_variant(name: str, a, inputs: dict, backend: str):
             with compile_backend(backend):
                 module.compile()
         return step_hf, (module, x, idx, w, grad)
-    if name == "ours-compiled":
+    if name in ("ours-compiled", "cutlass-compiled"):
         with compile_backend(backend):
-            elementwise = grouped_experts.compiled_elementwise()
+            compiled = grouped_experts.compiled_elementwise()
+        elementwise = dataclasses.replace(compiled, fused_swiglu=name == "ours-compiled")
     else:
         elementwise = grouped_experts.EAGER
     return step_ours, (x, idx, w, gate_up, down, grad, elementwise)
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: CPU tests)")
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of gemm-only and ours-compiled")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of our paths and gemm-only")
     a = p.parse_args(argv)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     x, idx, w, gate_up, down = make_inputs(a, a.device, dtype)
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["vs_hf_compiled"] = ref / r["ms"] if ref and r["ms"] else None
     if a.profile and a.device == "cuda":
-        for name in ("gemm-only", "ours-compiled"):
+        for name in ("gemm-only", "cutlass-compiled", "ours-compiled"):
             if name in built:
                 print(f"--- {name}")
                 print_profile(*built[name])

@@ -11,7 +11,10 @@ attention; weights random, only the config is read) and times forward + backward
     hf-compiled   the same layer under ``torch.compile`` (default options, the whole layer): the reference
     ours          ``AttentionPart`` -> dispatch plan -> ``ExpertShard`` (all experts, one rank) -> combine
     ours-compiled the same under ``compile_stage`` as a ``"compile": true`` job runs it (attention part; the
-                  experts' activation/gating/weighting and un-permute)
+                  experts' activation/gating/weighting and un-permute; on CUDA the permutation and SwiGLU inside
+                  Triton GEMMs, ``models/fused_experts.py``)
+    cutlass-compiled  ours-compiled with the experts' GEMMs all CUTLASS ``grouped_mm`` and the permutation as
+                  gathers (``compile_stage(fused_swiglu=False)``)
     selective-compiled  ours-compiled with selective recompute (``"selective_recompute": true``, ``models.recompute``):
                   what rebuilding the attention block and the experts' gate/up outputs costs, and the memory it saves
 
@@ -60,7 +63,7 @@ from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.planner.model import load_model_spec
 
 PEAK_TFLOPS = 989.0
-PATHS = ("hf-eager", "hf-grouped", "hf-compiled", "ours", "ours-compiled", "selective-compiled")
+PATHS = ("hf-eager", "hf-grouped", "hf-compiled", "ours", "ours-compiled", "cutlass-compiled", "selective-compiled")
 REFERENCE = "hf-compiled"
 
 
@@ -185,16 +188,16 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
     ctx = build_context(model.config, model.model.rotary_emb, h_BSH, None)
     if name.endswith("compiled"):
         torch._dynamo.reset()
-    if name in ("ours", "ours-compiled", "selective-compiled"):
+    if name in ("ours", "ours-compiled", "cutlass-compiled", "selective-compiled"):
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
         expert_stage = ExpertStage(model, (0,), 0, spec.num_experts)
         if name == "selective-compiled":
             apply_selective_recompute(attention)
             apply_selective_recompute(expert_stage)
-        if name in ("ours-compiled", "selective-compiled"):
+        if name != "ours":
             with compile_backend(backend):
                 compile_stage(attention)
-                compile_stage(expert_stage)
+                compile_stage(expert_stage, fused_swiglu=name != "cutlass-compiled")
         return _ours_step, ((attention.part(0), expert_stage, model.config), h_BSH, ctx, grad_BSH)
     if name == "hf-compiled":
         with compile_backend(backend):

@@ -15,6 +15,7 @@ import sys
 import torch
 
 from disagmoe_ds.models.loading import load_model
+from disagmoe_ds.models.parts import compile_stage
 from disagmoe_ds.models.split import SplitModel
 
 # Max abs differences allowed. fp32: only sums are re-associated. bf16: rounding differences of that
@@ -27,9 +28,16 @@ TOLERANCE = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def compare(model_dir: str, shards: int, dtype: str, seq_len: int, batch: int, seed: int, device: str = "cpu") -> dict:
+def compare(
+    model_dir: str, shards: int, dtype: str, seq_len: int, batch: int, seed: int, device: str = "cpu",
+    compile: bool = False,
+) -> dict:  # fmt: skip
+    """``compile``: the split runs as a ``"compile": true`` job's parts do (``compile_stage``: inductor, and on
+    CUDA in bf16 the experts' Triton kernels)."""
     ref = load_model(model_dir, dtype=DTYPES[dtype], seed=seed).to(device)
     split = SplitModel(load_model(model_dir, dtype=DTYPES[dtype], seed=seed), shards).to(device)
+    if compile:
+        compile_stage(split)
     torch.manual_seed(seed)
     input_ids = torch.randint(0, ref.config.vocab_size, (batch, seq_len), device=device)
     out_ref = ref(input_ids=input_ids, labels=input_ids)
@@ -49,6 +57,7 @@ def compare(model_dir: str, shards: int, dtype: str, seq_len: int, batch: int, s
         "device": device,
         "shards": shards,
         "dtype": dtype,
+        "compiled": compile,
         "reference_loss": out_ref.loss.item(),
         **diffs,
         "pass": ok,
@@ -64,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--compile", action="store_true", help="compile the split's parts as a compiled job does")
     parser.add_argument("--json", action="store_true", help="print the summary on one line")
     args = parser.parse_args(argv)
-    summary = compare(args.model, args.shards, args.dtype, args.seq_len, args.batch, args.seed, args.device)
+    summary = compare(
+        args.model, args.shards, args.dtype, args.seq_len, args.batch, args.seed, args.device, args.compile
+    )
     print(json.dumps(summary, indent=None if args.json else 2))
     return 0 if summary["pass"] else 1
 
