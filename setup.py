@@ -26,7 +26,8 @@ setup(
         "psutil>=5.9",  # train.interrupt: a rank notices its launcher is gone (deepspeed needs it too)
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6"],
+        # triton: tests run its kernels in its interpreter on CPU machines (CUDA wheels of torch ship it already)
+        "test": ["pytest>=8", "ruff>=0.6", "triton>=3.2"],
         "flash": ["flash-attn>=2.6"],
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard>=2.14"],

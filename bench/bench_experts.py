@@ -9,10 +9,11 @@ holding every expert, random weights):
     hf-grouped     HF's experts module (``Qwen3MoeExperts``) with its ``grouped_mm`` implementation
     hf-compiled    the same module under ``torch.compile`` (default options): the reference
     ours           ``grouped_gated_experts`` (sort, gather, two grouped GEMMs, elementwise middle, gather-sum)
-    cutlass-compiled  the same with ``compiled_elementwise()`` without its Triton kernels (``fused_swiglu=False``):
-                   CUTLASS GEMMs, the middle and the un-permute fused by ``torch.compile``
-    ours-compiled  ``compiled_elementwise()``, as an expert shard of a ``"compile": true`` job runs it: on CUDA the
-                   permutation and the SwiGLU inside Triton GEMMs (``models/fused_experts.py``)
+    inductor-compiled  the same with ``compiled_elementwise()``'s middle compiled by inductor instead of its Triton
+                   kernels (``TritonSwiGLUOr.fallback``)
+    ours-compiled  ``compiled_elementwise()``, as an expert shard of a ``"compile": true`` job runs it (the middle's
+                   forward and backward as Triton kernels on CUDA, ``models/triton_swiglu.py``; the un-permute
+                   fused by ``torch.compile``)
 
 Prints ms, TFLOP/s (3 x 6 * pairs * H * I) and each variant's speed over hf-compiled's (time of hf-compiled /
 time of the variant; ``vs_hf_compiled`` in the JSON written by ``--json``). bf16 on CUDA, fp32 on CPU. A variant
@@ -38,7 +39,7 @@ from bench_layer import compile_backend, first_line, fresh_grads, print_profile,
 
 from disagmoe_ds.models import grouped_experts  # noqa: E402
 
-VARIANTS = ("gemm-only", "hf-grouped", "hf-compiled", "ours", "cutlass-compiled", "ours-compiled")
+VARIANTS = ("gemm-only", "hf-grouped", "hf-compiled", "ours", "inductor-compiled", "ours-compiled")
 REFERENCE = "hf-compiled"
 
 
@@ -97,10 +98,11 @@ def build_variant(name: str, a, inputs: dict, backend: str):
             with compile_backend(backend):
                 module.compile()
         return step_hf, (module, x, idx, w, grad)
-    if name in ("ours-compiled", "cutlass-compiled"):
+    if name in ("ours-compiled", "inductor-compiled"):
         with compile_backend(backend):
-            compiled = grouped_experts.compiled_elementwise()
-        elementwise = dataclasses.replace(compiled, fused_swiglu=name == "ours-compiled")
+            elementwise = grouped_experts.compiled_elementwise()
+        if name == "inductor-compiled":
+            elementwise = dataclasses.replace(elementwise, gated=elementwise.gated.fallback)
     else:
         elementwise = grouped_experts.EAGER
     return step_ours, (x, idx, w, gate_up, down, grad, elementwise)
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["vs_hf_compiled"] = ref / r["ms"] if ref and r["ms"] else None
     if a.profile and a.device == "cuda":
-        for name in ("gemm-only", "cutlass-compiled", "ours-compiled"):
+        for name in ("gemm-only", "inductor-compiled", "ours-compiled"):
             if name in built:
                 print(f"--- {name}")
                 print_profile(*built[name])

@@ -11,10 +11,8 @@ attention; weights random, only the config is read) and times forward + backward
     hf-compiled   the same layer under ``torch.compile`` (default options, the whole layer): the reference
     ours          ``AttentionPart`` -> dispatch plan -> ``ExpertShard`` (all experts, one rank) -> combine
     ours-compiled the same under ``compile_stage`` as a ``"compile": true`` job runs it (attention part; the
-                  experts' activation/gating/weighting and un-permute; on CUDA the permutation and SwiGLU inside
-                  Triton GEMMs, ``models/fused_experts.py``)
-    cutlass-compiled  ours-compiled with the experts' GEMMs all CUTLASS ``grouped_mm`` and the permutation as
-                  gathers (``compile_stage(fused_swiglu=False)``)
+                  experts' activation/gating/weighting, on CUDA as Triton kernels, and un-permute)
+    inductor-compiled  ours-compiled with the experts' middle compiled by inductor instead of the Triton kernels
     selective-compiled  ours-compiled with selective recompute (``"selective_recompute": true``, ``models.recompute``):
                   what rebuilding the attention block and the experts' gate/up outputs costs, and the memory it saves
 
@@ -42,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -58,12 +57,12 @@ from transformers import AutoConfig
 from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.one_layer import one_layer_model
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, build_context, compile_stage
+from disagmoe_ds.models.parts import AttentionStage, ExpertShard, ExpertStage, build_context, compile_stage
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.planner.model import load_model_spec
 
 PEAK_TFLOPS = 989.0
-PATHS = ("hf-eager", "hf-grouped", "hf-compiled", "ours", "ours-compiled", "cutlass-compiled", "selective-compiled")
+PATHS = ("hf-eager", "hf-grouped", "hf-compiled", "ours", "ours-compiled", "inductor-compiled", "selective-compiled")
 REFERENCE = "hf-compiled"
 
 
@@ -177,6 +176,13 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:300]
 
 
+def _without_triton(stage: ExpertStage) -> None:
+    """The stage's shards run their middle as inductor compiled it, not as ``triton_swiglu``'s kernels."""
+    for shard in stage.modules():
+        if isinstance(shard, ExpertShard):
+            shard.elementwise = dataclasses.replace(shard.elementwise, gated=shard.elementwise.gated.fallback)
+
+
 def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, device: str, backend: str):
     """``(step, args)`` of one path, compiled where its name says so."""
     experts = "eager" if name == "hf-eager" else "grouped_mm"
@@ -188,7 +194,7 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
     ctx = build_context(model.config, model.model.rotary_emb, h_BSH, None)
     if name.endswith("compiled"):
         torch._dynamo.reset()
-    if name in ("ours", "ours-compiled", "cutlass-compiled", "selective-compiled"):
+    if name in ("ours", "ours-compiled", "inductor-compiled", "selective-compiled"):
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
         expert_stage = ExpertStage(model, (0,), 0, spec.num_experts)
         if name == "selective-compiled":
@@ -197,7 +203,9 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
         if name != "ours":
             with compile_backend(backend):
                 compile_stage(attention)
-                compile_stage(expert_stage, fused_swiglu=name != "cutlass-compiled")
+                compile_stage(expert_stage)
+            if name == "inductor-compiled":
+                _without_triton(expert_stage)
         return _ours_step, ((attention.part(0), expert_stage, model.config), h_BSH, ctx, grad_BSH)
     if name == "hf-compiled":
         with compile_backend(backend):

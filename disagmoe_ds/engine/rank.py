@@ -160,7 +160,7 @@ class RankBuilder:
         module = mode.module(model, layout, groups, role, device=device, seed=seed * 100_003 + rank, weights=pretrained)
         del model
         if cfg.compile:
-            compile_stage(module, fused_swiglu=not cfg.split_backward)
+            compile_stage(module)
         engine = build_engine(
             module,
             ds_config,

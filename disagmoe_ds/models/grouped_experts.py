@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagmoe_ds.models import fused_experts
+from disagmoe_ds.models import triton_swiglu
 
 GatedFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]  # (gate_up_PF, w_P, act_fn) -> hidden_PI
 SumSlotsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (y_PH, slot_RK, keep_RK)
@@ -84,10 +84,8 @@ def grouped_gated_experts(
         return x_RH * 0  # nothing routed here; keeps the autograd edge to x
     slots = _Slots.of(order_P, num_pairs, K, x_RH.dtype, elementwise.sum_slots)
     order_P = order_P[:num_pairs]
-    w_P = w_RK.reshape(-1).index_select(0, order_P)
-    if elementwise.fused_swiglu and _fusable(x_RH, act_fn):
-        return _FusedSwiGLU.apply(x_RH, w_P, gate_up_eFH, down_eHI, offsets_e, slots, recompute)
     x_PH = _Permute.apply(x_RH, slots)
+    w_P = w_RK.reshape(-1).index_select(0, order_P)
     if recompute:
         out_PH = _RecomputedMiddle.apply(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise.gated)
     else:
@@ -183,48 +181,6 @@ class _RecomputedMiddle(torch.autograd.Function):
         return d_x, d_w, d_gate_up, d_down, None, None, None
 
 
-def _fusable(x_RH: torch.Tensor, act_fn: nn.Module) -> bool:
-    """The Triton kernels cover SiLU-gated experts in bf16 on CUDA (every grouped family but GPT-OSS)."""
-    silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
-    return silu and x_RH.is_cuda and x_RH.dtype == torch.bfloat16 and fused_experts.available()
-
-
-class _FusedSwiGLU(torch.autograd.Function):
-    """The whole routed-expert sum with the permutation and the SwiGLU inside the GEMMs (``fused_experts``): the
-    permuted rows and the un-permute's backward gather are never written, the activation has no kernel of its own.
-    Saves ``x_RH`` (the caller holds it anyway), the gate/up output and the intermediate; with ``recompute`` only
-    ``x_RH``, and the backward re-runs the fused gate/up kernel (selective recompute, as ``_RecomputedMiddle``)."""
-
-    @staticmethod
-    def forward(ctx, x_RH, w_P, gate_up_eFH, down_eHI, offsets_e, slots: _Slots, recompute: bool):
-        x_RH = x_RH.contiguous()
-        gate_up_PF, hidden_PI = fused_experts.gate_up_swiglu(x_RH, slots.rows_P, w_P, gate_up_eFH, offsets_e)
-        out_PH = _grouped_mm(hidden_PI, down_eHI.transpose(1, 2), offsets_e)
-        kept = () if recompute else (gate_up_PF, hidden_PI)
-        ctx.save_for_backward(x_RH, w_P, gate_up_eFH, down_eHI, offsets_e, *kept)
-        ctx.slots = slots
-        return slots.sum_slots(out_PH)
-
-    @staticmethod
-    def backward(ctx, grad_RH: torch.Tensor):
-        x_RH, w_P, gate_up_eFH, down_eHI, offsets_e, *kept = ctx.saved_tensors
-        rows_P = ctx.slots.rows_P
-        if not kept:
-            kept = fused_experts.gate_up_swiglu(x_RH, rows_P, w_P, gate_up_eFH, offsets_e)
-        gate_up_PF, hidden_PI = kept
-        grad_RH = grad_RH.contiguous()
-        need_x, need_w, need_gate_up, need_down = ctx.needs_input_grad[:4]
-        d_down = fused_experts.grouped_wgrad(grad_RH, rows_P, hidden_PI, None, offsets_e) if need_down else None
-        d_x = d_w = d_gate_up = None
-        if need_x or need_w or need_gate_up:
-            d_gate_up_PF, d_w = fused_experts.down_dgrad_swiglu(grad_RH, rows_P, down_eHI, gate_up_PF, w_P, offsets_e)
-            if need_x:
-                d_x = ctx.slots.sum_slots(_grouped_mm(d_gate_up_PF, gate_up_eFH, offsets_e))
-            if need_gate_up:
-                d_gate_up = fused_experts.grouped_wgrad(d_gate_up_PF, None, x_RH, rows_P, offsets_e)
-        return d_x, d_w, d_gate_up, d_down, None, None, None
-
-
 def _sum_slots_eager(y_PH: torch.Tensor, slot_RK: torch.Tensor, keep_RK: torch.Tensor | None) -> torch.Tensor:
     gathered_RKH = y_PH.index_select(0, slot_RK.reshape(-1)).view(*slot_RK.shape, -1)
     if keep_RK is None:
@@ -249,28 +205,38 @@ def _gated_eager(gate_up_PF: torch.Tensor, w_P: torch.Tensor, act_fn: nn.Module)
 
 @dataclass(frozen=True)
 class Elementwise:
-    """The expert path's elementwise functions: the gated middle and the un-permute's gather-and-sum.
-
-    ``fused_swiglu``: where the kernels allow (``_fusable``), the permutation and a SiLU middle run inside
-    Triton GEMMs instead (``_FusedSwiGLU``)."""
+    """The expert path's elementwise functions: the gated middle and the un-permute's gather-and-sum."""
 
     gated: GatedFn
     sum_slots: SumSlotsFn
-    fused_swiglu: bool = False
 
 
 EAGER = Elementwise(_gated_eager, _sum_slots_eager)
 
 
+@dataclass(frozen=True)
+class TritonSwiGLUOr:
+    """A gated middle that runs ``triton_swiglu.SwiGLU`` where it applies (SiLU gating on a CUDA device with Triton:
+    every grouped family), else ``fallback``."""
+
+    fallback: GatedFn
+
+    def __call__(self, gate_up_PF: torch.Tensor, w_P: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
+        silu = act_fn is F.silu or isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+        if silu and gate_up_PF.is_cuda and triton_swiglu.available():
+            return triton_swiglu.SwiGLU.apply(gate_up_PF, w_P)
+        return self.fallback(gate_up_PF, w_P, act_fn)
+
+
 @functools.cache
 def compiled_elementwise() -> Elementwise:
-    """The same functions fused by ``torch.compile``: the activation, gating and weighting into one kernel (and its
-    backward), and each un-permute's gather with its sum over K; with the Triton kernels where they apply
-    (``dataclasses.replace(..., fused_swiglu=False)`` keeps CUTLASS). Made once per process, so every expert shard
-    that uses it shares its compiled graphs.
+    """The same functions fused: the activation, gating and weighting into one kernel and its backward into
+    another (Triton's ``triton_swiglu`` on CUDA, else ``torch.compile``), and each un-permute's gather with its
+    sum over K (``torch.compile``). Made once per process, so every expert shard that uses it shares its compiled
+    graphs.
 
     Not the default: compiling costs seconds per new shape class on first use, which CPU tests do not need.
     """
     # Automatic dynamic shapes: the row count becomes dynamic at its first change, the widths stay static. Fully
     # dynamic kernels index with run-time divisions and took 2-3x longer (bench/bench_experts.py, H200).
-    return Elementwise(torch.compile(_gated_eager), torch.compile(_sum_slots_fusable), fused_swiglu=True)
+    return Elementwise(TritonSwiGLUOr(torch.compile(_gated_eager)), torch.compile(_sum_slots_fusable))

@@ -15,7 +15,6 @@ shard, P (row, expert) pairs routed to local experts, V vocabulary.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -334,19 +333,16 @@ class ExpertStage(nn.Module):
         return self.layers[str(layer)]
 
 
-def compile_stage(module: nn.Module, fused_swiglu: bool = True) -> None:
+def compile_stage(module: nn.Module) -> None:
     """``torch.compile`` the parts of ``module`` in place (parameter names unchanged): every attention part, the
     head (norm, LM head and loss: compiled, the loss reads the bf16 logits once instead of writing and reading an
     fp32 copy of them, 2.5 GB per 4,096 tokens at a 152K vocabulary), and the elementwise middle of every expert
-    shard (``grouped_experts.compiled_elementwise``). ``fused_swiglu``: on CUDA the shards run their permutation
-    and SwiGLU inside Triton GEMMs (``models.fused_experts``); a split backward turns it off, as one autograd node
-    computing every gradient cannot be split."""
+    shard (``grouped_experts.compiled_elementwise``)."""
     for sub in module.modules():
         if isinstance(sub, AttentionPart | Head):
             sub.compile()
         elif isinstance(sub, ExpertShard):
-            compiled = compiled_elementwise()
-            sub.elementwise = compiled if fused_swiglu else dataclasses.replace(compiled, fused_swiglu=False)
+            sub.elementwise = compiled_elementwise()
 
 
 # ----------------------------------------------------------------------------------------------------------------
