@@ -77,15 +77,18 @@ if triton is not None:
         tl.store(dw_ptr + pairs, d_w.to(dw_ptr.dtype.element_ty), mask=pair_ok)
 
 
-# Tiles, timed on an H200 at Qwen3-30B-A3B / Mixtral / DeepSeek-V3 sizes (bench/bench_experts.py).
-FORWARD_TILES = {"BLOCK_P": 8, "BLOCK_I": 256, "num_warps": 4}
-BACKWARD_TILES = {"BLOCK_P": 8, "BLOCK_I": 256, "num_warps": 4}
+def _tiles(inter: int) -> dict:
+    """Tiles of both kernels, by width (the best of 11 on an H200, within 3% of each width's best: forward and
+    backward at I = 768, 2,048 and 14,336, docs/performance.md section 10)."""
+    if inter >= 2048:
+        return {"BLOCK_P": 2, "BLOCK_I": 1024, "num_warps": 8}
+    return {"BLOCK_P": 8, "BLOCK_I": 256, "num_warps": 4}
 
 
 def swiglu_forward(gate_up_PF: torch.Tensor, w_P: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
     """``silu(gate) * up * w`` per pair, ``[P, I]`` in ``gate_up_PF``'s dtype."""
-    t = FORWARD_TILES if tiles is None else tiles
     num_pairs, inter = gate_up_PF.shape[0], gate_up_PF.shape[1] // 2
+    t = _tiles(inter) if tiles is None else tiles
     hidden_PI = gate_up_PF.new_empty(num_pairs, inter)
     grid = (triton.cdiv(num_pairs, t["BLOCK_P"]), triton.cdiv(inter, t["BLOCK_I"]))
     _swiglu_forward_kernel[grid](gate_up_PF, w_P, hidden_PI, num_pairs, inter, **t)
@@ -96,8 +99,8 @@ def swiglu_backward(
     gate_up_PF: torch.Tensor, w_P: torch.Tensor, d_hidden_PI: torch.Tensor, tiles: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d_gate_up_PF, d_w_P)`` of ``swiglu_forward`` for the gradient ``d_hidden_PI``."""
-    t = BACKWARD_TILES if tiles is None else tiles
     num_pairs, inter = gate_up_PF.shape[0], gate_up_PF.shape[1] // 2
+    t = _tiles(inter) if tiles is None else tiles
     d_gate_up_PF = torch.empty_like(gate_up_PF)
     d_w_P = torch.empty_like(w_P)
     grid = (triton.cdiv(num_pairs, t["BLOCK_P"]),)
