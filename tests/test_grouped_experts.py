@@ -98,3 +98,12 @@ def test_compiled_fusions_stay_compiled_across_the_warm_up_cases(tiny_checkpoint
         torch.autograd.grad(out.sum(), [x, w], allow_unused=True)
     entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(grouped_experts._sum_slots_fusable.__code__)
     assert 0 < len(entries) < torch._dynamo.config.recompile_limit
+
+
+@pytest.mark.parametrize("family", GATED_FUSED_FAMILIES)
+def test_every_grouped_family_gets_the_triton_middle(tiny_checkpoint, family):
+    """Every grouped family's activation is one the Triton SwiGLU computes, so on CUDA none falls back unnoticed
+    (a transformers release that renamed its SiLU class would otherwise slow them silently)."""
+    shard, *_ = _routed_case(tiny_checkpoint, family, "random")
+    assert grouped_experts.is_silu(shard.experts.act_fn)
+    assert not grouped_experts.is_silu(torch.nn.GELU())

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import SiLUActivation
 
 from disagmoe_ds.models import triton_swiglu
 
@@ -214,6 +215,11 @@ class Elementwise:
 EAGER = Elementwise(_gated_eager, _sum_slots_eager)
 
 
+def is_silu(act_fn: Callable) -> bool:
+    """``act_fn`` is SiLU (HF's ``SiLUActivation``, torch's module or function): the Triton middle computes it."""
+    return act_fn is F.silu or isinstance(act_fn, nn.SiLU | SiLUActivation)
+
+
 @dataclass(frozen=True)
 class TritonSwiGLUOr:
     """A gated middle that runs ``triton_swiglu.SwiGLU`` where it applies (SiLU gating on a CUDA device with Triton:
@@ -222,8 +228,7 @@ class TritonSwiGLUOr:
     fallback: GatedFn
 
     def __call__(self, gate_up_PF: torch.Tensor, w_P: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
-        silu = act_fn is F.silu or isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
-        if silu and gate_up_PF.is_cuda and triton_swiglu.available():
+        if is_silu(act_fn) and gate_up_PF.is_cuda and triton_swiglu.available():
             return triton_swiglu.SwiGLU.apply(gate_up_PF, w_P)
         return self.fallback(gate_up_PF, w_P, act_fn)
 
