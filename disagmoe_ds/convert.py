@@ -12,6 +12,8 @@ examples:
     disagmoe-convert hf-to-disagmoe --model HF_DIR --out CKPT --attention-gpus 2 --ffn-gpus 2 [--zero 1]
     disagmoe-convert disagmoe-to-hf --ckpt CKPT --model HF_DIR --out OUT_DIR
     disagmoe-convert relayout --ckpt CKPT --model HF_DIR --out CKPT_1x3 --attention-gpus 1 --ffn-gpus 3
+    disagmoe-convert relayout --ckpt CKPT --model HF_DIR --out CKPT_Z3 --attention-gpus 2 --ffn-gpus 2 \
+        --expert-data-parallel 2 --zero-stage 1 3
 
 Every conversion runs the layout's ranks as processes on this machine's CPU, whatever the layout's size: host
 memory must hold the whole model and every rank's optimizer state. A checkpoint is read under the DeepSpeed config
@@ -26,7 +28,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from disagmoe_ds.config import DisagMoEConfig, load_ds_config
+from disagmoe_ds.config import SIDES, DisagMoEConfig, load_ds_config
 from disagmoe_ds.errors import DisagMoEError
 from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe, relayout
 from disagmoe_ds.train.conversion_jobs import Job, open_checkpoint, resolve_ds_config
@@ -91,16 +93,30 @@ def _add_layout_args(p: argparse.ArgumentParser, *, ds_config_help: str) -> None
     )
     p.add_argument("--expert-data-parallel", type=int, default=1, help="copies of each expert shard (default 1)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2), help="ZeRO stage; overrides --ds-config")
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        nargs=2,
+        metavar=("ATTENTION", "FFN"),
+        help='ZeRO stage of each side, as the ds_config\'s "disagmoe": {"zero_stage": ...} (the expert side may '
+        "use 3); a relayout keeps the source's unless this or --zero is given",
+    )
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="training precision; overrides --ds-config")
     p.add_argument("--ds-config", help=ds_config_help)
 
 
-def _layout_cfg(a: argparse.Namespace) -> DisagMoEConfig:
+def _layout_cfg(a: argparse.Namespace, source_stages: dict[str, int] | None = None) -> DisagMoEConfig:
+    """The new layout; its per-side ZeRO stages: ``--zero-stage``, else none under ``--zero``, else the source's."""
+    if a.zero_stage is not None:
+        stages = dict(zip(SIDES, a.zero_stage, strict=True))
+    else:
+        stages = {} if a.zero is not None else dict(source_stages or {})
     return DisagMoEConfig(
         attention_gpus=a.attention_gpus,
         ffn_gpus=a.ffn_gpus,
         depth=a.depth,
         expert_data_parallel=a.expert_data_parallel,
+        zero_stage=stages,
     )
 
 
@@ -114,7 +130,8 @@ def _run(a: argparse.Namespace) -> Path:
     if a.command == "disagmoe-to-hf":
         return disagmoe_to_hf(source, a.out)
     base = ds_file if ds_file is not None else source.job.ds_config
-    job = replace(source.job, cfg=_layout_cfg(a), ds_config=resolve_ds_config(base, zero=a.zero, dtype=a.dtype))
+    cfg = _layout_cfg(a, source.job.cfg.zero_stage)
+    job = replace(source.job, cfg=cfg, ds_config=resolve_ds_config(base, zero=a.zero, dtype=a.dtype))
     return relayout(source, job, a.out)
 
 

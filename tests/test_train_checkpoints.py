@@ -124,3 +124,21 @@ def test_damaged_file_is_named_with_the_newest_intact_older_checkpoint(tmp_path:
         verify_files(tmp_path, "step4")
     verify_files(tmp_path, "step4", hashes=False)  # sizes only: the launched ranks' quick check
     verify_files(tmp_path, "step2")
+
+
+def test_resume_checks_each_sides_recorded_zero_stage(tmp_path: Path) -> None:
+    """A disaggregated checkpoint records each side's stage: a resume must match it side by side; where both are
+    one stage on both sides, the refusal names --zero as before."""
+    config, zero1 = load_config(MODEL), {"zero_optimization": {"stage": 1}}
+    _fake_checkpoint(tmp_path / "mixed", 3, entries={"zero_stage": {"attention": 1, "ffn": 3}})
+    with pytest.raises(CheckpointError, match=r'stage 1 \(attention\) / 3 \(experts\) in fp32, this run has 1 / 1 in '
+                       r'fp32; resume with the ds_config\'s "disagmoe": \{"zero_stage": \{"attention": 1, "ffn": 3\}\}'
+                       r".*relayout --zero-stage 1 1 --dtype fp32"):  # fmt: skip
+        check_resume(tmp_path / "mixed", "step3", config, LAYOUT, num_samples=None, ds_config=zero1)
+    per_side = {**zero1, "disagmoe": {"zero_stage": {"ffn": 3}}}
+    assert check_resume(tmp_path / "mixed", "step3", config, LAYOUT, num_samples=None, ds_config=per_side).step == 3
+    _fake_checkpoint(tmp_path / "one", 3, entries={"zero_stage": {"attention": 1, "ffn": 1}})
+    zero2 = {"zero_optimization": {"stage": 2}}
+    with pytest.raises(CheckpointError, match="saved under ZeRO stage 1 in fp32, this run has stage 2 in fp32; pass "
+                       "--zero 1"):  # fmt: skip
+        check_resume(tmp_path / "one", "step3", config, LAYOUT, num_samples=None, ds_config=zero2)

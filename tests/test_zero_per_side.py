@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,14 +23,16 @@ from transformers import AutoModelForCausalLM
 from disagmoe_ds.colocated import ColocatedConfig
 from disagmoe_ds.colocated.build import preflight_colocated
 from disagmoe_ds.config import SECTION, DisagMoEConfig
+from disagmoe_ds.convert import main as convert_main
 from disagmoe_ds.engine import build as engine_build
 from disagmoe_ds.engine.checkpoint import load_checkpoint, save_checkpoint
 from disagmoe_ds.engine.deepspeed_role import role_ds_config
 from disagmoe_ds.engine.ds_state import gathered
-from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.parts import num_experts_of
+from disagmoe_ds.train.checkpoints import check_resume
 from disagmoe_ds.train.checks import check_engine_config
 from disagmoe_ds.train.export import export_hf
 from disagmoe_ds.verify import TOLERANCE, VerifyArgs, _assemble, _hf_named, load_for_verify, make_batches, run_verify
@@ -152,6 +155,43 @@ def test_resume_and_hf_export_under_ffn_zero3(tiny_checkpoint, tmp_path):
     initial = dict(load_for_verify(args).named_parameters())
     experts = [n for n in trained if ".experts." in n]
     assert experts and not any(torch.equal(initial[n], trained[n]) for n in experts)  # the shards did train
+
+
+def test_conversions_of_a_checkpoint_with_the_experts_at_zero3(tiny_checkpoint, tmp_path):
+    """The manifest records each side's stage, so disagmoe-convert reads the expert side as ZeRO-3 (it used to
+    rebuild it at the ds_config's stage and fail inside DeepSpeed's load), re-lays it out to ZeRO-1 and back, and a
+    resume under other stages is refused before launch with the fix."""
+    model = str(tiny_checkpoint("qwen3-moe"))
+    args = VerifyArgs(model, CKPT_CFG, zero=1, steps=3, seq_len=8, clip=CLIP, lr=1e-2)
+    ckpt, zero1, back = tmp_path / "ckpt", tmp_path / "zero1", tmp_path / "back"
+    full = run_ranks(_train, CKPT_CFG.world_size, args=(args, str(ckpt), str(tmp_path / "hf"), "full"), timeout_s=180)
+    manifest = json.loads((ckpt / "step1" / "manifest.json").read_text())
+    assert manifest["zero_stage"] == {"attention": 1, "ffn": 3}
+
+    # ZeRO-3 experts (2 replicas) -> ZeRO-1 experts split over 2 ranks -> back: the runs continue the original's
+    layout = f"--model {model} --attention-gpus 2 --ffn-gpus 2"
+    assert convert_main(f"relayout --ckpt {ckpt} --out {zero1} {layout} --zero 1".split()) == 0
+    assert json.loads((zero1 / "step1" / "manifest.json").read_text())["zero_stage"] == {"attention": 1, "ffn": 1}
+    cfg_zero1 = replace(CKPT_CFG, expert_data_parallel=1, zero_stage={})
+    resumed = run_ranks(_train, 4, args=(replace(args, cfg=cfg_zero1), str(zero1), "", "resume"), timeout_s=180)
+    assert max(abs(a - b) for a, b in zip(resumed[0]["losses"], full[0]["losses"][1:], strict=True)) <= 1e-5
+    relayout = f"relayout --ckpt {zero1} --out {back} {layout} --expert-data-parallel 2 --zero-stage 1 3"
+    assert convert_main(relayout.split()) == 0
+    again = run_ranks(_train, 4, args=(args, str(back), "", "resume"), timeout_s=180)
+    assert again[0]["losses"] == full[0]["losses"][1:]  # the original layout and stages, bit for bit
+
+    # The HF export reads the ZeRO-3 shards whole: the same weights as from the ZeRO-1 copy.
+    for source in (ckpt, zero1):
+        assert convert_main(f"disagmoe-to-hf --ckpt {source} --model {model} --out {source}-hf".split()) == 0
+    hf_z3, hf_z1 = (AutoModelForCausalLM.from_pretrained(f"{d}-hf", dtype=torch.float32) for d in (ckpt, zero1))
+    assert all(torch.equal(a, b) for a, b in zip(hf_z3.state_dict().values(), hf_z1.state_dict().values(), strict=True))
+
+    config = load_for_verify(args).config
+    layout_z3 = CKPT_CFG.layout(num_layers=config.num_hidden_layers, num_experts=num_experts_of(config))
+    without_sides = {k: v for k, v in args.ds_config().items() if k != SECTION}
+    with pytest.raises(CheckpointError, match=r'ZeRO stage 1 \(attention\) / 3 \(experts\).*"zero_stage"'):
+        check_resume(ckpt, "step1", config, layout_z3, num_samples=None, ds_config=without_sides)
+    check_resume(ckpt, "step1", config, layout_z3, num_samples=None, ds_config=args.ds_config())
 
 
 # ----- what is refused, before any rank starts -----

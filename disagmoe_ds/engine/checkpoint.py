@@ -173,12 +173,14 @@ def save_checkpoint(
         attach(partial)
     dist.barrier()
     files = _hash_files(partial)
+    stages = _side_stages(engine, role) if job.mode == DISAGGREGATED else None
     final = root / tag
     if dist.get_rank() == 0:
         manifest = {
             "tag": tag,
             "mode": job.mode,
             "layout": job.manifest_layout(),
+            **({} if stages is None else {"zero_stage": stages}),
             "model": model_fingerprint(config),
             "roles": sorted({job.checkpoint_dir(job.role_of(r)) for r in range(job.world_size)}),
             "client_state": {k: v for k, v in client_state.items() if isinstance(v, (int, float, str))},
@@ -193,6 +195,14 @@ def save_checkpoint(
         _write_atomic(root / LATEST, tag)
     dist.barrier()
     return final
+
+
+def _side_stages(engine, role: RankRole) -> dict[str, int]:
+    """Each side's ZeRO stage as its engines ran (collective). The manifest records it: the optimizer state is laid
+    out by it, and a side's stage may differ from the ds_config's (``"disagmoe": {"zero_stage": ...}``)."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ("attention" if role.is_attention else "ffn", engine.zero_optimization_stage()))
+    return dict(sorted(set(every)))
 
 
 def resolve_tag(root: str | Path, tag: str | None = None) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from disagmoe_ds.config import SECTION, SIDES, DisagMoEConfig
 from disagmoe_ds.data import MicroBatchLoader, Tokenizer
 from disagmoe_ds.data.sampler import regroup
 from disagmoe_ds.engine.checkpoint import (
@@ -174,7 +175,7 @@ def check_resume(
             f"{num_samples}; resume with the same --data, --seq-len, --seed and tokenizer"
         )
     if ds_config is not None and manifest.get("ds_config") is not None:
-        _check_engine_settings(where, manifest["ds_config"], ds_config)
+        _check_engine_settings(where, manifest["ds_config"], ds_config, manifest.get("zero_stage"))
         if int(state["step"]) > 0 and ds_config.get("scheduler") and not manifest["ds_config"].get("scheduler"):
             raise CheckpointError(
                 f"checkpoint {where} was trained without an LR scheduler and this run's ds_config has one, which "
@@ -191,9 +192,33 @@ def _engine_settings(ds_config: dict[str, Any]) -> tuple[int, str]:
     return stage, "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
 
 
-def _check_engine_settings(where: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """DeepSpeed lays the optimizer state out by ZeRO stage and precision: a resume needs the same ones."""
+def side_stages(ds_config: dict[str, Any]) -> dict[str, int]:
+    """Each side's ZeRO stage under ``ds_config``: its ``"disagmoe": {"zero_stage": ...}``, else its stage."""
+    stage = _engine_settings(ds_config)[0]
+    cfg = DisagMoEConfig.from_ds_config(ds_config)
+    return {side: cfg.zero_stage_of(side, stage) for side in SIDES}
+
+
+def _check_engine_settings(
+    where: Path, saved: dict[str, Any], current: dict[str, Any], saved_sides: dict[str, int] | None
+) -> None:
+    """DeepSpeed lays the optimizer state out by ZeRO stage and precision: a resume needs the same ones, on each
+    side where the checkpoint records each side's (``saved_sides``: disaggregated checkpoints)."""
     (saved_stage, saved_dtype), (stage, dtype) = _engine_settings(saved), _engine_settings(current)
+    if saved_sides is not None:
+        sides = side_stages(current)
+        if len(set(saved_sides.values())) > 1 or len(set(sides.values())) > 1:
+            if (saved_sides, saved_dtype) != (sides, dtype):
+                a, f = saved_sides["attention"], saved_sides["ffn"]
+                raise CheckpointError(
+                    f"checkpoint {where} was saved under ZeRO stage {a} (attention) / {f} (experts) in "
+                    f"{saved_dtype}, this run has {sides['attention']} / {sides['ffn']} in {dtype}; resume with the "
+                    f'ds_config\'s "{SECTION}": {{"zero_stage": {{"attention": {a}, "ffn": {f}}}}} and --dtype '
+                    f"{saved_dtype} (or convert it with disagmoe-convert relayout --zero-stage {sides['attention']} "
+                    f"{sides['ffn']} --dtype {dtype})"
+                )
+            return
+        saved_stage, stage = saved_sides["attention"], sides["attention"]  # one stage on both sides: as below
     if (saved_stage, saved_dtype) != (stage, dtype):
         raise CheckpointError(
             f"checkpoint {where} was saved under ZeRO stage {saved_stage} in {saved_dtype}, this run has stage "

@@ -13,7 +13,7 @@ records the mode); ``hf-to-disagmoe`` and ``relayout`` write and read disaggrega
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,6 +119,8 @@ def open_checkpoint(
     if command != "disagmoe-to-hf":
         require_disaggregated(root / tag, mode, command)
     cfg = _recorded_cfg(mode, manifest["layout"], root / tag)
+    if "zero_stage" in manifest:  # the ranks that read it are built with the stages it was written under
+        cfg = replace(cfg, zero_stage=dict(manifest["zero_stage"]))
     recorded = manifest.get("ds_config")
     if recorded is None and ds_config is None:
         raise CheckpointError(
