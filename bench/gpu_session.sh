@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session, about 8 minutes on one H200 with compilation from cold caches:
-#   1. bench_layer.py, one process per model: HF's layer (grouped_mm; and compiled, the reference) and ours (eager
-#      and compiled), seq SEQS x batch 2, with a profile of every path (top CUDA kernels)
+#   1. bench_layer.py, one process per model: HF's layer (grouped_mm; and compiled, the reference) and ours (eager,
+#      compiled with inductor's expert middle, compiled as jobs run it), seq SEQS x batch 2, with a profile of every
+#      path (top CUDA kernels)
 #   2. bench_experts.py: the experts alone at Qwen3-30B-A3B sizes, 8192 tokens, against HF's compiled experts
-#   3. correctness of the split on CUDA (disagmoe_ds.models.check, 7 tiny families x fp32/bf16), unless --no-check
+#   3. correctness of the split on CUDA (disagmoe_ds.models.check, 7 tiny families x fp32/bf16, and bf16 compiled as
+#      jobs run it, Triton kernels included), unless --no-check
 # Every step runs under `timeout`, at most its own limit and never past BUDGET_S seconds from the start (default
 # 470); a step with under 20 s left is logged as skipped. Writes to $OUT: env.txt; session.txt (each command, its
 # output, its exit code and seconds); layer_bench-<model>.json; experts_bench.json; checks.jsonl.
@@ -33,12 +35,12 @@ step() {  # step LIMIT_S COMMAND...: run it under timeout (capped by the budget 
 for model in $MODELS; do
   # no hf-eager: DeepSeek-V3's per-expert loop took 6 s a step
   step 200 python bench/bench_layer.py --model "$model" --seq-len $SEQS --batch 2 \
-    --paths hf-grouped hf-compiled ours ours-compiled --profile --json "$OUT/layer_bench-$(basename "$model").json"
+    --paths hf-grouped hf-compiled ours inductor-compiled ours-compiled --profile --json "$OUT/layer_bench-$(basename "$model").json"
 done
 step 120 python bench/bench_experts.py --tokens 8192 --json "$OUT/experts_bench.json"
 if [ "${3:-}" != "--no-check" ]; then
   for fam in qwen2-moe qwen3-moe mixtral deepseek-v2 deepseek-v3 gpt-oss olmoe; do
-    for dt in fp32 bf16; do
+    for dt in fp32 bf16 "bf16 --compile"; do
       check="python -m disagmoe_ds.models.check --model hf_models/tiny-$fam --shards 2 --dtype $dt --device cuda"
       step 60 bash -c "$check --json >> '$OUT/checks.jsonl'"  # stdout: one JSON line; stderr: the log
     done
