@@ -1,11 +1,14 @@
 """The Triton SwiGLU kernels against autograd through the eager middle, in Triton's interpreter on the CPU (the
 device runs them compiled: ``python -m disagmoe_ds.models.check --device cuda --dtype bf16 --compile``)."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import ROOT
 
 pytest.importorskip("triton")
 
@@ -36,3 +39,19 @@ def test_kernels_equal_autograd_through_the_eager_middle():
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_bench_times_both_middles_on_the_same_inputs(tmp_path):
+    """bench/bench_swiglu.py, on CPU through the interpreter: one row per size, the kernels agreeing with inductor's
+    middle (aot_eager here), a sweep that names its best tiles."""
+    out = tmp_path / "swiglu.json"
+    argv = ["bench/bench_swiglu.py", "--device", "cpu", "--sizes", "6x40", "--warmup", "0", "--iters", "1"]
+    argv += ["--compile-backend", "aot_eager", "--w-dtype", "fp32", "--sweep", "--json", str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert (row["pairs"], row["inter"]) == (6, 40) and row["error"] < 1e-5
+    assert row["triton_fwd_bwd_ms"] == row["triton_fwd_ms"] + row["triton_bwd_ms"] > 0
+    assert [len(row[f"best_{k}"]) for k in ("fwd", "bwd")] == [3, 3]
+    assert "best bwd tiles" in done.stdout
