@@ -14,8 +14,9 @@ re-association: the routing weight scales the I-wide intermediate before the dow
 H-wide output after it (linear, so equal up to rounding; it saves an H-wide multiply and its backward). The
 elementwise middle (activation, gating, weighting) and the un-permute's gather-and-sum are the two functions of
 an ``Elementwise`` value that each caller passes: ``EAGER``, or ``compiled_elementwise()``, which fuses them with
-``torch.compile`` (experts of Qwen3-30B-A3B, 8192 tokens: 5.52 -> 4.56 ms on an H200, against 3.71 ms for the
-grouped GEMMs alone). An expert shard holds its own (``ExpertShard.elementwise``); nothing here is process-wide.
+``torch.compile`` and, on CUDA, runs the middle as Triton kernels (``triton_swiglu``; experts of Qwen3-30B-A3B,
+8192 tokens, on an H200: eager 5.52 ms, compiled 4.56, with the Triton middle 4.13, against 3.57 for the grouped
+GEMMs alone). An expert shard holds its own (``ExpertShard.elementwise``); nothing here is process-wide.
 No host sync when the caller passes ``num_pairs``.
 
 Shape suffixes: R rows, H hidden, K top-k, P routed (row, expert) pairs, I expert intermediate size, e experts.
