@@ -18,22 +18,26 @@ def _args(model: str, zero: int) -> VerifyArgs:
     return VerifyArgs(model, CFG, zero=zero, steps=4, seq_len=8, clip=0.05)
 
 
-def _train(rank: int, args: VerifyArgs, ckpt: str, mode: str) -> list[float]:
-    """mode 'full': 4 steps, saving after step 2; 'resume': load that checkpoint and run steps 3-4."""
-    rt = build_rank(args.model, args.ds_config(), args.cfg, micro_batch_size=1, model=load_for_verify(args))
+def train_saving(rt, args: VerifyArgs, ckpt: str, mode: str, *, save_after: int, ds_config=None) -> list[float]:
+    """mode 'full': ``args.steps`` steps, saving after step ``save_after`` (tag ``step{save_after}``, with
+    ``ds_config`` in the manifest); 'resume': load that checkpoint and run the steps after it. The losses."""
     config = rt.module.config
-    start = 0
-    if mode == "resume":
-        _, state = load_checkpoint(rt.engine, rt.role, rt.layout, config, ckpt)
-        start = state["step"]
+    start = load_checkpoint(rt.engine, rt.role, rt.layout, config, ckpt)[1]["step"] if mode == "resume" else 0
     losses = []
     for step in range(start, args.steps):
         vocab = config.vocab_size if rt.role.is_attention else 0
         batches = make_batches(args, vocab, step, rt.role.index) if rt.role.is_attention else None
         losses.append(rt.executor.train_batch(batches).loss)
-        if mode == "full" and step == 1:
-            save_checkpoint(rt.engine, rt.role, rt.layout, config, ckpt, f"step{step + 1}", {"step": step + 1})
+        if mode == "full" and step + 1 == save_after:
+            tag, state = f"step{save_after}", {"step": save_after}
+            save_checkpoint(rt.engine, rt.role, rt.layout, config, ckpt, tag, state, ds_config=ds_config)
     return losses
+
+
+def _train(rank: int, args: VerifyArgs, ckpt: str, mode: str) -> list[float]:
+    """mode 'full': 4 steps, saving after step 2; 'resume': load that checkpoint and run steps 3-4."""
+    rt = build_rank(args.model, args.ds_config(), args.cfg, micro_batch_size=1, model=load_for_verify(args))
+    return train_saving(rt, args, ckpt, mode, save_after=2)
 
 
 @pytest.mark.parametrize("zero", [1, 2])

@@ -25,7 +25,6 @@ from disagmoe_ds.colocated.build import preflight_colocated
 from disagmoe_ds.config import SECTION, DisagMoEConfig
 from disagmoe_ds.convert import main as convert_main
 from disagmoe_ds.engine import build as engine_build
-from disagmoe_ds.engine.checkpoint import load_checkpoint, save_checkpoint
 from disagmoe_ds.engine.deepspeed_role import role_ds_config
 from disagmoe_ds.engine.ds_state import gathered
 from disagmoe_ds.errors import CheckpointError, ConfigError
@@ -35,7 +34,8 @@ from disagmoe_ds.models.parts import num_experts_of
 from disagmoe_ds.train.checkpoints import check_resume
 from disagmoe_ds.train.checks import check_engine_config
 from disagmoe_ds.train.export import export_hf
-from disagmoe_ds.verify import TOLERANCE, VerifyArgs, _assemble, _hf_named, load_for_verify, make_batches, run_verify
+from disagmoe_ds.verify import TOLERANCE, VerifyArgs, _assemble, _hf_named, load_for_verify, run_verify
+from tests.test_checkpoint import train_saving
 from tests.test_zero_replicas import _idle_beside_busy, pairs_log  # noqa: F401  (pairs_log is a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,17 +122,7 @@ def _train(rank: int, args: VerifyArgs, ckpt: str, export: str, mode: str) -> di
     rt = engine_build.build_rank(
         args.model, args.ds_config(), args.cfg, micro_batch_size=1, model=load_for_verify(args)
     )
-    config = rt.module.config
-    start = load_checkpoint(rt.engine, rt.role, rt.layout, config, ckpt)[1]["step"] if mode == "resume" else 0
-    losses = []
-    for step in range(start, args.steps):
-        vocab = config.vocab_size if rt.role.is_attention else 0
-        batches = make_batches(args, vocab, step, rt.role.index) if rt.role.is_attention else None
-        losses.append(rt.executor.train_batch(batches).loss)
-        if mode == "full" and step == 0:
-            save_checkpoint(
-                rt.engine, rt.role, rt.layout, config, ckpt, "step1", {"step": 1}, ds_config=args.ds_config()
-            )
+    losses = train_saving(rt, args, ckpt, mode, save_after=1, ds_config=args.ds_config())
     if mode == "full":
         export_hf(rt, Path(args.model), Path(export), dtype=torch.float32, tokenizer=None)
     writer = rt.role.index == 0 if rt.role.is_attention else rt.role.edp_rank == 0
