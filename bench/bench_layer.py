@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import gc
 import json
@@ -180,7 +179,7 @@ def _without_triton(stage: ExpertStage) -> None:
     """The stage's shards run their middle as inductor compiled it, not as ``triton_swiglu``'s kernels."""
     for shard in stage.modules():
         if isinstance(shard, ExpertShard):
-            shard.elementwise = dataclasses.replace(shard.elementwise, gated=shard.elementwise.gated.fallback)
+            shard.elementwise = shard.elementwise.without_triton()
 
 
 def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, device: str, backend: str):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +211,10 @@ class Elementwise:
 
     gated: GatedFn
     sum_slots: SumSlotsFn
+
+    def without_triton(self) -> Elementwise:
+        """The same functions with the middle as ``TritonSwiGLUOr``'s fallback computes it (benchmarks compare)."""
+        return replace(self, gated=self.gated.fallback) if isinstance(self.gated, TritonSwiGLUOr) else self
 
 
 EAGER = Elementwise(_gated_eager, _sum_slots_eager)
