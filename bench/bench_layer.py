@@ -15,6 +15,12 @@ attention; weights random, only the config is read) and times forward + backward
     inductor-compiled  ours-compiled with the experts' middle compiled by inductor instead of the Triton kernels
     selective-compiled  ours-compiled with selective recompute (``"selective_recompute": true``, ``models.recompute``):
                   what rebuilding the attention block and the experts' gate/up outputs costs, and the memory it saves
+    floor         only the library calls every path makes, on the layer's shapes: each linear layer of the
+                  attention side (projections, router, shared experts) on an input of its own, SDPA (causal), and
+                  the experts' two grouped GEMMs on rows already sorted and spread evenly over the experts, each
+                  with its backward. No norm, rotary, routing, permutation or activation: the time no
+                  implementation built on these kernels can beat, so its ``vs_hf_compiled`` is the most any can
+                  gain over compiled HF
 
 and prints tokens/s, TFLOP/s, MFU (model FLOPs, Megatron convention: active experts, causal attention,
 training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs) and each path's tokens/s over
@@ -51,17 +57,28 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig
 
 from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
 from disagmoe_ds.models import grouped_experts
+from disagmoe_ds.models.families import family_of, router_of
 from disagmoe_ds.models.one_layer import one_layer_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertShard, ExpertStage, build_context, compile_stage
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.planner.model import load_model_spec
 
 PEAK_TFLOPS = 989.0
-PATHS = ("hf-eager", "hf-grouped", "hf-compiled", "ours", "ours-compiled", "inductor-compiled", "selective-compiled")
+PATHS = (
+    "hf-eager",
+    "hf-grouped",
+    "hf-compiled",
+    "ours",
+    "ours-compiled",
+    "inductor-compiled",
+    "selective-compiled",
+    "floor",
+)
 REFERENCE = "hf-compiled"
 
 
@@ -143,6 +160,42 @@ def _ours_step(parts, h_BSH, ctx, grad_BSH):
     (out.residual_BSH + combine([y_RH], plan).view_as(out.residual_BSH)).backward(grad_BSH)
 
 
+def _floor_step(weights, inputs, grads, sdpa_gqa):
+    fresh_grads(*weights, *inputs)
+    *linear_ins, q, k, v, x_PH, h_PI, offsets_e = inputs
+    *linear_ws, gate_up_eFH, down_eHI = weights
+    outs = [F.linear(x, w) for x, w in zip(linear_ins, linear_ws, strict=True)]
+    outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=sdpa_gqa))
+    outs.append(F.grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offs=offsets_e))
+    outs.append(F.grouped_mm(h_PI, down_eHI.transpose(1, 2), offs=offsets_e))
+    torch.autograd.backward(outs, grads)
+
+
+def floor_args(model, spec, batch: int, seq_len: int) -> tuple:
+    """``_floor_step``'s arguments: the layer's own weights, fresh inputs and output gradients."""
+    if model.config.model_type not in grouped_experts.GATED_FUSED_FAMILIES:
+        raise ValueError(f"the floor path needs HF's fused gate/up expert tensors, not {model.config.model_type}'s")
+    layer, T = model.model.layers[0], batch * seq_len
+    leaf = functools.partial(torch.randn, device=model.device, dtype=model.dtype, requires_grad=True)
+    linears = [m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear) and ".experts" not in name]
+    router = router_of(family_of(model.config), layer)
+    linear_ws = [m.weight for m in linears] + [router.weight]
+    a = spec.attention
+    q = leaf(batch, a.num_heads, seq_len, a.head_dim)
+    k = leaf(batch, a.num_kv_heads, seq_len, a.head_dim)
+    v = leaf(batch, a.num_kv_heads, seq_len, a.v_head_dim)
+    experts = layer.mlp.experts
+    E, P = spec.num_experts, T * spec.top_k
+    offsets_e = torch.linspace(P / E, P, E, device=model.device).round().int()  # even split: the fastest case
+    inputs = [leaf(T, w.shape[1]) for w in linear_ws] + [q, k, v, leaf(P, spec.hidden_size)]
+    inputs += [leaf(P, experts.down_proj.shape[2]), offsets_e]
+    weights = [*linear_ws, experts.gate_up_proj, experts.down_proj]
+    outs_shapes = [(T, w.shape[0]) for w in linear_ws] + [(batch, a.num_heads, seq_len, a.v_head_dim)]
+    outs_shapes += [(P, experts.gate_up_proj.shape[1]), (P, spec.hidden_size)]
+    grads = [torch.randn(shape, device=model.device, dtype=model.dtype) for shape in outs_shapes]
+    return weights, inputs, grads, a.num_kv_heads != a.num_heads
+
+
 def time_step(step, *args, warmup: int, iters: int, device: str, windows: int = 3) -> float:
     """Seconds per ``step(*args)``: the median over ``windows`` of the mean of ``iters`` back-to-back steps."""
     for _ in range(warmup):
@@ -183,7 +236,9 @@ def _without_triton(stage: ExpertStage) -> None:
 
 
 def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, device: str, backend: str):
-    """``(step, args)`` of one path, compiled where its name says so."""
+    """``(step, args)`` of one path, compiled where its name says so. Every path gets the same weights and batch
+    (the same seed), so the same routing: expert GEMM times depend on how evenly the tokens spread."""
+    torch.manual_seed(0)
     experts = "eager" if name == "hf-eager" else "grouped_mm"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = one_layer_model(AutoConfig.from_pretrained(model_dir), device=device, dtype=dtype, experts=experts)
@@ -206,6 +261,8 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
             if name == "inductor-compiled":
                 _without_triton(expert_stage)
         return _ours_step, ((attention.part(0), expert_stage, model.config), h_BSH, ctx, grad_BSH)
+    if name == "floor":
+        return _floor_step, floor_args(model, spec, batch, seq_len)
     if name == "hf-compiled":
         with compile_backend(backend):
             model.model.layers[0].compile()
