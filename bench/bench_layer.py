@@ -324,16 +324,52 @@ def add_ratios(rows: list[dict]) -> None:
         r["vs_hf_compiled"] = r["tokens_per_s"] / ref if r["tokens_per_s"] and ref else None
 
 
-def print_profile(step, args, top: int = 25) -> None:
+KERNEL_CLASSES = (  # (class, substrings of the op that launched the kernel or of its name), first match wins
+    ("expert grouped GEMMs", ("grouped_mm",)),
+    ("dense GEMMs", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")),
+    ("SDPA", ("attention", "flash", "sdpa")),
+    ("fused (inductor, Triton)", ("triton_", "_swiglu", "SwiGLU")),
+    ("gathers, scatters, sort", ("index", "gather", "scatter", "sort", "searchsorted", "take")),
+    ("copies, casts", ("copy", "aten::to", "contiguous", "clone", "cat")),
+)
+
+
+def kernel_class(op_name: str, kernel_name: str) -> str:
+    """The class of kernel ``kernel_name`` launched inside op ``op_name`` (profile breakdown): by the op, else (a
+    compiled graph's own kernels) by the kernel's name."""
+    for name in (op_name, kernel_name):
+        cls = next((cls for cls, keys in KERNEL_CLASSES if any(k in name for k in keys)), None)
+        if cls:
+            return cls
+    return "other kernels"
+
+
+def print_profile(step, args, top: int = 15) -> None:
+    """One step's kernel time by class (from the op that launched each kernel), idle time, and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         step(*args)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy_ms = sum(e.device_time for e in kernels) / 1e3
-    print(f"{len(kernels)} kernels, {busy_ms:.2f} ms of kernel time in one step", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top), flush=True)
+    wall_ms = (time.perf_counter() - start) * 1e3
+    by_class: dict[str, float] = {}
+    by_kernel: dict[str, list[float]] = {}
+    for op in prof.events():
+        for kernel in op.kernels:
+            ms = kernel.duration / 1e3
+            cls = kernel_class(op.name, kernel.name)
+            by_class[cls] = by_class.get(cls, 0.0) + ms
+            by_kernel.setdefault(f"[{cls}] {kernel.name}", []).append(ms)
+    busy = sum(by_class.values())
+    print(f"{sum(map(len, by_kernel.values()))} kernels, {busy:.2f} ms of kernel time in a {wall_ms:.2f} ms step")
+    for cls, ms in sorted(by_class.items(), key=lambda kv: -kv[1]):
+        print(f"  {ms:8.3f} ms  {ms / busy:6.1%}  {cls}")
+    print(f"  idle or profiler overhead: {wall_ms - busy:.3f} ms\n  top kernels (total ms, calls):")
+    for name, times in sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"  {sum(times):8.3f} {len(times):4d}  {name[:150]}")
+    sys.stdout.flush()
 
 
 def print_table(rows: list[dict]) -> None:

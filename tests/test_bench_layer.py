@@ -108,3 +108,19 @@ def test_a_failed_path_is_reported_and_the_others_run(tmp_path, capsys, monkeypa
     assert f"ours-compiled  failed: {failed['error']}" in out
     assert grouped["error"] is None and grouped["tokens_per_s"] > 0
     assert grouped["vs_hf_compiled"] is None  # no reference ran
+
+
+@pytest.mark.parametrize(
+    "op, kernel, cls",
+    [
+        ("aten::_grouped_mm", "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_", "expert grouped GEMMs"),
+        ("aten::mm", "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "dense GEMMs"),
+        ("aten::_cudnn_attention_backward", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "SDPA"),
+        ("## Call CompiledFxGraph fxadcw4", "triton_poi_fused_cat_masked_fill_mul_silu_0", "fused (inductor, Triton)"),
+        ("aten::index_select", "void at::native::vectorized_gather_kernel<16, long>", "gathers, scatters, sort"),
+        ("aten::copy_", "void at::native::elementwise_kernel<128, 4>", "copies, casts"),
+        ("aten::add_", "void at::native::vectorized_elementwise_kernel<4>", "other kernels"),
+    ],
+)
+def test_profile_classes_kernels_by_the_op_that_launched_them(op, kernel, cls):
+    assert bench_layer.kernel_class(op, kernel) == cls
