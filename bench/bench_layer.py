@@ -17,10 +17,10 @@ attention; weights random, only the config is read) and times forward + backward
                   what rebuilding the attention block and the experts' gate/up outputs costs, and the memory it saves
     floor         only the library calls every path makes, on the layer's shapes: each linear layer of the
                   attention side (projections, router, shared experts) on an input of its own, SDPA (causal), and
-                  the experts' two grouped GEMMs on rows already sorted and spread evenly over the experts, each
-                  with its backward. No norm, rotary, routing, permutation or activation: the time no
-                  implementation built on these kernels can beat, so its ``vs_hf_compiled`` is the most any can
-                  gain over compiled HF
+                  the experts' two grouped GEMMs on rows already sorted, as many per expert as the layer's router
+                  sends it (the same batch and weights as the other paths), each with its backward. No norm,
+                  rotary, routing, permutation or activation: the time no implementation built on these kernels
+                  can beat, so its ``vs_hf_compiled`` is the most any can gain over compiled HF
 
 and prints tokens/s, TFLOP/s, MFU (model FLOPs, Megatron convention: active experts, causal attention,
 training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs) and each path's tokens/s over
@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
+from disagmoe_ds.comm.routing import combine, count_ids, pack, plan_dispatch
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.families import family_of, router_of
 from disagmoe_ds.models.one_layer import one_layer_model
@@ -171,8 +171,10 @@ def _floor_step(weights, inputs, grads, sdpa_gqa):
     torch.autograd.backward(outs, grads)
 
 
-def floor_args(model, spec, batch: int, seq_len: int) -> tuple:
-    """``_floor_step``'s arguments: the layer's own weights, fresh inputs and output gradients."""
+def floor_args(model, spec, batch: int, seq_len: int, idx_TK: torch.Tensor) -> tuple:
+    """``_floor_step``'s arguments: the layer's own weights, fresh inputs and output gradients, and the grouped
+    GEMMs' row counts from ``idx_TK``, the layer's routing (an even split would flatter the floor: CUTLASS tiles
+    rows in clusters of 256, so counts of exactly 512 per expert waste nothing, counts around 512 do)."""
     if model.config.model_type not in grouped_experts.GATED_FUSED_FAMILIES:
         raise ValueError(f"the floor path needs HF's fused gate/up expert tensors, not {model.config.model_type}'s")
     layer, T = model.model.layers[0], batch * seq_len
@@ -185,8 +187,8 @@ def floor_args(model, spec, batch: int, seq_len: int) -> tuple:
     k = leaf(batch, a.num_kv_heads, seq_len, a.head_dim)
     v = leaf(batch, a.num_kv_heads, seq_len, a.v_head_dim)
     experts = layer.mlp.experts
-    E, P = spec.num_experts, T * spec.top_k
-    offsets_e = torch.linspace(P / E, P, E, device=model.device).round().int()  # even split: the fastest case
+    P = idx_TK.numel()
+    offsets_e = count_ids(idx_TK, spec.num_experts).cumsum(0).int()
     inputs = [leaf(T, w.shape[1]) for w in linear_ws] + [q, k, v, leaf(P, spec.hidden_size)]
     inputs += [leaf(P, experts.down_proj.shape[2]), offsets_e]
     weights = [*linear_ws, experts.gate_up_proj, experts.down_proj]
@@ -262,7 +264,10 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
                 _without_triton(expert_stage)
         return _ours_step, ((attention.part(0), expert_stage, model.config), h_BSH, ctx, grad_BSH)
     if name == "floor":
-        return _floor_step, floor_args(model, spec, batch, seq_len)
+        attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
+        with torch.no_grad():
+            idx_TK = attention.part(0)(h_BSH, ctx, model.config).topk_idx_TK
+        return _floor_step, floor_args(model, spec, batch, seq_len, idx_TK)
     if name == "hf-compiled":
         with compile_backend(backend):
             model.model.layers[0].compile()
@@ -302,7 +307,7 @@ def bench_model(
                 row["held_gib"] = HeldActivations.measure(step, args)
             if profile and device == "cuda":
                 print(f"--- profile: {row['model']} {seq_len} {name}", flush=True)
-                print_profile(step, args)
+                print_profile(step, args, row["ms"])
         except Exception as error:  # a path that cannot run is a row of the table, not the end of the run
             traceback.print_exc()
             row["error"] = first_line(error)
@@ -344,16 +349,14 @@ def kernel_class(op_name: str, kernel_name: str) -> str:
     return "other kernels"
 
 
-def print_profile(step, args, top: int = 15) -> None:
-    """One step's kernel time by class (from the op that launched each kernel), idle time, and the top kernels."""
+def print_profile(step, args, step_ms: float | None = None, top: int = 25) -> None:
+    """One step's kernel time by class (from the op that launched each kernel) and its top kernels; with the timed
+    ``step_ms``, the device's idle time in a step (the profiled step itself runs slower)."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         step(*args)
         torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) * 1e3
     by_class: dict[str, float] = {}
     by_kernel: dict[str, list[float]] = {}
     for op in prof.events():
@@ -363,10 +366,12 @@ def print_profile(step, args, top: int = 15) -> None:
             by_class[cls] = by_class.get(cls, 0.0) + ms
             by_kernel.setdefault(f"[{cls}] {kernel.name}", []).append(ms)
     busy = sum(by_class.values())
-    print(f"{sum(map(len, by_kernel.values()))} kernels, {busy:.2f} ms of kernel time in a {wall_ms:.2f} ms step")
+    print(f"{sum(map(len, by_kernel.values()))} kernels, {busy:.2f} ms of kernel time in one step")
     for cls, ms in sorted(by_class.items(), key=lambda kv: -kv[1]):
         print(f"  {ms:8.3f} ms  {ms / busy:6.1%}  {cls}")
-    print(f"  idle or profiler overhead: {wall_ms - busy:.3f} ms\n  top kernels (total ms, calls):")
+    if step_ms is not None:
+        print(f"  {step_ms - busy:8.3f} ms idle (the timed step, {step_ms:.2f} ms, less the kernel time)")
+    print("  top kernels (total ms, calls):")
     for name, times in sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]:
         print(f"  {sum(times):8.3f} {len(times):4d}  {name[:150]}")
     sys.stdout.flush()
