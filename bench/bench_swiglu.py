@@ -49,6 +49,9 @@ def bench_size(pairs: int, inter: int, a) -> dict:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     w_dtype = torch.float32 if a.w_dtype == "fp32" else dtype
     gate_up, w, d_hidden = _inputs(pairs, inter, a.device, dtype, w_dtype)
+    # Each width compiles from scratch, as one model's job does: sharing dynamo's cache across the sizes would make
+    # the widths dynamic from the second size on, and inductor's kernels slower (Mixtral's width: 2.5x).
+    torch._dynamo.reset()
     compiled = torch.compile(grouped_experts._gated_eager, backend=a.compile_backend)
 
     def inductor_step():
