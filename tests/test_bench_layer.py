@@ -69,7 +69,7 @@ def _check_rows(rows, key, names, out, graphs):
 
 @pytest.mark.parametrize(
     "model, paths",
-    [("tiny-qwen3-moe", bench_layer.PATHS), ("tiny-deepseek-v3", ("hf-compiled", "ours-compiled"))],
+    [("tiny-qwen3-moe", bench_layer.PATHS), ("tiny-deepseek-v3", ("hf-compiled", "ours-compiled", "floor"))],
 )
 def test_layer_every_path_against_compiled_hf(tmp_path, capsys, graphs, model, paths):
     out_json = tmp_path / "layer.json"
@@ -124,3 +124,11 @@ def test_a_failed_path_is_reported_and_the_others_run(tmp_path, capsys, monkeypa
 )
 def test_profile_classes_kernels_by_the_op_that_launched_them(op, kernel, cls):
     assert bench_layer.kernel_class(op, kernel) == cls
+
+
+def test_the_floor_refuses_experts_it_cannot_time(tmp_path, capsys):
+    out_json = tmp_path / "layer.json"
+    argv = ["--model", str(ROOT / "hf_models" / "tiny-gpt-oss"), "--seq-len", "8", "--paths", "floor"]
+    assert bench_layer.main(argv + ["--json", str(out_json)] + TINY) == 1
+    (row,) = json.loads(out_json.read_text())
+    assert row["error"] == "ValueError: the floor path needs HF's fused gate/up expert tensors, not gpt_oss's"
