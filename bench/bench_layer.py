@@ -330,8 +330,8 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 KERNEL_CLASSES = (  # (class, substrings of the op that launched the kernel or of its name), first match wins
-    ("expert grouped GEMMs", ("grouped_mm",)),
-    ("dense GEMMs", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")),
+    ("expert grouped GEMMs", ("grouped_mm", "GroupProblemShape")),
+    ("dense GEMMs", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "nvjet", "gemm")),
     ("SDPA", ("attention", "flash", "sdpa")),
     ("fused (inductor, Triton)", ("triton_", "_swiglu", "SwiGLU")),
     ("gathers, scatters, sort", ("index", "gather", "scatter", "sort", "searchsorted", "take")),
@@ -351,7 +351,8 @@ def kernel_class(op_name: str, kernel_name: str) -> str:
 
 def print_profile(step, args, step_ms: float | None = None, top: int = 25) -> None:
     """One step's kernel time by class (from the op that launched each kernel) and its top kernels; with the timed
-    ``step_ms``, the device's idle time in a step (the profiled step itself runs slower)."""
+    ``step_ms``, what the timed step takes beyond this kernel time (idle, and back-to-back steps running at lower
+    clocks than this one)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -370,7 +371,6 @@ def print_profile(step, args, step_ms: float | None = None, top: int = 25) -> No
     for cls, ms in sorted(by_class.items(), key=lambda kv: -kv[1]):
         print(f"  {ms:8.3f} ms  {ms / busy:6.1%}  {cls}")
     if step_ms is not None:
-        # Includes sustained steps running slower than this one profiled step (clocks): the floor shows it.
         print(f"  {step_ms - busy:8.3f} ms idle (the timed step, {step_ms:.2f} ms, less this kernel time)")
     print("  top kernels (total ms, calls):")
     for name, times in sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]:

@@ -115,6 +115,12 @@ def test_a_failed_path_is_reported_and_the_others_run(tmp_path, capsys, monkeypa
     [
         ("aten::_grouped_mm", "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_", "expert grouped GEMMs"),
         ("aten::mm", "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "dense GEMMs"),
+        ("MmBackward0", "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "dense GEMMs"),
+        (
+            "GroupedMmBackward0",
+            "cutlass13device_kernel...13GemmUniversalINS5_17GroupProblemShape",
+            "expert grouped GEMMs",
+        ),
         ("aten::_cudnn_attention_backward", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "SDPA"),
         ("## Call CompiledFxGraph fxadcw4", "triton_poi_fused_cat_masked_fill_mul_silu_0", "fused (inductor, Triton)"),
         ("aten::index_select", "void at::native::vectorized_gather_kernel<16, long>", "gathers, scatters, sort"),
