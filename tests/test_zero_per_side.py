@@ -112,7 +112,12 @@ def test_per_side_stages_equal_hf(engines_log, pairs_log, family, M, N, p, edp, 
 
 # ----- checkpoint save -> resume and HF export with the experts at ZeRO-3 -----
 CKPT_CFG = DisagMoEConfig(
-    attention_gpus=2, ffn_gpus=2, micro_batches=2, expert_data_parallel=2, zero_stage={"attention": 1, "ffn": 3}
+    attention_gpus=2,
+    ffn_gpus=2,
+    micro_batches=2,
+    expert_data_parallel=2,
+    transport="rendezvous",
+    zero_stage={"attention": 1, "ffn": 3},
 )
 
 
