@@ -39,6 +39,7 @@ from disagmoe_ds.engine.checkpoint import (
     save_checkpoint,
     verify_files,
 )
+from disagmoe_ds.engine.deepspeed_role import ds_stage
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.train.modes import Runtime
@@ -188,15 +189,13 @@ def check_resume(
 
 
 def _engine_settings(ds_config: dict[str, Any]) -> tuple[int, str]:
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    return stage, "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
+    return ds_stage(ds_config), "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
 
 
-def side_stages(ds_config: dict[str, Any]) -> dict[str, int]:
+def _stages_by_side(ds_config: dict[str, Any]) -> dict[str, int]:
     """Each side's ZeRO stage under ``ds_config``: its ``"disagmoe": {"zero_stage": ...}``, else its stage."""
-    stage = _engine_settings(ds_config)[0]
     cfg = DisagMoEConfig.from_ds_config(ds_config)
-    return {side: cfg.zero_stage_of(side, stage) for side in SIDES}
+    return {side: cfg.zero_stage_of(side, ds_stage(ds_config)) for side in SIDES}
 
 
 def _check_engine_settings(
@@ -206,7 +205,7 @@ def _check_engine_settings(
     side where the checkpoint records each side's (``saved_sides``: disaggregated checkpoints)."""
     (saved_stage, saved_dtype), (stage, dtype) = _engine_settings(saved), _engine_settings(current)
     if saved_sides is not None:
-        sides = side_stages(current)
+        sides = _stages_by_side(current)
         if len(set(saved_sides.values())) > 1 or len(set(sides.values())) > 1:
             if (saved_sides, saved_dtype) != (sides, dtype):
                 a, f = saved_sides["attention"], saved_sides["ffn"]
