@@ -240,7 +240,7 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
         model=make_model(a, device),
         seq_len=a.seq_len,
     )
-    if a.compile:  # every compiled kernel loaded before the first exchange
+    if a.compile or a.cuda_graphs:  # every compiled kernel loaded, every graph captured before the first exchange
         runtime.executor.warm_up(a.seq_len)
     feeds = runtime.role.is_attention and runtime.role.group == 0  # A-group 0 embeds; the head reads labels there
     return runtime.executor, cfg.micro_batches if feeds else 0, runtime.layout.describe()
@@ -248,7 +248,11 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
 
 def build_colocated(a: argparse.Namespace, device: torch.device):
     cfg = ColocatedConfig(
-        world_size=a.world_size, ep_size=a.ep_size, micro_batches=micro_batches(a, a.world_size), compile=a.compile
+        world_size=a.world_size,
+        ep_size=a.ep_size,
+        micro_batches=micro_batches(a, a.world_size),
+        compile=a.compile,
+        cuda_graphs=a.cuda_graphs,
     )
     runtime = build_colocated_rank(
         a.model,
@@ -259,6 +263,8 @@ def build_colocated(a: argparse.Namespace, device: torch.device):
         device=device,
         model=make_model(a, device),
     )
+    if a.cuda_graphs:
+        runtime.executor.warm_up(a.seq_len)
     return runtime.executor, cfg.micro_batches, runtime.layout.describe()
 
 

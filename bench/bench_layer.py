@@ -12,6 +12,8 @@ attention; weights random, only the config is read) and times forward + backward
     ours          ``AttentionPart`` -> dispatch plan -> ``ExpertShard`` (all experts, one rank) -> combine
     ours-compiled the same under ``compile_stage`` as a ``"compile": true`` job runs it (attention part; the
                   experts' activation/gating/weighting, on CUDA as Triton kernels, and un-permute)
+    ours-graphed  ours-compiled with the attention part and the expert shard replayed as CUDA graphs, as a
+                  ``"cuda_graphs": true`` job runs them (``models.graphs``; the step's few ops between them stay eager)
     inductor-compiled  ours-compiled with the experts' middle compiled by inductor instead of the Triton kernels
     selective-compiled  ours-compiled with selective recompute (``"selective_recompute": true``, ``models.recompute``):
                   what rebuilding the attention block and the experts' gate/up outputs costs, and the memory it saves
@@ -63,6 +65,7 @@ from transformers import AutoConfig
 from disagmoe_ds.comm.routing import combine, count_ids, pack, plan_dispatch
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.families import family_of, router_of
+from disagmoe_ds.models.graphs import graph_attention_stage, graph_expert_stage
 from disagmoe_ds.models.one_layer import one_layer_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertShard, ExpertStage, build_context, compile_stage
 from disagmoe_ds.models.recompute import apply_selective_recompute
@@ -75,11 +78,18 @@ PATHS = (
     "hf-compiled",
     "ours",
     "ours-compiled",
+    "ours-graphed",
     "inductor-compiled",
     "selective-compiled",
     "floor",
 )
+CUDA_ONLY = ("ours-graphed",)
 REFERENCE = "hf-compiled"
+
+
+def paths_for(device: str) -> list[str]:
+    """The default paths on ``device``: every path, less the CUDA-only ones on a CPU."""
+    return [p for p in PATHS if device == "cuda" or p not in CUDA_ONLY]
 
 
 def fresh_grads(*tensors: torch.Tensor) -> None:
@@ -149,13 +159,13 @@ def _hf_step(model, h_BSH, ctx, grad_BSH):
 
 
 def _ours_step(parts, h_BSH, ctx, grad_BSH):
-    attention_part, experts, config = parts
-    fresh_grads(h_BSH, *attention_part.parameters(), *experts.parameters())
+    attention_part, shard, params, config = parts
+    fresh_grads(h_BSH, *params)
     HeldActivations.begin()
     out = attention_part(h_BSH, ctx, config)
-    plan = plan_dispatch(out.topk_idx_TK, 1, experts.num_local)
+    plan = plan_dispatch(out.topk_idx_TK, 1, shard.num_local)
     ((x_RH, w_RK),) = pack(out.x_TH, out.topk_w_TK, plan)
-    y_RH = experts.shard(0)(x_RH, plan.local_idx_RK[0], w_RK, plan.pairs[0])
+    y_RH = shard(x_RH, plan.local_idx_RK[0], w_RK, plan.pairs[0])
     HeldActivations.end()
     (out.residual_BSH + combine([y_RH], plan).view_as(out.residual_BSH)).backward(grad_BSH)
 
@@ -196,6 +206,18 @@ def floor_args(model, spec, batch: int, seq_len: int, idx_TK: torch.Tensor) -> t
     outs_shapes += [(P, experts.gate_up_proj.shape[1]), (P, spec.hidden_size)]
     grads = [torch.randn(shape, device=model.device, dtype=model.dtype) for shape in outs_shapes]
     return weights, inputs, grads, a.num_kv_heads != a.num_heads
+
+
+def graphed_layer(attention: AttentionStage, experts: ExpertStage, h_BSH: torch.Tensor, ctx) -> tuple:
+    """The layer's attention part and expert shard as CUDA graphs (one slot each: a step runs one micro-batch)."""
+    graphs = graph_attention_stage(attention, lambda layer: 1)
+    graphs.shards = graph_expert_stage(experts, lambda layer: 1).shards
+    graphs.capture_attention(attention, batch=h_BSH.shape[0], seq_len=h_BSH.shape[1], positions=[None])
+    with torch.no_grad():
+        out = attention.part(0)(h_BSH, ctx, attention.config)
+    rows, top_k = out.topk_idx_TK.shape
+    graphs.capture_shards(experts, rows=rows, top_k=top_k, weight_dtype=out.topk_w_TK.dtype)
+    return graphs.part(attention, 0), graphs.shard(experts, 0)
 
 
 def time_step(step, *args, warmup: int, iters: int, device: str, windows: int = 3) -> float:
@@ -248,9 +270,9 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
     h_BSH.requires_grad_()
     grad_BSH = torch.randn_like(h_BSH) * 1e-3
     ctx = build_context(model.config, model.model.rotary_emb, h_BSH, None)
-    if name.endswith("compiled"):
+    if name.endswith(("compiled", "graphed")):
         torch._dynamo.reset()
-    if name in ("ours", "ours-compiled", "inductor-compiled", "selective-compiled"):
+    if name in ("ours", "ours-compiled", "ours-graphed", "inductor-compiled", "selective-compiled"):
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
         expert_stage = ExpertStage(model, (0,), 0, spec.num_experts)
         if name == "selective-compiled":
@@ -262,7 +284,11 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
                 compile_stage(expert_stage)
             if name == "inductor-compiled":
                 _without_triton(expert_stage)
-        return _ours_step, ((attention.part(0), expert_stage, model.config), h_BSH, ctx, grad_BSH)
+        params = [*attention.parameters(), *expert_stage.parameters()]
+        part, shard = attention.part(0), expert_stage.shard(0)
+        if name == "ours-graphed":
+            part, shard = graphed_layer(attention, expert_stage, h_BSH, ctx)
+        return _ours_step, ((part, shard, params, model.config), h_BSH, ctx, grad_BSH)
     if name == "floor":
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
         with torch.no_grad():
@@ -312,7 +338,7 @@ def bench_model(
             traceback.print_exc()
             row["error"] = first_line(error)
         del step, args
-        if name.endswith("compiled"):
+        if name.endswith(("compiled", "graphed")):
             torch._dynamo.reset()  # its graphs, and what they hold, go before the next path builds its layer
         gc.collect()
         if device == "cuda":
@@ -410,10 +436,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10, help="steps per timed window (3 windows, median)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda: bf16; cpu: fp32")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of every path")
-    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, metavar="PATH", help=", ".join(PATHS))
+    p.add_argument(
+        "--paths",
+        nargs="+",
+        choices=PATHS,
+        metavar="PATH",
+        help=f"{', '.join(PATHS)} (default: all; on CPUs all but {', '.join(CUDA_ONLY)})",
+    )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: CPU tests)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
+    a.paths = a.paths or paths_for(a.device)
     rows = []
     for model_dir in a.model:
         for seq_len in a.seq_len:

@@ -23,7 +23,15 @@ from disagmoe_ds.layout import Layout, RankCounts
 from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
-_FLAGS = ("compile", "activation_checkpointing", "selective_recompute", "comm_stream", "resend", "split_backward")
+_FLAGS = (
+    "compile",
+    "cuda_graphs",
+    "activation_checkpointing",
+    "selective_recompute",
+    "comm_stream",
+    "resend",
+    "split_backward",
+)
 SIDES = ("attention", "ffn")  # the keys of the per-side settings (offload, zero_stage)
 _NOT_NUMBERS = (*_FLAGS, "transport", "offload", "zero_stage", "cluster", "profile")
 ZERO_STAGES = {"attention": (0, 1, 2), "ffn": (0, 1, 2, 3)}  # ZeRO-3 (parameters sharded) on the expert side only
@@ -43,6 +51,10 @@ class DisagMoEConfig(RankCounts):
         comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging; a step
             stalled for half of it prints the rank's Python stacks first (``launch.watchdog``).
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
+        cuda_graphs: replay every attention part, the head and (with one ep rank, whose messages have fixed rows)
+            every expert shard as CUDA graphs, one launch per forward and per backward, so the host no longer
+            holds the GPU back at small micro-batches (``models.graphs``; CUDA only). Costs memory: each part keeps
+            the activations of as many micro-batches as the schedule has in flight for it, in pools of its own.
         activation_checkpointing: keep only each chunk's inputs and recompute its activations in backward
             (attention parts and expert shards), trading compute for the memory of micro-batches in flight.
         selective_recompute: drop only the large, cheap-to-rebuild activations (attention blocks, shared/dense
@@ -78,6 +90,7 @@ class DisagMoEConfig(RankCounts):
     max_in_flight: int | None = None
     comm_timeout_s: float = 300.0
     compile: bool = False
+    cuda_graphs: bool = False
     activation_checkpointing: bool = False
     selective_recompute: bool = False
     comm_stream: bool = True
@@ -98,6 +111,8 @@ class DisagMoEConfig(RankCounts):
                 f'"{SECTION}.selective_recompute" and "{SECTION}.activation_checkpointing" are exclusive: the latter '
                 "already recomputes every activation of a chunk; set one of them"
             )
+        if self.cuda_graphs:
+            _check_graphable(self)
         _check_per_side("offload", self.offload, '{"attention": 0.5, "ffn": 0.0}', _offload_problem)
         _check_per_side("zero_stage", self.zero_stage, '{"attention": 1, "ffn": 2}', _zero_stage_problem)
         if self.transport not in TRANSPORTS:
@@ -150,6 +165,23 @@ class DisagMoEConfig(RankCounts):
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _check_graphable(cfg: DisagMoEConfig) -> None:
+    """Refuse what cannot run inside a captured graph: recomputation and offload move or rebuild a part's saved
+    tensors, and the split backward runs a part's backward in two halves, where a graph replays it whole."""
+    refused = {
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "selective_recompute": cfg.selective_recompute,
+        "offload": any(cfg.offload_share(side) > 0 for side in SIDES),
+        "split_backward": cfg.split_backward,
+    }
+    chosen = [f'"{SECTION}.{name}"' for name, on in refused.items() if on]
+    if chosen:
+        raise ConfigError(
+            f'"{SECTION}.cuda_graphs" does not work with {", ".join(chosen)}: a graph replays a part\'s forward and '
+            "backward whole, with its activations in a pool of its own; turn one of them off"
+        )
 
 
 def _check_per_side(key: str, value: Any, example: str, problem: Callable[[str, Any], str | None]) -> None:

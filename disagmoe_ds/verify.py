@@ -116,8 +116,9 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
 
 
 def build_for_verify(build: Callable[..., Any], args: VerifyArgs):
-    """``build`` (either mode's rank builder, ``engine.rank.RankBuilder``) on the verify run's model and shapes."""
-    return build(
+    """``build`` (either mode's rank builder, ``engine.rank.RankBuilder``) on the verify run's model and shapes;
+    with ``cuda_graphs``, the graphs captured."""
+    runtime = build(
         args.model,
         args.ds_config(),
         args.cfg,
@@ -126,6 +127,9 @@ def build_for_verify(build: Callable[..., Any], args: VerifyArgs):
         model=load_for_verify(args),
         seq_len=args.seq_len,
     )
+    if args.cfg.cuda_graphs:
+        runtime.executor.warm_up(args.seq_len, packed=args.packed)
+    return runtime
 
 
 def train_steps(
@@ -348,6 +352,7 @@ def add_lever_args(p: argparse.ArgumentParser) -> None:
     """AF-Pipe's memory levers as flags (``lever_settings`` turns them into ``DisagMoEConfig`` fields); shared with
     ``bench/bench_e2e.py``."""
     p.add_argument("--resend", action="store_true", help="experts keep nothing between forward and backward")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay the parts as CUDA graphs (GPU ranks)")
     p.add_argument(
         "--selective-recompute", action="store_true", help="recompute attention blocks, SwiGLUs, experts' gate/up"
     )
@@ -377,6 +382,7 @@ def lever_settings(a: argparse.Namespace) -> dict[str, Any]:
     """The ``DisagMoEConfig`` fields of ``add_lever_args``' flags."""
     return {
         "resend": a.resend,
+        "cuda_graphs": a.cuda_graphs,
         "selective_recompute": a.selective_recompute,
         "split_backward": a.split_backward,
         "offload": dict(zip(SIDES, a.offload, strict=True)),

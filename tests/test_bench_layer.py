@@ -69,12 +69,12 @@ def _check_rows(rows, key, names, out, graphs):
 
 @pytest.mark.parametrize(
     "model, paths",
-    [("tiny-qwen3-moe", bench_layer.PATHS), ("tiny-deepseek-v3", ("hf-compiled", "ours-compiled", "floor"))],
+    [("tiny-qwen3-moe", bench_layer.paths_for("cpu")), ("tiny-deepseek-v3", ("hf-compiled", "ours-compiled", "floor"))],
 )
 def test_layer_every_path_against_compiled_hf(tmp_path, capsys, graphs, model, paths):
     out_json = tmp_path / "layer.json"
     argv = ["--model", str(ROOT / "hf_models" / model), "--seq-len", "8", "--batch", "2", "--json", str(out_json)]
-    if paths != bench_layer.PATHS:
+    if paths != bench_layer.paths_for("cpu"):
         argv += ["--paths", *paths]  # the default is every path
     assert bench_layer.main(argv + TINY) == 0
     out = capsys.readouterr().out

@@ -106,3 +106,24 @@ def test_batch_of_another_length_than_built_fails_clearly(tiny_checkpoint):
     args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, steps=1, seq_len=8, clip=0.0)
     message, _ = spawn_local(_trains_a_shorter_batch, 2, args=(args,), timeout_s=60)
     assert "m2n rows [6], but the FFN side expects the micro-batch's 8 tokens" in message
+
+
+@pytest.mark.parametrize(
+    ("section", "lever"),
+    [
+        ({"activation_checkpointing": True}, "activation_checkpointing"),
+        ({"selective_recompute": True}, "selective_recompute"),
+        ({"offload": {"attention": 0.5}}, "offload"),
+        ({"split_backward": True}, "split_backward"),
+    ],
+)
+def test_cuda_graphs_refuse_the_levers_that_move_saved_tensors(section, lever):
+    with pytest.raises(ConfigError, match=rf'"disagmoe.cuda_graphs" does not work with "disagmoe.{lever}"'):
+        DisagMoEConfig.from_ds_config({"disagmoe": {"cuda_graphs": True, **section}})
+
+
+def test_cuda_graphs_on_a_cpu_rank_fail_at_build_with_the_fix():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=r'"cuda_graphs" replays parts as CUDA graphs; rank \d runs on cpu: turn'):
+        main(["--model", MODEL, "--cuda-graphs", "--steps", "1"])
+    assert time.monotonic() - start < 60

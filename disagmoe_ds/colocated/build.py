@@ -123,6 +123,8 @@ class Colocated:
             group=parts.groups.data_parallel,
             name=f"rank {parts.rank} colocated ep {role.ep_rank} edp {role.edp_rank}",
             comm_timeout_s=self.cfg.comm_timeout_s,
+            micro_batch_size=parts.micro_batch_size,
+            routing=parts.routing,
         )
 
 

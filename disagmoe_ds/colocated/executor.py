@@ -22,6 +22,7 @@ from deepspeed.moe.utils import is_moe_param
 from disagmoe_ds.engine.deepspeed_role import GradNorm, clip_by_norm, zero_grads_of_untouched
 from disagmoe_ds.engine.executor import StepResult
 from disagmoe_ds.launch.watchdog import StallWatch
+from disagmoe_ds.models.parts import RoutingFacts
 from disagmoe_ds.schedule import TimelineEvent
 
 
@@ -116,8 +117,11 @@ class ColocatedExecutor:
         group,
         name: str,
         comm_timeout_s: float | None = None,
+        micro_batch_size: int = 1,
+        routing: RoutingFacts | None = None,
     ):
         self.engine = engine
+        self.micro_batch_size, self.routing = micro_batch_size, routing  # what ``warm_up`` captures graphs for
         self.runner = ColocatedRunner(engine, num_micro_batches=num_micro_batches)
         self.num_micro_batches = num_micro_batches
         self.grad_norm = grad_norm
@@ -125,6 +129,17 @@ class ColocatedExecutor:
         self.name = name
         self.timeline: list[TimelineEvent] | None = None
         self.stall_watch = StallWatch.before_timeout(comm_timeout_s)  # stacks if a micro-batch or the step stalls
+
+    def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
+        """Capture the CUDA graphs of the rank's parts (``cuda_graphs`` jobs), before the first step; ``packed``: the
+        batches carry position ids (the contexts they give are captured too)."""
+        self.engine.module.capture_graphs(
+            batch=self.micro_batch_size,
+            seq_len=seq_len,
+            top_k=self.routing.top_k,
+            weight_dtype=self.routing.weight_dtype,
+            packed=packed,
+        )
 
     def record_timeline(self, enabled: bool = True) -> None:
         self.timeline = [] if enabled else None

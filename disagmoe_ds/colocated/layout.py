@@ -38,6 +38,8 @@ class ColocatedConfig:
         comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging; a step
             stalled for half of it prints the rank's Python stacks first (``launch.watchdog``).
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
+        cuda_graphs: replay the attention parts, the head and (with one ep rank) the expert shards as CUDA graphs
+            (``models.graphs``; CUDA only).
     """
 
     world_size: int = 1
@@ -45,13 +47,14 @@ class ColocatedConfig:
     micro_batches: int = 1
     comm_timeout_s: float = 300.0
     compile: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "compile":
+            if f.name in ("compile", "cuda_graphs"):
                 if not isinstance(value, bool):
-                    raise ConfigError(f"colocated.compile must be true or false, got {value!r}")
+                    raise ConfigError(f"colocated.{f.name} must be true or false, got {value!r}")
                 continue
             if f.name == "ep_size" and value is None:
                 continue

@@ -28,6 +28,7 @@ from torch import nn
 from disagmoe_ds.colocated.dispatch import LocalDispatcher
 from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.errors import CheckpointError
+from disagmoe_ds.models.graphs import StageGraphs, graph_attention_stage, graph_expert_stage, warm_up_positions
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import (
     AttentionStage,
@@ -142,6 +143,21 @@ class ColocatedModel(nn.Module):
         self.dispatcher = dispatcher
         self.aux_coef = aux_coef
         self.config = attention.config
+        self.graphs = StageGraphs()  # the parts replayed as CUDA graphs (``capture_graphs``); none: as they are
+
+    def capture_graphs(self, *, batch: int, seq_len: int, top_k: int, weight_dtype: torch.dtype, packed: bool) -> None:
+        """Replay every attention part, the head and, when this rank holds every expert (its rows are then the
+        micro-batch's tokens), every expert shard as CUDA graphs from now on; one slot each (a micro-batch's
+        backward runs before the next one's forward)."""
+        graphs = graph_attention_stage(self.attention, lambda layer: 1)
+        device = next(self.parameters()).device
+        graphs.capture_attention(
+            self.attention, batch=batch, seq_len=seq_len, positions=warm_up_positions(batch, seq_len, packed, device)
+        )
+        if self.experts.ep_size == 1:
+            graphs.shards = graph_expert_stage(self.experts.stage, lambda layer: 1).shards
+            graphs.capture_shards(self.experts.stage, rows=batch * seq_len, top_k=top_k, weight_dtype=weight_dtype)
+        self.graphs = graphs
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
@@ -153,16 +169,17 @@ class ColocatedModel(nn.Module):
         load_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=h_BSH.device)
         for layer in range(num_layers):
             part = self.attention.part(layer)
-            out = part(h_BSH, ctx, self.config)
+            out = self.graphs.part(self.attention, layer)(h_BSH, ctx, self.config)
             if out.x_TH is None:  # dense layer
                 h_BSH = out.residual_BSH
                 continue
             load_LE[layer] = count_ids(out.topk_idx_TK, num_experts)
             stats.append(router_stats(out.router_logits_TE, part.router.top_k))
             routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
-            y_RH = self.experts.shard(layer)(routed.x_RH, routed.local_idx_RK, routed.w_RK, routed.num_pairs)
+            shard = self.graphs.shard(self.experts.stage, layer)
+            y_RH = shard(routed.x_RH, routed.local_idx_RK, routed.w_RK, routed.num_pairs)
             h_BSH = out.residual_BSH + self.dispatcher.combine(y_RH, meta).view_as(out.residual_BSH)
-        _, lm_loss = self.attention.head(h_BSH, labels)
+        _, lm_loss = self.graphs.head_of(self.attention)(h_BSH, labels)
         if self.aux_coef is None:
             return ColocatedOutput(lm_loss, lm_loss, None, load_LE)
         aux = aux_loss_from_stats(stats)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from disagmoe_ds.comm.exchange import ffn_lanes
 from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
 from disagmoe_ds.engine.deepspeed_role import GlobalGradNorm, check_stage, ds_stage
@@ -31,6 +32,7 @@ from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
+from disagmoe_ds.models.graphs import StageGraphs, graph_attention_stage, graph_expert_stage
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
@@ -48,6 +50,7 @@ from disagmoe_ds.schedule import (
     Worker,
     check_streams,
     generate,
+    layer_in_flight,
 )
 
 __all__ = ["Disaggregated", "RankRuntime", "build_rank", "compile_stage", "preflight", "schedule_costs"]
@@ -141,7 +144,9 @@ class Disaggregated:
         )
         return AFPipeExecutor(
             engine=parts.engine,
-            runner=self._runner(parts, split_layers=split_layers(schedule, worker)),
+            runner=self._runner(
+                parts, split_layers=split_layers(schedule, worker), graphs=self._graphs(parts, schedule, worker)
+            ),
             mailbox=mailbox,
             schedule=AFPipeSchedule(schedule, worker),
             grad_norm=parts.grad_norm,
@@ -170,9 +175,25 @@ class Disaggregated:
             backward_order=[(i.layer, i.micro_batch) for i in backwards],
         )
 
-    def _runner(self, parts: RankParts, *, split_layers: frozenset[int]) -> AttentionRunner | ExpertRunner:
+    def _graphs(self, parts: RankParts, schedule: Schedule, worker: Worker) -> StageGraphs | None:
+        """With ``cuda_graphs``: graphs of the rank's parts, each with a slot per micro-batch its stream holds in
+        flight for that layer; expert shards only where their rows are fixed (one ep rank)."""
+        if not self.cfg.cuda_graphs:
+            return None
+        in_flight = layer_in_flight(schedule.streams[worker])
+        slots = lambda layer: in_flight.get(layer, 1)  # noqa: E731 (a layer the stream never runs: one, unused)
+        if parts.role.is_attention:
+            return graph_attention_stage(parts.module, slots)
+        if parts.groups.exchange.static_m2n_rows is None:
+            return None  # rows vary with the routing: the shards run as they are (bucketed captures: not yet)
+        return graph_expert_stage(parts.module, slots)
+
+    def _runner(
+        self, parts: RankParts, *, split_layers: frozenset[int], graphs: StageGraphs | None
+    ) -> AttentionRunner | ExpertRunner:
         cfg, stage, routing = self.cfg, parts.module, parts.routing
         if not parts.role.is_attention:
+            static_rows = parts.groups.exchange.static_m2n_rows
             return ExpertRunner(
                 parts.engine,
                 stage,
@@ -181,6 +202,8 @@ class Disaggregated:
                 activation_checkpointing=cfg.activation_checkpointing,
                 resend=cfg.resend,
                 split_layers=split_layers,
+                graphs=graphs,
+                graph_rows=None if static_rows is None else static_rows * len(ffn_lanes(parts.layout, parts.rank)),
             )
         return AttentionRunner(
             parts.engine,
@@ -195,6 +218,7 @@ class Disaggregated:
             activation_checkpointing=cfg.activation_checkpointing,
             resend=cfg.resend,
             split_layers=split_layers,
+            graphs=graphs,
         )
 
 
@@ -222,6 +246,7 @@ def check_zero_stages(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
     zero = ds_config.get("zero_optimization", {})
     refused = {
         "compile": cfg.compile,
+        "cuda_graphs": cfg.cuda_graphs,
         'offload {"ffn": > 0}': cfg.offload_share("ffn") > 0,
         "zero_optimization.offload_param": bool(zero.get("offload_param")),
         "zero_optimization.offload_optimizer": bool(zero.get("offload_optimizer")),

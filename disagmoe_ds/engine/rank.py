@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disagmoe_ds.engine.deepspeed_role import GradNorm, build_engine
-from disagmoe_ds.errors import UnsupportedModelError
+from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.groups import ProcessGroups
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.models.loading import load_config
@@ -148,6 +148,15 @@ class RankBuilder:
         mode = self.mode(cfg)
         rank = dist.get_rank()
         device = device or process_device()
+        if cfg.cuda_graphs:
+            if device.type != "cuda":
+                raise ConfigError(
+                    f'"cuda_graphs" replays parts as CUDA graphs; rank {rank} runs on {device.type}: turn it off there'
+                )
+            # The whole rank computes on a stream of its own, and parts are captured on it: DeepSpeed keeps every
+            # parameter's gradient accumulator from its set-up on, tied to the stream current then, and a capture on
+            # another stream than that one cannot run a backward into it (the legacy stream would wait on capture).
+            torch.cuda.set_stream(torch.cuda.Stream(device))
         model, pretrained = rank_model(model_dir, dtype=dtype, model=model, weights=weights)
         layout = self._layout(mode, model.config, ds_config, dist.get_world_size())
         role = layout.role_of(rank)

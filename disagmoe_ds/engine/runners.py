@@ -28,6 +28,7 @@ from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, PendingDispatch,
 from disagmoe_ds.engine.later import Later, made
 from disagmoe_ds.engine.split_backward import ChunkBackward, retained_graph_compiles
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.models.graphs import StageGraphs, warm_up_positions
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, LayerContext, router_stats
 
 Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction
@@ -143,8 +144,10 @@ class AttentionRunner:
         activation_checkpointing: bool = False,
         resend: bool = False,
         split_layers: frozenset[int] = frozenset(),
+        graphs: StageGraphs | None = None,
     ):
         self.engine, self.stage, self.layout, self.resend = engine, stage, layout, resend
+        self.graphs = graphs or StageGraphs()  # the parts replayed as CUDA graphs (none: every part as it is)
         self.weight_dtype = weight_dtype  # the router weights' (resend at p > 1 sends them with the residual)
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
         self.recompute = _checkpointed if activation_checkpointing else _run
@@ -185,6 +188,11 @@ class AttentionRunner:
         batches carry position ids that may restart (packed documents), whose block mask is a graph of its own.
         """
         device, dtype = self.engine.device, next(self.stage.parameters()).dtype
+        if self.graphs.attention:  # capturing runs (so compiles) every part and the head first
+            self.graphs.capture_attention(
+                self.stage, batch=self.B, seq_len=seq_len, positions=warm_up_positions(self.B, seq_len, packed, device)
+            )
+            return
         restarting = torch.arange(seq_len, device=device).remainder(max(seq_len // 2, 1)).expand(self.B, -1)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for positions_BS in (None, restarting) if packed else (None,):
@@ -211,7 +219,8 @@ class AttentionRunner:
             self._head(mb, h_BSH, counts_E, probs_E, chunk)
             self.chunks[(layer, mb)] = chunk
             return {}
-        out = self.recompute(self.stage.part(layer), h_BSH, self._context(mb, h_BSH, position_ids_BS), self.config)
+        part = self.graphs.part(self.stage, layer)
+        out = self.recompute(part, h_BSH, self._context(mb, h_BSH, position_ids_BS), self.config)
         chunk.residual_out = out.residual_BSH
         outgoing: Outgoing = {}
         T, H = h_BSH.shape[0] * h_BSH.shape[1], h_BSH.shape[2]
@@ -294,7 +303,7 @@ class AttentionRunner:
         return h_BSH, position_ids_T.view(self.B, S), counts_E, probs_E
 
     def _head(self, mb: int, h_BSH: torch.Tensor, counts_E: torch.Tensor, probs_E: torch.Tensor, chunk: _Chunk) -> None:
-        _, lm_loss = self.stage.head(h_BSH, self.batches[mb]["labels"])
+        _, lm_loss = self.graphs.head_of(self.stage)(h_BSH, self.batches[mb]["labels"])
         loss, aux = lm_loss, torch.zeros_like(lm_loss)
         chunk.aux_grad_E = torch.zeros_like(counts_E)
         if self.aux_coef is not None:
@@ -376,8 +385,12 @@ class ExpertRunner:
         activation_checkpointing: bool = False,
         resend: bool = False,
         split_layers: frozenset[int] = frozenset(),
+        graphs: StageGraphs | None = None,
+        graph_rows: int | None = None,
     ):
         self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, top_k, weight_dtype
+        self.graphs = graphs or StageGraphs()  # the shards replayed as CUDA graphs, at ``graph_rows`` rows
+        self.graph_rows = graph_rows
         self.resend = resend
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
         # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
@@ -391,6 +404,10 @@ class ExpertRunner:
     def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
         with self.compiling():
             self._warm_up(seq_len, packed=packed)
+        if self.graphs.shards:
+            self.graphs.capture_shards(
+                self.stage, rows=self.graph_rows, top_k=self.top_k, weight_dtype=self.weight_dtype
+            )
 
     def _warm_up(self, seq_len: int, *, packed: bool = False) -> None:
         """Compile and load every compiled kernel of the expert shards now (see ``AttentionRunner.warm_up``).
@@ -422,17 +439,20 @@ class ExpertRunner:
         tokens, rows = incoming["m2n"]
         if self.resend:  # keep nothing: the backward gets the tokens again and recomputes
             with torch.no_grad():
-                y_SH = self.stage.shard(layer)(tokens.x_RH, tokens.local_idx_RK, tokens.w_RK, tokens.num_pairs)
+                y_SH = self._shard(layer)(tokens.x_RH, tokens.local_idx_RK, tokens.w_RK, tokens.num_pairs)
             self.chunks[(layer, mb)] = _ExpertChunk(None, None, None, rows, tokens.num_pairs)
             return {"n2m": ((y_SH,), rows)}
         x_SH, w_SK = _leaf(tokens.x_RH), _leaf(tokens.w_RK)
-        y_SH = self.recompute(self.stage.shard(layer), x_SH, tokens.local_idx_RK, w_SK, tokens.num_pairs)
+        y_SH = self.recompute(self._shard(layer), x_SH, tokens.local_idx_RK, w_SK, tokens.num_pairs)
         self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows, tokens.num_pairs)
         return {"n2m": ((y_SH,), rows)}
 
     def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         with self.compiling():
             return self._backward(layer, mb, incoming)
+
+    def _shard(self, layer: int):
+        return self.graphs.shard(self.stage, layer)
 
     def weight_grad(self, layer: int, mb: int) -> None:
         """Split backward: the expert weight gradients ``backward`` deferred for this chunk."""
@@ -444,7 +464,7 @@ class ExpertRunner:
         if self.resend:  # recompute the forward from the tokens sent again
             x_SH, idx_SK, w_SK = resent
             chunk.x_SH, chunk.w_SK = _leaf(x_SH), _leaf(w_SK)
-            chunk.y_SH = self.stage.shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.num_pairs)
+            chunk.y_SH = self._shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.num_pairs)
         if chunk.y_SH.requires_grad:
             self.backward_pass.run((layer, mb), (chunk.y_SH * dy_SH).float().sum(), [chunk.x_SH, chunk.w_SK])
         return {"m2n_grad": ((_grad_or_zeros(chunk.x_SH), _grad_or_zeros(chunk.w_SK)), chunk.rows)}

@@ -58,3 +58,21 @@ def _stream(
         stream.append(ins.COMPUTE_OF_KIND[task.kind](task.layer, task.micro_batch))
         stream += [ins.Send(message) for message in graph.outputs.get(task, ())]
     return (*stream, ins.ReduceGrads(), ins.OptimizerStep())
+
+
+def layer_in_flight(stream: tuple[ins.Instruction, ...]) -> dict[int, int]:
+    """The most micro-batches of each chunk layer in ``stream`` whose forward has run and backward has not, at once:
+    how many copies of the layer's activations the worker holds at its peak (``models.graphs`` slots).
+
+    >>> layer_in_flight((ins.ForwardAttn(0, 0), ins.ForwardAttn(0, 1), ins.BackwardAttn(0, 0), ins.BackwardAttn(0, 1)))
+    {0: 2}
+    """
+    live: dict[int, int] = defaultdict(int)
+    most: dict[int, int] = defaultdict(int)
+    for instruction in stream:
+        if isinstance(instruction, ins.ForwardAttn | ins.ForwardExperts):
+            live[instruction.layer] += 1
+            most[instruction.layer] = max(most[instruction.layer], live[instruction.layer])
+        elif isinstance(instruction, ins.BackwardAttn | ins.BackwardExperts):
+            live[instruction.layer] -= 1
+    return dict(most)

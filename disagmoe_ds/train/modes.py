@@ -81,8 +81,8 @@ class Disaggregated:
 
     def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
         runtime = _build(build_rank, args, model=model, device=device, weights=weights, seq_len=args.seq_len)
-        if args.cfg.compile:  # every compiled kernel loaded before the first exchange; packed data carries positions
-            runtime.executor.warm_up(args.seq_len, packed=True)
+        if args.cfg.compile or args.cfg.cuda_graphs:  # compiled kernels loaded, graphs captured before any exchange
+            runtime.executor.warm_up(args.seq_len, packed=True)  # packed data carries positions
         return runtime
 
 
@@ -105,7 +105,10 @@ class Colocated:
         ]
 
     def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
-        return _build(build_colocated_rank, args, model=model, device=device, weights=weights)
+        runtime = _build(build_colocated_rank, args, model=model, device=device, weights=weights)
+        if args.cfg.cuda_graphs:
+            runtime.executor.warm_up(args.seq_len, packed=True)
+        return runtime
 
 
 def _build(

@@ -5,8 +5,9 @@ value came from); ``--lr``, ``--dtype``, ``--zero`` and ``--steps`` edit its opt
 ``zero_optimization`` sections.
 
 ``--mode colocated`` replaces the disaggregated layout by a ``ColocatedConfig``: ``--world-size`` ranks (the
-launcher's world size under a launcher, else 1) and ``--ep-size``; micro-batches, the communication timeout and
-``compile`` still come from the section (or ``--micro-batches``), its attention/FFN layout keys are not used.
+launcher's world size under a launcher, else 1) and ``--ep-size``; micro-batches, the communication timeout,
+``compile`` and ``cuda_graphs`` still come from the section (or ``--micro-batches``), its attention/FFN layout
+keys are not used.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def mode_config(
         micro_batches=section.micro_batches,
         comm_timeout_s=section.comm_timeout_s,
         compile=section.compile,
+        cuda_graphs=section.cuda_graphs,
     )
 
 

@@ -1,0 +1,372 @@
+"""Parts replayed as CUDA graphs: one launch for a part's forward and one for its backward.
+
+Why: at the micro-batch sizes AF-Pipe runs (1 x 4,096 tokens), a compiled attention part takes its host longer to
+launch than its GPU takes to run it (on an H200, 2.06 ms of host time for 0.81 ms of GPU time in the forward), so
+the GPU waits for the host. A replayed graph launches the same kernels with one call.
+
+How: as ``torch.cuda.make_graphed_callables`` does (forward and backward captured as one autograd function whose
+backward returns the parameters' gradients, which accumulate outside the graph: DeepSpeed's gradient hooks and
+ZeRO see them as from any module), with what a pipeline needs on top:
+
+- **slots.** A graph's outputs and saved activations live at fixed addresses, so it must not run again for another
+  micro-batch before the backward of the one in flight. A ``GraphedPart`` holds ``slots`` copies, each with its own
+  memory pool, one per micro-batch of its layer in flight at once on the rank (``schedule.layer_in_flight``); a
+  forward takes a free slot and its backward frees it.
+- **variants.** One capture per input structure and shape (no mask, or a packed-documents mask), all in the slot's
+  pool: a slot serves one micro-batch at a time, so its variants never hold memory at the same time. A call with
+  a structure nobody captured runs the part itself (``misses`` counts them): capturing mid-step could synchronise
+  the GPU behind a posted receive.
+- **copies out.** The gradients the backward returns are copies: a residual gradient can outlive the slot (it waits
+  for the previous layer's backward, which may come after the slot's next replay). Inputs are copied into the
+  graph's static inputs (one device copy each); outputs are views of its static outputs, valid until the slot
+  runs again, which is after the micro-batch's backward.
+
+Without autograd (``torch.no_grad``: resend's expert forward) the part runs as it is.
+
+Shape suffixes: B micro-batch size, S sequence, T = B*S tokens, H hidden, K top-k, E experts, R rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from disagmoe_ds.models.parts import (
+    AttentionOutput,
+    AttentionPart,
+    AttentionStage,
+    ExpertShard,
+    ExpertStage,
+    Head,
+    LayerContext,
+)
+
+WARMUP_CALLS = 2  # before capture, on a side stream: compiled parts compile, libraries allocate their workspaces
+
+
+_OUTPUT = object()  # where a captured result has a tensor
+
+
+class GraphError(RuntimeError):
+    """A graphed part was used outside what was captured (every slot busy): a bug in the slot count."""
+
+
+@dataclass(eq=False)
+class _Capture:
+    """One input structure of one slot: static inputs, the two graphs and their static outputs and gradients."""
+
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]  # the tensor leaves of the result, detached
+    out_leaves: list[Any]  # the result's leaves, ``_OUTPUT`` where ``outputs`` go
+    out_spec: TreeSpec
+    grad_outputs: tuple[torch.Tensor | None, ...]  # one per output; None where it is not differentiable
+    input_grads: tuple[torch.Tensor | None, ...]  # one per input; None where none is computed
+    param_grads: tuple[torch.Tensor | None, ...]  # one per parameter, likewise
+    forward: torch.cuda.CUDAGraph
+    backward: torch.cuda.CUDAGraph | None  # None: no output is differentiable
+
+    def result(self, outputs: Sequence[torch.Tensor]) -> Any:
+        it = iter(outputs)
+        return tree_unflatten([next(it) if x is _OUTPUT else x for x in self.out_leaves], self.out_spec)
+
+
+@dataclass(eq=False)
+class _Slot:
+    pool: Any = field(default_factory=torch.cuda.graph_pool_handle)
+    captures: dict[tuple, _Capture] = field(default_factory=dict)
+    busy: bool = False
+
+
+def _split(args: tuple) -> tuple[list[torch.Tensor], tuple, TreeSpec]:
+    """The tensors of ``args``, and the key of its structure: tensors by shape and dtype, other leaves by value."""
+    leaves, spec = tree_flatten(args)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves)
+    return tensors, (spec, shapes), spec
+
+
+def _rebuild(spec: TreeSpec, template: tuple, tensors: Sequence[torch.Tensor]) -> tuple:
+    """``args`` again, its tensors replaced by ``tensors`` (in order)."""
+    it = iter(tensors)
+    leaves, _ = tree_flatten(template)
+    return tree_unflatten([next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+
+
+class GraphedPart:
+    """``fn(*args)`` of a part as CUDA graphs; ``args``: tensors in tuples, dicts and None, and hashable values
+    (a capture per value, e.g. a pair count).
+
+    Args:
+        module: the part; its parameters are the graph's too (the backward returns their gradients).
+        fn: the computation, a pure function of ``args`` and ``module``'s parameters.
+        slots: micro-batches of this part in flight at once on the rank.
+        name: for errors.
+    """
+
+    def __init__(self, module: nn.Module, fn: Callable[..., Any], *, slots: int, name: str) -> None:
+        if slots < 1:
+            raise ValueError(f"{name}: a graphed part needs at least one slot, got {slots}")
+        self.fn, self.name = fn, name
+        self.params = tuple(p for p in module.parameters())
+        self.slots = [_Slot() for _ in range(slots)]
+        self.misses = 0  # calls whose input structure no capture has: they ran as the part itself
+
+    def capture(self, *args: Any) -> None:
+        """Capture ``fn(*args)``'s structure in every slot (before the first step; synchronises the device).
+
+        ``args``' tensors give the shapes and which inputs need gradients; their values do not matter.
+        """
+        tensors, key, spec = _split(args)
+        for slot in self.slots:
+            if key not in slot.captures:
+                slot.captures[key] = self._capture(slot, args, tensors, spec)
+        torch.cuda.synchronize()
+
+    def __call__(self, *args: Any) -> Any:
+        tensors, key, _ = _split(args)
+        if not torch.is_grad_enabled() or key not in self.slots[0].captures:
+            self.misses += torch.is_grad_enabled()
+            return self.fn(*args)
+        slot = next((s for s in self.slots if not s.busy), None)
+        if slot is None:
+            raise GraphError(
+                f"{self.name}: all {len(self.slots)} graph slots hold micro-batches whose backward has not run; "
+                "the slot count must be the most micro-batches of this part in flight at once"
+            )
+        capture = slot.captures[key]
+        for static, given in zip(capture.inputs, tensors, strict=True):
+            if given.requires_grad and not static.requires_grad:
+                raise GraphError(f"{self.name}: an input needs a gradient that the captured graph does not compute")
+        return capture.result(_Replay.apply(slot, capture, self.params, *tensors, *self.params))
+
+    def _capture(self, slot: _Slot, args: tuple, tensors: Sequence[torch.Tensor], spec: TreeSpec) -> _Capture:
+        inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
+        wrt = [t for t in (*inputs, *self.params) if t.requires_grad]
+
+        def run() -> tuple[list[Any], list[torch.Tensor], TreeSpec]:
+            leaves, out_spec = tree_flatten(self.fn(*_rebuild(spec, args, inputs)))
+            return leaves, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], out_spec
+
+        stream = _capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up and capture on one stream that is not the legacy default
+            for _ in range(WARMUP_CALLS):
+                _, outputs, _ = run()
+                _grads_of(outputs, wrt, [torch.zeros_like(o) for o in outputs if o.requires_grad])
+            forward = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(forward, pool=slot.pool, stream=stream, capture_error_mode="thread_local"):
+                out_leaves, outputs, out_spec = run()
+            grad_outputs = tuple(torch.zeros_like(o) if o.requires_grad else None for o in outputs)
+            backward, grads = None, ()
+            if any(g is not None for g in grad_outputs):
+                backward = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(backward, pool=slot.pool, stream=stream, capture_error_mode="thread_local"):
+                    grads = _grads_of(outputs, wrt, [g for g in grad_outputs if g is not None])
+        torch.cuda.current_stream().wait_stream(stream)
+        computed = iter(grads)
+        every = [next(computed) if t.requires_grad and grads else None for t in (*inputs, *self.params)]
+        # Nothing of the capture's autograd graph may outlive it: its nodes were made on the capture stream, and a
+        # parameter's gradient accumulator kept from there would make every later backward wait across streams.
+        outputs = tuple(o.detach() for o in outputs)
+        out_leaves = [_OUTPUT if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
+        n = len(inputs)
+        return _Capture(
+            inputs, outputs, out_leaves, out_spec, grad_outputs, tuple(every[:n]), tuple(every[n:]), forward, backward
+        )
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    """The current stream if the rank computes on one of its own (``cuda_graphs`` jobs: the parameters' gradient
+    accumulators belong to it), else a side stream (the legacy default stream cannot capture)."""
+    current = torch.cuda.current_stream()
+    return torch.cuda.Stream() if current == torch.cuda.default_stream() else current
+
+
+def _grads_of(outputs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]):
+    differentiable = [o for o in outputs if o.requires_grad]
+    if not differentiable or not wrt:
+        return ()
+    return torch.autograd.grad(differentiable, wrt, grad_outputs, allow_unused=True)
+
+
+def _copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every pair, as one multi-tensor launch."""
+    if pairs:
+        torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
+
+
+class _Replay(torch.autograd.Function):
+    """The forward graph of one slot and capture; its backward replays the backward graph and frees the slot.
+
+    Gradients out: the inputs' are copies (they can outlive the slot). The parameters' are the graph's buffers
+    themselves, which autograd's gradient accumulation takes over as ``.grad`` when a parameter has none (no copy:
+    the experts' weight gradients are most of a shard's bytes); before the slot's backward runs again, a parameter
+    whose ``.grad`` still is that buffer gets a copy of it (gradients accumulated over micro-batches, ZeRO-0).
+    DeepSpeed's ZeRO-1/2 hooks read a ``.grad`` as it lands and drop it, so nothing is copied there.
+    """
+
+    @staticmethod
+    def forward(ctx, slot: _Slot, capture: _Capture, params: tuple, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # One launch for every copy in (the parameters follow the inputs in ``tensors``: they are in place already).
+        _copy_all([(s, g) for s, g in zip(capture.inputs, tensors, strict=False) if s.data_ptr() != g.data_ptr()])
+        capture.forward.replay()
+        slot.busy = capture.backward is not None
+        ctx.slot, ctx.capture, ctx.params = slot, capture, params
+        outputs = tuple(o.detach() for o in capture.outputs)
+        ctx.mark_non_differentiable(*(o for o, g in zip(outputs, capture.grad_outputs, strict=True) if g is None))
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: torch.Tensor | None):
+        slot, capture = ctx.slot, ctx.capture
+        for param, buffer in zip(ctx.params, capture.param_grads, strict=True):
+            if buffer is not None and param.grad is not None and param.grad.data_ptr() == buffer.data_ptr():
+                param.grad = param.grad.clone()  # still the last replay's gradient: keep it
+        given = [(s, g) for s, g in zip(capture.grad_outputs, grads, strict=True) if s is not None]
+        _copy_all([(s, g) for s, g in given if g is not None])
+        missing = [s for s, g in given if g is None]  # an output nothing downstream used: a zero gradient
+        if missing:
+            torch._foreach_zero_(missing)
+        capture.backward.replay()
+        slot.busy = False
+        input_grads = (g.clone() if g is not None else None for g in capture.input_grads)
+        param_grads = (g.detach() if g is not None else None for g in capture.param_grads)
+        return None, None, None, *input_grads, *param_grads
+
+
+# ----- the parts of a rank -----
+class GraphedAttention:
+    """An ``AttentionPart`` called as the part is (``(h_BSH, ctx, config)``), as graphs: the context's position
+    ids, rotary embeddings and masks are inputs."""
+
+    def __init__(self, part: AttentionPart, config, *, slots: int) -> None:
+        self.part, self.config = part, config
+        self.graphs = GraphedPart(part, self._run, slots=slots, name=f"attention part of layer {part.layer_idx}")
+
+    def _run(self, h_BSH, position_ids, position_embeddings, masks) -> tuple:
+        out = self.part(h_BSH, LayerContext(position_ids, position_embeddings, masks), self.config)
+        return out.residual_BSH, out.x_TH, out.topk_w_TK, out.topk_idx_TK, out.router_logits_TE
+
+    @staticmethod
+    def _args(h_BSH: torch.Tensor, ctx: LayerContext) -> tuple:
+        return h_BSH, ctx.position_ids, ctx.position_embeddings, ctx.masks
+
+    def capture(self, h_BSH: torch.Tensor, ctx: LayerContext) -> None:
+        self.graphs.capture(*self._args(h_BSH, ctx))
+
+    def __call__(self, h_BSH: torch.Tensor, ctx: LayerContext, config=None) -> AttentionOutput:
+        del config  # the part's own, captured
+        return AttentionOutput(*self.graphs(*self._args(h_BSH, ctx)))
+
+
+class GraphedHead:
+    """The ``Head`` as graphs: ``(h_BSH, labels_BS) -> (None, loss)`` (the logits stay inside the graph)."""
+
+    def __init__(self, head: Head, *, slots: int) -> None:
+        self.head = head
+        self.graphs = GraphedPart(head, lambda h_BSH, labels_BS: head(h_BSH, labels_BS)[1], slots=slots, name="head")
+
+    def capture(self, h_BSH: torch.Tensor, labels_BS: torch.Tensor) -> None:
+        self.graphs.capture(h_BSH, labels_BS)
+
+    def __call__(self, h_BSH: torch.Tensor, labels_BS: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, self.graphs(h_BSH, labels_BS)
+
+
+class GraphedShard:
+    """An ``ExpertShard`` as graphs, one capture per (rows, pairs): called as the shard is."""
+
+    def __init__(self, shard: ExpertShard, *, slots: int, name: str) -> None:
+        self.shard, self.num_local = shard, shard.num_local
+        self.graphs = GraphedPart(shard, shard, slots=slots, name=name)
+
+    def capture(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int) -> None:
+        self.graphs.capture(x_RH, local_idx_RK, w_RK, num_pairs)
+
+    def __call__(self, x_RH, local_idx_RK, w_RK, num_pairs: int) -> torch.Tensor:
+        return self.graphs(x_RH, local_idx_RK, w_RK, num_pairs)
+
+
+@dataclass
+class StageGraphs:
+    """The graphed parts of one rank, by layer; a part that is not here runs as it is (``part`` / ``shard``)."""
+
+    attention: dict[int, GraphedAttention] = field(default_factory=dict)
+    shards: dict[int, GraphedShard] = field(default_factory=dict)
+    head: GraphedHead | None = None
+
+    def part(self, stage: AttentionStage, layer: int):
+        return self.attention.get(layer) or stage.part(layer)
+
+    def shard(self, stage: ExpertStage, layer: int):
+        return self.shards.get(layer) or stage.shard(layer)
+
+    def head_of(self, stage: AttentionStage):
+        return self.head or stage.head
+
+    @property
+    def misses(self) -> int:
+        """Calls so far that ran ungraphed: an input structure no capture has (expert rows that vary, say)."""
+        graphed = [*self.attention.values(), *self.shards.values(), *([self.head] if self.head else [])]
+        return sum(g.graphs.misses for g in graphed)
+
+    def capture_attention(
+        self, stage: AttentionStage, *, batch: int, seq_len: int, positions: Sequence[torch.Tensor | None]
+    ) -> None:
+        """Capture every attention part for each context ``positions`` give (None: the default positions, no
+        mask), and the head; on synthetic inputs, which only give the shapes."""
+        device, dtype = _where(stage)
+        h_BSH = torch.randn(batch, seq_len, stage.config.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        for position_ids in positions:
+            ctx = stage.context(h_BSH, position_ids)
+            for graphed in self.attention.values():
+                graphed.capture(h_BSH, ctx)
+        if self.head is not None:
+            labels_BS = torch.randint(0, stage.config.vocab_size, (batch, seq_len), device=device)
+            self.head.capture(h_BSH, labels_BS)
+
+    def capture_shards(self, stage: ExpertStage, *, rows: int, top_k: int, weight_dtype: torch.dtype) -> None:
+        """Capture every expert shard at ``rows`` rows whose K ids are all local (one ep rank: every message)."""
+        device, dtype = _where(stage)
+        x_RH = torch.randn(rows, stage.config.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        w_RK = torch.rand(rows, top_k, device=device, dtype=weight_dtype, requires_grad=True)
+        idx_RK = torch.randint(0, stage.num_local, (rows, top_k), device=device)
+        for graphed in self.shards.values():
+            graphed.capture(x_RH, idx_RK, w_RK, rows * top_k)
+
+
+def warm_up_positions(batch: int, seq_len: int, packed: bool, device: torch.device) -> list[torch.Tensor | None]:
+    """The position ids whose contexts a rank's steps can see: the default (None: no mask), and with packed data
+    (position ids in the batch) positions that never restart (no mask either, other shapes) and that restart (a
+    block-diagonal mask)."""
+    if not packed:
+        return [None]
+    counting = torch.arange(seq_len, device=device).expand(batch, -1)
+    return [None, counting, counting.remainder(max(seq_len // 2, 1))]
+
+
+def _where(stage: nn.Module) -> tuple[torch.device, torch.dtype]:
+    param = next(stage.parameters())
+    return param.device, param.dtype
+
+
+def graph_attention_stage(stage: AttentionStage, slots: Callable[[int], int]) -> StageGraphs:
+    """Graphs of every attention part and the head (layer ``num_hidden_layers``); ``slots(layer)``: how many."""
+    attention = {int(i): GraphedAttention(part, stage.config, slots=slots(int(i))) for i, part in stage.layers.items()}
+    head = GraphedHead(stage.head, slots=slots(stage.config.num_hidden_layers)) if stage.head is not None else None
+    return StageGraphs(attention=attention, head=head)
+
+
+def graph_expert_stage(stage: ExpertStage, slots: Callable[[int], int]) -> StageGraphs:
+    """Graphs of every expert shard of ``stage``; ``slots(layer)``: how many."""
+    shards = {
+        int(i): GraphedShard(shard, slots=slots(int(i)), name=f"expert shard of layer {i}")
+        for i, shard in stage.layers.items()
+    }
+    return StageGraphs(shards=shards)

@@ -1,0 +1,110 @@
+"""CUDA-graphed parts (``models.graphs``) against the same parts run as they are: bit-identical forward results,
+input gradients and accumulated parameter gradients, with two micro-batches in flight (two slots), eager and
+compiled, for families with different routers and positional embeddings. GPU only; the slot counts they need come
+from ``schedule.layer_in_flight``, tested on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagmoe_ds.schedule import PipeShape, generate, layer_in_flight
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (0 available)")
+
+
+def test_layer_in_flight_counts_micro_batches_between_forward_and_backward():
+    schedule = generate(PipeShape(depth=1, num_layers=2, moe_layers=(True, True)), num_micro_batches=4)
+    for worker, stream in schedule.streams.items():
+        most = layer_in_flight(stream)
+        layers = {i.layer for i in stream if hasattr(i, "layer")}
+        assert set(most) == layers
+        assert all(1 <= n <= schedule.max_in_flight for n in most.values()), (worker, most)
+    one = generate(PipeShape(depth=1, num_layers=1, moe_layers=(True,)), num_micro_batches=1)
+    assert all(set(layer_in_flight(s).values()) == {1} for s in one.streams.values())
+
+
+def _parts(family: str, compiled: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of, routing_facts
+    from tests.conftest import ROOT
+
+    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
+    layers = tuple(range(config.num_hidden_layers))
+    attention = AttentionStage(model, layers, with_embedding=False, with_head=True)
+    experts = ExpertStage(model, layers, 0, num_experts_of(config))
+    if compiled:
+        compile_stage(attention)
+        compile_stage(experts)
+    return config, attention, experts, routing_facts(model).weight_dtype
+
+
+def _run(config, attention, experts, graphs, inputs):
+    """Two micro-batches: forward of both through every layer, then backward of the second, then the first."""
+    from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
+
+    results, losses = [], []
+    for h_BSH, labels_BS in inputs:
+        h_BSH = h_BSH.detach().requires_grad_()
+        ctx = attention.context(h_BSH, None)
+        x, outs = h_BSH, []
+        for layer in range(config.num_hidden_layers):
+            out = graphs.part(attention, layer)(x, ctx, config)
+            outs += [out.residual_BSH, out.topk_w_TK]
+            if out.x_TH is None:
+                x = out.residual_BSH
+                continue
+            plan = plan_dispatch(out.topk_idx_TK, 1, experts.num_local)
+            ((x_RH, w_RK),) = pack(out.x_TH, out.topk_w_TK, plan)
+            y_RH = graphs.shard(experts, layer)(x_RH, plan.local_idx_RK[0], w_RK, plan.pairs[0])
+            x = out.residual_BSH + combine([y_RH], plan).view_as(out.residual_BSH)
+        _, loss = graphs.head_of(attention)(x, labels_BS)
+        losses.append(loss)
+        results.append([h_BSH, [o.detach().clone() for o in outs if o is not None]])
+    for loss in reversed(losses):
+        loss.backward()
+    params = [*attention.parameters(), *experts.parameters()]
+    grads = [p.grad.clone() if p.grad is not None else None for p in params]
+    for p in params:
+        p.grad = None
+    return [torch.stack(losses).detach()], [(outs, h.grad) for h, outs in results], grads
+
+
+@cuda
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3", "mixtral"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_graphed_parts_are_bit_identical(family, compiled):
+    from disagmoe_ds.models.graphs import StageGraphs, graph_attention_stage, graph_expert_stage
+
+    config, attention, experts, weight_dtype = _parts(family, compiled)
+    batch, seq_len, top_k = 2, 16, config.num_experts_per_tok
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    inputs = [
+        (
+            torch.randn(batch, seq_len, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen),
+            torch.randint(0, config.vocab_size, (batch, seq_len), device="cuda", generator=gen),
+        )
+        for _ in range(2)
+    ]
+    reference = _run(config, attention, experts, StageGraphs(), inputs)
+    graphs = graph_attention_stage(attention, lambda layer: 2)
+    graphs.shards = graph_expert_stage(experts, lambda layer: 2).shards
+    graphs.capture_attention(attention, batch=batch, seq_len=seq_len, positions=[None])
+    graphs.capture_shards(experts, rows=batch * seq_len, top_k=top_k, weight_dtype=weight_dtype)
+    for _ in range(2):  # the second time through, every slot replays after its first backward
+        graphed = _run(config, attention, experts, graphs, inputs)
+        assert graphs.misses == 0
+        for want, got in zip(_flat(reference), _flat(graphed), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _flat(run) -> list[torch.Tensor]:
+    losses, per_micro_batch, grads = run
+    out = list(losses) + [g for g in grads if g is not None]
+    for outs, h_grad in per_micro_batch:
+        out += [*outs, h_grad]
+    return out
