@@ -43,11 +43,13 @@ def _parts(family: str, compiled: bool):
     return config, attention, experts, routing_facts(model).weight_dtype
 
 
-def _run(config, attention, experts, graphs, inputs):
-    """Two micro-batches: forward of both through every layer, then backward of the second, then the first."""
+def _run(config, attention, experts, graphs, inputs, *, one_by_one: bool = False):
+    """Two micro-batches, their gradients accumulated in ``.grad``: forward of both through every layer, then
+    backward of the second, then the first (two in flight); ``one_by_one``: each backward right after its forward
+    (one slot is enough, and the second forward replays over memory the first backward's gradients came from)."""
     from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
 
-    results, losses = [], []
+    results, losses, recorded = [], [], []
     for h_BSH, labels_BS in inputs:
         h_BSH = h_BSH.detach().requires_grad_()
         ctx = attention.context(h_BSH, None)
@@ -64,20 +66,24 @@ def _run(config, attention, experts, graphs, inputs):
             x = out.residual_BSH + combine([y_RH], plan).view_as(out.residual_BSH)
         _, loss = graphs.head_of(attention)(x, labels_BS)
         losses.append(loss)
+        recorded.append(loss.detach().clone())  # a graph's outputs hold until its slot runs again
         results.append([h_BSH, [o.detach().clone() for o in outs if o is not None]])
-    for loss in reversed(losses):
+        if one_by_one:
+            loss.backward()
+    for loss in [] if one_by_one else reversed(losses):
         loss.backward()
     params = [*attention.parameters(), *experts.parameters()]
     grads = [p.grad.clone() if p.grad is not None else None for p in params]
     for p in params:
         p.grad = None
-    return [torch.stack(losses).detach()], [(outs, h.grad) for h, outs in results], grads
+    return [torch.stack(recorded)], [(outs, h.grad) for h, outs in results], grads
 
 
 @cuda
 @pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3", "mixtral"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_graphed_parts_are_bit_identical(family, compiled):
+@pytest.mark.parametrize("one_by_one", [False, True], ids=["two-in-flight", "one-by-one"])
+def test_graphed_parts_are_bit_identical(family, compiled, one_by_one):
     from disagmoe_ds.models.graphs import StageGraphs, graph_attention_stage, graph_expert_stage
 
     config, attention, experts, weight_dtype = _parts(family, compiled)
@@ -90,13 +96,14 @@ def test_graphed_parts_are_bit_identical(family, compiled):
         )
         for _ in range(2)
     ]
-    reference = _run(config, attention, experts, StageGraphs(), inputs)
-    graphs = graph_attention_stage(attention, lambda layer: 2)
-    graphs.shards = graph_expert_stage(experts, lambda layer: 2).shards
+    reference = _run(config, attention, experts, StageGraphs(), inputs, one_by_one=one_by_one)
+    slots = 1 if one_by_one else 2
+    graphs = graph_attention_stage(attention, lambda layer: slots)
+    graphs.shards = graph_expert_stage(experts, lambda layer: slots).shards
     graphs.capture_attention(attention, batch=batch, seq_len=seq_len, positions=[None])
     graphs.capture_shards(experts, rows=batch * seq_len, top_k=top_k, weight_dtype=weight_dtype)
     for _ in range(2):  # the second time through, every slot replays after its first backward
-        graphed = _run(config, attention, experts, graphs, inputs)
+        graphed = _run(config, attention, experts, graphs, inputs, one_by_one=one_by_one)
         assert graphs.misses == 0
         for want, got in zip(_flat(reference), _flat(graphed), strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -80,6 +80,15 @@ class _Slot:
     pool: Any = field(default_factory=torch.cuda.graph_pool_handle)
     captures: dict[tuple, _Capture] = field(default_factory=dict)
     busy: bool = False
+    grad_ptrs: set[int] = field(default_factory=set)  # where its captures' parameter gradients live
+
+    def keep_grads(self, params: Sequence[nn.Parameter]) -> None:
+        """Before any replay in this slot: a parameter whose ``.grad`` still is one of the slot's gradient buffers
+        (taken over by autograd, not yet consumed) gets a copy of it. Any replay may write there: a forward's
+        temporaries can sit where a backward's gradients were captured, in the pool they share."""
+        for param in params:
+            if param.grad is not None and param.grad.data_ptr() in self.grad_ptrs:
+                param.grad = param.grad.clone()
 
 
 def _split(args: tuple) -> tuple[list[torch.Tensor], tuple, TreeSpec]:
@@ -124,7 +133,8 @@ class GraphedPart:
         tensors, key, spec = _split(args)
         for slot in self.slots:
             if key not in slot.captures:
-                slot.captures[key] = self._capture(slot, args, tensors, spec)
+                capture = slot.captures[key] = self._capture(slot, args, tensors, spec)
+                slot.grad_ptrs |= {g.data_ptr() for g in capture.param_grads if g is not None}
         torch.cuda.synchronize()
 
     def __call__(self, *args: Any) -> Any:
@@ -205,15 +215,16 @@ class _Replay(torch.autograd.Function):
 
     Gradients out: the inputs' are copies (they can outlive the slot). The parameters' are the graph's buffers
     themselves, which autograd's gradient accumulation takes over as ``.grad`` when a parameter has none (no copy:
-    the experts' weight gradients are most of a shard's bytes); before the slot's backward runs again, a parameter
-    whose ``.grad`` still is that buffer gets a copy of it (gradients accumulated over micro-batches, ZeRO-0).
-    DeepSpeed's ZeRO-1/2 hooks read a ``.grad`` as it lands and drop it, so nothing is copied there.
+    the experts' weight gradients are most of a shard's bytes); before the slot replays anything again, a parameter
+    whose ``.grad`` still is such a buffer gets a copy of it (``_Slot.keep_grads``: gradients accumulated in
+    ``.grad`` over micro-batches). DeepSpeed's ZeRO-1/2 hooks usually read a ``.grad`` as it lands and drop it.
     """
 
     @staticmethod
     def forward(ctx, slot: _Slot, capture: _Capture, params: tuple, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # One launch for every copy in (the parameters follow the inputs in ``tensors``: they are in place already).
         _copy_all([(s, g) for s, g in zip(capture.inputs, tensors, strict=False) if s.data_ptr() != g.data_ptr()])
+        slot.keep_grads(params)
         capture.forward.replay()
         slot.busy = capture.backward is not None
         ctx.slot, ctx.capture, ctx.params = slot, capture, params
@@ -225,9 +236,7 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor | None):
         slot, capture = ctx.slot, ctx.capture
-        for param, buffer in zip(ctx.params, capture.param_grads, strict=True):
-            if buffer is not None and param.grad is not None and param.grad.data_ptr() == buffer.data_ptr():
-                param.grad = param.grad.clone()  # still the last replay's gradient: keep it
+        slot.keep_grads(ctx.params)
         given = [(s, g) for s, g in zip(capture.grad_outputs, grads, strict=True) if s is not None]
         _copy_all([(s, g) for s, g in given if g is not None])
         missing = [s for s, g in given if g is None]  # an output nothing downstream used: a zero gradient
