@@ -29,7 +29,9 @@ Step time = the slowest rank's wall time of one ``train_batch`` (device synchron
 after ``--warmup``; tokens/s = tokens per step / step time; MFU = tokens/s x model FLOPs per token (Megatron's
 convention: active experts, causal attention, 3x forward; ``planner.model``) / (ranks x 989 TFLOP/s). Each method
 runs as its own local job (fresh processes, NCCL on GPUs, gloo on CPU); under ``torchrun``/``deepspeed`` the
-methods run one after another in the launched processes. Prints a table and writes ``--json``.
+methods run one after another in the launched processes. Prints a table and writes ``--json``; for AF-Pipe also
+what its exchanges cost the hosts in the last step (communicator calls per send and per receive, waits for sizes
+inside the step: ``Mailbox.stats``).
 """
 
 from __future__ import annotations
@@ -307,10 +309,12 @@ def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] 
     device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
     executor, num_micro_batches, layout = BUILDERS[method](a, device)
     batches = make_batches(a, load_config(a.model).vocab_size, num_micro_batches, device) or None
-    times, result, breakdown = [], None, {}
+    times, result, breakdown, exchanged = [], None, {}, None
+    mailbox = getattr(executor, "mailbox", None)  # AF-Pipe ranks: their exchange costs in the last step
     for step in range(a.warmup + a.steps):
         last = step == a.warmup + a.steps - 1
         executor.record_timeline(bool(a.timeline) and last)
+        exchanged = mailbox.stats() if mailbox is not None and last else exchanged
         _sync(device)
         with (
             _profiled(a.torch_profile if last else None) as profiled,
@@ -344,7 +348,23 @@ def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] 
     }
     if a.timeline:  # collective
         row["host_time_share"] = _gather_breakdown(executor.name, breakdown)
+    if mailbox is not None:  # collective
+        row["exchange"] = _gather_exchange(mailbox.stats(), exchanged)
     return row if dist.get_rank() == 0 else None
+
+
+def _gather_exchange(now, before) -> dict[str, float]:
+    """The last step's exchange costs over all ranks: the most communicator calls per send and per receive on any
+    rank, and the waits for sizes inside the step (summed)."""
+    step = {k: getattr(now, k) - getattr(before, k) for k in ("sends", "receives", "send_calls", "receive_calls")}
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (step, now.size_waits - before.size_waits))
+    return {
+        "calls_per_send": max(s["send_calls"] / max(s["sends"], 1) for s, _ in per_rank),
+        "calls_per_receive": max(s["receive_calls"] / max(s["receives"], 1) for s, _ in per_rank),
+        "messages": sum(s["sends"] for s, _ in per_rank),
+        "size_waits": sum(waits for _, waits in per_rank),
+    }
 
 
 @contextlib.contextmanager
@@ -460,6 +480,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
     for r in rows:
         print(f"  {r['method']}: {r['layout']}, loss {r['loss']:.4f}, max memory {r['max_memory_gib']:.1f} GiB")
+        if r.get("exchange"):
+            x = r["exchange"]
+            print(
+                f"    exchange, last step: {x['messages']} messages, at most {x['calls_per_send']:.2f} communicator "
+                f"calls per send and {x['calls_per_receive']:.2f} per receive on a rank, {x['size_waits']} waits "
+                "for sizes inside the step"
+            )
         for name, share in (r.get("host_time_share") or {}).items():
             parts = ", ".join(f"{category} {fraction:.0%}" for category, fraction in sorted(share.items()))
             print(f"    {name}: {parts} of the last step (host time)")

@@ -78,6 +78,11 @@ def test_bench_e2e_three_methods_same_tokens(tmp_path):
     assert all("wait" in share for share in shares)  # AF-Pipe ranks wait for each other's messages
     # AF-Pipe has 1 attention lane, the others 2 data-parallel ranks: twice the micro-batches for the same tokens.
     assert rows["afpipe"]["micro_batches"] == 4 and rows["colocated-ep2"]["micro_batches"] == 2
+    # 1 A + 1 F with a known micro-batch size: no headers, one communicator call per message, no wait for sizes.
+    exchange = rows["afpipe"]["exchange"]
+    assert exchange["messages"] == 2 * 4 * 2 * 3 and exchange["size_waits"] == 0  # 2 kinds x K x 2 ends x 3 MoE
+    assert exchange["calls_per_send"] <= 1 and exchange["calls_per_receive"] <= 1
+    assert "exchange" not in rows["colocated-ep2"]
     for row in rows.values():
         assert row["tokens_per_step"] == 4 * 8
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0

@@ -182,6 +182,7 @@ class FanOut:
     ) -> None:
         self.transport, self.comm, self.peers, self.spec, self.headers = transport, comm, tuple(peers), spec, headers
         self._in_flight: deque[Sent] = deque()
+        self.calls = 0  # communicator calls made (grouped payload operations and header sends)
 
     def send(
         self,
@@ -212,6 +213,7 @@ class FanOut:
             payloads = [(self.spec.to_wire(payload),) for payload in payloads]
         ops = [Op("send", t, peer) for peer, payload in zip(self.peers, payloads) for t in payload if t.numel()]
         flat = tuple(t for payload in payloads for t in payload)
+        self.calls += len(header_works) + bool(ops)
         self._in_flight.append(Sent(self.transport.start(self.comm, ops), flat, tuple(header_works)))
         self._reap()
         return sizes
@@ -267,6 +269,7 @@ class FanIn:
         self.transport, self.comm, self.peers, self.spec, self.headers = transport, comm, tuple(peers), spec, headers
         self.device, self.comm_stream = device, comm_stream
         self._header_len = HEADER_FIXED + spec.metas + spec.num_sizes
+        self.calls = 0  # communicator calls made (header receives and grouped payload operations)
 
     def expect(self, tag: int) -> Arrival:
         arrival = Arrival(tag)
@@ -274,6 +277,7 @@ class FanIn:
             buffers = tuple(torch.empty(self._header_len, dtype=torch.int64) for _ in self.peers)
             works = [dist.irecv(b, peer, group=self.headers.group) for b, peer in zip(buffers, self.peers)]
             arrival.header_buffers, arrival.header_works = buffers, tuple(works)
+            self.calls += len(works)
         return arrival
 
     def header_arrived(self, arrival: Arrival) -> bool:
@@ -317,6 +321,7 @@ class FanIn:
             arrival.per_peer = per_peer
             ops = [Op("recv", t, peer) for peer, message in zip(self.peers, receives) for t in message if t.numel()]
             arrival.work = self.transport.start(self.comm, ops)
+            self.calls += bool(ops)
 
     def complete(self, arrival: Arrival) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
         """Hand the arrival's buffers to the compute stream; returns them whole and split per peer."""

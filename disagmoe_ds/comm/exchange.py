@@ -20,9 +20,10 @@ Communicators: one per (kind, g), over the ranks of its two sides, so each is on
 Only two kinds carry headers (gloo groups over the same ranks): m2n, whose receiver cannot know how many tokens
 a lane routed to it, and resid, which tells A_next the combine plan's sizes. Every other receiver knows its sizes
 already: the A side from its own dispatch plan, the F side from the m2n headers. With one ep rank per F-group and
-a known micro-batch size, m2n needs no header either: every token of a lane's micro-batch goes to its one peer
-with all K of its pairs, so both ends know the sizes (``ExchangeComms.static_m2n_rows``), and the F side posts its
-receives without waiting for anything host to host.
+a known micro-batch size, neither needs a header: every token of a lane's micro-batch goes to its one peer with all
+K of its pairs, so both ends know every size from the micro-batch size and whether the layer routes
+(``ExchangeComms.static_m2n_rows``, ``static_sizes``); every message is then one grouped operation, and no receive
+waits for anything host to host.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class ExchangeComms:
     transport: Transport
     comms: Mapping[tuple[Kind, int], Comm]
     headers: Mapping[tuple[Kind, int], Headers]
-    static_m2n_rows: int | None = None  # rows of every m2n message when it has no header (see the module docstring)
+    static_m2n_rows: int | None = None  # tokens of every micro-batch when m2n and resid have no header (docstring)
 
     def fan_out(self, kind: Kind, spec: MessageSpec) -> FanOut:
         key, peers = endpoint(self.layout, kind, self.rank, sending=True)
@@ -154,9 +155,26 @@ def static_m2n_rows(layout: Layout, tokens_per_micro_batch: int | None) -> int |
     return tokens_per_micro_batch if layout.ep_size == 1 else None
 
 
+def static_sizes(
+    kind: Kind, *, rows: int, top_k: int, peers: int, moe_layer: bool
+) -> tuple[list[tuple[int, ...]], tuple[tuple[int, ...], ...]]:
+    """The sizes and header metas every message of a header-less ``kind`` has (one ep rank, ``rows`` tokens per
+    micro-batch), per peer: m2n, each of ``peers`` lanes' whole micro-batch with all K pairs local; resid, T rows
+    and, when the sending layer routes (``moe_layer``), a combine plan of T rows to the one ep rank (-1: dense).
+
+    >>> static_sizes(Kind.RESID, rows=8, top_k=2, peers=1, moe_layer=True)
+    ([(8, 8)], ((8,),))
+    """
+    if kind == Kind.M2N:
+        return [(rows,)] * peers, ((rows * top_k,),) * peers
+    if kind == Kind.RESID:
+        return [(rows, rows if moe_layer else 0)], ((rows if moe_layer else -1,),)
+    raise ValueError(f"{kind.value} messages carry no header: their receivers know their sizes from other messages")
+
+
 def assume_static_m2n(arrival: Arrival, rows: int, top_k: int, lanes: int) -> None:
-    """Give a header-less m2n arrival its sizes: each of ``lanes`` sent its whole micro-batch, all K pairs local."""
-    arrival.sizes, arrival.metas = [(rows,)] * lanes, ((rows * top_k,),) * lanes
+    """Give a header-less m2n arrival its sizes (``static_sizes``)."""
+    arrival.sizes, arrival.metas = static_sizes(Kind.M2N, rows=rows, top_k=top_k, peers=lanes, moe_layer=True)
 
 
 def build_exchange_comms(
@@ -164,13 +182,13 @@ def build_exchange_comms(
 ) -> ExchangeComms:
     """Create every exchange communicator (and header group) on every rank in the same order, then warm them up.
 
-    ``tokens_per_micro_batch`` (a lane's B x S, the same on every rank): with one ep rank per F-group, m2n then
-    goes without headers (``static_m2n_rows``).
+    ``tokens_per_micro_batch`` (a lane's B x S, the same on every rank): with one ep rank per F-group, m2n and resid
+    then go without headers (``static_m2n_rows``, ``static_sizes``).
     """
     layout.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
     static_rows = static_m2n_rows(layout, tokens_per_micro_batch)
-    with_headers = (Kind.RESID,) if static_rows is not None else (Kind.M2N, Kind.RESID)
+    with_headers = () if static_rows is not None else (Kind.M2N, Kind.RESID)
     comms: dict[tuple[Kind, int], Comm] = {}
     headers: dict[tuple[Kind, int], Headers] = {}
     for kind, group in comm_keys(layout):

@@ -141,6 +141,7 @@ class Disaggregated:
             device=parts.device,
             comm_stream=cfg.comm_stream,
             resend=cfg.resend,
+            moe_layers=parts.routing.moe_layers,
         )
         return AFPipeExecutor(
             engine=parts.engine,

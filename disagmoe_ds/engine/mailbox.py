@@ -5,7 +5,7 @@ Every message kind a rank sends leaves through one ``FanOut`` and every kind it 
 order; the mailbox adds what makes that safe and fast under rendezvous:
 
 - **sizes before receives.** A payload receive is posted as soon as its sizes are known: from a header (m2n, resid),
-  from the micro-batch size (m2n with one ep rank: ``ExchangeComms.static_m2n_rows``), or from what this rank
+  from the micro-batch size (m2n and resid with one ep rank: ``exchange.static_sizes``), or from what this rank
   itself sent earlier (the reverse paths). ``pump`` posts every receive that has become
   postable, oldest first per channel, without blocking; a wait blocks only for a header that is not in yet.
 - **no host sync per send.** Sizes come from tensor shapes and host ints, headers go host to host. Where the sizes
@@ -38,12 +38,13 @@ from typing import Any
 import torch
 
 from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn, FanOut
-from disagmoe_ds.comm.exchange import ExchangeComms, Kind, LaneRows, assume_static_m2n, exchange_specs
+from disagmoe_ds.comm.exchange import ExchangeComms, Kind, LaneRows, exchange_specs, static_sizes
 from disagmoe_ds.comm.routing import RoutedTokens
 from disagmoe_ds.engine.later import Later, made
 from disagmoe_ds.schedule import Message
 
 Key = tuple[str, int, int]  # (kind, layer of the sending task, micro-batch)
+_HEADED = ("m2n", "resid")  # the kinds whose sizes need a header, except with one ep rank (``static_sizes``)
 
 
 def message_key(message: Message) -> Key:
@@ -53,6 +54,29 @@ def message_key(message: Message) -> Key:
 def _tag(key: Key) -> int:
     # Checked by the receiver against the next message on the channel: catches any schedule mismatch.
     return key[1] * (1 << 20) + key[2]
+
+
+@dataclass
+class ExchangeStats:
+    """What one rank's exchanges cost its host so far: messages, communicator calls, and waits for sizes.
+
+    ``size_waits`` counts the times the host had to stop inside a step for a message's sizes: a header not in yet
+    when its payload was waited for, or sizes made on the device not yet on the host when a send had to go.
+    """
+
+    sends: int = 0
+    receives: int = 0
+    send_calls: int = 0
+    receive_calls: int = 0
+    size_waits: int = 0
+
+    @property
+    def calls_per_send(self) -> float:
+        return self.send_calls / max(self.sends, 1)
+
+    @property
+    def calls_per_receive(self) -> float:
+        return self.receive_calls / max(self.receives, 1)
 
 
 @dataclass
@@ -75,7 +99,10 @@ class Mailbox:
         device: torch.device,
         comm_stream: bool = True,
         resend: bool = False,
+        moe_layers: Sequence[bool] = (),
     ):
+        """``moe_layers``: which layers route (one bool per layer); header-less resid messages (one ep rank) take
+        their sizes from it."""
         layout, rank = comms.layout, comms.rank
         specs = exchange_specs(
             hidden, top_k, layout.num_experts, layout.ep_size, dtype=dtype, weight_dtype=weight_dtype, resend=resend
@@ -91,12 +118,13 @@ class Mailbox:
         self._out: dict[str, FanOut] = {k.value: comms.fan_out(k, specs[k]) for k in sends}
         self._in = {k.value: _Inbox(comms.fan_in(k, specs[k], device, stream)) for k in receives}
         self._known: dict[Key, list[tuple[int, ...]]] = {}  # sizes of receives this rank can predict
-        self._static_m2n_rows, self._top_k = comms.static_m2n_rows, top_k
+        self._static_rows, self._top_k, self._moe_layers = comms.static_m2n_rows, top_k, tuple(moe_layers)
         # Sends not made yet, in schedule order, each with the point of the compute stream that produced it.
         self._queued: deque[tuple[Message, Any, torch.cuda.Event | None]] = deque()
         cuda = device.type == "cuda"
         self._send_stream = torch.cuda.Stream(device) if cuda else None
         self._waits_block_host = not cuda  # NCCL waits are the compute stream's; gloo's block the host
+        self._sends = self._receives = self._size_waits = 0
 
     # ----- the schedule's verbs -----
     def post(self, message: Message) -> None:
@@ -119,11 +147,13 @@ class Mailbox:
         for k, arrival in list(inbox.pending)[: index + 1]:
             if arrival.work is None:
                 if not self._resolve(message.kind, k, arrival, block=False):
+                    self._size_waits += 1
                     self._drain(block=True)  # this rank's queued sends may be what the sender waits for
                     self._resolve(message.kind, k, arrival, block=True)
                 inbox.fan_in.post(arrival)
         arrival = inbox.pending[index][1]
         del inbox.pending[index]
+        self._receives += 1
         whole, per_peer = inbox.fan_in.complete(arrival)
         return self._unpack(message.kind, arrival, whole, per_peer)
 
@@ -137,6 +167,7 @@ class Mailbox:
         self.pump()
 
     def _send_now(self, message: Message, payload: Any) -> None:
+        self._sends += 1
         key = message_key(message)
         kind, layer, mb = key
         tag = _tag(key)
@@ -147,7 +178,7 @@ class Mailbox:
             fan_out.send(list(zip(*parts, strict=True)), tag=tag)
         elif kind == "m2n":
             messages, pairs = payload
-            self._check_static_m2n(key, messages)
+            self._check_static(key, messages)
             sizes = fan_out.send(messages, tag=tag, metas=[(p,) for p in pairs])
             self._known[("m2n_grad", layer, mb)] = sizes
             if self.depth == 1:  # A_next is this rank
@@ -156,6 +187,7 @@ class Mailbox:
             fan_out.send(payload[0], tag=tag)
         elif kind == "resid":
             tensors, rows_P = payload
+            self._check_static(key, [tensors])
             (sizes,) = fan_out.send([tensors], tag=tag, metas=[rows_P])
             self._known[("resid_grad", layer + 1, mb)] = [sizes[:1]]
         else:  # resid_grad
@@ -173,9 +205,19 @@ class Mailbox:
                     break
                 inbox.fan_in.post(arrival)
 
+    def stats(self) -> ExchangeStats:
+        """The rank's exchange costs since the mailbox was built."""
+        return ExchangeStats(
+            sends=self._sends,
+            receives=self._receives,
+            send_calls=sum(fan_out.calls for fan_out in self._out.values()),
+            receive_calls=sum(inbox.fan_in.calls for inbox in self._in.values()),
+            size_waits=self._size_waits,
+        )
+
     def flush(self) -> None:
         """Wait until every send has left (end of step: buffers may be freed)."""
-        self._drain(block=True)
+        self._drain(block=True, step_end=True)
         for fan_out in self._out.values():
             fan_out.wait_all()
         stale = [key for inbox in self._in.values() for key, _ in inbox.pending]
@@ -183,12 +225,15 @@ class Mailbox:
             raise ChannelError(f"end of step with messages expected but never waited: {stale or list(self._known)}")
 
     # ----- queued sends -----
-    def _drain(self, *, block: bool) -> None:
-        """Send the queue in order: up to the first ``Later`` not ready (``block``: waiting for each)."""
+    def _drain(self, *, block: bool, step_end: bool = False) -> None:
+        """Send the queue in order: up to the first ``Later`` not ready (``block``: waiting for each; a wait counts
+        as a size wait unless it is the ``step_end``'s, where the host waits for the device anyway)."""
         while self._queued:
             message, payload, produced = self._queued[0]
-            if isinstance(payload, Later) and not (block or payload.ready()):
-                return
+            if isinstance(payload, Later) and not payload.ready():
+                if not block:
+                    return
+                self._size_waits += not step_end  # the host waits for sizes made on the device
             self._queued.popleft()
             with self._after(produced):
                 self._send_now(message, made(payload))
@@ -214,8 +259,8 @@ class Mailbox:
         if arrival.sizes is not None:
             return True
         fan_in = self._in[kind].fan_in
-        if kind == "m2n" and fan_in.headers is None:  # one ep rank: no header, the sizes are the micro-batch's
-            assume_static_m2n(arrival, self._static_m2n_rows, self._top_k, len(fan_in.peers))
+        if kind in _HEADED and fan_in.headers is None:  # one ep rank: no header, the sizes are the micro-batch's
+            arrival.sizes, arrival.metas = self._static_sizes(kind, key, len(fan_in.peers))
             self._learn_from_header(kind, key, arrival)
             return True
         if fan_in.headers is not None:
@@ -233,13 +278,23 @@ class Mailbox:
         arrival.sizes = self._known.pop(key)
         return True
 
-    def _check_static_m2n(self, key: Key, messages) -> None:
-        rows = self._static_m2n_rows
-        if self._out["m2n"].headers is None and any(message[0].shape[0] != rows for message in messages):
-            got = [message[0].shape[0] for message in messages]
+    def _static_sizes(self, kind: str, key: Key, peers: int):
+        moe_layer = self._moe_layers[key[1]] if kind == "resid" else True
+        return static_sizes(Kind(kind), rows=self._static_rows, top_k=self._top_k, peers=peers, moe_layer=moe_layer)
+
+    def _check_static(self, key: Key, messages) -> None:
+        """A header-less message must have the sizes its receiver assumes (else it would wait for bytes never sent)."""
+        fan_out = self._out[key[0]]
+        if fan_out.headers is not None:
+            return
+        want, _ = self._static_sizes(key[0], key, len(messages))
+        got = [fan_out.spec.sizes_of(message) for message in messages]
+        if got != want:
+            side = "the FFN side expects" if key[0] == "m2n" else "the next A-group expects"
             raise ChannelError(
-                f"{key}: m2n rows {got}, but the FFN side expects the micro-batch's {rows} tokens (one ep rank, no "
-                "header): every micro-batch must have the micro_batch_size x seq_len the ranks were built with"
+                f"{key}: {key[0]} rows {[g[0] for g in got]}, but {side} the micro-batch's {self._static_rows} tokens "
+                "(one ep rank, no header): every micro-batch must have the micro_batch_size x seq_len the ranks were "
+                "built with"
             )
 
     def _learn_from_header(self, kind: str, key: Key, arrival: Arrival) -> None:
