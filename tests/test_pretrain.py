@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import psutil
@@ -331,11 +332,29 @@ def _other_model_checkpoint(root: Path) -> Path:
         ("hostfile", r"hostfile .*bad line 2: 'worker-1 slots=eight' is malformed"),
         ("check hostfile", r"hostfile .*bad line 2: 'worker-1 slots=eight' is malformed"),
         ("layout", r"num_experts \(8\) must be divisible by the expert-parallel size \(3"),
+        ("unknown host", r"host 'no-such-host.invalid' does not resolve from this machine"),
+        ("save-dir is a file", r"--save-dir .*a-file is a file; it must be a directory"),
+        ("export-hf under a file", r"--export-hf .*hf cannot be made: .*a-file is a file, not a directory"),
+        ("metrics-file is a folder", r"--metrics-file .* is a directory; it must be a file"),
+        ("misspelt ds_config key", r'ds_config key "zero_optimisation" .* did you mean "zero_optimization"\?'),
+        ("optimizer without type", r'ds_config "optimizer" has no "type"; name one'),
+        ("scheduler without its params", r'ds_config "scheduler.params" lacks cycle_min_lr, cycle_max_lr'),
     ],
 )
 def test_bad_input_is_a_one_line_error_before_any_rank_starts(tok_cache, tmp_path, capfd, case, message) -> None:
     (tmp_path / "empty.txt").write_text("\n")
     (tmp_path / "bad").write_text("worker-0 slots=8\nworker-1 slots=eight\n")
+    (tmp_path / "unknown").write_text("localhost slots=2\nno-such-host.invalid slots=2\n")
+    (tmp_path / "a-file").write_text("not a directory")
+    ds = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())
+    edits = {
+        "misspelt ds_config key": lambda d: d.update(zero_optimisation=d.pop("zero_optimization")),
+        "optimizer without type": lambda d: d["optimizer"].pop("type"),
+        "scheduler without its params": lambda d: d.update(scheduler={"type": "OneCycle", "params": {}}),
+    }
+    if case in edits:
+        edits[case](ds)
+        (tmp_path / "ds.json").write_text(json.dumps(ds))
     argv = {
         "missing data": ["--data", "/no/such/corpus.jsonl"],
         "empty data": ["--data", tmp_path / "empty.txt"],
@@ -345,8 +364,37 @@ def test_bad_input_is_a_one_line_error_before_any_rank_starts(tok_cache, tmp_pat
         "hostfile": ["--hostfile", tmp_path / "bad"],
         "check hostfile": ["--check-hostfile", tmp_path / "bad"],
         "layout": ["--ffn-gpus", 3],
-    }[case]
+        "unknown host": ["--check-hostfile", tmp_path / "unknown"],
+        "save-dir is a file": ["--save-dir", tmp_path / "a-file"],
+        "export-hf under a file": ["--export-hf", tmp_path / "a-file" / "hf"],
+        "metrics-file is a folder": ["--metrics-file", tmp_path],
+    }.get(case, ["--deepspeed_config", tmp_path / "ds.json"])
     assert_refused_before_launch(tok_cache, capfd, argv, message)
+
+
+def test_a_read_only_output_is_refused_before_launch(tok_cache, tmp_path, capfd, monkeypatch) -> None:
+    import errno
+
+    from disagmoe_ds.train import checks
+
+    def read_only(folder):  # as on a read-only mount (root, which tests may run as, passes permission bits)
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(checks, "_probe", read_only)
+    argv = ["--save-dir", tmp_path / "runs"]
+    assert_refused_before_launch(tok_cache, capfd, argv, r"--save-dir .*runs cannot be written \(Read-only file")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_every_shipped_ds_config_passes_the_key_checks() -> None:
+    from disagmoe_ds.train.checks import check_ds_config_keys
+    from disagmoe_ds.train.settings import apply_overrides
+
+    for path in sorted((ROOT / "ds_configs").glob("*.json")):
+        config = apply_overrides(json.loads(path.read_text()), lr=None, dtype="fp32", steps=10)  # as a run has it
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an unknown key would warn
+            check_ds_config_keys(config)
 
 
 def test_tensorboard_without_the_package_is_refused_before_launch(tok_cache, tmp_path, capfd, monkeypatch) -> None:

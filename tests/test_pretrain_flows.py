@@ -11,6 +11,7 @@ import json
 import re
 import shlex
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,6 +221,9 @@ def test_readme_cpu_commands_run_as_written(tok_cache, tmp_path, monkeypatch, ca
     check_cmd = next(c for c in commands if "--check-hostfile" in c)
 
     monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(
+        socket, "getaddrinfo", lambda host, port: [(None, None, None, "", ("10.0.0.1", 0))]
+    )  # a cluster
     assert run_pretrain.main(shlex.split(check_cmd)[2:]) == 0
     assert capfd.readouterr().out == "hostfiles/2nodes-16gpu: ok, worker-0: 8, worker-1: 8 = 16 ranks\n"
 

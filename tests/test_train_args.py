@@ -140,3 +140,12 @@ def test_tensorboard_without_the_package_is_refused_with_the_fix(tmp_path: Path,
         _parse("--tensorboard", str(tmp_path / "tb"))
     monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
     assert _parse("--tensorboard", str(tmp_path / "tb"))[0].tensorboard == tmp_path / "tb"
+
+
+def test_a_ds_config_key_unlike_any_deepspeed_reads_is_warned_about() -> None:
+    from disagmoe_ds.train.checks import check_ds_config_keys
+
+    with pytest.warns(UserWarning, match=r'ds_config key "my_notes" is not one DeepSpeed .* reads; it is ignored'):
+        check_ds_config_keys({"my_notes": "run 7", "zero_optimization": {"stage": 1}})
+    with pytest.raises(ConfigError, match=r'"scheduler.type" \'Cosine\' is not a DeepSpeed scheduler; one of'):
+        check_ds_config_keys({"scheduler": {"type": "Cosine"}})

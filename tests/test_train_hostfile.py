@@ -1,7 +1,9 @@
-"""Hostfiles are checked before launch: DeepSpeed's format, each host once, slots adding up to the layout."""
+"""Hostfiles are checked before launch: DeepSpeed's format, each host once and resolvable, slots adding up to the
+layout."""
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -20,7 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("name", ["localhost-cpu", "1node-8gpu", "2nodes-16gpu"])
-def test_shipped_hostfiles_parse(name: str) -> None:
+def test_shipped_hostfiles_parse(name: str, monkeypatch) -> None:
+    if name != "localhost-cpu":  # cluster hostfiles: their workers resolve on the cluster, not here
+        monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: [(None, None, None, "", ("10.0.0.1", 0))])
     hosts = check_hostfile(ROOT / "hostfiles" / name)
     assert hosts and all(slots >= 1 for slots in hosts.values())
 
@@ -51,10 +55,18 @@ def test_missing_file_and_world_size(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         check_hostfile(tmp_path / "nope")
     hf = tmp_path / "hf"
-    hf.write_text("a slots=8\nb slots=8\n")
-    assert check_hostfile(hf, world_size=16) == {"a": 8, "b": 8}
-    with pytest.raises(ConfigError, match=r"has 16 slots \(a: 8, b: 8\) but the layout needs 4 ranks"):
+    hf.write_text("localhost slots=8\n127.0.0.1 slots=8\n")
+    assert check_hostfile(hf, world_size=16) == {"localhost": 8, "127.0.0.1": 8}
+    with pytest.raises(ConfigError, match=r"has 16 slots \(localhost: 8, 127.0.0.1: 8\) but the layout needs 4"):
         check_hostfile(hf, world_size=4)
+
+
+def test_a_host_that_does_not_resolve_is_refused(tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    hf.write_text("localhost slots=2\nno-such-host.invalid slots=2\n")  # .invalid never resolves (RFC 2606)
+    with pytest.raises(ConfigError, match=r"host 'no-such-host.invalid' does not resolve from this machine") as info:
+        check_hostfile(hf, world_size=4)
+    assert "\n" not in str(info.value)
 
 
 def test_relaunch_command() -> None:

@@ -24,6 +24,7 @@ parameters (DeepSpeed's MoE conventions, ``colocated.model``), with its own ``Gr
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
@@ -285,6 +286,22 @@ def barriers_within(replicas: dist.ProcessGroup) -> Iterator[None]:
         deepspeed.comm.barrier = barrier
 
 
+@contextmanager
+def _scheduler_start_unlogged() -> Iterator[None]:
+    """DeepSpeed's warm-up schedulers read their own rate while they are built and warn that they have not started
+    (once per rank: a line nobody can act on); other messages pass."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "scheduler before it has started" not in record.getMessage()
+
+    ds_logger = logging.getLogger("DeepSpeed")
+    ds_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        ds_logger.removeFilter(keep)
+
+
 def build_engine(
     module: nn.Module,
     ds_config: dict[str, Any],
@@ -315,7 +332,7 @@ def build_engine(
     stage3 = config["zero_optimization"]["stage"] == 3
     if stage3:
         gather_read_parameters(module)
-    with barriers_within(data_parallel_group) if stage3 else nullcontext():
+    with barriers_within(data_parallel_group) if stage3 else nullcontext(), _scheduler_start_unlogged():
         engine, *_ = deepspeed.initialize(
             model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config, mpu=mpu
         )

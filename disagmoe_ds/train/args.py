@@ -19,8 +19,10 @@ from disagmoe_ds.config import DisagMoEConfig, load_ds_config
 from disagmoe_ds.launch import detect_launcher
 from disagmoe_ds.train.checks import (
     check_batch_keys,
+    check_ds_config_keys,
     check_engine_config,
     check_flag_values,
+    check_outputs,
     check_resume_flags,
     check_tensorboard,
 )
@@ -112,8 +114,10 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
     ds_config = apply_overrides(ds_config, lr=ns.lr, dtype=dtype, steps=ns.steps, zero=ns.zero)
     check_batch_keys(ds_config, cfg, batch)
     check_engine_config(ds_config, cfg, batch, lr_flag=ns.lr is not None)
+    check_ds_config_keys(ds_config)
     check_resume_flags(ns.resume, ns.save_dir)
     check_tensorboard(ns.tensorboard)
+    check_outputs(ns)
     derived = {
         "model": ns.init_from or ns.model or default_model,
         "pretrained": ns.init_from is not None,

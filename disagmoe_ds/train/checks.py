@@ -7,12 +7,17 @@ itself would refuse inside every rank is refused here too (``check_engine_config
 from __future__ import annotations
 
 import argparse
+import difflib
+import inspect
+import tempfile
+import warnings
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from disagmoe_ds.colocated.layout import ColocatedConfig
-from disagmoe_ds.config import ZERO_STAGES, DisagMoEConfig
+from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
 from disagmoe_ds.engine.deepspeed_role import ds_stage, role_ds_config
 from disagmoe_ds.errors import ConfigError
 
@@ -45,6 +50,44 @@ def check_flag_values(ns: argparse.Namespace) -> None:
 def check_resume_flags(resume: str | None, save_dir: Path | None) -> None:
     if resume == "" and save_dir is None:
         raise ConfigError("--resume without a checkpoint path needs --save-dir (the run's checkpoint root)")
+
+
+def check_outputs(ns: argparse.Namespace) -> None:
+    """Every place the run writes to can be written, checked before any rank starts: a read-only mount or a path
+    through a file would otherwise end the run at its first save, losing the steps before it."""
+    for flag, path, directory in (
+        ("--save-dir", ns.save_dir, True),
+        ("--export-hf", ns.export_hf, True),
+        ("--tensorboard", ns.tensorboard, True),
+        ("--metrics-file", ns.metrics_file, False),
+        ("--timeline", ns.timeline, False),
+    ):
+        if path is not None:
+            _check_writable(flag, Path(path), directory=directory)
+
+
+def _check_writable(flag: str, path: Path, *, directory: bool) -> None:
+    """``path`` (a directory, or a file) exists as that kind and is writable, or can be made where its nearest
+    existing parent is. Nothing is left behind: the probe is a temporary file."""
+    kind = "a directory" if directory else "a file"
+    if path.exists() and path.is_dir() != directory:
+        raise ConfigError(f"{flag} {path} is {'a file' if directory else 'a directory'}; it must be {kind}")
+    folder = path if directory and path.exists() else path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {path} cannot be made: {folder} is a file, not a directory; pick another path")
+    try:
+        _probe(folder)
+    except OSError as error:
+        raise ConfigError(
+            f"{flag} {path} cannot be written ({error.strerror or error} in {folder}); pick a path you can write to"
+        ) from None
+
+
+def _probe(folder: Path) -> None:
+    with tempfile.TemporaryFile(dir=folder):
+        pass
 
 
 def check_tensorboard(log_dir: Path | None) -> None:
@@ -93,6 +136,88 @@ def check_engine_config(
     _check_range('ds_config "optimizer.params.weight_decay"', params.get("weight_decay"), lambda v: v >= 0, ">= 0")
     for beta in params.get("betas") or ():
         _check_range('ds_config "optimizer.params.betas"', beta, lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+def check_ds_config_keys(ds_config: dict[str, Any]) -> None:
+    """What DeepSpeed would ignore or fail on late, refused (or, for a key unlike any it knows, warned) here.
+
+    A top-level key DeepSpeed does not read is silently ignored by it: a misspelt ``zero_optimization`` trains at
+    ZeRO-0. The keys it reads are the ones its own config parser asks for (``_deepspeed_keys``), plus ours.
+    """
+    known = _deepspeed_keys()
+    for key in sorted(set(ds_config) - known - {SECTION}):
+        close = difflib.get_close_matches(key, sorted(known | {SECTION}), n=1, cutoff=0.75)
+        if close:
+            raise ConfigError(f'ds_config key "{key}" is not one DeepSpeed reads (it would be ignored); did you mean '
+                              f'"{close[0]}"?')  # fmt: skip
+        warnings.warn(f'ds_config key "{key}" is not one DeepSpeed {_ds_version()} reads; it is ignored', stacklevel=2)
+    for section in ("optimizer", "scheduler"):
+        block = ds_config.get(section)
+        if block is not None and not (isinstance(block, dict) and block.get("type")):
+            raise ConfigError(
+                f'ds_config "{section}" has no "type"; name one (e.g. {_EXAMPLE_TYPE[section]}) or remove the block'
+            )
+    scheduler = ds_config.get("scheduler")
+    if scheduler is not None:
+        _check_scheduler(scheduler["type"], scheduler.get("params") or {})
+
+
+_EXAMPLE_TYPE = {"optimizer": '"type": "AdamW"', "scheduler": '"type": "WarmupLR"'}
+# Read by DeepSpeed outside its config parser (engine, profiler, autotuner, monitor set-up).
+_READ_ELSEWHERE = {"scheduler", "activation_checkpointing", "flops_profiler", "aio", "autotuning"}
+
+
+@cache
+def _deepspeed_keys() -> frozenset[str]:
+    """The top-level keys DeepSpeed's config parser reads (recorded while it parses a minimal config)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    class Recorded(dict):
+        seen: set[str] = set()
+
+        def get(self, key, default=None):
+            self.seen.add(key)
+            return super().get(key, default)
+
+        def __contains__(self, key) -> bool:
+            self.seen.add(key)
+            return super().__contains__(key)
+
+        def __getitem__(self, key):
+            self.seen.add(key)
+            return super().__getitem__(key)
+
+        def keys(self):  # ``KEY in config.keys()``, as DeepSpeed often asks, is a question about KEY too
+            return self
+
+    DeepSpeedConfig(Recorded(train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1))
+    return frozenset(Recorded.seen | _READ_ELSEWHERE)
+
+
+def _ds_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
+def _check_scheduler(name: str, params: dict[str, Any]) -> None:
+    """A scheduler DeepSpeed knows, with every parameter its constructor requires."""
+    from deepspeed.runtime import lr_schedules
+
+    if name not in lr_schedules.VALID_LR_SCHEDULES:
+        raise ConfigError(
+            f'ds_config "scheduler.type" {name!r} is not a DeepSpeed scheduler; one of '
+            f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)}"
+        )
+    signature = inspect.signature(getattr(lr_schedules, name).__init__)
+    required = [
+        p.name
+        for p in list(signature.parameters.values())[2:]  # self, optimizer
+        if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
+    ]
+    missing = [p for p in required if p not in params]
+    if missing:
+        raise ConfigError(f'ds_config "scheduler.params" lacks {", ".join(missing)}, which {name} requires')
 
 
 def _check_range(where: str, value: Any, ok: Callable[[float], bool], rule: str) -> None:

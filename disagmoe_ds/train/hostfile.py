@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,10 +46,13 @@ def parse_hostfile(lines: Sequence[str], name: str) -> dict[str, int]:
 
 
 def check_hostfile(path: Path, *, world_size: int | None = None) -> dict[str, int]:
-    """Parse ``path`` and, given the layout's world size, check that the slots add up to it."""
+    """Parse ``path``, check that every host resolves from here and, given the layout's world size, that the slots
+    add up to it."""
     if not path.is_file():
         raise ConfigError(f"hostfile {path} does not exist (DeepSpeed would silently use only this machine)")
     hosts = parse_hostfile(path.read_text().splitlines(), str(path))
+    for host in hosts:
+        _check_resolves(path, host)
     total = sum(hosts.values())
     if world_size is not None and total != world_size:
         raise ConfigError(
@@ -56,6 +60,18 @@ def check_hostfile(path: Path, *, world_size: int | None = None) -> dict[str, in
             f"(attention_gpus + ffn_gpus); change the slots or the layout"
         )
     return hosts
+
+
+def _check_resolves(path: Path, host: str) -> None:
+    """The launcher reaches each host by name (ssh, then the rendezvous): one that does not resolve fails there in a
+    long traceback, or, with ``--no_ssh_check``, runs the job on this machine alone."""
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as error:
+        raise ConfigError(
+            f"hostfile {path}: host {host!r} does not resolve from this machine ({error.strerror or error}); fix the "
+            "name, or make it resolvable here (DNS or /etc/hosts)"
+        ) from None
 
 
 def describe(hosts: dict[str, int]) -> str:

@@ -76,7 +76,7 @@ class Disaggregated:
             f"layout: {layout.describe()}",
             f"A:F split: {layout.attention_gpus}:{layout.ffn_gpus} of {layout.world_size} ranks",
             f"pipeline: {args.cfg.micro_batches} micro-batches per lane per step, at most {schedule.max_in_flight} "
-            f"in flight per worker; predicted bubble {bubble:.0%} (schedule simulation, {args.cfg.cluster} task costs)",
+            f"in flight per worker; predicted bubble {bubble:.0%} {_costed_on(args.cfg.cluster)}",
         ]
 
     def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
@@ -84,6 +84,13 @@ class Disaggregated:
         if args.cfg.compile or args.cfg.cuda_graphs:  # compiled kernels loaded, graphs captured before any exchange
             runtime.executor.warm_up(args.seq_len, packed=True)  # packed data carries positions
         return runtime
+
+
+def _costed_on(cluster: str) -> str:
+    """What the predicted bubble assumes: the schedule is simulated with the task costs of ``cluster``'s GPUs."""
+    if torch.cuda.is_available():
+        return f"(schedule simulation with {cluster} task costs)"
+    return f"on {cluster} GPUs (schedule simulation; these CPU ranks run the same order at other speeds)"
 
 
 class Colocated:
