@@ -121,18 +121,26 @@ def test_relayout_of_a_frozen_run_resumes_at_its_data_position(ft_run, tok_cache
     assert resumed["step"] == 3 and abs(resumed["loss"] - expected["loss"]) <= RELAYOUT_TOL, (resumed, expected)
 
 
-def test_converted_hf_checkpoint_resumes_from_the_start_of_the_data(ft_run, tok_cache, tmp_path, capfd) -> None:
+@pytest.mark.parametrize("zero", [0, 1])
+def test_converted_hf_checkpoint_resumes_with_the_runs_optimizer(ft_run, tok_cache, tmp_path, capfd, zero) -> None:
+    """hf-to-disagmoe's checkpoint holds weights only: resumed, it trains exactly as a fresh run from the same HF
+    weights does, with the run's own AdamW and warm-up (not the converter's), under ZeRO-0 too."""
     ckpt = tmp_path / "ckpt"
-    to_disagmoe = f"hf-to-disagmoe --model {ft_run.export} --out {ckpt} --attention-gpus 2 --ffn-gpus 2 --zero 1"
+    to_disagmoe = f"hf-to-disagmoe --model {ft_run.export} --out {ckpt} --attention-gpus 2 --ffn-gpus 2 --zero {zero}"
     assert convert([*to_disagmoe.split(), "--freeze-router"]) == 0
     out_dir = tmp_path / "resumed"
-    argv = ft_run.argv("--zero", 1, "--steps", 1, "--save-dir", out_dir, "--resume", ckpt)
-    assert pretrain(tok_cache, *argv) == 0
+    argv = ft_run.argv("--zero", zero, "--steps", 2, "--save-dir", out_dir, "--resume", ckpt)
+    assert pretrain(tok_cache, *argv, "--metrics-file", tmp_path / "resumed.jsonl") == 0
     out = capfd.readouterr().out
     assert "data from its start (the checkpoint records no data position)" in out
+    assert "weights only (converted from HF): the optimizer and LR scheduler start from this run's ds_config" in out
     assert "fewer than the 16 a step reads: every step repeats samples" in out  # was "one epoch = 0 steps"
-    assert "done: steps 1-1 of 1 (1 step, 2,048 tokens) in" in out and f"wrote checkpoint {out_dir}" in out
-    assert json.loads((out_dir / "step1" / "manifest.json").read_text())["frozen"]["router"]
+    assert "done: steps 1-2 of 2 (2 steps, 4,096 tokens) in" in out and f"wrote checkpoint {out_dir}" in out
+    assert json.loads((out_dir / "step2" / "manifest.json").read_text())["frozen"]["router"]
+    fresh = ["--init-from", ft_run.export, "--sft", "--data", ft_run.data, "--seq-len", 64, "--zero", zero]
+    assert pretrain(tok_cache, *fresh, "--steps", 2, "--freeze-router", "--metrics-file", tmp_path / "fresh.jsonl") == 0
+    resumed, started = records(tmp_path / "resumed.jsonl"), records(tmp_path / "fresh.jsonl")
+    assert [(r["loss"], r["lr"]) for r in resumed] == [(r["loss"], r["lr"]) for r in started]
 
 
 def _truncated_copy(ft_run: FineTune, root: Path) -> Path:

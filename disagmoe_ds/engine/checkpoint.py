@@ -286,6 +286,12 @@ def check_compatible(manifest: dict[str, Any], config, layout: Layout | Recorded
         raise CheckpointError(f"checkpoint {where} has layout {saved}, this run has {current}; {job.relayout_hint}")
 
 
+# Manifest entry of a checkpoint that holds weights only (``disagmoe-convert hf-to-disagmoe``): its optimizer state
+# is the converter's fresh one, so a run that resumes it loads the module alone and keeps its own optimizer and LR
+# scheduler, as its ds_config makes them.
+WEIGHTS_ONLY = "weights_only"
+
+
 def load_checkpoint(
     engine, role, layout: Layout | RecordedLayout, config, root: str | Path, tag: str | None = None
 ) -> tuple[str, dict[str, Any]]:
@@ -294,10 +300,16 @@ def load_checkpoint(
     manifest = read_manifest(root, tag)
     check_compatible(manifest, config, layout, Path(root) / tag)
     path = Path(root) / tag / recorded(layout).checkpoint_dir(role)
-    # A checkpoint written without a scheduler (disagmoe-convert hf-to-disagmoe's default ds_config) has no state
-    # for this engine's one, which then starts fresh (train.checkpoints allows that at step 0 only).
-    saved_scheduler = (manifest.get("ds_config") or {"scheduler": True}).get("scheduler") is not None
-    load_path, client_state = engine.load_checkpoint(str(path), tag=_DS_TAG, load_lr_scheduler_states=saved_scheduler)
+    if manifest.get(WEIGHTS_ONLY):  # HF weights converted: the run's own optimizer and scheduler start fresh
+        load_path, client_state = engine.load_checkpoint(str(path), tag=_DS_TAG, load_module_only=True)
+    else:
+        # A checkpoint written without a scheduler has no state for this engine's one, which then starts fresh
+        # (train.checkpoints allows that at step 0 only); one that records no ds_config at all predates the record.
+        saved_ds_config = manifest.get("ds_config")
+        saved_scheduler = saved_ds_config is None or saved_ds_config.get("scheduler") is not None
+        load_path, client_state = engine.load_checkpoint(
+            str(path), tag=_DS_TAG, load_lr_scheduler_states=saved_scheduler
+        )
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint in {path}")
     return tag, client_state

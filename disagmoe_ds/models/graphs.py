@@ -121,7 +121,7 @@ class GraphedPart:
         if slots < 1:
             raise ValueError(f"{name}: a graphed part needs at least one slot, got {slots}")
         self.fn, self.name = fn, name
-        self.params = tuple(p for p in module.parameters())
+        self.params = tuple(module.parameters())
         self.slots = [_Slot() for _ in range(slots)]
         self.misses = 0  # calls whose input structure no capture has: they ran as the part itself
 

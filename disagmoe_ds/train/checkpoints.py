@@ -31,6 +31,7 @@ from disagmoe_ds.data.sampler import regroup
 from disagmoe_ds.engine.checkpoint import (
     LATEST,
     MANIFEST,
+    WEIGHTS_ONLY,
     RecordedLayout,
     check_compatible,
     load_checkpoint,
@@ -129,15 +130,21 @@ class ResumePoint:
     step: int
     frozen: dict[str, bool] | None  # None: not recorded (checkpoints written before freezing was recorded)
     has_data_position: bool  # False: the run starts at the beginning of the data
+    weights_only: bool = False  # converted HF weights: the run's optimizer and LR scheduler start fresh
 
     @property
     def path(self) -> Path:
         return self.root / self.tag
 
     def describe_data(self) -> str:
-        if self.has_data_position:
-            return "data continues where the checkpoint stood"
-        return "data from its start (the checkpoint records no data position)"
+        data = (
+            "data continues where the checkpoint stood"
+            if self.has_data_position
+            else "data from its start (the checkpoint records no data position)"
+        )
+        if self.weights_only:
+            data += "; weights only (converted from HF): the optimizer and LR scheduler start from this run's ds_config"
+        return data
 
 
 def check_resume(
@@ -185,7 +192,7 @@ def check_resume(
     recorded = manifest.get("frozen")
     if recorded is not None and frozen is not None:
         _check_freezing(where, recorded, frozen)
-    return ResumePoint(root, tag, int(state["step"]), recorded, has_data)
+    return ResumePoint(root, tag, int(state["step"]), recorded, has_data, bool(manifest.get(WEIGHTS_ONLY)))
 
 
 def _engine_settings(ds_config: dict[str, Any]) -> tuple[int, str]:

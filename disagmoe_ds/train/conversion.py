@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.checkpoint import load_checkpoint, save_checkpoint
+from disagmoe_ds.engine.checkpoint import WEIGHTS_ONLY, load_checkpoint, save_checkpoint
 from disagmoe_ds.engine.ds_state import TrainState, Weights, gather_state, read_share, set_rank_state
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.hf_writer import TOKENIZER_FILES, copy_into, present_files, write_hf
@@ -141,7 +141,7 @@ def _save_initial_rank(rank: int, job: Job, model: nn.Module, out: str, tag: str
     def attach(tag_dir: Path) -> None:
         copy_into(tokenizer, tag_dir / TOKENIZER_DIR)
 
-    extra = {"frozen": job.frozen, **({"tokenizer": TOKENIZER_DIR} if tokenizer else {})}
+    extra = {"frozen": job.frozen, WEIGHTS_ONLY: True, **({"tokenizer": TOKENIZER_DIR} if tokenizer else {})}
     _save(rt, job, out, tag, {"step": 0}, extra, attach if tokenizer else None)
 
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from disagmoe_ds.colocated.layout import ColocatedConfig
 
 # Manifest entries of run_pretrain.py's checkpoints (train.checkpoints) that a re-layout carries unchanged.
-TRAINING_ENTRIES = ("frozen", "data", "tokenizer")
+TRAINING_ENTRIES = ("frozen", "data", "tokenizer", "weights_only")  # a re-layout keeps them
 
 
 @dataclass(frozen=True)
