@@ -40,6 +40,7 @@ EXPERT_KEY = {
     "olmoe": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "deepseek-v2": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "deepseek-v3": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "glm4-moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "mixtral": "model.layers.1.block_sparse_moe.experts.0.w1.weight",
     "gpt-oss": "model.layers.1.mlp.experts.gate_up_proj",  # GPT-OSS is fused on the Hub too
 }
@@ -55,6 +56,7 @@ ROUND_TRIPS = [
     ("deepseek-v3", (1, 2, 1), 0, {}),
     ("gpt-oss", (1, 2, 1), 1, {}),
     ("olmoe", (1, 2, 1), 2, {}),
+    ("glm4-moe", (2, 2, 2), 1, {}),
 ]
 
 

@@ -18,6 +18,7 @@ FAMILY_DIRS = {
     "olmoe": "olmoe",
     "deepseek_v2": "deepseek-v2",
     "deepseek_v3": "deepseek-v3",
+    "glm4_moe": "glm4-moe",
 }
 TOL = 1e-5  # fp32; only the GEMM kernels and the summation order differ
 

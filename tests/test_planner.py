@@ -990,3 +990,25 @@ def test_cli_profile_with_a_cluster_json_keeps_its_links(tmp_path, capsys):
     assert steps["socket"] > 2 * steps["nvlink"]
     rc, out, _ = run_cli(capsys, *args, "--cluster", "h200", "--nodes", "1", "--profile", str(profile), "--json")
     assert rc == 0 and "nvlink_bw from the profile" in json.loads(out)["rates"]
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "hf_models").glob("*/config.json")), ids=lambda p: p.parent.name)
+def test_planner_and_runtime_agree_on_which_layers_route(config: Path) -> None:
+    """Two readers of one fact: the planner's field map and the runtime's ``moe_layer_pattern``."""
+    from disagmoe_ds.models.moe_pattern import moe_layer_pattern
+    from disagmoe_ds.planner.hf_config import model_fields
+
+    cfg = json.loads(config.read_text())
+    assert model_fields(cfg)["moe_layers"] == moe_layer_pattern(cfg)
+
+
+def test_glm4_moe_reads_as_deepseek_mlp_with_gqa_attention() -> None:
+    from disagmoe_ds.planner.hf_config import model_fields
+
+    fields = model_fields(json.loads((ROOT / "hf_models" / "tiny-glm4-moe" / "config.json").read_text()))
+    assert fields["moe_layers"] == (False, True, True, True)  # first_k_dense_replace = 1
+    assert (fields["num_experts"], fields["top_k"], fields["expert_intermediate"]) == (8, 2, 32)
+    assert (fields["shared_intermediate"], fields["dense_intermediate"]) == (32, 96)  # one shared expert
+    attention = fields["attention"]
+    assert (attention.kind, attention.num_heads, attention.num_kv_heads, attention.head_dim) == ("gqa", 4, 2, 16)
+    assert attention.qk_norm == "head"  # use_qk_norm

@@ -38,6 +38,7 @@ CASES = [
     ("deepseek-v3", {}, 2, 4, 1, 2, 3, 1, True),  # replicas where some experts get no token: zero-filled grads
     ("qwen3-moe", {}, 1, 4, 1, 1, 6, 2, False),  # ZeRO-2 backwards that reach no expert of a shard (issue 15)
     ("qwen3-moe", {}, 1, 2, 1, 2, 3, 2, False),  # fewer lanes than replicas: a replica no lane sends to
+    ("glm4-moe", {}, 2, 2, 2, 1, 3, 1, True),  # GLM-4.5: DeepSeek-V3's router with GQA, depth 2, no headers at all
 ]
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active

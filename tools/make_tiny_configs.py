@@ -81,6 +81,21 @@ FAMILIES = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e4},
     ),
     "tiny-olmoe": tf.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "tiny-glm4-moe": tf.Glm4MoeConfig(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        use_qk_norm=True,
+        routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    ),
 }
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Per-family facts as data: where HF keeps the router, the shared experts and the expert count.
 
+Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V2, DeepSeek-V3 and GLM-4.5-style MoE (``glm4_moe``).
+
 Every supported family builds its decoder layer from the same template (``self_attn``, ``mlp``, two norms), and
 its MoE block holds a router module that returns ``(router_logits, top_k_weights, top_k_index)`` plus a fused
 ``experts`` module. What differs is captured here, so that splitting a layer never branches on class names.
@@ -60,6 +62,15 @@ FAMILIES: dict[str, Family] = {
         Family("deepseek_v2", num_experts_attr="n_routed_experts", shared=_deepseek_shared, has_aux_loss=False),
         Family(
             "deepseek_v3",
+            num_experts_attr="n_routed_experts",
+            shared=_deepseek_shared,
+            has_aux_loss=False,
+            expert_bias_attr="e_score_correction_bias",
+        ),
+        # GLM-4.5 / 4.6 / 4.7 (Air too): DeepSeek-V3's router (sigmoid, grouped top-k, a correction bias) and shared
+        # experts, dense first layers, GQA attention with partial rotary embeddings.
+        Family(
+            "glm4_moe",
             num_experts_attr="n_routed_experts",
             shared=_deepseek_shared,
             has_aux_loss=False,

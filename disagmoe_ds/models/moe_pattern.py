@@ -3,7 +3,7 @@
 The one rule for the runtime (``models.parts.routing_facts``, the preflights of both modes) and, being pure, for
 the planner. HF builds a layer's MLP as (hf-notes section 1):
 
-    deepseek_v2, deepseek_v3  MoE from layer ``first_k_dense_replace`` on (HF's defaults: 0 for v2, 3 for v3)
+    deepseek_v2, deepseek_v3, glm4_moe  MoE from layer ``first_k_dense_replace`` on (HF's defaults: 0, 3, 1)
     qwen2_moe, qwen3_moe      MoE unless in ``mlp_only_layers``, and only every ``decoder_sparse_step``-th layer
     mixtral, olmoe, gpt_oss   every layer MoE
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3}
+_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1}
 
 
 def moe_layer_pattern(config: Mapping[str, Any]) -> tuple[bool, ...]:

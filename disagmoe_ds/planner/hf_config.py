@@ -1,8 +1,8 @@
 """A Hugging Face MoE config.json read into the planner's vocabulary (pure Python; transformers is not imported).
 
-Supported ``model_type``s: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, gpt_oss. Field names
-differ per family (``hf-notes.md`` section 1); the maps below resolve them into ``model_fields``, the keyword
-arguments of ``model.ModelSpec``, and into an ``AttentionSpec``.
+Supported ``model_type``s: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, glm4_moe, gpt_oss.
+Field names differ per family; the maps below resolve them into ``model_fields``, the keyword arguments of
+``model.ModelSpec``, and into an ``AttentionSpec``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from typing import Any, Literal
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.planner.inputs import read_json
 
-SUPPORTED_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+SUPPORTED_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+# DeepSeek's MLP layout (moe_intermediate_size, n_shared_experts, dense first layers); GLM-4.5 shares it with GQA.
+_DEEPSEEK_MLP = ("deepseek_v2", "deepseek_v3", "glm4_moe")
+_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1}
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     top_k = _int(cfg, "num_experts_per_tok", "experts_per_token")
     if not 1 <= top_k <= num_experts:
         raise ConfigError(f"num_experts_per_tok ({top_k}) must be between 1 and the expert count ({num_experts})")
-    deepseek, qwen = model_type.startswith("deepseek"), model_type in ("qwen2_moe", "qwen3_moe")
+    deepseek, qwen = model_type in _DEEPSEEK_MLP, model_type in ("qwen2_moe", "qwen3_moe")
     expert_i = _int(cfg, "moe_intermediate_size") if deepseek or qwen else _int(cfg, "intermediate_size")
     shared = 0
     if model_type == "qwen2_moe":
@@ -134,15 +137,17 @@ def _attention(cfg: dict[str, Any], model_type: str) -> AttentionSpec:
         v_head_dim=head_dim,
         qkv_bias=bias,
         o_bias=bias and model_type != "qwen2_moe",
-        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(model_type, ""),
+        qk_norm="head"
+        if model_type == "qwen3_moe" or cfg.get("use_qk_norm")
+        else {"olmoe": "full"}.get(model_type, ""),
         sinks=model_type == "gpt_oss",
     )
 
 
 def _moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[bool, ...]:
-    """Which layers route: DeepSeek first_k_dense_replace; Qwen mlp_only_layers and decoder_sparse_step."""
-    if model_type.startswith("deepseek"):
-        first_dense = _int(cfg, "first_k_dense_replace", default=0 if model_type == "deepseek_v2" else 3)
+    """Which layers route: DeepSeek / GLM first_k_dense_replace; Qwen mlp_only_layers and decoder_sparse_step."""
+    if model_type in _DEEPSEEK_MLP:
+        first_dense = _int(cfg, "first_k_dense_replace", default=_FIRST_DENSE_DEFAULT[model_type])
         return tuple(i >= first_dense for i in range(num_layers))
     if model_type in ("qwen2_moe", "qwen3_moe"):
         dense = set(cfg.get("mlp_only_layers") or [])
