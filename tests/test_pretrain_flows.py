@@ -126,8 +126,10 @@ def test_converted_hf_checkpoint_resumes_with_the_runs_optimizer(ft_run, tok_cac
     """hf-to-disagmoe's checkpoint holds weights only: resumed, it trains exactly as a fresh run from the same HF
     weights does, with the run's own AdamW and warm-up (not the converter's), under ZeRO-0 too."""
     ckpt = tmp_path / "ckpt"
-    to_disagmoe = f"hf-to-disagmoe --model {ft_run.export} --out {ckpt} --attention-gpus 2 --ffn-gpus 2 --zero {zero}"
-    assert convert([*to_disagmoe.split(), "--freeze-router"]) == 0
+    to_disagmoe = f"hf-to-disagmoe --model {ft_run.export} --out {ckpt} --attention-gpus 2 --ffn-gpus 2"
+    # ZeRO-0: the run's own ds_config, whose scheduler needs the run's length (the converter builds none)
+    engine = f"--ds-config {ROOT / 'ds_configs' / 'tiny-cpu.json'}" if zero == 0 else f"--zero {zero}"
+    assert convert([*to_disagmoe.split(), *engine.split(), "--freeze-router"]) == 0
     out_dir = tmp_path / "resumed"
     argv = ft_run.argv("--zero", zero, "--steps", 2, "--save-dir", out_dir, "--resume", ckpt)
     assert pretrain(tok_cache, *argv, "--metrics-file", tmp_path / "resumed.jsonl") == 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,9 @@ def hf_to_disagmoe(job: Job, out: str | Path, *, tag: str = FIRST_TAG) -> Path:
     refuse_checkpoint_as_model(job.model_dir)  # at once: before importing DeepSpeed (seconds, and a warning)
     from disagmoe_ds.launch.local import spawn_local
 
+    # Weights only: the run that resumes it makes its own optimizer and scheduler, so none is built here (a
+    # scheduler that needs the run's length, as WarmupCosineLR does, could not be).
+    job = replace(job, ds_config={k: v for k, v in job.ds_config.items() if k != "scheduler"})
     _check_job(job)
     _refuse_existing(Path(out) / tag, "checkpoint tag")
     model = _job_model(job, require_weights=True)
