@@ -355,15 +355,14 @@ def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] 
 
 def _gather_exchange(now, before) -> dict[str, float]:
     """The last step's exchange costs over all ranks: the most communicator calls per send and per receive on any
-    rank, and the waits for sizes inside the step (summed)."""
-    step = {k: getattr(now, k) - getattr(before, k) for k in ("sends", "receives", "send_calls", "receive_calls")}
+    rank, and the messages and the waits for sizes inside the step (summed)."""
     per_rank: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (step, now.size_waits - before.size_waits))
+    dist.all_gather_object(per_rank, now.since(before))
     return {
-        "calls_per_send": max(s["send_calls"] / max(s["sends"], 1) for s, _ in per_rank),
-        "calls_per_receive": max(s["receive_calls"] / max(s["receives"], 1) for s, _ in per_rank),
-        "messages": sum(s["sends"] for s, _ in per_rank),
-        "size_waits": sum(waits for _, waits in per_rank),
+        "calls_per_send": max(s.calls_per_send for s in per_rank),
+        "calls_per_receive": max(s.calls_per_receive for s in per_rank),
+        "messages": sum(s.sends for s in per_rank),
+        "size_waits": sum(s.size_waits for s in per_rank),
     }
 
 

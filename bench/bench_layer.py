@@ -65,7 +65,7 @@ from transformers import AutoConfig
 from disagmoe_ds.comm.routing import combine, count_ids, pack, plan_dispatch
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.families import family_of, router_of
-from disagmoe_ds.models.graphs import graph_attention_stage, graph_expert_stage
+from disagmoe_ds.models.graphs import graph_stages
 from disagmoe_ds.models.one_layer import one_layer_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertShard, ExpertStage, build_context, compile_stage
 from disagmoe_ds.models.recompute import apply_selective_recompute
@@ -210,8 +210,7 @@ def floor_args(model, spec, batch: int, seq_len: int, idx_TK: torch.Tensor) -> t
 
 def graphed_layer(attention: AttentionStage, experts: ExpertStage, h_BSH: torch.Tensor, ctx) -> tuple:
     """The layer's attention part and expert shard as CUDA graphs (one slot each: a step runs one micro-batch)."""
-    graphs = graph_attention_stage(attention, lambda layer: 1)
-    graphs.shards = graph_expert_stage(experts, lambda layer: 1).shards
+    graphs = graph_stages(lambda layer: 1, attention=attention, experts=experts)
     graphs.capture_attention(attention, batch=h_BSH.shape[0], seq_len=h_BSH.shape[1], positions=[None])
     with torch.no_grad():
         out = attention.part(0)(h_BSH, ctx, attention.config)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from disagmoe_ds.models.graphs import graph_attention_stage, graph_expert_stage
+from disagmoe_ds.models.graphs import graph_stages
 from disagmoe_ds.models.one_layer import one_layer_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
 
@@ -60,8 +60,7 @@ def build_calls(model_dir: str, seq_len: int, batch: int, mode: str, device: str
     idx_RK, pairs = routed.topk_idx_TK.long(), routed.topk_idx_TK.numel()
     part, head, shard = attention.part(0), attention.head, experts.shard(0)
     if mode == "graphed":
-        graphs = graph_attention_stage(attention, lambda layer: 1)
-        graphs.shards = graph_expert_stage(experts, lambda layer: 1).shards
+        graphs = graph_stages(lambda layer: 1, attention=attention, experts=experts)
         graphs.capture_attention(attention, batch=batch, seq_len=seq_len, positions=[None])
         graphs.capture_shards(experts, rows=x_RH.shape[0], top_k=idx_RK.shape[1], weight_dtype=w_RK.dtype)
         part, head, shard = graphs.part(attention, 0), graphs.head_of(attention), graphs.shard(experts, 0)

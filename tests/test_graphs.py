@@ -84,7 +84,7 @@ def _run(config, attention, experts, graphs, inputs, *, one_by_one: bool = False
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("one_by_one", [False, True], ids=["two-in-flight", "one-by-one"])
 def test_graphed_parts_are_bit_identical(family, compiled, one_by_one):
-    from disagmoe_ds.models.graphs import StageGraphs, graph_attention_stage, graph_expert_stage
+    from disagmoe_ds.models.graphs import StageGraphs, graph_stages
 
     config, attention, experts, weight_dtype = _parts(family, compiled)
     batch, seq_len, top_k = 2, 16, config.num_experts_per_tok
@@ -98,8 +98,7 @@ def test_graphed_parts_are_bit_identical(family, compiled, one_by_one):
     ]
     reference = _run(config, attention, experts, StageGraphs(), inputs, one_by_one=one_by_one)
     slots = 1 if one_by_one else 2
-    graphs = graph_attention_stage(attention, lambda layer: slots)
-    graphs.shards = graph_expert_stage(experts, lambda layer: slots).shards
+    graphs = graph_stages(lambda layer: slots, attention=attention, experts=experts)
     graphs.capture_attention(attention, batch=batch, seq_len=seq_len, positions=[None])
     graphs.capture_shards(experts, rows=batch * seq_len, top_k=top_k, weight_dtype=weight_dtype)
     for _ in range(2):  # the second time through, every slot replays after its first backward

@@ -28,7 +28,7 @@ from torch import nn
 from disagmoe_ds.colocated.dispatch import LocalDispatcher
 from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.errors import CheckpointError
-from disagmoe_ds.models.graphs import StageGraphs, graph_attention_stage, graph_expert_stage, warm_up_positions
+from disagmoe_ds.models.graphs import StageGraphs, graph_stages, warm_up_positions
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import (
     AttentionStage,
@@ -149,14 +149,14 @@ class ColocatedModel(nn.Module):
         """Replay every attention part, the head and, when this rank holds every expert (its rows are then the
         micro-batch's tokens), every expert shard as CUDA graphs from now on; one slot each (a micro-batch's
         backward runs before the next one's forward)."""
-        graphs = graph_attention_stage(self.attention, lambda layer: 1)
+        experts = self.experts.stage if self.experts.ep_size == 1 else None
+        graphs = graph_stages(lambda layer: 1, attention=self.attention, experts=experts)
         device = next(self.parameters()).device
         graphs.capture_attention(
             self.attention, batch=batch, seq_len=seq_len, positions=warm_up_positions(batch, seq_len, packed, device)
         )
-        if self.experts.ep_size == 1:
-            graphs.shards = graph_expert_stage(self.experts.stage, lambda layer: 1).shards
-            graphs.capture_shards(self.experts.stage, rows=batch * seq_len, top_k=top_k, weight_dtype=weight_dtype)
+        if experts is not None:
+            graphs.capture_shards(experts, rows=batch * seq_len, top_k=top_k, weight_dtype=weight_dtype)
         self.graphs = graphs
 
     def forward(

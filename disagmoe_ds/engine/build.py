@@ -32,7 +32,7 @@ from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
-from disagmoe_ds.models.graphs import StageGraphs, graph_attention_stage, graph_expert_stage
+from disagmoe_ds.models.graphs import StageGraphs, graph_stages
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
@@ -184,10 +184,10 @@ class Disaggregated:
         in_flight = layer_in_flight(schedule.streams[worker])
         slots = lambda layer: in_flight.get(layer, 1)  # noqa: E731 (a layer the stream never runs: one, unused)
         if parts.role.is_attention:
-            return graph_attention_stage(parts.module, slots)
+            return graph_stages(slots, attention=parts.module)
         if parts.groups.exchange.static_m2n_rows is None:
             return None  # rows vary with the routing: the shards run as they are (bucketed captures: not yet)
-        return graph_expert_stage(parts.module, slots)
+        return graph_stages(slots, experts=parts.module)
 
     def _runner(
         self, parts: RankParts, *, split_layers: frozenset[int], graphs: StageGraphs | None

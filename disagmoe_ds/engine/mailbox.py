@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -69,6 +69,10 @@ class ExchangeStats:
     send_calls: int = 0
     receive_calls: int = 0
     size_waits: int = 0
+
+    def since(self, before: ExchangeStats) -> ExchangeStats:
+        """The costs between ``before`` and these (of one step, say)."""
+        return ExchangeStats(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(self)))
 
     @property
     def calls_per_send(self) -> float:

@@ -158,8 +158,10 @@ class GraphedPart:
         inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
         wrt = [t for t in (*inputs, *self.params) if t.requires_grad]
 
+        static_args = _rebuild(spec, args, inputs)
+
         def run() -> tuple[list[Any], list[torch.Tensor], TreeSpec]:
-            leaves, out_spec = tree_flatten(self.fn(*_rebuild(spec, args, inputs)))
+            leaves, out_spec = tree_flatten(self.fn(*static_args))
             return leaves, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], out_spec
 
         stream = _capture_stream()
@@ -365,17 +367,21 @@ def _where(stage: nn.Module) -> tuple[torch.device, torch.dtype]:
     return param.device, param.dtype
 
 
-def graph_attention_stage(stage: AttentionStage, slots: Callable[[int], int]) -> StageGraphs:
-    """Graphs of every attention part and the head (layer ``num_hidden_layers``); ``slots(layer)``: how many."""
-    attention = {int(i): GraphedAttention(part, stage.config, slots=slots(int(i))) for i, part in stage.layers.items()}
-    head = GraphedHead(stage.head, slots=slots(stage.config.num_hidden_layers)) if stage.head is not None else None
-    return StageGraphs(attention=attention, head=head)
-
-
-def graph_expert_stage(stage: ExpertStage, slots: Callable[[int], int]) -> StageGraphs:
-    """Graphs of every expert shard of ``stage``; ``slots(layer)``: how many."""
-    shards = {
-        int(i): GraphedShard(shard, slots=slots(int(i)), name=f"expert shard of layer {i}")
-        for i, shard in stage.layers.items()
-    }
-    return StageGraphs(shards=shards)
+def graph_stages(
+    slots: Callable[[int], int], *, attention: AttentionStage | None = None, experts: ExpertStage | None = None
+) -> StageGraphs:
+    """Graphs of every attention part and the head (layer ``num_hidden_layers``) of ``attention``, and of every
+    expert shard of ``experts``; ``slots(layer)``: how many copies each keeps."""
+    graphs = StageGraphs()
+    if attention is not None:
+        graphs.attention = {
+            int(i): GraphedAttention(p, attention.config, slots=slots(int(i))) for i, p in attention.layers.items()
+        }
+        if attention.head is not None:
+            graphs.head = GraphedHead(attention.head, slots=slots(attention.config.num_hidden_layers))
+    if experts is not None:
+        graphs.shards = {
+            int(i): GraphedShard(shard, slots=slots(int(i)), name=f"expert shard of layer {i}")
+            for i, shard in experts.layers.items()
+        }
+    return graphs
