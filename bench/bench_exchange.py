@@ -53,7 +53,8 @@ from disagmoe_ds.comm import (
     pack,
     plan_dispatch,
 )
-from disagmoe_ds.comm.exchange import assume_static_m2n
+from disagmoe_ds.comm.exchange import static_sizes
+from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.layout import Layout
 
 WEIGHT_DTYPE = torch.float32  # router weights travel in fp32 (Mixtral/DeepSeek keep them fp32 in bf16 models)
@@ -102,8 +103,10 @@ class ExchangeSide:
         self.role = self.layout.role_of(rank)
         self.device = device
         transport = make_transport(args.transport)
-        comms = build_exchange_comms(self.layout, transport, device=device, tokens_per_micro_batch=args.tokens)
-        self.static_rows, self.top_k = comms.static_m2n_rows, args.top_k
+        one_ep_rank = self.layout.ep_size == 1  # fixed sizes: no headers (as ``engine.mailbox`` runs it)
+        comms = build_exchange_comms(self.layout, transport, device=device, headerless=one_ep_rank)
+        exact = Capacity.initial(tokens=args.tokens, top_k=args.top_k, ep_size=1, experts_per_rank=1, factor=1.0)
+        self.capacity = exact if one_ep_rank else None
         specs = exchange_specs(
             args.hidden, args.top_k, args.experts, self.layout.ep_size, dtype=args.dtype, weight_dtype=WEIGHT_DTYPE
         )
@@ -140,10 +143,13 @@ class ExchangeSide:
             return None
         arrivals = [self.m2n.expect(tag) for tag in tags]
         for arrival in arrivals:
-            if self.static_rows is None:
+            if self.capacity is None:
                 self.m2n.read_headers(arrival)
             else:  # one ep rank: no header, every lane sends its whole micro-batch (as ``engine.mailbox`` does)
-                assume_static_m2n(arrival, self.static_rows, self.top_k, len(self.m2n.peers))
+                peers = len(self.m2n.peers)
+                arrival.sizes, arrival.metas = static_sizes(
+                    Kind.M2N, self.capacity, peers=peers, ep_size=1, moe_layer=True
+                )
             self.m2n.post(arrival)
         whole = [self.m2n.complete(arrival)[0] for arrival in arrivals][-1]
         return whole, tuple(size[0] for size in arrivals[-1].sizes)

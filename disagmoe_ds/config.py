@@ -65,6 +65,12 @@ class DisagMoEConfig(RankCounts):
         transport: how exchange payloads move: ``auto`` is torch.distributed's backend (NCCL on GPUs, gloo on
             CPUs); ``rendezvous`` is a CPU stand-in for NCCL's network transport that tests run under, where a send
             completes only once its receive has started (``comm.transport``).
+        capacity_factor: with several ep ranks, every m2n message has a fixed capacity, the rows and routed pairs a
+            lane sends one ep rank under balanced routing times this factor (``comm.routing.Capacity``): no header,
+            one communicator call per message, and no receive waits for its sizes. Exact, never dropping: a step in
+            which some message outgrew the capacity is discarded and run again at a capacity grown to what it needed
+            (times the factor), logged. None: exact sizes, sent ahead in a header per message. One ep rank has fixed
+            sizes anyway.
         resend: the expert side keeps nothing between a micro-batch's forward and backward: the attention side
             sends the routed tokens again with the backward's gradients, and the expert side recomputes its
             forward from them (the planner's "resend" variant: F memory for A->F bytes). With p > 1 the rank that
@@ -95,6 +101,7 @@ class DisagMoEConfig(RankCounts):
     selective_recompute: bool = False
     comm_stream: bool = True
     transport: str = "auto"
+    capacity_factor: float | None = None
     resend: bool = False
     offload: dict[str, float] = field(default_factory=dict)
     split_backward: bool = False
@@ -128,9 +135,9 @@ class DisagMoEConfig(RankCounts):
             )
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in _NOT_NUMBERS or (f.name == "max_in_flight" and value is None):
+            if f.name in _NOT_NUMBERS or (f.name in ("max_in_flight", "capacity_factor") and value is None):
                 continue
-            kind = float if f.name == "comm_timeout_s" else int
+            kind = float if f.name in ("comm_timeout_s", "capacity_factor") else int
             allowed = (int, float) if kind is float else (int,)
             if isinstance(value, bool) or not isinstance(value, allowed) or value <= 0:
                 raise ConfigError(f'"{SECTION}.{f.name}" must be a positive {kind.__name__}, got {value!r}')

@@ -63,12 +63,12 @@ def build_process_groups(
     timeout: timedelta | None = None,
     transport: Transport | None = None,
     device: torch.device | None = None,
-    tokens_per_micro_batch: int | None = None,
+    headerless: bool = False,
 ) -> ProcessGroups:
     """Create every group of ``layout`` on every rank (same order everywhere) and keep ``rank``'s.
 
     ``transport`` (disaggregated layouts): the exchange communicators are created over it and warmed up on ``device``;
-    ``tokens_per_micro_batch`` (a lane's B x S) lets m2n go without headers where both ends know its sizes.
+    ``headerless``: m2n and resid go without headers (``comm.exchange.build_exchange_comms``).
     ``timeout``: a rank waiting longer than this on a collective fails instead of hanging (the transport has its own).
     """
     layout.check_world_size(dist.get_world_size())
@@ -78,7 +78,7 @@ def build_process_groups(
     expert_data_parallel = _create(plan.expert_data_parallel, rank, timeout)
     exchange = None
     if transport is not None:
-        exchange = build_exchange_comms(layout, transport, device=device, tokens_per_micro_batch=tokens_per_micro_batch)
+        exchange = build_exchange_comms(layout, transport, device=device, headerless=headerless)
     return ProcessGroups(*data_parallel, *expert_parallel, *expert_data_parallel, exchange)
 
 

@@ -354,6 +354,12 @@ def add_lever_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resend", action="store_true", help="experts keep nothing between forward and backward")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the parts as CUDA graphs (GPU ranks)")
     p.add_argument(
+        "--capacity-factor",
+        type=float,
+        help="several ep ranks: m2n messages at a fixed capacity (balanced routing times this), no headers; a step "
+        "that outgrows it runs again at a larger one",
+    )
+    p.add_argument(
         "--selective-recompute", action="store_true", help="recompute attention blocks, SwiGLUs, experts' gate/up"
     )
     p.add_argument(
@@ -383,6 +389,7 @@ def lever_settings(a: argparse.Namespace) -> dict[str, Any]:
     return {
         "resend": a.resend,
         "cuda_graphs": a.cuda_graphs,
+        "capacity_factor": a.capacity_factor,
         "selective_recompute": a.selective_recompute,
         "split_backward": a.split_backward,
         "offload": dict(zip(SIDES, a.offload, strict=True)),

@@ -15,6 +15,7 @@ import torch
 
 from disagmoe_ds.comm import LaneRows, RendezvousTransport, build_exchange_comms
 from disagmoe_ds.comm.exchange import ffn_lanes
+from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.engine.mailbox import Mailbox
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.layout import Layout
@@ -108,11 +109,19 @@ def _body(rank: int, shape: tuple[int, int, int, int], micro_batches: int, moe: 
     _STATIC = static
     m, n, p, edp = shape
     layout = Layout(attention_gpus=m, ffn_gpus=n, depth=p, num_layers=len(moe), num_experts=E, expert_data_parallel=edp)
-    transport, tokens = RendezvousTransport(timedelta(seconds=8)), T if static else None
-    comms = build_exchange_comms(layout, transport, device=CPU, tokens_per_micro_batch=tokens)
-    assert (comms.static_m2n_rows is not None) == static and static == (not comms.headers)  # one ep rank: none
+    transport = RendezvousTransport(timedelta(seconds=8))
+    comms = build_exchange_comms(layout, transport, device=CPU, headerless=static)
+    assert comms.headerless == static == (not comms.headers)  # one ep rank: none
+    capacity = Capacity.initial(tokens=T, top_k=K, ep_size=1, experts_per_rank=E, factor=1.0) if static else None
     mailbox = Mailbox(
-        comms, hidden=H, top_k=K, dtype=torch.float32, weight_dtype=torch.float32, device=CPU, moe_layers=moe
+        comms,
+        hidden=H,
+        top_k=K,
+        dtype=torch.float32,
+        weight_dtype=torch.float32,
+        device=CPU,
+        moe_layers=moe,
+        capacity=capacity,
     )
     role, fake = layout.role_of(rank), FakeRank(layout, rank, moe)
     schedule = generate(PipeShape(p, len(moe), moe), micro_batches)

@@ -67,6 +67,48 @@ def test_grouped_equals_hf_loop(tiny_checkpoint, family, case, pairs_known):
     _assert_close(shard, x, w, fast, ref)
 
 
+def _poisoning_tail(grouped_mm):
+    """``_grouped_mm`` whose output rows past the last offset are NaN: what a CUDA kernel may leave in rows it
+    never writes (CPU's fills them), so the bounded path must mask them, not multiply them by zero."""
+
+    def poisoned(x_PD, w_eDN, offsets_e):
+        out = grouped_mm(x_PD, w_eDN, offsets_e).clone()
+        if out.dim() == 2:  # rows (not the per-expert weight gradients of the recomputed backward)
+            out[int(offsets_e[-1]) :] = float("nan")
+        return out
+
+    return poisoned
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("case", ["random", "sentinels", "one-expert", "empty"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+def test_bounded_pairs_equal_hf_loop(tiny_checkpoint, monkeypatch, family, case, recompute):
+    """At a fixed capacity (``routing.Capacity``) the shard gets only a bound on its pairs, padded with sentinel
+    rows: the grouped path sizes its buffers by the bound and still gives HF's outputs and gradients, with the
+    unwritten GEMM rows poisoned, a fully padded row included."""
+    monkeypatch.setattr(grouped_experts, "_grouped_mm", _poisoning_tail(grouped_experts._grouped_mm))
+    shard, x, idx, w, num_pairs = _routed_case(tiny_checkpoint, family, case)
+    half = shard.num_local
+    pad = 3  # padding rows: every id the sentinel, weight 0 (what a lane sends below the capacity)
+    x = torch.cat([x.detach(), torch.randn(pad, x.shape[1])]).requires_grad_()
+    idx = torch.cat([idx, torch.full((pad, idx.shape[1]), half)])
+    w = torch.cat([w.detach(), torch.zeros(pad, w.shape[1])]).requires_grad_()
+    shard.recompute = recompute
+    fast = shard(x, idx, w, num_pairs + 5, bounded=True)  # "empty": padding only, no real pair at all
+    assert torch.isfinite(fast).all() and not fast[-pad:].any()
+    _assert_close(shard, x, w, fast, shard.forward_hf(x, idx, w) + x * 0)  # + x * 0: a graph when nothing routes
+
+
+def test_bounded_pairs_past_the_bound_are_dropped_not_a_crash(tiny_checkpoint):
+    """An overflow (more real pairs than the bound) computes the first pairs only; the step that saw it is run
+    again at a larger capacity, so the result only has to be finite."""
+    shard, x, idx, w, num_pairs = _routed_case(tiny_checkpoint, "qwen3_moe", "random")
+    out = shard(x, idx, w, num_pairs - 4, bounded=True)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    out.sum().backward()
+
+
 @pytest.mark.parametrize("case", ["random", "sentinels"])
 def test_compiled_fusions_equal_eager(tiny_checkpoint, case):
     """``compile_stage`` (fused activation and gather-sum un-permute, held by the shard) computes what the eager

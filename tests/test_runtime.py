@@ -73,6 +73,34 @@ def test_sends_waiting_for_device_sizes_keep_parity_under_rendezvous(tiny_checkp
     assert run_verify(args, timeout_s=240)["pass"]
 
 
+# (family, M, N, p, edp, ZeRO, resend, capacity factor): with several ep ranks at a fixed capacity; 0.5 is below
+# what balanced routing needs, so a step outgrows it and runs again (the skewed router makes every case do so).
+CAPACITY_CASES = [
+    ("qwen3-moe", 1, 2, 1, 1, 0, False, 0.5),
+    ("deepseek-v3", 2, 4, 2, 1, 1, False, 0.5),
+    ("mixtral", 2, 4, 2, 1, 2, True, 0.5),
+    ("qwen2-moe", 2, 4, 1, 2, 2, False, 1.25),  # expert replicas; a dense layer's resid
+]
+
+
+@pytest.mark.parametrize(("family", "M", "N", "p", "edp", "zero", "resend", "factor"), CAPACITY_CASES)
+def test_messages_at_a_capacity_equal_hf(tiny_checkpoint, family, M, N, p, edp, zero, resend, factor):
+    """``capacity_factor``: every m2n message padded to a fixed capacity, no headers; a step that outgrows it is
+    discarded (ZeRO 0-2 gradients included) and run again at a larger one: still HF's result, under rendezvous."""
+    cfg = DisagMoEConfig(
+        attention_gpus=M,
+        ffn_gpus=N,
+        depth=p,
+        micro_batches=3,
+        expert_data_parallel=edp,
+        transport="rendezvous",
+        resend=resend,
+        capacity_factor=factor,
+    )
+    args = VerifyArgs(str(tiny_checkpoint(family)), cfg, zero=zero, seq_len=8, clip=CLIP, skew=True)
+    assert run_verify(args, timeout_s=240)["pass"]
+
+
 def test_packed_documents_equal_hf(tiny_checkpoint):
     """Position ids that restart mid-sequence (a block-diagonal mask): A-group 0 takes them from the batch, A-group
     1 from the residual message; each builds a micro-batch's mask once and reuses it for its layers."""

@@ -19,11 +19,11 @@ Communicators: one per (kind, g), over the ranks of its two sides, so each is on
 
 Only two kinds carry headers (gloo groups over the same ranks): m2n, whose receiver cannot know how many tokens
 a lane routed to it, and resid, which tells A_next the combine plan's sizes. Every other receiver knows its sizes
-already: the A side from its own dispatch plan, the F side from the m2n headers. With one ep rank per F-group and
-a known micro-batch size, neither needs a header: every token of a lane's micro-batch goes to its one peer with all
-K of its pairs, so both ends know every size from the micro-batch size and whether the layer routes
-(``ExchangeComms.static_m2n_rows``, ``static_sizes``); every message is then one grouped operation, and no receive
-waits for anything host to host.
+already: the A side from its own dispatch plan, the F side from the m2n headers. At a fixed capacity
+(``routing.Capacity``: with one ep rank, where every token of a lane's micro-batch goes to its one peer with all K
+pairs, or with ``capacity_factor``, where every lane pads its messages to the capacity) neither needs a header:
+both ends know every size from the capacity and whether the layer routes (``static_sizes``); every message is then
+one grouped operation, and no receive waits for anything host to host.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.comm.channel import Arrival, CommStream, FanIn, FanOut, Headers, MessageSpec, TensorSpec
+from disagmoe_ds.comm.channel import CommStream, FanIn, FanOut, Headers, MessageSpec, TensorSpec
+from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.comm.transport import Comm, Transport, new_host_group
 from disagmoe_ds.layout import Layout
 
@@ -139,7 +140,7 @@ class ExchangeComms:
     transport: Transport
     comms: Mapping[tuple[Kind, int], Comm]
     headers: Mapping[tuple[Kind, int], Headers]
-    static_m2n_rows: int | None = None  # tokens of every micro-batch when m2n and resid have no header (docstring)
+    headerless: bool = False  # m2n and resid go without headers: their sizes come from a ``Capacity``
 
     def fan_out(self, kind: Kind, spec: MessageSpec) -> FanOut:
         key, peers = endpoint(self.layout, kind, self.rank, sending=True)
@@ -150,45 +151,35 @@ class ExchangeComms:
         return FanIn(self.transport, self.comms[key], peers, spec, self.headers.get(key), device, comm_stream)
 
 
-def static_m2n_rows(layout: Layout, tokens_per_micro_batch: int | None) -> int | None:
-    """Rows of every m2n message when both ends know them (one ep rank: a lane sends all its tokens), else None."""
-    return tokens_per_micro_batch if layout.ep_size == 1 else None
-
-
 def static_sizes(
-    kind: Kind, *, rows: int, top_k: int, peers: int, moe_layer: bool
+    kind: Kind, capacity: Capacity, *, peers: int, ep_size: int, moe_layer: bool
 ) -> tuple[list[tuple[int, ...]], tuple[tuple[int, ...], ...]]:
-    """The sizes and header metas every message of a header-less ``kind`` has (one ep rank, ``rows`` tokens per
-    micro-batch), per peer: m2n, each of ``peers`` lanes' whole micro-batch with all K pairs local; resid, T rows
-    and, when the sending layer routes (``moe_layer``), a combine plan of T rows to the one ep rank (-1: dense).
+    """The sizes and header metas every message of a header-less ``kind`` has at ``capacity``, per peer: m2n, each
+    of ``peers`` lanes' message at the capacity's rows and pairs; resid, T rows and, when the sending layer routes
+    (``moe_layer``), a combine plan of the capacity's rows per ep rank (-1 per ep rank: dense).
 
-    >>> static_sizes(Kind.RESID, rows=8, top_k=2, peers=1, moe_layer=True)
+    >>> static_sizes(Kind.RESID, Capacity(8, 8, 16, exact=True), peers=1, ep_size=1, moe_layer=True)
     ([(8, 8)], ((8,),))
     """
     if kind == Kind.M2N:
-        return [(rows,)] * peers, ((rows * top_k,),) * peers
+        return [(capacity.rows,)] * peers, ((capacity.pairs,),) * peers
     if kind == Kind.RESID:
-        return [(rows, rows if moe_layer else 0)], ((rows if moe_layer else -1,),)
+        rows = capacity.rows if moe_layer else -1
+        return [(capacity.tokens, max(rows, 0) * ep_size)], ((rows,) * ep_size,)
     raise ValueError(f"{kind.value} messages carry no header: their receivers know their sizes from other messages")
 
 
-def assume_static_m2n(arrival: Arrival, rows: int, top_k: int, lanes: int) -> None:
-    """Give a header-less m2n arrival its sizes (``static_sizes``)."""
-    arrival.sizes, arrival.metas = static_sizes(Kind.M2N, rows=rows, top_k=top_k, peers=lanes, moe_layer=True)
-
-
 def build_exchange_comms(
-    layout: Layout, transport: Transport, *, device: torch.device, tokens_per_micro_batch: int | None = None
+    layout: Layout, transport: Transport, *, device: torch.device, headerless: bool = False
 ) -> ExchangeComms:
     """Create every exchange communicator (and header group) on every rank in the same order, then warm them up.
 
-    ``tokens_per_micro_batch`` (a lane's B x S, the same on every rank): with one ep rank per F-group, m2n and resid
-    then go without headers (``static_m2n_rows``, ``static_sizes``).
+    ``headerless``: every lane's micro-batch has the same known size and the messages have a fixed capacity (one ep
+    rank, or ``capacity_factor``): m2n and resid then go without headers (``static_sizes``).
     """
     layout.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
-    static_rows = static_m2n_rows(layout, tokens_per_micro_batch)
-    with_headers = () if static_rows is not None else (Kind.M2N, Kind.RESID)
+    with_headers = () if headerless else (Kind.M2N, Kind.RESID)
     comms: dict[tuple[Kind, int], Comm] = {}
     headers: dict[tuple[Kind, int], Headers] = {}
     for kind, group in comm_keys(layout):
@@ -201,7 +192,7 @@ def build_exchange_comms(
                 headers[kind, group] = Headers(header_group)
     transport.warm_up(list(comms.values()), device)
     mine = {key: comm for key, comm in comms.items() if comm.group is not None}
-    return ExchangeComms(layout, rank, transport, MappingProxyType(mine), MappingProxyType(headers), static_rows)
+    return ExchangeComms(layout, rank, transport, MappingProxyType(mine), MappingProxyType(headers), headerless)
 
 
 # ----- message specs -----

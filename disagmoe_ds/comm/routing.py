@@ -15,8 +15,9 @@ num_experts, so an F rank can feed the rows straight into its slice of the HF ex
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -64,6 +65,7 @@ class RoutedTokens:
     local_idx_RK: torch.Tensor  # ids local to the shard; ``experts_per_rank`` where the expert is elsewhere
     w_RK: torch.Tensor  # 0 at those sentinel entries
     num_pairs: int  # ids in local_idx_RK that are not the sentinel: the expert work, known on the host
+    bounded: bool = False  # num_pairs is only an upper bound (messages padded to a ``Capacity``)
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,6 +90,57 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     """
     flat = ids.reshape(-1).long()
     return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Fixed sizes of every m2n message (one lane to one ep rank, one micro-batch), so that no receiver waits for a
+    header: at most ``rows`` rows and ``pairs`` routed pairs; a lane pads a smaller message with rows whose ids are
+    all the sentinel (token 0, weight 0), which the expert side computes nothing for and which combine to zero.
+
+    ``exact``: every message has exactly these sizes (one ep rank: a lane sends its whole micro-batch with all K
+    pairs), so nothing is padded and nothing can overflow. Otherwise a message the router fills beyond the capacity
+    loses its excess rows or pairs; the lane records it (``PendingDispatch.need_2``), and the step is discarded and
+    run again at a larger capacity (``grown``), so the result is always the dropless one.
+
+    >>> Capacity.initial(tokens=64, top_k=2, ep_size=4, experts_per_rank=2, factor=1.25).sizes
+    (35, 40)
+    """
+
+    tokens: int  # T, the lane's micro-batch
+    rows: int
+    pairs: int
+    pairs_per_row: int = 1  # the most a row can carry: min(K, experts per ep rank)
+    factor: float = 1.0  # headroom over what routing needs
+    exact: bool = False
+
+    @classmethod
+    def initial(cls, *, tokens: int, top_k: int, ep_size: int, experts_per_rank: int, factor: float) -> Capacity:
+        """The capacity of balanced routing times ``factor``: a token reaches an ep rank with probability
+        1 - (1 - 1/P)^K, and each ep rank gets T K / P of the pairs (``ep_size`` 1: exact)."""
+        if ep_size == 1:
+            return cls(tokens, tokens, tokens * top_k, top_k, factor, exact=True)
+        empty = cls(tokens, 0, 0, min(top_k, experts_per_rank), factor)
+        return empty.grown(tokens * (1 - (1 - 1 / ep_size) ** top_k), tokens * top_k / ep_size)
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        return self.rows, self.pairs
+
+    def grown(self, rows: float, pairs: float) -> Capacity:
+        """A capacity holding ``rows`` rows and ``pairs`` pairs with ``factor`` of headroom (at least none; never
+        smaller than this one, never beyond what a message can hold: T rows of ``pairs_per_row`` pairs each)."""
+        headroom = max(self.factor, 1.0)
+        most_rows = min(self.tokens, max(self.rows, _round_up(rows * headroom)))
+        most_pairs = min(most_rows * self.pairs_per_row, max(self.pairs, _round_up(pairs * headroom)))
+        return replace(self, rows=most_rows, pairs=most_pairs)
+
+    def holds(self, rows: int, pairs: int) -> bool:
+        return rows <= self.rows and pairs <= self.pairs
+
+
+def _round_up(n: float) -> int:
+    return max(1, math.ceil(n - 1e-9))  # (the epsilon: 0.1 * 30 is 3.0000000000000004)
 
 
 def plan_dispatch(topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int) -> DispatchPlan:
@@ -158,6 +211,7 @@ class PendingDispatch:
     w_CK: torch.Tensor
     sizes_2P: torch.Tensor  # on the host (pinned on CUDA), filled by the copy
     landed: torch.cuda.Event | None  # after the gathers and the copy on the compute stream; None: already there
+    need_2: torch.Tensor | None = None  # at a ``Capacity``: the most rows and pairs of one message (device)
 
     def ready(self) -> bool:
         return self.landed is None or self.landed.query()
@@ -191,16 +245,24 @@ def sizes_landing_late(landing: str) -> Callable[[PendingDispatch], bool]:
 
 
 def start_dispatch(
-    x_TH: torch.Tensor, topk_w_TK: torch.Tensor, topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int
+    x_TH: torch.Tensor,
+    topk_w_TK: torch.Tensor,
+    topk_idx_TK: torch.Tensor,
+    ep_size: int,
+    experts_per_rank: int,
+    capacity: Capacity | None = None,
 ) -> PendingDispatch:
     """Start ``plan_dispatch`` and ``pack`` without blocking the host (differentiable in x and w, as ``pack``).
 
     With several ep ranks the message sizes come from the device; ``plan_dispatch`` waits for them, which stops
     the host from queueing more work until the GPU has caught up. Here they land in pinned host memory while the
     host goes on (CUDA); the caller sends once ``ready``. The gathers run at capacity (``_plan_on_device``).
+    At a ``capacity`` the sizes are the capacity's, ready at once, and each message is padded to them.
     """
     num_tokens = topk_idx_TK.shape[0]
     topk_idx_TK = topk_idx_TK.long()
+    if capacity is not None and not capacity.exact:
+        return _dispatch_at_capacity(x_TH, topk_w_TK, topk_idx_TK, ep_size, experts_per_rank, capacity)
     if ep_size == 1:  # sizes known on the host, no gather (``gather_rows``)
         plan = plan_dispatch(topk_idx_TK, 1, experts_per_rank)
         sizes_2P = torch.tensor([plan.counts, plan.pairs])
@@ -217,6 +279,42 @@ def start_dispatch(
         landed = torch.cuda.Event()
         landed.record()
     return PendingDispatch(num_tokens, experts_per_rank, token_idx_C, local_idx_CK, x_CH, w_CK, sizes_2P, landed)
+
+
+def _dispatch_at_capacity(
+    x_TH: torch.Tensor,
+    topk_w_TK: torch.Tensor,
+    topk_idx_TK: torch.Tensor,
+    ep_size: int,
+    experts_per_rank: int,
+    capacity: Capacity,
+) -> PendingDispatch:
+    """Every ep rank's message at ``capacity.rows`` rows (C), built on the device with no host sync: rank r's hits
+    in token order at rows [r C, r C + hits), the rest padding (token 0, every id the sentinel, weight 0); hits
+    beyond C are dropped, and ``need_2`` records the most rows and pairs any message wanted."""
+    num_tokens, rows = topk_idx_TK.shape[0], capacity.rows
+    device = topk_idx_TK.device
+    rank_TK = topk_idx_TK // experts_per_rank
+    ranks_P = torch.arange(ep_size, device=device)
+    hit_PT = (rank_TK.unsqueeze(0) == ranks_P.view(-1, 1, 1)).any(dim=2)
+    slot_PT = hit_PT.long().cumsum(dim=1) - 1  # the token's row in rank r's message
+    kept_PT = hit_PT & (slot_PT < rows)
+    dump = ep_size * rows  # one slot past the messages, for the hits that do not fit (and every non-hit)
+    dest_PT = torch.where(kept_PT, slot_PT + ranks_P.unsqueeze(1) * rows, dump)
+    tokens_PT = torch.arange(num_tokens, device=device).expand(ep_size, -1)
+    token_idx_C = torch.zeros(dump + 1, dtype=torch.int64, device=device)
+    token_idx_C = token_idx_C.scatter_(0, dest_PT.reshape(-1), tokens_PT.reshape(-1))[:dump]
+    rows_P, pairs_P = hit_PT.sum(dim=1), count_ids(rank_TK, ep_size)
+    filled_C = (torch.arange(rows, device=device) < rows_P.clamp(max=rows).unsqueeze(1)).reshape(-1)
+    rank_C = ranks_P.repeat_interleave(rows)
+    here_CK = (rank_TK.index_select(0, token_idx_C) == rank_C.unsqueeze(1)) & filled_C.unsqueeze(1)
+    idx_CK = topk_idx_TK.index_select(0, token_idx_C) - rank_C.unsqueeze(1) * experts_per_rank
+    local_idx_CK = torch.where(here_CK, idx_CK, experts_per_rank)
+    x_CH = x_TH.index_select(0, token_idx_C)
+    w_CK = topk_w_TK.index_select(0, token_idx_C).masked_fill(~here_CK, 0)
+    sizes_2P = torch.tensor([[rows] * ep_size, [capacity.pairs] * ep_size])
+    need_2 = torch.stack([rows_P.max(), pairs_P.max()])
+    return PendingDispatch(num_tokens, experts_per_rank, token_idx_C, local_idx_CK, x_CH, w_CK, sizes_2P, None, need_2)
 
 
 def gather_rows(x_TH: torch.Tensor, topk_w_TK: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from disagmoe_ds.comm.exchange import ffn_lanes
+from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
 from disagmoe_ds.engine.deepspeed_role import GlobalGradNorm, check_stage, ds_stage
@@ -84,7 +85,9 @@ class Disaggregated:
             timeout=timeout,
             transport=make_transport(self.cfg.transport, timeout),
             device=device,
-            tokens_per_micro_batch=tokens_per_micro_batch,
+            # Fixed-size messages need no header: one ep rank, or messages padded to a capacity.
+            headerless=tokens_per_micro_batch is not None
+            and (layout.ep_size == 1 or self.cfg.capacity_factor is not None),
         )
 
     def module(
@@ -132,6 +135,7 @@ class Disaggregated:
         schedule = generate(shape, cfg.micro_batches, costs=costs, max_in_flight=cfg.max_in_flight)
         check_streams(schedule.streams)
         worker = Worker("A" if role.is_attention else "F", role.group)
+        capacity = self._capacity(parts)
         mailbox = Mailbox(
             parts.groups.exchange,
             hidden=stage.config.hidden_size,
@@ -142,12 +146,12 @@ class Disaggregated:
             comm_stream=cfg.comm_stream,
             resend=cfg.resend,
             moe_layers=parts.routing.moe_layers,
+            capacity=capacity,
         )
+        graphs = self._graphs(parts, schedule, worker, capacity)
         return AFPipeExecutor(
             engine=parts.engine,
-            runner=self._runner(
-                parts, split_layers=split_layers(schedule, worker), graphs=self._graphs(parts, schedule, worker)
-            ),
+            runner=self._runner(parts, split_layers=split_layers(schedule, worker), graphs=graphs, capacity=capacity),
             mailbox=mailbox,
             schedule=AFPipeSchedule(schedule, worker),
             grad_norm=parts.grad_norm,
@@ -176,7 +180,21 @@ class Disaggregated:
             backward_order=[(i.layer, i.micro_batch) for i in backwards],
         )
 
-    def _graphs(self, parts: RankParts, schedule: Schedule, worker: Worker) -> StageGraphs | None:
+    def _capacity(self, parts: RankParts) -> Capacity | None:
+        """The fixed sizes of the m2n messages where the exchange goes without headers (None: it has headers)."""
+        if not parts.groups.exchange.headerless:
+            return None
+        return Capacity.initial(
+            tokens=parts.seq_len * parts.micro_batch_size,
+            top_k=parts.routing.top_k,
+            ep_size=parts.layout.ep_size,
+            experts_per_rank=parts.layout.experts_per_rank,
+            factor=self.cfg.capacity_factor or 1.0,
+        )
+
+    def _graphs(
+        self, parts: RankParts, schedule: Schedule, worker: Worker, capacity: Capacity | None
+    ) -> StageGraphs | None:
         """With ``cuda_graphs``: graphs of the rank's parts, each with a slot per micro-batch its stream holds in
         flight for that layer; expert shards only where their rows are fixed (one ep rank)."""
         if not self.cfg.cuda_graphs:
@@ -185,16 +203,20 @@ class Disaggregated:
         slots = lambda layer: in_flight.get(layer, 1)  # noqa: E731 (a layer the stream never runs: one, unused)
         if parts.role.is_attention:
             return graph_stages(slots, attention=parts.module)
-        if parts.groups.exchange.static_m2n_rows is None:
-            return None  # rows vary with the routing: the shards run as they are (bucketed captures: not yet)
+        if capacity is None or not capacity.exact:
+            return None  # rows vary with the routing, or the capacity may grow: the shards run as they are
         return graph_stages(slots, experts=parts.module)
 
     def _runner(
-        self, parts: RankParts, *, split_layers: frozenset[int], graphs: StageGraphs | None
+        self,
+        parts: RankParts,
+        *,
+        split_layers: frozenset[int],
+        graphs: StageGraphs | None,
+        capacity: Capacity | None,
     ) -> AttentionRunner | ExpertRunner:
         cfg, stage, routing = self.cfg, parts.module, parts.routing
         if not parts.role.is_attention:
-            static_rows = parts.groups.exchange.static_m2n_rows
             return ExpertRunner(
                 parts.engine,
                 stage,
@@ -204,7 +226,8 @@ class Disaggregated:
                 resend=cfg.resend,
                 split_layers=split_layers,
                 graphs=graphs,
-                graph_rows=None if static_rows is None else static_rows * len(ffn_lanes(parts.layout, parts.rank)),
+                capacity=capacity,
+                lanes=len(ffn_lanes(parts.layout, parts.rank)),
             )
         return AttentionRunner(
             parts.engine,
@@ -220,6 +243,7 @@ class Disaggregated:
             resend=cfg.resend,
             split_layers=split_layers,
             graphs=graphs,
+            capacity=capacity,
         )
 
 
@@ -242,9 +266,15 @@ def check_zero_stages(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
     check_stage(ds_config, cfg.zero_stage_of("attention", ds_stage(ds_config)), where="on the attention side")
     ffn = cfg.zero_stage_of("ffn", ds_stage(ds_config))
     check_stage(ds_config, ffn, where="on the expert side", stages=ZERO_STAGES["ffn"])
+    zero = ds_config.get("zero_optimization", {})
+    if cfg.capacity_factor is not None and (ffn == 3 or zero.get("offload_optimizer")):
+        raise ConfigError(
+            f'"{SECTION}.capacity_factor" runs a step again when it outgrows the capacity, which drops the step\'s '
+            "gradients first; that is not done for ZeRO-3 on the expert side or for optimizer offload yet: remove "
+            '"capacity_factor" (messages then carry their sizes in headers) or use ZeRO 0-2 without offload'
+        )
     if ffn != 3:
         return
-    zero = ds_config.get("zero_optimization", {})
     refused = {
         "compile": cfg.compile,
         "cuda_graphs": cfg.cuda_graphs,

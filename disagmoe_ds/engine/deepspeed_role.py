@@ -32,7 +32,9 @@ from typing import Any, Protocol
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.utils import combine_grad_norm_groups
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from torch import nn
 
 from disagmoe_ds.config import SECTION
@@ -228,6 +230,34 @@ def zero_grads_of_untouched(engine) -> None:
     missing = [p for p in engine.module.parameters() if p.requires_grad and p.grad is None]
     if missing:
         engine.backward(torch.stack([p.reshape(-1)[0] for p in missing]).sum() * 0, scale_wrt_gas=False)
+
+
+def discard_gradients(engine) -> None:
+    """Drop every gradient of the step so far without stepping, so that the step can run again from the same
+    weights (a step that outgrew the exchange capacity: ``routing.Capacity``).
+
+    ZeRO 1/2: as ``engine.step()`` would (ZeRO-2 first reduces what the step's backwards accumulated), then through
+    DeepSpeed's own path for a step with an fp16 overflow (``step()`` finding an overflow clears the 16-bit
+    gradients and ZeRO-2's reduced partitions, and updates nothing), the check forced to find one; the BF16
+    optimizer (ZeRO-0 with bf16): its fp32 accumulators too; otherwise the parameters' ``.grad``. ZeRO-3 and
+    optimizer offload are refused with ``capacity_factor`` by the config.
+    """
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        if engine.zero_optimization_partition_gradients():  # ZeRO-2 holds the step's backwards unreduced so far
+            optimizer.finalize_gradient_accumulation_boundary()  # (a collective: every replica discards together)
+        checking = optimizer.check_grad_overflow
+        optimizer.check_grad_overflow = True
+        optimizer.check_overflow = lambda *args, **kwargs: setattr(optimizer, "overflow", True)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.check_overflow  # the method again
+            optimizer.check_grad_overflow, optimizer.overflow = checking, False
+    elif isinstance(optimizer, BF16_Optimizer):
+        optimizer.zero_grad(set_to_none=True)
+    for param in engine.module.parameters():
+        param.grad = None
 
 
 def gather_read_parameters(module: nn.Module) -> None:

@@ -7,18 +7,20 @@ communication to the mailbox; the only state here is the messages between the tw
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
+from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.engine import instructions as ins
-from disagmoe_ds.engine.deepspeed_role import GradNorm, zero_grads_of_untouched
+from disagmoe_ds.engine.deepspeed_role import GradNorm, discard_gradients, zero_grads_of_untouched
 from disagmoe_ds.engine.mailbox import Mailbox, message_key
 from disagmoe_ds.engine.offload import ActivationOffloader
 from disagmoe_ds.launch.watchdog import StallWatch
@@ -33,6 +35,17 @@ _CATEGORY = {
 }
 
 
+logger = logging.getLogger(__name__)
+
+
+class _Outgrown(Exception):
+    """Some m2n message of this step wanted more than the exchange capacity (every rank raises it together)."""
+
+    def __init__(self, capacity: Capacity) -> None:
+        super().__init__(capacity)
+        self.capacity = capacity  # the one to run the step again at
+
+
 @dataclass(frozen=True)
 class StepResult:
     """One optimizer step, identical on every rank."""
@@ -42,6 +55,7 @@ class StepResult:
     aux_loss: float
     grad_norm: float | None  # global, over every unique parameter (None when clipping is off with ZeRO-0)
     seconds: float
+    reruns: int = 0  # times the step ran again at a larger exchange capacity (``routing.Capacity``)
 
 
 class AFPipeExecutor:
@@ -68,6 +82,7 @@ class AFPipeExecutor:
         self.name = name
         self.timeline: list[TimelineEvent] | None = None
         self.stall_watch = StallWatch.before_timeout(comm_timeout_s)  # this rank's stacks if an instruction stalls
+        self.reruns = 0  # steps run again at a larger exchange capacity, in all
         self._incoming: dict[tuple[str, int, int], dict[str, Any]] = defaultdict(dict)
         self._outgoing: dict[tuple[str, int, int], Any] = {}
 
@@ -83,8 +98,29 @@ class AFPipeExecutor:
         self.timeline = [] if enabled else None
 
     def train_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> StepResult:
-        """One optimizer step. ``batches`` (K micro-batches of input_ids/labels[/position_ids]) on A-group 0."""
+        """One optimizer step. ``batches`` (K micro-batches of input_ids/labels[/position_ids]) on A-group 0.
+
+        A step whose messages outgrew the exchange capacity is discarded and run again, from the same random state,
+        at the capacity it needed (``routing.Capacity``): the step's result is the dropless one."""
         start = time.perf_counter()
+        random_state = _random_state(self.engine.device) if self._may_outgrow else None
+        reruns = 0
+        while True:
+            try:
+                self._run_stream(batches)
+                break
+            except _Outgrown as outgrown:
+                discard_gradients(self.engine)
+                self._outgoing.clear()
+                self._set_capacity(outgrown.capacity)
+                _set_random_state(self.engine.device, random_state)
+                reruns += 1
+        if self._outgoing or self._incoming:
+            raise RuntimeError(f"{self.name}: the stream left messages unsent {list(self._outgoing)}")
+        self.reruns += reruns
+        return replace(self._result(time.perf_counter() - start), reruns=reruns)
+
+    def _run_stream(self, batches: list[dict[str, torch.Tensor]] | None) -> None:
         self.runner.start_step(batches)
         try:
             for step in self.schedule.steps():
@@ -93,9 +129,34 @@ class AFPipeExecutor:
                     self._execute(cmd)
         finally:
             self.stall_watch.stop()
-        if self._outgoing or self._incoming:
-            raise RuntimeError(f"{self.name}: the stream left messages unsent {list(self._outgoing)}")
-        return self._result(time.perf_counter() - start)
+
+    @property
+    def _may_outgrow(self) -> bool:
+        capacity = self.mailbox.capacity
+        return capacity is not None and not capacity.exact
+
+    def _check_capacity(self) -> None:
+        """All ranks together (after every send has left): raise ``_Outgrown`` if some message wanted more."""
+        if not self._may_outgrow:
+            return
+        need = getattr(self.runner, "capacity_need", None)
+        need_2 = need() if need else torch.zeros(2, dtype=torch.int64, device=self.engine.device)
+        dist.all_reduce(need_2, op=dist.ReduceOp.MAX)
+        rows, pairs = need_2.tolist()
+        capacity = self.mailbox.capacity
+        if not capacity.holds(rows, pairs):
+            grown = capacity.grown(rows, pairs)
+            if dist.get_rank() == 0:
+                logger.warning(
+                    "a message of this step needed %d rows and %d routed pairs, beyond the exchange capacity %s: "
+                    "running the step again at %s (capacity_factor %.2f)",
+                    rows, pairs, capacity.sizes, grown.sizes, capacity.factor,
+                )  # fmt: skip
+            raise _Outgrown(grown)
+
+    def _set_capacity(self, capacity: Capacity) -> None:
+        self.mailbox.capacity = capacity
+        self.runner.capacity = capacity
 
     def _execute(self, cmd: ds_schedule.PipeInstruction) -> None:
         handler = self._INSTRUCTION_MAP.get(type(cmd))
@@ -154,6 +215,7 @@ class AFPipeExecutor:
     def _exec_reduce_grads(self) -> None:
         # With managed_gradient_accumulation off, DeepSpeed reduces inside step(): nothing to send here.
         self.mailbox.flush()
+        self._check_capacity()
         zero_grads_of_untouched(self.engine)
 
     def _exec_optimizer_step(self) -> None:
@@ -182,3 +244,14 @@ class AFPipeExecutor:
         ds_schedule.ReduceGrads: _exec_reduce_grads,
         ds_schedule.OptimizerStep: _exec_optimizer_step,
     }
+
+
+def _random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_random_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

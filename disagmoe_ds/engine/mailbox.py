@@ -5,8 +5,8 @@ Every message kind a rank sends leaves through one ``FanOut`` and every kind it 
 order; the mailbox adds what makes that safe and fast under rendezvous:
 
 - **sizes before receives.** A payload receive is posted as soon as its sizes are known: from a header (m2n, resid),
-  from the micro-batch size (m2n and resid with one ep rank: ``exchange.static_sizes``), or from what this rank
-  itself sent earlier (the reverse paths). ``pump`` posts every receive that has become
+  from a fixed capacity (m2n and resid with one ep rank or a ``capacity_factor``: ``exchange.static_sizes``), or
+  from what this rank itself sent earlier (the reverse paths). ``pump`` posts every receive that has become
   postable, oldest first per channel, without blocking; a wait blocks only for a header that is not in yet.
 - **no host sync per send.** Sizes come from tensor shapes and host ints, headers go host to host. Where the sizes
   come from the device (m2n and resid with several ep ranks: rows per ep rank), the runner hands over a ``Later``
@@ -39,12 +39,12 @@ import torch
 
 from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn, FanOut
 from disagmoe_ds.comm.exchange import ExchangeComms, Kind, LaneRows, exchange_specs, static_sizes
-from disagmoe_ds.comm.routing import RoutedTokens
+from disagmoe_ds.comm.routing import Capacity, RoutedTokens
 from disagmoe_ds.engine.later import Later, made
 from disagmoe_ds.schedule import Message
 
 Key = tuple[str, int, int]  # (kind, layer of the sending task, micro-batch)
-_HEADED = ("m2n", "resid")  # the kinds whose sizes need a header, except with one ep rank (``static_sizes``)
+_HEADED = ("m2n", "resid")  # the kinds whose sizes need a header, except at a fixed capacity (``static_sizes``)
 
 
 def message_key(message: Message) -> Key:
@@ -104,10 +104,13 @@ class Mailbox:
         comm_stream: bool = True,
         resend: bool = False,
         moe_layers: Sequence[bool] = (),
+        capacity: Capacity | None = None,
     ):
-        """``moe_layers``: which layers route (one bool per layer); header-less resid messages (one ep rank) take
-        their sizes from it."""
+        """``moe_layers``: which layers route (one bool per layer); ``capacity``: the fixed sizes of m2n messages
+        when ``comms`` has no headers. Header-less resid messages take their sizes from both."""
         layout, rank = comms.layout, comms.rank
+        if comms.headerless and capacity is None:
+            raise ValueError("header-less exchanges need the capacity that sizes their messages")
         specs = exchange_specs(
             hidden, top_k, layout.num_experts, layout.ep_size, dtype=dtype, weight_dtype=weight_dtype, resend=resend
         )
@@ -122,7 +125,8 @@ class Mailbox:
         self._out: dict[str, FanOut] = {k.value: comms.fan_out(k, specs[k]) for k in sends}
         self._in = {k.value: _Inbox(comms.fan_in(k, specs[k], device, stream)) for k in receives}
         self._known: dict[Key, list[tuple[int, ...]]] = {}  # sizes of receives this rank can predict
-        self._static_rows, self._top_k, self._moe_layers = comms.static_m2n_rows, top_k, tuple(moe_layers)
+        self.capacity = capacity  # grown between steps by the executor when a step outgrew it
+        self._ep_size, self._moe_layers = layout.ep_size, tuple(moe_layers)
         # Sends not made yet, in schedule order, each with the point of the compute stream that produced it.
         self._queued: deque[tuple[Message, Any, torch.cuda.Event | None]] = deque()
         cuda = device.type == "cuda"
@@ -284,7 +288,7 @@ class Mailbox:
 
     def _static_sizes(self, kind: str, key: Key, peers: int):
         moe_layer = self._moe_layers[key[1]] if kind == "resid" else True
-        return static_sizes(Kind(kind), rows=self._static_rows, top_k=self._top_k, peers=peers, moe_layer=moe_layer)
+        return static_sizes(Kind(kind), self.capacity, peers=peers, ep_size=self._ep_size, moe_layer=moe_layer)
 
     def _check_static(self, key: Key, messages) -> None:
         """A header-less message must have the sizes its receiver assumes (else it would wait for bytes never sent)."""
@@ -296,9 +300,8 @@ class Mailbox:
         if got != want:
             side = "the FFN side expects" if key[0] == "m2n" else "the next A-group expects"
             raise ChannelError(
-                f"{key}: {key[0]} rows {[g[0] for g in got]}, but {side} the micro-batch's {self._static_rows} tokens "
-                "(one ep rank, no header): every micro-batch must have the micro_batch_size x seq_len the ranks were "
-                "built with"
+                f"{key}: {key[0]} sizes {got}, but {side} {want} (fixed sizes, no header, from {self.capacity}): "
+                "every micro-batch must have the micro_batch_size x seq_len the ranks were built with"
             )
 
     def _learn_from_header(self, kind: str, key: Key, arrival: Arrival) -> None:
@@ -320,7 +323,8 @@ class Mailbox:
             rows = LaneRows(self._in[kind].fan_in.peers, tuple(size[0] for size in arrival.sizes))
             if kind == "n2m_grad":
                 return tuple(whole), rows
-            return RoutedTokens(*whole, num_pairs=sum(meta[0] for meta in arrival.metas)), rows
+            bounded = self.capacity is not None and not self.capacity.exact  # padded messages: pairs at most
+            return RoutedTokens(*whole, num_pairs=sum(meta[0] for meta in arrival.metas), bounded=bounded), rows
         if kind in ("n2m", "m2n_grad"):
             return per_peer
         if kind == "resid":

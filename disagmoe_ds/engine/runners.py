@@ -24,7 +24,15 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, PendingDispatch, combine, count_ids, start_dispatch
+from disagmoe_ds.comm.routing import (
+    Capacity,
+    CombinePlan,
+    DispatchPlan,
+    PendingDispatch,
+    combine,
+    count_ids,
+    start_dispatch,
+)
 from disagmoe_ds.engine.later import Later, made
 from disagmoe_ds.engine.split_backward import ChunkBackward, retained_graph_compiles
 from disagmoe_ds.layout import Layout
@@ -145,8 +153,11 @@ class AttentionRunner:
         resend: bool = False,
         split_layers: frozenset[int] = frozenset(),
         graphs: StageGraphs | None = None,
+        capacity: Capacity | None = None,
     ):
         self.engine, self.stage, self.layout, self.resend = engine, stage, layout, resend
+        self.capacity = capacity  # m2n messages padded to it (None: exact sizes, sent with headers)
+        self.need_2: torch.Tensor | None = None  # the most rows and pairs one m2n message wanted this step
         self.graphs = graphs or StageGraphs()  # the parts replayed as CUDA graphs (none: every part as it is)
         self.weight_dtype = weight_dtype  # the router weights' (resend at p > 1 sends them with the residual)
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
@@ -168,6 +179,13 @@ class AttentionRunner:
 
     def start_step(self, batches: list[dict[str, torch.Tensor]] | None) -> None:
         self.batches, self.stats, self.expert_counts, self.contexts = batches, HeadStats(), {}, {}
+        self.need_2 = None
+
+    def capacity_need(self) -> torch.Tensor:
+        """int64 [2]: the most rows and routed pairs one of this step's m2n messages wanted (zeros: none sent)."""
+        if self.need_2 is None:
+            return torch.zeros(2, dtype=torch.int64, device=self.engine.device)
+        return self.need_2
 
     def step_expert_counts(self) -> torch.Tensor:
         """[L, E] int64: tokens this lane routed to each expert in the step so far, per layer (top-k choices).
@@ -234,8 +252,11 @@ class AttentionRunner:
                 counts_E, probs_E = counts_E + stats.counts_E, probs_E + stats.prob_sum_E.detach()
             # No host sync: the sizes reach the host while it goes on, and the mailbox sends once they have.
             chunk.dispatch = start_dispatch(
-                out.x_TH, out.topk_w_TK, topk_idx_TK, self.layout.ep_size, self.layout.experts_per_rank
+                out.x_TH, out.topk_w_TK, topk_idx_TK, self.layout.ep_size, self.layout.experts_per_rank, self.capacity
             )
+            need_2 = chunk.dispatch.need_2
+            if need_2 is not None:
+                self.need_2 = need_2 if self.need_2 is None else torch.maximum(self.need_2, need_2)
             outgoing["m2n"] = Later(chunk.dispatch, lambda: (chunk.messages, chunk.dispatch.resolved[0].pairs))
         # A_next combines from what combine needs of the plan (with p > 1 its rows per ep rank ride in the header).
         residual_TH, position_ids_T = out.residual_BSH.detach().reshape(T, H), position_ids_BS.reshape(T)
@@ -370,6 +391,7 @@ class _ExpertChunk:
     y_SH: torch.Tensor | None
     rows: Any
     num_pairs: int
+    bounded: bool  # num_pairs is a capacity's bound
 
 
 class ExpertRunner:
@@ -386,11 +408,14 @@ class ExpertRunner:
         resend: bool = False,
         split_layers: frozenset[int] = frozenset(),
         graphs: StageGraphs | None = None,
-        graph_rows: int | None = None,
+        capacity: Capacity | None = None,
+        lanes: int = 1,
     ):
+        """``capacity``, ``lanes``: the fixed size of each of the ``lanes`` messages a step's micro-batch brings (None:
+        sizes vary); the graphed shards and the warm-up run at their sum."""
         self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, top_k, weight_dtype
-        self.graphs = graphs or StageGraphs()  # the shards replayed as CUDA graphs, at ``graph_rows`` rows
-        self.graph_rows = graph_rows
+        self.graphs = graphs or StageGraphs()  # the shards replayed as CUDA graphs (at the capacity's rows)
+        self.capacity, self.lanes = capacity, lanes
         self.resend = resend
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
         # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
@@ -405,9 +430,8 @@ class ExpertRunner:
         with self.compiling():
             self._warm_up(seq_len, packed=packed)
         if self.graphs.shards:
-            self.graphs.capture_shards(
-                self.stage, rows=self.graph_rows, top_k=self.top_k, weight_dtype=self.weight_dtype
-            )
+            rows = self.capacity.rows * self.lanes
+            self.graphs.capture_shards(self.stage, rows=rows, top_k=self.top_k, weight_dtype=self.weight_dtype)
 
     def _warm_up(self, seq_len: int, *, packed: bool = False) -> None:
         """Compile and load every compiled kernel of the expert shards now (see ``AttentionRunner.warm_up``).
@@ -421,15 +445,23 @@ class ExpertRunner:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for layer in self.stage.layers:
                 shard = self.stage.shard(int(layer))
-                for rows, pattern in _warm_up_cases(seq_len):
+                for rows, pattern, bound in self._warm_up_cases(seq_len):
                     x_RH = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
                     idx_RK = _warm_up_ids(rows, self.top_k, shard.num_local, pattern, device)
                     w_RK = torch.rand(rows, self.top_k, device=device, dtype=self.weight_dtype, requires_grad=True)
-                    pairs = int((idx_RK < shard.num_local).sum())
+                    pairs = bound or int((idx_RK < shard.num_local).sum())
                     if self.resend:  # its forward runs without autograd: graphs of their own
                         with torch.no_grad():
-                            shard(x_RH, idx_RK, w_RK, pairs)
-                    _grad_of_inputs([self.recompute(shard, x_RH, idx_RK, w_RK, pairs)], [x_RH, w_RK])
+                            shard(x_RH, idx_RK, w_RK, pairs, bool(bound))
+                    _grad_of_inputs([self.recompute(shard, x_RH, idx_RK, w_RK, pairs, bool(bound))], [x_RH, w_RK])
+
+    def _warm_up_cases(self, seq_len: int) -> list[tuple[int, str, int | None]]:
+        """(rows, id pattern, pair bound): messages of varying size, or, at a capacity that pads them, the one size
+        they all have, with and without sentinel ids."""
+        if self.capacity is None or self.capacity.exact:
+            return [(rows, pattern, None) for rows, pattern in _warm_up_cases(seq_len)]
+        rows, pairs = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
+        return [(rows, pattern, pairs) for pattern in ("some", "one")]
 
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         with self.compiling():
@@ -437,14 +469,15 @@ class ExpertRunner:
 
     def _forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         tokens, rows = incoming["m2n"]
+        pairs, bounded = tokens.num_pairs, tokens.bounded
         if self.resend:  # keep nothing: the backward gets the tokens again and recomputes
             with torch.no_grad():
-                y_SH = self._shard(layer)(tokens.x_RH, tokens.local_idx_RK, tokens.w_RK, tokens.num_pairs)
-            self.chunks[(layer, mb)] = _ExpertChunk(None, None, None, rows, tokens.num_pairs)
+                y_SH = self._shard(layer)(tokens.x_RH, tokens.local_idx_RK, tokens.w_RK, pairs, bounded)
+            self.chunks[(layer, mb)] = _ExpertChunk(None, None, None, rows, pairs, bounded)
             return {"n2m": ((y_SH,), rows)}
         x_SH, w_SK = _leaf(tokens.x_RH), _leaf(tokens.w_RK)
-        y_SH = self.recompute(self._shard(layer), x_SH, tokens.local_idx_RK, w_SK, tokens.num_pairs)
-        self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows, tokens.num_pairs)
+        y_SH = self.recompute(self._shard(layer), x_SH, tokens.local_idx_RK, w_SK, pairs, bounded)
+        self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows, pairs, bounded)
         return {"n2m": ((y_SH,), rows)}
 
     def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
@@ -464,7 +497,7 @@ class ExpertRunner:
         if self.resend:  # recompute the forward from the tokens sent again
             x_SH, idx_SK, w_SK = resent
             chunk.x_SH, chunk.w_SK = _leaf(x_SH), _leaf(w_SK)
-            chunk.y_SH = self._shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.num_pairs)
+            chunk.y_SH = self._shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.num_pairs, chunk.bounded)
         if chunk.y_SH.requires_grad:
             self.backward_pass.run((layer, mb), (chunk.y_SH * dy_SH).float().sum(), [chunk.x_SH, chunk.w_SK])
         return {"m2n_grad": ((_grad_or_zeros(chunk.x_SH), _grad_or_zeros(chunk.w_SK)), chunk.rows)}

@@ -300,7 +300,9 @@ class GraphedShard:
     def capture(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int) -> None:
         self.graphs.capture(x_RH, local_idx_RK, w_RK, num_pairs)
 
-    def __call__(self, x_RH, local_idx_RK, w_RK, num_pairs: int) -> torch.Tensor:
+    def __call__(self, x_RH, local_idx_RK, w_RK, num_pairs: int, bounded: bool = False) -> torch.Tensor:
+        if bounded:  # the builder graphs shards only where every message has its exact capacity (one ep rank)
+            raise ValueError("a graphed expert shard takes exact pair counts, not a capacity's bound")
         return self.graphs(x_RH, local_idx_RK, w_RK, num_pairs)
 
 

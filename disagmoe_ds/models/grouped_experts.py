@@ -65,6 +65,7 @@ def grouped_gated_experts(
     num_pairs: int | None = None,
     elementwise: Elementwise | None = None,
     recompute: bool = False,
+    bounded: bool = False,
 ) -> torch.Tensor:
     """Each row's sum over its local experts of ``w * expert(x)``; sentinel ids (>= e) are skipped.
 
@@ -72,7 +73,10 @@ def grouped_gated_experts(
     dispatch plan counts it, the M2N header carries it): else it is read from the device, a host sync that
     drains the compute stream. ``elementwise``: the middle's functions (``ExpertShard`` passes its own), ``EAGER``
     when None. ``recompute``: keep only the permuted inputs for the backward, which re-runs the gate/up GEMM and
-    the activation (selective recompute: ``_RecomputedMiddle``).
+    the activation (selective recompute: ``_RecomputedMiddle``). ``bounded``: ``num_pairs`` is only an upper bound
+    (messages at a fixed capacity, ``routing.Capacity``): the buffers take that many pairs, the grouped GEMMs compute
+    the real ones (their count stays on the device) and the slots past them are masked to zero both ways (a GEMM
+    leaves those rows unwritten); pairs past the bound are dropped.
     """
     elementwise = EAGER if elementwise is None else elementwise
     num_experts, K = gate_up_eFH.shape[0], local_idx_RK.shape[1]
@@ -80,19 +84,29 @@ def grouped_gated_experts(
     # Each expert's end offset in the sorted order, without a host sync (the ids are sorted anyway).
     experts_e = torch.arange(1, num_experts + 1, device=sorted_ids_P.device, dtype=sorted_ids_P.dtype)
     offsets_e = torch.searchsorted(sorted_ids_P, experts_e, out_int32=True)
-    if num_pairs is None:
+    valid_P = None  # bounded: which of the num_pairs slots hold a real pair (the first offsets_e[-1])
+    if bounded:
+        num_pairs = min(num_pairs, order_P.numel())
+        offsets_e = offsets_e.clamp(max=num_pairs)  # an overflow: its excess pairs are dropped
+        valid_P = torch.arange(num_pairs, device=offsets_e.device) < offsets_e[-1]
+    elif num_pairs is None:
         num_pairs = int(offsets_e[-1])  # host sync
     if num_pairs == 0:
         return x_RH * 0  # nothing routed here; keeps the autograd edge to x
-    slots = _Slots.of(order_P, num_pairs, K, x_RH.dtype, elementwise.sum_slots)
+    kept = num_pairs if valid_P is None else offsets_e[-1]
+    slots = _Slots.of(order_P, num_pairs, K, x_RH.dtype, elementwise.sum_slots, kept=kept)
     order_P = order_P[:num_pairs]
     x_PH = _Permute.apply(x_RH, slots)
     w_P = w_RK.reshape(-1).index_select(0, order_P)
+    if valid_P is not None:  # the GEMMs leave the rows past the real pairs unwritten, forward and backward
+        x_PH, w_P = torch.where(valid_P.unsqueeze(1), x_PH, 0), torch.where(valid_P, w_P, 0)
     if recompute:
         out_PH = _RecomputedMiddle.apply(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise.gated)
     else:
         hidden_PI = elementwise.gated(_grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offsets_e), w_P, act_fn)
         out_PH = _grouped_mm(hidden_PI, down_eHI.transpose(1, 2), offsets_e)
+    if valid_P is not None:
+        out_PH = torch.where(valid_P.unsqueeze(1), out_PH, 0)
     return _Unpermute.apply(out_PH, slots)
 
 
@@ -110,13 +124,23 @@ class _Slots:
         self.rows_P, self.slot_RK, self.keep_RK, self.sum_fn = rows_P, slot_RK, keep_RK, sum_fn
 
     @classmethod
-    def of(cls, order_P: torch.Tensor, num_pairs: int, K: int, dtype: torch.dtype, sum_fn: SumSlotsFn) -> _Slots:
+    def of(
+        cls,
+        order_P: torch.Tensor,
+        num_pairs: int,
+        K: int,
+        dtype: torch.dtype,
+        sum_fn: SumSlotsFn,
+        kept: int | torch.Tensor | None = None,
+    ) -> _Slots:
+        """``kept``: the pairs that count, the first ``num_pairs`` unless given (a device count: bounded pairs)."""
         positions = torch.arange(order_P.numel(), device=order_P.device)
         slot = torch.empty_like(order_P).index_copy_(0, order_P, positions)
         rows_P = order_P[:num_pairs] // K
-        if num_pairs == order_P.numel():
+        kept = num_pairs if kept is None else kept
+        if isinstance(kept, int) and kept == order_P.numel():
             return cls(rows_P, slot.view(-1, K), None, sum_fn)
-        keep = slot < num_pairs
+        keep = slot < kept
         return cls(rows_P, torch.where(keep, slot, 0).view(-1, K), keep.to(dtype).view(-1, K), sum_fn)
 
     def sum_slots(self, y_PH: torch.Tensor) -> torch.Tensor:

@@ -215,20 +215,30 @@ class ExpertShard(nn.Module):
         self.recompute = False
 
     def forward(
-        self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int | None = None
+        self,
+        x_RH: torch.Tensor,
+        local_idx_RK: torch.Tensor,
+        w_RK: torch.Tensor,
+        num_pairs: int | None = None,
+        bounded: bool = False,
     ) -> torch.Tensor:
-        """``num_pairs``: the non-sentinel ids in ``local_idx_RK`` when the host knows it (saves a host sync).
+        """``num_pairs``: the non-sentinel ids in ``local_idx_RK`` when the host knows it (saves a host sync);
+        ``bounded``: at most that many (messages at a fixed capacity, ``routing.Capacity``).
 
-        With no pair here the result still reaches every parameter (``_untouched``), so a backward always gives
-        the whole shard a gradient, in the same order, however the tokens were routed.
+        With no pair here the result still reaches every parameter (``_untouched``; the bounded grouped GEMMs
+        always do), so a backward always gives the whole shard a gradient, in the same order, however the tokens
+        were routed.
         """
-        if num_pairs is None:
+        grouped = supports_grouped(self.family, self.experts, x_RH)
+        if bounded and grouped:
+            return self._pairs(x_RH, local_idx_RK, w_RK, num_pairs, bounded=True)
+        if num_pairs is None or bounded:
             num_pairs = int((local_idx_RK < self.num_local).sum())  # host sync
         if num_pairs == 0:
             return x_RH * 0 + self._untouched(x_RH, local_idx_RK, w_RK)
         return self._pairs(x_RH, local_idx_RK, w_RK, num_pairs)
 
-    def _pairs(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int):
+    def _pairs(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int, bounded=False):
         if supports_grouped(self.family, self.experts, x_RH):
             e = self.experts
             return grouped_gated_experts(
@@ -241,6 +251,7 @@ class ExpertShard(nn.Module):
                 num_pairs,
                 self.elementwise,
                 self.recompute,
+                bounded,
             )
         return self.forward_hf(x_RH, local_idx_RK, w_RK)
 

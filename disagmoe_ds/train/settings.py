@@ -54,6 +54,7 @@ def mode_config(
         "offload": any(section.offload.values()),
         "resend": section.resend,
         "split_backward": section.split_backward,
+        "capacity_factor": section.capacity_factor is not None,
     }
     named = [f'"{SECTION}.{key}"' for key, on in ignored.items() if on]
     if named:
