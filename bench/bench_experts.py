@@ -14,6 +14,9 @@ holding every expert, random weights):
     ours-compiled  ``compiled_elementwise()``, as an expert shard of a ``"compile": true`` job runs it (the middle's
                    forward and backward as Triton kernels on CUDA, ``models/triton_swiglu.py``; the un-permute
                    fused by ``torch.compile``)
+    capacity-compiled  the same rows as a message at a fixed capacity (``"capacity_factor"``, default 1.25 here):
+                   padded with that share of rows whose ids are all the sentinel, and only a bound on the pairs
+                   (``bounded``: buffers at the bound, masks past the real pairs); its TFLOP/s count the real pairs
 
 Prints ms, TFLOP/s (3 x 6 * pairs * H * I) and each variant's speed over hf-compiled's (time of hf-compiled /
 time of the variant; ``vs_hf_compiled`` in the JSON written by ``--json``). bf16 on CUDA, fp32 on CPU. A variant
@@ -38,7 +41,7 @@ from bench_layer import compile_backend, first_line, fresh_grads, print_profile,
 
 from disagmoe_ds.models import grouped_experts  # noqa: E402
 
-VARIANTS = ("gemm-only", "hf-grouped", "hf-compiled", "ours", "inductor-compiled", "ours-compiled")
+VARIANTS = ("gemm-only", "hf-grouped", "hf-compiled", "ours", "inductor-compiled", "ours-compiled", "capacity-compiled")
 REFERENCE = "hf-compiled"
 
 
@@ -57,6 +60,22 @@ def step_ours(x, idx, w, gate_up, down, grad, elementwise):
     pairs = idx.numel()  # known to the host, as the M2N header gives it
     out = grouped_experts.grouped_gated_experts(x, idx, w, gate_up, down, F.silu, pairs, elementwise)
     out.backward(grad)
+
+
+def step_bounded(x, idx, w, gate_up, down, grad, elementwise, bound):
+    fresh_grads(x, w, gate_up, down)
+    out = grouped_experts.grouped_gated_experts(x, idx, w, gate_up, down, F.silu, bound, elementwise, bounded=True)
+    out.backward(grad)
+
+
+def padded(inputs: dict, num_experts: int, factor: float) -> tuple:
+    """``inputs``' rows padded to ``factor`` times as many (every id the sentinel), and the pair bound."""
+    x, idx, w, grad = (inputs[k] for k in ("x", "idx", "w", "grad"))
+    pad = round(x.shape[0] * (factor - 1))
+    x_pad = torch.cat([x.detach(), x.new_zeros(pad, x.shape[1])]).requires_grad_()
+    idx_pad = torch.cat([idx, idx.new_full((pad, idx.shape[1]), num_experts)])
+    w_pad = torch.cat([w.detach(), w.new_zeros(pad, w.shape[1])]).requires_grad_()
+    return x_pad, idx_pad, w_pad, torch.cat([grad, grad.new_zeros(pad, grad.shape[1])]), round(idx.numel() * factor)
 
 
 def step_gemm_only(x_sorted, offsets, gate_up, down, grad_sorted):
@@ -97,6 +116,11 @@ def build_variant(name: str, a, inputs: dict, backend: str):
             with compile_backend(backend):
                 module.compile()
         return step_hf, (module, x, idx, w, grad)
+    if name == "capacity-compiled":
+        with compile_backend(backend):
+            elementwise = grouped_experts.compiled_elementwise()
+        x_pad, idx_pad, w_pad, grad_pad, bound = padded(inputs, a.experts, a.capacity_factor)
+        return step_bounded, (x_pad, idx_pad, w_pad, gate_up, down, grad_pad, elementwise, bound)
     if name in ("ours-compiled", "inductor-compiled"):
         with compile_backend(backend):
             elementwise = grouped_experts.compiled_elementwise()
@@ -131,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "--paths", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="PATH", help=", ".join(VARIANTS)
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: CPU tests)")
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="capacity-compiled's padding (rows and pairs)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of our paths and gemm-only")
     a = p.parse_args(argv)

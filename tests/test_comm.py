@@ -41,6 +41,7 @@ H, K, E = 8, 2, 6
 # fp64 routing math against an fp64 loop: only summation order differs.
 TOL_FP64 = 1e-12
 CPU = torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device (0 here)")
 
 
 # ----- helpers: the "experts" and the references -----
@@ -131,6 +132,47 @@ def test_start_dispatch_equals_plan_and_pack_without_a_sync(case: str, ep_size: 
         assert torch.equal(x, gx_) and torch.equal(w, gw_)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["random", "skewed", "same_rank"])
+@pytest.mark.parametrize("ep_size", [2, 3, 6])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_dispatch_at_a_capacity_combines_as_the_exact_plan_and_says_what_it_needed(case, ep_size, device) -> None:
+    """At a ``Capacity`` every ep rank's message has its fixed rows (padding: every id the sentinel, weight 0), made
+    without a host sync (CUDA: sync debug mode raises on one); combining outputs that are zero on padding rows gives
+    the exact plan's result and gradients bit for bit when the capacity holds, and ``need_2`` is the most rows and
+    pairs one message wanted, also when it does not hold."""
+    from disagmoe_ds.comm.routing import Capacity, start_dispatch
+
+    gen = torch.Generator().manual_seed(7)
+    x_TH = torch.randn(13, H, dtype=torch.float64, generator=gen).to(device).requires_grad_()
+    w_TK = torch.rand(13, K, dtype=torch.float64, generator=gen).to(device).requires_grad_()
+    idx_TK = routing_case(case, 13, seed=8).to(device)
+    epr = E // ep_size
+    plan = plan_dispatch(idx_TK, ep_size, epr)
+    need = (max(plan.counts), max(plan.pairs))
+
+    def expert(x_RH, w_RK, idx_RK):  # any per-row function that is 0 on rows with no local pair
+        return x_RH * (w_RK * (idx_RK < epr)).sum(1, keepdim=True)
+
+    want_y = combine([expert(x, w, i) for (x, w), i in zip(pack(x_TH, w_TK, plan), plan.local_idx_RK)], plan)
+    want = torch.autograd.grad(want_y.square().sum(), (x_TH, w_TK))
+    for rows, pairs in (need, (need[0] + 3, need[1] + 5), (need[0] - 1, need[1])):
+        capacity = Capacity(13, rows, pairs, K)
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = start_dispatch(x_TH, w_TK, idx_TK, ep_size, epr, capacity)
+            got_plan, pieces = pending.resolved
+        finally:
+            torch.cuda.set_sync_debug_mode("default") if device == "cuda" else None
+        assert got_plan.counts == (rows,) * ep_size and [x.shape[0] for x, _ in pieces] == [rows] * ep_size
+        assert tuple(pending.need_2.tolist()) == need
+        if capacity.holds(*need):
+            y = combine([expert(x, w, i) for (x, w), i in zip(pieces, got_plan.local_idx_RK)], got_plan)
+            assert torch.equal(y, want_y)
+            for a, b in zip(torch.autograd.grad(y.square().sum(), (x_TH, w_TK)), want, strict=True):
+                assert torch.equal(a, b)
 
 
 def test_pack_zeroes_sentinel_weights_and_keeps_dtypes() -> None:

@@ -150,3 +150,24 @@ def test_every_grouped_family_gets_the_triton_middle(tiny_checkpoint, family):
     shard, *_ = _routed_case(tiny_checkpoint, family, "random")
     assert grouped_experts.is_silu(shard.experts.act_fn)
     assert not grouped_experts.is_silu(torch.nn.GELU())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the unwritten GEMM rows are a CUDA kernel's (0 GPUs)")
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+def test_bounded_pairs_on_cuda_equal_exact_pairs(tiny_checkpoint, recompute):
+    """On a GPU in bf16, where the grouped GEMMs really leave the rows past the real pairs unwritten: a padded
+    message at a bound gives the outputs and gradients of the same rows with their exact pair count."""
+    shard, x, idx, w, num_pairs = _routed_case(tiny_checkpoint, "qwen3_moe", "sentinels")
+    shard = shard.to("cuda", torch.bfloat16)
+    shard.recompute = recompute
+    pad = 5
+    x = torch.cat([x.detach(), torch.randn(pad, x.shape[1])]).to("cuda", torch.bfloat16).requires_grad_()
+    idx = torch.cat([idx, torch.full((pad, idx.shape[1]), shard.num_local)]).cuda()
+    w = torch.cat([w.detach(), torch.zeros(pad, w.shape[1])]).cuda().requires_grad_()
+    g = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for pairs, bounded in ((num_pairs, False), (num_pairs + 7, True)):
+        y = shard(x, idx, w, pairs, bounded=bounded)
+        outs.append([y, *torch.autograd.grad(y, [x, w, *shard.parameters()], g)])
+    for exact, padded in zip(*outs, strict=True):
+        assert torch.isfinite(padded).all() and torch.allclose(exact.float(), padded.float(), atol=1e-2, rtol=1e-2)

@@ -105,7 +105,7 @@ def test_batch_of_another_length_than_built_fails_clearly(tiny_checkpoint):
     cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=1, micro_batches=1, transport="rendezvous")
     args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, steps=1, seq_len=8, clip=0.0)
     message, _ = spawn_local(_trains_a_shorter_batch, 2, args=(args,), timeout_s=60)
-    assert "m2n rows [6], but the FFN side expects the micro-batch's 8 tokens" in message
+    assert "m2n rows [6], but the FFN side expects [8], the fixed sizes of the micro-batch's 8 tokens" in message
 
 
 @pytest.mark.parametrize(

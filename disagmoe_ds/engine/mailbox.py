@@ -300,8 +300,9 @@ class Mailbox:
         if got != want:
             side = "the FFN side expects" if key[0] == "m2n" else "the next A-group expects"
             raise ChannelError(
-                f"{key}: {key[0]} sizes {got}, but {side} {want} (fixed sizes, no header, from {self.capacity}): "
-                "every micro-batch must have the micro_batch_size x seq_len the ranks were built with"
+                f"{key}: {key[0]} rows {[g[0] for g in got]}, but {side} {[w[0] for w in want]}, the fixed sizes of "
+                f"the micro-batch's {self.capacity.tokens} tokens (no header): every micro-batch must have the "
+                "micro_batch_size x seq_len the ranks were built with"
             )
 
     def _learn_from_header(self, kind: str, key: Key, arrival: Arrival) -> None:
