@@ -92,12 +92,12 @@ def pairs_log(monkeypatch, tmp_path):
     """Every rank (forked) appends the routed pairs of each expert forward it runs to ``rank<r>.txt``."""
     forward = parts.ExpertShard.forward
 
-    def logged(self, x_RH, local_idx_RK, w_RK, num_pairs=None):
+    def logged(self, x_RH, local_idx_RK, w_RK, num_pairs=None, bounded=False):
         if x_RH.requires_grad and dist.is_initialized():
             pairs = int((local_idx_RK < self.num_local).sum())
             with open(tmp_path / f"rank{dist.get_rank()}.txt", "a", encoding="utf-8") as f:
                 f.write(f"{pairs}\n")
-        return forward(self, x_RH, local_idx_RK, w_RK, num_pairs)
+        return forward(self, x_RH, local_idx_RK, w_RK, num_pairs, bounded)
 
     monkeypatch.setattr(parts.ExpertShard, "forward", logged)
     return tmp_path

@@ -111,7 +111,6 @@ class AFPipeExecutor:
                 break
             except _Outgrown as outgrown:
                 discard_gradients(self.engine)
-                self._outgoing.clear()
                 self._set_capacity(outgrown.capacity)
                 _set_random_state(self.engine.device, random_state)
                 reruns += 1
