@@ -174,19 +174,45 @@ def _plan_on_device(
     sync: the hits in (ep rank, token) order first, then padding rows (token 0) that the plan slices off once the
     sizes are known. Returns ``(token_idx_C, local_idx_CK, sizes_2P)``, sizes_2P = rows and pairs per ep rank."""
     num_tokens, top_k = topk_idx_TK.shape
+    rank_TK, hit_PT = _rank_hits(topk_idx_TK, ep_size, experts_per_rank)
+    # Row-major: rows grouped by ep rank, tokens increasing inside each rank; a fixed size needs no host sync.
+    capacity = min(ep_size, top_k) * num_tokens
+    rank_C, token_idx_C = torch.nonzero_static(hit_PT, size=capacity, fill_value=0).unbind(1)
+    local_idx_CK = _local_ids(topk_idx_TK, rank_TK, token_idx_C, rank_C, experts_per_rank)
+    sizes_2P = torch.stack([hit_PT.sum(dim=1), count_ids(rank_TK, ep_size)])
+    return token_idx_C, local_idx_CK, sizes_2P
+
+
+def _rank_hits(topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ep rank of every choice (``rank_TK``) and whether token t reaches ep rank r (``hit_PT``), no host sync."""
     rank_TK = topk_idx_TK // experts_per_rank
     # A comparison, not ``hit[rank, token] = True``: CUDA's index_put waits for the device (16 ms on an H200 behind
     # queued GEMMs).
     ranks_P11 = torch.arange(ep_size, device=topk_idx_TK.device).view(-1, 1, 1)
-    hit_PT = (rank_TK.unsqueeze(0) == ranks_P11).any(dim=2)
-    # Row-major: rows grouped by ep rank, tokens increasing inside each rank; a fixed size needs no host sync.
-    capacity = min(ep_size, top_k) * num_tokens
-    rank_C, token_idx_C = torch.nonzero_static(hit_PT, size=capacity, fill_value=0).unbind(1)
-    idx_CK = topk_idx_TK.index_select(0, token_idx_C)
+    return rank_TK, (rank_TK.unsqueeze(0) == ranks_P11).any(dim=2)
+
+
+def _local_ids(
+    topk_idx_TK: torch.Tensor,
+    rank_TK: torch.Tensor,
+    token_idx_C: torch.Tensor,
+    rank_C: torch.Tensor,
+    experts_per_rank: int,
+    filled_C: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Row c's K expert ids local to its ep rank ``rank_C[c]``, the sentinel where the expert lives elsewhere (and
+    on every id of a row that ``filled_C`` marks as padding)."""
     here_CK = rank_TK.index_select(0, token_idx_C) == rank_C.unsqueeze(1)
-    local_idx_CK = torch.where(here_CK, idx_CK - rank_C.unsqueeze(1) * experts_per_rank, experts_per_rank)
-    sizes_2P = torch.stack([hit_PT.sum(dim=1), count_ids(rank_TK, ep_size)])
-    return token_idx_C, local_idx_CK, sizes_2P
+    if filled_C is not None:
+        here_CK &= filled_C.unsqueeze(1)
+    idx_CK = topk_idx_TK.index_select(0, token_idx_C) - rank_C.unsqueeze(1) * experts_per_rank
+    return torch.where(here_CK, idx_CK, experts_per_rank)
+
+
+def _gathered(x_TH, topk_w_TK, token_idx_C, local_idx_CK, sentinel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' activations and weights (weights 0 at sentinel ids)."""
+    w_CK = topk_w_TK.index_select(0, token_idx_C).masked_fill(local_idx_CK == sentinel, 0)
+    return x_TH.index_select(0, token_idx_C), w_CK
 
 
 def _sliced_plan(
@@ -270,8 +296,7 @@ def start_dispatch(
             num_tokens, experts_per_rank, plan.token_idx_S, plan.local_idx_SK, x_TH, topk_w_TK, sizes_2P, None
         )
     token_idx_C, local_idx_CK, sizes_2P = _plan_on_device(topk_idx_TK, ep_size, experts_per_rank)
-    x_CH = x_TH.index_select(0, token_idx_C)
-    w_CK = topk_w_TK.index_select(0, token_idx_C).masked_fill(local_idx_CK == experts_per_rank, 0)
+    x_CH, w_CK = _gathered(x_TH, topk_w_TK, token_idx_C, local_idx_CK, experts_per_rank)
     landed = None
     if sizes_2P.device.type == "cuda":
         host = torch.empty(sizes_2P.shape, dtype=sizes_2P.dtype, pin_memory=True)
@@ -294,9 +319,8 @@ def _dispatch_at_capacity(
     beyond C are dropped, and ``need_2`` records the most rows and pairs any message wanted."""
     num_tokens, rows = topk_idx_TK.shape[0], capacity.rows
     device = topk_idx_TK.device
-    rank_TK = topk_idx_TK // experts_per_rank
+    rank_TK, hit_PT = _rank_hits(topk_idx_TK, ep_size, experts_per_rank)
     ranks_P = torch.arange(ep_size, device=device)
-    hit_PT = (rank_TK.unsqueeze(0) == ranks_P.view(-1, 1, 1)).any(dim=2)
     slot_PT = hit_PT.long().cumsum(dim=1) - 1  # the token's row in rank r's message
     kept_PT = hit_PT & (slot_PT < rows)
     dump = ep_size * rows  # one slot past the messages, for the hits that do not fit (and every non-hit)
@@ -307,11 +331,8 @@ def _dispatch_at_capacity(
     rows_P, pairs_P = hit_PT.sum(dim=1), count_ids(rank_TK, ep_size)
     filled_C = (torch.arange(rows, device=device) < rows_P.clamp(max=rows).unsqueeze(1)).reshape(-1)
     rank_C = ranks_P.repeat_interleave(rows)
-    here_CK = (rank_TK.index_select(0, token_idx_C) == rank_C.unsqueeze(1)) & filled_C.unsqueeze(1)
-    idx_CK = topk_idx_TK.index_select(0, token_idx_C) - rank_C.unsqueeze(1) * experts_per_rank
-    local_idx_CK = torch.where(here_CK, idx_CK, experts_per_rank)
-    x_CH = x_TH.index_select(0, token_idx_C)
-    w_CK = topk_w_TK.index_select(0, token_idx_C).masked_fill(~here_CK, 0)
+    local_idx_CK = _local_ids(topk_idx_TK, rank_TK, token_idx_C, rank_C, experts_per_rank, filled_C)
+    x_CH, w_CK = _gathered(x_TH, topk_w_TK, token_idx_C, local_idx_CK, experts_per_rank)
     sizes_2P = torch.tensor([[rows] * ep_size, [capacity.pairs] * ep_size])
     need_2 = torch.stack([rows_P.max(), pairs_P.max()])
     return PendingDispatch(num_tokens, experts_per_rank, token_idx_C, local_idx_CK, x_CH, w_CK, sizes_2P, None, need_2)
@@ -326,9 +347,7 @@ def gather_rows(x_TH: torch.Tensor, topk_w_TK: torch.Tensor, plan: DispatchPlan)
     """
     if plan.ep_size == 1:
         return x_TH, topk_w_TK  # no sentinels either
-    x_SH = x_TH.index_select(0, plan.token_idx_S)
-    w_SK = topk_w_TK.index_select(0, plan.token_idx_S)
-    return x_SH, w_SK.masked_fill(plan.local_idx_SK == plan.sentinel, 0)
+    return _gathered(x_TH, topk_w_TK, plan.token_idx_S, plan.local_idx_SK, plan.sentinel)
 
 
 def pack(x_TH: torch.Tensor, topk_w_TK: torch.Tensor, plan: DispatchPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
