@@ -153,11 +153,13 @@ def test_every_grouped_family_gets_the_triton_middle(tiny_checkpoint, family):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the unwritten GEMM rows are a CUDA kernel's (0 GPUs)")
+@pytest.mark.parametrize("case", ["sentinels", "empty"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
-def test_bounded_pairs_on_cuda_equal_exact_pairs(tiny_checkpoint, recompute):
+def test_bounded_pairs_on_cuda_equal_exact_pairs(tiny_checkpoint, case, recompute):
     """On a GPU in bf16, where the grouped GEMMs really leave the rows past the real pairs unwritten: a padded
-    message at a bound gives the outputs and gradients of the same rows with their exact pair count."""
-    shard, x, idx, w, num_pairs = _routed_case(tiny_checkpoint, "qwen3_moe", "sentinels")
+    message at a bound gives the outputs and gradients of the same rows with their exact pair count ("empty":
+    padding only, the one case where a sum reads an unwritten row)."""
+    shard, x, idx, w, num_pairs = _routed_case(tiny_checkpoint, "qwen3_moe", case)
     shard = shard.to("cuda", torch.bfloat16)
     shard.recompute = recompute
     pad = 5
@@ -168,6 +170,8 @@ def test_bounded_pairs_on_cuda_equal_exact_pairs(tiny_checkpoint, recompute):
     outs = []
     for pairs, bounded in ((num_pairs, False), (num_pairs + 7, True)):
         y = shard(x, idx, w, pairs, bounded=bounded)
-        outs.append([y, *torch.autograd.grad(y, [x, w, *shard.parameters()], g)])
+        inputs = [x, w, *shard.parameters()]
+        grads = torch.autograd.grad(y, inputs, g, allow_unused=True)  # "empty", exact: w unused
+        outs.append([y, *(torch.zeros_like(t) if d is None else d for t, d in zip(inputs, grads))])
     for exact, padded in zip(*outs, strict=True):
         assert torch.isfinite(padded).all() and torch.allclose(exact.float(), padded.float(), atol=1e-2, rtol=1e-2)

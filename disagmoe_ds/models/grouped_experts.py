@@ -84,29 +84,26 @@ def grouped_gated_experts(
     # Each expert's end offset in the sorted order, without a host sync (the ids are sorted anyway).
     experts_e = torch.arange(1, num_experts + 1, device=sorted_ids_P.device, dtype=sorted_ids_P.dtype)
     offsets_e = torch.searchsorted(sorted_ids_P, experts_e, out_int32=True)
-    valid_P = None  # bounded: which of the num_pairs slots hold a real pair (the first offsets_e[-1])
+    kept = None  # bounded: the real pairs, the first offsets_e[-1] of the num_pairs slots (a device count)
     if bounded:
         num_pairs = min(num_pairs, order_P.numel())
         offsets_e = offsets_e.clamp(max=num_pairs)  # an overflow: its excess pairs are dropped
-        valid_P = torch.arange(num_pairs, device=offsets_e.device) < offsets_e[-1]
+        kept = offsets_e[-1]
     elif num_pairs is None:
         num_pairs = int(offsets_e[-1])  # host sync
     if num_pairs == 0:
         return x_RH * 0  # nothing routed here; keeps the autograd edge to x
-    kept = num_pairs if valid_P is None else offsets_e[-1]
     slots = _Slots.of(order_P, num_pairs, K, x_RH.dtype, elementwise.sum_slots, kept=kept)
     order_P = order_P[:num_pairs]
     x_PH = _Permute.apply(x_RH, slots)
     w_P = w_RK.reshape(-1).index_select(0, order_P)
-    if valid_P is not None:  # the GEMMs leave the rows past the real pairs unwritten, forward and backward
-        x_PH, w_P = torch.where(valid_P.unsqueeze(1), x_PH, 0), torch.where(valid_P, w_P, 0)
+    if kept is not None:  # the slots past the real pairs: no weight, so no weight gradient from their garbage rows
+        w_P = torch.where(torch.arange(num_pairs, device=w_P.device) < kept, w_P, 0)
     if recompute:
         out_PH = _RecomputedMiddle.apply(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise.gated)
     else:
         hidden_PI = elementwise.gated(_grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offsets_e), w_P, act_fn)
         out_PH = _grouped_mm(hidden_PI, down_eHI.transpose(1, 2), offsets_e)
-    if valid_P is not None:
-        out_PH = torch.where(valid_P.unsqueeze(1), out_PH, 0)
     return _Unpermute.apply(out_PH, slots)
 
 
@@ -116,12 +113,22 @@ class _Slots:
     ``rows_P``: the row of sorted pair p. ``slot_RK``: where pair (r, k) sits in the sorted order; a dropped pair
     (sentinel id) points at pair 0 and has ``keep_RK`` 0, which is None when no pair is dropped. ``sum_fn``: the
     gather-and-sum of the caller's ``Elementwise``.
+
+    Bounded pairs (``kept`` a device count): the grouped GEMMs leave the rows past the real pairs unwritten, forward
+    and backward, and a sum reads only kept slots and pair 0, which is one of those rows only when no pair is real.
+    ``any_kept`` then zeroes pair 0 before the sum (one row), so a masked garbage value never turns into NaN.
     """
 
     def __init__(
-        self, rows_P: torch.Tensor, slot_RK: torch.Tensor, keep_RK: torch.Tensor | None, sum_fn: SumSlotsFn
+        self,
+        rows_P: torch.Tensor,
+        slot_RK: torch.Tensor,
+        keep_RK: torch.Tensor | None,
+        sum_fn: SumSlotsFn,
+        any_kept: torch.Tensor | None = None,
     ) -> None:
         self.rows_P, self.slot_RK, self.keep_RK, self.sum_fn = rows_P, slot_RK, keep_RK, sum_fn
+        self.any_kept = any_kept
 
     @classmethod
     def of(
@@ -141,13 +148,17 @@ class _Slots:
         if isinstance(kept, int) and kept == order_P.numel():
             return cls(rows_P, slot.view(-1, K), None, sum_fn)
         keep = slot < kept
-        return cls(rows_P, torch.where(keep, slot, 0).view(-1, K), keep.to(dtype).view(-1, K), sum_fn)
+        any_kept = kept > 0 if isinstance(kept, torch.Tensor) else None
+        return cls(rows_P, torch.where(keep, slot, 0).view(-1, K), keep.to(dtype).view(-1, K), sum_fn, any_kept)
 
     def sum_slots(self, y_PH: torch.Tensor) -> torch.Tensor:
         """Row r's sum over its kept pairs of ``y_PH[slot]``."""
         # Detached: both callers run without autograd (a Function's forward or backward); a compiled sum_fn would
         # otherwise compile again for each requires_grad flag and run out of recompiles (eager from then on).
-        return self.sum_fn(y_PH.detach(), self.slot_RK, self.keep_RK)
+        y_PH = y_PH.detach()
+        if self.any_kept is not None:  # nothing else reads these rows: a GEMM's output, or the gradient of its input
+            y_PH[:1].masked_fill_(~self.any_kept, 0)
+        return self.sum_fn(y_PH, self.slot_RK, self.keep_RK)
 
 
 class _Permute(torch.autograd.Function):
