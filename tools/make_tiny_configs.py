@@ -17,6 +17,15 @@ COMMON = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+# The DeepSeek-style MoE (DeepSeek-V2/V3, GLM-4.5): fine-grained routed experts, one shared expert, a dense first layer.
+DEEPSEEK_MOE = dict(
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+)
 FAMILIES = {
     "tiny-qwen2-moe": tf.Qwen2MoeConfig(
         **COMMON,
@@ -42,12 +51,7 @@ FAMILIES = {
     "tiny-mixtral": tf.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
     "tiny-deepseek-v2": tf.DeepseekV2Config(
         **{**COMMON, "num_key_value_heads": 4},
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
+        **DEEPSEEK_MOE,
         kv_lora_rank=16,
         q_lora_rank=None,
         qk_rope_head_dim=8,
@@ -57,12 +61,7 @@ FAMILIES = {
     ),
     "tiny-deepseek-v3": tf.DeepseekV3Config(
         **{**COMMON, "num_key_value_heads": 4},
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
+        **DEEPSEEK_MOE,
         kv_lora_rank=16,
         q_lora_rank=24,
         qk_rope_head_dim=8,
@@ -84,12 +83,7 @@ FAMILIES = {
     "tiny-glm4-moe": tf.Glm4MoeConfig(
         **COMMON,
         head_dim=16,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
+        **DEEPSEEK_MOE,
         n_group=2,
         topk_group=1,
         use_qk_norm=True,
