@@ -139,6 +139,12 @@ class Capacity:
         return rows <= self.rows and pairs <= self.pairs
 
 
+def pads(capacity: Capacity | None) -> bool:
+    """Whether messages are padded to ``capacity`` and may outgrow it (None: exact sizes, sent with headers; an
+    ``exact`` capacity: one ep rank, nothing to pad)."""
+    return capacity is not None and not capacity.exact
+
+
 def _round_up(n: float) -> int:
     return max(1, math.ceil(n - 1e-9))  # (the epsilon: 0.1 * 30 is 3.0000000000000004)
 
@@ -287,7 +293,7 @@ def start_dispatch(
     """
     num_tokens = topk_idx_TK.shape[0]
     topk_idx_TK = topk_idx_TK.long()
-    if capacity is not None and not capacity.exact:
+    if pads(capacity):
         return _dispatch_at_capacity(x_TH, topk_w_TK, topk_idx_TK, ep_size, experts_per_rank, capacity)
     if ep_size == 1:  # sizes known on the host, no gather (``gather_rows``)
         plan = plan_dispatch(topk_idx_TK, 1, experts_per_rank)

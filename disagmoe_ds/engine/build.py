@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from disagmoe_ds.comm.exchange import ffn_lanes
-from disagmoe_ds.comm.routing import Capacity
+from disagmoe_ds.comm.routing import Capacity, pads
 from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
 from disagmoe_ds.engine.deepspeed_role import GlobalGradNorm, check_stage, ds_stage
@@ -203,7 +203,7 @@ class Disaggregated:
         slots = lambda layer: in_flight.get(layer, 1)  # noqa: E731 (a layer the stream never runs: one, unused)
         if parts.role.is_attention:
             return graph_stages(slots, attention=parts.module)
-        if capacity is None or not capacity.exact:
+        if capacity is None or pads(capacity):
             return None  # rows vary with the routing, or the capacity may grow: the shards run as they are
         return graph_stages(slots, experts=parts.module)
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from disagmoe_ds.comm.routing import Capacity
+from disagmoe_ds.comm.routing import Capacity, pads
 from disagmoe_ds.engine import instructions as ins
 from disagmoe_ds.engine.deepspeed_role import GradNorm, discard_gradients, zero_grads_of_untouched
 from disagmoe_ds.engine.mailbox import Mailbox, message_key
@@ -103,7 +103,7 @@ class AFPipeExecutor:
         A step whose messages outgrew the exchange capacity is discarded and run again, from the same random state,
         at the capacity it needed (``routing.Capacity``): the step's result is the dropless one."""
         start = time.perf_counter()
-        random_state = _random_state(self.engine.device) if self._may_outgrow else None
+        random_state = _random_state(self.engine.device) if pads(self.mailbox.capacity) else None
         reruns = 0
         while True:
             try:
@@ -129,14 +129,9 @@ class AFPipeExecutor:
         finally:
             self.stall_watch.stop()
 
-    @property
-    def _may_outgrow(self) -> bool:
-        capacity = self.mailbox.capacity
-        return capacity is not None and not capacity.exact
-
     def _check_capacity(self) -> None:
         """All ranks together (after every send has left): raise ``_Outgrown`` if some message wanted more."""
-        if not self._may_outgrow:
+        if not pads(self.mailbox.capacity):
             return
         need = getattr(self.runner, "capacity_need", None)
         need_2 = need() if need else torch.zeros(2, dtype=torch.int64, device=self.engine.device)

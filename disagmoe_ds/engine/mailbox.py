@@ -39,7 +39,7 @@ import torch
 
 from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn, FanOut
 from disagmoe_ds.comm.exchange import ExchangeComms, Kind, LaneRows, exchange_specs, static_sizes
-from disagmoe_ds.comm.routing import Capacity, RoutedTokens
+from disagmoe_ds.comm.routing import Capacity, RoutedTokens, pads
 from disagmoe_ds.engine.later import Later, made
 from disagmoe_ds.schedule import Message
 
@@ -324,8 +324,8 @@ class Mailbox:
             rows = LaneRows(self._in[kind].fan_in.peers, tuple(size[0] for size in arrival.sizes))
             if kind == "n2m_grad":
                 return tuple(whole), rows
-            bounded = self.capacity is not None and not self.capacity.exact  # padded messages: pairs at most
-            return RoutedTokens(*whole, num_pairs=sum(meta[0] for meta in arrival.metas), bounded=bounded), rows
+            pairs = sum(meta[0] for meta in arrival.metas)  # padded messages: at most that many
+            return RoutedTokens(*whole, num_pairs=pairs, bounded=pads(self.capacity)), rows
         if kind in ("n2m", "m2n_grad"):
             return per_peer
         if kind == "resid":

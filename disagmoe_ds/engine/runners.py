@@ -31,6 +31,7 @@ from disagmoe_ds.comm.routing import (
     PendingDispatch,
     combine,
     count_ids,
+    pads,
     start_dispatch,
 )
 from disagmoe_ds.engine.later import Later, made
@@ -458,7 +459,7 @@ class ExpertRunner:
     def _warm_up_cases(self, seq_len: int) -> list[tuple[int, str, int | None]]:
         """(rows, id pattern, pair bound): messages of varying size, or, at a capacity that pads them, the one size
         they all have, with and without sentinel ids."""
-        if self.capacity is None or self.capacity.exact:
+        if not pads(self.capacity):
             return [(rows, pattern, None) for rows, pattern in _warm_up_cases(seq_len)]
         rows, pairs = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
         return [(rows, pattern, pairs) for pattern in ("some", "one")]
