@@ -24,6 +24,52 @@ def test_layer_in_flight_counts_micro_batches_between_forward_and_backward():
     assert all(set(layer_in_flight(s).values()) == {1} for s in one.streams.values())
 
 
+def test_structure_keys_round_trip_and_tell_shapes_apart():
+    from disagmoe_ds.models.graphs import _flatten, _unflatten
+
+    a, b, c = torch.zeros(2, 3), torch.ones(4, dtype=torch.long), torch.zeros(1)
+    args = (a, None, (b, c), {"full_attention": None, "sliding_attention": c}, 7)
+    tensors: list[torch.Tensor] = []
+    key = _flatten(args, tensors)
+    assert [t is x for t, x in zip(tensors, (a, b, c, c), strict=True)] == [True] * 4
+    rebuilt = _unflatten(key, iter(tensors))
+    assert rebuilt[1] is None and rebuilt[4] == 7 and rebuilt[2][0] is b and rebuilt[3]["sliding_attention"] is c
+    hash(key)
+    assert _flatten((torch.zeros(2, 4), None, (b, c), args[3], 7), []) != key  # another shape
+    assert _flatten((a, None, (b, c), args[3], 8), []) != key  # another value
+    assert (
+        _flatten((a.clone(), None, (b.clone(), c.clone()), {"full_attention": None, "sliding_attention": c}, 7), [])
+        == key
+    )
+
+
+def test_a_capture_copies_in_only_what_changed_and_zeroes_an_unused_gradient_once():
+    from disagmoe_ds.models.graphs import _Capture
+
+    static = (torch.zeros(3), torch.zeros(3))
+    grads = (torch.zeros(3), None, torch.zeros(3))
+    capture = _Capture(static, (), None, grads, (None, None), (), forward=None, backward=None)
+    h, rope = torch.ones(3), torch.full((3,), 2.0)
+    capture.copy_in([h, rope])
+    assert static[0].tolist() == [1.0] * 3 and static[1].tolist() == [2.0] * 3
+    static[1].fill_(-1.0)  # a replay never writes its inputs: a skipped copy is visible here
+    capture.copy_in([torch.full((3,), 5.0), rope])
+    assert static[0].tolist() == [5.0] * 3 and static[1].tolist() == [-1.0] * 3  # the same tensor: not copied
+    rope.add_(1.0)
+    capture.copy_in([h, rope])
+    assert static[1].tolist() == [3.0] * 3  # modified in place since: copied again
+
+    grads[2].fill_(9.0)
+    capture.copy_grads_in([torch.ones(3), None, None])
+    assert grads[0].tolist() == [1.0] * 3 and grads[2].tolist() == [0.0] * 3
+    grads[2].fill_(9.0)
+    capture.copy_grads_in([torch.ones(3), None, None])
+    assert grads[2].tolist() == [9.0] * 3  # known zero: not written again (9 is the test's marker)
+    capture.copy_grads_in([None, None, torch.full((3,), 4.0)])
+    capture.copy_grads_in([None, None, None])
+    assert grads[2].tolist() == [0.0] * 3 and grads[0].tolist() == [0.0] * 3
+
+
 def _parts(family: str, compiled: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -28,13 +28,13 @@ Shape suffixes: B micro-batch size, S sequence, T = B*S tokens, H hidden, K top-
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from disagmoe_ds.models.parts import (
     AttentionOutput,
@@ -49,11 +49,38 @@ from disagmoe_ds.models.parts import (
 WARMUP_CALLS = 2  # before capture, on a side stream: compiled parts compile, libraries allocate their workspaces
 
 
-_OUTPUT = object()  # where a captured result has a tensor
-
-
 class GraphError(RuntimeError):
     """A graphed part was used outside what was captured (every slot busy): a bug in the slot count."""
+
+
+_TENSOR = "tensor"  # the tag of a tensor leaf in a structure key
+
+
+def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """The key of ``obj``'s structure (tensors by shape and dtype, other leaves by value); its tensors go to
+    ``tensors`` in order. Written out, not torch's pytree: this runs twice per call on the critical path, and
+    pytree's spec hashing cost about a tenth of a graphed part's host time."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return (_TENSOR, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj), tuple(_flatten(x, tensors) for x in obj))
+    if isinstance(obj, dict):
+        return (dict, tuple((k, _flatten(v, tensors)) for k, v in obj.items()))
+    return obj
+
+
+def _unflatten(key: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    """The inverse of ``_flatten``: the structure ``key`` describes, with the next of ``tensors`` at each tensor."""
+    if not isinstance(key, tuple) or not key:
+        return key
+    if key[0] == _TENSOR:
+        return next(tensors)
+    if key[0] is dict:
+        return {k: _unflatten(v, tensors) for k, v in key[1]}
+    if key[0] in (tuple, list):
+        return key[0](_unflatten(x, tensors) for x in key[1])
+    return key  # a tuple given as a value
 
 
 @dataclass(eq=False)
@@ -62,23 +89,59 @@ class _Capture:
 
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]  # the tensor leaves of the result, detached
-    out_leaves: list[Any]  # the result's leaves, ``_OUTPUT`` where ``outputs`` go
-    out_spec: TreeSpec
+    out_key: Any  # the result's structure (``_flatten``)
     grad_outputs: tuple[torch.Tensor | None, ...]  # one per output; None where it is not differentiable
     input_grads: tuple[torch.Tensor | None, ...]  # one per input; None where none is computed
     param_grads: tuple[torch.Tensor | None, ...]  # one per parameter, likewise
     forward: torch.cuda.CUDAGraph
     backward: torch.cuda.CUDAGraph | None  # None: no output is differentiable
+    # What each static input last received (a dead reference: nothing yet). Inputs that do not change between
+    # calls (a micro-batch's rotary embeddings and position ids are the same tensors every time) are not copied.
+    sources: list[weakref.ref | None] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    zeroed: set[int] = field(default_factory=set)  # output gradients whose static buffer holds zeros
+
+    def __post_init__(self) -> None:
+        self.sources = [None] * len(self.inputs)
+        self.versions = [-1] * len(self.inputs)
+
+    def copy_in(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Every given input into its static input, as one multi-tensor launch; skipped where the static input
+        already holds it (the same tensor, unmodified since)."""
+        pairs = []
+        for i, (static, given) in enumerate(zip(self.inputs, tensors, strict=False)):
+            source = self.sources[i]
+            if static is given or (source is not None and source() is given and self.versions[i] == given._version):
+                continue
+            pairs.append((static, given))
+            self.sources[i], self.versions[i] = weakref.ref(given), given._version
+        _copy_all(pairs)
+
+    def copy_grads_in(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """The output gradients into the static ones; an output nothing downstream used gets zeros (once: the
+        buffer stays zero until a real gradient lands there)."""
+        pairs, missing = [], []
+        for i, (static, given) in enumerate(zip(self.grad_outputs, grads, strict=True)):
+            if static is None:
+                continue
+            if given is not None:
+                pairs.append((static, given))
+                self.zeroed.discard(i)
+            elif i not in self.zeroed:
+                missing.append(static)
+                self.zeroed.add(i)
+        _copy_all(pairs)
+        if missing:
+            torch._foreach_zero_(missing)
 
     def result(self, outputs: Sequence[torch.Tensor]) -> Any:
-        it = iter(outputs)
-        return tree_unflatten([next(it) if x is _OUTPUT else x for x in self.out_leaves], self.out_spec)
+        return _unflatten(self.out_key, iter(outputs))
 
 
 @dataclass(eq=False)
 class _Slot:
     pool: Any = field(default_factory=torch.cuda.graph_pool_handle)
-    captures: dict[tuple, _Capture] = field(default_factory=dict)
+    captures: dict[Any, _Capture] = field(default_factory=dict)
     busy: bool = False
     grad_ptrs: set[int] = field(default_factory=set)  # where its captures' parameter gradients live
 
@@ -89,21 +152,6 @@ class _Slot:
         for param in params:
             if param.grad is not None and param.grad.data_ptr() in self.grad_ptrs:
                 param.grad = param.grad.clone()
-
-
-def _split(args: tuple) -> tuple[list[torch.Tensor], tuple, TreeSpec]:
-    """The tensors of ``args``, and the key of its structure: tensors by shape and dtype, other leaves by value."""
-    leaves, spec = tree_flatten(args)
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves)
-    return tensors, (spec, shapes), spec
-
-
-def _rebuild(spec: TreeSpec, template: tuple, tensors: Sequence[torch.Tensor]) -> tuple:
-    """``args`` again, its tensors replaced by ``tensors`` (in order)."""
-    it = iter(tensors)
-    leaves, _ = tree_flatten(template)
-    return tree_unflatten([next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
 
 
 class GraphedPart:
@@ -130,15 +178,17 @@ class GraphedPart:
 
         ``args``' tensors give the shapes and which inputs need gradients; their values do not matter.
         """
-        tensors, key, spec = _split(args)
+        tensors: list[torch.Tensor] = []
+        key = _flatten(args, tensors)
         for slot in self.slots:
             if key not in slot.captures:
-                capture = slot.captures[key] = self._capture(slot, args, tensors, spec)
+                capture = slot.captures[key] = self._capture(slot, key, tensors)
                 slot.grad_ptrs |= {g.data_ptr() for g in capture.param_grads if g is not None}
         torch.cuda.synchronize()
 
     def __call__(self, *args: Any) -> Any:
-        tensors, key, _ = _split(args)
+        tensors: list[torch.Tensor] = []
+        key = _flatten(args, tensors)
         if not torch.is_grad_enabled() or key not in self.slots[0].captures:
             self.misses += torch.is_grad_enabled()
             return self.fn(*args)
@@ -154,25 +204,24 @@ class GraphedPart:
                 raise GraphError(f"{self.name}: an input needs a gradient that the captured graph does not compute")
         return capture.result(_Replay.apply(slot, capture, self.params, *tensors, *self.params))
 
-    def _capture(self, slot: _Slot, args: tuple, tensors: Sequence[torch.Tensor], spec: TreeSpec) -> _Capture:
+    def _capture(self, slot: _Slot, key: Any, tensors: Sequence[torch.Tensor]) -> _Capture:
         inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
         wrt = [t for t in (*inputs, *self.params) if t.requires_grad]
+        static_args = _unflatten(key, iter(inputs))
 
-        static_args = _rebuild(spec, args, inputs)
-
-        def run() -> tuple[list[Any], list[torch.Tensor], TreeSpec]:
-            leaves, out_spec = tree_flatten(self.fn(*static_args))
-            return leaves, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], out_spec
+        def run() -> tuple[Any, list[torch.Tensor]]:
+            outputs: list[torch.Tensor] = []
+            return _flatten(self.fn(*static_args), outputs), outputs
 
         stream = _capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up and capture on one stream that is not the legacy default
             for _ in range(WARMUP_CALLS):
-                _, outputs, _ = run()
+                _, outputs = run()
                 _grads_of(outputs, wrt, [torch.zeros_like(o) for o in outputs if o.requires_grad])
             forward = torch.cuda.CUDAGraph()
             with torch.cuda.graph(forward, pool=slot.pool, stream=stream, capture_error_mode="thread_local"):
-                out_leaves, outputs, out_spec = run()
+                out_key, outputs = run()
             grad_outputs = tuple(torch.zeros_like(o) if o.requires_grad else None for o in outputs)
             backward, grads = None, ()
             if any(g is not None for g in grad_outputs):
@@ -185,11 +234,8 @@ class GraphedPart:
         # Nothing of the capture's autograd graph may outlive it: its nodes were made on the capture stream, and a
         # parameter's gradient accumulator kept from there would make every later backward wait across streams.
         outputs = tuple(o.detach() for o in outputs)
-        out_leaves = [_OUTPUT if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
         n = len(inputs)
-        return _Capture(
-            inputs, outputs, out_leaves, out_spec, grad_outputs, tuple(every[:n]), tuple(every[n:]), forward, backward
-        )
+        return _Capture(inputs, outputs, out_key, grad_outputs, tuple(every[:n]), tuple(every[n:]), forward, backward)
 
 
 def _capture_stream() -> torch.cuda.Stream:
@@ -224,12 +270,12 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, slot: _Slot, capture: _Capture, params: tuple, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # One launch for every copy in (the parameters follow the inputs in ``tensors``: they are in place already).
-        _copy_all([(s, g) for s, g in zip(capture.inputs, tensors, strict=False) if s.data_ptr() != g.data_ptr()])
+        capture.copy_in(tensors)  # the parameters follow the inputs in ``tensors``: they are in place already
         slot.keep_grads(params)
         capture.forward.replay()
         slot.busy = capture.backward is not None
         ctx.slot, ctx.capture, ctx.params = slot, capture, params
+        ctx.set_materialize_grads(False)  # an unused output's zeros are written once (``copy_grads_in``)
         outputs = tuple(o.detach() for o in capture.outputs)
         ctx.mark_non_differentiable(*(o for o, g in zip(outputs, capture.grad_outputs, strict=True) if g is None))
         return outputs
@@ -239,11 +285,7 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         slot, capture = ctx.slot, ctx.capture
         slot.keep_grads(ctx.params)
-        given = [(s, g) for s, g in zip(capture.grad_outputs, grads, strict=True) if s is not None]
-        _copy_all([(s, g) for s, g in given if g is not None])
-        missing = [s for s, g in given if g is None]  # an output nothing downstream used: a zero gradient
-        if missing:
-            torch._foreach_zero_(missing)
+        capture.copy_grads_in(grads)
         capture.backward.replay()
         slot.busy = False
         input_grads = (g.clone() if g is not None else None for g in capture.input_grads)

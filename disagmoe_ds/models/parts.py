@@ -310,9 +310,18 @@ class AttentionStage(nn.Module):
         hf_layers = model.model.layers
         self.layers = nn.ModuleDict({str(i): AttentionPart(hf_layers[i], self.family, i) for i in layers})
         self.head = Head(model) if with_head else None
+        self._default_contexts: dict[tuple, LayerContext] = {}
 
     def context(self, h_BSH: torch.Tensor, position_ids: torch.Tensor | None) -> LayerContext:
-        return build_context(self.config, self.rotary_emb, h_BSH, position_ids)
+        """The micro-batch's context; with the default positions (None), one per shape, built once: its tensors
+        are then the same every call, which a graphed part need not copy in, and no step rebuilds them."""
+        if position_ids is not None or torch.is_inference_mode_enabled():
+            return build_context(self.config, self.rotary_emb, h_BSH, position_ids)
+        key = (h_BSH.shape[:2], h_BSH.dtype, h_BSH.device, self.config._attn_implementation)
+        if key not in self._default_contexts:
+            with torch.no_grad():
+                self._default_contexts[key] = build_context(self.config, self.rotary_emb, h_BSH, None)
+        return self._default_contexts[key]
 
     def part(self, layer: int) -> AttentionPart:
         return self.layers[str(layer)]
