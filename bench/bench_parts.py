@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -38,8 +39,12 @@ MODES = ("eager", "compiled", "graphed")
 PARTS = ("attention", "head", "experts")
 
 
-def build_calls(model_dir: str, seq_len: int, batch: int, mode: str, device: str) -> dict:
-    """``{part: call}``: each call runs the part's forward and backward once on fixed inputs."""
+def build_calls(
+    model_dir: str, seq_len: int, batch: int, mode: str, device: str, capacity_factor: float | None = None
+) -> dict:
+    """``{part: call}``: each call runs the part's forward and backward once on fixed inputs; ``capacity_factor``:
+    the expert shard gets its rows as a message padded to that capacity (sentinel rows after the routed ones,
+    a pair bound), as with several ep ranks and ``"capacity_factor"``."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = one_layer_model(AutoConfig.from_pretrained(model_dir), device=device, dtype=dtype)
@@ -57,12 +62,18 @@ def build_calls(model_dir: str, seq_len: int, batch: int, mode: str, device: str
         routed = attention.part(0)(h_BSH, ctx, config)
     x_RH = routed.x_TH.detach().requires_grad_()
     w_RK = routed.topk_w_TK.detach().requires_grad_()
-    idx_RK, pairs = routed.topk_idx_TK.long(), routed.topk_idx_TK.numel()
+    idx_RK, pairs, bounded = routed.topk_idx_TK.long(), routed.topk_idx_TK.numel(), False
+    if capacity_factor:
+        x_RH, idx_RK, w_RK, pairs = _padded(x_RH, idx_RK, w_RK, experts.num_local, capacity_factor)
+        bounded = True
     part, head, shard = attention.part(0), attention.head, experts.shard(0)
     if mode == "graphed":
         graphs = graph_stages(lambda layer: 1, attention=attention, experts=experts)
         graphs.capture_attention(attention, batch=batch, seq_len=seq_len, positions=[None])
-        graphs.capture_shards(experts, rows=x_RH.shape[0], top_k=idx_RK.shape[1], weight_dtype=w_RK.dtype)
+        graphs.capture_shards(
+            experts, rows=x_RH.shape[0], top_k=idx_RK.shape[1], weight_dtype=w_RK.dtype,
+            pair_bound=pairs if bounded else None,
+        )  # fmt: skip
         part, head, shard = graphs.part(attention, 0), graphs.head_of(attention), graphs.shard(experts, 0)
 
     params = [*attention.parameters(), *experts.parameters()]
@@ -82,10 +93,20 @@ def build_calls(model_dir: str, seq_len: int, batch: int, mode: str, device: str
 
     def experts_call():
         fresh_grads()
-        y_RH = shard(x_RH, idx_RK, w_RK, pairs)
+        y_RH = shard(x_RH, idx_RK, w_RK, pairs, bounded)
         y_RH.backward(y_RH)
 
     return {"attention": attention_call, "head": head_call, "experts": experts_call}
+
+
+def _padded(x_RH, idx_RK, w_RK, sentinel: int, factor: float):
+    """The rows as a message at ``factor`` times their size: padding rows of sentinel ids and zero weights."""
+    rows = math.ceil(x_RH.shape[0] * factor)
+    pad = rows - x_RH.shape[0]
+    x_RH = torch.cat([x_RH.detach(), x_RH.detach()[:1].expand(pad, -1)]).requires_grad_()
+    idx_RK = torch.cat([idx_RK, idx_RK.new_full((pad, idx_RK.shape[1]), sentinel)])
+    w_RK = torch.cat([w_RK.detach(), w_RK.new_zeros(pad, w_RK.shape[1])]).requires_grad_()
+    return x_RH, idx_RK, w_RK, rows * idx_RK.shape[1]
 
 
 def gpu_ms(call, *, iters: int, device: str) -> float:
@@ -135,16 +156,26 @@ def _sync(device: str) -> None:
 
 
 def bench(
-    model_dir: str, seq_len: int, batch: int, *, modes, device: str, warmup: int, iters: int, profile: bool = False
+    model_dir: str,
+    seq_len: int,
+    batch: int,
+    *,
+    modes,
+    device: str,
+    warmup: int,
+    iters: int,
+    profile: bool = False,
+    capacity_factor: float | None = None,
 ) -> list[dict]:
     rows = []
     for mode in modes:
-        calls = build_calls(model_dir, seq_len, batch, mode, device)
+        calls = build_calls(model_dir, seq_len, batch, mode, device, capacity_factor)
         for part, call in calls.items():
             for _ in range(warmup):
                 call()
             gpu, host = gpu_ms(call, iters=iters, device=device), host_ms(call, iters=iters, device=device)
             row = {"model": Path(model_dir).name, "seq_len": seq_len, "batch": batch, "part": part, "mode": mode}
+            row["capacity_factor"] = capacity_factor
             rows.append({**row, "gpu_ms": gpu, "host_ms": host, "host_over_gpu": host / gpu})
             print(f"{row['model']} {part} {mode}: gpu {gpu:.3f} ms, host {host:.3f} ms", flush=True)
             if profile:
@@ -172,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (compilation happens in them)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument(
+        "--capacity-factor", type=float, default=None,
+        help="the expert shard's rows as a message padded to this capacity (as with several ep ranks)",
+    )  # fmt: skip
     p.add_argument("--profile", action="store_true", help="print each call's host-side ops by self CPU time")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
@@ -187,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             warmup=a.warmup,
             iters=a.iters,
             profile=a.profile,
+            capacity_factor=a.capacity_factor,
         )
     print_table(rows)
     if a.json:

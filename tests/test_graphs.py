@@ -160,3 +160,72 @@ def _flat(run) -> list[torch.Tensor]:
     for outs, h_grad in per_micro_batch:
         out += [*outs, h_grad]
     return out
+
+
+@cuda
+def test_a_graphed_shard_at_a_capacity_is_bit_identical_and_captured_again_when_grown():
+    """Messages padded to a capacity (rows of sentinel ids and zero weights after the routed ones, a pair bound):
+    the graphed shard gives what the shard gives, also for a message of padding only, and after the capacity
+    grew (``capture_shards`` again, as ``ExpertRunner`` does) at the new size."""
+    from disagmoe_ds.models.graphs import graph_stages
+
+    config, _, experts, weight_dtype = _parts("qwen3-moe", compiled=False)
+    layer = int(next(iter(experts.layers)))
+    shard, top_k, sentinel = experts.shard(layer), config.num_experts_per_tok, experts.num_local
+    graphs = graph_stages(lambda layer: 1, experts=experts)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+
+    def message(rows: int, routed: int):
+        x = torch.randn(rows, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        idx = torch.full((rows, top_k), sentinel, device="cuda")
+        idx[:routed] = torch.randint(0, sentinel + 1, (routed, top_k), device="cuda", generator=gen)
+        w = torch.zeros(rows, top_k, device="cuda", dtype=weight_dtype)
+        w[:routed] = torch.rand(routed, top_k, device="cuda", dtype=weight_dtype, generator=gen)
+        return x, idx, w
+
+    def run(call, x, idx, w, bound):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = call(x, idx, w, bound, True)
+        inputs = [x, w, *shard.parameters()]
+        grads = torch.autograd.grad(y, inputs, torch.ones_like(y), allow_unused=True)
+        return [y.detach().clone(), *(torch.zeros_like(t) if g is None else g.clone() for t, g in zip(inputs, grads))]
+
+    for rows in (12, 20):  # captured at 12 rows, then at a grown capacity of 20
+        bound = rows * top_k
+        graphs.capture_shards(experts, rows=rows, top_k=top_k, weight_dtype=weight_dtype, pair_bound=bound)
+        for routed in (rows - 3, 0):
+            x, idx, w = message(rows, routed)
+            want = run(shard, x, idx, w, bound)
+            got = run(graphs.shard(experts, layer), x, idx, w, bound)
+            for a, b in zip(want, got, strict=True):
+                assert torch.isfinite(b).all()
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
+        assert graphs.misses == 0
+
+
+def test_an_expert_runner_captures_its_shards_again_at_a_grown_capacity():
+    """The executor grows the capacity between a discarded step and its rerun; the graphed shards follow (on CPU
+    the captures are recorded, not made)."""
+    from types import SimpleNamespace
+
+    from disagmoe_ds.comm.routing import Capacity
+    from disagmoe_ds.engine.runners import ExpertRunner
+    from disagmoe_ds.models.graphs import StageGraphs
+
+    class Recorded(StageGraphs):
+        def capture_shards(self, stage, **sizes):
+            captured.append(sizes)
+
+    captured: list[dict] = []
+    capacity = Capacity.initial(tokens=64, top_k=2, ep_size=2, experts_per_rank=4, factor=1.25)
+    graphs = Recorded(shards={0: object()})
+    runner = ExpertRunner(
+        SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(), top_k=2, weight_dtype=torch.float32,
+        graphs=graphs, capacity=capacity, lanes=2,
+    )  # fmt: skip
+    runner.capacity = capacity  # unchanged: nothing to capture again
+    grown = capacity.grown(60, 100)
+    runner.capacity = grown
+    assert captured == [
+        {"rows": grown.rows * 2, "top_k": 2, "weight_dtype": torch.float32, "pair_bound": grown.pairs * 2}
+    ]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from disagmoe_ds.comm.exchange import ffn_lanes
-from disagmoe_ds.comm.routing import Capacity, pads
+from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
 from disagmoe_ds.engine.deepspeed_role import GlobalGradNorm, check_stage, ds_stage
@@ -196,15 +196,15 @@ class Disaggregated:
         self, parts: RankParts, schedule: Schedule, worker: Worker, capacity: Capacity | None
     ) -> StageGraphs | None:
         """With ``cuda_graphs``: graphs of the rank's parts, each with a slot per micro-batch its stream holds in
-        flight for that layer; expert shards only where their rows are fixed (one ep rank)."""
+        flight for that layer; expert shards only where their rows are fixed (one ep rank, or a capacity)."""
         if not self.cfg.cuda_graphs:
             return None
         in_flight = layer_in_flight(schedule.streams[worker])
         slots = lambda layer: in_flight.get(layer, 1)  # noqa: E731 (a layer the stream never runs: one, unused)
         if parts.role.is_attention:
             return graph_stages(slots, attention=parts.module)
-        if capacity is None or pads(capacity):
-            return None  # rows vary with the routing, or the capacity may grow: the shards run as they are
+        if capacity is None:
+            return None  # rows vary with the routing: the shards run as they are
         return graph_stages(slots, experts=parts.module)
 
     def _runner(

@@ -416,7 +416,7 @@ class ExpertRunner:
         sizes vary); the graphed shards and the warm-up run at their sum."""
         self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, top_k, weight_dtype
         self.graphs = graphs or StageGraphs()  # the shards replayed as CUDA graphs (at the capacity's rows)
-        self.capacity, self.lanes = capacity, lanes
+        self._capacity, self.lanes = capacity, lanes
         self.resend = resend
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
         # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
@@ -427,12 +427,29 @@ class ExpertRunner:
     def start_step(self, batches) -> None:
         del batches  # the FFN side reads no data
 
+    @property
+    def capacity(self) -> Capacity | None:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, capacity: Capacity) -> None:
+        """A grown capacity (a step outgrew the old one): the graphed shards are captured again at its size."""
+        grown, self._capacity = capacity != self._capacity, capacity
+        if grown and self.graphs.shards:
+            self._capture_shards()
+
     def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
         with self.compiling():
             self._warm_up(seq_len, packed=packed)
         if self.graphs.shards:
-            rows = self.capacity.rows * self.lanes
-            self.graphs.capture_shards(self.stage, rows=rows, top_k=self.top_k, weight_dtype=self.weight_dtype)
+            self._capture_shards()
+
+    def _capture_shards(self) -> None:
+        rows, bound = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
+        self.graphs.capture_shards(
+            self.stage, rows=rows, top_k=self.top_k, weight_dtype=self.weight_dtype,
+            pair_bound=bound if pads(self.capacity) else None,
+        )  # fmt: skip
 
     def _warm_up(self, seq_len: int, *, packed: bool = False) -> None:
         """Compile and load every compiled kernel of the expert shards now (see ``AttentionRunner.warm_up``).

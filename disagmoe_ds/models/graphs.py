@@ -173,6 +173,10 @@ class GraphedPart:
         self.slots = [_Slot() for _ in range(slots)]
         self.misses = 0  # calls whose input structure no capture has: they ran as the part itself
 
+    def forget(self) -> None:
+        """Drop every capture (and its memory pool): the next ``capture`` starts afresh."""
+        self.slots = [_Slot() for _ in self.slots]
+
     def capture(self, *args: Any) -> None:
         """Capture ``fn(*args)``'s structure in every slot (before the first step; synchronises the device).
 
@@ -333,19 +337,18 @@ class GraphedHead:
 
 
 class GraphedShard:
-    """An ``ExpertShard`` as graphs, one capture per (rows, pairs): called as the shard is."""
+    """An ``ExpertShard`` as graphs, one capture per (rows, pairs, bounded): called as the shard is. Bounded (a
+    capacity's messages, padded to fixed rows with a bound on the pairs) runs on the device only, so it captures."""
 
     def __init__(self, shard: ExpertShard, *, slots: int, name: str) -> None:
         self.shard, self.num_local = shard, shard.num_local
         self.graphs = GraphedPart(shard, shard, slots=slots, name=name)
 
-    def capture(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int) -> None:
-        self.graphs.capture(x_RH, local_idx_RK, w_RK, num_pairs)
+    def capture(self, x_RH, local_idx_RK, w_RK, num_pairs: int, bounded: bool = False) -> None:
+        self.graphs.capture(x_RH, local_idx_RK, w_RK, num_pairs, bounded)
 
     def __call__(self, x_RH, local_idx_RK, w_RK, num_pairs: int, bounded: bool = False) -> torch.Tensor:
-        if bounded:  # the builder graphs shards only where every message has its exact capacity (one ep rank)
-            raise ValueError("a graphed expert shard takes exact pair counts, not a capacity's bound")
-        return self.graphs(x_RH, local_idx_RK, w_RK, num_pairs)
+        return self.graphs(x_RH, local_idx_RK, w_RK, num_pairs, bounded)
 
 
 @dataclass
@@ -386,14 +389,20 @@ class StageGraphs:
             labels_BS = torch.randint(0, stage.config.vocab_size, (batch, seq_len), device=device)
             self.head.capture(h_BSH, labels_BS)
 
-    def capture_shards(self, stage: ExpertStage, *, rows: int, top_k: int, weight_dtype: torch.dtype) -> None:
-        """Capture every expert shard at ``rows`` rows whose K ids are all local (one ep rank: every message)."""
+    def capture_shards(
+        self, stage: ExpertStage, *, rows: int, top_k: int, weight_dtype: torch.dtype, pair_bound: int | None = None
+    ) -> None:
+        """Capture every expert shard at ``rows`` rows, in place of what it held: with ``pair_bound``, for messages
+        padded to a capacity (at most that many pairs); without, for rows whose K ids are all local (one ep rank,
+        no capacity factor: every message)."""
         device, dtype = _where(stage)
         x_RH = torch.randn(rows, stage.config.hidden_size, device=device, dtype=dtype, requires_grad=True)
         w_RK = torch.rand(rows, top_k, device=device, dtype=weight_dtype, requires_grad=True)
         idx_RK = torch.randint(0, stage.num_local, (rows, top_k), device=device)
+        pairs, bounded = (rows * top_k, False) if pair_bound is None else (pair_bound, True)
         for graphed in self.shards.values():
-            graphed.capture(x_RH, idx_RK, w_RK, rows * top_k)
+            graphed.graphs.forget()
+            graphed.capture(x_RH, idx_RK, w_RK, pairs, bounded)
 
 
 def warm_up_positions(batch: int, seq_len: int, packed: bool, device: torch.device) -> list[torch.Tensor | None]:
