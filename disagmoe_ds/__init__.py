@@ -1,3 +1,19 @@
 """DisagMoE-DS: disaggregated attention/expert training of Mixture-of-Experts LLMs on DeepSpeed."""
 
 __version__ = "0.1.0"
+
+
+def _quiet_deepspeed_without_gpus() -> None:
+    """DeepSpeed warns on every import that finds no GPU ("Setting accelerator to CPU. If you have GPU ..."), which
+    a user of a CPU machine cannot act on: where torch sees no CUDA device, name the accelerator DeepSpeed would pick
+    (our ranks run on CUDA or on CPUs, nothing else). An explicit ``DS_ACCELERATOR`` is left as it is."""
+    import os
+
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+_quiet_deepspeed_without_gpus()

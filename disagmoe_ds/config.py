@@ -52,9 +52,10 @@ class DisagMoEConfig(RankCounts):
             stalled for half of it prints the rank's Python stacks first (``launch.watchdog``).
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
         cuda_graphs: replay every attention part, the head and (with one ep rank or a ``capacity_factor``, whose
-            messages have fixed rows) every expert shard as CUDA graphs, one launch per forward and per backward, so the host no longer
-            holds the GPU back at small micro-batches (``models.graphs``; CUDA only). Costs memory: each part keeps
-            the activations of as many micro-batches as the schedule has in flight for it, in pools of its own.
+            messages have fixed rows) every expert shard as CUDA graphs, one launch per forward and per backward,
+            so the host no longer holds the GPU back at small micro-batches (``models.graphs``; CUDA only). Costs
+            memory: each part keeps the activations of as many micro-batches as the schedule has in flight for it,
+            in pools of its own.
         activation_checkpointing: keep only each chunk's inputs and recompute its activations in backward
             (attention parts and expert shards), trading compute for the memory of micro-batches in flight.
         selective_recompute: drop only the large, cheap-to-rebuild activations (attention blocks, shared/dense

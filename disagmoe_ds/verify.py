@@ -32,6 +32,7 @@ from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.skew import skew_router
+from disagmoe_ds.models.split import hf_reference_loss
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # fp32: only the order of sums differs from the reference (expert partials, lane reduction); bf16: see README.
@@ -95,7 +96,7 @@ def load_for_verify(args: VerifyArgs):
 
     model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
     if args.skew:
-        skew_router(model)
+        skew_router(model, spread=True)
     return model
 
 
@@ -214,8 +215,9 @@ def reference(args: VerifyArgs, lanes: int) -> dict[str, Any]:
                     position_ids=batch.get("position_ids"),
                     use_cache=False,
                 )
-                (out.loss / count).backward()
-                total += out.loss.item() / count
+                loss = hf_reference_loss(model, out)
+                (loss / count).backward()
+                total += loss.item() / count
         losses.append(total)
         norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf"))
         norms.append(norm.item())
@@ -408,7 +410,10 @@ def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
     p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skew", action="store_true", help="route every token to expert 0 first (load imbalance)")
+    p.add_argument(
+        "--skew", action="store_true",
+        help="every token of the i-th MoE layer picks expert i first: the worst imbalance, another expert per layer",
+    )  # fmt: skip
     p.add_argument("--packed", action="store_true", help="two documents per sequence (position ids restart)")
     p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
     p.add_argument("--json", action="store_true", help="print the JSON summary on one line")

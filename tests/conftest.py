@@ -16,7 +16,9 @@ def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, max_shard_s
     the Hub layout by ``save_pretrained`` (sharded, with an index, under ``max_shard_size``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}", **overrides)
+    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
+    for key, value in overrides.items():  # set, not passed: from_pretrained drops keys the config class lacks
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -174,16 +174,16 @@ def test_sigint_to_the_parent_alone_stops_saves_and_exits_130(tok_cache, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory, tok_cache) -> tuple[str, list[dict]]:
-    """The README's first command, shortened to 6 steps of 32 tokens: (stdout, metrics)."""
+def default_run(tmp_path_factory, tok_cache) -> tuple[str, list[dict], str]:
+    """The README's first command, shortened to 6 steps of 32 tokens: (stdout, metrics, stderr)."""
     metrics = tmp_path_factory.mktemp("default") / "metrics.jsonl"
     done = run_script("--steps", 6, *SHORT, "--tokenizer-cache", tok_cache, "--metrics-file", metrics)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout, records(metrics)
+    return done.stdout, records(metrics), done.stderr
 
 
 def test_embedded_default_loss_falls(default_run) -> None:
-    out, recs = default_run
+    out, recs, _ = default_run
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert recs[-1]["loss"] < recs[0]["loss"] - 0.1, [r["loss"] for r in recs]
     for fact in (
@@ -196,6 +196,18 @@ def test_embedded_default_loss_falls(default_run) -> None:
         assert fact in out
     assert all(r["tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0 and r["mfu"] is None for r in recs)  # CPU: no peak
     assert all(len(r["expert_imbalance"]) == 4 and r["max_imbalance"] >= 1.0 for r in recs)
+    assert "balancing: aux loss x 0.01 (each MoE layer's own, averaged)" in out
+
+
+# What DeepSpeed prints on every import without a GPU, and warnings of its scheduler a user cannot act on.
+THIRD_PARTY_NOISE = ("Setting accelerator to CPU", "Attempting to get learning rate from scheduler")
+
+
+def test_the_default_job_and_help_print_nothing_a_user_cannot_act_on(default_run) -> None:
+    out, _, err = default_run
+    help_run = run_script("--help")
+    for text in (out, err, help_run.stdout, help_run.stderr):
+        assert not [noise for noise in THIRD_PARTY_NOISE if noise in text], text[-2000:]
 
 
 def test_deepspeed_launcher_matches_the_local_run_and_sigint_to_it_alone_stops(default_run, tok_cache, tmp_path):

@@ -19,6 +19,8 @@ from disagmoe_ds.launch.local import free_port
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.verify import VerifyArgs, run_verify
 
+# Per-layer balancing, with a coefficient large enough that the pooled loss would fail the comparison.
+PER_LAYER_AUX = {"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5}
 # (family, overrides, M, N, p, edp, micro-batches, ZeRO, skew): covers p = 1 and 2, M != N both ways, an F-group
 # of one rank, 3 FFN ranks, expert-data-parallel replicas, 1/3/8 micro-batches, ZeRO 0/1/2, shared experts and
 # a dense layer (qwen2), grouped top-k with a bias (deepseek-v3), all-tokens-to-one-expert routing, and ZeRO-2 on
@@ -39,6 +41,7 @@ CASES = [
     ("qwen3-moe", {}, 1, 4, 1, 1, 6, 2, False),  # ZeRO-2 backwards that reach no expert of a shard (issue 15)
     ("qwen3-moe", {}, 1, 2, 1, 2, 3, 2, False),  # fewer lanes than replicas: a replica no lane sends to
     ("glm4-moe", {}, 2, 2, 2, 1, 3, 1, True),  # GLM-4.5: DeepSeek-V3's router with GQA, depth 2, no headers at all
+    ("qwen3-moe", PER_LAYER_AUX, 2, 2, 2, 1, 3, 1, True),  # each layer's aux term where it runs, on both A-groups
 ]
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active

@@ -11,7 +11,7 @@ from disagmoe_ds.errors import CheckpointError, LayoutError, UnsupportedModelErr
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.parts import num_routed_experts
 from disagmoe_ds.models.skew import skew_router
-from disagmoe_ds.models.split import SplitModel
+from disagmoe_ds.models.split import SplitModel, hf_reference_loss
 from tests.conftest import TINY_FAMILIES
 
 # fp32: the split only re-associates sums (expert partials per shard, shared expert added to the residual first),
@@ -121,3 +121,23 @@ def test_compiled_head_equals_hf_loss(tiny_checkpoint, monkeypatch):
     (grad_compiled,) = torch.autograd.grad(compiled, h)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=FP32_TOL)
     torch.testing.assert_close(grad_compiled, grad_eager, rtol=0, atol=FP32_TOL)
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_per_layer_balancing_equals_hf_per_layer(tiny_checkpoint, family):
+    """``router_aux_loss_per_layer``: the split's aux loss is the mean of HF's function on each layer alone, which
+    on a skewed router differs from HF's pooled loss (so the comparison could fail), and the gradients follow it."""
+    path = tiny_checkpoint(family, router_aux_loss_per_layer=True, router_aux_loss_coef=0.5)
+    ref, split_src = load_model(path), load_model(path)
+    skew_router(ref, spread=True)
+    skew_router(split_src, spread=True)
+    split = SplitModel(split_src, 2)
+    input_ids = torch.randint(3, ref.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    out_ref = ref(input_ids=input_ids, labels=input_ids)
+    ref_loss = hf_reference_loss(ref, out_ref)
+    out_split = split(input_ids, labels=input_ids)
+    assert abs(ref_loss.item() - out_ref.loss.item()) > 1e-3  # per layer is not pooled here
+    assert abs(ref_loss.item() - out_split.loss.item()) <= FP32_TOL
+    ref_loss.backward()
+    out_split.loss.backward()
+    assert max_grad_diff(ref, split) <= FP32_TOL

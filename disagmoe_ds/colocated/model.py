@@ -36,6 +36,7 @@ from disagmoe_ds.models.parts import (
     ExpertStage,
     RouterStats,
     aux_loss_from_stats,
+    balance_per_layer,
     router_stats,
 )
 
@@ -182,7 +183,7 @@ class ColocatedModel(nn.Module):
         _, lm_loss = self.graphs.head_of(self.attention)(h_BSH, labels)
         if self.aux_coef is None:
             return ColocatedOutput(lm_loss, lm_loss, None, load_LE)
-        aux = aux_loss_from_stats(stats)
+        aux = aux_loss_from_stats(stats, per_layer=balance_per_layer(self.config))
         return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux, load_LE)
 
     def hf_names(self) -> dict[str, tuple[str, int]]:

@@ -10,7 +10,9 @@ gradients over the lanes; expert gradients are rescaled in ``deepspeed_role``.
 Router aux loss (HF's Switch-style ``load_balancing_loss_func`` over all MoE layers of a micro-batch): the
 forward carries the running expert counts and probability sums to the head, which computes the value; its
 gradient with respect to each layer's probability sums is the vector ``coef * E * counts / rows**2 / K``, which
-travels back with the residual gradient and enters each MoE layer's backward.
+travels back with the residual gradient and enters each MoE layer's backward. Per layer (``balance_per_layer``),
+each MoE layer's own term needs nothing from other layers: it is computed and backpropagated where the layer runs,
+and its value joins the step's loss sums there.
 
 Shape suffixes: B micro-batch size, S sequence, T = B*S, H hidden, K top-k, E experts, R/S rows.
 """
@@ -38,7 +40,14 @@ from disagmoe_ds.engine.later import Later, made
 from disagmoe_ds.engine.split_backward import ChunkBackward, retained_graph_compiles
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.graphs import StageGraphs, warm_up_positions
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, LayerContext, router_stats
+from disagmoe_ds.models.parts import (
+    AttentionStage,
+    ExpertStage,
+    LayerContext,
+    balance_per_layer,
+    layer_balance_loss,
+    router_stats,
+)
 
 Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction
 
@@ -103,6 +112,7 @@ class _Chunk:
     residual_out: torch.Tensor | None = None
     dispatch: PendingDispatch | None = None  # MoE layers: the tokens packed for the ep ranks
     prob_sum_E: torch.Tensor | None = None
+    layer_aux: torch.Tensor | None = None  # per-layer balancing: this layer's share of the aux loss
     scaled_loss: torch.Tensor | None = None
     aux_grad_E: torch.Tensor | None = None
     resent: list[tuple[torch.Tensor, ...]] | None = None  # resend, p > 1: the previous layer's m2n messages
@@ -130,9 +140,17 @@ class HeadStats:
     micro_batches: int = 0
 
     def add(self, loss: torch.Tensor, lm_loss: torch.Tensor, aux_loss: torch.Tensor) -> None:
-        terms = torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]).double()
-        self.sums = terms if self.sums is None else self.sums + terms
+        self._add(torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]))
         self.micro_batches += 1
+
+    def add_layer_aux(self, coef: float, aux_loss: torch.Tensor) -> None:
+        """One MoE layer's own aux loss of one micro-batch (per-layer balancing), on the rank that runs the layer."""
+        aux = aux_loss.detach()
+        self._add(torch.stack([coef * aux, torch.zeros_like(aux), aux]))
+
+    def _add(self, terms: torch.Tensor) -> None:
+        terms = terms.double()
+        self.sums = terms if self.sums is None else self.sums + terms
 
 
 class AttentionRunner:
@@ -170,6 +188,7 @@ class AttentionRunner:
         self.K = num_micro_batches
         self.B = micro_batch_size
         self.aux_coef = aux_coef  # None: the family/config has no aux loss
+        self.per_layer_aux = balance_per_layer(stage.config)
         self.num_experts = layout.num_experts
         self.chunks: dict[tuple[int, int], _Chunk] = {}
         self.local: dict[tuple[str, int, int], Any] = {}  # hand-offs that stay on this rank (p == 1)
@@ -249,8 +268,12 @@ class AttentionRunner:
             self.expert_counts[layer] = self.expert_counts.get(layer, 0) + load_E
             if self.aux_coef is not None:
                 stats = router_stats(out.router_logits_TE, self.top_k)
-                chunk.prob_sum_E = stats.prob_sum_E
-                counts_E, probs_E = counts_E + stats.counts_E, probs_E + stats.prob_sum_E.detach()
+                if self.per_layer_aux:
+                    chunk.layer_aux = layer_balance_loss(stats) / sum(self.moe_layers)
+                    self.stats.add_layer_aux(self.aux_coef, chunk.layer_aux)
+                else:
+                    chunk.prob_sum_E = stats.prob_sum_E
+                    counts_E, probs_E = counts_E + stats.counts_E, probs_E + stats.prob_sum_E.detach()
             # No host sync: the sizes reach the host while it goes on, and the mailbox sends once they have.
             chunk.dispatch = start_dispatch(
                 out.x_TH, out.topk_w_TK, topk_idx_TK, self.layout.ep_size, self.layout.experts_per_rank, self.capacity
@@ -328,7 +351,7 @@ class AttentionRunner:
         _, lm_loss = self.graphs.head_of(self.stage)(h_BSH, self.batches[mb]["labels"])
         loss, aux = lm_loss, torch.zeros_like(lm_loss)
         chunk.aux_grad_E = torch.zeros_like(counts_E)
-        if self.aux_coef is not None:
+        if self.aux_coef is not None and not self.per_layer_aux:  # per layer: each layer's term is its own
             rows = h_BSH.shape[0] * h_BSH.shape[1] * sum(self.moe_layers)
             aux = (counts_E / rows * probs_E / rows).sum() * self.num_experts
             chunk.aux_grad_E = self.aux_coef * self.num_experts * counts_E / rows**2 / self.K
@@ -350,6 +373,8 @@ class AttentionRunner:
                 terms += [(x_RH * dx_RH).sum(), (w_RK * dw_RK).sum()]
             if chunk.prob_sum_E is not None:
                 terms.append((chunk.prob_sum_E * aux_grad_E).sum())
+            if chunk.layer_aux is not None:
+                terms.append(self.aux_coef * chunk.layer_aux / self.K)
             self.backward_pass.run((layer, mb), torch.stack([t.float() for t in terms]).sum(), inputs)
         outgoing: Outgoing = {}
         if layer > 0:

@@ -16,7 +16,7 @@ import torch
 
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.parts import compile_stage
-from disagmoe_ds.models.split import SplitModel
+from disagmoe_ds.models.split import SplitModel, hf_reference_loss
 
 # Max abs differences allowed. fp32: only sums are re-associated. bf16: rounding differences of that
 # re-association can flip a near-tied top-k choice of a token (seen on DeepSeek-V3's sigmoid router on the H200:
@@ -41,14 +41,15 @@ def compare(
     torch.manual_seed(seed)
     input_ids = torch.randint(0, ref.config.vocab_size, (batch, seq_len), device=device)
     out_ref = ref(input_ids=input_ids, labels=input_ids)
+    ref_loss = hf_reference_loss(ref, out_ref)
     out_split = split(input_ids, labels=input_ids)
-    out_ref.loss.backward()
+    ref_loss.backward()
     out_split.loss.backward()
     ref_grads = dict(ref.named_parameters())
     grads = split.hf_named_grads()
     diffs = {
         "logits": (out_ref.logits.float() - out_split.logits.float()).abs().max().item(),
-        "loss": abs(out_ref.loss.item() - out_split.loss.item()),
+        "loss": abs(ref_loss.item() - out_split.loss.item()),
         "grads": max((grads[n].float() - p.grad.float()).abs().max().item() for n, p in ref_grads.items()),
     }
     ok = all(v <= TOLERANCE[dtype][k] for k, v in diffs.items())

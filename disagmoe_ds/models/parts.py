@@ -182,11 +182,27 @@ def router_stats(logits_TE: torch.Tensor, top_k: int) -> RouterStats:
     return RouterStats(counts_E, probs_TE.float().sum(dim=0), logits_TE.shape[0])
 
 
-def aux_loss_from_stats(stats: list[RouterStats]) -> torch.Tensor:
+def aux_loss_from_stats(stats: list[RouterStats], *, per_layer: bool = False) -> torch.Tensor:
+    """HF's loss over the layers' rows pooled; ``per_layer``: the mean of each layer's own (``balance_per_layer``)."""
+    if per_layer:
+        return torch.stack([layer_balance_loss(s) for s in stats]).mean()
     rows = sum(s.rows for s in stats)
     counts_E = torch.stack([s.counts_E for s in stats]).sum(0)
     prob_sum_E = torch.stack([s.prob_sum_E for s in stats]).sum(0)
     return (counts_E / rows * prob_sum_E / rows).sum() * counts_E.numel()
+
+
+def layer_balance_loss(stats: RouterStats) -> torch.Tensor:
+    """One layer's Switch loss on its own rows: HF's ``load_balancing_loss_func`` given that layer alone."""
+    return (stats.counts_E / stats.rows * stats.prob_sum_E / stats.rows).sum() * stats.counts_E.numel()
+
+
+def balance_per_layer(config) -> bool:
+    """Whether the router aux loss is the mean of every MoE layer's own Switch loss (``router_aux_loss_per_layer``
+    in the model's config.json, as Megatron-Core computes it) instead of HF's one loss over all layers' rows pooled.
+    Pooled, layers whose loads are skewed in different directions cancel out: each can collapse onto a few experts
+    while the pooled loss reads perfectly balanced."""
+    return bool(getattr(config, "router_aux_loss_per_layer", False))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -21,14 +21,15 @@ def _push(module: nn.Module, args: tuple) -> tuple:
     return (x + shift, *args[1:])
 
 
-def skew_router(model: nn.Module, expert: int = 0) -> None:
-    """Make every token of every MoE layer choose ``expert`` (with its highest score)."""
+def skew_router(model: nn.Module, expert: int = 0, *, spread: bool = False) -> None:
+    """Make every token of every MoE layer choose ``expert`` (with its highest score); ``spread``: the i-th MoE
+    layer's tokens choose expert ``expert + i`` instead (modulo the router's experts), every layer collapsed onto an
+    expert of its own, which a loss over all layers' rows pooled reads as balanced."""
     family = family_of(model.config)
-    for layer in model.model.layers:
-        if not is_moe_layer(layer):
-            continue
+    moe_layers = [layer for layer in model.model.layers if is_moe_layer(layer)]
+    for i, layer in enumerate(moe_layers):
         router = router_of(family, layer)
         with torch.no_grad():
             router.weight[:, 0] = 0.0
-            router.weight[expert, 0] = 1.0
+            router.weight[(expert + i * spread) % router.weight.shape[0], 0] = 1.0
         router.register_forward_pre_hook(_push)

@@ -6,6 +6,7 @@ process and one autograd graph, so it can be compared with the HF model itself o
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from disagmoe_ds.models.parts import (
     ExpertStage,
     RouterStats,
     aux_loss_from_stats,
+    balance_per_layer,
     num_routed_experts,
     router_stats,
 )
@@ -34,6 +36,18 @@ class SplitOutput:
 
 def aux_loss_enabled(config) -> bool:
     return family_of(config).has_aux_loss and bool(getattr(config, "output_router_logits", False))
+
+
+def hf_reference_loss(model: nn.Module, out) -> torch.Tensor:
+    """The loss of an HF model's output as our parts define it: HF's own, except that with per-layer balancing
+    (``balance_per_layer``) its pooled aux term is replaced by the mean of HF's function on each layer alone."""
+    config = model.config
+    if not (aux_loss_enabled(config) and balance_per_layer(config)):
+        return out.loss
+    switch_loss = sys.modules[type(model).__module__].load_balancing_loss_func
+    experts, top_k = model.num_experts, model.num_experts_per_tok
+    per_layer = torch.stack([switch_loss((logits,), experts, top_k) for logits in out.router_logits]).mean()
+    return out.loss + config.router_aux_loss_coef * (per_layer - out.aux_loss)
 
 
 class SplitModel(nn.Module):
@@ -72,7 +86,8 @@ class SplitModel(nn.Module):
             stats.append(router_stats(out.router_logits_TE, part.router.top_k))
             h_BSH = out.residual_BSH + self._experts(layer, out).view_as(out.residual_BSH)
         logits, loss = self.attention.head(h_BSH, labels)
-        aux = aux_loss_from_stats(stats) if aux_loss_enabled(self.config) else None
+        per_layer = balance_per_layer(self.config)
+        aux = aux_loss_from_stats(stats, per_layer=per_layer) if aux_loss_enabled(self.config) else None
         if loss is not None and aux is not None:
             loss = loss + self.config.router_aux_loss_coef * aux
         return SplitOutput(logits, loss, aux)

@@ -13,6 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from disagmoe_ds.models.parts import balance_per_layer
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.train.args import TrainArgs
 from disagmoe_ds.train.checkpoints import ResumePoint
@@ -35,7 +36,10 @@ def banner(
     ``layout_lines`` are the mode's own (``TrainMode.describe``): layout, split, pipeline.
     """
     init = f"weights from {args.model}" if args.pretrained else f"fresh init (seed {args.seed})"
-    aux = f"HF aux loss x {config.router_aux_loss_coef}" if aux_loss_enabled(config) else "no aux loss"
+    aux = "no aux loss"
+    if aux_loss_enabled(config):
+        scope = "each MoE layer's own, averaged" if balance_per_layer(config) else "HF's, all layers' rows pooled"
+        aux = f"aux loss x {config.router_aux_loss_coef} ({scope})"
     bias = f"aux-loss-free bias rate {bias_rate:g}" if bias_rate else "no aux-loss-free bias updates"
     frozen = [name for name, on in (("router", args.freeze_router), ("self-attention", args.freeze_attention)) if on]
     return [
@@ -47,7 +51,8 @@ def banner(
         f"{facts.flops_per_token * args.tokens_per_step / 1e9:,.2f} model GFLOP per step",
         f"data: {data.summary}; {epoch_text(data, args)}",
         f"tokenizer: {data.tokenizer}",
-        f"balancing: {aux}; {bias}",
+        f"balancing: {aux}; {bias}; imb = the busiest expert's load over the mean, worst MoE layer (1.0 is even; "
+        "healthy below about 1.5; experts / top-k when every token picks the same experts)",
         checkpoint_line(args, resume),
     ]
 
