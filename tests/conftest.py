@@ -8,7 +8,18 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_FAMILIES = ("qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "olmoe", "glm4-moe")
+TINY_FAMILIES = (
+    "qwen2-moe",
+    "qwen3-moe",
+    "mixtral",
+    "deepseek-v2",
+    "deepseek-v3",
+    "gpt-oss",
+    "olmoe",
+    "glm4-moe",
+    "qwen3-next",
+    "qwen3.5-moe",
+)
 
 
 def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, max_shard_size: str = "50GB", **overrides) -> Path:

@@ -19,6 +19,8 @@ FAMILY_DIRS = {
     "deepseek_v2": "deepseek-v2",
     "deepseek_v3": "deepseek-v3",
     "glm4_moe": "glm4-moe",
+    "qwen3_next": "qwen3-next",
+    "qwen3_5_moe_text": "qwen3.5-moe",
 }
 TOL = 1e-5  # fp32; only the GEMM kernels and the summation order differ
 

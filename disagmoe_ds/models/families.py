@@ -1,10 +1,14 @@
 """Per-family facts as data: where HF keeps the router, the shared experts and the expert count.
 
-Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V2, DeepSeek-V3 and GLM-4.5-style MoE (``glm4_moe``).
+Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V2, DeepSeek-V3, GLM-4.5-style MoE (``glm4_moe``),
+Qwen3-Next and Qwen3.5-MoE (its text model, ``qwen3_5_moe_text``).
 
-Every supported family builds its decoder layer from the same template (``self_attn``, ``mlp``, two norms), and
+Every supported family builds its decoder layer from the same template (a token mixer, ``mlp``, two norms), and
 its MoE block holds a router module that returns ``(router_logits, top_k_weights, top_k_index)`` plus a fused
 ``experts`` module. What differs is captured here, so that splitting a layer never branches on class names.
+
+The token mixer is ``self_attn`` (softmax attention), or, in the hybrid Qwen3-Next / Qwen3.5 layers whose
+``config.layer_types[i]`` is ``"linear_attention"``, ``linear_attn`` (Gated DeltaNet); ``mixer_attr`` says which.
 """
 
 from __future__ import annotations
@@ -76,16 +80,25 @@ FAMILIES: dict[str, Family] = {
             has_aux_loss=False,
             expert_bias_attr="e_score_correction_bias",
         ),
+        # Qwen3-Next and Qwen3.5-MoE: Qwen2-MoE's softmax router and sigmoid-gated shared expert; layers alternate
+        # Gated DeltaNet linear attention (``linear_attn``) and gated softmax attention (``self_attn``).
+        Family("qwen3_next", shared=_qwen2_shared),
+        Family("qwen3_5_moe_text", shared=_qwen2_shared),
     )
 }
+# config.json model_types that name a family by another model_type: Qwen3.5-MoE's Hub config is its vision-language
+# model, whose ``text_config`` (``qwen3_5_moe_text``) is the language model ``AutoModelForCausalLM`` builds.
+ALIASES = {"qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def family_of(config) -> Family:
     """The family adapter for an HF config, or a one-line error listing what is supported."""
     model_type = getattr(config, "model_type", None)
+    model_type = ALIASES.get(model_type, model_type)
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported by DisagMoE-DS; supported: {', '.join(sorted(FAMILIES))}"
+            f"model_type {model_type!r} is not supported by DisagMoE-DS; supported: "
+            f"{', '.join(sorted([*FAMILIES, *ALIASES]))}"
         )
     return FAMILIES[model_type]
 
@@ -97,3 +110,9 @@ def is_moe_layer(layer: nn.Module) -> bool:
 
 def router_of(family: Family, layer: nn.Module) -> nn.Module:
     return getattr(layer.mlp, family.router_attr)
+
+
+def mixer_attr(layer: nn.Module) -> str:
+    """The decoder layer's token mixer: ``linear_attn`` (Gated DeltaNet layers of Qwen3-Next / Qwen3.5) or
+    ``self_attn``."""
+    return "linear_attn" if hasattr(layer, "linear_attn") else "self_attn"

@@ -11,7 +11,7 @@ from torch import nn
 
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.jsonfile import read_json_object
-from disagmoe_ds.models.families import family_of
+from disagmoe_ds.models.families import ALIASES, family_of
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -24,7 +24,11 @@ _RESAVE_FIX = "write the model again with save_pretrained"
 
 
 def load_config(path: str | Path):
-    """The HF config of a model directory; rejects unsupported architectures before anything heavy happens."""
+    """The HF config of a model directory; rejects unsupported architectures before anything heavy happens.
+
+    A vision-language config (Qwen3.5-MoE's ``qwen3_5_moe``, ``families.ALIASES``) gives its language model's
+    config (``get_text_config()``), the one ``AutoModelForCausalLM`` builds its causal LM from.
+    """
     from transformers import AutoConfig
 
     path = Path(path)
@@ -32,9 +36,10 @@ def load_config(path: str | Path):
     raw = read_json_object(config_file, what="model config", fix=_MODEL_DIR_FIX)
     family_of(SimpleNamespace(model_type=raw.get("model_type")))  # reject unsupported families first
     try:
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except Exception as err:  # transformers raises several unrelated types for a bad config
         raise ConfigError(f"cannot read {config_file}: {str(err).splitlines()[0]}") from err
+    return config.get_text_config() if raw.get("model_type") in ALIASES else config
 
 
 def has_weights(path: str | Path) -> bool:

@@ -1,6 +1,7 @@
 """The two halves of every decoder layer, cut out of a Hugging Face MoE model with HF's own modules.
 
-Attention side (``AttentionPart``): input norm, self-attention, residual, post-attention norm, then either the
+Attention side (``AttentionPart``): input norm, the layer's token mixer (self-attention, or Gated DeltaNet linear
+attention in the linear layers of Qwen3-Next / Qwen3.5), residual, post-attention norm, then either the
 dense MLP (dense layers) or the router and shared experts (MoE layers). Expert side (``ExpertShard``): a contiguous
 slice of the routed experts held in HF's own experts module: gated families compute with grouped GEMMs
 (``grouped_experts.py``, the same math), others (GPT-OSS) and the reference path call HF's module itself.
@@ -23,7 +24,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from disagmoe_ds.comm.routing import count_ids
-from disagmoe_ds.models.families import Family, family_of, is_moe_layer, router_of
+from disagmoe_ds.models.families import Family, family_of, is_moe_layer, mixer_attr, router_of
 from disagmoe_ds.models.grouped_experts import EAGER, compiled_elementwise, grouped_gated_experts, supports_grouped
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 
@@ -38,7 +39,7 @@ class LayerContext:
 
     position_ids: torch.Tensor
     position_embeddings: object  # (cos, sin) tuple, or DeepSeek-V2's complex freqs
-    masks: dict[str, object]  # keyed by layer type: "full_attention" / "sliding_attention"
+    masks: dict[str, object]  # keyed by layer type: "full_attention" / "sliding_attention" / "linear_attention"
 
     def mask_for(self, config, layer: int):
         return self.masks[_layer_type(config, layer)]
@@ -63,10 +64,20 @@ def build_context(
     if position_ids is None:
         position_ids = torch.arange(h_BSH.shape[1], device=h_BSH.device).unsqueeze(0)
     needed = {_layer_type(config, i) for i in range(config.num_hidden_layers)}
-    builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    builders = {
+        "full_attention": create_causal_mask,
+        "sliding_attention": create_sliding_window_causal_mask,
+        "linear_attention": _no_padding_mask,
+    }
     # The cache argument is passed positionally: it is named past_key_values in transformers 5.17, cache in 5.2x.
     masks = {kind: builders[kind](config, h_BSH, None, None, position_ids=given) for kind in needed}
     return LayerContext(position_ids, rotary_emb(h_BSH, position_ids), masks)
+
+
+def _no_padding_mask(*args, **kwargs) -> None:
+    """A linear-attention layer's mask: HF's ``create_recurrent_attention_mask`` is the 2D padding mask, None
+    without one, and the parts never get one (no padding mask, as above). Linear attention is causal by itself."""
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -90,15 +101,17 @@ class AttentionOutput:
 
 
 class AttentionPart(nn.Module):
-    """Attention side of one decoder layer. Keeps HF's attribute names (``mlp.gate``, ``mlp.shared_expert``...)."""
+    """Attention side of one decoder layer. Keeps HF's attribute names (``self_attn`` or ``linear_attn``,
+    ``mlp.gate``, ``mlp.shared_expert``...)."""
 
     def __init__(self, layer: nn.Module, family: Family, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.family = family
         self.is_moe = is_moe_layer(layer)
+        self.mixer_attr = mixer_attr(layer)
         self.input_layernorm = layer.input_layernorm
-        self.self_attn = layer.self_attn
+        setattr(self, self.mixer_attr, getattr(layer, self.mixer_attr))
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.mlp = _without_experts(layer.mlp) if self.is_moe else layer.mlp
 
@@ -106,14 +119,26 @@ class AttentionPart(nn.Module):
     def router(self) -> nn.Module:
         return getattr(self.mlp, self.family.router_attr)
 
-    def forward(self, h_BSH: torch.Tensor, ctx: LayerContext, config) -> AttentionOutput:
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer: HF's attention module, or its Gated DeltaNet."""
+        return getattr(self, self.mixer_attr)
+
+    def _mix(self, x_BSH: torch.Tensor, ctx: LayerContext, config) -> torch.Tensor:
+        """The token mixer called as HF's decoder layer calls it (no cache: training)."""
+        mask = ctx.mask_for(config, self.layer_idx)
+        if self.mixer_attr == "linear_attn":
+            return self.linear_attn(hidden_states=x_BSH, attention_mask=mask)
         attn_BSH, _ = self.self_attn(
-            hidden_states=self.input_layernorm(h_BSH),
-            attention_mask=ctx.mask_for(config, self.layer_idx),
+            hidden_states=x_BSH,
+            attention_mask=mask,
             position_embeddings=ctx.position_embeddings,
             position_ids=ctx.position_ids,
         )
-        a_BSH = h_BSH + attn_BSH
+        return attn_BSH
+
+    def forward(self, h_BSH: torch.Tensor, ctx: LayerContext, config) -> AttentionOutput:
+        a_BSH = h_BSH + self._mix(self.input_layernorm(h_BSH), ctx, config)
         x_BSH = self.post_attention_layernorm(a_BSH)
         if not self.is_moe:
             return AttentionOutput(residual_BSH=a_BSH + self.mlp(x_BSH))
