@@ -41,6 +41,8 @@ EXPERT_KEY = {
     "deepseek-v2": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "deepseek-v3": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "glm4-moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "qwen3-next": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "qwen3.5-moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "mixtral": "model.layers.1.block_sparse_moe.experts.0.w1.weight",
     "gpt-oss": "model.layers.1.mlp.experts.gate_up_proj",  # GPT-OSS is fused on the Hub too
 }
@@ -57,6 +59,8 @@ ROUND_TRIPS = [
     ("gpt-oss", (1, 2, 1), 1, {}),
     ("olmoe", (1, 2, 1), 2, {}),
     ("glm4-moe", (2, 2, 2), 1, {}),
+    ("qwen3-next", (2, 2, 2), 2, {}),  # linear- and full-attention layers on each A-group
+    ("qwen3.5-moe", (1, 2, 1), 1, {}),
 ]
 
 

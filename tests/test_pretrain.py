@@ -306,6 +306,21 @@ def test_aux_loss_free_bias_moves_in_the_job(tok_cache, tmp_path) -> None:
     assert all(r["expert_imbalance"][0] is None for r in records(metrics))
 
 
+@pytest.mark.parametrize(("family", "layout"), [("qwen3-next", (1, 1, 1)), ("qwen3.5-moe", (2, 2, 2))])
+def test_init_from_fine_tune_of_a_hybrid_model_resumes_exactly(tok_cache, tmp_path, family, layout) -> None:
+    """Qwen3-Next / Qwen3.5-MoE (linear- and full-attention layers; vocab widened for the 512-piece tokenizer):
+    ``--init-from`` its weights, save at step 2, and the run resumed there repeats steps 3-4 bit for bit."""
+    from tests.conftest import write_tiny_checkpoint
+
+    hf_dir = write_tiny_checkpoint(family, tmp_path / "hf", seed=1, vocab_size=512)
+    m, n, p = layout
+    argv = ("--init-from", hf_dir, "--attention-gpus", m, "--ffn-gpus", n, "--depth", p, "--micro-batches", 2)
+    full, resumed, ck = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ck"
+    assert pretrain(tok_cache, *argv, "--steps", 4, "--save-dir", ck, "--save-every", 2, "--metrics-file", full) == 0
+    assert pretrain(tok_cache, *argv, "--steps", 4, "--resume", ck / "step2", "--metrics-file", resumed) == 0
+    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
+
+
 def _other_model_checkpoint(root: Path) -> Path:
     """A complete-looking checkpoint whose manifest names another architecture (tiny-qwen3-moe: vocab 128)."""
     from disagmoe_ds.engine.checkpoint import model_fingerprint

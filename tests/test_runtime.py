@@ -39,6 +39,9 @@ CASES = [
     ("qwen3-moe", {}, 1, 4, 1, 1, 6, 2, False),  # ZeRO-2 backwards that reach no expert of a shard (issue 15)
     ("qwen3-moe", {}, 1, 2, 1, 2, 3, 2, False),  # fewer lanes than replicas: a replica no lane sends to
     ("glm4-moe", {}, 2, 2, 2, 1, 3, 1, True),  # GLM-4.5: DeepSeek-V3's router with GQA, depth 2, no headers at all
+    # Qwen3-Next / Qwen3.5-MoE: each A-group holds a linear- (Gated DeltaNet) and a full-attention layer; 2 ep ranks
+    ("qwen3-next", {}, 2, 4, 2, 1, 3, 2, False),  # ZeRO-2; layer 0 dense
+    ("qwen3.5-moe", {}, 2, 4, 2, 1, 3, 1, True),
 ]
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active
