@@ -1032,3 +1032,19 @@ def test_linear_attention_layers_cost_linear_in_sequence_length(family: str) -> 
     # per token and value head: 2 * 64 * (3 * 16 + 2 * 16) within the chunk, 6 * 16 * 16 against the state
     assert spec.attention_core_flops(4096, linear) == 4 * (2 * 64 * 80 + 6 * 256)
     assert spec.attention_params(linear) != spec.attention_params(full)
+
+
+def test_qwen3_5_hub_config_is_read_through_its_text_config() -> None:
+    """The real-size Qwen3.5-35B-A3B config (the vision-language model's): its language model, every 4th layer
+    full attention, and the parameters HF's causal LM built from it (on the meta device) has."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from disagmoe_ds.models.loading import load_config
+
+    spec = load_model_spec(ROOT / "hf_models" / "Qwen3.5-35B-A3B")
+    assert (spec.model_type, spec.num_layers, spec.num_moe_layers) == ("qwen3_5_moe_text", 40, 40)
+    assert [i for i, linear in enumerate(spec.linear_layers) if not linear] == list(range(3, 40, 4))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(ROOT / "hf_models" / "Qwen3.5-35B-A3B"))
+    assert spec.total_params() == sum(p.numel() for p in model.parameters())
