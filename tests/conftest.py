@@ -19,6 +19,10 @@ TINY_FAMILIES = (
     "glm4-moe",
     "qwen3-next",
     "qwen3.5-moe",
+    "ernie4.5-moe",
+    "hunyuan-v1-moe",
+    "dots1",
+    "minimax-m2",
 )
 
 
@@ -31,7 +35,7 @@ def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, max_shard_s
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for name, buf in model.named_buffers():
+        for name, buf in [*model.named_buffers(), *model.named_parameters()]:  # ERNIE's is a frozen parameter
             if name.endswith("e_score_correction_bias"):  # exercise DeepSeek-V3's biased top-k choice
                 buf.copy_(torch.randn_like(buf) * 0.05)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)

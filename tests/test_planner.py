@@ -47,6 +47,7 @@ from disagmoe_ds.schedule import PipeShape, check_streams, generate
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ("qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "olmoe")
 TINY += ("qwen3-next", "qwen3.5-moe")  # hybrid: linear-attention layers beside full ones
+TINY += ("ernie4.5-moe", "hunyuan-v1-moe", "dots1", "minimax-m2")
 # FLOP identities are exact integer arithmetic up to float rounding of the s^2/2 term.
 FLOP_RTOL = 1e-12
 # The bound for the memory model against what PyTorch allocates.

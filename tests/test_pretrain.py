@@ -321,6 +321,14 @@ def test_init_from_fine_tune_of_a_hybrid_model_resumes_exactly(tok_cache, tmp_pa
     assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
 
 
+def _config_with(model_dir: Path, tiny: str, **fields) -> Path:
+    """A model directory holding ``hf_models/<tiny>``'s config.json with ``fields`` changed."""
+    model_dir.mkdir()
+    config = json.loads((ROOT / "hf_models" / tiny / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **fields}))
+    return model_dir
+
+
 def _other_model_checkpoint(root: Path) -> Path:
     """A complete-looking checkpoint whose manifest names another architecture (tiny-qwen3-moe: vocab 128)."""
     from disagmoe_ds.engine.checkpoint import model_fingerprint
@@ -354,6 +362,7 @@ def _other_model_checkpoint(root: Path) -> Path:
         ("misspelt ds_config key", r'ds_config key "zero_optimisation" .* did you mean "zero_optimization"\?'),
         ("optimizer without type", r'ds_config "optimizer" has no "type"; name one'),
         ("scheduler without its params", r'ds_config "scheduler.params" lacks cycle_min_lr, cycle_max_lr'),
+        ("per-layer top-k", r"layer 2 of the hunyuan_v1_moe config has its own moe_topk \(1; layer 0: 2\)"),
     ],
 )
 def test_bad_input_is_a_one_line_error_before_any_rank_starts(tok_cache, tmp_path, capfd, case, message) -> None:
@@ -383,6 +392,7 @@ def test_bad_input_is_a_one_line_error_before_any_rank_starts(tok_cache, tmp_pat
         "save-dir is a file": ["--save-dir", tmp_path / "a-file"],
         "export-hf under a file": ["--export-hf", tmp_path / "a-file" / "hf"],
         "metrics-file is a folder": ["--metrics-file", tmp_path],
+        "per-layer top-k": ["--model", _config_with(tmp_path / "hy", "tiny-hunyuan-v1-moe", moe_topk=[2, 2, 1, 1])],
     }.get(case, ["--deepspeed_config", tmp_path / "ds.json"])
     assert_refused_before_launch(tok_cache, capfd, argv, message)
 

@@ -113,6 +113,39 @@ FAMILIES = {
     # The text model of Qwen3.5-MoE, as Qwen3_5MoeForCausalLM saves it (the Hub's config is the vision-language
     # qwen3_5_moe one around it: hf_models/Qwen3.5-35B-A3B); every layer MoE, the router always renormalises.
     "tiny-qwen3.5-moe": tf.Qwen3_5MoeTextConfig(**COMMON, **HYBRID),
+    # Layer 0 dense (moe_layer_start_index 1, HF's default); two ungated shared experts.
+    "tiny-ernie4.5-moe": tf.Ernie4_5_MoeConfig(
+        **COMMON,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        moe_num_experts=8,
+        moe_k=2,
+        moe_num_shared_experts=2,
+        moe_layer_start_index=1,
+        router_aux_loss_coef=0.01,
+    ),
+    # Hunyuan-A13B's layout: qk norm, one shared MLP of the experts' size, every layer MoE.
+    "tiny-hunyuan-v1-moe": tf.HunYuanMoEV1Config(
+        **COMMON, head_dim=16, intermediate_size=32, num_experts=8, moe_topk=2, use_qk_norm=True
+    ),
+    # dots.llm1: DeepSeek-V3's router (one group here, as in dots.llm1) and a shared expert, a dense first layer.
+    "tiny-dots1": tf.Dots1Config(
+        **COMMON,
+        head_dim=16,
+        **DEEPSEEK_MOE,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    ),
+    "tiny-minimax-m2": tf.MiniMaxM2Config(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    ),
 }
 
 if __name__ == "__main__":

@@ -48,6 +48,10 @@ GATED_FUSED_FAMILIES = (
     "glm4_moe",
     "qwen3_next",
     "qwen3_5_moe_text",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "dots1",
+    "minimax_m2",
 )
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from disagmoe_ds.comm.routing import count_ids
-from disagmoe_ds.models.families import Family, family_of, is_moe_layer, mixer_attr, router_of
+from disagmoe_ds.models.families import Family, family_of, is_moe_layer, mixer_attr, route
 from disagmoe_ds.models.grouped_experts import EAGER, compiled_elementwise, grouped_gated_experts, supports_grouped
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 
@@ -146,10 +146,11 @@ class AttentionPart(nn.Module):
         jitter = getattr(self.mlp, "jitter_noise", 0.0)
         if self.training and jitter > 0:  # Mixtral's router jitter, as HF applies it (in place, before routing)
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - jitter, 1.0 + jitter)
-        logits_TE, w_TK, idx_TK = self.router(x_TH)
+        logits_TE, w_TK, idx_TK = route(self.family, self.mlp, x_TH)
         residual_BSH = a_BSH
-        if self.family.shared is not None:
-            residual_BSH = a_BSH + self.family.shared(self.mlp, x_TH).view_as(a_BSH)
+        shared_TH = None if self.family.shared is None else self.family.shared(self.mlp, x_TH)
+        if shared_TH is not None:
+            residual_BSH = a_BSH + shared_TH.view_as(a_BSH)
         return AttentionOutput(residual_BSH, x_TH, w_TK, idx_TK, logits_TE)
 
 
@@ -414,8 +415,11 @@ class RoutingFacts:
 def routing_facts(model: nn.Module) -> RoutingFacts:
     """The ``RoutingFacts`` of ``model`` (on the meta device too): its first router runs once on a zero token."""
     moe = moe_layer_pattern(model.config.to_dict())
-    router = router_of(family_of(model.config), model.model.layers[moe.index(True)])
+    family = family_of(model.config)
+    block = model.model.layers[moe.index(True)].mlp
+    router = getattr(block, family.router_attr)
     param = next(model.parameters())
     with torch.no_grad():
-        _, weights, _ = router(torch.zeros(1, model.config.hidden_size, dtype=param.dtype, device=param.device))
+        x_1H = torch.zeros(1, model.config.hidden_size, dtype=param.dtype, device=param.device)
+        _, weights, _ = route(family, block, x_1H)
     return RoutingFacts(moe, router.top_k, weights.dtype)

@@ -28,7 +28,8 @@ def skew_router(model: nn.Module, expert: int = 0) -> None:
         if not is_moe_layer(layer):
             continue
         router = router_of(family, layer)
+        weight_EH = router.get_parameter(family.router_weight)
         with torch.no_grad():
-            router.weight[:, 0] = 0.0
-            router.weight[expert, 0] = 1.0
+            weight_EH[:, 0] = 0.0
+            weight_EH[expert, 0] = 1.0
         router.register_forward_pre_hook(_push)

@@ -1,7 +1,8 @@
 """A Hugging Face MoE config.json read into the planner's vocabulary (pure Python; transformers is not imported).
 
 Supported ``model_type``s: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, glm4_moe, gpt_oss,
-qwen3_next, qwen3_5_moe (read through its ``text_config``) and qwen3_5_moe_text. Field names differ per family; the
+qwen3_next, qwen3_5_moe (read through its ``text_config``), qwen3_5_moe_text, ernie4_5_moe, hunyuan_v1_moe, dots1
+and minimax_m2. Field names differ per family; the
 maps below resolve them into ``model_fields``, the keyword arguments of ``model.ModelSpec``, into an
 ``AttentionSpec`` and, for the hybrid Qwen3-Next / Qwen3.5 layers, a ``LinearAttentionSpec``.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
-from disagmoe_ds.models.moe_pattern import language_model_config
+from disagmoe_ds.models.moe_pattern import language_model_config, moe_layer_pattern
 from disagmoe_ds.planner.inputs import read_json
 
 SUPPORTED_TYPES = (
@@ -28,14 +29,20 @@ SUPPORTED_TYPES = (
     "qwen3_next",
     "qwen3_5_moe",
     "qwen3_5_moe_text",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "dots1",
+    "minimax_m2",
 )
 # Qwen2-MoE's MLP layout (moe_intermediate_size, a sigmoid-gated shared expert of shared_expert_intermediate_size).
 _QWEN_SHARED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # Layers alternate Gated DeltaNet linear attention and gated (sigmoid output gate) softmax attention with qk norm.
 _HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 # DeepSeek's MLP layout (moe_intermediate_size, n_shared_experts, dense first layers); GLM-4.5 shares it with GQA.
-_DEEPSEEK_MLP = ("deepseek_v2", "deepseek_v3", "glm4_moe")
-_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1}
+_DEEPSEEK_MLP = ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1")
+_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1, "dots1": 0}
+# Which layers route, read by the runtime's own rule (models.moe_pattern) for the families added with it.
+_PATTERN_RULE = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "qwen3_5_moe_text")
 
 
 @dataclass(frozen=True)
@@ -129,26 +136,33 @@ def _int(cfg: dict[str, Any], *names: str, default: int | None = None) -> int:
 
 def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """Routed/shared/dense MLP sizes: num_experts | num_local_experts | n_routed_experts, etc."""
-    num_experts = _int(cfg, "num_experts", "num_local_experts", "n_routed_experts")
-    top_k = _int(cfg, "num_experts_per_tok", "experts_per_token")
+    # ERNIE-4.5: moe_num_experts, moe_k; Hunyuan: moe_topk (a per-layer list is refused here, by _int)
+    num_experts = _int(cfg, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    top_k = _int(cfg, "num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk")
     if not 1 <= top_k <= num_experts:
         raise ConfigError(f"num_experts_per_tok ({top_k}) must be between 1 and the expert count ({num_experts})")
     deepseek, qwen = model_type in _DEEPSEEK_MLP, model_type in ("qwen3_moe", *_QWEN_SHARED)
-    expert_i = _int(cfg, "moe_intermediate_size") if deepseek or qwen else _int(cfg, "intermediate_size")
+    ernie = model_type == "ernie4_5_moe"
+    expert_i = _int(cfg, "moe_intermediate_size") if deepseek or qwen or ernie else _int(cfg, "intermediate_size")
     shared = 0
     if model_type in _QWEN_SHARED:
         shared = _int(cfg, "shared_expert_intermediate_size", default=0)
     elif deepseek:
         shared = _int(cfg, "n_shared_experts", default=0) * expert_i
+    elif ernie:
+        shared = _int(cfg, "moe_num_shared_experts", default=2) * expert_i
+    elif model_type == "hunyuan_v1_moe":  # one shared MLP of the experts' size
+        shared = expert_i
     return {
         "num_experts": num_experts,
         "top_k": top_k,
         "expert_intermediate": expert_i,
-        "dense_intermediate": _int(cfg, "intermediate_size", default=0) if deepseek or qwen else 0,
+        "dense_intermediate": _int(cfg, "intermediate_size", default=0) if deepseek or qwen or ernie else 0,
         "shared_intermediate": shared,
         "shared_gate": model_type in _QWEN_SHARED and shared > 0,
         "expert_bias": model_type == "gpt_oss",
-        "router_bias": model_type == "gpt_oss",
+        # GPT-OSS's router bias; ERNIE's correction bias is a (frozen) parameter of the same size
+        "router_bias": model_type in ("gpt_oss", "ernie4_5_moe"),
     }
 
 
@@ -170,7 +184,10 @@ def _attention(cfg: dict[str, Any], model_type: str) -> AttentionSpec:
             o_bias=bool(cfg.get("attention_bias", False)),
         )
     head_dim = _int(cfg, "head_dim", default=hidden // heads)
-    bias = bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else bool(cfg.get("attention_bias", False))
+    if model_type == "qwen2_moe":
+        bias = bool(cfg.get("qkv_bias", True))
+    else:
+        bias = bool(cfg.get("use_bias" if model_type == "ernie4_5_moe" else "attention_bias", False))
     return AttentionSpec(
         kind="gqa",
         num_heads=heads,
@@ -180,8 +197,8 @@ def _attention(cfg: dict[str, Any], model_type: str) -> AttentionSpec:
         qkv_bias=bias,
         o_bias=bias and model_type != "qwen2_moe",
         qk_norm="head"
-        if model_type in ("qwen3_moe", *_HYBRID) or cfg.get("use_qk_norm")
-        else {"olmoe": "full"}.get(model_type, ""),
+        if model_type in ("qwen3_moe", "dots1", *_HYBRID) or cfg.get("use_qk_norm")
+        else {"olmoe": "full", "minimax_m2": "full"}.get(model_type, ""),
         sinks=model_type == "gpt_oss",
         output_gate=model_type in _HYBRID,
     )
@@ -209,6 +226,8 @@ def _linear_attention(cfg: dict[str, Any], model_type: str, num_layers: int) -> 
 
 def _moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[bool, ...]:
     """Which layers route: DeepSeek / GLM first_k_dense_replace; Qwen mlp_only_layers and decoder_sparse_step."""
+    if model_type in _PATTERN_RULE:
+        return moe_layer_pattern(cfg)
     if model_type in _DEEPSEEK_MLP:
         first_dense = _int(cfg, "first_k_dense_replace", default=_FIRST_DENSE_DEFAULT[model_type])
         return tuple(i >= first_dense for i in range(num_layers))
