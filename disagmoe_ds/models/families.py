@@ -61,6 +61,8 @@ class Family:
         expert_bias_path: the correction bias of DeepSeek-V3 style auxiliary-loss-free balancing, as a dotted path
             from the MoE block (a buffer, or ERNIE's frozen parameter), or None.
         route: how the MoE block calls its router, where it is not ``router(x_TH)`` (MiniMax-M2), or None.
+        mrope: the rotary embedding takes M-RoPE's (3, B, S) position ids (temporal, height, width), which for text
+            are the token positions three times, as HF's model passes them (Qwen3.5; transformers 5.17 needs them).
     """
 
     model_type: str
@@ -71,6 +73,7 @@ class Family:
     has_aux_loss: bool = True
     expert_bias_path: str | None = None
     route: RouteFn | None = None
+    mrope: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -101,7 +104,7 @@ FAMILIES: dict[str, Family] = {
         # Qwen3-Next and Qwen3.5-MoE: Qwen2-MoE's softmax router and sigmoid-gated shared expert; layers alternate
         # Gated DeltaNet linear attention (``linear_attn``) and gated softmax attention (``self_attn``).
         Family("qwen3_next", shared=_qwen2_shared),
-        Family("qwen3_5_moe_text", shared=_qwen2_shared),
+        Family("qwen3_5_moe_text", shared=_qwen2_shared, mrope=True),
         # ERNIE-4.5-MoE: softmax router whose top-k choice adds a correction bias (``gate.moe_statics``), ungated
         # shared experts, MoE layers from moe_layer_start_index to moe_layer_end_index every moe_layer_interval.
         Family("ernie4_5_moe", shared=_deepseek_shared, expert_bias_path="gate.moe_statics.e_score_correction_bias"),

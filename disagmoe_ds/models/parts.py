@@ -71,7 +71,8 @@ def build_context(
     }
     # The cache argument is passed positionally: it is named past_key_values in transformers 5.17, cache in 5.2x.
     masks = {kind: builders[kind](config, h_BSH, None, None, position_ids=given) for kind in needed}
-    return LayerContext(position_ids, rotary_emb(h_BSH, position_ids), masks)
+    rotary_ids = position_ids[None].expand(3, *position_ids.shape) if family_of(config).mrope else position_ids
+    return LayerContext(position_ids, rotary_emb(h_BSH, rotary_ids), masks)
 
 
 def _no_padding_mask(*args, **kwargs) -> None:
