@@ -25,6 +25,7 @@ import psutil
 import pytest
 import torch
 
+from tests.conftest import all_families_only, write_tiny_checkpoint
 from tests.test_train_data import write_sft_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -306,12 +307,20 @@ def test_aux_loss_free_bias_moves_in_the_job(tok_cache, tmp_path) -> None:
     assert all(r["expert_imbalance"][0] is None for r in records(metrics))
 
 
-@pytest.mark.parametrize(("family", "layout"), [("qwen3-next", (1, 1, 1)), ("qwen3.5-moe", (2, 2, 2))])
-def test_init_from_fine_tune_of_a_hybrid_model_resumes_exactly(tok_cache, tmp_path, family, layout) -> None:
-    """Qwen3-Next / Qwen3.5-MoE (linear- and full-attention layers; vocab widened for the 512-piece tokenizer):
-    ``--init-from`` its weights, save at step 2, and the run resumed there repeats steps 3-4 bit for bit."""
-    from tests.conftest import write_tiny_checkpoint
-
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [
+        ("qwen3.5-moe", (2, 2, 2)),  # linear- and full-attention layers
+        ("ernie4.5-moe", (1, 2, 1)),  # a frozen correction-bias parameter in the checkpoints
+        all_families_only("qwen3-next", (1, 1, 1)),
+        all_families_only("hunyuan-v1-moe", (1, 2, 1)),
+        all_families_only("dots1", (1, 2, 1)),
+        all_families_only("minimax-m2", (1, 2, 1)),
+    ],
+)
+def test_init_from_fine_tune_resumes_exactly(tok_cache, tmp_path, family, layout) -> None:
+    """The families of issue 29 (vocab widened for the 512-piece tokenizer): ``--init-from`` its weights, save at
+    step 2, and the run resumed there repeats steps 3-4 bit for bit."""
     hf_dir = write_tiny_checkpoint(family, tmp_path / "hf", seed=1, vocab_size=512)
     m, n, p = layout
     argv = ("--init-from", hf_dir, "--attention-gpus", m, "--ffn-gpus", n, "--depth", p, "--micro-batches", 2)
