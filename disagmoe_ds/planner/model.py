@@ -1,7 +1,7 @@
 """Per-layer FLOP, byte, parameter and activation model of a Hugging Face MoE config.json (pure Python).
 
 The config is read as a JSON dict; transformers is not imported. ``hf_config.py`` maps each family's field
-names (qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, gpt_oss) onto one vocabulary.
+names (``hf_config.SUPPORTED_TYPES``) onto one vocabulary.
 
 Counting conventions (Megatron-LM ``num_floating_point_operations``; Narayanan et al. 2021, appendix):
 
