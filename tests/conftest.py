@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_FAMILIES = ("qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "olmoe", "glm4-moe")
+TINY_FAMILIES = (
+    "qwen2-moe",
+    "qwen3-moe",
+    "mixtral",
+    "deepseek-v2",
+    "deepseek-v3",
+    "gpt-oss",
+    "olmoe",
+    "glm4-moe",
+    "qwen3-next",
+    "qwen3.5-moe",
+    "ernie4.5-moe",
+    "hunyuan-v1-moe",
+    "dots1",
+    "minimax-m2",
+)
+
+
+# The families added with issue 29 run their multi-rank checks (runtime parity, HF round trip, fine-tune resume) in
+# CI for one or two of them; the rest run with DISAGMOE_ALL_FAMILIES=1 (about 2 minutes more on 2 cores).
+ALL_FAMILIES = os.environ.get("DISAGMOE_ALL_FAMILIES") == "1"
+
+
+def all_families_only(*values: object) -> object:
+    """A parametrize case that runs only with ``DISAGMOE_ALL_FAMILIES=1``."""
+    return pytest.param(
+        *values, marks=pytest.mark.skipif(not ALL_FAMILIES, reason="more families: set DISAGMOE_ALL_FAMILIES=1")
+    )
 
 
 def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, max_shard_size: str = "50GB", **overrides) -> Path:
@@ -22,7 +50,7 @@ def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, max_shard_s
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for name, buf in model.named_buffers():
+        for name, buf in [*model.named_buffers(), *model.named_parameters()]:  # ERNIE's is a frozen parameter
             if name.endswith("e_score_correction_bias"):  # exercise DeepSeek-V3's biased top-k choice
                 buf.copy_(torch.randn_like(buf) * 0.05)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)

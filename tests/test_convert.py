@@ -29,6 +29,7 @@ from disagmoe_ds.models.split import hf_reference_loss
 from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe, relayout
 from disagmoe_ds.train.conversion_jobs import Job, open_checkpoint
 from disagmoe_ds.verify import DTYPES, VerifyArgs, load_for_verify, make_batches
+from tests.conftest import all_families_only
 from tests.test_pretrain import ROOT, SHORT, run_pretrain
 
 # fp32: layouts differ only in the order of sums (lane reduction, expert partials, ZeRO partitions).
@@ -42,6 +43,12 @@ EXPERT_KEY = {
     "deepseek-v2": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "deepseek-v3": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "glm4-moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "qwen3-next": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "qwen3.5-moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "ernie4.5-moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "hunyuan-v1-moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "dots1": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "minimax-m2": "model.layers.1.block_sparse_moe.experts.0.w1.weight",
     "mixtral": "model.layers.1.block_sparse_moe.experts.0.w1.weight",
     "gpt-oss": "model.layers.1.mlp.experts.gate_up_proj",  # GPT-OSS is fused on the Hub too
 }
@@ -58,6 +65,12 @@ ROUND_TRIPS = [
     ("gpt-oss", (1, 2, 1), 1, {}),
     ("olmoe", (1, 2, 1), 2, {}),
     ("glm4-moe", (2, 2, 2), 1, {}),
+    ("qwen3-next", (2, 2, 2), 2, {}),  # linear- and full-attention layers on each A-group
+    all_families_only("qwen3.5-moe", (1, 2, 1), 1, {}),
+    all_families_only("ernie4.5-moe", (1, 2, 1), 2, {}),
+    all_families_only("hunyuan-v1-moe", (1, 2, 1), 0, {}),
+    all_families_only("dots1", (1, 2, 1), 1, {}),
+    all_families_only("minimax-m2", (1, 2, 1), 2, {}),
 ]
 
 

@@ -19,6 +19,12 @@ FAMILY_DIRS = {
     "deepseek_v2": "deepseek-v2",
     "deepseek_v3": "deepseek-v3",
     "glm4_moe": "glm4-moe",
+    "qwen3_next": "qwen3-next",
+    "qwen3_5_moe_text": "qwen3.5-moe",
+    "ernie4_5_moe": "ernie4.5-moe",
+    "hunyuan_v1_moe": "hunyuan-v1-moe",
+    "dots1": "dots1",
+    "minimax_m2": "minimax-m2",
 }
 TOL = 1e-5  # fp32; only the GEMM kernels and the summation order differ
 

@@ -66,6 +66,27 @@ def test_parts_equal_those_cut_from_the_from_pretrained_model(tiny_checkpoint, f
     assert_parts_match_from_pretrained(path)
 
 
+def test_qwen3_5_vision_language_checkpoint_gives_its_language_model(tmp_path) -> None:
+    """Qwen3.5-MoE as the Hub ships it: the vision-language model (``qwen3_5_moe``, keys under
+    ``model.language_model.`` beside ``model.visual.``). Its language model's parts read the checkpoint's tensors,
+    as ``from_pretrained`` reads them, and equal the vision-language model's own."""
+    import json
+
+    import transformers
+
+    text = json.loads((ROOT / "hf_models" / "tiny-qwen3.5-moe" / "config.json").read_text())
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64}
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config={**vision, "patch_size": 4})
+    vl = transformers.Qwen3_5MoeForConditionalGeneration(config)
+    vl.save_pretrained(tmp_path)
+    assert_parts_match_from_pretrained(tmp_path)
+    check_pretrained(tmp_path)
+    language_model = vl.model.language_model
+    experts = load_parts(tmp_path)["last experts"].layers["1"].experts.gate_up_proj
+    assert torch.equal(experts, language_model.layers[1].mlp.experts.gate_up_proj[4:])
+
+
 def test_bf16_keeps_what_from_pretrained_keeps_in_fp32(tiny_checkpoint) -> None:
     """DeepSeek-V3's router weight and bias buffer stay fp32 in a bf16 model; the rest is cast."""
     assert_parts_match_from_pretrained(tiny_checkpoint("deepseek-v3"), torch.bfloat16)

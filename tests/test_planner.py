@@ -46,6 +46,8 @@ from disagmoe_ds.schedule import PipeShape, check_streams, generate
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ("qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "olmoe")
+TINY += ("qwen3-next", "qwen3.5-moe")  # hybrid: linear-attention layers beside full ones
+TINY += ("ernie4.5-moe", "hunyuan-v1-moe", "dots1", "minimax-m2")
 # FLOP identities are exact integer arithmetic up to float rounding of the s^2/2 term.
 FLOP_RTOL = 1e-12
 # The issue's bound for the memory model against what PyTorch allocates.
@@ -1012,3 +1014,38 @@ def test_glm4_moe_reads_as_deepseek_mlp_with_gqa_attention() -> None:
     attention = fields["attention"]
     assert (attention.kind, attention.num_heads, attention.num_kv_heads, attention.head_dim) == ("gqa", 4, 2, 16)
     assert attention.qk_norm == "head"  # use_qk_norm
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3-next", "tiny-qwen3.5-moe"])
+def test_linear_attention_layers_cost_linear_in_sequence_length(family: str) -> None:
+    """Gated DeltaNet layers have their own term: per token it does not grow with the sequence (the full layers'
+    softmax core does), and their projections and parameters are DeltaNet's, not the attention block's."""
+    from disagmoe_ds.planner.model import ModelSpec
+
+    spec = ModelSpec.from_config(json.loads((ROOT / "hf_models" / family / "config.json").read_text()))
+    assert spec.linear_layers == (True, False, True, False)
+    linear, full = 0, 1
+    assert spec.attention_core_flops(4096, linear) == spec.attention_core_flops(65536, linear)
+    assert spec.attention_core_flops(65536, full) == 16 * spec.attention_core_flops(4096, full)
+    # hidden 64; q, k: 2 heads x 16, v, z: 4 heads x 16; conv over q, k, v (128 channels) of kernel 4
+    assert spec.attention_projection_flops(linear) == 2 * 64 * (128 + 64 + 8) + 2 * 64 * 64 + 2 * 128 * 4
+    assert spec.attention_projection_flops(full) == 2 * 64 * 128 + 4 * 64 * 32 + 2 * 64 * 64  # q and its gate
+    # per token and value head: 2 * 64 * (3 * 16 + 2 * 16) within the chunk, 6 * 16 * 16 against the state
+    assert spec.attention_core_flops(4096, linear) == 4 * (2 * 64 * 80 + 6 * 256)
+    assert spec.attention_params(linear) != spec.attention_params(full)
+
+
+def test_qwen3_5_hub_config_is_read_through_its_text_config() -> None:
+    """The real-size Qwen3.5-35B-A3B config (the vision-language model's): its language model, every 4th layer
+    full attention, and the parameters HF's causal LM built from it (on the meta device) has."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from disagmoe_ds.models.loading import load_config
+
+    spec = load_model_spec(ROOT / "hf_models" / "Qwen3.5-35B-A3B")
+    assert (spec.model_type, spec.num_layers, spec.num_moe_layers) == ("qwen3_5_moe_text", 40, 40)
+    assert [i for i, linear in enumerate(spec.linear_layers) if not linear] == list(range(3, 40, 4))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(ROOT / "hf_models" / "Qwen3.5-35B-A3B"))
+    assert spec.total_params() == sum(p.numel() for p in model.parameters())

@@ -25,6 +25,7 @@ import psutil
 import pytest
 import torch
 
+from tests.conftest import all_families_only, write_tiny_checkpoint
 from tests.test_train_data import write_sft_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -318,6 +319,37 @@ def test_aux_loss_free_bias_moves_in_the_job(tok_cache, tmp_path) -> None:
     assert all(r["expert_imbalance"][0] is None for r in records(metrics))
 
 
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [
+        ("qwen3.5-moe", (2, 2, 2)),  # linear- and full-attention layers
+        ("ernie4.5-moe", (1, 2, 1)),  # a frozen correction-bias parameter in the checkpoints
+        all_families_only("qwen3-next", (1, 1, 1)),
+        all_families_only("hunyuan-v1-moe", (1, 2, 1)),
+        all_families_only("dots1", (1, 2, 1)),
+        all_families_only("minimax-m2", (1, 2, 1)),
+    ],
+)
+def test_init_from_fine_tune_resumes_exactly(tok_cache, tmp_path, family, layout) -> None:
+    """The families of issue 29 (vocab widened for the 512-piece tokenizer): ``--init-from`` its weights, save at
+    step 2, and the run resumed there repeats steps 3-4 bit for bit."""
+    hf_dir = write_tiny_checkpoint(family, tmp_path / "hf", seed=1, vocab_size=512)
+    m, n, p = layout
+    argv = ("--init-from", hf_dir, "--attention-gpus", m, "--ffn-gpus", n, "--depth", p, "--micro-batches", 2)
+    full, resumed, ck = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ck"
+    assert pretrain(tok_cache, *argv, "--steps", 4, "--save-dir", ck, "--save-every", 2, "--metrics-file", full) == 0
+    assert pretrain(tok_cache, *argv, "--steps", 4, "--resume", ck / "step2", "--metrics-file", resumed) == 0
+    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
+
+
+def _config_with(model_dir: Path, tiny: str, **fields) -> Path:
+    """A model directory holding ``hf_models/<tiny>``'s config.json with ``fields`` changed."""
+    model_dir.mkdir()
+    config = json.loads((ROOT / "hf_models" / tiny / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **fields}))
+    return model_dir
+
+
 def _other_model_checkpoint(root: Path) -> Path:
     """A complete-looking checkpoint whose manifest names another architecture (tiny-qwen3-moe: vocab 128)."""
     from disagmoe_ds.engine.checkpoint import model_fingerprint
@@ -351,6 +383,7 @@ def _other_model_checkpoint(root: Path) -> Path:
         ("misspelt ds_config key", r'ds_config key "zero_optimisation" .* did you mean "zero_optimization"\?'),
         ("optimizer without type", r'ds_config "optimizer" has no "type"; name one'),
         ("scheduler without its params", r'ds_config "scheduler.params" lacks cycle_min_lr, cycle_max_lr'),
+        ("per-layer top-k", r"layer 2 of the hunyuan_v1_moe config has its own moe_topk \(1; layer 0: 2\)"),
     ],
 )
 def test_bad_input_is_a_one_line_error_before_any_rank_starts(tok_cache, tmp_path, capfd, case, message) -> None:
@@ -380,6 +413,7 @@ def test_bad_input_is_a_one_line_error_before_any_rank_starts(tok_cache, tmp_pat
         "save-dir is a file": ["--save-dir", tmp_path / "a-file"],
         "export-hf under a file": ["--export-hf", tmp_path / "a-file" / "hf"],
         "metrics-file is a folder": ["--metrics-file", tmp_path],
+        "per-layer top-k": ["--model", _config_with(tmp_path / "hy", "tiny-hunyuan-v1-moe", moe_topk=[2, 2, 1, 1])],
     }.get(case, ["--deepspeed_config", tmp_path / "ds.json"])
     assert_refused_before_launch(tok_cache, capfd, argv, message)
 

@@ -18,6 +18,7 @@ from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.launch.local import free_port
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.verify import VerifyArgs, run_verify
+from tests.conftest import all_families_only
 
 # Per-layer balancing, with a coefficient large enough that the pooled loss would fail the comparison.
 PER_LAYER_AUX = {"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5}
@@ -42,6 +43,13 @@ CASES = [
     ("qwen3-moe", {}, 1, 2, 1, 2, 3, 2, False),  # fewer lanes than replicas: a replica no lane sends to
     ("glm4-moe", {}, 2, 2, 2, 1, 3, 1, True),  # GLM-4.5: DeepSeek-V3's router with GQA, depth 2, no headers at all
     ("qwen3-moe", PER_LAYER_AUX, 2, 2, 2, 1, 3, 1, True),  # each layer's aux term where it runs, on both A-groups
+    # Qwen3-Next / Qwen3.5-MoE: each A-group holds a linear- (Gated DeltaNet) and a full-attention layer; 2 ep ranks
+    ("qwen3.5-moe", {}, 2, 4, 2, 1, 3, 1, True),
+    all_families_only("qwen3-next", {}, 2, 4, 2, 1, 3, 2, False),  # ZeRO-2; layer 0 dense
+    all_families_only("ernie4.5-moe", {}, 2, 4, 2, 1, 3, 2, True),  # a frozen correction-bias parameter
+    all_families_only("hunyuan-v1-moe", {}, 2, 4, 2, 1, 3, 0, True),
+    all_families_only("dots1", {}, 2, 4, 2, 1, 3, 1, True),
+    all_families_only("minimax-m2", {}, 2, 4, 2, 1, 3, 2, True),  # the router takes the block's bias
 ]
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active

@@ -26,6 +26,22 @@ DEEPSEEK_MOE = dict(
     num_experts_per_tok=2,
     first_k_dense_replace=1,
 )
+# Qwen3-Next / Qwen3.5-MoE: linear (Gated DeltaNet) and full (gated) attention layers alternate, every second one
+# full; a sigmoid-gated shared expert. Partial rotary (HF's default factor 0.25) on the full layers' head_dim 16.
+HYBRID = dict(
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=8,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.01,
+    layer_types=["linear_attention", "full_attention"] * 2,
+)
 FAMILIES = {
     "tiny-qwen2-moe": tf.Qwen2MoeConfig(
         **COMMON,
@@ -88,6 +104,46 @@ FAMILIES = {
         topk_group=1,
         use_qk_norm=True,
         routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    ),
+    # Layer 0 dense (a linear-attention layer with no MoE block), as mlp_only_layers allows.
+    "tiny-qwen3-next": tf.Qwen3NextConfig(
+        **COMMON, **HYBRID, intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[0]
+    ),
+    # The text model of Qwen3.5-MoE, as Qwen3_5MoeForCausalLM saves it (the Hub's config is the vision-language
+    # qwen3_5_moe one around it: hf_models/Qwen3.5-35B-A3B); every layer MoE, the router always renormalises.
+    "tiny-qwen3.5-moe": tf.Qwen3_5MoeTextConfig(**COMMON, **HYBRID),
+    # Layer 0 dense (moe_layer_start_index 1, HF's default); two ungated shared experts.
+    "tiny-ernie4.5-moe": tf.Ernie4_5_MoeConfig(
+        **COMMON,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        moe_num_experts=8,
+        moe_k=2,
+        moe_num_shared_experts=2,
+        moe_layer_start_index=1,
+        router_aux_loss_coef=0.01,
+    ),
+    # Hunyuan-A13B's layout: qk norm, one shared MLP of the experts' size, every layer MoE.
+    "tiny-hunyuan-v1-moe": tf.HunYuanMoEV1Config(
+        **COMMON, head_dim=16, intermediate_size=32, num_experts=8, moe_topk=2, use_qk_norm=True
+    ),
+    # dots.llm1: DeepSeek-V3's router (one group here, as in dots.llm1) and a shared expert, a dense first layer.
+    "tiny-dots1": tf.Dots1Config(
+        **COMMON,
+        head_dim=16,
+        **DEEPSEEK_MOE,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    ),
+    "tiny-minimax-m2": tf.MiniMaxM2Config(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
     ),
 }

@@ -16,6 +16,7 @@ import torch
 
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.parts import compile_stage
+from disagmoe_ds.models.skew import skew_router
 from disagmoe_ds.models.split import SplitModel, hf_reference_loss
 
 # Max abs differences allowed. fp32: only sums are re-associated. bf16: rounding differences of that
@@ -30,12 +31,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def compare(
     model_dir: str, shards: int, dtype: str, seq_len: int, batch: int, seed: int, device: str = "cpu",
-    compile: bool = False,
+    compile: bool = False, skew: bool = False,
 ) -> dict:  # fmt: skip
     """``compile``: the split runs as a ``"compile": true`` job's parts do (``compile_stage``: inductor, and on
-    CUDA in bf16 the experts' Triton kernels)."""
-    ref = load_model(model_dir, dtype=DTYPES[dtype], seed=seed).to(device)
-    split = SplitModel(load_model(model_dir, dtype=DTYPES[dtype], seed=seed), shards).to(device)
+    CUDA in bf16 the experts' Triton kernels); ``skew``: every token's first choice is expert 0 (``skew_router``)."""
+    ref, src = (load_model(model_dir, dtype=DTYPES[dtype], seed=seed) for _ in range(2))
+    if skew:
+        skew_router(ref)
+        skew_router(src)
+    ref = ref.to(device)
+    split = SplitModel(src, shards).to(device)
     if compile:
         compile_stage(split)
     torch.manual_seed(seed)
@@ -45,7 +50,8 @@ def compare(
     out_split = split(input_ids, labels=input_ids)
     ref_loss.backward()
     out_split.loss.backward()
-    ref_grads = dict(ref.named_parameters())
+    # Frozen parameters (ERNIE's correction bias) have no gradient in either.
+    ref_grads = {n: p for n, p in ref.named_parameters() if p.requires_grad}
     grads = split.hf_named_grads()
     diffs = {
         "logits": (out_ref.logits.float() - out_split.logits.float()).abs().max().item(),
@@ -59,6 +65,7 @@ def compare(
         "shards": shards,
         "dtype": dtype,
         "compiled": compile,
+        "skewed": skew,
         "reference_loss": out_ref.loss.item(),
         **diffs,
         "pass": ok,
@@ -75,10 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--compile", action="store_true", help="compile the split's parts as a compiled job does")
+    parser.add_argument("--skew", action="store_true", help="route every token to expert 0 first (both models)")
     parser.add_argument("--json", action="store_true", help="print the summary on one line")
     args = parser.parse_args(argv)
     summary = compare(
-        args.model, args.shards, args.dtype, args.seq_len, args.batch, args.seed, args.device, args.compile
+        args.model, args.shards, args.dtype, args.seq_len, args.batch, args.seed, args.device, args.compile, args.skew
     )
     print(json.dumps(summary, indent=None if args.json else 2))
     return 0 if summary["pass"] else 1

@@ -1,10 +1,15 @@
 """Per-family facts as data: where HF keeps the router, the shared experts and the expert count.
 
-Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V2, DeepSeek-V3 and GLM-4.5-style MoE (``glm4_moe``).
+Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V2, DeepSeek-V3, GLM-4.5-style MoE (``glm4_moe``),
+Qwen3-Next and Qwen3.5-MoE (its text model, ``qwen3_5_moe_text``), ERNIE-4.5-MoE, Hunyuan-MoE (v1), dots.llm1 and
+MiniMax-M2.
 
-Every supported family builds its decoder layer from the same template (``self_attn``, ``mlp``, two norms), and
+Every supported family builds its decoder layer from the same template (a token mixer, ``mlp``, two norms), and
 its MoE block holds a router module that returns ``(router_logits, top_k_weights, top_k_index)`` plus a fused
 ``experts`` module. What differs is captured here, so that splitting a layer never branches on class names.
+
+The token mixer is ``self_attn`` (softmax attention), or, in the hybrid Qwen3-Next / Qwen3.5 layers whose
+``config.layer_types[i]`` is ``"linear_attention"``, ``linear_attn`` (Gated DeltaNet); ``mixer_attr`` says which.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from torch import nn
 
 from disagmoe_ds.errors import UnsupportedModelError
 
-SharedFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+SharedFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
+RouteFn = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _qwen2_shared(block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
@@ -26,8 +32,18 @@ def _qwen2_shared(block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
     return F.sigmoid(block.shared_expert_gate(x_TH)) * block.shared_expert(x_TH)
 
 
-def _deepseek_shared(block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
-    return block.shared_experts(x_TH)
+def _deepseek_shared(block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor | None:
+    # ERNIE-4.5 builds none when moe_num_shared_experts is 0.
+    return None if block.shared_experts is None else block.shared_experts(x_TH)
+
+
+def _hunyuan_shared(block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
+    return block.shared_mlp(x_TH)
+
+
+def _minimax_route(block: nn.Module, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # MiniMax-M2 keeps its correction bias on the MoE block and hands it to the router.
+    return block.gate(x_TH, block.e_score_correction_bias)
 
 
 @dataclass(frozen=True)
@@ -37,18 +53,27 @@ class Family:
     Attributes:
         model_type: ``config.model_type``.
         router_attr: attribute of the MoE block holding the router (``gate``, or ``router`` for GPT-OSS).
+        router_weight: the router's [E, H] weight, as a dotted path from the router (``wg.weight`` for Hunyuan).
         num_experts_attr: config attribute that sets the experts module's expert count.
-        shared: computes the shared-expert contribution on the attention side, or None.
+        shared: computes the shared-expert contribution on the attention side (None where a layer has none),
+            or None.
         has_aux_loss: HF adds ``router_aux_loss_coef * load_balancing_loss`` when ``output_router_logits``.
-        expert_bias_attr: router buffer of DeepSeek-V3 style auxiliary-loss-free balancing, or None.
+        expert_bias_path: the correction bias of DeepSeek-V3 style auxiliary-loss-free balancing, as a dotted path
+            from the MoE block (a buffer, or ERNIE's frozen parameter), or None.
+        route: how the MoE block calls its router, where it is not ``router(x_TH)`` (MiniMax-M2), or None.
+        mrope: the rotary embedding takes M-RoPE's (3, B, S) position ids (temporal, height, width), which for text
+            are the token positions three times, as HF's model passes them (Qwen3.5; transformers 5.17 needs them).
     """
 
     model_type: str
     router_attr: str = "gate"
+    router_weight: str = "weight"
     num_experts_attr: str = "num_experts"
     shared: SharedFn | None = None
     has_aux_loss: bool = True
-    expert_bias_attr: str | None = None
+    expert_bias_path: str | None = None
+    route: RouteFn | None = None
+    mrope: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -65,7 +90,7 @@ FAMILIES: dict[str, Family] = {
             num_experts_attr="n_routed_experts",
             shared=_deepseek_shared,
             has_aux_loss=False,
-            expert_bias_attr="e_score_correction_bias",
+            expert_bias_path="gate.e_score_correction_bias",
         ),
         # GLM-4.5 / 4.6 / 4.7 (Air too): DeepSeek-V3's router (sigmoid, grouped top-k, a correction bias) and shared
         # experts, dense first layers, GQA attention with partial rotary embeddings.
@@ -74,18 +99,53 @@ FAMILIES: dict[str, Family] = {
             num_experts_attr="n_routed_experts",
             shared=_deepseek_shared,
             has_aux_loss=False,
-            expert_bias_attr="e_score_correction_bias",
+            expert_bias_path="gate.e_score_correction_bias",
+        ),
+        # Qwen3-Next and Qwen3.5-MoE: Qwen2-MoE's softmax router and sigmoid-gated shared expert; layers alternate
+        # Gated DeltaNet linear attention (``linear_attn``) and gated softmax attention (``self_attn``).
+        Family("qwen3_next", shared=_qwen2_shared),
+        Family("qwen3_5_moe_text", shared=_qwen2_shared, mrope=True),
+        # ERNIE-4.5-MoE: softmax router whose top-k choice adds a correction bias (``gate.moe_statics``), ungated
+        # shared experts, MoE layers from moe_layer_start_index to moe_layer_end_index every moe_layer_interval.
+        Family("ernie4_5_moe", shared=_deepseek_shared, expert_bias_path="gate.moe_statics.e_score_correction_bias"),
+        # Hunyuan-MoE v1 (Hunyuan-A13B): fp32 softmax router (``gate.wg``), one ungated shared MLP, every layer MoE.
+        Family(
+            "hunyuan_v1_moe",
+            router_weight="wg.weight",
+            num_experts_attr="num_local_experts",
+            shared=_hunyuan_shared,
+            has_aux_loss=False,
+        ),
+        # dots.llm1: DeepSeek-V3's router and shared experts with Qwen3's attention, dense first layers.
+        Family(
+            "dots1",
+            num_experts_attr="n_routed_experts",
+            shared=_deepseek_shared,
+            has_aux_loss=False,
+            expert_bias_path="gate.e_score_correction_bias",
+        ),
+        # MiniMax-M2: sigmoid router with a correction bias kept on the MoE block, no shared expert, every layer MoE.
+        Family(
+            "minimax_m2",
+            num_experts_attr="num_local_experts",
+            expert_bias_path="e_score_correction_bias",
+            route=_minimax_route,
         ),
     )
 }
+# config.json model_types that name a family by another model_type: Qwen3.5-MoE's Hub config is its vision-language
+# model, whose ``text_config`` (``qwen3_5_moe_text``) is the language model ``AutoModelForCausalLM`` builds.
+ALIASES = {"qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def family_of(config) -> Family:
     """The family adapter for an HF config, or a one-line error listing what is supported."""
     model_type = getattr(config, "model_type", None)
+    model_type = ALIASES.get(model_type, model_type)
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported by DisagMoE-DS; supported: {', '.join(sorted(FAMILIES))}"
+            f"model_type {model_type!r} is not supported by DisagMoE-DS; supported: "
+            f"{', '.join(sorted([*FAMILIES, *ALIASES]))}"
         )
     return FAMILIES[model_type]
 
@@ -97,3 +157,52 @@ def is_moe_layer(layer: nn.Module) -> bool:
 
 def router_of(family: Family, layer: nn.Module) -> nn.Module:
     return getattr(layer.mlp, family.router_attr)
+
+
+def route(family: Family, block: nn.Module, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(router_logits, top_k_weights, top_k_index)`` of the MoE block ``block`` for tokens ``x_TH``, its router
+    called as the block calls it."""
+    if family.route is not None:
+        return family.route(block, x_TH)
+    return getattr(block, family.router_attr)(x_TH)
+
+
+def expert_bias_of(family: Family, block: nn.Module) -> torch.Tensor:
+    """The correction bias of an MoE block whose family has one (``expert_bias_path``)."""
+    if family.expert_bias_path is None:
+        raise UnsupportedModelError(f"model_type {family.model_type!r} has no router correction bias")
+    owner_path, _, name = family.expert_bias_path.rpartition(".")
+    return getattr(block.get_submodule(owner_path), name)
+
+
+def mixer_attr(layer: nn.Module) -> str:
+    """The decoder layer's token mixer: ``linear_attn`` (Gated DeltaNet layers of Qwen3-Next / Qwen3.5) or
+    ``self_attn``."""
+    return "linear_attn" if hasattr(layer, "linear_attn") else "self_attn"
+
+
+# Layer types the attention parts build a mask for (``parts.build_context``).
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+
+
+def check_cut(config) -> None:
+    """Refuse, in one line naming the layer and the reason, a config the cut cannot hold (before any rank starts).
+
+    * a layer type the attention parts have no mask for (``LAYER_TYPES``);
+    * a per-layer expert count or top-k (Hunyuan's ``num_experts`` / ``moe_topk`` may be lists): every MoE
+      layer's experts are sharded alike and every exchange carries one K.
+    """
+    for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
+        if kind not in LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"layer {i} of the {config.model_type} config is a {kind!r} layer, which DisagMoE-DS cannot cut "
+                f"(its attention parts handle {', '.join(LAYER_TYPES)})"
+            )
+    for attr in ("num_experts", "moe_topk"):
+        value = getattr(config, attr, None)
+        if isinstance(value, list | tuple):
+            other = next((i for i, v in enumerate(value) if v != value[0]), 0)
+            raise UnsupportedModelError(
+                f"layer {other} of the {config.model_type} config has its own {attr} ({value[other]}; layer 0: "
+                f"{value[0]}): DisagMoE-DS needs one {attr} for every MoE layer; write it as one number"
+            )

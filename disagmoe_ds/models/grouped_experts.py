@@ -38,7 +38,21 @@ from disagmoe_ds.models import triton_swiglu
 GatedFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]  # (gate_up_PF, w_P, act_fn) -> hidden_PI
 SumSlotsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (y_PH, slot_RK, keep_RK)
 
-GATED_FUSED_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+GATED_FUSED_FAMILIES = (
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "dots1",
+    "minimax_m2",
+)
 
 
 def _grouped_mm(x_PD: torch.Tensor, w_eDN: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch import nn
 
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.jsonfile import read_json_object
-from disagmoe_ds.models.families import family_of
+from disagmoe_ds.models.families import ALIASES, check_cut, expert_bias_of, family_of, is_moe_layer
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -24,7 +24,12 @@ _RESAVE_FIX = "write the model again with save_pretrained"
 
 
 def load_config(path: str | Path):
-    """The HF config of a model directory; rejects unsupported architectures before anything heavy happens."""
+    """The HF config of a model directory; rejects unsupported architectures, and configs the cut cannot hold
+    (``families.check_cut``), before anything heavy happens.
+
+    A vision-language config (Qwen3.5-MoE's ``qwen3_5_moe``, ``families.ALIASES``) gives its language model's
+    config (``get_text_config()``), the one ``AutoModelForCausalLM`` builds its causal LM from.
+    """
     from transformers import AutoConfig
 
     path = Path(path)
@@ -32,9 +37,12 @@ def load_config(path: str | Path):
     raw = read_json_object(config_file, what="model config", fix=_MODEL_DIR_FIX)
     family_of(SimpleNamespace(model_type=raw.get("model_type")))  # reject unsupported families first
     try:
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except Exception as err:  # transformers raises several unrelated types for a bad config
         raise ConfigError(f"cannot read {config_file}: {str(err).splitlines()[0]}") from err
+    config = config.get_text_config() if raw.get("model_type") in ALIASES else config
+    check_cut(config)
+    return config
 
 
 def has_weights(path: str | Path) -> bool:
@@ -83,12 +91,14 @@ def load_model(
     config = load_config(path)
     if not has_weights(path) and not require_weights:
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        return freeze_correction_bias(model)
     check_weights(path)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except (OSError, RuntimeError, ValueError) as err:
         raise CheckpointError(f"cannot load weights from {path}: {str(err).splitlines()[0]}") from err
+    return freeze_correction_bias(model)
 
 
 def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -101,7 +111,22 @@ def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) ->
 
     config = load_config(path)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return freeze_correction_bias(AutoModelForCausalLM.from_config(config, dtype=dtype))
+
+
+def freeze_correction_bias(model: nn.Module) -> nn.Module:
+    """A router correction bias that HF holds as a parameter (ERNIE-4.5's ``moe_statics``) stays out of training,
+    as its module declares it (``requires_grad=False``; ``from_pretrained`` makes it trainable again): only the
+    auxiliary-loss-free update moves it (``train.balance``), as it moves DeepSeek-V3's buffer."""
+    family = family_of(model.config)
+    if family.expert_bias_path is None:
+        return model
+    for layer in model.model.layers:
+        if is_moe_layer(layer):
+            bias = expert_bias_of(family, layer.mlp)
+            if isinstance(bias, nn.Parameter):
+                bias.requires_grad_(False)
+    return model
 
 
 def shared_parameters(module: nn.Module) -> list[list[str]]:

@@ -3,9 +3,15 @@
 The one rule for the runtime (``models.parts.routing_facts``, the preflights of both modes) and, being pure, for
 the planner. HF builds a layer's MLP as (hf-notes section 1):
 
-    deepseek_v2, deepseek_v3, glm4_moe  MoE from layer ``first_k_dense_replace`` on (HF's defaults: 0, 3, 1)
-    qwen2_moe, qwen3_moe      MoE unless in ``mlp_only_layers``, and only every ``decoder_sparse_step``-th layer
-    mixtral, olmoe, gpt_oss   every layer MoE
+    deepseek_v2, deepseek_v3, glm4_moe, dots1  MoE from layer ``first_k_dense_replace`` on (HF's defaults: 0, 3,
+                              1, 0)
+    ernie4_5_moe              MoE from ``moe_layer_start_index`` (default 1) to ``moe_layer_end_index`` (default
+                              -1: the last layer), every ``moe_layer_interval``-th layer
+    qwen2_moe, qwen3_moe, qwen3_next  MoE unless in ``mlp_only_layers``, and only every ``decoder_sparse_step``-th
+                              layer
+    mixtral, olmoe, gpt_oss, qwen3_5_moe(_text), hunyuan_v1_moe, minimax_m2  every layer MoE
+
+A vision-language config.json (``qwen3_5_moe``) is read through its ``text_config`` (``language_model_config``).
 
 >>> moe_layer_pattern({"model_type": "qwen2_moe", "num_hidden_layers": 4, "mlp_only_layers": [0]})
 (False, True, True, True)
@@ -18,18 +24,35 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1}
+_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1, "dots1": 0}
+_QWEN_SPARSE_STEP = ("qwen2_moe", "qwen3_moe", "qwen3_next")
+_VISION_LANGUAGE = {"qwen3_5_moe": "qwen3_5_moe_text"}  # config.json model_type -> its text_config's
+
+
+def language_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's fields of a config.json dict: its ``text_config`` where the json is a vision-language
+    model's (Qwen3.5-MoE's Hub config), else the dict itself."""
+    model_type = config.get("model_type")
+    if model_type not in _VISION_LANGUAGE:
+        return config
+    return {"model_type": _VISION_LANGUAGE[model_type], **config.get("text_config", {})}
 
 
 def moe_layer_pattern(config: Mapping[str, Any]) -> tuple[bool, ...]:
     """One bool per layer, True where it has routed experts; ``config`` is a config.json dict (an HF config's
     ``to_dict()``)."""
+    config = language_model_config(config)
     model_type, num_layers = config["model_type"], config["num_hidden_layers"]
     if model_type in _FIRST_DENSE_DEFAULT:
         first_dense = config.get("first_k_dense_replace", _FIRST_DENSE_DEFAULT[model_type])
         return tuple(i >= first_dense for i in range(num_layers))
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in _QWEN_SPARSE_STEP:
         dense = set(config.get("mlp_only_layers") or ())
         step = config.get("decoder_sparse_step", 1) or 1
         return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    if model_type == "ernie4_5_moe":
+        start, end = config.get("moe_layer_start_index", 1), config.get("moe_layer_end_index", -1)
+        end = num_layers - 1 if end == -1 else end
+        interval = config.get("moe_layer_interval", 1)
+        return tuple((i + 1) % interval == 0 and start <= i <= end for i in range(num_layers))
     return (True,) * num_layers

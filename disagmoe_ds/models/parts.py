@@ -1,6 +1,7 @@
 """The two halves of every decoder layer, cut out of a Hugging Face MoE model with HF's own modules.
 
-Attention side (``AttentionPart``): input norm, self-attention, residual, post-attention norm, then either the
+Attention side (``AttentionPart``): input norm, the layer's token mixer (self-attention, or Gated DeltaNet linear
+attention in the linear layers of Qwen3-Next / Qwen3.5), residual, post-attention norm, then either the
 dense MLP (dense layers) or the router and shared experts (MoE layers). Expert side (``ExpertShard``): a contiguous
 slice of the routed experts held in HF's own experts module: gated families compute with grouped GEMMs
 (``grouped_experts.py``, the same math), others (GPT-OSS) and the reference path call HF's module itself.
@@ -23,7 +24,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from disagmoe_ds.comm.routing import count_ids
-from disagmoe_ds.models.families import Family, family_of, is_moe_layer, router_of
+from disagmoe_ds.models.families import Family, family_of, is_moe_layer, mixer_attr, route
 from disagmoe_ds.models.grouped_experts import EAGER, compiled_elementwise, grouped_gated_experts, supports_grouped
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 
@@ -38,7 +39,7 @@ class LayerContext:
 
     position_ids: torch.Tensor
     position_embeddings: object  # (cos, sin) tuple, or DeepSeek-V2's complex freqs
-    masks: dict[str, object]  # keyed by layer type: "full_attention" / "sliding_attention"
+    masks: dict[str, object]  # keyed by layer type: "full_attention" / "sliding_attention" / "linear_attention"
 
     def mask_for(self, config, layer: int):
         return self.masks[_layer_type(config, layer)]
@@ -63,10 +64,21 @@ def build_context(
     if position_ids is None:
         position_ids = torch.arange(h_BSH.shape[1], device=h_BSH.device).unsqueeze(0)
     needed = {_layer_type(config, i) for i in range(config.num_hidden_layers)}
-    builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    builders = {
+        "full_attention": create_causal_mask,
+        "sliding_attention": create_sliding_window_causal_mask,
+        "linear_attention": _no_padding_mask,
+    }
     # The cache argument is passed positionally: it is named past_key_values in transformers 5.17, cache in 5.2x.
     masks = {kind: builders[kind](config, h_BSH, None, None, position_ids=given) for kind in needed}
-    return LayerContext(position_ids, rotary_emb(h_BSH, position_ids), masks)
+    rotary_ids = position_ids[None].expand(3, *position_ids.shape) if family_of(config).mrope else position_ids
+    return LayerContext(position_ids, rotary_emb(h_BSH, rotary_ids), masks)
+
+
+def _no_padding_mask(*args, **kwargs) -> None:
+    """A linear-attention layer's mask: HF's ``create_recurrent_attention_mask`` is the 2D padding mask, None
+    without one, and the parts never get one (no padding mask, as above). Linear attention is causal by itself."""
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -90,15 +102,17 @@ class AttentionOutput:
 
 
 class AttentionPart(nn.Module):
-    """Attention side of one decoder layer. Keeps HF's attribute names (``mlp.gate``, ``mlp.shared_expert``...)."""
+    """Attention side of one decoder layer. Keeps HF's attribute names (``self_attn`` or ``linear_attn``,
+    ``mlp.gate``, ``mlp.shared_expert``...)."""
 
     def __init__(self, layer: nn.Module, family: Family, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.family = family
         self.is_moe = is_moe_layer(layer)
+        self.mixer_attr = mixer_attr(layer)
         self.input_layernorm = layer.input_layernorm
-        self.self_attn = layer.self_attn
+        setattr(self, self.mixer_attr, getattr(layer, self.mixer_attr))
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.mlp = _without_experts(layer.mlp) if self.is_moe else layer.mlp
 
@@ -106,14 +120,26 @@ class AttentionPart(nn.Module):
     def router(self) -> nn.Module:
         return getattr(self.mlp, self.family.router_attr)
 
-    def forward(self, h_BSH: torch.Tensor, ctx: LayerContext, config) -> AttentionOutput:
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer: HF's attention module, or its Gated DeltaNet."""
+        return getattr(self, self.mixer_attr)
+
+    def _mix(self, x_BSH: torch.Tensor, ctx: LayerContext, config) -> torch.Tensor:
+        """The token mixer called as HF's decoder layer calls it (no cache: training)."""
+        mask = ctx.mask_for(config, self.layer_idx)
+        if self.mixer_attr == "linear_attn":
+            return self.linear_attn(hidden_states=x_BSH, attention_mask=mask)
         attn_BSH, _ = self.self_attn(
-            hidden_states=self.input_layernorm(h_BSH),
-            attention_mask=ctx.mask_for(config, self.layer_idx),
+            hidden_states=x_BSH,
+            attention_mask=mask,
             position_embeddings=ctx.position_embeddings,
             position_ids=ctx.position_ids,
         )
-        a_BSH = h_BSH + attn_BSH
+        return attn_BSH
+
+    def forward(self, h_BSH: torch.Tensor, ctx: LayerContext, config) -> AttentionOutput:
+        a_BSH = h_BSH + self._mix(self.input_layernorm(h_BSH), ctx, config)
         x_BSH = self.post_attention_layernorm(a_BSH)
         if not self.is_moe:
             return AttentionOutput(residual_BSH=a_BSH + self.mlp(x_BSH))
@@ -121,10 +147,11 @@ class AttentionPart(nn.Module):
         jitter = getattr(self.mlp, "jitter_noise", 0.0)
         if self.training and jitter > 0:  # Mixtral's router jitter, as HF applies it (in place, before routing)
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - jitter, 1.0 + jitter)
-        logits_TE, w_TK, idx_TK = self.router(x_TH)
+        logits_TE, w_TK, idx_TK = route(self.family, self.mlp, x_TH)
         residual_BSH = a_BSH
-        if self.family.shared is not None:
-            residual_BSH = a_BSH + self.family.shared(self.mlp, x_TH).view_as(a_BSH)
+        shared_TH = None if self.family.shared is None else self.family.shared(self.mlp, x_TH)
+        if shared_TH is not None:
+            residual_BSH = a_BSH + shared_TH.view_as(a_BSH)
         return AttentionOutput(residual_BSH, x_TH, w_TK, idx_TK, logits_TE)
 
 
@@ -414,8 +441,11 @@ class RoutingFacts:
 def routing_facts(model: nn.Module) -> RoutingFacts:
     """The ``RoutingFacts`` of ``model`` (on the meta device too): its first router runs once on a zero token."""
     moe = moe_layer_pattern(model.config.to_dict())
-    router = router_of(family_of(model.config), model.model.layers[moe.index(True)])
+    family = family_of(model.config)
+    block = model.model.layers[moe.index(True)].mlp
+    router = getattr(block, family.router_attr)
     param = next(model.parameters())
     with torch.no_grad():
-        _, weights, _ = router(torch.zeros(1, model.config.hidden_size, dtype=param.dtype, device=param.device))
+        x_1H = torch.zeros(1, model.config.hidden_size, dtype=param.dtype, device=param.device)
+        _, weights, _ = route(family, block, x_1H)
     return RoutingFacts(moe, router.top_k, weights.dtype)

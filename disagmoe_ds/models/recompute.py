@@ -2,10 +2,11 @@
 
 What each side drops after a chunk's forward and rebuilds in its backward:
 
-* attention side: every attention block (Q/K/V, for MLA the latents and up-projected heads, the attention output
-  and its log-sum-exp) and every shared or dense SwiGLU (gate, up and activation outputs). Each is checkpointed
-  as a module with torch's non-reentrant checkpoint, keeping only its input, so its backward re-runs the whole
-  module's forward: the output projection and the down GEMM too (``planner.recompute``, ``whole_blocks``);
+* attention side: every token mixer (Q/K/V, for MLA the latents and up-projected heads, the attention output
+  and its log-sum-exp; a Gated DeltaNet block whole) and every shared or dense SwiGLU (gate, up and activation
+  outputs). Each is checkpointed as a module with torch's non-reentrant checkpoint, keeping only its input, so its
+  backward re-runs the whole module's forward: the output projection and the down GEMM too (``planner.recompute``,
+  ``whole_blocks``);
 * expert side: the routed experts' gate/up outputs and activation (3 x I per routed pair); the backward re-runs
   the gate/up GEMM and the activation, not the down GEMM (``grouped_experts._RecomputedMiddle``). Families whose
   experts keep HF's module (GPT-OSS; fp32 on CUDA) keep everything.
@@ -39,7 +40,7 @@ def apply_selective_recompute(stage: nn.Module) -> None:
     """Switch selective recompute on for every part of an ``AttentionStage`` or shard of an ``ExpertStage``."""
     if isinstance(stage, AttentionStage):
         for part in stage.layers.values():
-            for module in (part.self_attn, *_swiglus(part.mlp)):
+            for module in (part.mixer, *_swiglus(part.mlp)):
                 _checkpoint_module(module)
         return
     for shard in stage.modules():

@@ -29,7 +29,8 @@ def skew_router(model: nn.Module, expert: int = 0, *, spread: bool = False) -> N
     moe_layers = [layer for layer in model.model.layers if is_moe_layer(layer)]
     for i, layer in enumerate(moe_layers):
         router = router_of(family, layer)
+        weight_EH = router.get_parameter(family.router_weight)
         with torch.no_grad():
-            router.weight[:, 0] = 0.0
-            router.weight[(expert + i * spread) % router.weight.shape[0], 0] = 1.0
+            weight_EH[:, 0] = 0.0
+            weight_EH[(expert + i * spread) % weight_EH.shape[0], 0] = 1.0
         router.register_forward_pre_hook(_push)

@@ -1,8 +1,10 @@
 """A Hugging Face MoE config.json read into the planner's vocabulary (pure Python; transformers is not imported).
 
-Supported ``model_type``s: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, glm4_moe, gpt_oss.
-Field names differ per family; the maps below resolve them into ``model_fields``, the keyword arguments of
-``model.ModelSpec``, and into an ``AttentionSpec``.
+Supported ``model_type``s: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, glm4_moe, gpt_oss,
+qwen3_next, qwen3_5_moe (read through its ``text_config``), qwen3_5_moe_text, ernie4_5_moe, hunyuan_v1_moe, dots1
+and minimax_m2. Field names differ per family; the
+maps below resolve them into ``model_fields``, the keyword arguments of ``model.ModelSpec``, into an
+``AttentionSpec`` and, for the hybrid Qwen3-Next / Qwen3.5 layers, a ``LinearAttentionSpec``.
 """
 
 from __future__ import annotations
@@ -12,12 +14,35 @@ from pathlib import Path
 from typing import Any, Literal
 
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
+from disagmoe_ds.models.moe_pattern import language_model_config, moe_layer_pattern
 from disagmoe_ds.planner.inputs import read_json
 
-SUPPORTED_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+SUPPORTED_TYPES = (
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "dots1",
+    "minimax_m2",
+)
+# Qwen2-MoE's MLP layout (moe_intermediate_size, a sigmoid-gated shared expert of shared_expert_intermediate_size).
+_QWEN_SHARED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
+# Layers alternate Gated DeltaNet linear attention and gated (sigmoid output gate) softmax attention with qk norm.
+_HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 # DeepSeek's MLP layout (moe_intermediate_size, n_shared_experts, dense first layers); GLM-4.5 shares it with GQA.
-_DEEPSEEK_MLP = ("deepseek_v2", "deepseek_v3", "glm4_moe")
-_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1}
+_DEEPSEEK_MLP = ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1")
+_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1, "dots1": 0}
+# Which layers route, read by the runtime's own rule (models.moe_pattern) for the families added with it.
+_PATTERN_RULE = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "qwen3_5_moe_text")
 
 
 @dataclass(frozen=True)
@@ -36,6 +61,28 @@ class AttentionSpec:
     o_bias: bool = False
     qk_norm: Literal["", "head", "full"] = ""  # Qwen3: per-head RMSNorm; OLMoE: over the whole projection
     sinks: bool = False  # GPT-OSS learned attention sinks, one per head
+    output_gate: bool = False  # Qwen3-Next / Qwen3.5: q_proj also gives a sigmoid gate on the attention output
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet (Qwen3-Next / Qwen3.5 linear-attention layers): projections to q, k (``num_k_heads`` x
+    ``head_k_dim``), v and the output gate z (``num_v_heads`` x ``head_v_dim``) and to the per-head beta and decay,
+    a depthwise causal conv of ``conv_kernel`` over q, k, v, the chunked delta rule, a gated norm, out_proj."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
 
 
 def read_model_config(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -51,6 +98,7 @@ def read_model_config(path: str | Path) -> tuple[dict[str, Any], str]:
 def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """``ModelSpec``'s fields but its name, from a config.json dict; ``UnsupportedModelError`` / ``ConfigError``
     name the field at fault."""
+    cfg = dict(language_model_config(cfg))
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_TYPES:
         raise UnsupportedModelError(
@@ -68,6 +116,7 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "moe_layers": _moe_layers(cfg, model_type, num_layers),
         "windows": _windows(cfg, model_type, num_layers),
         **experts,
+        **_linear_attention(cfg, model_type, num_layers),
     }
 
 
@@ -87,26 +136,33 @@ def _int(cfg: dict[str, Any], *names: str, default: int | None = None) -> int:
 
 def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """Routed/shared/dense MLP sizes: num_experts | num_local_experts | n_routed_experts, etc."""
-    num_experts = _int(cfg, "num_experts", "num_local_experts", "n_routed_experts")
-    top_k = _int(cfg, "num_experts_per_tok", "experts_per_token")
+    # ERNIE-4.5: moe_num_experts, moe_k; Hunyuan: moe_topk (a per-layer list is refused here, by _int)
+    num_experts = _int(cfg, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    top_k = _int(cfg, "num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk")
     if not 1 <= top_k <= num_experts:
         raise ConfigError(f"num_experts_per_tok ({top_k}) must be between 1 and the expert count ({num_experts})")
-    deepseek, qwen = model_type in _DEEPSEEK_MLP, model_type in ("qwen2_moe", "qwen3_moe")
-    expert_i = _int(cfg, "moe_intermediate_size") if deepseek or qwen else _int(cfg, "intermediate_size")
+    deepseek, qwen = model_type in _DEEPSEEK_MLP, model_type in ("qwen3_moe", *_QWEN_SHARED)
+    ernie = model_type == "ernie4_5_moe"
+    expert_i = _int(cfg, "moe_intermediate_size") if deepseek or qwen or ernie else _int(cfg, "intermediate_size")
     shared = 0
-    if model_type == "qwen2_moe":
+    if model_type in _QWEN_SHARED:
         shared = _int(cfg, "shared_expert_intermediate_size", default=0)
     elif deepseek:
         shared = _int(cfg, "n_shared_experts", default=0) * expert_i
+    elif ernie:
+        shared = _int(cfg, "moe_num_shared_experts", default=2) * expert_i
+    elif model_type == "hunyuan_v1_moe":  # one shared MLP of the experts' size
+        shared = expert_i
     return {
         "num_experts": num_experts,
         "top_k": top_k,
         "expert_intermediate": expert_i,
-        "dense_intermediate": _int(cfg, "intermediate_size", default=0) if deepseek or qwen else 0,
+        "dense_intermediate": _int(cfg, "intermediate_size", default=0) if deepseek or qwen or ernie else 0,
         "shared_intermediate": shared,
-        "shared_gate": model_type == "qwen2_moe" and shared > 0,
+        "shared_gate": model_type in _QWEN_SHARED and shared > 0,
         "expert_bias": model_type == "gpt_oss",
-        "router_bias": model_type == "gpt_oss",
+        # GPT-OSS's router bias; ERNIE's correction bias is a (frozen) parameter of the same size
+        "router_bias": model_type in ("gpt_oss", "ernie4_5_moe"),
     }
 
 
@@ -128,7 +184,10 @@ def _attention(cfg: dict[str, Any], model_type: str) -> AttentionSpec:
             o_bias=bool(cfg.get("attention_bias", False)),
         )
     head_dim = _int(cfg, "head_dim", default=hidden // heads)
-    bias = bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else bool(cfg.get("attention_bias", False))
+    if model_type == "qwen2_moe":
+        bias = bool(cfg.get("qkv_bias", True))
+    else:
+        bias = bool(cfg.get("use_bias" if model_type == "ernie4_5_moe" else "attention_bias", False))
     return AttentionSpec(
         kind="gqa",
         num_heads=heads,
@@ -138,18 +197,41 @@ def _attention(cfg: dict[str, Any], model_type: str) -> AttentionSpec:
         qkv_bias=bias,
         o_bias=bias and model_type != "qwen2_moe",
         qk_norm="head"
-        if model_type == "qwen3_moe" or cfg.get("use_qk_norm")
-        else {"olmoe": "full"}.get(model_type, ""),
+        if model_type in ("qwen3_moe", "dots1", *_HYBRID) or cfg.get("use_qk_norm")
+        else {"olmoe": "full", "minimax_m2": "full"}.get(model_type, ""),
         sinks=model_type == "gpt_oss",
+        output_gate=model_type in _HYBRID,
     )
+
+
+def _linear_attention(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """``linear_layers`` (True where ``layer_types`` says "linear_attention") and their ``LinearAttentionSpec``."""
+    if model_type not in _HYBRID:
+        return {"linear_attention": None, "linear_layers": (False,) * num_layers}
+    types = cfg.get("layer_types")
+    if types is None:  # HF's default: every full_attention_interval-th layer full, the others linear
+        interval = _int(cfg, "full_attention_interval", default=4) or 4
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers:
+        raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
+    spec = LinearAttentionSpec(
+        num_k_heads=_int(cfg, "linear_num_key_heads", default=16),
+        num_v_heads=_int(cfg, "linear_num_value_heads", default=32),
+        head_k_dim=_int(cfg, "linear_key_head_dim", default=128),
+        head_v_dim=_int(cfg, "linear_value_head_dim", default=128),
+        conv_kernel=_int(cfg, "linear_conv_kernel_dim", default=4),
+    )
+    return {"linear_attention": spec, "linear_layers": tuple(t == "linear_attention" for t in types)}
 
 
 def _moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[bool, ...]:
     """Which layers route: DeepSeek / GLM first_k_dense_replace; Qwen mlp_only_layers and decoder_sparse_step."""
+    if model_type in _PATTERN_RULE:
+        return moe_layer_pattern(cfg)
     if model_type in _DEEPSEEK_MLP:
         first_dense = _int(cfg, "first_k_dense_replace", default=_FIRST_DENSE_DEFAULT[model_type])
         return tuple(i >= first_dense for i in range(num_layers))
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         dense = set(cfg.get("mlp_only_layers") or [])
         step = _int(cfg, "decoder_sparse_step", default=1) or 1
         return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))

@@ -1,7 +1,7 @@
 """Per-layer FLOP, byte, parameter and activation model of a Hugging Face MoE config.json (pure Python).
 
 The config is read as a JSON dict; transformers is not imported. ``hf_config.py`` maps each family's field
-names (qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, gpt_oss) onto one vocabulary.
+names (``hf_config.SUPPORTED_TYPES``) onto one vocabulary.
 
 Counting conventions (Megatron-LM ``num_floating_point_operations``; Narayanan et al. 2021, appendix):
 
@@ -10,6 +10,12 @@ Counting conventions (Megatron-LM ``num_floating_point_operations``; Narayanan e
 * causal attention core: a sequence of s tokens has s^2/2 query-key pairs (the diagonal's s/2 is dropped,
   Megatron's "only half of the attention matrix is non-zero"); a sliding window w keeps s*w - w^2/2 pairs
   when s > w. A pair costs 2*d_qk FLOPs per head for the scores and 2*d_v for the weighted sum of values.
+* linear attention core (Gated DeltaNet layers of Qwen3-Next / Qwen3.5, ``linear_attention_core_flops``): the
+  chunked gated delta rule costs the same per token whatever s, so a layer's cost is linear in the sequence
+  length. Per token and value head, within its chunk of C = 64 tokens: K_beta K^T, the UT transform's products
+  with V_beta and K_beta, Q K^T and the intra-chunk attention times the new values, 2*C*(3*d_k + 2*d_v); against
+  the chunk's d_k x d_v state, two reads and one update, 6*d_k*d_v. The triangular solve (about 2*C^2/3, under
+  4% at HF's head sizes) is not counted.
 
 The split follows the runtime (DESIGN.md section 3): the A side holds norms, attention, router, shared
 experts, dense MLP layers, embedding and LM head; the F side holds the routed experts only.
@@ -28,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from disagmoe_ds.planner.hf_config import AttentionSpec, model_fields, read_model_config
+from disagmoe_ds.planner.hf_config import AttentionSpec, LinearAttentionSpec, model_fields, read_model_config
 
 ACT_BYTES = 2  # bf16 activations and wire format of hidden states
+DELTA_RULE_CHUNK = 64  # chunk length of the chunked gated delta rule (HF's torch path and flash-linear-attention)
 ID_BYTES = 4  # int32 expert ids on the wire (one per chosen expert)
 WEIGHT_BYTES = 4  # fp32 routing weights on the wire (one per chosen expert)
 
@@ -39,7 +46,8 @@ WEIGHT_BYTES = 4  # fp32 routing weights on the wire (one per chosen expert)
 class ModelSpec:
     """The shape facts of an MoE decoder the planner needs, family differences already resolved.
 
-    ``moe_layers[i]`` is True where layer i has routed experts; ``windows[i]`` is its sliding window or 0.
+    ``moe_layers[i]`` is True where layer i has routed experts; ``windows[i]`` is its sliding window or 0;
+    ``linear_layers[i]`` is True where its token mixer is ``linear_attention`` (Gated DeltaNet) instead.
     """
 
     name: str
@@ -59,6 +67,8 @@ class ModelSpec:
     router_bias: bool
     moe_layers: tuple[bool, ...]
     windows: tuple[int, ...]
+    linear_attention: LinearAttentionSpec | None = None
+    linear_layers: tuple[bool, ...] = ()
 
     # ----- construction -----
     @classmethod
@@ -68,12 +78,20 @@ class ModelSpec:
         return cls(name=name or fields["model_type"], **fields)
 
     # ----- per-token forward FLOPs -----
-    def attention_projection_flops(self) -> int:
-        """Q, K, V and O projections per token (GQA) or the MLA down/up projections (Megatron MLA term)."""
+    def is_linear(self, layer: int | None) -> bool:
+        """Whether ``layer``'s token mixer is linear attention (None: the softmax-attention layers' figure)."""
+        return layer is not None and bool(self.linear_layers) and self.linear_layers[layer]
+
+    def attention_projection_flops(self, layer: int | None = None) -> int:
+        """Q, K, V and O projections per token (GQA) or the MLA down/up projections (Megatron MLA term); of a
+        linear-attention ``layer``, its projections and depthwise conv (``linear_projection_flops``)."""
+        if self.is_linear(layer):
+            return self.linear_projection_flops()
         a, h = self.attention, self.hidden_size
         if a.kind == "gqa":
             q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-            return 2 * h * q + 2 * 2 * h * kv + 2 * q * h
+            gate = 2 * h * q if a.output_gate else 0
+            return 2 * h * q + 2 * 2 * h * kv + 2 * q * h + gate
         q_heads = a.num_heads * a.head_dim
         q = 2 * (h * a.q_lora_rank + a.q_lora_rank * q_heads) if a.q_lora_rank else 2 * h * q_heads
         kv_down = 2 * h * (a.kv_lora_rank + a.qk_rope_head_dim)
@@ -81,10 +99,28 @@ class ModelSpec:
         return q + kv_down + kv_up + 2 * a.num_heads * a.v_head_dim * h
 
     def attention_core_flops(self, seq_len: int, layer: int) -> float:
-        """Scores and weighted sum per token, averaged over a causal sequence of ``seq_len`` (module docstring)."""
+        """Scores and weighted sum per token, averaged over a causal sequence of ``seq_len`` (module docstring);
+        a linear-attention layer's delta rule instead (``linear_attention_core_flops``)."""
+        if self.is_linear(layer):
+            return self.linear_attention_core_flops(seq_len)
         a = self.attention
         per_pair = 2 * a.num_heads * (a.head_dim + a.v_head_dim)
         return per_pair * causal_pairs(seq_len, self.windows[layer]) / seq_len
+
+    def linear_projection_flops(self) -> int:
+        """Gated DeltaNet per token: in-projections to q, k, v, z and beta, decay; out_proj; the depthwise conv."""
+        la, h = _linear(self), self.hidden_size
+        conv_dim = 2 * la.key_dim + la.value_dim
+        in_proj = 2 * h * (conv_dim + la.value_dim + 2 * la.num_v_heads)
+        return in_proj + 2 * la.value_dim * h + 2 * conv_dim * la.conv_kernel
+
+    def linear_attention_core_flops(self, seq_len: int) -> float:
+        """The chunked gated delta rule per token (module docstring): no term grows with ``seq_len``, except that
+        a sequence shorter than a chunk is computed in one chunk of its own length."""
+        la = _linear(self)
+        chunk = min(DELTA_RULE_CHUNK, seq_len)
+        dk, dv = la.head_k_dim, la.head_v_dim
+        return la.num_v_heads * (2 * chunk * (3 * dk + 2 * dv) + 6 * dk * dv)
 
     def router_flops(self) -> int:
         return 2 * self.hidden_size * self.num_experts
@@ -105,7 +141,7 @@ class ModelSpec:
 
     def attention_side_flops(self, seq_len: int, layer: int) -> float:
         """A-side forward FLOPs per token of ``layer``: attention, then router + shared or the dense MLP."""
-        attn = self.attention_projection_flops() + self.attention_core_flops(seq_len, layer)
+        attn = self.attention_projection_flops(layer) + self.attention_core_flops(seq_len, layer)
         if self.moe_layers[layer]:
             return attn + self.router_flops() + self.shared_flops()
         return attn + self.dense_mlp_flops()
@@ -120,14 +156,17 @@ class ModelSpec:
         return 3 * (fwd + self.head_flops())
 
     # ----- parameters -----
-    def attention_params(self) -> int:
-        """One layer's self-attention parameters including the two layer norms around it."""
+    def attention_params(self, layer: int | None = None) -> int:
+        """One layer's token-mixer parameters (self-attention, or a linear-attention ``layer``'s Gated DeltaNet)
+        including the two layer norms around it."""
         a, h = self.attention, self.hidden_size
         norms = 2 * h
+        if self.is_linear(layer):
+            return norms + _linear_params(_linear(self), h)
         if a.kind == "mla":
             return norms + _mla_params(a, h)
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        weights = h * q + 2 * h * kv + q * h
+        weights = h * q + 2 * h * kv + q * h + (h * q if a.output_gate else 0)
         bias = (q + 2 * kv if a.qkv_bias else 0) + (h if a.o_bias else 0)
         qk_norm = {"": 0, "head": 2 * a.head_dim, "full": q + kv}[a.qk_norm]
         return norms + weights + bias + qk_norm + (a.num_heads if a.sinks else 0)
@@ -136,10 +175,10 @@ class ModelSpec:
         """A-side parameters of one layer: attention + norms + router + shared experts, or the dense MLP."""
         h = self.hidden_size
         if not self.moe_layers[layer]:
-            return self.attention_params() + 3 * h * self.dense_intermediate
+            return self.attention_params(layer) + 3 * h * self.dense_intermediate
         router = self.num_experts * h + (self.num_experts if self.router_bias else 0)
         shared = 3 * h * self.shared_intermediate + (h if self.shared_gate else 0)
-        return self.attention_params() + router + shared
+        return self.attention_params(layer) + router + shared
 
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up, down, plus GPT-OSS biases)."""
@@ -163,18 +202,32 @@ class ModelSpec:
         """Tensors autograd keeps for one token of one layer on the A side (bf16; flash-style attention).
 
         Layer input and the two norm outputs, Q/K/V, attention output and its log-sum-exp, the pre-norm
-        residual, router logits and probabilities (fp32), and the SwiGLU intermediates of shared/dense MLPs.
+        residual, router logits and probabilities (fp32), and the SwiGLU intermediates of shared/dense MLPs. A
+        linear-attention layer keeps its projections, the conv output, the delta rule's output and gated norm, and
+        per chunk the fp32 state of every value head (``linear_attention_bytes``).
         """
         a, h = self.attention, self.hidden_size
-        if a.kind == "gqa":
+        if self.is_linear(layer):
+            attn = self.linear_attention_bytes()
+        elif a.kind == "gqa":
             qkv = a.num_heads * a.head_dim + 2 * a.num_kv_heads * a.head_dim
         else:
             latent = a.q_lora_rank * 2 + (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
             qkv = latent + 2 * a.num_heads * a.head_dim + a.num_heads * a.v_head_dim
-        attn = ACT_BYTES * (4 * h + qkv + a.num_heads * a.v_head_dim) + 4 * a.num_heads
+        if not self.is_linear(layer):
+            gate = a.num_heads * a.head_dim if a.output_gate else 0
+            attn = ACT_BYTES * (4 * h + qkv + gate + a.num_heads * a.v_head_dim) + 4 * a.num_heads
         if not self.moe_layers[layer]:
             return attn + ACT_BYTES * 3 * self.dense_intermediate
         return attn + 2 * 4 * self.num_experts + ACT_BYTES * 3 * self.shared_intermediate
+
+    def linear_attention_bytes(self) -> int:
+        """Per token of a Gated DeltaNet block: layer input and norms, projections, conv output, delta-rule output,
+        gated norm output, and the fp32 chunk states (``num_v_heads`` x d_k x d_v per chunk of 64 tokens)."""
+        la, h = _linear(self), self.hidden_size
+        conv_dim = 2 * la.key_dim + la.value_dim
+        kept = 4 * h + (conv_dim + la.value_dim + 2 * la.num_v_heads) + conv_dim + 2 * la.value_dim
+        return ACT_BYTES * kept + 4 * la.num_v_heads * la.head_k_dim * la.head_v_dim // DELTA_RULE_CHUNK
 
     def f_side_activation_bytes_per_assignment(self) -> int:
         """Per (token, chosen expert) on the F side: gathered input, gate/up output, activation, expert output."""
@@ -248,6 +301,20 @@ def load_model_spec(path: str | Path) -> ModelSpec:
     """Read ``path`` (a model directory holding config.json, or the json file itself)."""
     cfg, name = read_model_config(path)
     return ModelSpec.from_config(cfg, name=name)
+
+
+def _linear(spec: ModelSpec) -> LinearAttentionSpec:
+    if spec.linear_attention is None:
+        raise ValueError(f"{spec.name} has no linear-attention layer")
+    return spec.linear_attention
+
+
+def _linear_params(la: LinearAttentionSpec, h: int) -> int:
+    """in_proj (q, k, v, z, beta, decay), the depthwise conv, dt_bias and A_log per value head, the gated norm,
+    out_proj."""
+    conv_dim = 2 * la.key_dim + la.value_dim
+    in_proj = h * (conv_dim + la.value_dim + 2 * la.num_v_heads)
+    return in_proj + conv_dim * la.conv_kernel + 2 * la.num_v_heads + la.head_v_dim + la.value_dim * h
 
 
 def _mla_params(a: AttentionSpec, h: int) -> int:

@@ -80,7 +80,7 @@ def a_side_recompute_flops(
     core = spec.attention_core_flops(seq_len, layer)
     if whole_blocks:
         mlp = spec.shared_flops() if spec.moe_layers[layer] else spec.dense_mlp_flops()
-        return float(spec.attention_projection_flops() + mlp), core
+        return float(spec.attention_projection_flops(layer) + mlp), core
     width = spec.shared_intermediate if spec.moe_layers[layer] else spec.dense_intermediate
     linear = attention_recompute_linear_flops(spec) + mlp_recompute_flops(spec.hidden_size, width)
     return float(linear), core

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.models.families import family_of
+from disagmoe_ds.models.families import expert_bias_of, family_of
 from disagmoe_ds.models.parts import AttentionPart
 from disagmoe_ds.train.modes import Runtime
 
@@ -26,10 +26,10 @@ DEEPSEEK_V3_RATE = 1e-3  # gamma of DeepSeek-V3 for most of its training
 
 def bias_update_rate(requested: float | None, config) -> float:
     """The rate to use: DeepSeek-V3's where the router has the bias and none was given, else the request."""
-    bias_attr = family_of(config).expert_bias_attr
+    bias_path = family_of(config).expert_bias_path
     if requested is None:
-        return DEEPSEEK_V3_RATE if bias_attr else 0.0
-    if requested > 0 and bias_attr is None:
+        return DEEPSEEK_V3_RATE if bias_path else 0.0
+    if requested > 0 and bias_path is None:
         raise ConfigError(
             f"--bias-update-rate {requested}: model_type {config.model_type!r} has no router correction bias "
             f"(only DeepSeek-V3 style routers do); balance it with its aux loss (router_aux_loss_coef) or pass 0"
@@ -72,9 +72,9 @@ def update_expert_bias(runtime: Runtime, load_LE: torch.Tensor, rate: float) -> 
     anywhere in its module: an attention stage, or a co-located rank's whole model)."""
     if rate == 0 or not runtime.role.is_attention:
         return
-    bias_attr = family_of(runtime.module.config).expert_bias_attr
+    family = family_of(runtime.module.config)
     for part in runtime.module.modules():
         if isinstance(part, AttentionPart) and part.is_moe:
-            bias_E = getattr(part.router, bias_attr)
+            bias_E = expert_bias_of(family, part.mlp)  # [E], or [1, E] (ERNIE)
             with torch.no_grad():
                 bias_E.add_(bias_step(load_LE[part.layer_idx], rate).to(device=bias_E.device, dtype=bias_E.dtype))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torch import nn
 
-from disagmoe_ds.models.families import family_of, is_moe_layer, router_of
+from disagmoe_ds.models.families import family_of, is_moe_layer, mixer_attr, router_of
 from disagmoe_ds.models.loading import build_meta_model
 from disagmoe_ds.models.partial_load import check_pretrained, model_to_cut
 from disagmoe_ds.train.args import TrainArgs
@@ -61,7 +61,7 @@ def check_train_model(args: TrainArgs) -> None:
 
 
 def freeze(model: nn.Module, *, router: bool, attention: bool) -> Frozen:
-    """Set ``requires_grad=False`` on every MoE router (``router``) and every self-attention block and its
+    """Set ``requires_grad=False`` on every MoE router (``router``) and every token mixer (attention block) and its
     input norm (``attention``); returns the number of parameters frozen in each."""
     family = family_of(model.config)
     counts = {"router": 0, "attention": 0}
@@ -70,7 +70,7 @@ def freeze(model: nn.Module, *, router: bool, attention: bool) -> Frozen:
         if router and is_moe_layer(layer):
             parts.append(("router", router_of(family, layer)))
         if attention:
-            parts += [("attention", layer.self_attn), ("attention", layer.input_layernorm)]
+            parts += [("attention", getattr(layer, mixer_attr(layer))), ("attention", layer.input_layernorm)]
         for kind, module in parts:
             for param in module.parameters():
                 param.requires_grad_(False)
