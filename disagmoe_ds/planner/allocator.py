@@ -21,6 +21,7 @@ from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.colocated import ColocatedCandidate, colocated_candidates, divisors, simulate_colocated
+from disagmoe_ds.planner.colocated_costs import Shape
 from disagmoe_ds.planner.grad_sync import af_sync_s, exposed_sync_s
 from disagmoe_ds.planner.memory import (
     RankMemory,
@@ -56,6 +57,9 @@ class PlanRequest:
         baseline: "strongest" (TP, CP, selective recompute, paired all-to-all overlap; ``colocated.py``) or
             "ep" (plain EP+DP interleaved 1F1B with partial overlap).
         af_variants: the AF-Pipe variants to try (``variants.VARIANTS``; ``variants.PAPER`` for none).
+        baseline_dispatcher: "alltoall" or "deepep" (None: ``dispatcher``).
+        baseline_layout: price the co-located baseline at this shape instead of searching (``baseline_layout.py``).
+        baseline_recompute: the co-located recompute policy (None: the cheapest that fits).
     """
 
     spec: ModelSpec
@@ -66,11 +70,22 @@ class PlanRequest:
     recompute: Recompute | Literal["auto"] = "auto"
     granularity: int = 1
     placement: str = "auto"
-    baseline_overlap: float = 0.25
+    baseline_overlap: float = 0.0
     baseline_ep: int | None = None
     simulate_top: int = 6
     baseline: Literal["strongest", "ep"] = "strongest"
     af_variants: frozenset[str] = frozenset(VARIANTS)
+    baseline_dispatcher: str | None = None
+    baseline_layout: Shape | None = None
+    baseline_recompute: Recompute | None = None
+
+    @property
+    def dispatcher(self) -> str:
+        """The co-located token dispatcher: as asked, else DeepEP's for the strongest baseline, the plain
+        all-to-all for ``--baseline ep``."""
+        if self.baseline_dispatcher:
+            return self.baseline_dispatcher
+        return "deepep" if self.baseline == "strongest" else "alltoall"
 
     @property
     def recompute_options(self) -> tuple[Recompute, ...]:
@@ -354,6 +369,9 @@ def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
         overlap=req.baseline_overlap,
         ep=req.baseline_ep,
         strongest=req.baseline == "strongest",
+        dispatcher=req.dispatcher,
+        only=req.baseline_layout,
+        recompute=req.baseline_recompute,
     )
     ranked = sorted(candidates, key=lambda c: c.estimate_s / c.tokens)[: req.simulate_top]
     plans = [BaselinePlan(c, simulate_colocated(c.costs, shape=c.shape, micro_batches=c.micro_batches)) for c in ranked]

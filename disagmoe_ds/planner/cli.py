@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--baseline-overlap",
         type=float,
-        default=0.25,
-        help="share of the co-located all-to-all hidden behind compute, besides shared experts (default 0.25)",
+        default=0.0,
+        help="share of the co-located all-to-all hidden behind compute outside the 1F1B overlap, besides shared "
+        "experts (default 0: Megatron's dispatchers run on the compute stream)",
     )
     p.add_argument(
         "--baseline-ep",

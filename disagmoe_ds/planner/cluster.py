@@ -242,6 +242,9 @@ class Rates:
     source: str
     pcie_bw: float = PCIE_GEN5_X16 * 0.8  # bytes/s per GPU and direction over its host link
     message_host_s: float = 0.0  # host seconds per exchange operation (``Cluster.message_host_s``)
+    # the busiest rank's expert load over the mean: 1 is forced-balanced routing; real (dropless) routing is
+    # above 1, and every MoE layer waits for its busiest rank (``part_times.expert_call_s``, the all-to-all)
+    routing_imbalance: float = 1.0
 
     @classmethod
     def from_cluster(cls, cluster: Cluster, eff: Efficiency) -> Rates:

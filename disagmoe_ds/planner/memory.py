@@ -22,12 +22,13 @@ copy window. ZeRO-3 also shards the bf16 parameters and holds two gathered layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
+from disagmoe_ds.planner.pipeline_split import chunk_layers, stage_layers
 from disagmoe_ds.planner.recompute import Recompute, a_side_saved_bytes, expert_saved_bytes_per_assignment
 
 __all__ = ["Recompute"]  # re-exported: the allocator and CLI import the policy type from here
@@ -50,6 +51,14 @@ class Precision:
         if name not in table:
             raise ConfigError(f"precision {name!r} is not one of {sorted(table)}")
         return table[name]
+
+    @classmethod
+    def megatron(cls, name: str) -> Precision:
+        """Megatron-Core's bf16 training accumulates and reduces gradients in fp32 (a 4 B main-grad buffer per
+        parameter, ``--accumulate-allreduce-grads-in-fp32``): 2 + 4 + 12/d B with the distributed optimizer,
+        where DeepSpeed keeps bf16 gradients (2 B). fp32 training is the same in both."""
+        base = cls.named(name)
+        return replace(base, name=f"{name}, fp32 grads", grad=4) if name == "bf16" else base
 
     def per_param(self, *, zero_stage: int, dp: int) -> float:
         """Bytes per parameter on one rank of a ``dp``-way data-parallel group at ``zero_stage`` (0 to 3)."""
@@ -168,8 +177,7 @@ def busiest_group_params(spec: ModelSpec, layout: Layout) -> tuple[int, int]:
 
 def baseline_stage_params(spec: ModelSpec, *, pp: int, vpp: int, ep: int, stage: int) -> tuple[list[int], int, int]:
     """(layers, dense params, expert params) of a co-located rank of pipeline stage ``stage`` (interleaved chunks)."""
-    per_chunk = spec.num_layers // (pp * vpp)
-    layers = [i for i in range(spec.num_layers) if (i // per_chunk) % pp == stage]
+    layers = stage_layers(spec.num_layers, pp, vpp, stage)
     dense = sum(spec.a_side_params(i) for i in layers)
     dense += spec.embedding_params() if stage == 0 else 0
     dense += spec.head_params() if stage == pp - 1 else 0
@@ -257,6 +265,7 @@ def baseline_rank_memory(
     chunks_alive: int,
     tp: int = 1,
     cp: int = 1,
+    fp32_grads: bool = True,
 ) -> RankMemory:
     """Worst stage of co-located EP+DP with pp stages of vpp chunks: every rank holds attention + E/ep experts.
 
@@ -270,25 +279,24 @@ def baseline_rank_memory(
     Every activation, expert assignments included, is split over tp x cp (sequence parallel shards the
     tokens), and the vocabulary-parallel logits over tp x cp as well.
     """
-    precision = Precision.named(work.precision)
+    precision = Precision.megatron(work.precision) if fp32_grads else Precision.named(work.precision)
     dense_pp = precision.per_param(zero_stage=work.zero_stage, dp=world_size // (pp * tp))
     expert_pp = precision.per_param(zero_stage=work.zero_stage, dp=world_size // (pp * ep))
-    per_chunk = spec.num_layers // (pp * vpp)
     tokens = work.tokens_per_micro_batch / (tp * cp)
+    chunks = chunk_layers(spec.num_layers, pp, vpp)
+    assert chunks is not None, f"{spec.num_layers} layers do not split over PP {pp} x VPP {vpp}"
     worst: RankMemory | None = None
     for stage in range(pp):
         layers, dense, experts = baseline_stage_params(spec, pp=pp, vpp=vpp, ep=ep, stage=stage)
         full = [tokens * _colocated_bytes(spec, i) for i in layers]
         saved = [tokens * _colocated_saved_bytes(spec, i) for i in layers]
-        chunk_full = [
-            sum(full[j : j + per_chunk]) - sum(saved[j : j + per_chunk]) for j in range(0, len(full), per_chunk)
-        ]
+        mine = [c for k, c in enumerate(chunks) if k % pp == stage]  # the largest chunk bounds the activations
         if work.recompute == "full":
-            act = tokens * spec.layer_input_bytes() * per_chunk
+            act = tokens * spec.layer_input_bytes() * max(len(c) for c in mine)
         elif work.recompute == "selective":
-            act = max(chunk_full)
+            act = max(tokens * sum(_colocated_bytes(spec, i) - _colocated_saved_bytes(spec, i) for i in c) for c in mine)
         else:
-            act = max(sum(full[j : j + per_chunk]) for j in range(0, len(full), per_chunk))
+            act = max(tokens * sum(_colocated_bytes(spec, i) for i in c) for c in mine)
         logits = tokens * spec.vocab_size * LOGIT_BYTES if stage == pp - 1 else 0
         state = dense / tp * dense_pp + experts * expert_pp
         mem = RankMemory(state, act, _working(full, saved, work.recompute) + logits, chunks_alive)
