@@ -36,7 +36,7 @@ from disagmoe_ds.planner.placement import Placement, placements
 from disagmoe_ds.planner.simulate import SimResult, simulate_af
 from disagmoe_ds.planner.stages import AfRoofline, af_roofline, compute_multiplier
 from disagmoe_ds.planner.task_costs import af_task_costs
-from disagmoe_ds.planner.variants import VARIANTS, dominated, memory_variants, offload_share, savings
+from disagmoe_ds.planner.variants import VARIANTS, dominated, memory_variants, offload_share, savings, variants_used
 
 SIDES = ("attention", "ffn")
 PAYS_THRESHOLD = 1.05  # below this predicted speed-up, disaggregation is not worth its complexity
@@ -335,6 +335,24 @@ def _family(c: AfCandidate) -> tuple:
     return (c.layout.depth, c.placement.kind, w.recompute, w.resend, w.offload != (0.0, 0.0), savings(w), fills_ring(c))
 
 
+def shortlist(ranked: list[AfCandidate], top: int) -> list[AfCandidate]:
+    """The families to simulate: each one that is among the ``top`` best ranked of the families using a subset
+    of its variants (the ring-filling ones only, where any of those does: a starved ring loses to a filled one).
+
+    That is the union, over every set of allowed variants, of what a search with only those variants would
+    simulate, so allowing more variants never loses a plan a smaller set finds: the search is monotone in the
+    variants (a global top few is not: new families push the old winner out of the shortlist unsimulated)."""
+    used = [variants_used(c.work) for c in ranked]
+    out = []
+    for i, c in enumerate(ranked):
+        below = [j for j in range(i + 1) if used[j] <= used[i]]  # ranked order: the subset's families up to c
+        if not fills_ring(c) and any(fills_ring(ranked[j]) for j in range(len(ranked)) if used[j] <= used[i]):
+            continue
+        if sum(1 for j in below if fills_ring(ranked[j]) or not fills_ring(c)) <= top:
+            out.append(c)
+    return out
+
+
 def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
     """Best roofline candidate of each (depth, placement, variant) family, simulated; highest throughput wins."""
     candidates, rejected = af_candidates(req)
@@ -342,9 +360,7 @@ def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
     for c in sorted(candidates, key=_rank_key):
         families.setdefault(_family(c), c)
     ranked = sorted(families.values(), key=_rank_key)
-    shortlist = [c for c in ranked if fills_ring(c)] or ranked  # a starved ring loses to any filled one
-    shortlist = shortlist[: req.simulate_top]
-    plans = sorted((simulate_candidate(req, c) for c in shortlist), key=lambda p: -p.tokens_per_s)
+    plans = sorted((simulate_candidate(req, c) for c in shortlist(ranked, req.simulate_top)), key=lambda p: -p.tokens_per_s)
     if not plans:
         return None, rejected
     if "split_backward" in req.af_variants:  # the split only changes the schedule: try it on every simulated plan

@@ -43,7 +43,7 @@ def expert_efficiency(width: int, table: tuple[tuple[int, float], ...] = EXPERT_
     """Share of peak of the routed experts' path at expert width ``width`` (log2-linear between table points).
 
     >>> expert_efficiency(1536), expert_efficiency(512), round(expert_efficiency(2880), 3)
-    (0.4, 0.3, 0.436)
+    (0.4, 0.3, 0.443)
     """
     if width <= table[0][0]:
         return table[0][1]

@@ -2,8 +2,9 @@
 models, cluster sizes and sequence lengths, as a Markdown table with the numbers behind each result
 (pure Python). ``--ablate`` adds, per cell, the paper's AF-Pipe and each variant switched on alone.
 
-Every cell runs ``allocator.plan`` with the same defaults as a plain ``disagmoe-plan`` call (peak x
-efficiency rates, ZeRO-1 bf16, one sequence per micro-batch, 8 x GPUs sequences per step).
+Every cell runs ``allocator.plan`` with the same defaults as a plain ``disagmoe-plan`` call (the per-shape
+compute table of ``gemm_efficiency``, the calibrated co-located baseline, ZeRO-1 bf16, one sequence per
+micro-batch, 8 x GPUs sequences per step).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, best_af, best_baseline, plan
-from disagmoe_ds.planner.cluster import Efficiency, Rates, preset
+from disagmoe_ds.planner.cluster import Efficiency, preset
+from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.variants import PAPER, VARIANTS
@@ -44,7 +46,7 @@ def cell_request(cell: Cell, models: Path, cluster: str = "h800") -> PlanRequest
     return PlanRequest(
         spec=spec,
         cluster=clus,
-        rates=Rates.from_cluster(clus, Efficiency()),
+        rates=shape_rates(clus, Efficiency(), spec),
         work=Workload(cell.seq_len, 1),
         global_batch=8 * clus.world_size,
     )
