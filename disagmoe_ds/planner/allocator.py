@@ -53,7 +53,8 @@ class PlanRequest:
         placement: "contiguous", "spread" or "auto" (both; see ``placement.py``).
         baseline_overlap: share of the co-located all-to-all hidden behind compute (besides shared experts).
         baseline_ep: pin the co-located expert-parallel size (None: search it).
-        simulate_top: how many roofline-best candidates of each system to simulate.
+        simulate_top: how many roofline-best co-located candidates to simulate.
+        simulate_per_variant_set: AF-Pipe families simulated per set of variants (``shortlist``).
         baseline: "strongest" (TP, CP, selective recompute, paired all-to-all overlap; ``colocated.py``) or
             "ep" (plain EP+DP interleaved 1F1B with partial overlap).
         af_variants: the AF-Pipe variants to try (``variants.VARIANTS``; ``variants.PAPER`` for none).
@@ -73,6 +74,7 @@ class PlanRequest:
     baseline_overlap: float = 0.0
     baseline_ep: int | None = None
     simulate_top: int = 6
+    simulate_per_variant_set: int = 2
     baseline: Literal["strongest", "ep"] = "strongest"
     af_variants: frozenset[str] = frozenset(VARIANTS)
     baseline_dispatcher: str | None = None
@@ -360,7 +362,8 @@ def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
     for c in sorted(candidates, key=_rank_key):
         families.setdefault(_family(c), c)
     ranked = sorted(families.values(), key=_rank_key)
-    plans = sorted((simulate_candidate(req, c) for c in shortlist(ranked, req.simulate_top)), key=lambda p: -p.tokens_per_s)
+    listed = shortlist(ranked, req.simulate_per_variant_set)
+    plans = sorted((simulate_candidate(req, c) for c in listed), key=lambda p: -p.tokens_per_s)
     if not plans:
         return None, rejected
     if "split_backward" in req.af_variants:  # the split only changes the schedule: try it on every simulated plan

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
-from disagmoe_ds.planner.pipeline_split import chunk_layers
 from disagmoe_ds.planner.part_times import attention_call_s, expert_call_s, head_call_s
+from disagmoe_ds.planner.pipeline_split import chunk_layers
 from disagmoe_ds.planner.simulate import BaselineChunkCosts
-
 
 DISPATCHERS = ("alltoall", "deepep")
 

@@ -294,7 +294,9 @@ def baseline_rank_memory(
         if work.recompute == "full":
             act = tokens * spec.layer_input_bytes() * max(len(c) for c in mine)
         elif work.recompute == "selective":
-            act = max(tokens * sum(_colocated_bytes(spec, i) - _colocated_saved_bytes(spec, i) for i in c) for c in mine)
+            act = max(
+                tokens * sum(_colocated_bytes(spec, i) - _colocated_saved_bytes(spec, i) for i in c) for c in mine
+            )
         else:
             act = max(tokens * sum(_colocated_bytes(spec, i) for i in c) for c in mine)
         logits = tokens * spec.vocab_size * LOGIT_BYTES if stage == pp - 1 else 0

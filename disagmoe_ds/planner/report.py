@@ -227,6 +227,8 @@ def _baseline_json(result: PlanResult, base: BaselinePlan) -> dict[str, Any]:
         "tensor_parallel": b.shape.tp,
         "context_parallel": b.shape.cp,
         "alltoall_overlap": b.shape.overlap,
+        "dispatcher": b.shape.dispatcher,
+        "fp32_grads": b.shape.fp32_grads,
         "data_parallel": b.replicas,
         "expert_parallel": b.shape.ep,
         "micro_batches": b.micro_batches,
