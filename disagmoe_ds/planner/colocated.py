@@ -15,18 +15,21 @@ principles (bytes over links, FLOPs over rates; nothing is fitted to make either
   backward K, V again plus dK, dV; over NVLink while t*c fits a node, else the NICs. The ring overlaps the
   attention core, so only the part longer than the core is exposed.
 * **MoE parallel folding**: experts use EP ep with expert-TP 1 over the W/pp ranks of a stage independently
-  of t and c; each rank dispatches its B*s/(t c) tokens top_k times (Megatron's all-to-all dispatcher).
+  of t and c; each rank dispatches its B*s/(t c) tokens with Megatron's all-to-all dispatcher (top_k copies) or
+  DeepEP's (once per destination node; ``colocated_costs.alltoall_s``).
 * **Distributed optimizer** over all data-parallel ranks: dense state over W/(pp t), expert state over
-  W/(pp ep) (``memory.baseline_rank_memory``).
+  W/(pp ep), with Megatron's fp32 main grads (``memory.baseline_rank_memory``).
+* **Pipeline stages** pp x vpp, any pp up to L: uneven first and last stages where pp x vpp does not divide L
+  (``pipeline_split``).
 * **All-to-all overlap** "paired" (Megatron's combined 1F1B EP overlap, DualPipe's idea): in the steady
-  state a forward chunk of one micro-batch and a backward chunk of another run as one unit, each one's
-  dispatch/combine hidden behind the other's compute: the unit takes max(compute, all-to-all). It costs one
-  more chunk of activations (one more warm-up forward). Warm-up and cool-down keep the partial overlap.
+  state a forward chunk of one micro-batch and a backward chunk of another run as one unit, hiding
+  ``A2A_HIDDEN_SHARE`` of the smaller of its compute and all-to-all (Megatron's measured gain, not their max).
+  Only where Megatron allows it (``paired_allowed``). It costs pp more chunks of activations (warm-up
+  forwards). Outside it nothing hides but the shared experts (``--baseline-overlap`` 0).
 * **Recompute** none, selective (``recompute.py``) or full, as for AF-Pipe.
 
-Not modelled (each would make the baseline slower, so leaving it out keeps the baseline strong): GEMM
-efficiency loss of smaller TP shards, SM contention between overlapped communication and compute, routing
-imbalance. Not searched: uneven pipeline stages (DeepSeek-V3's 61 layers allow only pp = 1 here).
+Compute runs at the per-shape shares of ``gemm_efficiency`` (or a profile's measured parts); routing imbalance is
+an input (``Rates.routing_imbalance``). docs/planner.md section 8 holds the result against published runs.
 """
 
 from __future__ import annotations
