@@ -194,18 +194,28 @@ def attention_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_fl
         layers = layout.layers_of_group(g)
         params = attention_lane_params(spec, layout, g)
         tokens = work.tokens_per_micro_batch
-        full = [spec.a_side_activation_bytes(i) * tokens for i in layers]
-        saved = [a_side_saved_bytes(spec, i) * tokens for i in layers]
+        per_full, per_saved, biggest = _a_side_per_token(spec, tuple(layers))
+        full = [b * tokens for b in per_full]
+        saved = [b * tokens for b in per_saved]
         act = _kept(full, saved, spec.layer_input_bytes() * tokens, work.recompute)
         act += _resent(spec, layout, work, layers)
         logits = tokens * spec.vocab_size * LOGIT_BYTES if g == layout.head_group else 0
         share = work.offload[0]
         working = _working(full, saved, work.recompute) + logits + _offload_window(act, len(layers), share)
-        working += _gathered(max(spec.a_side_params(i) for i in layers), zero, work.precision)
+        working += _gathered(biggest, zero, work.precision)
         mem = RankMemory(params * per_param, act * (1 - share), working, in_flight, act * share)
         worst = mem if worst is None or mem.total > worst.total else worst
     assert worst is not None
     return worst
+
+
+@lru_cache(maxsize=65536)
+def _a_side_per_token(spec: ModelSpec, layers: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[float, ...], int]:
+    """Per token of each of ``layers``: the A-side activation bytes and what selective recompute drops, and the
+    largest layer's A-side parameters (cached: the allocator asks for the same groups for every split)."""
+    full = tuple(float(spec.a_side_activation_bytes(i)) for i in layers)
+    saved = tuple(float(a_side_saved_bytes(spec, i)) for i in layers)
+    return full, saved, max(spec.a_side_params(i) for i in layers)
 
 
 def _resent(spec: ModelSpec, layout: Layout, work: Workload, layers: tuple[int, ...]) -> float:
