@@ -311,20 +311,35 @@ def _rank_key(c: AfCandidate) -> tuple[bool, float, float, int]:
 
 
 def simulate_candidate(
-    req: PlanRequest, c: AfCandidate, *, exposed_comm: bool = False, splits: tuple[bool, ...] = (False,)
+    req: PlanRequest,
+    c: AfCandidate,
+    *,
+    exposed_comm: bool = False,
+    splits: tuple[bool, ...] = (False,),
+    memo: dict[tuple[AfCandidate, int], SimResult] | None = None,
 ) -> AfPlan:
     """Simulate with the schedule's default ring cap (2p + 1 micro-batches in flight) and with twice that, as far
     as memory allows, for each backward form in ``splits`` (False: whole, True: split); keep the smaller cap and
-    the earlier form unless another is at least 1% faster."""
+    the earlier form unless another is at least 1% faster. ``memo`` keeps simulations (without exposed
+    communication) for a later call on the same candidate."""
     ring = 2 * c.layout.depth + 1
     best: AfPlan | None = None
     for split in splits:
         cand = replace(c, work=replace(c.work, split_backward=split))
         costs = af_task_costs(req.spec, c.layout, cand.work, placement=c.placement, rates=req.rates, nics=c.nics)
         for cap in sorted({min(c.max_in_flight, c.micro_batches, k * ring) for k in (1, 2)}):
-            sim = simulate_af(
-                req.spec, c.layout, costs, micro_batches=c.micro_batches, max_in_flight=cap, exposed_comm=exposed_comm
-            )
+            sim = memo.get((cand, cap)) if memo is not None and not exposed_comm else None
+            if sim is None:
+                sim = simulate_af(
+                    req.spec,
+                    c.layout,
+                    costs,
+                    micro_batches=c.micro_batches,
+                    max_in_flight=cap,
+                    exposed_comm=exposed_comm,
+                )
+                if memo is not None and not exposed_comm:
+                    memo[cand, cap] = sim
             plan = AfPlan(cand, sim, cap)
             if best is None or plan.step_time_s < 0.99 * best.step_time_s:
                 best = plan
@@ -363,12 +378,14 @@ def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
         families.setdefault(_family(c), c)
     ranked = sorted(families.values(), key=_rank_key)
     listed = shortlist(ranked, req.simulate_per_variant_set)
-    plans = sorted((simulate_candidate(req, c) for c in listed), key=lambda p: -p.tokens_per_s)
+    memo: dict[tuple[AfCandidate, int], SimResult] = {}
+    plans = sorted((simulate_candidate(req, c, memo=memo) for c in listed), key=lambda p: -p.tokens_per_s)
     if not plans:
         return None, rejected
     if "split_backward" in req.af_variants:  # the split only changes the schedule: try it on every simulated plan
         plans = sorted(
-            (simulate_candidate(req, p.candidate, splits=(False, True)) for p in plans), key=lambda p: -p.tokens_per_s
+            (simulate_candidate(req, p.candidate, splits=(False, True), memo=memo) for p in plans),
+            key=lambda p: -p.tokens_per_s,
         )
     best = plans[0]
     splits = (best.candidate.work.split_backward,)
