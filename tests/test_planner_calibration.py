@@ -221,3 +221,27 @@ def variants_of(c) -> frozenset[str]:
     from disagmoe_ds.planner.variants import variants_used
 
     return variants_used(c.work)
+
+
+def test_sweep_writes_a_row_per_point_and_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from disagmoe_ds.planner.sweep import main as sweep_main
+
+    out = tmp_path / "map"
+    model = str(MODELS / "tiny-qwen3-moe")
+    rc = sweep_main(
+        ["--model", f"{model}:1", "--seq-len", "256", "--bandwidth", "3,50", "--workers", "1", "--out", str(out)]
+    )
+    assert rc == 0 and "tiny-qwen3-moe at 1 nodes: 2 cells in" in capsys.readouterr().out
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["seq_len"], r["bandwidth_gb_s"]) for r in doc["rows"]] == [(256, 3.0), (256, 50.0)]
+    assert all(r["speedup"] is not None and r["af_step_s"] > 0 for r in doc["rows"])
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_sweep_cell_gives_every_gpu_its_bandwidth():
+    from disagmoe_ds.planner.sweep import Cell, plan_cell
+
+    slow = plan_cell(Cell(MODELS / "tiny-qwen3-moe", 2, 256, 1.0, "h800", 1, 2))
+    fast = plan_cell(Cell(MODELS / "tiny-qwen3-moe", 2, 256, 100.0, "h800", 1, 2))
+    assert fast["af_step_s"] < slow["af_step_s"]  # AF-Pipe's A -> F traffic crosses the nodes' NICs

@@ -97,8 +97,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False, sharey=True)
-    for ax, model in zip(axes[0], models):
+    cols = min(2, len(models))
+    grid = -(-len(models) // cols)
+    fig, axes = plt.subplots(grid, cols, figsize=(5.2 * cols, 3.8 * grid), squeeze=False, sharey=True)
+    for ax in axes.flat[len(models) :]:
+        ax.set_visible(False)
+    for ax, model in zip(axes.flat, models):
         mine = [r for r in rows if r["model"] == model]
         for seq, nodes in dict.fromkeys((r["seq_len"], r["nodes"]) for r in mine):
             line = [r for r in mine if r["seq_len"] == seq and r["nodes"] == nodes and r["speedup"] is not None]
@@ -110,8 +114,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             )
         for m in (m for m in MEASURED if m["model"] == model):
             ax.scatter([m["bandwidth_gb_s"]], [m["speedup"]], marker="*", s=140, color="k", zorder=5)
+            right = m["bandwidth_gb_s"] > 100  # label the far-right point on its left, inside the axes
             ax.annotate(
-                m["label"], (m["bandwidth_gb_s"], m["speedup"]), fontsize=7, xytext=(4, 4), textcoords="offset points"
+                m["label"],
+                (m["bandwidth_gb_s"], m["speedup"]),
+                fontsize=7,
+                xytext=(-6 if right else 6, 6),
+                textcoords="offset points",
+                ha="right" if right else "left",
             )
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(1.05, color="grey", lw=0.8, ls=":")
@@ -119,7 +129,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(model, fontsize=10)
         ax.set_xlabel("cross-node GB/s per GPU (one way)")
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("AF-Pipe / best co-located (tokens/s)")
+    for row in axes:
+        row[0].set_ylabel("AF-Pipe / best co-located (tokens/s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
