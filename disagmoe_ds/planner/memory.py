@@ -175,9 +175,12 @@ def busiest_group_params(spec: ModelSpec, layout: Layout) -> tuple[int, int]:
     )
 
 
-def baseline_stage_params(spec: ModelSpec, *, pp: int, vpp: int, ep: int, stage: int) -> tuple[list[int], int, int]:
+@lru_cache(maxsize=65536)  # the co-located search asks for every stage of every shape, policy and dispatcher
+def baseline_stage_params(
+    spec: ModelSpec, *, pp: int, vpp: int, ep: int, stage: int
+) -> tuple[tuple[int, ...], int, int]:
     """(layers, dense params, expert params) of a co-located rank of pipeline stage ``stage`` (interleaved chunks)."""
-    layers = stage_layers(spec.num_layers, pp, vpp, stage)
+    layers = tuple(stage_layers(spec.num_layers, pp, vpp, stage))
     dense = sum(spec.a_side_params(i) for i in layers)
     dense += spec.embedding_params() if stage == 0 else 0
     dense += spec.head_params() if stage == pp - 1 else 0
@@ -317,12 +320,14 @@ def baseline_rank_memory(
     return worst
 
 
+@lru_cache(maxsize=65536)
 def _colocated_saved_bytes(spec: ModelSpec, layer: int) -> float:
     """Per token of a co-located layer: what selective recompute drops (A part plus top_k expert assignments)."""
     routed = spec.top_k * expert_saved_bytes_per_assignment(spec) if spec.moe_layers[layer] else 0
     return a_side_saved_bytes(spec, layer) + routed
 
 
+@lru_cache(maxsize=65536)
 def _colocated_bytes(spec: ModelSpec, layer: int) -> float:
     """Per token of a co-located layer: the A-side set plus top_k expert assignments (balanced routing)."""
     routed = spec.top_k * spec.f_side_activation_bytes_per_assignment() if spec.moe_layers[layer] else 0
