@@ -170,7 +170,11 @@ def main(argv: list[str]) -> int:
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
         for path, n in models:  # one model at a time, so each one's wall time is its own
             start = time.perf_counter()
-            rows += pool.map(plan_cell, [c for c in cells if c.model == path and c.nodes == n])
+            mine = [c for c in cells if c.model == path and c.nodes == n]
+            # longest first (the longest sequences, then the slowest links), so no worker is left with the tail
+            order = sorted(range(len(mine)), key=lambda i: (-mine[i].seq_len, mine[i].bandwidth))
+            done = dict(zip(order, pool.map(plan_cell, [mine[i] for i in order])))
+            rows += [done[i] for i in range(len(mine))]
             seconds[f"{path.name}:{n}"] = time.perf_counter() - start
             print(
                 f"{path.name} at {n} nodes: {len(seqs) * len(bands)} cells in {seconds[f'{path.name}:{n}']:.0f} s",
