@@ -21,6 +21,7 @@ from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.colocated import ColocatedCandidate, colocated_candidates, divisors, simulate_colocated
+from disagmoe_ds.planner.colocated_costs import Shape
 from disagmoe_ds.planner.grad_sync import af_sync_s, exposed_sync_s
 from disagmoe_ds.planner.memory import (
     RankMemory,
@@ -35,7 +36,7 @@ from disagmoe_ds.planner.placement import Placement, placements
 from disagmoe_ds.planner.simulate import SimResult, simulate_af
 from disagmoe_ds.planner.stages import AfRoofline, af_roofline, compute_multiplier
 from disagmoe_ds.planner.task_costs import af_task_costs
-from disagmoe_ds.planner.variants import VARIANTS, dominated, memory_variants, offload_share, savings
+from disagmoe_ds.planner.variants import VARIANTS, dominated, memory_variants, offload_share, savings, variants_used
 
 SIDES = ("attention", "ffn")
 PAYS_THRESHOLD = 1.05  # below this predicted speed-up, disaggregation is not worth its complexity
@@ -52,10 +53,14 @@ class PlanRequest:
         placement: "contiguous", "spread" or "auto" (both; see ``placement.py``).
         baseline_overlap: share of the co-located all-to-all hidden behind compute (besides shared experts).
         baseline_ep: pin the co-located expert-parallel size (None: search it).
-        simulate_top: how many roofline-best candidates of each system to simulate.
+        simulate_top: how many roofline-best co-located candidates to simulate.
+        simulate_per_variant_set: AF-Pipe families simulated per set of variants (``shortlist``).
         baseline: "strongest" (TP, CP, selective recompute, paired all-to-all overlap; ``colocated.py``) or
             "ep" (plain EP+DP interleaved 1F1B with partial overlap).
         af_variants: the AF-Pipe variants to try (``variants.VARIANTS``; ``variants.PAPER`` for none).
+        baseline_dispatcher: "alltoall" or "deepep" (None: ``dispatcher``).
+        baseline_layout: price the co-located baseline at this shape instead of searching (``baseline_layout.py``).
+        baseline_recompute: the co-located recompute policy (None: the cheapest that fits).
     """
 
     spec: ModelSpec
@@ -66,11 +71,23 @@ class PlanRequest:
     recompute: Recompute | Literal["auto"] = "auto"
     granularity: int = 1
     placement: str = "auto"
-    baseline_overlap: float = 0.25
+    baseline_overlap: float = 0.0
     baseline_ep: int | None = None
     simulate_top: int = 6
+    simulate_per_variant_set: int = 2
     baseline: Literal["strongest", "ep"] = "strongest"
     af_variants: frozenset[str] = frozenset(VARIANTS)
+    baseline_dispatcher: str | None = None
+    baseline_layout: Shape | None = None
+    baseline_recompute: Recompute | None = None
+
+    @property
+    def dispatcher(self) -> str:
+        """The co-located token dispatcher: as asked, else DeepEP's for the strongest baseline, the plain
+        all-to-all for ``--baseline ep``."""
+        if self.baseline_dispatcher:
+            return self.baseline_dispatcher
+        return "deepep" if self.baseline == "strongest" else "alltoall"
 
     @property
     def recompute_options(self) -> tuple[Recompute, ...]:
@@ -294,20 +311,35 @@ def _rank_key(c: AfCandidate) -> tuple[bool, float, float, int]:
 
 
 def simulate_candidate(
-    req: PlanRequest, c: AfCandidate, *, exposed_comm: bool = False, splits: tuple[bool, ...] = (False,)
+    req: PlanRequest,
+    c: AfCandidate,
+    *,
+    exposed_comm: bool = False,
+    splits: tuple[bool, ...] = (False,),
+    memo: dict[tuple[AfCandidate, int], SimResult] | None = None,
 ) -> AfPlan:
     """Simulate with the schedule's default ring cap (2p + 1 micro-batches in flight) and with twice that, as far
     as memory allows, for each backward form in ``splits`` (False: whole, True: split); keep the smaller cap and
-    the earlier form unless another is at least 1% faster."""
+    the earlier form unless another is at least 1% faster. ``memo`` keeps simulations (without exposed
+    communication) for a later call on the same candidate."""
     ring = 2 * c.layout.depth + 1
     best: AfPlan | None = None
     for split in splits:
         cand = replace(c, work=replace(c.work, split_backward=split))
         costs = af_task_costs(req.spec, c.layout, cand.work, placement=c.placement, rates=req.rates, nics=c.nics)
         for cap in sorted({min(c.max_in_flight, c.micro_batches, k * ring) for k in (1, 2)}):
-            sim = simulate_af(
-                req.spec, c.layout, costs, micro_batches=c.micro_batches, max_in_flight=cap, exposed_comm=exposed_comm
-            )
+            sim = memo.get((cand, cap)) if memo is not None and not exposed_comm else None
+            if sim is None:
+                sim = simulate_af(
+                    req.spec,
+                    c.layout,
+                    costs,
+                    micro_batches=c.micro_batches,
+                    max_in_flight=cap,
+                    exposed_comm=exposed_comm,
+                )
+                if memo is not None and not exposed_comm:
+                    memo[cand, cap] = sim
             plan = AfPlan(cand, sim, cap)
             if best is None or plan.step_time_s < 0.99 * best.step_time_s:
                 best = plan
@@ -320,6 +352,24 @@ def _family(c: AfCandidate) -> tuple:
     return (c.layout.depth, c.placement.kind, w.recompute, w.resend, w.offload != (0.0, 0.0), savings(w), fills_ring(c))
 
 
+def shortlist(ranked: list[AfCandidate], top: int) -> list[AfCandidate]:
+    """The families to simulate: each one that is among the ``top`` best ranked of the families using a subset
+    of its variants (the ring-filling ones only, where any of those does: a starved ring loses to a filled one).
+
+    That is the union, over every set of allowed variants, of what a search with only those variants would
+    simulate, so allowing more variants never loses a plan a smaller set finds: the search is monotone in the
+    variants (a global top few is not: new families push the old winner out of the shortlist unsimulated)."""
+    used = [variants_used(c.work) for c in ranked]
+    out = []
+    for i, c in enumerate(ranked):
+        below = [j for j in range(i + 1) if used[j] <= used[i]]  # ranked order: the subset's families up to c
+        if not fills_ring(c) and any(fills_ring(ranked[j]) for j in range(len(ranked)) if used[j] <= used[i]):
+            continue
+        if sum(1 for j in below if fills_ring(ranked[j]) or not fills_ring(c)) <= top:
+            out.append(c)
+    return out
+
+
 def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
     """Best roofline candidate of each (depth, placement, variant) family, simulated; highest throughput wins."""
     candidates, rejected = af_candidates(req)
@@ -327,14 +377,15 @@ def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
     for c in sorted(candidates, key=_rank_key):
         families.setdefault(_family(c), c)
     ranked = sorted(families.values(), key=_rank_key)
-    shortlist = [c for c in ranked if fills_ring(c)] or ranked  # a starved ring loses to any filled one
-    shortlist = shortlist[: req.simulate_top]
-    plans = sorted((simulate_candidate(req, c) for c in shortlist), key=lambda p: -p.tokens_per_s)
+    listed = shortlist(ranked, req.simulate_per_variant_set)
+    memo: dict[tuple[AfCandidate, int], SimResult] = {}
+    plans = sorted((simulate_candidate(req, c, memo=memo) for c in listed), key=lambda p: -p.tokens_per_s)
     if not plans:
         return None, rejected
     if "split_backward" in req.af_variants:  # the split only changes the schedule: try it on every simulated plan
         plans = sorted(
-            (simulate_candidate(req, p.candidate, splits=(False, True)) for p in plans), key=lambda p: -p.tokens_per_s
+            (simulate_candidate(req, p.candidate, splits=(False, True), memo=memo) for p in plans),
+            key=lambda p: -p.tokens_per_s,
         )
     best = plans[0]
     splits = (best.candidate.work.split_backward,)
@@ -354,6 +405,9 @@ def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
         overlap=req.baseline_overlap,
         ep=req.baseline_ep,
         strongest=req.baseline == "strongest",
+        dispatcher=req.dispatcher,
+        only=req.baseline_layout,
+        recompute=req.baseline_recompute,
     )
     ranked = sorted(candidates, key=lambda c: c.estimate_s / c.tokens)[: req.simulate_top]
     plans = [BaselinePlan(c, simulate_colocated(c.costs, shape=c.shape, micro_batches=c.micro_batches)) for c in ranked]

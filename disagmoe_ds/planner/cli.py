@@ -3,6 +3,8 @@
     disagmoe-plan --model hf_models/Qwen3-235B-A22B --seq-len 8192 --micro-batch-size 1 --cluster h800 --nodes 16
     disagmoe-plan profile --model hf_models/Qwen3-30B-A3B --seq-len 4096 --out profile.json
     disagmoe-plan study [--models Qwen3-235B-A22B] [--seq-len 4096,16384] [--ablate]
+    disagmoe-plan calibrate                       # the baseline against published Megatron-Core runs
+    disagmoe-plan sweep --model hf_models/Qwen3-30B-A3B --out docs/sweep   # where AF-Pipe pays: JSON + PNG
 
 Console-script entry point: ``disagmoe-plan = disagmoe_ds.planner.cli:main``.
 """
@@ -13,11 +15,15 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from disagmoe_ds.errors import DisagMoEError
 from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, plan
+from disagmoe_ds.planner.baseline_layout import check_layout, parse_layout
 from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
+from disagmoe_ds.planner.colocated_costs import DISPATCHERS
+from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.inputs import check_at_least_one
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import load_model_spec
@@ -30,7 +36,8 @@ from disagmoe_ds.planner.variants import PAPER, VARIANTS
 _EPILOG = """\
 Subcommands: `disagmoe-plan profile --help` measures per-layer attention/expert times on this machine and writes
 a profile JSON for --profile; `disagmoe-plan study --help` prints the issue-16 table (best AF-Pipe variant
-against the strongest co-located baseline; docs/planner.md).
+against the strongest co-located baseline; docs/planner.md); `disagmoe-plan calibrate` prices published Megatron
+runs at their layouts; `disagmoe-plan sweep --help` maps where AF-Pipe pays over bandwidth, length and nodes.
 
 How it decides: T_a = max(C_a/(M P), V/(M_a B)) and T_f = max(C_f/(N P), V/(M_f B)) (DisagMoE paper, sec. 4.3)
 rank every split that divides and fits memory; the best few are simulated with the AF-Pipe schedule generator
@@ -94,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recompute",
         default="auto",
-        choices=("auto", "none", "full"),
-        help="activation recomputation; auto uses full recompute only where nothing fits without it",
+        choices=("auto", "none", "selective", "full"),
+        help="activation recomputation; auto uses full recompute only where nothing fits without it (with "
+        "--baseline-layout it is also the baseline's)",
     )
     p.add_argument(
         "--placement",
@@ -112,13 +120,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     defaults = Efficiency()
     for name, what in _EFFICIENCY_FLAGS.items():
+        if name == "compute":  # unset: the per-shape table (gemm_efficiency.py); a number: one share for all shapes
+            p.add_argument(
+                "--compute-efficiency",
+                type=float,
+                default=None,
+                help=f"{what} for every shape (default: the per-shape table of docs/planner.md section 1)",
+            )
+            continue
         default = getattr(defaults, name)
         p.add_argument(f"--{name}-efficiency", type=float, default=default, help=f"{what} (default {default})")
     p.add_argument(
+        "--routing-imbalance",
+        type=float,
+        default=1.0,
+        help="busiest rank's expert load over the mean: 1 is forced-balanced routing (default), real dropless "
+        "routing is above 1 (both systems wait for their busiest expert rank)",
+    )
+    p.add_argument(
+        "--baseline-layout",
+        default=None,
+        metavar="tp=T,pp=P,vpp=V,ep=E,cp=C",
+        help="price the co-located baseline at this layout instead of searching (optional keys: overlap=paired|"
+        "partial, dispatcher=deepep|alltoall, grads=fp32|bf16); its recompute is --recompute (auto: cheapest fit)",
+    )
+    p.add_argument(
+        "--baseline-dispatcher",
+        default=None,
+        choices=DISPATCHERS,
+        help="co-located token dispatcher: deepep (one copy per destination node; default for the strongest "
+        "baseline) or alltoall (top-k copies; default for --baseline ep)",
+    )
+    p.add_argument(
         "--baseline-overlap",
         type=float,
-        default=0.25,
-        help="share of the co-located all-to-all hidden behind compute, besides shared experts (default 0.25)",
+        default=0.0,
+        help="share of the co-located all-to-all hidden behind compute outside the 1F1B overlap, besides shared "
+        "experts (default 0: Megatron's dispatchers run on the compute stream)",
     )
     p.add_argument(
         "--baseline-ep",
@@ -156,14 +194,24 @@ def _variants(text: str) -> frozenset[str]:
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
     spec = load_model_spec(args.model)
     cluster = load_cluster(args.cluster, args.nodes)
-    eff = Efficiency(**{name: getattr(args, f"{name}_efficiency") for name in _EFFICIENCY_FLAGS})
+    chosen = {name: getattr(args, f"{name}_efficiency") for name in _EFFICIENCY_FLAGS}
+    eff = Efficiency(**{k: v for k, v in chosen.items() if v is not None})
+    if args.routing_imbalance < 1:
+        raise DisagMoEError(f"--routing-imbalance must be >= 1 (1: forced balance), got {args.routing_imbalance}")
     warnings: list[str] = []
     if args.profile:
         profile = load_profile(args.profile)
         rates = rates_from_profile(profile, cluster, eff, measured_links=args.cluster in PRESETS)
         warnings = profile_warnings(profile, spec, args.seq_len)
-    else:
+    elif args.compute_efficiency is not None:
         rates = Rates.from_cluster(cluster, eff)
+    else:
+        rates = shape_rates(cluster, eff, spec)
+    rates = replace(rates, routing_imbalance=args.routing_imbalance)
+    layout = None
+    if args.baseline_layout is not None:
+        layout = parse_layout(args.baseline_layout)
+        check_layout(layout, spec, cluster, args.seq_len)
     check_at_least_one(
         {
             "--seq-len": args.seq_len,
@@ -189,6 +237,9 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
         baseline_ep=args.baseline_ep,
         baseline=args.baseline,
         af_variants=_variants(args.variants),
+        baseline_dispatcher=args.baseline_dispatcher,
+        baseline_layout=layout,
+        baseline_recompute=args.recompute if layout is not None and args.recompute != "auto" else None,
     )
     return req, warnings
 
@@ -253,6 +304,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from disagmoe_ds.planner import study
 
             return study.main(argv[1:])
+        if argv[:1] == ["calibrate"]:
+            from disagmoe_ds.planner import calibration
+
+            return calibration.main(argv[1:])
+        if argv[:1] == ["sweep"]:
+            from disagmoe_ds.planner import sweep
+
+            return sweep.main(argv[1:])
         args = build_parser().parse_args(argv)
         req, warnings = _request(args)
         result = plan(req)

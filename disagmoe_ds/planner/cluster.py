@@ -184,8 +184,8 @@ def save_cluster(cluster: Cluster, path: str | Path) -> None:
 class Efficiency:
     """Fractions of peak that real kernels and collectives reach (defaults, overridable on the command line).
 
-    compute 0.5: large bf16 GEMMs and flash attention reach 50-60% of peak on Hopper (platform-notes.md:
-    grouped_mm experts 525-605 of 989 TFLOP/s, SDPA fwd+bwd 480-575 on an H200); whole HF layers reach less.
+    compute 0.5: one share for every shape (``Rates.from_cluster``, ``--compute-efficiency``); without it the CLI,
+    the study and the sweep time each shape at its own share (``gemm_efficiency.shape_rates``).
     network 0.8: NCCL send/recv and all-to-all bus bandwidth on 400 Gb/s RDMA with large messages.
     nvlink 0.8: NCCL intra-node bus bandwidth relative to the NVLink line rate.
     memory 0.9: usable share of HBM after the CUDA context, NCCL buffers and allocator fragmentation.
@@ -242,6 +242,9 @@ class Rates:
     source: str
     pcie_bw: float = PCIE_GEN5_X16 * 0.8  # bytes/s per GPU and direction over its host link
     message_host_s: float = 0.0  # host seconds per exchange operation (``Cluster.message_host_s``)
+    # the busiest rank's expert load over the mean: 1 is forced-balanced routing; real (dropless) routing is
+    # above 1, and every MoE layer waits for its busiest rank (``part_times.expert_call_s``, the all-to-all)
+    routing_imbalance: float = 1.0
 
     @classmethod
     def from_cluster(cls, cluster: Cluster, eff: Efficiency) -> Rates:

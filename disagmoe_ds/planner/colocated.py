@@ -15,18 +15,21 @@ principles (bytes over links, FLOPs over rates; nothing is fitted to make either
   backward K, V again plus dK, dV; over NVLink while t*c fits a node, else the NICs. The ring overlaps the
   attention core, so only the part longer than the core is exposed.
 * **MoE parallel folding**: experts use EP ep with expert-TP 1 over the W/pp ranks of a stage independently
-  of t and c; each rank dispatches its B*s/(t c) tokens top_k times (Megatron's all-to-all dispatcher).
+  of t and c; each rank dispatches its B*s/(t c) tokens with Megatron's all-to-all dispatcher (top_k copies) or
+  DeepEP's (once per destination node; ``colocated_costs.alltoall_s``).
 * **Distributed optimizer** over all data-parallel ranks: dense state over W/(pp t), expert state over
-  W/(pp ep) (``memory.baseline_rank_memory``).
+  W/(pp ep), with Megatron's fp32 main grads (``memory.baseline_rank_memory``).
+* **Pipeline stages** pp x vpp, any pp up to L: uneven first and last stages where pp x vpp does not divide L
+  (``pipeline_split``).
 * **All-to-all overlap** "paired" (Megatron's combined 1F1B EP overlap, DualPipe's idea): in the steady
-  state a forward chunk of one micro-batch and a backward chunk of another run as one unit, each one's
-  dispatch/combine hidden behind the other's compute: the unit takes max(compute, all-to-all). It costs one
-  more chunk of activations (one more warm-up forward). Warm-up and cool-down keep the partial overlap.
+  state a forward chunk of one micro-batch and a backward chunk of another run as one unit, hiding
+  ``A2A_HIDDEN_SHARE`` of the smaller of its compute and all-to-all (Megatron's measured gain, not their max).
+  Only where Megatron allows it (``paired_allowed``). It costs pp more chunks of activations (warm-up
+  forwards). Outside it nothing hides but the shared experts (``--baseline-overlap`` 0).
 * **Recompute** none, selective (``recompute.py``) or full, as for AF-Pipe.
 
-Not modelled (each would make the baseline slower, so leaving it out keeps the baseline strong): GEMM
-efficiency loss of smaller TP shards, SM contention between overlapped communication and compute, routing
-imbalance. Not searched: uneven pipeline stages (DeepSeek-V3's 61 layers allow only pp = 1 here).
+Compute runs at the per-shape shares of ``gemm_efficiency`` (or a profile's measured parts); routing imbalance is
+an input (``Rates.routing_imbalance``). docs/planner.md section 8 holds the result against published runs.
 """
 
 from __future__ import annotations
@@ -41,9 +44,15 @@ from disagmoe_ds.planner.grad_sync import baseline_sync_s, exposed_sync_s
 from disagmoe_ds.planner.memory import RankMemory, Workload, baseline_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.optimizer_step import baseline_optimizer_s
+from disagmoe_ds.planner.pipeline_split import chunk_sizes
 from disagmoe_ds.planner.simulate import Op, SimResult, input_ready, megatron_order, run_in_order
 
 OVERLAPS = ("partial", "paired")
+# The combined 1F1B all-to-all overlap (``paired``) hides this share of what it could hide, min(compute, a2a) of a
+# fused unit: max(compute, a2a) would credit Qwen3-235B-A22B's published run +22-39% where Megatron measured
+# +12.7% (19.7 -> 17.6 s; +3.7-7.8% on a DeepSeek-V3 proxy): SM contention and the dependencies inside a layer
+# leave most of it exposed. Calibrated on that run (docs/planner.md section 8).
+A2A_HIDDEN_SHARE = 0.45
 CONTEXT_PARALLEL = (1, 2, 4, 8, 16)
 # The planner's compute efficiency holds for GEMMs that fill the GPU: with 128 x 256 output tiles over 132 SMs a
 # projection of N = 2048-8192 columns needs about 1K rows to give every SM a tile. TP x CP shards the rows
@@ -60,6 +69,8 @@ def paired_order(pp: int, vpp: int, micro_batches: int, rank: int) -> list[tuple
     [1, 2, 2, 1]
     >>> [len(u) for u in paired_order(2, 1, 4, 0)]
     [1, 1, 1, 2, 1, 1, 1]
+    >>> sum(len(u) == 1 for u in paired_order(2, 2, 4, 0)[:8])  # interleaved: pp more warm-up forwards
+    7
     """
     plain = megatron_order(pp, vpp, micro_batches, rank)
     forwards = [o for o in plain if o.forward]
@@ -67,8 +78,9 @@ def paired_order(pp: int, vpp: int, micro_batches: int, rank: int) -> list[tuple
     first_backward = sum(1 for o in plain[: plain.index(backwards[0])] if o.forward)  # Megatron's warm-up + 1
     # A fused unit hands its forward on only when it ends, so each rank runs pp - rank - 1 more warm-up forwards
     # (the next stage's units then never wait for this one's); the last forward before the first backward
-    # already pairs with it in Megatron's steady state.
-    warm = min(len(forwards), first_backward + pp - rank - 1)
+    # already pairs with it in Megatron's steady state. Interleaved, pp more (fewer deadlock: a chunk's backward
+    # can wait on a forward of the same round that a later fused unit would hold back).
+    warm = min(len(forwards), first_backward + (pp - rank - 1 if vpp == 1 else pp))
     units: list[tuple[Op, ...]] = [(f,) for f in forwards[:warm]]
     steady = min(len(forwards) - warm, len(backwards))
     units += [(forwards[warm + k], backwards[k]) for k in range(steady)]
@@ -101,7 +113,19 @@ def _unit_s(costs: ColocatedCosts, unit: tuple[Op, ...], stage: list[int]) -> tu
     f, b = stage
     comp = costs.fwd_compute[f] + costs.bwd_compute[b]
     a2a = costs.fwd_a2a[f] + costs.bwd_a2a[b]
-    return max(comp, a2a) + costs.fwd_other[f] + costs.bwd_other[b], comp
+    return paired_unit_s(comp, a2a) + costs.fwd_other[f] + costs.bwd_other[b], comp
+
+
+def paired_unit_s(compute: float, a2a: float) -> float:
+    """A fused forward/backward unit: its compute and all-to-all, less the share ``A2A_HIDDEN_SHARE`` of what
+    could hide (the smaller of the two) that Megatron's combined 1F1B actually hides."""
+    return compute + a2a - A2A_HIDDEN_SHARE * min(compute, a2a)
+
+
+def paired_allowed(shape: Shape, recompute: str) -> bool:
+    """Megatron-Core refuses the combined 1F1B all-to-all overlap with full recompute, and with pipeline stages
+    unless they are virtual (``--overlap-moe-expert-parallel-comm`` needs pp == 1 or vpp > 1)."""
+    return recompute != "full" and (shape.pp == 1 or shape.vpp > 1)
 
 
 def _run(costs: ColocatedCosts, shape: Shape, micro_batches: int) -> list[tuple[float, float]]:
@@ -161,7 +185,7 @@ class ColocatedCandidate:
             comp = self.costs.fwd_compute[i] + self.costs.bwd_compute[i]
             other = self.costs.fwd_other[i] + self.costs.bwd_other[i]
             if self.shape.overlap == "paired":
-                units.append(max(comp, self.costs.fwd_a2a[i] + self.costs.bwd_a2a[i]) + other)
+                units.append(paired_unit_s(comp, self.costs.fwd_a2a[i] + self.costs.bwd_a2a[i]) + other)
             else:
                 units.append(comp + self.costs.fwd_comm[i] + self.costs.bwd_comm[i])
         s = self.shape
@@ -174,24 +198,32 @@ def divisors(n: int) -> list[int]:
 
 
 def shapes(
-    spec: ModelSpec, cluster: Cluster, seq_len: int, *, micro_batch_size: int, ep: int | None, strongest: bool
+    spec: ModelSpec,
+    cluster: Cluster,
+    seq_len: int,
+    *,
+    micro_batch_size: int,
+    ep: int | None,
+    strongest: bool,
+    dispatcher: str = "alltoall",
 ) -> Iterator[Shape]:
-    """Every shape that divides: plain EP (t = c = 1, partial overlap) or, if ``strongest``, TP, CP and overlap."""
+    """Every shape that splits: plain EP (t = c = 1, partial overlap) or, if ``strongest``, TP, CP and overlap.
+    PP need not divide the layer count (``pipeline_split``: smaller first and last stages)."""
     world = cluster.world_size
     tps = tp_options(spec, cluster.gpus_per_node) if strongest else [1]
     cps = [c for c in CONTEXT_PARALLEL if seq_len % (2 * c) == 0] if strongest else [1]
     rows = seq_len * micro_batch_size
     overlaps = OVERLAPS if strongest else ("partial",)
-    for pp in (p for p in divisors(spec.num_layers) if world % p == 0):
+    for pp in (p for p in divisors(world) if p <= spec.num_layers):
         eps = [e for e in divisors(spec.num_experts) if (world // pp) % e == 0 and e in (ep or e,)]
-        for vpp in (v for v in divisors(spec.num_layers // pp) if v <= 8 and (v == 1 or pp > 1)):
+        for vpp in (v for v in range(1, 9) if (v == 1 or pp > 1) and chunk_sizes(spec.num_layers, pp, v)):
             for t in tps:
                 for c in (
                     c for c in cps if world % (pp * t * c) == 0 and rows // (t * c) >= min(rows, MIN_ROWS_PER_RANK)
                 ):
                     for e in eps:
-                        for ov in overlaps if vpp == 1 else ("partial",):  # paired: see module docstring
-                            yield Shape(pp, vpp, t, c, e, ov)
+                        for ov in overlaps:
+                            yield Shape(pp, vpp, t, c, e, ov, dispatcher)
 
 
 def colocated_candidates(
@@ -204,20 +236,39 @@ def colocated_candidates(
     overlap: float,
     ep: int | None = None,
     strongest: bool = True,
+    dispatcher: str = "alltoall",
+    only: Shape | None = None,
+    recompute: str | None = None,
 ) -> tuple[list[ColocatedCandidate], Counter]:
-    """Configurations that divide and fit memory, each with the cheapest recompute policy that fits."""
+    """Configurations that divide and fit memory, each with the cheapest recompute policy that fits (or
+    ``recompute``); ``only`` prices that one shape instead of searching."""
     policies = ("none", "selective", "full") if strongest else ("none", "full")
+    policies = (recompute,) if recompute else policies
     rejected: Counter = Counter()
     out = []
-    for shape in shapes(
-        spec, cluster, work.seq_len, micro_batch_size=work.micro_batch_size, ep=ep, strongest=strongest
-    ):
+    found = (
+        [only]
+        if only
+        else shapes(
+            spec,
+            cluster,
+            work.seq_len,
+            micro_batch_size=work.micro_batch_size,
+            ep=ep,
+            strongest=strongest,
+            dispatcher=dispatcher,
+        )
+    )
+    for shape in found:
         replicas = cluster.world_size // (shape.pp * shape.tp * shape.cp)
         micro_batches = max(1, round(global_batch / (replicas * work.micro_batch_size)))
         if shape.vpp > 1:
             micro_batches = max(shape.pp, -(-micro_batches // shape.pp) * shape.pp)  # Megatron: a multiple of pp
         alive = _chunks_alive(shape, micro_batches)
         for rc in policies:
+            if shape.overlap == "paired" and not paired_allowed(shape, rc):
+                rejected["Megatron refuses the 1F1B a2a overlap here (full recompute, or PP > 1 without VPP)"] += 1
+                continue
             w = replace(work, recompute=rc)
             mem = baseline_rank_memory(
                 spec,
@@ -229,13 +280,22 @@ def colocated_candidates(
                 chunks_alive=alive,
                 tp=shape.tp,
                 cp=shape.cp,
+                fp32_grads=shape.fp32_grads,
             )
             if mem.total > rates.usable_hbm:
                 rejected[f"does not fit memory (recompute {rc})"] += 1
                 continue
             costs = colocated_costs(spec, w, shape, cluster=cluster, rates=rates, overlap=overlap)
             sync = baseline_sync_s(
-                spec, w, pp=shape.pp, vpp=shape.vpp, ep=shape.ep, cluster=cluster, rates=rates, tp=shape.tp
+                spec,
+                w,
+                pp=shape.pp,
+                vpp=shape.vpp,
+                ep=shape.ep,
+                cluster=cluster,
+                rates=rates,
+                tp=shape.tp,
+                fp32_grads=shape.fp32_grads,
             )
             optimizer = baseline_optimizer_s(spec, w, shape, world_size=cluster.world_size, rates=rates)
             out.append(ColocatedCandidate(shape, w, micro_batches, mem, costs, replicas, sync, optimizer))

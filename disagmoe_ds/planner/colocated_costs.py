@@ -13,12 +13,16 @@ from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
 from disagmoe_ds.planner.part_times import attention_call_s, expert_call_s, head_call_s
+from disagmoe_ds.planner.pipeline_split import chunk_layers
 from disagmoe_ds.planner.simulate import BaselineChunkCosts
+
+DISPATCHERS = ("alltoall", "deepep")
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A co-located configuration: pipeline (pp x vpp), tensor, context and expert parallel, a2a overlap."""
+    """A co-located configuration: pipeline (pp x vpp), tensor, context and expert parallel, a2a overlap, and the
+    token dispatcher (Megatron's all-to-all, or DeepEP/HybridEP's node-deduplicating one)."""
 
     pp: int
     vpp: int
@@ -26,9 +30,14 @@ class Shape:
     cp: int
     ep: int
     overlap: str
+    dispatcher: str = "alltoall"
+    fp32_grads: bool = True  # Megatron's fp32 main grads; False: 2 B gradients (DeepSpeed, FSDP2's 16 B/param total)
 
     def describe(self) -> str:
-        return f"TP {self.tp} CP {self.cp} EP {self.ep} PP {self.pp} x v {self.vpp}, a2a overlap {self.overlap}"
+        return (
+            f"TP {self.tp} CP {self.cp} EP {self.ep} PP {self.pp} x v {self.vpp}, a2a overlap {self.overlap}, "
+            f"{self.dispatcher} dispatcher"
+        )
 
 
 @dataclass(frozen=True)
@@ -56,22 +65,36 @@ def kv_bytes_per_token(spec: ModelSpec, tp: int) -> float:
     return ACT_BYTES * a.num_heads * (a.head_dim + a.v_head_dim) / tp
 
 
-def alltoall_s(spec: ModelSpec, work: Workload, *, ep: int, cluster: Cluster, rates: Rates) -> float:
-    """One dispatch (or combine) of one micro-batch on one rank, Megatron's all-to-all token dispatcher.
+def alltoall_s(
+    spec: ModelSpec, work: Workload, *, ep: int, cluster: Cluster, rates: Rates, dispatcher: str = "alltoall"
+) -> float:
+    """One dispatch (or combine) of one micro-batch on one rank; the EP group fills whole nodes.
 
-    Each of the B*s tokens is sent top_k times (no de-duplication), (ep-1)/ep of the copies leave the GPU
-    (paper-notes.md section 4: V = (EP-1)/EP * N * k); an EP group fills whole nodes, so the share
-    (ep - g)/ep of copies goes through the node's NICs (g GPUs per node), the rest over NVLink.
+    ``alltoall`` (Megatron's all-to-all token dispatcher): each of the B*s tokens is sent top_k times, no
+    de-duplication; (ep-1)/ep of the copies leave the GPU (paper-notes.md section 4: V = (EP-1)/EP * N * k), the
+    share (ep - g)/ep of them through the node's NICs (g GPUs per node), the rest over NVLink.
+
+    ``deepep`` (DeepEP / HybridEP internode kernels): a token crosses the network once per destination node, to the
+    GPU of its own local index there, which forwards it over NVLink once per destination GPU. Under uniform
+    routing a token reaches (n-1)/n of the expected distinct nodes remotely (n nodes in the group; Qwen3-235B-A22B
+    at EP 32: 2.7 copies against the plain dispatcher's 6.0), and its distinct ranks over NVLink.
+
+    The busiest rank receives ``rates.routing_imbalance`` times the mean; NIC and NVLink legs pipeline (max).
     """
     if ep == 1:
         return 0.0
-    copies = work.tokens_per_micro_batch * spec.top_k
     per_copy = ACT_BYTES * spec.hidden_size + 4  # hidden state + its routing probability
     g = cluster.gpus_per_node
-    off_node = max(ep - g, 0) / ep
-    on_node = (min(ep, g) - 1) / ep
-    nic_per_gpu = rates.nic_bw_per_gpu(cluster)
-    return max(copies * off_node * per_copy / nic_per_gpu, copies * on_node * per_copy / rates.nvlink_bw)
+    tokens = work.tokens_per_micro_batch * rates.routing_imbalance
+    if dispatcher == "deepep":
+        nodes = -(-ep // g)
+        nic_copies = spec.distinct_ranks_per_token(nodes) * (nodes - 1) / nodes if nodes > 1 else 0.0
+        nvlink_copies = spec.distinct_ranks_per_token(ep) * (min(ep, g) - 1) / min(ep, g)
+    else:
+        nic_copies = spec.top_k * max(ep - g, 0) / ep
+        nvlink_copies = spec.top_k * (min(ep, g) - 1) / ep
+    nic_s = tokens * nic_copies * per_copy / rates.nic_bw_per_gpu(cluster)
+    return max(nic_s, tokens * nvlink_copies * per_copy / rates.nvlink_bw)
 
 
 def tp_cp_exposed_s(
@@ -100,13 +123,13 @@ def colocated_costs(
     """Per-chunk compute, exposed communication (alone) and raw all-to-all (paired) of one rank."""
     t, c = shape.tp, shape.cp
     tokens = work.tokens_per_micro_batch / (t * c)
-    a2a = alltoall_s(spec, work, ep=shape.ep, cluster=cluster, rates=rates) / (t * c)
+    a2a = alltoall_s(spec, work, ep=shape.ep, cluster=cluster, rates=rates, dispatcher=shape.dispatcher) / (t * c)
     shared = rates.attention_fwd.per_flop * tokens * spec.shared_flops()
     alone = max(0.0, 2 * a2a - min(2 * a2a, overlap * 2 * a2a + shared))
-    per_chunk = spec.num_layers // (shape.pp * shape.vpp)
+    chunks = chunk_layers(spec.num_layers, shape.pp, shape.vpp)
+    assert chunks is not None, f"{spec.num_layers} layers do not split over {shape.describe()}"
     rows: dict[str, list[float]] = {k: [] for k in ("fc", "bc", "fx", "bx", "fa", "ba", "fo", "bo")}
-    for start in range(0, spec.num_layers, per_chunk):
-        layers = range(start, start + per_chunk)
+    for index, layers in enumerate(chunks):
         fc = bc = fo = bo = 0.0
         for i in layers:
             for fwd, bwd in (
@@ -116,10 +139,10 @@ def colocated_costs(
                 fc, bc = fc + fwd, bc + bwd
             other = tp_cp_exposed_s(spec, work, shape, layer=i, cluster=cluster, rates=rates)
             fo, bo = fo + other[0], bo + other[1]
-        if start + per_chunk == spec.num_layers:
+        if index == len(chunks) - 1:
             head = head_call_s(spec, rates, tokens=tokens)
             fc, bc = fc + head[0], bc + head[1]
-        moe = sum(spec.moe_layers[start : start + per_chunk])
+        moe = sum(spec.moe_layers[i] for i in layers)
         if shape.ep > 1:  # each MoE layer's dispatch and combine all-to-all calls, forward and backward
             fc, bc = fc + 2 * moe * rates.message_host_s, bc + 2 * moe * rates.message_host_s
         redo = 2 if work.recompute == "full" else 1  # full recompute re-runs the forward all-to-alls

@@ -66,12 +66,21 @@ def af_sync_s(
 
 
 def baseline_sync_s(
-    spec: ModelSpec, work: Workload, *, pp: int, vpp: int, ep: int, cluster: Cluster, rates: Rates, tp: int = 1
+    spec: ModelSpec,
+    work: Workload,
+    *,
+    pp: int,
+    vpp: int,
+    ep: int,
+    cluster: Cluster,
+    rates: Rates,
+    tp: int = 1,
+    fp32_grads: bool = True,
 ) -> float:
     """Co-located gradient sync per step on the worst stage: dense parameters (split over tp) over the stage's
     W/(pp tp) data- and context-parallel ranks, expert shards over their (W/pp)/ep replicas (strided by tp and
     ep, so they share a node only while the stride stays inside it)."""
-    grad = Precision.named(work.precision).grad
+    grad = (Precision.megatron if fp32_grads else Precision.named)(work.precision).grad  # Megatron: fp32 main grads
     dp, g = cluster.world_size // (pp * tp), cluster.gpus_per_node
     nic = rates.nic_bw_per_gpu(cluster)
     worst = 0.0

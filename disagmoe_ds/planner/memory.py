@@ -22,12 +22,13 @@ copy window. ZeRO-3 also shards the bf16 parameters and holds two gathered layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
+from disagmoe_ds.planner.pipeline_split import chunk_layers, stage_layers
 from disagmoe_ds.planner.recompute import Recompute, a_side_saved_bytes, expert_saved_bytes_per_assignment
 
 __all__ = ["Recompute"]  # re-exported: the allocator and CLI import the policy type from here
@@ -50,6 +51,14 @@ class Precision:
         if name not in table:
             raise ConfigError(f"precision {name!r} is not one of {sorted(table)}")
         return table[name]
+
+    @classmethod
+    def megatron(cls, name: str) -> Precision:
+        """Megatron-Core's bf16 training accumulates and reduces gradients in fp32 (a 4 B main-grad buffer per
+        parameter, ``--accumulate-allreduce-grads-in-fp32``): 2 + 4 + 12/d B with the distributed optimizer,
+        where DeepSpeed keeps bf16 gradients (2 B). fp32 training is the same in both."""
+        base = cls.named(name)
+        return replace(base, name=f"{name}, fp32 grads", grad=4) if name == "bf16" else base
 
     def per_param(self, *, zero_stage: int, dp: int) -> float:
         """Bytes per parameter on one rank of a ``dp``-way data-parallel group at ``zero_stage`` (0 to 3)."""
@@ -166,10 +175,12 @@ def busiest_group_params(spec: ModelSpec, layout: Layout) -> tuple[int, int]:
     )
 
 
-def baseline_stage_params(spec: ModelSpec, *, pp: int, vpp: int, ep: int, stage: int) -> tuple[list[int], int, int]:
+@lru_cache(maxsize=65536)  # the co-located search asks for every stage of every shape, policy and dispatcher
+def baseline_stage_params(
+    spec: ModelSpec, *, pp: int, vpp: int, ep: int, stage: int
+) -> tuple[tuple[int, ...], int, int]:
     """(layers, dense params, expert params) of a co-located rank of pipeline stage ``stage`` (interleaved chunks)."""
-    per_chunk = spec.num_layers // (pp * vpp)
-    layers = [i for i in range(spec.num_layers) if (i // per_chunk) % pp == stage]
+    layers = tuple(stage_layers(spec.num_layers, pp, vpp, stage))
     dense = sum(spec.a_side_params(i) for i in layers)
     dense += spec.embedding_params() if stage == 0 else 0
     dense += spec.head_params() if stage == pp - 1 else 0
@@ -186,18 +197,28 @@ def attention_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_fl
         layers = layout.layers_of_group(g)
         params = attention_lane_params(spec, layout, g)
         tokens = work.tokens_per_micro_batch
-        full = [spec.a_side_activation_bytes(i) * tokens for i in layers]
-        saved = [a_side_saved_bytes(spec, i) * tokens for i in layers]
+        per_full, per_saved, biggest = _a_side_per_token(spec, tuple(layers))
+        full = [b * tokens for b in per_full]
+        saved = [b * tokens for b in per_saved]
         act = _kept(full, saved, spec.layer_input_bytes() * tokens, work.recompute)
         act += _resent(spec, layout, work, layers)
         logits = tokens * spec.vocab_size * LOGIT_BYTES if g == layout.head_group else 0
         share = work.offload[0]
         working = _working(full, saved, work.recompute) + logits + _offload_window(act, len(layers), share)
-        working += _gathered(max(spec.a_side_params(i) for i in layers), zero, work.precision)
+        working += _gathered(biggest, zero, work.precision)
         mem = RankMemory(params * per_param, act * (1 - share), working, in_flight, act * share)
         worst = mem if worst is None or mem.total > worst.total else worst
     assert worst is not None
     return worst
+
+
+@lru_cache(maxsize=65536)
+def _a_side_per_token(spec: ModelSpec, layers: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[float, ...], int]:
+    """Per token of each of ``layers``: the A-side activation bytes and what selective recompute drops, and the
+    largest layer's A-side parameters (cached: the allocator asks for the same groups for every split)."""
+    full = tuple(float(spec.a_side_activation_bytes(i)) for i in layers)
+    saved = tuple(float(a_side_saved_bytes(spec, i)) for i in layers)
+    return full, saved, max(spec.a_side_params(i) for i in layers)
 
 
 def _resent(spec: ModelSpec, layout: Layout, work: Workload, layers: tuple[int, ...]) -> float:
@@ -257,6 +278,7 @@ def baseline_rank_memory(
     chunks_alive: int,
     tp: int = 1,
     cp: int = 1,
+    fp32_grads: bool = True,
 ) -> RankMemory:
     """Worst stage of co-located EP+DP with pp stages of vpp chunks: every rank holds attention + E/ep experts.
 
@@ -270,25 +292,26 @@ def baseline_rank_memory(
     Every activation, expert assignments included, is split over tp x cp (sequence parallel shards the
     tokens), and the vocabulary-parallel logits over tp x cp as well.
     """
-    precision = Precision.named(work.precision)
+    precision = Precision.megatron(work.precision) if fp32_grads else Precision.named(work.precision)
     dense_pp = precision.per_param(zero_stage=work.zero_stage, dp=world_size // (pp * tp))
     expert_pp = precision.per_param(zero_stage=work.zero_stage, dp=world_size // (pp * ep))
-    per_chunk = spec.num_layers // (pp * vpp)
     tokens = work.tokens_per_micro_batch / (tp * cp)
+    chunks = chunk_layers(spec.num_layers, pp, vpp)
+    assert chunks is not None, f"{spec.num_layers} layers do not split over PP {pp} x VPP {vpp}"
     worst: RankMemory | None = None
     for stage in range(pp):
         layers, dense, experts = baseline_stage_params(spec, pp=pp, vpp=vpp, ep=ep, stage=stage)
         full = [tokens * _colocated_bytes(spec, i) for i in layers]
         saved = [tokens * _colocated_saved_bytes(spec, i) for i in layers]
-        chunk_full = [
-            sum(full[j : j + per_chunk]) - sum(saved[j : j + per_chunk]) for j in range(0, len(full), per_chunk)
-        ]
+        mine = [c for k, c in enumerate(chunks) if k % pp == stage]  # the largest chunk bounds the activations
         if work.recompute == "full":
-            act = tokens * spec.layer_input_bytes() * per_chunk
+            act = tokens * spec.layer_input_bytes() * max(len(c) for c in mine)
         elif work.recompute == "selective":
-            act = max(chunk_full)
+            act = max(
+                tokens * sum(_colocated_bytes(spec, i) - _colocated_saved_bytes(spec, i) for i in c) for c in mine
+            )
         else:
-            act = max(sum(full[j : j + per_chunk]) for j in range(0, len(full), per_chunk))
+            act = max(tokens * sum(_colocated_bytes(spec, i) for i in c) for c in mine)
         logits = tokens * spec.vocab_size * LOGIT_BYTES if stage == pp - 1 else 0
         state = dense / tp * dense_pp + experts * expert_pp
         mem = RankMemory(state, act, _working(full, saved, work.recompute) + logits, chunks_alive)
@@ -297,12 +320,14 @@ def baseline_rank_memory(
     return worst
 
 
+@lru_cache(maxsize=65536)
 def _colocated_saved_bytes(spec: ModelSpec, layer: int) -> float:
     """Per token of a co-located layer: what selective recompute drops (A part plus top_k expert assignments)."""
     routed = spec.top_k * expert_saved_bytes_per_assignment(spec) if spec.moe_layers[layer] else 0
     return a_side_saved_bytes(spec, layer) + routed
 
 
+@lru_cache(maxsize=65536)
 def _colocated_bytes(spec: ModelSpec, layer: int) -> float:
     """Per token of a co-located layer: the A-side set plus top_k expert assignments (balanced routing)."""
     routed = spec.top_k * spec.f_side_activation_bytes_per_assignment() if spec.moe_layers[layer] else 0

@@ -48,7 +48,7 @@ def expert_call_s(
     spec: ModelSpec, rates: Rates, *, layer: int, tokens: float, recompute: Recompute
 ) -> tuple[float, float]:
     """(forward, backward) seconds of the routed experts of ``layer`` for ``tokens`` tokens' top_k assignments."""
-    flops = tokens * spec.expert_side_flops(layer)
+    flops = tokens * spec.expert_side_flops(layer) * rates.routing_imbalance  # the busiest rank sets the pace
     if flops == 0:
         return 0.0, 0.0
     fwd = rates.experts_fwd.seconds(flops)
@@ -56,14 +56,14 @@ def expert_call_s(
     if recompute == "full":
         return fwd, bwd + fwd
     if recompute == "selective":
-        extra = tokens * spec.top_k * expert_recompute_flops_per_assignment(spec)
+        extra = tokens * spec.top_k * expert_recompute_flops_per_assignment(spec) * rates.routing_imbalance
         return fwd, bwd + rates.experts_fwd.seconds(extra, calls=0)
     return fwd, bwd
 
 
 def expert_wgrad_s(spec: ModelSpec, rates: Rates, *, layer: int, tokens: float) -> float:
     """The weight-gradient half of the experts' backward (every expert FLOP is a GEMM)."""
-    return rates.experts_bwd.per_flop * tokens * spec.expert_side_flops(layer) / 2
+    return rates.experts_bwd.per_flop * tokens * spec.expert_side_flops(layer) * rates.routing_imbalance / 2
 
 
 def head_call_s(spec: ModelSpec, rates: Rates, *, tokens: float) -> tuple[float, float]:

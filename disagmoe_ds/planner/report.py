@@ -158,6 +158,12 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         "micro_batches": None,
         "step_time_s": None,
         "baseline_step_time_s": base.step_time_s if base else None,
+        "baseline_tokens_per_s_per_gpu": base.tokens_per_s / req.cluster.world_size if base else None,
+        "baseline_tflops_per_gpu": (
+            base.tokens_per_s * req.spec.step_flops_per_token(req.work.seq_len) / req.cluster.world_size / 1e12
+            if base
+            else None
+        ),
         "speedup": result.speedup,
         "pays": result.pays,
         "verdict": head,
@@ -221,6 +227,8 @@ def _baseline_json(result: PlanResult, base: BaselinePlan) -> dict[str, Any]:
         "tensor_parallel": b.shape.tp,
         "context_parallel": b.shape.cp,
         "alltoall_overlap": b.shape.overlap,
+        "dispatcher": b.shape.dispatcher,
+        "fp32_grads": b.shape.fp32_grads,
         "data_parallel": b.replicas,
         "expert_parallel": b.shape.ep,
         "micro_batches": b.micro_batches,

@@ -2,8 +2,9 @@
 models, cluster sizes and sequence lengths, as a Markdown table with the numbers behind each result
 (pure Python). ``--ablate`` adds, per cell, the paper's AF-Pipe and each variant switched on alone.
 
-Every cell runs ``allocator.plan`` with the same defaults as a plain ``disagmoe-plan`` call (peak x
-efficiency rates, ZeRO-1 bf16, one sequence per micro-batch, 8 x GPUs sequences per step).
+Every cell runs ``allocator.plan`` with the same defaults as a plain ``disagmoe-plan`` call (the per-shape
+compute table of ``gemm_efficiency``, the calibrated co-located baseline, ZeRO-1 bf16, one sequence per
+micro-batch, 8 x GPUs sequences per step).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, best_af, best_baseline, plan
-from disagmoe_ds.planner.cluster import Efficiency, Rates, preset
+from disagmoe_ds.planner.cluster import Efficiency, preset
+from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.variants import PAPER, VARIANTS
@@ -38,15 +41,16 @@ class Cell:
     seq_len: int
 
 
-def cell_request(cell: Cell, models: Path, cluster: str = "h800") -> PlanRequest:
+def cell_request(cell: Cell, models: Path, cluster: str = "h800", per_variant_set: int = 2) -> PlanRequest:
     spec = load_model_spec(models / cell.model)
     clus = preset(cluster, cell.nodes)
     return PlanRequest(
         spec=spec,
         cluster=clus,
-        rates=Rates.from_cluster(clus, Efficiency()),
+        rates=shape_rates(clus, Efficiency(), spec),
         work=Workload(cell.seq_len, 1),
         global_batch=8 * clus.world_size,
+        simulate_per_variant_set=per_variant_set,
     )
 
 
@@ -118,17 +122,24 @@ def reason(result: PlanResult) -> str:
     )
 
 
-def table_rows(cells: list[Cell], models: Path) -> Iterator[str]:
-    """The Markdown table, one row per cell as soon as it is planned."""
+def table_row(cell: Cell, models: Path, per_variant_set: int = 2) -> str:
+    result = plan(cell_request(cell, models, per_variant_set=per_variant_set))
+    ratio = f"{result.speedup:.2f}x" if result.speedup is not None else "-"
+    return (
+        f"| {cell.model} | {cell.nodes} | {cell.seq_len // 1024}K | {af_summary(result)} | "
+        f"{baseline_summary(result)} | {ratio} | {reason(result)} |"
+    )
+
+
+def table_rows(cells: list[Cell], models: Path, per_variant_set: int = 2, workers: int = 1) -> Iterator[str]:
+    """The Markdown table, one row per cell in grid order (``workers`` processes plan cells side by side)."""
     yield "| model | nodes | seq | best AF-Pipe | strongest co-located | AF / co-located | reason |"
     yield "|---|---|---|---|---|---|---|"
-    for cell in cells:
-        result = plan(cell_request(cell, models))
-        ratio = f"{result.speedup:.2f}x" if result.speedup is not None else "-"
-        yield (
-            f"| {cell.model} | {cell.nodes} | {cell.seq_len // 1024}K | {af_summary(result)} | "
-            f"{baseline_summary(result)} | {ratio} | {reason(result)} |"
-        )
+    if workers <= 1:
+        yield from (table_row(cell, models, per_variant_set) for cell in cells)
+        return
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        yield from pool.map(table_row, cells, [models] * len(cells), [per_variant_set] * len(cells))
 
 
 def ablation_rows(cells: list[Cell], models: Path) -> Iterator[str]:
@@ -159,10 +170,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--models", default="", help="comma-separated subset of the grid's models (default: all)")
     p.add_argument("--seq-len", default=",".join(map(str, SEQ_LENS)), help="comma-separated sequence lengths")
     p.add_argument("--ablate", action="store_true", help="per cell, each AF-Pipe variant alone (slower)")
+    p.add_argument(
+        "--simulate-per-variant-set", type=int, default=2, help="AF-Pipe families simulated per variant set (default 2)"
+    )
+    p.add_argument("--workers", type=int, default=1, help="processes planning cells side by side (default 1)")
     args = p.parse_args(argv)
     seqs = tuple(int(x) for x in args.seq_len.split(","))
     cells = [c for c in grid([m for m in args.models.split(",") if m]) if c.seq_len in seqs]
-    rows = ablation_rows(cells, Path(args.hf_models)) if args.ablate else table_rows(cells, Path(args.hf_models))
+    models = Path(args.hf_models)
+    rows = (
+        ablation_rows(cells, models)
+        if args.ablate
+        else table_rows(cells, models, args.simulate_per_variant_set, args.workers)
+    )
     for row in rows:
         print(row, flush=True)
     return 0

@@ -70,3 +70,15 @@ def offload_share(mem: RankMemory, *, layers: int, target: int, usable: float) -
     share = (target * act - free) / denominator
     share = math.ceil(share / OFFLOAD_STEP - 1e-9) * OFFLOAD_STEP
     return share if share <= 1.0 else None
+
+
+def variants_used(work: Workload) -> frozenset[str]:
+    """The names in ``VARIANTS`` a workload needs switched on (the split backward aside: it is tried at simulation
+    time on every simulated plan)."""
+    z, sides = work.zero_stage, (work.zero_of("attention"), work.zero_of("ffn"))
+    used = {"selective"} if work.recompute == "selective" else set()
+    used |= {"resend"} if work.resend else set()
+    used |= {"offload"} if any(work.offload) else set()
+    used |= {"zero2"} if any(s == 2 > z for s in sides) else set()
+    used |= {"zero3"} if sides[1] == 3 > z else set()
+    return frozenset(used)
