@@ -15,6 +15,7 @@ TINY_FAMILIES = (
     "mixtral",
     "deepseek-v2",
     "deepseek-v3",
+    "deepseek-v32",
     "gpt-oss",
     "olmoe",
     "glm4-moe",

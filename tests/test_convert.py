@@ -42,6 +42,7 @@ EXPERT_KEY = {
     "olmoe": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "deepseek-v2": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "deepseek-v3": "model.layers.1.mlp.experts.0.gate_proj.weight",
+    "deepseek-v32": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "glm4-moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "qwen3-next": "model.layers.1.mlp.experts.0.gate_proj.weight",
     "qwen3.5-moe": "model.layers.1.mlp.experts.0.gate_proj.weight",
@@ -71,6 +72,7 @@ ROUND_TRIPS = [
     all_families_only("hunyuan-v1-moe", (1, 2, 1), 0, {}),
     all_families_only("dots1", (1, 2, 1), 1, {}),
     all_families_only("minimax-m2", (1, 2, 1), 2, {}),
+    all_families_only("deepseek-v32", (2, 2, 2), 1, {}),  # frozen indexers in the checkpoint
 ]
 
 

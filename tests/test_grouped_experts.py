@@ -18,6 +18,7 @@ FAMILY_DIRS = {
     "olmoe": "olmoe",
     "deepseek_v2": "deepseek-v2",
     "deepseek_v3": "deepseek-v3",
+    "deepseek_v32": "deepseek-v32",
     "glm4_moe": "glm4-moe",
     "qwen3_next": "qwen3-next",
     "qwen3_5_moe_text": "qwen3.5-moe",

@@ -328,6 +328,7 @@ def test_aux_loss_free_bias_moves_in_the_job(tok_cache, tmp_path) -> None:
         all_families_only("hunyuan-v1-moe", (1, 2, 1)),
         all_families_only("dots1", (1, 2, 1)),
         all_families_only("minimax-m2", (1, 2, 1)),
+        all_families_only("deepseek-v32", (1, 2, 1)),
     ],
 )
 def test_init_from_fine_tune_resumes_exactly(tok_cache, tmp_path, family, layout) -> None:

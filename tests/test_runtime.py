@@ -50,6 +50,8 @@ CASES = [
     all_families_only("hunyuan-v1-moe", {}, 2, 4, 2, 1, 3, 0, True),
     all_families_only("dots1", {}, 2, 4, 2, 1, 3, 1, True),
     all_families_only("minimax-m2", {}, 2, 4, 2, 1, 3, 2, True),  # the router takes the block's bias
+    # DeepSeek-V3.2: sparse attention (the indexer keeps 4 of the 8 keys), its indexers frozen; 2 ep ranks, depth 2
+    ("deepseek-v32", {}, 2, 4, 2, 1, 3, 1, True),
 ]
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active

@@ -86,6 +86,22 @@ FAMILIES = {
         n_group=2,
         topk_group=1,
     ),
+    # DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention, a lightning indexer choosing each query's top
+    # index_topk keys (4 of up to 16 here, so the tests' sequences are really sparse).
+    "tiny-deepseek-v32": tf.DeepseekV32Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        **DEEPSEEK_MOE,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_group=2,
+        topk_group=1,
+        index_topk=4,
+        index_n_heads=2,
+        index_head_dim=16,
+    ),
     "tiny-gpt-oss": tf.GptOssConfig(
         **COMMON,
         intermediate_size=32,

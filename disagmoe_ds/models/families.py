@@ -92,6 +92,15 @@ FAMILIES: dict[str, Family] = {
             has_aux_loss=False,
             expert_bias_path="gate.e_score_correction_bias",
         ),
+        # DeepSeek-V3.2: DeepSeek-V3's MoE; its MLA attention adds a lightning indexer (DeepSeek Sparse Attention),
+        # all inside ``self_attn``; layers are "indexed_attention", MoE where ``mlp_layer_types`` says "sparse".
+        Family(
+            "deepseek_v32",
+            num_experts_attr="n_routed_experts",
+            shared=_deepseek_shared,
+            has_aux_loss=False,
+            expert_bias_path="gate.e_score_correction_bias",
+        ),
         # GLM-4.5 / 4.6 / 4.7 (Air too): DeepSeek-V3's router (sigmoid, grouped top-k, a correction bias) and shared
         # experts, dense first layers, GQA attention with partial rotary embeddings.
         Family(
@@ -182,7 +191,7 @@ def mixer_attr(layer: nn.Module) -> str:
 
 
 # Layer types the attention parts build a mask for (``parts.build_context``).
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "indexed_attention")
 
 
 def check_cut(config) -> None:

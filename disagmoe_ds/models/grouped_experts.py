@@ -45,6 +45,7 @@ GATED_FUSED_FAMILIES = (
     "olmoe",
     "deepseek_v2",
     "deepseek_v3",
+    "deepseek_v32",
     "glm4_moe",
     "qwen3_next",
     "qwen3_5_moe_text",

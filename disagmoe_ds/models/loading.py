@@ -92,13 +92,13 @@ def load_model(
     if not has_weights(path) and not require_weights:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-        return freeze_correction_bias(model)
+        return freeze_untrained(model)
     check_weights(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except (OSError, RuntimeError, ValueError) as err:
         raise CheckpointError(f"cannot load weights from {path}: {str(err).splitlines()[0]}") from err
-    return freeze_correction_bias(model)
+    return freeze_untrained(model)
 
 
 def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -111,21 +111,28 @@ def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) ->
 
     config = load_config(path)
     with torch.device("meta"):
-        return freeze_correction_bias(AutoModelForCausalLM.from_config(config, dtype=dtype))
+        return freeze_untrained(AutoModelForCausalLM.from_config(config, dtype=dtype))
 
 
-def freeze_correction_bias(model: nn.Module) -> nn.Module:
-    """A router correction bias that HF holds as a parameter (ERNIE-4.5's ``moe_statics``) stays out of training,
-    as its module declares it (``requires_grad=False``; ``from_pretrained`` makes it trainable again): only the
-    auxiliary-loss-free update moves it (``train.balance``), as it moves DeepSeek-V3's buffer."""
+def freeze_untrained(model: nn.Module) -> nn.Module:
+    """Parameters the language-model loss never trains stay out of the optimizer (an optimizer would still move
+    them: weight decay on zero gradients):
+
+    * a router correction bias that HF holds as a parameter (ERNIE-4.5's ``moe_statics``), as its module declares it
+      (``requires_grad=False``; ``from_pretrained`` makes it trainable again): only the auxiliary-loss-free update
+      moves it (``train.balance``), as it moves DeepSeek-V3's buffer;
+    * DeepSeek-V3.2's lightning indexer: its top-k choice is not differentiable, so no gradient reaches it in HF's
+      forward either (DeepSeek trains it with a loss of its own, which transformers does not implement).
+    """
     family = family_of(model.config)
-    if family.expert_bias_path is None:
-        return model
     for layer in model.model.layers:
-        if is_moe_layer(layer):
+        if family.expert_bias_path is not None and is_moe_layer(layer):
             bias = expert_bias_of(family, layer.mlp)
             if isinstance(bias, nn.Parameter):
                 bias.requires_grad_(False)
+        indexer = getattr(getattr(layer, "self_attn", None), "indexer", None)
+        if indexer is not None:
+            indexer.requires_grad_(False)
     return model
 
 

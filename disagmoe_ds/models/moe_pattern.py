@@ -5,6 +5,8 @@ the planner. HF builds a layer's MLP as (hf-notes section 1):
 
     deepseek_v2, deepseek_v3, glm4_moe, dots1  MoE from layer ``first_k_dense_replace`` on (HF's defaults: 0, 3,
                               1, 0)
+    deepseek_v32              MoE where ``mlp_layer_types`` says "sparse" (HF fills it from
+                              ``first_k_dense_replace``, default 3)
     ernie4_5_moe              MoE from ``moe_layer_start_index`` (default 1) to ``moe_layer_end_index`` (default
                               -1: the last layer), every ``moe_layer_interval``-th layer
     qwen2_moe, qwen3_moe, qwen3_next  MoE unless in ``mlp_only_layers``, and only every ``decoder_sparse_step``-th
@@ -24,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1, "dots1": 0}
+_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "deepseek_v32": 3, "glm4_moe": 1, "dots1": 0}
 _QWEN_SPARSE_STEP = ("qwen2_moe", "qwen3_moe", "qwen3_next")
 _VISION_LANGUAGE = {"qwen3_5_moe": "qwen3_5_moe_text"}  # config.json model_type -> its text_config's
 
@@ -43,6 +45,8 @@ def moe_layer_pattern(config: Mapping[str, Any]) -> tuple[bool, ...]:
     ``to_dict()``)."""
     config = language_model_config(config)
     model_type, num_layers = config["model_type"], config["num_hidden_layers"]
+    if model_type == "deepseek_v32" and config.get("mlp_layer_types"):
+        return tuple(kind == "sparse" for kind in config["mlp_layer_types"])
     if model_type in _FIRST_DENSE_DEFAULT:
         first_dense = config.get("first_k_dense_replace", _FIRST_DENSE_DEFAULT[model_type])
         return tuple(i >= first_dense for i in range(num_layers))

@@ -68,11 +68,18 @@ def build_context(
         "full_attention": create_causal_mask,
         "sliding_attention": create_sliding_window_causal_mask,
         "linear_attention": _no_padding_mask,
+        "indexed_attention": _indexed_mask,
     }
     # The cache argument is passed positionally: it is named past_key_values in transformers 5.17, cache in 5.2x.
     masks = {kind: builders[kind](config, h_BSH, None, None, position_ids=given) for kind in needed}
     rotary_ids = position_ids[None].expand(3, *position_ids.shape) if family_of(config).mrope else position_ids
     return LayerContext(position_ids, rotary_emb(h_BSH, rotary_ids), masks)
+
+
+def _indexed_mask(*args, **kwargs):
+    """DeepSeek-V3.2's mask, made as its model makes it: always a tensor (never skipped for SDPA's is_causal),
+    since the indexer scores keys against it and folds its top-k choice into it."""
+    return create_causal_mask(*args, allow_is_causal_skip=False, **kwargs)
 
 
 def _no_padding_mask(*args, **kwargs) -> None:

@@ -1,8 +1,8 @@
 """A Hugging Face MoE config.json read into the planner's vocabulary (pure Python; transformers is not imported).
 
-Supported ``model_type``s: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, glm4_moe, gpt_oss,
-qwen3_next, qwen3_5_moe (read through its ``text_config``), qwen3_5_moe_text, ernie4_5_moe, hunyuan_v1_moe, dots1
-and minimax_m2. Field names differ per family; the
+Supported ``model_type``s: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe,
+gpt_oss, qwen3_next, qwen3_5_moe (read through its ``text_config``), qwen3_5_moe_text, ernie4_5_moe, hunyuan_v1_moe,
+dots1 and minimax_m2. Field names differ per family; the
 maps below resolve them into ``model_fields``, the keyword arguments of ``model.ModelSpec``, into an
 ``AttentionSpec`` and, for the hybrid Qwen3-Next / Qwen3.5 layers, a ``LinearAttentionSpec``.
 """
@@ -24,6 +24,7 @@ SUPPORTED_TYPES = (
     "olmoe",
     "deepseek_v2",
     "deepseek_v3",
+    "deepseek_v32",
     "glm4_moe",
     "gpt_oss",
     "qwen3_next",
@@ -39,10 +40,10 @@ _QWEN_SHARED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # Layers alternate Gated DeltaNet linear attention and gated (sigmoid output gate) softmax attention with qk norm.
 _HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 # DeepSeek's MLP layout (moe_intermediate_size, n_shared_experts, dense first layers); GLM-4.5 shares it with GQA.
-_DEEPSEEK_MLP = ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1")
+_DEEPSEEK_MLP = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "dots1")
 _FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1, "dots1": 0}
 # Which layers route, read by the runtime's own rule (models.moe_pattern) for the families added with it.
-_PATTERN_RULE = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "qwen3_5_moe_text")
+_PATTERN_RULE = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "qwen3_5_moe_text", "deepseek_v32")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class AttentionSpec:
     qk_norm: Literal["", "head", "full"] = ""  # Qwen3: per-head RMSNorm; OLMoE: over the whole projection
     sinks: bool = False  # GPT-OSS learned attention sinks, one per head
     output_gate: bool = False  # Qwen3-Next / Qwen3.5: q_proj also gives a sigmoid gate on the attention output
+    # DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention): heads of this size scoring keys from the query
+    # latent; its parameters are counted, its FLOPs and the sparse core are costed as dense MLA (not yet specific)
+    indexer_heads: int = 0
+    indexer_head_dim: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,8 @@ def _attention(cfg: dict[str, Any], model_type: str) -> AttentionSpec:
             qk_rope_head_dim=rope,
             qkv_bias=bool(cfg.get("attention_bias", False)),
             o_bias=bool(cfg.get("attention_bias", False)),
+            indexer_heads=_int(cfg, "index_n_heads", default=0) if model_type == "deepseek_v32" else 0,
+            indexer_head_dim=_int(cfg, "index_head_dim", default=0) if model_type == "deepseek_v32" else 0,
         )
     head_dim = _int(cfg, "head_dim", default=hidden // heads)
     if model_type == "qwen2_moe":

@@ -325,4 +325,6 @@ def _mla_params(a: AttentionSpec, h: int) -> int:
     kv_down = h * (a.kv_lora_rank + a.qk_rope_head_dim) + (a.kv_lora_rank + a.qk_rope_head_dim) * a.qkv_bias
     kv_up = a.kv_lora_rank * a.num_heads * (a.head_dim - a.qk_rope_head_dim + a.v_head_dim) + a.kv_lora_rank
     o = a.num_heads * a.v_head_dim * h + (h if a.o_bias else 0)
-    return q + q_bias + kv_down + kv_up + o
+    d = a.indexer_head_dim  # DeepSeek-V3.2's indexer: wq_b from the query latent, wk, its LayerNorm, weights_proj
+    indexer = a.q_lora_rank * a.indexer_heads * d + h * d + 2 * d + h * a.indexer_heads if a.indexer_heads else 0
+    return q + q_bias + kv_down + kv_up + o + indexer
