@@ -26,6 +26,18 @@ DEEPSEEK_MOE = dict(
     num_experts_per_tok=2,
     first_k_dense_replace=1,
 )
+# DeepSeek-V3 (V3.2 adds its indexer): MLA with a query LoRA, grouped top-k.
+DEEPSEEK_V3 = dict(
+    **{**COMMON, "num_key_value_heads": 4},
+    **DEEPSEEK_MOE,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    n_group=2,
+    topk_group=1,
+)
 # Qwen3-Next / Qwen3.5-MoE: linear (Gated DeltaNet) and full (gated) attention layers alternate, every second one
 # full; a sigmoid-gated shared expert. Partial rotary (HF's default factor 0.25) on the full layers' head_dim 16.
 HYBRID = dict(
@@ -75,33 +87,10 @@ FAMILIES = {
         v_head_dim=16,
         topk_method="greedy",
     ),
-    "tiny-deepseek-v3": tf.DeepseekV3Config(
-        **{**COMMON, "num_key_value_heads": 4},
-        **DEEPSEEK_MOE,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-        n_group=2,
-        topk_group=1,
-    ),
+    "tiny-deepseek-v3": tf.DeepseekV3Config(**DEEPSEEK_V3),
     # DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention, a lightning indexer choosing each query's top
     # index_topk keys (4 of up to 16 here, so the tests' sequences are really sparse).
-    "tiny-deepseek-v32": tf.DeepseekV32Config(
-        **{**COMMON, "num_key_value_heads": 4},
-        **DEEPSEEK_MOE,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-        n_group=2,
-        topk_group=1,
-        index_topk=4,
-        index_n_heads=2,
-        index_head_dim=16,
-    ),
+    "tiny-deepseek-v32": tf.DeepseekV32Config(**DEEPSEEK_V3, index_topk=4, index_n_heads=2, index_head_dim=16),
     "tiny-gpt-oss": tf.GptOssConfig(
         **COMMON,
         intermediate_size=32,
