@@ -18,9 +18,10 @@ from disagmoe_ds.planner.cluster import Cluster, Efficiency, Rates, preset
 from disagmoe_ds.planner.colocated_costs import alltoall_s
 from disagmoe_ds.planner.gemm_efficiency import expert_efficiency, shape_rates
 from disagmoe_ds.planner.memory import Precision, Workload, baseline_rank_memory
-from disagmoe_ds.planner.model import ModelSpec, load_model_spec
+from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.pipeline_split import chunk_sizes
 from disagmoe_ds.planner.variants import PAPER, VARIANTS
+from tests.test_planner import mid_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "hf_models"
@@ -145,23 +146,6 @@ def small_cluster() -> Cluster:
         nics_per_node=4,
         nic_bw=5e9,
     )
-
-
-def mid_model() -> ModelSpec:
-    cfg = {
-        "model_type": "qwen3_moe",
-        "hidden_size": 1024,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "vocab_size": 32000,
-        "intermediate_size": 4096,
-        "moe_intermediate_size": 512,
-        "num_experts": 16,
-        "num_experts_per_tok": 4,
-    }
-    return ModelSpec.from_config(cfg)
 
 
 def test_more_variants_never_give_a_slower_af_pipe_plan():

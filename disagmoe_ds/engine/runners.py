@@ -44,9 +44,10 @@ from disagmoe_ds.models.parts import (
     AttentionStage,
     ExpertStage,
     LayerContext,
+    RouterStats,
     balance_per_layer,
-    layer_balance_loss,
     router_stats,
+    switch_loss,
 )
 
 Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction
@@ -269,7 +270,7 @@ class AttentionRunner:
             if self.aux_coef is not None:
                 stats = router_stats(out.router_logits_TE, self.top_k)
                 if self.per_layer_aux:
-                    chunk.layer_aux = layer_balance_loss(stats) / sum(self.moe_layers)
+                    chunk.layer_aux = switch_loss(stats) / sum(self.moe_layers)
                     self.stats.add_layer_aux(self.aux_coef, chunk.layer_aux)
                 else:
                     chunk.prob_sum_E = stats.prob_sum_E
@@ -353,7 +354,7 @@ class AttentionRunner:
         chunk.aux_grad_E = torch.zeros_like(counts_E)
         if self.aux_coef is not None and not self.per_layer_aux:  # per layer: each layer's term is its own
             rows = h_BSH.shape[0] * h_BSH.shape[1] * sum(self.moe_layers)
-            aux = (counts_E / rows * probs_E / rows).sum() * self.num_experts
+            aux = switch_loss(RouterStats(counts_E, probs_E, rows))  # every MoE layer's rows pooled, as HF does
             chunk.aux_grad_E = self.aux_coef * self.num_experts * counts_E / rows**2 / self.K
             loss = loss + self.aux_coef * aux
         self.stats.add(loss, lm_loss, aux)

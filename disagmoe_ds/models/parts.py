@@ -219,15 +219,15 @@ def router_stats(logits_TE: torch.Tensor, top_k: int) -> RouterStats:
 def aux_loss_from_stats(stats: list[RouterStats], *, per_layer: bool = False) -> torch.Tensor:
     """HF's loss over the layers' rows pooled; ``per_layer``: the mean of each layer's own (``balance_per_layer``)."""
     if per_layer:
-        return torch.stack([layer_balance_loss(s) for s in stats]).mean()
-    rows = sum(s.rows for s in stats)
+        return torch.stack([switch_loss(s) for s in stats]).mean()
     counts_E = torch.stack([s.counts_E for s in stats]).sum(0)
     prob_sum_E = torch.stack([s.prob_sum_E for s in stats]).sum(0)
-    return (counts_E / rows * prob_sum_E / rows).sum() * counts_E.numel()
+    return switch_loss(RouterStats(counts_E, prob_sum_E, sum(s.rows for s in stats)))
 
 
-def layer_balance_loss(stats: RouterStats) -> torch.Tensor:
-    """One layer's Switch loss on its own rows: HF's ``load_balancing_loss_func`` given that layer alone."""
+def switch_loss(stats: RouterStats) -> torch.Tensor:
+    """The Switch loss of ``stats``' rows, ``E * sum_e (counts_e / R) * (probs_e / R)``: HF's
+    ``load_balancing_loss_func`` given those rows alone (one layer's, or several layers' pooled)."""
     return (stats.counts_E / stats.rows * stats.prob_sum_E / stats.rows).sum() * stats.counts_E.numel()
 
 
