@@ -72,15 +72,14 @@ def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _unflatten(key: Any, tensors: Iterator[torch.Tensor]) -> Any:
     """The inverse of ``_flatten``: the structure ``key`` describes, with the next of ``tensors`` at each tensor."""
-    if not isinstance(key, tuple) or not key:
+    if not isinstance(key, tuple):  # a leaf, given by value
         return key
-    if key[0] == _TENSOR:
+    kind = key[0]
+    if kind == _TENSOR:
         return next(tensors)
-    if key[0] is dict:
+    if kind is dict:
         return {k: _unflatten(v, tensors) for k, v in key[1]}
-    if key[0] in (tuple, list):
-        return key[0](_unflatten(x, tensors) for x in key[1])
-    return key  # a tuple given as a value
+    return kind(_unflatten(x, tensors) for x in key[1])  # a tuple or a list
 
 
 @dataclass(eq=False)
