@@ -54,6 +54,7 @@ from disagmoe_ds.comm import (
     plan_dispatch,
 )
 from disagmoe_ds.comm.exchange import static_sizes
+from disagmoe_ds.comm.messages import Dims
 from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.layout import Layout
 
@@ -107,9 +108,8 @@ class ExchangeSide:
         comms = build_exchange_comms(self.layout, transport, device=device, headerless=one_ep_rank)
         exact = Capacity.initial(tokens=args.tokens, top_k=args.top_k, ep_size=1, experts_per_rank=1, factor=1.0)
         self.capacity = exact if one_ep_rank else None
-        specs = exchange_specs(
-            args.hidden, args.top_k, args.experts, self.layout.ep_size, dtype=args.dtype, weight_dtype=WEIGHT_DTYPE
-        )
+        dims = Dims(args.hidden, args.top_k, args.experts, self.layout.ep_size, args.dtype, WEIGHT_DTYPE)
+        specs = exchange_specs(dims)
         stream = CommStream(device)  # receives on a side stream, as the runtime does on GPUs
         self.tag = 0
         m2n_send = torch.zeros(world, dtype=torch.int64)  # payload bytes this rank sends to each rank

@@ -28,8 +28,10 @@ and prints tokens/s, TFLOP/s, MFU (model FLOPs, Megatron convention: active expe
 training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs) and each path's tokens/s over
 hf-compiled's at the same model and sequence length (``vs_hf_compiled`` in the JSON; null, printed ``-``, when
 hf-compiled did not run), and on CUDA the peak memory of the path's steps and the activations one step holds for
-its backward (``HeldActivations``). ``--json`` writes the rows, rewritten after every row so that a run cut short
-keeps what it measured; ``--profile`` prints the top CUDA kernels of every path (to compare them kernel by kernel).
+its backward (``HeldActivations``), and the share of the timed step the GPU sat idle waiting for the host
+(``idle``: against the same steps queued behind a GPU sleep, ``queued_ahead_seconds``). ``--json`` writes the
+rows, rewritten after every row so that a run cut short keeps what it measured; ``--profile`` prints the top CUDA
+kernels of every path (to compare them kernel by kernel).
 
 A path that cannot run (a layer that does not compile, out of memory) is a row marked failed with its error's
 first line (the traceback goes to stderr); the other paths still run, and the exit code is 1.
@@ -242,6 +244,24 @@ def time_step(step, *args, warmup: int, iters: int, device: str, windows: int = 
     return statistics.median(times)
 
 
+def queued_ahead_seconds(step, *args, iters: int, sleep_cycles: int = 2_000_000_000) -> float | None:
+    """Seconds per ``step(*args)`` with the host far ahead: the steps are queued behind a GPU sleep (about a second)
+    and timed from its end, so the GPU never waits for a launch; None if the host did not finish queueing before
+    the sleep ended (a step that syncs with the device, or a sleep too short). The timed step's time less this is
+    the time the GPU sat idle waiting for the host (``idle``), measured without a profiler (which slows replayed
+    CUDA graphs, section 14 of docs/performance.md)."""
+    torch.cuda.synchronize()
+    slept, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(sleep_cycles)
+    slept.record()
+    for _ in range(iters):
+        step(*args)
+    end.record()
+    ahead = not slept.query()
+    torch.cuda.synchronize()
+    return slept.elapsed_time(end) / 1e3 / iters if ahead else None
+
+
 def first_line(error: BaseException) -> str:
     """``Type: first line of the message``; dynamo's ``backend='inductor' raised:`` wrapper adds the line after it."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -318,7 +338,7 @@ def bench_model(
     for name in paths:
         row = {"model": Path(model_dir).name, "seq_len": seq_len, "batch": batch, "path": name}
         row.update(ms=None, tokens_per_s=None, tflops=None, mfu=None, vs_hf_compiled=None, error=None)
-        row.update(peak_gib=None, held_gib=None)
+        row.update(peak_gib=None, held_gib=None, idle=None)
         step = args = None
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -328,6 +348,8 @@ def bench_model(
             tflops = flops_per_token * tokens / seconds / 1e12
             row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds, tflops=tflops, mfu=tflops / PEAK_TFLOPS)
             if device == "cuda":
+                ahead = queued_ahead_seconds(step, *args, iters=iters)
+                row["idle"] = None if ahead is None else max(seconds - ahead, 0.0) / seconds
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 row["held_gib"] = HeldActivations.measure(step, args)
             if profile and device == "cuda":
@@ -406,7 +428,7 @@ def print_profile(step, args, step_ms: float | None = None, top: int = 25) -> No
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'model':<18}{'seq':>6}{'path':>19}{'ms':>10}{'tok/s':>12}{'TFLOP/s':>10}{'MFU':>7}{'vs hf-compiled':>16}"
-        f"{'peak GiB':>10}{'held GiB':>10}"
+        f"{'peak GiB':>10}{'held GiB':>10}{'idle':>7}"
     )
     print(header)
     for r in rows:
@@ -416,8 +438,9 @@ def print_table(rows: list[dict]) -> None:
             continue
         ratio = f"{r['vs_hf_compiled']:>15.2f}x" if r["vs_hf_compiled"] else f"{'-':>16}"
         peak = "".join(f"{r[k]:>10.2f}" if r[k] is not None else f"{'-':>10}" for k in ("peak_gib", "held_gib"))
+        idle = f"{r['idle']:>7.1%}" if r["idle"] is not None else f"{'-':>7}"
         print(
-            f"{prefix}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.1f}{r['mfu']:>7.1%}{ratio}{peak}",
+            f"{prefix}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.1f}{r['mfu']:>7.1%}{ratio}{peak}{idle}",
             flush=True,
         )
 

@@ -13,7 +13,16 @@ from datetime import timedelta
 import pytest
 import torch
 
-from disagmoe_ds.comm import LaneRows, RendezvousTransport, build_exchange_comms
+from disagmoe_ds.comm import (
+    ExpertOut,
+    ExpertOutGrad,
+    RendezvousTransport,
+    Residual,
+    ResidualGrad,
+    TokenGrads,
+    Tokens,
+    build_exchange_comms,
+)
 from disagmoe_ds.comm.exchange import ffn_lanes
 from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.engine.mailbox import Mailbox
@@ -55,52 +64,51 @@ class FakeRank:
     def payload(self, kind: str, layer: int, mb: int):
         lane = self.role.index
         if kind == "m2n":
-            msgs = [
-                (
+            return [
+                Tokens(
                     tokens(layer, mb, lane, e),
                     torch.zeros(rows(layer, mb, lane, e), K, dtype=torch.int64),
                     torch.ones(rows(layer, mb, lane, e), K),
+                    rows(layer, mb, lane, e) * K,  # pairs: every id is local
                 )
                 for e in range(self.P)
             ]
-            return msgs, tuple(rows(layer, mb, lane, e) * K for e in range(self.P))  # pairs: every id is local
         if kind == "resid":
             sizes = tuple(rows(layer, mb, lane, e) for e in range(self.P)) if self.moe[layer] else (-1,) * self.P
             idx = torch.arange(sum(max(s, 0) for s in sizes), dtype=torch.int64)
             zeros_e = torch.zeros(E)
-            return (residual(layer, mb, lane), idx, torch.arange(T), zeros_e, zeros_e), sizes
+            return Residual(residual(layer, mb, lane), idx, torch.arange(T), zeros_e, zeros_e, sizes)
         if kind == "resid_grad":  # sent by A_bwd(layer): the grad of resid (layer - 1)
-            return residual(layer - 1, mb, lane) * 7, torch.ones(E)
+            return ResidualGrad(residual(layer - 1, mb, lane) * 7, torch.ones(E))
         if kind == "n2m_grad":  # sent by A_bwd(layer) for MoE layer - 1
-            return [(tokens(layer - 1, mb, lane, e) * 6,) for e in range(self.P)], None
+            return [ExpertOutGrad(tokens(layer - 1, mb, lane, e) * 6) for e in range(self.P)]
         e = self.role.ep_rank  # F side: rows of every lane it serves, in lane order
         x = torch.cat([tokens(layer, mb, j, e) for j in self.lanes])
-        lane_rows = LaneRows((), tuple(rows(layer, mb, j, e) for j in self.lanes))
+        counts = [rows(layer, mb, j, e) for j in self.lanes]
         if kind == "n2m":
-            return (x * 2,), lane_rows
-        return (x * 5, torch.ones(x.shape[0], K) * 5), lane_rows  # m2n_grad
+            return ExpertOut(x * 2).split(counts)
+        return TokenGrads(x * 5, torch.ones(x.shape[0], K) * 5).split(counts)  # m2n_grad
 
     def check(self, kind: str, layer: int, mb: int, got) -> None:
         lane, e = self.role.index, self.role.ep_rank
         if kind == "m2n":
             routed, lane_rows = got
             want = torch.cat([tokens(layer, mb, j, e) for j in self.lanes])
-            assert torch.equal(routed.x_RH, want) and routed.num_pairs == K * sum(lane_rows.counts), (kind, layer, mb)
+            assert torch.equal(routed.x_RH, want) and routed.pairs == K * sum(lane_rows.counts), (kind, layer, mb)
         elif kind == "n2m_grad":  # src layer is layer + 1
-            (dy,), _ = got
+            grad, _ = got
             want = torch.cat([tokens(layer - 1, mb, j, e) * 6 for j in self.lanes])
-            assert torch.equal(dy, want), (kind, layer, mb)
+            assert torch.equal(grad.dy_RH, want), (kind, layer, mb)
         elif kind == "n2m":
-            assert all(torch.equal(y, tokens(layer, mb, lane, p) * 2) for p, (y,) in enumerate(got)), (kind, layer)
+            assert all(torch.equal(out.y_RH, tokens(layer, mb, lane, p) * 2) for p, out in enumerate(got)), kind
         elif kind == "m2n_grad":
-            assert all(torch.equal(dx, tokens(layer, mb, lane, p) * 5) for p, (dx, _) in enumerate(got)), kind
+            assert all(torch.equal(g.dx_RH, tokens(layer, mb, lane, p) * 5) for p, g in enumerate(got)), kind
         elif kind == "resid":
-            (res, idx, *_), sizes = got
             want = tuple(rows(layer, mb, lane, p) for p in range(self.P)) if self.moe[layer] else (-1,) * self.P
-            assert torch.equal(res, residual(layer, mb, lane)) and tuple(sizes) == want
-            assert idx.numel() == sum(max(s, 0) for s in want)
+            assert torch.equal(got.residual_TH, residual(layer, mb, lane)) and got.rows_P == want
+            assert got.token_idx_S.numel() == sum(max(s, 0) for s in want)
         else:  # resid_grad, sent by A_bwd(layer)
-            assert torch.equal(got[0], residual(layer - 1, mb, lane) * 7), (kind, layer, mb)
+            assert torch.equal(got.d_residual_TH, residual(layer - 1, mb, lane) * 7), (kind, layer, mb)
         self.checked += 1
 
 
@@ -166,4 +174,8 @@ def test_every_message_arrives_exactly_under_rendezvous(shape, micro_batches, mo
     lanes = shape[0] // p
     per_lane = 2 * moe_layers + (2 * len(moe) if p > 1 else 0)
     assert sum(checked[: shape[0]]) == 2 * micro_batches * lanes * per_lane
-    assert all(c > 0 for c in checked[shape[0] :] if c) and sum(checked[shape[0] :]) > 0
+    # each F rank of group g: m2n and n2m_grad per micro-batch and step for each of g's MoE layers
+    ffn_per_group = shape[1] // p
+    for f, got in enumerate(checked[shape[0] :]):
+        group_moe = sum(moe[layer] for layer in range(f // ffn_per_group, len(moe), p))
+        assert got == 2 * micro_batches * 2 * group_moe, (f, got)

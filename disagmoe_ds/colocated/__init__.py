@@ -8,7 +8,6 @@ runtime whose ``executor.train_batch(batches)`` gives the same ``StepResult`` as
 from disagmoe_ds.colocated.build import ColocatedRuntime, build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.dispatch import AllToAllDispatcher, DispatchMetadata, LocalDispatcher
 from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout
-from disagmoe_ds.comm.routing import RoutedTokens
 
 __all__ = [
     "AllToAllDispatcher",
@@ -17,7 +16,6 @@ __all__ = [
     "ColocatedRuntime",
     "DispatchMetadata",
     "LocalDispatcher",
-    "RoutedTokens",
     "build_colocated_rank",
     "preflight_colocated",
 ]

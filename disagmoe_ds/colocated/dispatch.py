@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.comm.routing import DispatchPlan, RoutedTokens, combine, gather_rows, plan_dispatch
+from disagmoe_ds.comm.messages import Tokens
+from disagmoe_ds.comm.routing import DispatchPlan, combine, gather_rows, plan_dispatch
 from disagmoe_ds.errors import LayoutError
 
 
@@ -75,13 +76,14 @@ class LocalDispatcher:
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_w_TK: torch.Tensor, topk_idx_TK: torch.Tensor
-    ) -> tuple[RoutedTokens, DispatchMetadata]:
+    ) -> tuple[Tokens, DispatchMetadata]:
         """Route this rank's tokens to the ep ranks holding their experts; returns the rows this rank computes."""
         plan = plan_dispatch(topk_idx_TK, self.ep_size, self.experts_per_rank)
         x_SH, w_SK = gather_rows(x_TH, topk_w_TK, plan)
         recv_counts, recv_pairs = self._exchange_counts(plan.counts, plan.pairs, x_TH.device)
-        x_RH, w_RK, local_idx_RK = self._exchange(plan.counts, recv_counts, x_SH, w_SK, plan.local_idx_SK)
-        return RoutedTokens(x_RH, local_idx_RK, w_RK, sum(recv_pairs)), DispatchMetadata(plan, recv_counts)
+        sent = Tokens(x_SH, plan.local_idx_SK, w_SK)
+        received = Tokens.from_wire(self._exchange(plan.counts, recv_counts, *sent.tensors()), [sum(recv_pairs)])
+        return received, DispatchMetadata(plan, recv_counts)
 
     def combine(self, y_RH: torch.Tensor, meta: DispatchMetadata) -> torch.Tensor:
         """Return each received row's expert output to its source rank and sum them per token: out_TH."""

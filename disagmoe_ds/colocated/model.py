@@ -178,7 +178,7 @@ class ColocatedModel(nn.Module):
             stats.append(router_stats(out.router_logits_TE, part.router.top_k))
             routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
             shard = self.graphs.shard(self.experts.stage, layer)
-            y_RH = shard(routed.x_RH, routed.local_idx_RK, routed.w_RK, routed.num_pairs)
+            y_RH = shard(*routed.shard_args)
             h_BSH = out.residual_BSH + self.dispatcher.combine(y_RH, meta).view_as(out.residual_BSH)
         _, lm_loss = self.graphs.head_of(self.attention)(h_BSH, labels)
         if self.aux_coef is None:

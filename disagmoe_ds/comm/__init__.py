@@ -1,5 +1,5 @@
-"""Token exchange between A-groups and F-groups: local pack (routing), transport, fan-out/fan-in (channel), who
-talks to whom on which communicator (exchange).
+"""Token exchange between A-groups and F-groups: local pack (routing), the typed messages (messages), transport,
+fan-out/fan-in (channel), who talks to whom on which communicator (exchange).
 
 Only ``transport``, ``channel`` and ``exchange`` communicate; ``routing`` is pure torch.
 """
@@ -16,7 +16,17 @@ from disagmoe_ds.comm.exchange import (
     endpoint,
     exchange_specs,
 )
-from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, RoutedTokens, combine, pack, plan_dispatch
+from disagmoe_ds.comm.messages import (
+    Dims,
+    ExpertOut,
+    ExpertOutGrad,
+    Message,
+    Residual,
+    ResidualGrad,
+    TokenGrads,
+    Tokens,
+)
+from disagmoe_ds.comm.routing import CombinePlan, DispatchPlan, combine, pack, plan_dispatch
 from disagmoe_ds.comm.transport import (
     Op,
     RendezvousTransport,
@@ -28,6 +38,14 @@ from disagmoe_ds.comm.transport import (
 
 __all__ = [
     "ChannelError",
+    "Dims",
+    "ExpertOut",
+    "ExpertOutGrad",
+    "Message",
+    "Residual",
+    "ResidualGrad",
+    "TokenGrads",
+    "Tokens",
     "CombinePlan",
     "CommStream",
     "DispatchPlan",
@@ -39,7 +57,6 @@ __all__ = [
     "MessageSpec",
     "Op",
     "RendezvousTransport",
-    "RoutedTokens",
     "TensorSpec",
     "TorchTransport",
     "Transport",

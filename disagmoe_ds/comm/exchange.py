@@ -36,7 +36,17 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.comm.channel import CommStream, FanIn, FanOut, Headers, MessageSpec, TensorSpec
+from disagmoe_ds.comm.channel import CommStream, FanIn, FanOut, Headers, MessageSpec
+from disagmoe_ds.comm.messages import (
+    Dims,
+    ExpertOut,
+    ExpertOutGrad,
+    Message,
+    Residual,
+    ResidualGrad,
+    TokenGrads,
+    Tokens,
+)
 from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.comm.transport import Comm, Transport, new_host_group
 from disagmoe_ds.layout import Layout
@@ -195,50 +205,23 @@ def build_exchange_comms(
     return ExchangeComms(layout, rank, transport, MappingProxyType(mine), MappingProxyType(headers), headerless)
 
 
-# ----- message specs -----
-def exchange_specs(
-    hidden: int,
-    top_k: int,
-    num_experts: int,
-    ep_size: int,
-    *,
-    dtype: torch.dtype,
-    weight_dtype: torch.dtype,
-    resend: bool = False,
-) -> dict[Kind, MessageSpec]:
-    """The message of each kind. Sizes: R rows (M2N/N2M kinds); T tokens and S routed rows (resid kinds).
+# ----- message types -----
+MESSAGE_TYPES: Mapping[Kind, type[Message]] = MappingProxyType(
+    {
+        Kind.M2N: Tokens,
+        Kind.N2M: ExpertOut,
+        Kind.RESID: Residual,
+        Kind.M2N_GRAD: TokenGrads,
+        Kind.N2M_GRAD: ExpertOutGrad,
+        Kind.RESID_GRAD: ResidualGrad,
+    }
+)
 
-    Args:
-        hidden: H.
-        top_k: K.
-        num_experts: E (the router statistics carried along the residual stream).
-        ep_size: P; the resid header carries the combine plan's rows per ep rank (P ints).
-        resend: n2m_grad carries the m2n message again (``DisagMoEConfig.resend``); with p > 1 resid carries it to
-            A_next, which sends n2m_grad (every ep rank's rows concatenated, split by the header's rows per ep rank).
-        dtype: activations (bf16 in training).
-        weight_dtype: router weights (often fp32 while activations are bf16).
-    """
-    rows_h = TensorSpec(dtype, (hidden,))
-    rows_w = TensorSpec(weight_dtype, (top_k,))
-    fixed_e = TensorSpec(torch.float32, (num_experts,), size=None)
-    m2n = (rows_h, TensorSpec(torch.int64, (top_k,)), rows_w)  # x_RH, local_idx_RK, w_RK
-    routed_s = tuple(TensorSpec(t.dtype, t.shape, size=1) for t in m2n)  # the same, S rows (every ep rank's)
-    resid = (rows_h, TensorSpec(torch.int64, (), size=1), TensorSpec(torch.int64, ()), fixed_e, fixed_e)
-    specs = {
-        Kind.M2N: m2n,
-        Kind.N2M: (rows_h,),  # y_RH
-        # residual_TH, token_idx_S (the combine plan), position_ids_T, counts_E, prob_sum_E (+ the m2n messages)
-        Kind.RESID: (*resid, *routed_s) if resend else resid,
-        Kind.M2N_GRAD: (rows_h, rows_w),  # dx_RH, dw_RK
-        Kind.N2M_GRAD: (rows_h, *m2n) if resend else (rows_h,),  # dy_RH (+ the m2n message again)
-        Kind.RESID_GRAD: (rows_h, fixed_e),  # d residual_TH, aux_grad_E
-    }
-    metas = {Kind.RESID: ep_size}
-    coalesced = {Kind.M2N, Kind.M2N_GRAD, Kind.N2M_GRAD}  # A<->F messages of several row tensors: one buffer each
-    return {
-        kind: MessageSpec(t, name=kind.value, metas=metas.get(kind, 1), coalesced=kind in coalesced and len(t) > 1)
-        for kind, t in specs.items()
-    }
+
+def exchange_specs(dims: Dims, *, resend: bool = False) -> dict[Kind, MessageSpec]:
+    """The wire spec of each kind, derived from its message type (``comm.messages``); ``resend`` adds the variants
+    that carry the tokens again (n2m_grad, and resid with p > 1)."""
+    return {kind: message.spec(dims, resend=resend) for kind, message in MESSAGE_TYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -57,18 +57,6 @@ class DispatchPlan:
 
 
 @dataclass(frozen=True, eq=False)
-class RoutedTokens:
-    """The rows an expert shard computes, in both modes: from every ep peer (co-located) or every lane it serves
-    (disaggregated), grouped by source."""
-
-    x_RH: torch.Tensor
-    local_idx_RK: torch.Tensor  # ids local to the shard; ``experts_per_rank`` where the expert is elsewhere
-    w_RK: torch.Tensor  # 0 at those sentinel entries
-    num_pairs: int  # ids in local_idx_RK that are not the sentinel: the expert work, known on the host
-    bounded: bool = False  # num_pairs is only an upper bound (messages padded to a ``Capacity``)
-
-
-@dataclass(frozen=True, eq=False)
 class CombinePlan:
     """What ``combine`` needs of a dispatch plan; A_next rebuilds it from the resid message without a host sync."""
 

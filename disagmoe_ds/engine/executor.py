@@ -21,10 +21,10 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from disagmoe_ds.comm.routing import Capacity, pads
 from disagmoe_ds.engine import instructions as ins
 from disagmoe_ds.engine.deepspeed_role import GradNorm, discard_gradients, zero_grads_of_untouched
-from disagmoe_ds.engine.mailbox import Mailbox, message_key
+from disagmoe_ds.engine.mailbox import Key, Mailbox
 from disagmoe_ds.engine.offload import ActivationOffloader
 from disagmoe_ds.launch.watchdog import StallWatch
-from disagmoe_ds.schedule import TimelineEvent
+from disagmoe_ds.schedule import Task, TimelineEvent
 
 _CATEGORY = {
     ins.PostRecv: "recv",
@@ -83,8 +83,8 @@ class AFPipeExecutor:
         self.timeline: list[TimelineEvent] | None = None
         self.stall_watch = StallWatch.before_timeout(comm_timeout_s)  # this rank's stacks if an instruction stalls
         self.reruns = 0  # steps run again at a larger exchange capacity, in all
-        self._incoming: dict[tuple[str, int, int], dict[str, Any]] = defaultdict(dict)
-        self._outgoing: dict[tuple[str, int, int], Any] = {}
+        self._incoming: dict[Task, dict[str, Any]] = defaultdict(dict)  # by the task that reads them, then kind
+        self._outgoing: dict[Key, Any] = {}  # made by a compute, not sent yet
 
     def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
         """Compile and load this rank's compiled kernels before the first step (``compile`` jobs): a kernel loaded
@@ -167,15 +167,14 @@ class AFPipeExecutor:
         self.mailbox.post(message)
 
     def _exec_wait_recv(self, message) -> None:
-        dst = message.dst
-        self._incoming[(dst.kind, dst.layer, dst.micro_batch)][message.kind] = self.mailbox.wait(message)
+        self._incoming[message.dst][message.kind] = self.mailbox.wait(message)
 
     def _exec_send(self, message) -> None:
-        self.mailbox.send(message, self._outgoing.pop(message_key(message)))
+        self.mailbox.send(message, self._outgoing.pop(message.key))
 
     # ----- compute -----
     def _compute(self, kind: str, fn, layer: int, micro_batch: int) -> None:
-        incoming = self._incoming.pop((kind, layer, micro_batch), {})
+        incoming = self._incoming.pop(Task(kind, layer, micro_batch), {})
         with self._offloading(kind, layer, micro_batch):
             outgoing = fn(layer, micro_batch, incoming)
         for msg_kind, payload in outgoing.items():

@@ -15,16 +15,10 @@ order; the mailbox adds what makes that safe and fast under rendezvous:
   before anything that may block the host. Sent late, a message leaves from a side stream after the compute that
   made it, not after the compute queued since.
 
-Payloads at the runner boundary (shape suffixes: T tokens, H hidden, K top-k, E experts, R/S rows, P ep ranks):
-
-    m2n        A sends ([(x_RH, local_idx_RK, w_RK)] per ep rank, pairs_P)   F gets (RoutedTokens, LaneRows)
-    n2m        F sends ((y_SH,), LaneRows)                                   A gets [(y_RH,)] per ep rank
-    m2n_grad   F sends ((dx_SH, dw_SK), LaneRows)                            A gets [(dx_RH, dw_RK)] per ep rank
-    n2m_grad   A sends ([(dy_RH,)] per ep rank, None)                        F gets ((dy_SH,), LaneRows)
-               with resend: (dy_RH, x_RH, local_idx_RK, w_RK) per ep rank    F gets ((dy, x, idx, w)_S, LaneRows)
-    resid      ((residual_TH, token_idx_S, position_ids_T, counts_E, prob_sum_E), rows_P)   the same
-               with resend: (..., x_SH, local_idx_SK, w_SK), every ep rank's m2n rows
-    resid_grad (d_residual_TH, aux_grad_E)                                                   the same
+Payloads at the runner boundary are the typed messages of ``comm.messages``: a runner sends one per peer (a
+list; one message for the residual kinds, which have one peer) and gets one per peer on the A side (per ep rank;
+the residual kinds' one message), or, on the F side, every lane's message gathered with the ``LaneRows`` that
+split its answer.
 """
 
 from __future__ import annotations
@@ -38,17 +32,14 @@ from typing import Any
 import torch
 
 from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn, FanOut
-from disagmoe_ds.comm.exchange import ExchangeComms, Kind, LaneRows, exchange_specs, static_sizes
-from disagmoe_ds.comm.routing import Capacity, RoutedTokens, pads
+from disagmoe_ds.comm.exchange import A_TO_A, MESSAGE_TYPES, ExchangeComms, Kind, LaneRows, exchange_specs, static_sizes
+from disagmoe_ds.comm.messages import Dims, Message, Tokens
+from disagmoe_ds.comm.routing import Capacity, pads
 from disagmoe_ds.engine.later import Later, made
-from disagmoe_ds.schedule import Message
+from disagmoe_ds.schedule import Message as Scheduled
 
-Key = tuple[str, int, int]  # (kind, layer of the sending task, micro-batch)
+Key = tuple[str, int, int]  # ``Scheduled.key``: (kind, layer of the sending task, micro-batch)
 _HEADED = ("m2n", "resid")  # the kinds whose sizes need a header, except at a fixed capacity (``static_sizes``)
-
-
-def message_key(message: Message) -> Key:
-    return (message.kind, message.src.layer, message.src.micro_batch)
 
 
 def _tag(key: Key) -> int:
@@ -111,12 +102,12 @@ class Mailbox:
         layout, rank = comms.layout, comms.rank
         if comms.headerless and capacity is None:
             raise ValueError("header-less exchanges need the capacity that sizes their messages")
-        specs = exchange_specs(
-            hidden, top_k, layout.num_experts, layout.ep_size, dtype=dtype, weight_dtype=weight_dtype, resend=resend
-        )
+        dims = Dims(hidden, top_k, layout.num_experts, layout.ep_size, dtype, weight_dtype)
+        specs = exchange_specs(dims, resend=resend)
         stream = CommStream(device, enabled=comm_stream)
         self.depth = layout.depth
-        if layout.role_of(rank).is_attention:
+        self._attention = layout.role_of(rank).is_attention
+        if self._attention:
             sends, receives = [Kind.M2N, Kind.N2M_GRAD], [Kind.N2M, Kind.M2N_GRAD]
             if layout.depth > 1:  # resid first: ``pump`` learns n2m's sizes from its headers
                 sends, receives = [*sends, Kind.RESID, Kind.RESID_GRAD], [Kind.RESID, Kind.RESID_GRAD, *receives]
@@ -128,23 +119,23 @@ class Mailbox:
         self.capacity = capacity  # grown between steps by the executor when a step outgrew it
         self._ep_size, self._moe_layers = layout.ep_size, tuple(moe_layers)
         # Sends not made yet, in schedule order, each with the point of the compute stream that produced it.
-        self._queued: deque[tuple[Message, Any, torch.cuda.Event | None]] = deque()
+        self._queued: deque[tuple[Scheduled, Any, torch.cuda.Event | None]] = deque()
         cuda = device.type == "cuda"
         self._send_stream = torch.cuda.Stream(device) if cuda else None
         self._waits_block_host = not cuda  # NCCL waits are the compute stream's; gloo's block the host
         self._sends = self._receives = self._size_waits = 0
 
     # ----- the schedule's verbs -----
-    def post(self, message: Message) -> None:
+    def post(self, message: Scheduled) -> None:
         """Expect ``message`` (its header receives go out now); its payload receive is posted once sizes are known."""
-        key = message_key(message)
+        key = message.key
         inbox = self._in[message.kind]
         inbox.pending.append((key, inbox.fan_in.expect(_tag(key))))
         self.pump()
 
-    def wait(self, message: Message) -> Any:
+    def wait(self, message: Scheduled) -> Any:
         """The payload of ``message``; posts it (and the older messages of its channel) first if not yet posted."""
-        key = message_key(message)
+        key = message.key
         inbox = self._in[message.kind]
         keys = [k for k, _ in inbox.pending]
         if key not in keys:
@@ -165,7 +156,7 @@ class Mailbox:
         whole, per_peer = inbox.fan_in.complete(arrival)
         return self._unpack(message.kind, arrival, whole, per_peer)
 
-    def send(self, message: Message, payload: Any) -> None:
+    def send(self, message: Scheduled, payload: Any) -> None:
         """Send ``payload`` now, or queue it (a ``Later`` whose sizes are not on the host yet, or anything behind
         one): ``pump`` sends the queue in order as it becomes ready."""
         if self._queued or (isinstance(payload, Later) and not payload.ready()):
@@ -174,32 +165,21 @@ class Mailbox:
             self._send_now(message, made(payload))
         self.pump()
 
-    def _send_now(self, message: Message, payload: Any) -> None:
+    def _send_now(self, message: Scheduled, payload: Any) -> None:
         self._sends += 1
-        key = message_key(message)
+        key = message.key
         kind, layer, mb = key
-        tag = _tag(key)
-        fan_out = self._out[kind]
-        if kind in ("n2m", "m2n_grad"):  # F side: each lane its rows
-            tensors_S, rows = payload
-            parts = [t.split(rows.counts) for t in tensors_S]
-            fan_out.send(list(zip(*parts, strict=True)), tag=tag)
-        elif kind == "m2n":
-            messages, pairs = payload
+        messages: Sequence[Message] = [payload] if isinstance(payload, Message) else payload
+        if kind in _HEADED:
             self._check_static(key, messages)
-            sizes = fan_out.send(messages, tag=tag, metas=[(p,) for p in pairs])
+        tensors, host_ints = [m.tensors() for m in messages], [m.host_ints() for m in messages]
+        sizes = self._out[kind].send(tensors, tag=_tag(key), metas=host_ints)
+        if kind == "m2n":  # the sizes of what comes back
             self._known[("m2n_grad", layer, mb)] = sizes
             if self.depth == 1:  # A_next is this rank
                 self._known[("n2m", layer, mb)] = sizes
-        elif kind == "n2m_grad":
-            fan_out.send(payload[0], tag=tag)
         elif kind == "resid":
-            tensors, rows_P = payload
-            self._check_static(key, [tensors])
-            (sizes,) = fan_out.send([tensors], tag=tag, metas=[rows_P])
-            self._known[("resid_grad", layer + 1, mb)] = [sizes[:1]]
-        else:  # resid_grad
-            fan_out.send([payload], tag=tag)
+            self._known[("resid_grad", layer + 1, mb)] = [sizes[0][:1]]
 
     def pump(self) -> None:
         """Send what has become sendable, then post every payload receive whose sizes are known by now, oldest first
@@ -290,13 +270,13 @@ class Mailbox:
         moe_layer = self._moe_layers[key[1]] if kind == "resid" else True
         return static_sizes(Kind(kind), self.capacity, peers=peers, ep_size=self._ep_size, moe_layer=moe_layer)
 
-    def _check_static(self, key: Key, messages) -> None:
+    def _check_static(self, key: Key, messages: Sequence[Message]) -> None:
         """A header-less message must have the sizes its receiver assumes (else it would wait for bytes never sent)."""
         fan_out = self._out[key[0]]
         if fan_out.headers is not None:
             return
         want, _ = self._static_sizes(key[0], key, len(messages))
-        got = [fan_out.spec.sizes_of(message) for message in messages]
+        got = [fan_out.spec.sizes_of(message.tensors()) for message in messages]
         if got != want:
             side = "the FFN side expects" if key[0] == "m2n" else "the next A-group expects"
             raise ChannelError(
@@ -320,14 +300,12 @@ class Mailbox:
 
     # ----- payloads for the runner -----
     def _unpack(self, kind: str, arrival: Arrival, whole: Sequence[torch.Tensor], per_peer: list) -> Any:
-        if kind in ("m2n", "n2m_grad"):
-            rows = LaneRows(self._in[kind].fan_in.peers, tuple(size[0] for size in arrival.sizes))
-            if kind == "n2m_grad":
-                return tuple(whole), rows
-            pairs = sum(meta[0] for meta in arrival.metas)  # padded messages: at most that many
-            return RoutedTokens(*whole, num_pairs=pairs, bounded=pads(self.capacity)), rows
-        if kind in ("n2m", "m2n_grad"):
-            return per_peer
-        if kind == "resid":
-            return per_peer[0], arrival.metas[0]
-        return per_peer[0]  # resid_grad
+        fan_in, message = self._in[kind].fan_in, MESSAGE_TYPES[Kind(kind)]
+        if not self._attention:  # every lane's message in one, in lane order (host ints summed: all lanes' pairs)
+            host_ints = [sum(ints) for ints in zip(*arrival.metas, strict=True)] or [0] * fan_in.spec.metas
+            local = {"bounded": pads(self.capacity)} if message is Tokens else {}
+            lane_rows = LaneRows(fan_in.peers, tuple(size[0] for size in arrival.sizes))
+            return message.from_wire(whole, host_ints, **local), lane_rows
+        metas = arrival.metas or [()] * len(per_peer)
+        messages = [message.from_wire(tensors, ints) for tensors, ints in zip(per_peer, metas, strict=True)]
+        return messages[0] if Kind(kind) in A_TO_A else messages

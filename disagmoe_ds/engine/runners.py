@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from disagmoe_ds.comm.exchange import LaneRows
+from disagmoe_ds.comm.messages import ExpertOut, ExpertOutGrad, Residual, ResidualGrad, TokenGrads, Tokens
 from disagmoe_ds.comm.routing import (
     Capacity,
     CombinePlan,
@@ -116,7 +118,7 @@ class _Chunk:
     layer_aux: torch.Tensor | None = None  # per-layer balancing: this layer's share of the aux loss
     scaled_loss: torch.Tensor | None = None
     aux_grad_E: torch.Tensor | None = None
-    resent: list[tuple[torch.Tensor, ...]] | None = None  # resend, p > 1: the previous layer's m2n messages
+    resent: list[Tokens] | None = None  # resend, p > 1: the previous layer's m2n messages
 
     @property
     def pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -124,12 +126,13 @@ class _Chunk:
         return _sent(self.dispatch).resolved[1] if self.dispatch is not None else []
 
     @property
-    def messages(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """The m2n messages ``(x_RH, local_idx_RK, w_RK)`` per ep rank (with resend: sent again, detached)."""
+    def messages(self) -> list[Tokens]:
+        """The m2n message of each ep rank (with resend: sent again, detached)."""
         if self.dispatch is None:
             return []
         plan, pieces = self.dispatch.resolved
-        return [(x_RH, idx_RK, w_RK) for (x_RH, w_RK), idx_RK in zip(pieces, plan.local_idx_RK, strict=True)]
+        pairs = zip(pieces, plan.local_idx_RK, plan.pairs, strict=True)
+        return [Tokens(x_RH, idx_RK, w_RK, pairs) for (x_RH, w_RK), idx_RK, pairs in pairs]
 
 
 @dataclass
@@ -282,7 +285,7 @@ class AttentionRunner:
             need_2 = chunk.dispatch.need_2
             if need_2 is not None:
                 self.need_2 = need_2 if self.need_2 is None else torch.maximum(self.need_2, need_2)
-            outgoing["m2n"] = Later(chunk.dispatch, lambda: (chunk.messages, chunk.dispatch.resolved[0].pairs))
+            outgoing["m2n"] = Later(chunk.dispatch, lambda: chunk.messages)
         # A_next combines from what combine needs of the plan (with p > 1 its rows per ep rank ride in the header).
         residual_TH, position_ids_T = out.residual_BSH.detach().reshape(T, H), position_ids_BS.reshape(T)
         dispatch = chunk.dispatch
@@ -306,22 +309,24 @@ class AttentionRunner:
             ctx = self.contexts[mb] = self.stage.context(h_BSH, given)
         return ctx
 
-    def _resid_message(self, residual_TH, plan: DispatchPlan | None, position_ids_T, counts_E, probs_E, chunk):
+    def _resid_message(
+        self, residual_TH, plan: DispatchPlan | None, position_ids_T, counts_E, probs_E, chunk
+    ) -> Residual:
         if plan is None:  # dense layer: nothing to combine (-1 tells A_next's mailbox no n2m follows)
             token_idx_S, rows_P = position_ids_T.new_empty(0), (-1,) * self.layout.ep_size
         else:
             token_idx_S, rows_P = plan.token_idx_S, plan.counts
-        tensors = (residual_TH, token_idx_S, position_ids_T, counts_E, probs_E)
+        routed = None
         if self.resend and self.layout.depth > 1:  # A_next sends n2m_grad: it needs the tokens again
-            tensors += self._routed_rows(residual_TH, chunk.messages)
-        return tensors, rows_P
+            routed = self._routed_rows(residual_TH, chunk.messages)
+        return Residual(residual_TH, token_idx_S, position_ids_T, counts_E, probs_E, rows_P, routed)
 
-    def _routed_rows(self, residual_TH: torch.Tensor, messages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every ep rank's m2n message concatenated (S rows), detached; empty for a dense layer."""
+    def _routed_rows(self, residual_TH: torch.Tensor, messages: list[Tokens]) -> Tokens:
+        """Every ep rank's m2n message in one (S rows), detached; empty for a dense layer."""
         if not messages:
             empty_K = residual_TH.new_empty(0, self.top_k)
-            return residual_TH[:0], empty_K.long(), empty_K.to(self.weight_dtype)
-        return tuple(torch.cat([m[i].detach() for m in messages]) for i in range(3))
+            return Tokens(residual_TH[:0], empty_K.long(), empty_K.to(self.weight_dtype), 0)
+        return Tokens.cat([m.detached() for m in messages])
 
     def _embed(self, mb: int):
         batch = self.batches[mb]
@@ -334,19 +339,18 @@ class AttentionRunner:
         return h_BSH, position_ids_BS, zeros_E, zeros_E
 
     def _combine(self, layer: int, mb: int, incoming: dict[str, Any], chunk: _Chunk):
-        (residual_TH, token_idx_S, position_ids_T, counts_E, probs_E, *routed), rows_P = self._take(
-            "resid", layer - 1, mb, incoming
-        )
-        if routed and self.moe_layers[layer - 1]:  # resend, p > 1: kept for n2m_grad, split as the m2n messages were
-            chunk.resent = list(zip(*(t.split(list(rows_P)) for t in routed), strict=True))
-        plan = CombinePlan(residual_TH.shape[0], tuple(rows_P), token_idx_S)
-        S = residual_TH.shape[0] // self.B
-        chunk.resid_leaf = _leaf(residual_TH.view(self.B, S, -1))
+        resid: Residual = self._take("resid", layer - 1, mb, incoming)
+        if resid.routed is not None and resid.is_moe:  # resend, p > 1: kept for n2m_grad, as the m2n messages were
+            chunk.resent = resid.routed.split(resid.rows_P)
+        T = resid.residual_TH.shape[0]
+        S = T // self.B
+        chunk.resid_leaf = _leaf(resid.residual_TH.view(self.B, S, -1))
         h_BSH = chunk.resid_leaf
-        if self.moe_layers[layer - 1]:
-            chunk.y_leaves = [_leaf(y_RH) for (y_RH,) in incoming["n2m"]]
+        if resid.is_moe:
+            chunk.y_leaves = [_leaf(out.y_RH) for out in incoming["n2m"]]
+            plan = CombinePlan(T, tuple(resid.rows_P), resid.token_idx_S)
             h_BSH = h_BSH + combine(chunk.y_leaves, plan).view_as(h_BSH)
-        return h_BSH, position_ids_T.view(self.B, S), counts_E, probs_E
+        return h_BSH, resid.position_ids_T.view(self.B, S), resid.counts_E, resid.prob_sum_E
 
     def _head(self, mb: int, h_BSH: torch.Tensor, counts_E: torch.Tensor, probs_E: torch.Tensor, chunk: _Chunk) -> None:
         _, lm_loss = self.graphs.head_of(self.stage)(h_BSH, self.batches[mb]["labels"])
@@ -368,10 +372,11 @@ class AttentionRunner:
             aux_grad_E = chunk.aux_grad_E
             self.backward_pass.run((layer, mb), chunk.scaled_loss, inputs)
         else:
-            d_residual_TH, aux_grad_E = self._take("resid_grad", layer + 1, mb, incoming)
-            terms = [(chunk.residual_out * d_residual_TH.view_as(chunk.residual_out)).sum()]
-            for (x_RH, w_RK), (dx_RH, dw_RK) in zip(chunk.pieces, incoming.get("m2n_grad", [])):
-                terms += [(x_RH * dx_RH).sum(), (w_RK * dw_RK).sum()]
+            grad: ResidualGrad = self._take("resid_grad", layer + 1, mb, incoming)
+            aux_grad_E = grad.aux_grad_E
+            terms = [(chunk.residual_out * grad.d_residual_TH.view_as(chunk.residual_out)).sum()]
+            for (x_RH, w_RK), token_grads in zip(chunk.pieces, incoming.get("m2n_grad", [])):
+                terms += [(x_RH * token_grads.dx_RH).sum(), (w_RK * token_grads.dw_RK).sum()]
             if chunk.prob_sum_E is not None:
                 terms.append((chunk.prob_sum_E * aux_grad_E).sum())
             if chunk.layer_aux is not None:
@@ -380,15 +385,14 @@ class AttentionRunner:
         outgoing: Outgoing = {}
         if layer > 0:
             d_resid_TH = _grad_or_zeros(chunk.resid_leaf).reshape(-1, chunk.resid_leaf.shape[-1])
-            self._hand_off("resid_grad", layer, mb, (d_resid_TH, aux_grad_E), outgoing)
+            self._hand_off("resid_grad", layer, mb, ResidualGrad(d_resid_TH, aux_grad_E), outgoing)
             if chunk.y_leaves:
-                grads = [(_grad_or_zeros(y),) for y in chunk.y_leaves]
+                resent = [None] * len(chunk.y_leaves)
                 if self.resend:  # the previous layer's tokens again (p = 1: its chunk is on this rank)
-                    sent = chunk.resent
-                    if sent is None:
-                        sent = [tuple(t.detach() for t in m) for m in self.chunks[(layer - 1, mb)].messages]
-                    grads = [g + tuple(m) for g, m in zip(grads, sent, strict=True)]
-                outgoing["n2m_grad"] = (grads, None)
+                    resent = chunk.resent or [m.detached() for m in self.chunks[(layer - 1, mb)].messages]
+                outgoing["n2m_grad"] = [
+                    ExpertOutGrad(_grad_or_zeros(y), tokens) for y, tokens in zip(chunk.y_leaves, resent, strict=True)
+                ]
         return outgoing
 
     def weight_grad(self, layer: int, mb: int) -> None:
@@ -416,9 +420,9 @@ class _ExpertChunk:
     x_SH: torch.Tensor | None  # None between forward and backward with resend
     w_SK: torch.Tensor | None
     y_SH: torch.Tensor | None
-    rows: Any
-    num_pairs: int
-    bounded: bool  # num_pairs is a capacity's bound
+    rows: LaneRows
+    pairs: int
+    bounded: bool  # pairs is a capacity's bound
 
 
 class ExpertRunner:
@@ -512,17 +516,18 @@ class ExpertRunner:
             return self._forward(layer, mb, incoming)
 
     def _forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+        tokens: Tokens
         tokens, rows = incoming["m2n"]
-        pairs, bounded = tokens.num_pairs, tokens.bounded
+        pairs, bounded = tokens.pairs, tokens.bounded
         if self.resend:  # keep nothing: the backward gets the tokens again and recomputes
             with torch.no_grad():
-                y_SH = self._shard(layer)(tokens.x_RH, tokens.local_idx_RK, tokens.w_RK, pairs, bounded)
+                y_SH = self._shard(layer)(*tokens.shard_args)
             self.chunks[(layer, mb)] = _ExpertChunk(None, None, None, rows, pairs, bounded)
-            return {"n2m": ((y_SH,), rows)}
+            return {"n2m": ExpertOut(y_SH).split(rows.counts)}
         x_SH, w_SK = _leaf(tokens.x_RH), _leaf(tokens.w_RK)
         y_SH = self.recompute(self._shard(layer), x_SH, tokens.local_idx_RK, w_SK, pairs, bounded)
         self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows, pairs, bounded)
-        return {"n2m": ((y_SH,), rows)}
+        return {"n2m": ExpertOut(y_SH).split(rows.counts)}
 
     def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         with self.compiling():
@@ -537,11 +542,13 @@ class ExpertRunner:
 
     def _backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         chunk = self.chunks.pop((layer, mb))
-        (dy_SH, *resent), _ = incoming["n2m_grad"]
-        if self.resend:  # recompute the forward from the tokens sent again
-            x_SH, idx_SK, w_SK = resent
-            chunk.x_SH, chunk.w_SK = _leaf(x_SH), _leaf(w_SK)
-            chunk.y_SH = self._shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.num_pairs, chunk.bounded)
+        grad: ExpertOutGrad
+        grad, _ = incoming["n2m_grad"]
+        if grad.resent is not None:  # resend: recompute the forward from the tokens sent again
+            chunk.x_SH, chunk.w_SK = _leaf(grad.resent.x_RH), _leaf(grad.resent.w_RK)
+            idx_SK = grad.resent.local_idx_RK
+            chunk.y_SH = self._shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.pairs, chunk.bounded)
         if chunk.y_SH.requires_grad:
-            self.backward_pass.run((layer, mb), (chunk.y_SH * dy_SH).float().sum(), [chunk.x_SH, chunk.w_SK])
-        return {"m2n_grad": ((_grad_or_zeros(chunk.x_SH), _grad_or_zeros(chunk.w_SK)), chunk.rows)}
+            self.backward_pass.run((layer, mb), (chunk.y_SH * grad.dy_RH).float().sum(), [chunk.x_SH, chunk.w_SK])
+        token_grads = TokenGrads(_grad_or_zeros(chunk.x_SH), _grad_or_zeros(chunk.w_SK))
+        return {"m2n_grad": token_grads.split(chunk.rows.counts)}

@@ -108,6 +108,11 @@ class Message:
     def channel(self) -> Channel:
         return Channel(self.kind, self.src_worker, self.dst_worker)
 
+    @property
+    def key(self) -> tuple[MessageKind, int, int]:
+        """(kind, layer and micro-batch of the sending task): names the message from the runner to the wire."""
+        return self.kind, self.src.layer, self.src.micro_batch
+
     def __str__(self) -> str:
         return f"{self.kind} {self.src.layer}.{self.src.micro_batch} {self.src_worker}->{self.dst_worker}"
 

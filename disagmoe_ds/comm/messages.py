@@ -1,0 +1,215 @@
+"""The exchange's messages: one frozen type per kind, whose wire spec is derived from its fields.
+
+Legend: R rows of one message (one lane and one ep rank), T tokens of a lane's micro-batch, S rows of every ep
+rank together, H hidden, K top-k, E experts, P ep ranks.
+
+    kind        type           tensors                                                         host    variant
+    m2n         Tokens         x_RH, local_idx_RK, w_RK                                        pairs
+    n2m         ExpertOut      y_RH
+    m2n_grad    TokenGrads     dx_RH, dw_RK
+    n2m_grad    ExpertOutGrad  dy_RH                                                                   resent: Tokens
+    resid       Residual       residual_TH, token_idx_S, position_ids_T, counts_E, prob_sum_E  rows_P  routed: Tokens
+    resid_grad  ResidualGrad   d_residual_TH, aux_grad_E
+
+A field is a tensor on the wire (``tensor``: dtype, trailing shape, which size leads it), a host int or ints that
+ride in the message's header (``host``), a nested message sent with it when the exchange resends tokens
+(``variant``: the resend mode, its rows renamed), or local (not sent). ``spec`` derives the channel's
+``MessageSpec`` from the tensors in field order, variants last. ``Tokens`` is also what an expert shard computes in
+the co-located mode (``colocated.dispatch``), so both modes hand the experts the same type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from disagmoe_ds.comm.channel import MessageSpec, TensorSpec
+
+M = TypeVar("M", bound="Message")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """What the message shapes depend on: H, K, E, P and the two dtypes (activations; router weights)."""
+
+    hidden: int
+    top_k: int
+    num_experts: int
+    ep_size: int
+    dtype: torch.dtype
+    weight_dtype: torch.dtype
+
+    def of(self, symbol: str | int) -> int:
+        return symbol if isinstance(symbol, int) else {"H": self.hidden, "K": self.top_k, "E": self.num_experts}[symbol]
+
+    def dtype_of(self, role: str | torch.dtype) -> torch.dtype:
+        return {"activation": self.dtype, "weight": self.weight_dtype}.get(role, role)
+
+
+def tensor(dtype: str | torch.dtype, shape: tuple[str | int, ...], rows: str | None) -> Any:
+    """A tensor field: ``dtype`` (or the role ``activation``/``weight``), trailing ``shape``, leading ``rows`` (a
+    size symbol: R, T, S; None for a fixed shape)."""
+    return field(metadata={"tensor": (dtype, shape, rows)})
+
+
+def host(ints: str | int = 1) -> Any:
+    """Host ints (1, or ``"P"``: one per ep rank) carried in the header where the channel has one."""
+    return field(default=None, metadata={"host": ints})
+
+
+def variant(message: type[Message], rows: str) -> Any:
+    """A nested ``message`` sent along in the resend mode, its R rows counted as ``rows``; None otherwise."""
+    return field(default=None, metadata={"variant": (message, rows)})
+
+
+@dataclass(frozen=True, eq=False)
+class Message:
+    """Base of every message type; see the module docstring."""
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The wire tensors in spec order (a variant's after the message's own, when present)."""
+        own = tuple(getattr(self, f.name) for f in _fields(type(self), "tensor"))
+        nested = tuple(
+            t for f in _fields(type(self), "variant") if (v := getattr(self, f.name)) is not None for t in v.tensors()
+        )
+        return own + nested
+
+    def host_ints(self) -> tuple[int, ...]:
+        out: list[int] = []
+        for f in _fields(type(self), "host"):
+            value = getattr(self, f.name)
+            out += list(value) if isinstance(value, Sequence) else [value]
+        return tuple(out)
+
+    @classmethod
+    def spec(cls, dims: Dims, *, resend: bool = False) -> MessageSpec:
+        tensors = _tensor_specs(cls, dims, rows_as={})
+        if resend:
+            for f in _fields(cls, "variant"):
+                nested, rows = f.metadata["variant"]
+                tensors += _tensor_specs(nested, dims, rows_as={"R": rows})
+        specs = _sized(tensors)
+        coalesced = len(specs) > 1 and all(s.size is not None for s in specs)  # one wire buffer per peer
+        host_ints = sum(dims.ep_size if f.metadata["host"] == "P" else f.metadata["host"] for f in _fields(cls, "host"))
+        return MessageSpec(specs, name=cls.__name__, metas=host_ints, coalesced=coalesced)
+
+    @classmethod
+    def from_wire(cls: type[M], tensors: Sequence[torch.Tensor], host_ints: Sequence[int] = (), **local) -> M:
+        """The message of ``tensors`` (spec order; a variant's follow when there are more) and its header ints."""
+        own = _fields(cls, "tensor")
+        values = {f.name: t for f, t in zip(own, tensors[: len(own)], strict=True)}
+        rest = list(tensors[len(own) :])
+        for f in _fields(cls, "variant"):
+            if rest:
+                nested = f.metadata["variant"][0]
+                width = len(_fields(nested, "tensor"))
+                values[f.name], rest = nested.from_wire(rest[:width]), rest[width:]
+        ints = list(host_ints)
+        for f in _fields(cls, "host"):
+            if ints:
+                n = len(ints) if f.metadata["host"] == "P" else f.metadata["host"]
+                chunk, ints = ints[:n], ints[n:]
+                values[f.name] = tuple(chunk) if f.metadata["host"] == "P" else chunk[0]
+        return cls(**values, **local)
+
+    def detached(self: M) -> M:
+        """The same message with every tensor detached (sent again, outside autograd)."""
+        return type(self).from_wire([t.detach() for t in self.tensors()], self.host_ints())
+
+    @classmethod
+    def cat(cls: type[M], messages: Sequence[M]) -> M:
+        """One message of every message's rows, in order (row tensors only; host ints summed)."""
+        tensors = [torch.cat(parts) for parts in zip(*(m.tensors() for m in messages), strict=True)]
+        return cls.from_wire(tensors, [sum(ints) for ints in zip(*(m.host_ints() for m in messages), strict=True)])
+
+    def split(self: M, counts: Sequence[int]) -> list[M]:
+        """One message per part of ``counts`` rows (every tensor a row tensor; host ints are not split)."""
+        parts = [t.split(list(counts)) for t in self.tensors()]
+        return [type(self).from_wire(piece) for piece in zip(*parts, strict=True)] if parts else []
+
+
+def _fields(cls: type, key: str) -> tuple[dataclasses.Field, ...]:
+    return tuple(f for f in dataclasses.fields(cls) if key in f.metadata)
+
+
+def _tensor_specs(
+    cls: type, dims: Dims, rows_as: dict[str, str]
+) -> list[tuple[torch.dtype, tuple[int, ...], str | None]]:
+    out = []
+    for f in _fields(cls, "tensor"):
+        dtype, shape, rows = f.metadata["tensor"]
+        out.append((dims.dtype_of(dtype), tuple(dims.of(s) for s in shape), rows_as.get(rows, rows)))
+    return out
+
+
+def _sized(tensors) -> tuple[TensorSpec, ...]:
+    """Row symbols become size indices in order of first appearance (T before S in a resid message)."""
+    symbols: list[str] = []
+    for *_, rows in tensors:
+        if rows is not None and rows not in symbols:
+            symbols.append(rows)
+    return tuple(
+        TensorSpec(dtype, shape, size=None if rows is None else symbols.index(rows)) for dtype, shape, rows in tensors
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Tokens(Message):
+    """The rows an expert shard computes: a lane's tokens for one ep rank (m2n), or gathered from every lane (the
+    F side) or every ep peer (co-located), grouped by source."""
+
+    x_RH: torch.Tensor = tensor("activation", ("H",), "R")
+    local_idx_RK: torch.Tensor = tensor(torch.int64, ("K",), "R")  # ``experts_per_rank``: the expert is elsewhere
+    w_RK: torch.Tensor = tensor("weight", ("K",), "R")  # 0 at those sentinel ids
+    pairs: int | None = host()  # ids that are not the sentinel: the expert work, known on the host
+    bounded: bool = False  # local: ``pairs`` is only an upper bound (messages padded to a ``Capacity``)
+
+    @property
+    def shard_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None, bool]:
+        """What an ``ExpertShard`` (or its graphs) takes."""
+        return self.x_RH, self.local_idx_RK, self.w_RK, self.pairs, self.bounded
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertOut(Message):
+    y_RH: torch.Tensor = tensor("activation", ("H",), "R")
+
+
+@dataclass(frozen=True, eq=False)
+class TokenGrads(Message):
+    dx_RH: torch.Tensor = tensor("activation", ("H",), "R")
+    dw_RK: torch.Tensor = tensor("weight", ("K",), "R")
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertOutGrad(Message):
+    dy_RH: torch.Tensor = tensor("activation", ("H",), "R")
+    resent: Tokens | None = variant(Tokens, "R")  # resend: the tokens again, for the expert side to recompute from
+
+
+@dataclass(frozen=True, eq=False)
+class Residual(Message):
+    """The residual hand-off from A_g to A_next (p > 1): what A_next needs to combine layer l's expert outputs and
+    go on; ``rows_P`` are the combine plan's rows per ep rank (-1 each: a dense layer, no n2m follows)."""
+
+    residual_TH: torch.Tensor = tensor("activation", ("H",), "T")
+    token_idx_S: torch.Tensor = tensor(torch.int64, (), "S")  # the combine plan
+    position_ids_T: torch.Tensor = tensor(torch.int64, (), "T")
+    counts_E: torch.Tensor = tensor(torch.float32, ("E",), None)  # router statistics so far (the pooled aux loss)
+    prob_sum_E: torch.Tensor = tensor(torch.float32, ("E",), None)
+    rows_P: tuple[int, ...] | None = host("P")
+    routed: Tokens | None = variant(Tokens, "S")  # resend: every ep rank's m2n rows, for A_next's n2m_grad
+
+    @property
+    def is_moe(self) -> bool:
+        return self.rows_P[0] >= 0
+
+
+@dataclass(frozen=True, eq=False)
+class ResidualGrad(Message):
+    d_residual_TH: torch.Tensor = tensor("activation", ("H",), "T")
+    aux_grad_E: torch.Tensor = tensor(torch.float32, ("E",), None)
