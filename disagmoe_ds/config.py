@@ -47,6 +47,9 @@ class DisagMoEConfig(RankCounts):
         depth: p, A-groups (= F-groups); group g owns layers g, g+p, ...
         micro_batches: micro-batches per optimizer step per lane (DeepSpeed's gradient_accumulation_steps).
         expert_data_parallel: replicas of each expert shard inside an F-group.
+        sequence_parallel: s, ranks of an A-group that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses
+            around the attention core, ``models.sequence_parallel``); s consecutive lanes form one SP group, so an
+            A-group's lanes / s groups train distinct micro-batches.
         max_in_flight: cap on micro-batches in flight per worker (memory); None lets the schedule choose.
         comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging; a step
             stalled for half of it prints the rank's Python stacks first (``launch.watchdog``).
@@ -94,6 +97,7 @@ class DisagMoEConfig(RankCounts):
     depth: int = 1
     micro_batches: int = 1
     expert_data_parallel: int = 1
+    sequence_parallel: int = 1
     max_in_flight: int | None = None
     comm_timeout_s: float = 300.0
     compile: bool = False
@@ -161,6 +165,7 @@ class DisagMoEConfig(RankCounts):
             num_experts=num_experts,
             depth=self.depth,
             expert_data_parallel=self.expert_data_parallel,
+            sequence_parallel=self.sequence_parallel,
         )
 
     def offload_share(self, side: str) -> float:
@@ -183,6 +188,7 @@ def _check_graphable(cfg: DisagMoEConfig) -> None:
         "selective_recompute": cfg.selective_recompute,
         "offload": any(cfg.offload_share(side) > 0 for side in SIDES),
         "split_backward": cfg.split_backward,
+        "sequence_parallel": cfg.sequence_parallel > 1,  # the head takes the slice's shifted labels
     }
     chosen = [f'"{SECTION}.{name}"' for name, on in refused.items() if on]
     if chosen:

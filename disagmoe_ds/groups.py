@@ -12,6 +12,7 @@ No other code creates a group; DeepSpeed is shown the co-located expert groups b
                           replicas of an expert shard
     expert_parallel       -                                    ep_size ranks: one copy of the experts, all-to-all
     expert_data_parallel  -                                    W / ep_size ranks: replicas of an expert slice
+    sequence_parallel     s consecutive lanes (one sequence)   -
     exchange              one communicator per (kind, group)   -
 """
 
@@ -49,6 +50,8 @@ class ProcessGroups:
     expert_data_parallel: dist.ProcessGroup | None = None
     expert_data_parallel_ranks: tuple[int, ...] = ()
     exchange: ExchangeComms | None = None
+    sequence_parallel: dist.ProcessGroup | None = None
+    sequence_parallel_ranks: tuple[int, ...] = ()
 
     @property
     def data_parallel_size(self) -> int:
@@ -76,10 +79,11 @@ def build_process_groups(
     data_parallel = _create(plan.data_parallel, rank, timeout)
     expert_parallel = _create(plan.expert_parallel, rank, timeout)
     expert_data_parallel = _create(plan.expert_data_parallel, rank, timeout)
+    sequence_parallel = _create(plan.sequence_parallel, rank, timeout)
     exchange = None
     if transport is not None:
         exchange = build_exchange_comms(layout, transport, device=device, headerless=headerless)
-    return ProcessGroups(*data_parallel, *expert_parallel, *expert_data_parallel, exchange)
+    return ProcessGroups(*data_parallel, *expert_parallel, *expert_data_parallel, exchange, *sequence_parallel)
 
 
 def _create(

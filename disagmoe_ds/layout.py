@@ -53,16 +53,18 @@ class GroupRanks:
         expert_parallel: ranks that together hold one copy of every expert and exchange tokens all-to-all.
         expert_data_parallel: ranks holding the same expert slice beside parameters of other replication (DeepSpeed's
             expert-data-parallel group).
+        sequence_parallel: lanes that hold one micro-batch's sequence in slices (the Ulysses all-to-alls).
     """
 
     data_parallel: tuple[tuple[int, ...], ...]
     expert_parallel: tuple[tuple[int, ...], ...] = ()
     expert_data_parallel: tuple[tuple[int, ...], ...] = ()
+    sequence_parallel: tuple[tuple[int, ...], ...] = ()
 
 
 class RankCounts:
-    """``world_size`` and ``lanes`` of what has ``attention_gpus``, ``ffn_gpus`` and ``depth``: a ``Layout``, and the
-    ``config.DisagMoEConfig`` that names one before the model is known."""
+    """``world_size`` and ``lanes`` of what has ``attention_gpus``, ``ffn_gpus``, ``depth`` and ``sequence_parallel``:
+    a ``Layout``, and the ``config.DisagMoEConfig`` that names one before the model is known."""
 
     @property
     def world_size(self) -> int:
@@ -70,8 +72,18 @@ class RankCounts:
 
     @property
     def lanes(self) -> int:
-        """d: data-parallel attention ranks per A-group (how many distinct batches one step consumes)."""
+        """d: data-parallel attention ranks per A-group."""
         return self.attention_gpus // self.depth
+
+    @property
+    def batch_lanes(self) -> int:
+        """How many distinct micro-batches an A-group trains at once: d / s (s lanes share one with sequence
+        parallelism, each holding a slice)."""
+        return self.lanes // self.sequence_parallel
+
+    def batch_lane_of(self, lane: int) -> int:
+        """Which of them lane ``lane`` holds (a slice of)."""
+        return lane // self.sequence_parallel
 
 
 class ExpertSlices:
@@ -105,6 +117,7 @@ class Layout(RankCounts, ExpertSlices):
         num_layers: L, decoder layers of the model.
         num_experts: E, routed experts per MoE layer.
         expert_data_parallel: replicas of each expert shard inside an F-group.
+        sequence_parallel: s, consecutive lanes of an A-group holding one micro-batch's sequence in slices.
     """
 
     attention_gpus: int
@@ -113,9 +126,11 @@ class Layout(RankCounts, ExpertSlices):
     num_experts: int
     depth: int = 1
     expert_data_parallel: int = 1
+    sequence_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("attention_gpus", "ffn_gpus", "num_layers", "num_experts", "depth", "expert_data_parallel"):
+        names = ("attention_gpus", "ffn_gpus", "num_layers", "num_experts", "depth", "expert_data_parallel")
+        for name in (*names, "sequence_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
@@ -134,6 +149,11 @@ class Layout(RankCounts, ExpertSlices):
             raise LayoutError(
                 f"num_hidden_layers ({self.num_layers}) must be divisible by depth ({p}): group g owns layers "
                 f"g, g+p, ...; pick a depth that divides {self.num_layers}"
+            )
+        if self.lanes % self.sequence_parallel:
+            raise LayoutError(
+                f"lanes per A-group ({self.lanes}) must be divisible by sequence_parallel ({self.sequence_parallel}): "
+                f"s lanes hold one micro-batch; use attention_gpus = depth x a multiple of {self.sequence_parallel}"
             )
         if self.ffn_ranks_per_group % self.expert_data_parallel:
             raise LayoutError(
@@ -210,12 +230,14 @@ class Layout(RankCounts, ExpertSlices):
         )
 
     def group_ranks(self) -> GroupRanks:
-        """Data parallel only: the lanes of every A-group, then the replicas of every expert shard (an FFN engine holds
-        nothing but its shard, so its replicas are its data-parallel group). The exchanges' communicators are
-        ``comm.exchange``'s."""
+        """Data parallel: the lanes of every A-group, then the replicas of every expert shard (an FFN engine holds
+        nothing but its shard, so its replicas are its data-parallel group); with s > 1 the SP groups (s consecutive
+        lanes). The exchanges' communicators are ``comm.exchange``'s."""
         lanes = [self.attention_ranks(g) for g in range(self.depth)]
         replicas = [self.edp_group_ranks(g, e) for g in range(self.depth) for e in range(self.ep_size)]
-        return GroupRanks(data_parallel=(*lanes, *replicas))
+        s = self.sequence_parallel
+        slices = [ranks[i : i + s] for ranks in lanes for i in range(0, len(ranks), s)] if s > 1 else []
+        return GroupRanks(data_parallel=(*lanes, *replicas), sequence_parallel=tuple(slices))
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
@@ -226,7 +248,8 @@ class Layout(RankCounts, ExpertSlices):
 
     def describe(self) -> str:
         return (
-            f"M={self.attention_gpus} attention ranks ({self.depth} A-groups x {self.lanes} lanes), "
+            f"M={self.attention_gpus} attention ranks ({self.depth} A-groups x {self.lanes} lanes"
+            f"{f', SP {self.sequence_parallel}' if self.sequence_parallel > 1 else ''}), "
             f"N={self.ffn_gpus} FFN ranks ({self.depth} F-groups x EP {self.ep_size} x EDP "
             f"{self.expert_data_parallel}), {self.layers_per_group} layers per group, "
             f"{self.experts_per_rank} experts per FFN rank"

@@ -108,7 +108,9 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     vocab = runtime.module.config.vocab_size if feeds else 0
     grads = capture_grads(runtime)
     losses, norms = train_steps(
-        runtime, args, lambda step: make_batches(args, vocab, step, role.index) if feeds else None
+        runtime,
+        args,
+        lambda step: make_batches(args, vocab, step, args.cfg.batch_lane_of(role.index)) if feeds else None,
     )
     writer = role.index == 0 if role.is_attention else role.edp_rank == 0  # one copy of every parameter
     with gathered(runtime.engine, runtime.module):  # ZeRO-3: every replica gathers, the writer keeps them
@@ -279,7 +281,7 @@ def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
     """Start the ranks on this machine (CPU, gloo), then compare with the reference."""
     engine_build.preflight(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
     ranks = spawn_local(rank_main, args.cfg.world_size, args=(args,), timeout_s=timeout_s)
-    return compare(ranks, reference(args, args.cfg.lanes), args)
+    return compare(ranks, reference(args, args.cfg.batch_lanes), args)
 
 
 def run_launched(
@@ -294,7 +296,7 @@ def run_launched(
     result = rank_fn(dist.get_rank(), args)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(_to_cpu(result), gathered, dst=0)
-    summary = compare(gathered, reference(args, args.cfg.lanes), args) if gathered is not None else None
+    summary = compare(gathered, reference(args, args.cfg.batch_lanes), args) if gathered is not None else None
     # Tear the groups down together, once rank 0 has its summary: a rank that exits first and leaves its many
     # process groups to the interpreter's finalisation can abort in their threads' destructors, and the launcher
     # then kills rank 0 before it prints.
@@ -321,6 +323,9 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
     p.add_argument("--ffn-gpus", type=int, default=1, help="N: FFN (expert) ranks")
     p.add_argument("--depth", type=int, default=1, help="p: A-groups = F-groups (must divide the layer count)")
     p.add_argument("--expert-data-parallel", type=int, default=1, help="replicas of each expert shard")
+    p.add_argument(
+        "--sequence-parallel", type=int, default=1, help="s: lanes holding one micro-batch in slices (Ulysses)"
+    )
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per lane")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute chunk activations in backward")
     p.add_argument(
@@ -342,6 +347,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         depth=a.depth,
         micro_batches=a.micro_batches,
         expert_data_parallel=a.expert_data_parallel,
+        sequence_parallel=a.sequence_parallel,
         activation_checkpointing=a.activation_checkpointing,
         transport=a.transport,
         comm_timeout_s=a.comm_timeout,

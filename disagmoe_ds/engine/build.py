@@ -38,6 +38,7 @@ from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
 from disagmoe_ds.models.recompute import apply_selective_recompute
+from disagmoe_ds.models.sequence_parallel import SequenceParallel, check_sequence_parallel, install_ulysses
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.runtime_costs import runtime_costs, unit_costs
 from disagmoe_ds.schedule import (
@@ -68,6 +69,7 @@ class Disaggregated:
 
     def check(self, layout: Layout, config, ds_config: dict[str, Any]) -> None:
         check_zero_stages(self.cfg, ds_config)  # with expert replicas too (ExpertShard)
+        check_sequence_parallel(config, layout.sequence_parallel)
         moe = moe_layer_pattern(config.to_dict())
         for g in range(layout.depth):
             if not any(moe[layer] for layer in layout.layers_of_group(g)):
@@ -101,12 +103,14 @@ class Disaggregated:
         seed: int,
         weights: PretrainedWeights | None,
     ) -> nn.Module:
-        del groups
         layers = layout.layers_of_group(role.group)
         if role.is_attention:
             stage = AttentionStage(
                 model, layers, with_embedding=role.group == 0, with_head=role.group == layout.head_group
             )
+            sp = sequence_parallel_of(groups, role)
+            if sp is not None:
+                install_ulysses([part.mixer for part in stage.layers.values()], sp)
         else:
             experts = layout.expert_range(role.ep_rank)
             stage = ExpertStage(model, layers, experts.start, experts.stop)
@@ -185,7 +189,7 @@ class Disaggregated:
         if not parts.groups.exchange.headerless:
             return None
         return Capacity.initial(
-            tokens=parts.seq_len * parts.micro_batch_size,
+            tokens=parts.seq_len * parts.micro_batch_size // parts.layout.sequence_parallel,  # a lane's slice
             top_k=parts.routing.top_k,
             ep_size=parts.layout.ep_size,
             experts_per_rank=parts.layout.experts_per_rank,
@@ -244,7 +248,16 @@ class Disaggregated:
             split_layers=split_layers,
             graphs=graphs,
             capacity=capacity,
+            sp=sequence_parallel_of(parts.groups, parts.role),
         )
+
+
+def sequence_parallel_of(groups: ProcessGroups, role: RankRole) -> SequenceParallel | None:
+    """An attention rank's place in its SP group (None without sequence parallelism)."""
+    if groups.sequence_parallel is None:
+        return None
+    size = len(groups.sequence_parallel_ranks)
+    return SequenceParallel(groups.sequence_parallel, size, role.index % size)
 
 
 def split_layers(schedule: Schedule, worker: Worker) -> frozenset[int]:

@@ -51,6 +51,7 @@ from disagmoe_ds.models.parts import (
     router_stats,
     switch_loss,
 )
+from disagmoe_ds.models.sequence_parallel import SequenceParallel, slice_batch
 
 Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction
 
@@ -177,8 +178,10 @@ class AttentionRunner:
         split_layers: frozenset[int] = frozenset(),
         graphs: StageGraphs | None = None,
         capacity: Capacity | None = None,
+        sp: SequenceParallel | None = None,
     ):
         self.engine, self.stage, self.layout, self.resend = engine, stage, layout, resend
+        self.sp = sp  # sequence parallelism: this lane holds a slice of every micro-batch (None: the whole)
         self.capacity = capacity  # m2n messages padded to it (None: exact sizes, sent with headers)
         self.need_2: torch.Tensor | None = None  # the most rows and pairs one m2n message wanted this step
         self.graphs = graphs or StageGraphs()  # the parts replayed as CUDA graphs (none: every part as it is)
@@ -202,6 +205,8 @@ class AttentionRunner:
         self.contexts: dict[int, LayerContext] = {}  # micro-batch -> its mask and rotary embeddings, this step
 
     def start_step(self, batches: list[dict[str, torch.Tensor]] | None) -> None:
+        if batches is not None and self.sp is not None:  # the SP group's micro-batches: this lane's slices
+            batches = [slice_batch(batch, self.sp) for batch in batches]
         self.batches, self.stats, self.expert_counts, self.contexts = batches, HeadStats(), {}, {}
         self.need_2 = None
 
@@ -240,15 +245,34 @@ class AttentionRunner:
             for positions_BS in (None, restarting) if packed else (None,):
                 for layer in self.stage.layers:
                     h_BSH = torch.randn(self.B, seq_len, self.config.hidden_size, device=device, dtype=dtype)
+                    if self.sp is not None:  # the lane's slice, its Ulysses all-to-alls with the others' warm-up
+                        h_BSH = self.sp.slice_of(h_BSH)
                     h_BSH.requires_grad_()
-                    ctx = self.stage.context(h_BSH, positions_BS)  # None: the default positions, no mask
+                    ctx = self._warm_up_context(h_BSH, positions_BS)
                     out = self.recompute(self.stage.part(int(layer)), h_BSH, ctx, self.config)  # as the step runs
                     _grad_of_inputs([out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE], [h_BSH])
             if self.stage.head is not None:
-                h_BSH = torch.randn(self.B, seq_len, self.config.hidden_size, device=device, dtype=dtype)
+                S = seq_len // (1 if self.sp is None else self.sp.size)
+                h_BSH = torch.randn(self.B, S, self.config.hidden_size, device=device, dtype=dtype)
                 h_BSH.requires_grad_()
-                labels_BS = torch.randint(0, self.config.vocab_size, (self.B, seq_len), device=device)
-                _grad_of_inputs([self.stage.head(h_BSH, labels_BS)[1]], [h_BSH])
+                labels_BS = torch.randint(0, self.config.vocab_size, (self.B, S), device=device)
+                if self.sp is None:
+                    loss = self.stage.head(h_BSH, labels_BS)[1]
+                else:  # a slice's share, as the step calls the head
+                    loss = self.stage.head(h_BSH, None, labels_BS, labels_BS.new_tensor(labels_BS.numel()))[1]
+                _grad_of_inputs([loss], [h_BSH])
+
+    def _warm_up_context(self, h_BSH: torch.Tensor, positions_BS: torch.Tensor | None) -> LayerContext:
+        """A context as the step builds it (None: the default positions, no mask)."""
+        if self.sp is None:
+            return self.stage.context(h_BSH, positions_BS)
+        B, S_l, _ = h_BSH.shape
+        whole_BS = (
+            torch.arange(S_l * self.sp.size, device=h_BSH.device).expand(B, -1)
+            if positions_BS is None
+            else positions_BS
+        )
+        return self.sp.context(self.stage, h_BSH, self.sp.slice_of(whole_BS), positions_BS)
 
     # ----- forward -----
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
@@ -273,7 +297,8 @@ class AttentionRunner:
             if self.aux_coef is not None:
                 stats = router_stats(out.router_logits_TE, self.top_k)
                 if self.per_layer_aux:
-                    chunk.layer_aux = switch_loss(stats) / sum(self.moe_layers)
+                    share = switch_loss(stats if self.sp is None else self.sp.share_of(stats))
+                    chunk.layer_aux = share * self._share_scale / sum(self.moe_layers)
                     self.stats.add_layer_aux(self.aux_coef, chunk.layer_aux)
                 else:
                     chunk.prob_sum_E = stats.prob_sum_E
@@ -304,10 +329,21 @@ class AttentionRunner:
         positions syncs the host with the device (HF looks for packed documents), so the embedding rank builds them
         from the batch's own positions (None: the default ones, no sync) and every layer reuses them."""
         ctx = self.contexts.get(mb)
-        if ctx is None:
+        if ctx is None and self.sp is not None:  # the masks are the whole sequence's: its positions, or the default
+            whole = (
+                self.batches[mb].get("full_position_ids") if self.batches else self.sp.gather_sequence(position_ids_BS)
+            )
+            ctx = self.contexts[mb] = self.sp.context(self.stage, h_BSH, position_ids_BS, whole)
+        elif ctx is None:
             given = self.batches[mb].get("position_ids") if self.batches is not None else position_ids_BS
             ctx = self.contexts[mb] = self.stage.context(h_BSH, given)
         return ctx
+
+    @property
+    def _share_scale(self) -> float:
+        """What this lane's share of a micro-batch's loss counts: s with sequence parallelism, whose s lanes share
+        one micro-batch while DeepSpeed averages over every lane (``models.sequence_parallel``)."""
+        return 1.0 if self.sp is None else float(self.sp.size)
 
     def _resid_message(
         self, residual_TH, plan: DispatchPlan | None, position_ids_T, counts_E, probs_E, chunk
@@ -353,13 +389,19 @@ class AttentionRunner:
         return h_BSH, resid.position_ids_T.view(self.B, S), resid.counts_E, resid.prob_sum_E
 
     def _head(self, mb: int, h_BSH: torch.Tensor, counts_E: torch.Tensor, probs_E: torch.Tensor, chunk: _Chunk) -> None:
-        _, lm_loss = self.graphs.head_of(self.stage)(h_BSH, self.batches[mb]["labels"])
+        batch, scale = self.batches[mb], self._share_scale
+        if self.sp is None:
+            _, lm_loss = self.graphs.head_of(self.stage)(h_BSH, batch["labels"])
+        else:  # this slice's share of the micro-batch's loss
+            _, lm_loss = self.stage.head(h_BSH, None, batch["shift_labels"], batch["num_items"])
+            lm_loss = lm_loss * scale
         loss, aux = lm_loss, torch.zeros_like(lm_loss)
         chunk.aux_grad_E = torch.zeros_like(counts_E)
         if self.aux_coef is not None and not self.per_layer_aux:  # per layer: each layer's term is its own
-            rows = h_BSH.shape[0] * h_BSH.shape[1] * sum(self.moe_layers)
-            aux = switch_loss(RouterStats(counts_E, probs_E, rows))  # every MoE layer's rows pooled, as HF does
-            chunk.aux_grad_E = self.aux_coef * self.num_experts * counts_E / rows**2 / self.K
+            stats = RouterStats(counts_E, probs_E, h_BSH.shape[0] * h_BSH.shape[1] * sum(self.moe_layers))
+            stats = stats if self.sp is None else self.sp.share_of(stats)
+            aux = switch_loss(stats) * scale  # every MoE layer's rows pooled, as HF does
+            chunk.aux_grad_E = scale * self.aux_coef * self.num_experts * stats.counts_E / stats.rows**2 / self.K
             loss = loss + self.aux_coef * aux
         self.stats.add(loss, lm_loss, aux)
         chunk.scaled_loss = loss / self.K

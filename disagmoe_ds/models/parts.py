@@ -183,9 +183,21 @@ class Head(nn.Module):
         self._loss_function = model.loss_function
         self.vocab_size = model.config.vocab_size
 
-    def forward(self, h_BSH: torch.Tensor, labels_BS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        h_BSH: torch.Tensor,
+        labels_BS: torch.Tensor | None,
+        shift_labels_BS: torch.Tensor | None = None,
+        num_items: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``shift_labels_BS`` (labels already shifted) and ``num_items`` (what the sum is divided by): one slice's
+        share of a micro-batch's loss (``models.sequence_parallel``)."""
         logits_BSV = self.lm_head(self.norm(h_BSH))
-        loss = None if labels_BS is None else self._loss_function(logits_BSV, labels_BS, self.vocab_size)
+        if labels_BS is None and shift_labels_BS is None:
+            return logits_BSV, None
+        loss = self._loss_function(
+            logits_BSV, labels_BS, self.vocab_size, num_items_in_batch=num_items, shift_labels=shift_labels_BS
+        )
         return logits_BSV, loss
 
 

@@ -1,0 +1,143 @@
+"""Sequence parallelism inside an A-lane (issue 28): s lanes hold one micro-batch in slices, Ulysses around the
+attention core. The contract is the usual one: every layout equals the single-process HF model on the same batches
+(loss, grad norm, every gradient and parameter after two steps), under the rendezvous transport."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.errors import LayoutError
+from disagmoe_ds.launch.testing import run_ranks
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.models.sequence_parallel import IGNORE_INDEX, SequenceParallel, check_sequence_parallel, slice_batch
+from disagmoe_ds.verify import VerifyArgs, run_verify
+from tests.conftest import ROOT
+
+CLIP = 0.05  # below the tiny models' gradient norms: clipping is active
+PER_LAYER_AUX = {"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5}
+
+# (family, overrides, M, N, p, s, micro-batch size, ZeRO, packed, resend, capacity factor): GQA with KV heads split
+# (s 2) and replicated (s 4 over 2 KV heads), MLA (DeepSeek-V3: values narrower than keys), Mixtral with two SP
+# groups per A-group, depth 2 with 2 ep ranks, packed documents (the whole sequence's block mask), ZeRO 1 and 2,
+# per-layer balancing, resend at depth 2, and messages at a capacity under skewed routing.
+CASES = [
+    ("qwen3-moe", {}, 4, 4, 2, 2, 1, 1, False, False, None),
+    ("qwen3-moe", {}, 4, 2, 1, 4, 1, 0, False, False, 1.25),
+    ("deepseek-v3", {}, 2, 2, 1, 2, 1, 2, True, False, None),
+    ("mixtral", {}, 4, 2, 1, 2, 2, 1, False, False, None),
+    ("qwen3-moe", PER_LAYER_AUX, 4, 4, 2, 2, 1, 2, True, True, None),
+]
+
+
+@pytest.mark.parametrize(("family", "overrides", "M", "N", "p", "s", "B", "zero", "packed", "resend", "factor"), CASES)
+def test_sequence_parallel_equals_hf(tiny_checkpoint, family, overrides, M, N, p, s, B, zero, packed, resend, factor):
+    cfg = DisagMoEConfig(
+        attention_gpus=M,
+        ffn_gpus=N,
+        depth=p,
+        sequence_parallel=s,
+        micro_batches=2,
+        transport="rendezvous",
+        resend=resend,
+        capacity_factor=factor,
+    )
+    ckpt = str(tiny_checkpoint(family, **overrides))
+    args = VerifyArgs(ckpt, cfg, zero=zero, seq_len=8, micro_batch_size=B, clip=CLIP, skew=True, packed=packed)
+    summary = run_verify(args, timeout_s=240)
+    assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
+    assert summary["pass"], summary
+
+
+def test_the_kernel_warm_up_runs_on_slices_and_leaves_no_trace(tiny_checkpoint, monkeypatch):
+    """``warm_up`` (compiled jobs) on SP lanes: every part on a slice, the Ulysses all-to-alls matched across the
+    group, the head as a share; the job still equals HF exactly."""
+    from disagmoe_ds.engine import build
+
+    original = build.build_rank
+
+    def build_and_warm(*args, **kwargs):
+        runtime = original(*args, **kwargs)
+        runtime.executor.warm_up(seq_len=8, packed=True)
+        assert all(p.grad is None for p in runtime.module.parameters()), "warm-up touched a gradient"
+        return runtime
+
+    monkeypatch.setattr(build, "build_rank", build_and_warm)
+    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=1, sequence_parallel=2, micro_batches=2, transport="rendezvous")
+    assert run_verify(VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, seq_len=8, clip=CLIP), timeout_s=240)["pass"]
+
+
+def _slice_attention(rank: int, family: str) -> tuple[float, float, float]:
+    """One attention part on a rank's slice with Ulysses against the same part on the whole sequence."""
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from disagmoe_ds.models.parts import AttentionStage
+    from disagmoe_ds.models.sequence_parallel import install_ulysses
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
+    torch.manual_seed(0)
+    stage = AttentionStage(AutoModelForCausalLM.from_config(config), (0,), with_embedding=False, with_head=False)
+    part, B, S = stage.part(0), 2, 8
+    h_BSH = torch.randn(B, S, config.hidden_size, requires_grad=True)
+    out = part(h_BSH, stage.context(h_BSH, None), config).residual_BSH
+    g_BSH = torch.randn_like(out)
+    (out * g_BSH).sum().backward()
+    want = [p.grad.clone() for p in part.parameters() if p.grad is not None]
+    part.zero_grad(set_to_none=True)
+    sp = SequenceParallel(dist.group.WORLD, 2, rank)
+    install_ulysses([part.mixer], sp)
+    h_slice = sp.slice_of(h_BSH.detach()).requires_grad_()
+    positions = sp.slice_of(torch.arange(S).expand(B, S))
+    out_slice = part(h_slice, sp.context(stage, h_slice, positions, None), config).residual_BSH
+    (out_slice * sp.slice_of(g_BSH)).sum().backward()
+    got = [p.grad.clone() for p in part.parameters() if p.grad is not None]
+    for grad in got:
+        dist.all_reduce(grad)  # each slice's share of the weight gradients
+    grad_diff = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+    return (
+        (out_slice - sp.slice_of(out)).abs().max().item(),
+        grad_diff,
+        (h_slice.grad - sp.slice_of(h_BSH.grad)).abs().max().item(),
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
+def test_ulysses_attention_on_slices_equals_the_whole_sequence(family):
+    for out_diff, grad_diff, input_grad_diff in run_ranks(_slice_attention, 2, args=(family,), timeout_s=120):
+        assert max(out_diff, grad_diff, input_grad_diff) < 1e-5, (out_diff, grad_diff, input_grad_diff)
+
+
+def test_a_slice_predicts_the_next_slices_first_token():
+    labels = torch.arange(8).view(1, 8)
+    batch = {"input_ids": labels + 100, "labels": labels}
+    first, second = (slice_batch(batch, SequenceParallel(None, 2, r)) for r in range(2))
+    assert first["shift_labels"].tolist() == [[1, 2, 3, 4]] and second["shift_labels"].tolist() == [
+        [5, 6, 7, IGNORE_INDEX]
+    ]
+    assert first["input_ids"].tolist() == [[100, 101, 102, 103]] and int(first["num_items"]) == 7
+    assert second["position_ids"].tolist() == [[4, 5, 6, 7]] and "full_position_ids" not in second
+    packed = slice_batch(
+        {**batch, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}, SequenceParallel(None, 2, 1)
+    )
+    assert packed["position_ids"].tolist() == [[1, 2, 3, 4]] and packed["full_position_ids"].shape == (1, 8)
+
+
+def test_layouts_and_models_sequence_parallelism_cannot_split_are_refused():
+    with pytest.raises(LayoutError, match="divisible by sequence_parallel"):
+        Layout(attention_gpus=3, ffn_gpus=1, num_layers=2, num_experts=8, sequence_parallel=2)
+    groups = Layout(attention_gpus=4, ffn_gpus=2, num_layers=2, num_experts=8, depth=2, sequence_parallel=2)
+    assert groups.group_ranks().sequence_parallel == ((0, 1), (2, 3)) and groups.batch_lanes == 1
+    qwen = AutoConfig.from_pretrained(ROOT / "hf_models" / "tiny-qwen3-moe")  # 4 heads, 2 KV heads
+    check_sequence_parallel(qwen, 4)  # KV heads replicated
+    with pytest.raises(LayoutError, match="must divide num_attention_heads"):
+        check_sequence_parallel(qwen, 8)
+    with pytest.raises(LayoutError, match="sequence length"):
+        check_sequence_parallel(qwen, 2, seq_len=9)
+    for family, reason in [("gpt-oss", "sinks"), ("qwen3-next", "recurrent"), ("deepseek-v32", "indexer")]:
+        with pytest.raises(LayoutError, match=reason):
+            check_sequence_parallel(AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}"), 2)
