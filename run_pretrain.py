@@ -212,7 +212,8 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> bool:
 
     init = load_train_model(args)
     runtime = mode.build(args, model=init.model, weights=init.weights, device=device)
-    loader = lane_loader(data, args, role.index, pin_memory=device.type == "cuda") if reads_data else None
+    data_lane = args.cfg.batch_lane_of(role.index)  # sequence parallelism: s lanes read one share, in slices
+    loader = lane_loader(data, args, data_lane, pin_memory=device.type == "cuda") if reads_data else None
     start = restore(runtime, resume.root, resume.tag, loader, lanes=args.lanes) if resume is not None else 0
     peak = peak_tflops(device, args.peak_tflops)
     throughput = Throughput(args.tokens_per_step, facts.flops_per_token, layout.world_size, peak)

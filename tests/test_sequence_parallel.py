@@ -141,3 +141,57 @@ def test_layouts_and_models_sequence_parallelism_cannot_split_are_refused():
     for family, reason in [("gpt-oss", "sinks"), ("qwen3-next", "recurrent"), ("deepseek-v32", "indexer")]:
         with pytest.raises(LayoutError, match=reason):
             check_sequence_parallel(AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}"), 2)
+
+
+@pytest.fixture(scope="module")
+def tok_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("tokenizers")
+
+
+def test_pretraining_with_sequence_parallelism_resumes_exactly_and_exports(tok_cache, tmp_path):
+    """The README job's model on 2 SP lanes and 2 expert ranks: every step saved, the run resumed at step 2 repeats
+    steps 3-4 bit for bit, and the HF export loads with ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_pretrain import pretrain, records, same
+
+    argv = ("--attention-gpus", 2, "--ffn-gpus", 2, "--sequence-parallel", 2, "--micro-batches", 2, "--steps", 4)
+    full, resumed, ck, export = (tmp_path / name for name in ("full.jsonl", "resumed.jsonl", "ck", "hf"))
+    assert (
+        pretrain(tok_cache, *argv, "--save-dir", ck, "--save-every", 2, "--metrics-file", full, "--export-hf", export)
+        == 0
+    )
+    assert pretrain(tok_cache, *argv, "--resume", ck / "step2", "--metrics-file", resumed) == 0
+    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert torch.isfinite(model(torch.arange(8).view(1, 8)).logits).all()
+
+
+def test_fine_tuning_with_sequence_parallelism_resumes_exactly(tok_cache, tmp_path):
+    """``--init-from`` DeepSeek-V3 (MLA) weights on 2 SP lanes at depth 2: resumed at step 2, steps 3-4 repeat."""
+    from tests.conftest import write_tiny_checkpoint
+    from tests.test_pretrain import pretrain, records, same
+
+    hf_dir = write_tiny_checkpoint("deepseek-v3", tmp_path / "hf", seed=1, vocab_size=512)
+    argv = ("--init-from", hf_dir, "--attention-gpus", 4, "--ffn-gpus", 2, "--depth", 2, "--sequence-parallel", 2)
+    argv += ("--micro-batches", 2, "--steps", 4)
+    full, resumed, ck = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ck"
+    assert pretrain(tok_cache, *argv, "--save-dir", ck, "--save-every", 2, "--metrics-file", full) == 0
+    assert pretrain(tok_cache, *argv, "--resume", ck / "step2", "--metrics-file", resumed) == 0
+    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seq-len", 33], r"sequence_parallel 2 must divide the sequence length \(33\)"),
+        (["--attention-gpus", 3], r"lanes per A-group \(3\) must be divisible by sequence_parallel \(2\)"),
+        (["--model", ROOT / "hf_models" / "tiny-gpt-oss"], r"gpt_oss is not supported: its attention sinks"),
+    ],
+    ids=["sequence", "lanes", "sinks"],
+)
+def test_run_pretrain_refuses_what_it_cannot_slice_before_launch(tok_cache, capfd, argv, message):
+    from tests.test_pretrain import assert_refused_before_launch
+
+    layout = ["--attention-gpus", 2, "--ffn-gpus", 1, "--sequence-parallel", 2]
+    assert_refused_before_launch(tok_cache, capfd, [*layout, *argv], message)

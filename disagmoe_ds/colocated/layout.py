@@ -72,6 +72,15 @@ class ColocatedConfig:
         """Data-parallel attention ranks (how many distinct batches one step consumes): every rank."""
         return self.world_size
 
+    @property
+    def batch_lanes(self) -> int:
+        """The ranks that read distinct micro-batches: every rank (as ``layout.RankCounts``'s, with no sequence
+        parallelism)."""
+        return self.world_size
+
+    def batch_lane_of(self, lane: int) -> int:
+        return lane
+
     def layout(self, *, num_experts: int) -> ColocatedLayout:
         ep_size = self.ep_size if self.ep_size is not None else math.gcd(self.world_size, num_experts)
         return ColocatedLayout(world_size=self.world_size, ep_size=ep_size, num_experts=num_experts)

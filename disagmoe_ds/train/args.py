@@ -75,8 +75,9 @@ class TrainArgs:
 
     @property
     def lanes(self) -> int:
-        """Data-parallel lanes that read their own share of the data: those of A-group 0, or every co-located rank."""
-        return self.cfg.lanes
+        """Lanes that read their own share of the data: those of A-group 0 (s of them share one with sequence
+        parallelism, ``sequence_parallel``), or every co-located rank."""
+        return self.cfg.batch_lanes
 
     @property
     def sequences_per_step(self) -> int:

@@ -28,6 +28,8 @@ LAYOUT_FLAGS = {
     "depth": "pipeline depth (p): the layers are split over this many attention groups and as many expert groups; "
     "divides the layer count",
     "expert_data_parallel": "copies of each expert shard within an expert group",
+    "sequence_parallel": "attention ranks that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses around "
+    "the attention core); divides the lanes of an attention group, the attention heads and --seq-len",
 }
 
 _EPILOG = """\

@@ -23,6 +23,7 @@ from disagmoe_ds.colocated.layout import ColocatedLayout
 from disagmoe_ds.engine.build import build_rank, preflight, schedule_costs
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.sequence_parallel import check_sequence_parallel
 from disagmoe_ds.schedule import PipeShape, generate
 from disagmoe_ds.train.args import TrainArgs
 from disagmoe_ds.train.metrics import ModelFacts
@@ -64,7 +65,9 @@ class Disaggregated:
     name: ClassVar[str] = "disaggregated"
 
     def preflight(self, args: TrainArgs, world_size: int) -> Layout:
-        return preflight(args.model, args.cfg, args.ds_config, world_size)
+        layout = preflight(args.model, args.cfg, args.ds_config, world_size)
+        check_sequence_parallel(load_config(args.model), layout.sequence_parallel, args.seq_len)
+        return layout
 
     def describe(self, args: TrainArgs, layout: Layout, facts: ModelFacts) -> list[str]:
         shape = PipeShape(layout.depth, layout.num_layers, facts.moe_layers)

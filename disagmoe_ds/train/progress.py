@@ -46,7 +46,7 @@ def banner(
         f"model: {config.model_type} {args.model}, {init}, {args.dtype}; {facts.total_params / 1e6:.2f}M params, "
         f"{facts.active_params / 1e6:.2f}M active per token" + (f"; frozen: {', '.join(frozen)}" if frozen else ""),
         *layout_lines,
-        f"tokens per step: {args.tokens_per_step:,} = {args.lanes} lanes x {args.cfg.micro_batches} micro-batches x "
+        f"tokens per step: {args.tokens_per_step:,} = {_lanes_text(args)} x {args.cfg.micro_batches} micro-batches x "
         f"{args.micro_batch_size} sequences x {args.seq_len} tokens; "
         f"{facts.flops_per_token * args.tokens_per_step / 1e9:,.2f} model GFLOP per step",
         f"data: {data.summary}; {epoch_text(data, args)}",
@@ -153,3 +153,13 @@ def _write_scalars(writer: Any, rec: StepRecord) -> None:
     for tag, value in values.items():
         if value is not None:
             writer.add_scalar(tag, value, rec.step)
+
+
+def _lanes_text(args: TrainArgs) -> str:
+    """The lanes that read distinct data (with sequence parallelism, each holds its micro-batches in slices)."""
+    s = getattr(args.cfg, "sequence_parallel", 1)
+    return (
+        f"{args.lanes} lanes"
+        if s == 1
+        else f"{args.lanes} lanes (each {s} ranks holding {args.seq_len // s}-token slices)"
+    )

@@ -42,8 +42,8 @@ def mode_config(
 ) -> DisagMoEConfig | ColocatedConfig:
     """The layout of ``--mode``; each mode's flags are refused in the other mode."""
     if ns.mode == "disaggregated":
-        _refuse_flags(ns, COLOCATED_FLAGS, "is a --mode colocated flag; the disaggregated layout is set by "
-                      "--attention-gpus, --ffn-gpus, --depth and --expert-data-parallel")  # fmt: skip
+        _refuse_flags(ns, COLOCATED_FLAGS, "is a --mode colocated flag; the disaggregated layout is set by the "
+                      "layout flags (--attention-gpus, --ffn-gpus, --depth ...)")  # fmt: skip
         return DisagMoEConfig.from_ds_config(ds_config, {k: getattr(ns, k) for k in (*LAYOUT_FLAGS, "micro_batches")})
     _refuse_flags(ns, LAYOUT_FLAGS, "sets the disaggregated layout; --mode colocated takes --world-size and --ep-size")
     section = DisagMoEConfig.from_ds_config(ds_config, {"micro_batches": ns.micro_batches})
