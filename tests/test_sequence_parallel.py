@@ -14,7 +14,7 @@ from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.sequence_parallel import IGNORE_INDEX, SequenceParallel, check_sequence_parallel, slice_batch
 from disagmoe_ds.verify import VerifyArgs, run_verify
-from tests.conftest import ROOT
+from tests.conftest import ROOT, all_families_only
 
 CLIP = 0.05  # below the tiny models' gradient norms: clipping is active
 PER_LAYER_AUX = {"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5}
@@ -29,6 +29,8 @@ CASES = [
     ("deepseek-v3", {}, 2, 2, 1, 2, 1, 2, True, False, None),
     ("mixtral", {}, 4, 2, 1, 2, 2, 1, False, False, None),
     ("qwen3-moe", PER_LAYER_AUX, 4, 4, 2, 2, 1, 2, True, True, None),
+    ("deepseek-v3", {}, 4, 4, 2, 2, 1, 1, False, False, None),
+    all_families_only("mixtral", {}, 4, 4, 2, 2, 2, 2, True, False, None),
 ]
 
 
