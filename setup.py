@@ -27,7 +27,7 @@ setup(
     ],
     extras_require={
         # triton: tests run its kernels in its interpreter on CPU machines (CUDA wheels of torch ship it already)
-        "test": ["pytest>=8", "ruff>=0.6", "triton>=3.2; platform_system == 'Linux'"],
+        "test": ["pytest>=8", "ruff>=0.6", "mypy>=1.10", "triton>=3.2; platform_system == 'Linux'"],
         "flash": ["flash-attn>=2.6"],
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard>=2.14"],

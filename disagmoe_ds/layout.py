@@ -21,7 +21,7 @@ RankRole(role='ffn', group=1, index=0, ep_rank=0, edp_rank=0)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from disagmoe_ds.errors import LayoutError
 
@@ -66,6 +66,11 @@ class RankCounts:
     """``world_size`` and ``lanes`` of what has ``attention_gpus``, ``ffn_gpus``, ``depth`` and ``sequence_parallel``:
     a ``Layout``, and the ``config.DisagMoEConfig`` that names one before the model is known."""
 
+    attention_gpus: int
+    ffn_gpus: int
+    depth: int
+    sequence_parallel: int
+
     @property
     def world_size(self) -> int:
         return self.attention_gpus + self.ffn_gpus
@@ -89,6 +94,12 @@ class RankCounts:
 class ExpertSlices:
     """Which routed experts an expert-parallel rank holds, for what has ``num_experts`` and ``ep_size``: both modes'
     layouts (``Layout``, ``colocated.layout.ColocatedLayout``)."""
+
+    num_experts: int
+    if TYPE_CHECKING:  # a field of one mode's layout, derived in the other's
+
+        @property
+        def ep_size(self) -> int: ...
 
     @property
     def experts_per_rank(self) -> int:

@@ -31,7 +31,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.comm.transport import Comm, Op, Transport, Work
+from disagmoe_ds.comm.transport import Comm, Op, Transport, Work, started
 
 HEADER_FIXED = 2  # tag, fingerprint; then the metas and the sizes
 WIRE_ALIGN = 16  # bytes: each tensor of a coalesced message starts at a multiple, so the receiver can view it
@@ -103,7 +103,7 @@ class MessageSpec:
         """The message's sizes, read from the tensors' shapes (host metadata, no device read); checks the spec."""
         if len(tensors) != len(self.tensors):
             raise ChannelError(f"{self.name}: expected {len(self.tensors)} tensors, got {len(tensors)}")
-        sizes: list[int | None] = [None] * self.num_sizes
+        sizes = [-1] * self.num_sizes  # every size is some tensor's leading dim (``num_sizes``)
         for t, spec in zip(tensors, self.tensors, strict=True):
             if spec.size is not None:
                 sizes[spec.size] = t.shape[0] if t.dim() else -1
@@ -208,7 +208,7 @@ class FanOut:
                 if len(meta) != self.spec.metas:
                     raise ChannelError(f"{self.spec.name}: {len(meta)} header metas, the spec has {self.spec.metas}")
                 header = torch.tensor([tag, self.spec.fingerprint, *meta, *size], dtype=torch.int64)
-                header_works.append(dist.isend(header, peer, group=self.headers.group))
+                header_works.append(started(dist.isend(header, peer, group=self.headers.group)))
         if self.spec.coalesced:
             payloads = [(self.spec.to_wire(payload),) for payload in payloads]
         ops = [Op("send", t, peer) for peer, payload in zip(self.peers, payloads) for t in payload if t.numel()]
@@ -275,7 +275,7 @@ class FanIn:
         arrival = Arrival(tag)
         if self.headers is not None:
             buffers = tuple(torch.empty(self._header_len, dtype=torch.int64) for _ in self.peers)
-            works = [dist.irecv(b, peer, group=self.headers.group) for b, peer in zip(buffers, self.peers)]
+            works = [started(dist.irecv(b, peer, group=self.headers.group)) for b, peer in zip(buffers, self.peers)]
             arrival.header_buffers, arrival.header_works = buffers, tuple(works)
             self.calls += len(works)
         return arrival
@@ -312,7 +312,8 @@ class FanIn:
             if self.spec.coalesced:  # one byte buffer per peer; the tensors are views of it
                 wires = tuple(self._empty_bytes(self.spec.wire_bytes(size)) for size in arrival.sizes)
                 per_peer = [self.spec.from_wire(wire, size) for wire, size in zip(wires, arrival.sizes)]
-                receives, arrival.buffers = [(wire,) for wire in wires], wires
+                receives: list[tuple[torch.Tensor, ...]] = [(wire,) for wire in wires]
+                arrival.buffers = wires
             else:
                 buffers = self._concat_buffers(arrival.sizes)
                 parts = [self._split(b, spec, arrival.sizes) for b, spec in zip(buffers, self.spec.tensors)]
@@ -325,15 +326,18 @@ class FanIn:
 
     def complete(self, arrival: Arrival) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
         """Hand the arrival's buffers to the compute stream; returns them whole and split per peer."""
-        self.comm_stream.hand_over(arrival.work, arrival.buffers)
+        work, buffers, per_peer = arrival.work, arrival.buffers, arrival.per_peer
+        if work is None or buffers is None or per_peer is None:
+            raise ChannelError(f"{self.spec.name}: an arrival completed before its payload was posted")
+        self.comm_stream.hand_over(work, buffers)
         if not self.spec.coalesced:
-            return arrival.buffers, arrival.per_peer
+            return buffers, per_peer
         if len(self.peers) == 1:
-            return arrival.per_peer[0], arrival.per_peer
+            return per_peer[0], per_peer
         if not self.peers:  # a replica no lane sends to (fewer lanes than replicas): an empty message
-            return self.spec.from_wire(self._empty_bytes(0), (0,) * self.spec.num_sizes), arrival.per_peer
+            return self.spec.from_wire(self._empty_bytes(0), (0,) * self.spec.num_sizes), per_peer
         # Several peers' messages sit in separate wire buffers: joining them is a copy, on the compute stream.
-        return tuple(torch.cat(parts) for parts in zip(*arrival.per_peer)), arrival.per_peer
+        return tuple(torch.cat(parts) for parts in zip(*per_peer, strict=True)), per_peer
 
     def _empty_bytes(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)

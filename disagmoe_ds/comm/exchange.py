@@ -198,7 +198,7 @@ def build_exchange_comms(
         comms[kind, group] = transport.new_comm(f"{kind.value}[{group}]", ranks, pairs)
         if kind in with_headers:
             header_group = new_host_group(ranks, transport.timeout)
-            if rank in ranks:
+            if header_group is not None:  # a member
                 headers[kind, group] = Headers(header_group)
     transport.warm_up(list(comms.values()), device)
     mine = {key: comm for key, comm in comms.items() if comm.group is not None}

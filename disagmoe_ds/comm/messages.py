@@ -47,7 +47,9 @@ class Dims:
         return symbol if isinstance(symbol, int) else {"H": self.hidden, "K": self.top_k, "E": self.num_experts}[symbol]
 
     def dtype_of(self, role: str | torch.dtype) -> torch.dtype:
-        return {"activation": self.dtype, "weight": self.weight_dtype}.get(role, role)
+        if isinstance(role, torch.dtype):
+            return role
+        return {"activation": self.dtype, "weight": self.weight_dtype}[role]
 
 
 def tensor(dtype: str | torch.dtype, shape: tuple[str | int, ...], rows: str | None) -> Any:
@@ -101,7 +103,7 @@ class Message:
     def from_wire(cls: type[M], tensors: Sequence[torch.Tensor], host_ints: Sequence[int] = (), **local) -> M:
         """The message of ``tensors`` (spec order; a variant's follow when there are more) and its header ints."""
         own = _fields(cls, "tensor")
-        values = {f.name: t for f, t in zip(own, tensors[: len(own)], strict=True)}
+        values: dict[str, Any] = {f.name: t for f, t in zip(own, tensors[: len(own)], strict=True)}
         rest = list(tensors[len(own) :])
         for f in _fields(cls, "variant"):
             if rest:
@@ -206,7 +208,7 @@ class Residual(Message):
 
     @property
     def is_moe(self) -> bool:
-        return self.rows_P[0] >= 0
+        return self.rows_P is not None and self.rows_P[0] >= 0
 
 
 @dataclass(frozen=True, eq=False)

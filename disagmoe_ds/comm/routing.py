@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import TypeGuard
 
 import torch
 
@@ -127,7 +128,7 @@ class Capacity:
         return rows <= self.rows and pairs <= self.pairs
 
 
-def pads(capacity: Capacity | None) -> bool:
+def pads(capacity: Capacity | None) -> TypeGuard[Capacity]:
     """Whether messages are padded to ``capacity`` and may outgrow it (None: exact sizes, sent with headers; an
     ``exact`` capacity: one ep rank, nothing to pad)."""
     return capacity is not None and not capacity.exact

@@ -177,8 +177,9 @@ class RendezvousTransport:
         data, control = new_host_group(ranks, self.timeout), new_host_group(ranks, self.timeout)
         if dist.get_rank() not in ranks:
             return Comm(name, ranks, None)
-        comm = Comm(name, ranks, data, tuple(pairs), control, queue.Queue())
-        threading.Thread(target=self._serve, args=(comm,), name=f"rendezvous {name}", daemon=True).start()
+        operations: queue.Queue = queue.Queue()
+        comm = Comm(name, ranks, data, tuple(pairs), control, operations)
+        threading.Thread(target=self._serve, args=(comm, operations), name=f"rendezvous {name}", daemon=True).start()
         return comm
 
     def warm_up(self, comms: Sequence[Comm], device: torch.device) -> None:
@@ -192,9 +193,9 @@ class RendezvousTransport:
         return pending
 
     @staticmethod
-    def _serve(comm: Comm) -> None:
+    def _serve(comm: Comm, operations: queue.Queue) -> None:
         while True:
-            pending: _Pending = comm.queue.get()
+            pending: _Pending = operations.get()
             try:
                 _run(comm, pending.ops)
             except BaseException as err:  # reported to the waiter; the thread keeps serving
@@ -206,20 +207,30 @@ def _run(comm: Comm, ops: tuple[Op, ...]) -> None:
     token = torch.zeros(1, dtype=torch.int64)
     recvs = [op for op in ops if op.kind == "recv"]
     sends = [op for op in ops if op.kind == "send"]
-    works = [dist.isend(token, op.peer, group=comm.control) for op in recvs]  # "my receive has started"
+    works = [started(dist.isend(token, op.peer, group=comm.control)) for op in recvs]  # "my receive has started"
     for op in sends:
-        dist.irecv(torch.empty_like(token), op.peer, group=comm.control).wait()  # its receive has started
-        works.append(dist.isend(op.tensor, op.peer, group=comm.group))
-    works += [dist.irecv(op.tensor, op.peer, group=comm.group) for op in recvs]
+        started(dist.irecv(torch.empty_like(token), op.peer, group=comm.control)).wait()  # its receive has started
+        works.append(started(dist.isend(op.tensor, op.peer, group=comm.group)))
+    works += [started(dist.irecv(op.tensor, op.peer, group=comm.group)) for op in recvs]
     for work in works:
         work.wait()
+
+
+def started(work: dist.Work | None) -> dist.Work:
+    """A point-to-point operation torch started (it returns None only to a rank outside the group)."""
+    if work is None:
+        raise TransportError(f"rank {dist.get_rank()} sent or received on a group it is not in")
+    return work
 
 
 def _describe(ops: Sequence[Op]) -> str:
     return ", ".join(f"{op.kind} {'to' if op.kind == 'send' else 'from'} rank {op.peer}" for op in ops) or "no op"
 
 
-TRANSPORTS = {"auto": TorchTransport, "rendezvous": RendezvousTransport}
+TRANSPORTS: dict[str, type[TorchTransport] | type[RendezvousTransport]] = {
+    "auto": TorchTransport,
+    "rendezvous": RendezvousTransport,
+}
 
 
 def make_transport(name: str, timeout: timedelta | None = None) -> Transport:

@@ -63,7 +63,7 @@ def _task_of(ins: ComputeInstruction) -> Task:
 def _places(streams: Streams) -> dict[Message, Places]:
     """Per message, where (worker, index) it is sent, posted, waited, produced and consumed."""
     computes: dict[Task, tuple[Worker, int]] = {}
-    places: dict[Message, dict[str, list[tuple[Worker, int]]]] = defaultdict(lambda: defaultdict(list))
+    places: dict[Message, Places] = defaultdict(lambda: defaultdict(list))
     for worker, stream in streams.items():
         for i, ins in enumerate(stream):
             if isinstance(ins, CommInstruction):

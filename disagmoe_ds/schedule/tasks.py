@@ -27,7 +27,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from disagmoe_ds.errors import DisagMoEError
 
@@ -155,7 +155,7 @@ class PipeShape:
             )
 
     def worker_of(self, task: Task) -> Worker:
-        return Worker(task.kind[0], task.layer % self.depth)
+        return Worker("A" if task.kind.startswith("A") else "F", task.layer % self.depth)
 
     @property
     def workers(self) -> tuple[Worker, ...]:
@@ -176,8 +176,8 @@ class TaskGraph:
     outputs: dict[Task, tuple[Message, ...]]
 
 
-def _edges(shape: PipeShape, m: int) -> Iterator[tuple[str, Task, Task]]:
-    """(message kind, producer, consumer) for every dependency of micro-batch ``m``."""
+def _edges(shape: PipeShape, m: int) -> Iterator[tuple[MessageKind | Literal["local"], Task, Task]]:
+    """(message kind, producer, consumer) for every dependency of micro-batch ``m`` (``local``: on one worker)."""
     for layer in range(shape.num_layers + 1):
         a_fwd, a_bwd = Task("A_fwd", layer, m), Task("A_bwd", layer, m)
         yield "local", a_fwd, a_bwd
@@ -205,7 +205,7 @@ def build_graph(shape: PipeShape, num_micro_batches: int) -> TaskGraph:
             deps.setdefault(src, [])
             deps.setdefault(dst, []).append(src)
             if shape.worker_of(src) != shape.worker_of(dst):
-                messages.append(Message(kind, src, dst, shape.worker_of(src), shape.worker_of(dst)))
+                messages.append(Message(cast(MessageKind, kind), src, dst, shape.worker_of(src), shape.worker_of(dst)))
     tasks: dict[Worker, list[Task]] = {w: [] for w in shape.workers}
     inputs: dict[Task, list[Message]] = {t: [] for t in deps}
     outputs: dict[Task, list[Message]] = {t: [] for t in deps}
