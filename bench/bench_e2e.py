@@ -15,6 +15,10 @@ bf16 on GPU, AdamW, clipping). Each method's micro-batches per rank follow from 
 
     afpipe         ``engine.build.build_rank`` + ``AFPipeExecutor.train_batch``: M attention + N FFN ranks, depth p
     colocated      ``colocated.build_colocated_rank``: every rank attention + 1/ep of the experts, all-to-all, 1F1B
+    autoep         the HF model under DeepSpeed's own AutoEP (``"expert_parallel": {"enabled": true,
+                   "autoep_size": EP, "preset_model": <model_type>}``: ``deepspeed.initialize`` swaps every MoE block
+                   for its grouped-GEMM layer with HF's routing), each decoder layer compiled with ``--compile``: what
+                   a DeepSpeed user would run instead of us. Its loss is the LM loss alone (AutoEP has no aux loss)
     deepspeed-moe  the HF model with every MoE block's router and experts replaced by ``deepspeed.moe.layer.MoE``
                    (DeepSpeed's ``TopKGate`` + ``Experts`` of HF-sized gated MLPs), the shared experts kept, trained
                    by the co-located executor (same step, same clipping)
@@ -70,8 +74,8 @@ from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.verify import add_lever_args, lever_settings
 
-METHODS = ("afpipe", "colocated", "deepspeed-moe")
-EP_METHODS = ("colocated", "deepspeed-moe")
+METHODS = ("afpipe", "colocated", "autoep", "deepspeed-moe")
+EP_METHODS = ("colocated", "autoep", "deepspeed-moe")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PEAK_FLOPS = 989e12  # dense bf16 of an H100/H200-class GPU (MFU's denominator, also on CPU runs)
 
@@ -156,6 +160,42 @@ class DeepSpeedMoEModel(nn.Module):
         lm_loss = self.model(input_ids=input_ids, labels=labels, position_ids=position_ids, use_cache=False).loss
         aux = torch.stack([block.l_aux for block in self.blocks]).sum()
         return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux)
+
+
+class HFCausalLM(nn.Module):
+    """The HF causal LM as the co-located executor calls it (``ColocatedOutput``: its loss, with no aux term)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        model.config.output_router_logits = False
+        self.model = model
+        self.config = model.config  # what AutoEP reads (top-k, expert counts)
+
+    def forward(self, input_ids, labels, position_ids=None) -> ColocatedOutput:
+        loss = self.model(input_ids=input_ids, labels=labels, position_ids=position_ids, use_cache=False).loss
+        return ColocatedOutput(loss, loss, None)
+
+
+def _autoep_on_this_transformers() -> None:
+    """DeepSpeed 0.19.8's AutoEP reads transformers' output-recorder registry with ``registry.get(key, default)``;
+    transformers 5.2x's registry (``output_capturing._CanRecordRegistry``) takes the model alone, so AutoEP's set-up
+    fails with a TypeError there. Benchmark-only shim: the same registry object also answers the two-argument call."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return
+    registry = output_capturing._CAN_RECORD_REGISTRY
+    base = type(registry)
+    if base.get is dict.get or getattr(base, "takes_defaults", False):
+        return
+
+    class Registry(base):
+        takes_defaults = True
+
+        def get(self, key, default=None):
+            return dict.get(self, key, default) if isinstance(key, str) else base.get(self, key)
+
+    registry.__class__ = Registry
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,9 +335,55 @@ def build_deepspeed_moe(a: argparse.Namespace, device: torch.device):
     return executor, cfg.micro_batches, f"DeepSpeed-MoE: {a.world_size} ranks, EP {a.ep_size}, {experts} experts"
 
 
+def _has_autoep_preset(model_dir: str) -> bool:
+    from deepspeed.module_inject.auto_ep_config import PRESET_MODELS
+
+    return load_config(model_dir).model_type in PRESET_MODELS
+
+
+def build_autoep(a: argparse.Namespace, device: torch.device):
+    import deepspeed
+
+    _autoep_on_this_transformers()
+    cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=micro_batches(a, a.world_size))
+    module = HFCausalLM(make_model(a, device))
+    config = role_ds_config(
+        ds_config(a), micro_batches=cfg.micro_batches, micro_batch_size=a.micro_batch_size, dp_size=a.world_size
+    )
+    preset = module.model.config.model_type
+    config["expert_parallel"] = {
+        "enabled": True,
+        "autoep_size": a.ep_size,
+        "preset_model": preset,
+        "moe_layer_pattern": r"model\.model\.layers\.\d+\.mlp",  # the preset's, under ``HFCausalLM.model``
+    }
+    everyone = dist.new_group(list(range(a.world_size)))
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=config, mpu=RoleMPU(everyone))
+    if a.compile:  # every decoder layer, AutoEP's MoE layers inside them
+        for layer in module.model.model.layers:
+            layer.compile()
+    grad_norm = ColocatedGradNorm(everyone, attention_replicas=a.world_size, expert_replicas=a.world_size // a.ep_size)
+    grad_norm.install(engine)
+    executor = ColocatedExecutor(
+        engine=engine,
+        num_micro_batches=cfg.micro_batches,
+        grad_norm=grad_norm,
+        group=everyone,
+        name=f"rank {dist.get_rank()} autoep",
+    )
+    replaced = sum(type(layer.mlp).__name__ == "AutoEPMoELayer" for layer in module.model.model.layers)
+    return (
+        executor,
+        cfg.micro_batches,
+        f"AutoEP ({preset}): {a.world_size} ranks, EP {a.ep_size}, {replaced} MoE layers",
+    )
+
+
 BUILDERS: dict[str, Callable[[argparse.Namespace, torch.device], tuple[Any, int, str]]] = {
     "afpipe": build_afpipe,
     "colocated": build_colocated,
+    "autoep": build_autoep,
     "deepspeed-moe": build_deepspeed_moe,
 }
 
@@ -556,7 +642,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.ep_size = a.ep_sizes[0]
     a.attention_gpus = a.attention_gpus or max(a.world_size // 2, 1)
     a.ffn_gpus = a.ffn_gpus or a.world_size - a.attention_gpus
-    a.methods = a.methods or (list(METHODS) if a.world_size > 1 else ["colocated"])
+    if not a.methods:  # all (AutoEP where DeepSpeed has a preset for the model), or colocated alone on one rank
+        a.methods = [m for m in METHODS if m != "autoep" or _has_autoep_preset(a.model)] if a.world_size > 1 else []
+        a.methods = a.methods or ["colocated"]
     if "afpipe" in a.methods and a.attention_gpus + a.ffn_gpus != a.world_size:
         p.error(
             f"AF-Pipe needs attention + FFN ranks = world size ({a.attention_gpus} + {a.ffn_gpus} != {a.world_size})"

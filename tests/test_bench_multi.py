@@ -58,7 +58,45 @@ def test_bench_e2e_runs_every_ep_size_side_by_side():
     bench = _load("bench_e2e")
     a = bench.parse_args(["--device", "cpu", "--world-size", "2", "--ep-size", "2", "1"])
     runs = [(method, run.ep_size) for method, run in bench.runs(a)]
-    assert runs == [("afpipe", 2), ("colocated", 2), ("colocated", 1), ("deepspeed-moe", 2), ("deepspeed-moe", 1)]
+    assert runs == [
+        ("afpipe", 2),
+        ("colocated", 2),
+        ("colocated", 1),
+        ("autoep", 2),
+        ("autoep", 1),
+        ("deepspeed-moe", 2),
+        ("deepspeed-moe", 1),
+    ]
+
+
+def test_bench_e2e_runs_deepspeed_autoep_beside_the_colocated_mode(tmp_path):
+    """DeepSpeed's own AutoEP (the HF model, its MoE blocks swapped inside ``deepspeed.initialize``) trains the same
+    tokens per step beside our co-located mode; qwen2_moe has no AutoEP preset, so it is left out of its default."""
+    bench = _load("bench_e2e")
+    out = tmp_path / "e2e.json"
+    argv = ["--device", "cpu", "--model", str(ROOT / "hf_models" / "tiny-qwen3-moe"), "--world-size", "2"]
+    argv += [
+        "--seq-len",
+        "8",
+        "--global-batch",
+        "4",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--methods",
+        "colocated",
+        "autoep",
+    ]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"colocated-ep2", "autoep-ep2"} and "3 MoE layers" in rows["autoep-ep2"]["layout"]
+    assert rows["autoep-ep2"]["tokens_per_step"] == rows["colocated-ep2"]["tokens_per_step"] == 32
+    assert abs(rows["autoep-ep2"]["loss"] - math.log(128)) < 0.5  # random init on a vocabulary of 128
+    qwen2 = bench.parse_args(
+        ["--device", "cpu", "--world-size", "2", "--model", str(ROOT / "hf_models" / "tiny-qwen2-moe")]
+    )
+    assert "autoep" not in qwen2.methods
 
 
 def test_bench_e2e_three_methods_same_tokens(tmp_path):
