@@ -182,7 +182,7 @@ FAMILIES = {
     ),
     # Gemma 4's text MoE (gemma4_text, Gemma4ForCausalLM; refused, models.uncut): sliding and full attention layers
     # (the full ones with their own head size, keys as values), every layer a dense MLP beside 8 experts, top-2;
-    # no per-layer embeddings or shared keys and values, as in the MoE model.
+    # no per-layer embeddings or shared keys and values (tests/test_uncut.py adds them to see them refused too).
     "tiny-gemma4": tf.Gemma4TextConfig(
         **COMMON,
         head_dim=16,
