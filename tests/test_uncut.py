@@ -17,7 +17,7 @@ from disagmoe_ds.planner.hf_config import model_fields
 from tests.conftest import ROOT
 
 HC = r"layers 0-3 carry 4 residual streams \(hyper-connections, hc_mult\) and weigh the experts' sum per token"
-HASH = r"layers 0-1 route by token id \(hash_moe: tid2eid\[input_ids\]\), which the attention parts past the first"
+HASH = r"layers 0-1 route by token id \(hash_moe: tid2eid\[input_ids\]\), while the attention parts get hidden"
 BESIDE = r"layers 0-3 run their experts beside a dense MLP and normalise the experts' sum"
 CASES = {
     "deepseek-v4": rf"^the deepseek_v4 config cannot be cut by DisagMoE-DS: {HC}.*; {HASH}.*; not supported yet",

@@ -2,7 +2,8 @@
 
 The cut hands every layer's attention part one residual stream and adds the routed experts' sum to it as it
 arrives (``parts.AttentionOutput``; the next A-group does the add, ``engine.runners``), and it gives the attention
-parts past the first A-group hidden states only, not token ids. Two issue-29 families need more (HF 5.24's modules):
+parts hidden states only (the token ids stay with the embedding, on the first A-group). Two issue-29 families need
+more (HF 5.24's modules):
 
     deepseek_v4   hyper-connections (``DeepseekV4HyperConnection``): ``hc_mult`` residual streams per token; a layer's
                   output is ``post * (experts + shared) + comb^T @ streams``, the experts' sum weighed per token and
@@ -55,8 +56,8 @@ def _deepseek_v4(cfg: Mapping[str, Any]) -> list[str]:
     hashed = [i for i, kind in enumerate(mlp_types) if kind == "hash_moe"]
     if hashed:
         reasons.append(
-            f"{_layers(hashed)} route by token id (hash_moe: tid2eid[input_ids]), which the attention parts past the "
-            "first A-group do not receive"
+            f"{_layers(hashed)} route by token id (hash_moe: tid2eid[input_ids]), while the attention parts get "
+            "hidden states only (the token ids stay with the embedding)"
         )
     return reasons
 
@@ -80,7 +81,7 @@ def _gemma4_text(cfg: Mapping[str, Any]) -> list[str]:
     if per_layer:
         reasons.append(
             f"every layer adds a per-layer embedding of the token ids (hidden_size_per_layer_input {per_layer}), "
-            "which the attention parts past the first A-group do not receive"
+            "while the attention parts get hidden states only"
         )
     return reasons
 
@@ -91,8 +92,15 @@ _TEXT_OF = {"gemma4": "gemma4_text"}
 
 
 def check_uncut(cfg: Mapping[str, Any]) -> None:
-    """Refuse a config.json dict of a family in ``UNCUT`` in one line: its model type, every reason with its
-    layers, and that it is not supported yet. Other configs pass."""
+    """Refuse a config.json dict of a family in ``UNCUT`` (``refusal``); other configs pass."""
+    line = refusal(cfg)
+    if line is not None:
+        raise UnsupportedModelError(line)
+
+
+def refusal(cfg: Mapping[str, Any]) -> str | None:
+    """The one line refusing a config.json dict of a family in ``UNCUT``: its model type, every reason with its
+    layers, and that it is not supported yet; None for other configs."""
     model_type = cfg.get("model_type")
     what = f"the {model_type} config"
     if model_type in _TEXT_OF:
@@ -100,6 +108,5 @@ def check_uncut(cfg: Mapping[str, Any]) -> None:
         what = f"the {model_type} config's text model ({cfg['model_type']})"
         model_type = cfg["model_type"]
     if model_type not in UNCUT:
-        return
-    reasons = UNCUT[model_type](cfg)
-    raise UnsupportedModelError(f"{what} cannot be cut by DisagMoE-DS: {'; '.join(reasons)}; {_NOT_YET}")
+        return None
+    return f"{what} cannot be cut by DisagMoE-DS: {'; '.join(UNCUT[model_type](cfg))}; {_NOT_YET}"
