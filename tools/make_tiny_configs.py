@@ -151,6 +151,55 @@ FAMILIES = {
         num_experts_per_tok=2,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
     ),
+    # Refused before launch (models.uncut), kept so the refusal is tested on what HF builds. DeepSeek-V4: every
+    # attention layer type (sliding, compressed sparse, heavily compressed; compression 2 and 4 so 12 tokens compress),
+    # hash-routed and learned MoE layers, 4 hyper-connection streams as in the real model.
+    "tiny-deepseek-v4": tf.DeepseekV4Config(
+        **{**COMMON, "num_key_value_heads": 1},
+        head_dim=32,
+        partial_rotary_factor=0.25,
+        q_lora_rank=24,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        hc_mult=4,
+        hc_sinkhorn_iters=4,
+        sliding_window=4,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=2,
+    ),
+    # Gemma 4's text MoE (gemma4_text, Gemma4ForCausalLM; refused, models.uncut): sliding and full attention layers
+    # (the full ones with their own head size, keys as values), every layer a dense MLP beside 8 experts, top-2;
+    # no per-layer embeddings or shared keys and values (tests/test_uncut.py adds them to see them refused too).
+    "tiny-gemma4": tf.Gemma4TextConfig(
+        **COMMON,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        intermediate_size=96,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        sliding_window=8,
+        final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
 }
 
 if __name__ == "__main__":

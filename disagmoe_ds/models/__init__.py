@@ -3,6 +3,8 @@
 families       per-family facts as data: router, shared experts, expert count, token mixer (Qwen2/3-MoE, Qwen3-Next,
                Qwen3.5-MoE, Mixtral, DeepSeek-V2/V3, GLM-4.5, GPT-OSS, OLMoE, ERNIE-4.5, Hunyuan, dots.llm1,
                MiniMax-M2), and what the cut refuses
+uncut          families known but not cut yet (DeepSeek-V4, Gemma 4's text MoE): one line, the layers and why (no
+               torch)
 moe_pattern    which layers route to experts, from the config alone (no torch)
 parts          the attention part and the expert shard of every layer, built from HF's own modules
 grouped_experts  the expert compute: grouped GEMMs over the routed (row, expert) pairs

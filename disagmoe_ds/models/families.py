@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe_ds.errors import UnsupportedModelError
+from disagmoe_ds.models.uncut import check_uncut
 
 SharedFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
 RouteFn = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -148,10 +149,13 @@ ALIASES = {"qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def family_of(config) -> Family:
-    """The family adapter for an HF config, or a one-line error listing what is supported."""
+    """The family adapter for an HF config, or a one-line error: the layer and the reason for a family known but
+    not cut yet (``uncut``), else what is supported."""
     model_type = getattr(config, "model_type", None)
     model_type = ALIASES.get(model_type, model_type)
     if model_type not in FAMILIES:
+        if hasattr(config, "to_dict"):  # an HF config (the benches build one-layer models from one)
+            check_uncut(config.to_dict())
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported by DisagMoE-DS; supported: "
             f"{', '.join(sorted([*FAMILIES, *ALIASES]))}"

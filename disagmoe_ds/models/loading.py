@@ -12,6 +12,7 @@ from torch import nn
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.jsonfile import read_json_object
 from disagmoe_ds.models.families import ALIASES, check_cut, expert_bias_of, family_of, is_moe_layer
+from disagmoe_ds.models.uncut import check_uncut
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -24,8 +25,9 @@ _RESAVE_FIX = "write the model again with save_pretrained"
 
 
 def load_config(path: str | Path):
-    """The HF config of a model directory; rejects unsupported architectures, and configs the cut cannot hold
-    (``families.check_cut``), before anything heavy happens.
+    """The HF config of a model directory; rejects unsupported architectures (those known but not cut yet by the
+    layer and the reason: ``uncut``), and configs the cut cannot hold (``families.check_cut``), before anything
+    heavy happens.
 
     A vision-language config (Qwen3.5-MoE's ``qwen3_5_moe``, ``families.ALIASES``) gives its language model's
     config (``get_text_config()``), the one ``AutoModelForCausalLM`` builds its causal LM from.
@@ -35,6 +37,7 @@ def load_config(path: str | Path):
     path = Path(path)
     config_file = path / "config.json"
     raw = read_json_object(config_file, what="model config", fix=_MODEL_DIR_FIX)
+    check_uncut(raw)  # families known but not cut yet: the layer and the reason
     family_of(SimpleNamespace(model_type=raw.get("model_type")))  # reject unsupported families first
     try:
         config = AutoConfig.from_pretrained(path)

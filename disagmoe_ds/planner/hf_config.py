@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.models.moe_pattern import language_model_config, moe_layer_pattern
+from disagmoe_ds.models.uncut import check_uncut
 from disagmoe_ds.planner.inputs import read_json
 
 SUPPORTED_TYPES = (
@@ -103,6 +104,7 @@ def read_model_config(path: str | Path) -> tuple[dict[str, Any], str]:
 def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """``ModelSpec``'s fields but its name, from a config.json dict; ``UnsupportedModelError`` / ``ConfigError``
     name the field at fault."""
+    check_uncut(cfg)  # known families the runtime cannot cut yet, refused as the runtime refuses them
     cfg = dict(language_model_config(cfg))
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_TYPES:

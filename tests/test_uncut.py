@@ -1,0 +1,98 @@
+"""Families known but not cut yet (DeepSeek-V4, Gemma 4's text MoE; ``models.uncut``): HF builds and trains their
+tiny configs, every layer type included, and DisagMoE-DS refuses them before launch in one line naming the layers
+and the reasons, alike in the runtime's preflight, the planner, the benches' one-layer models and the CLIs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from disagmoe_ds import verify
+from disagmoe_ds.errors import UnsupportedModelError
+from disagmoe_ds.models.families import family_of
+from disagmoe_ds.models.loading import load_model
+from disagmoe_ds.planner.hf_config import model_fields
+from tests.conftest import ROOT
+
+HC = r"layers 0-3 carry 4 residual streams \(hyper-connections, hc_mult\) and weigh the experts' sum per token"
+HASH = r"layers 0-1 route by token id \(hash_moe: tid2eid\[input_ids\]\), while the attention parts get hidden"
+BESIDE = r"layers 0-3 run their experts beside a dense MLP and normalise the experts' sum"
+CASES = {
+    "deepseek-v4": rf"^the deepseek_v4 config cannot be cut by DisagMoE-DS: {HC}.*; {HASH}.*; not supported yet",
+    "gemma4": rf"^the gemma4_text config cannot be cut by DisagMoE-DS: {BESIDE}.*; not supported yet \(the README",
+}
+
+
+def tiny_config(tiny: str) -> dict:
+    return json.loads((ROOT / "hf_models" / f"tiny-{tiny}" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("tiny", CASES)
+def test_hf_trains_the_tiny_config_with_every_layer_type(tiny):
+    """The refusal is about the cut: HF's own model of the tiny config runs forward and backward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{tiny}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    input_ids = torch.randint(3, config.vocab_size, (2, 12))
+    out = model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    if tiny == "deepseek-v4":
+        attention = {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
+        assert set(config.layer_types) == attention and set(config.mlp_layer_types) == {"hash_moe", "moe"}
+    else:
+        assert set(config.layer_types) == {"sliding_attention", "full_attention"}
+        assert all(hasattr(layer, "experts") and hasattr(layer, "mlp") for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("tiny", CASES)
+def test_refused_in_one_line_by_runtime_planner_and_benches(tiny):
+    with pytest.raises(UnsupportedModelError, match=CASES[tiny]) as err:
+        load_model(ROOT / "hf_models" / f"tiny-{tiny}")
+    line = str(err.value)
+    assert "\n" not in line
+    with pytest.raises(UnsupportedModelError) as planner:
+        model_fields(tiny_config(tiny))
+    from transformers import AutoConfig
+
+    with pytest.raises(UnsupportedModelError) as bench:  # bench_layer builds its one-layer model from AutoConfig
+        family_of(AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{tiny}"))
+    assert str(planner.value) == str(bench.value) == line
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, r"^the gemma4 config's text model \(gemma4_text\) cannot be cut by DisagMoE-DS: layers 0-3 run"),
+        ({"num_kv_shared_layers": 2}, r"; layers 2-3 reuse earlier layers' keys and values \(num_kv_shared_layers\)"),
+        ({"hidden_size_per_layer_input": 16}, r"; every layer adds a per-layer embedding of the token ids"),
+        ({"enable_moe_block": False}, r"cannot be cut by DisagMoE-DS: it has no MoE layer \(enable_moe_block is"),
+    ],
+    ids=["hub-config", "shared-kv", "per-layer-embeddings", "dense"],
+)
+def test_gemma4_hub_config_is_refused_through_its_text_config(tmp_path, fields, message):
+    """The Hub's Gemma 4 config is the vision-language model's (model_type gemma4); its text_config is refused, with
+    each structure it has."""
+    text = {k: v for k, v in tiny_config("gemma4").items() if k != "model_type"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4", "text_config": {**text, **fields}}))
+    with pytest.raises(UnsupportedModelError, match=message) as err:
+        load_model(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_disagmoe_verify_refuses_before_any_rank_starts(capfd):
+    argv = ["--model", str(ROOT / "hf_models" / "tiny-deepseek-v4"), "--attention-gpus", "2", "--ffn-gpus", "2"]
+    assert verify.main(argv) == 2
+    out, err = capfd.readouterr()
+    assert err.splitlines() == [f"disagmoe-verify: error: {_line('deepseek-v4')}"], err
+    assert out == ""
+
+
+def _line(tiny: str) -> str:
+    with pytest.raises(UnsupportedModelError) as err:
+        load_model(ROOT / "hf_models" / f"tiny-{tiny}")
+    return str(err.value)
