@@ -3,8 +3,10 @@
     # 8 GPUs of one host, 4 layers of Qwen3-30B-A3B, 32 sequences of 4K per step (AF-Pipe: 4 attention + 4 FFN)
     PYTHONPATH=$PWD python bench/bench_e2e.py --model hf_models/Qwen3-30B-A3B --layers 4 --world-size 8 \\
         --seq-len 4096 --global-batch 32 --json e2e.json
-    # one GPU: the co-located mode alone, real-size layers
-    PYTHONPATH=$PWD python bench/bench_e2e.py --model hf_models/Qwen3-30B-A3B --layers 4 --world-size 1
+    # one GPU: the co-located mode beside DeepSpeed's AutoEP, real-size layers (torchrun: a forked NCCL rank of a
+    # one-GPU local job could not initialise CUDA on that machine)
+    PYTHONPATH=$PWD torchrun --nproc_per_node 1 bench/bench_e2e.py --model hf_models/Qwen3-30B-A3B --layers 4 \
+        --world-size 1 --methods colocated autoep --compile
     # CPU, gloo, a tiny model (what the tests run)
     PYTHONPATH=$PWD python bench/bench_e2e.py --device cpu --model hf_models/tiny-qwen3-moe --world-size 2 \\
         --seq-len 16 --global-batch 4 --warmup 1 --steps 2
