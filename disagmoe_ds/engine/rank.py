@@ -161,7 +161,7 @@ class RankBuilder:
         layout = self._layout(mode, model.config, ds_config, dist.get_world_size())
         role = layout.role_of(rank)
         # A rank waiting longer than this for a peer fails (and the launcher ends the job) instead of hanging.
-        tokens = None if seq_len is None else seq_len * micro_batch_size // getattr(layout, "sequence_parallel", 1)
+        tokens = None if seq_len is None else seq_len * micro_batch_size
         timeout = timedelta(seconds=cfg.comm_timeout_s)
         groups = mode.groups(layout, rank, timeout=timeout, device=device, tokens_per_micro_batch=tokens)
         routing = routing_facts(model)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -363,6 +364,9 @@ def slice_experts(experts: nn.Module, config, family: Family, start: int, stop: 
 class AttentionStage(nn.Module):
     """The attention parts of the layers one A-group owns, plus embedding (A-group 0) and head (A-group L % p)."""
 
+    config: Any  # the model's HF config (family-specific fields)
+    head: Head | None
+
     def __init__(self, model: nn.Module, layers: tuple[int, ...], *, with_embedding: bool, with_head: bool):
         super().__init__()
         self.config = model.config
@@ -391,6 +395,8 @@ class AttentionStage(nn.Module):
 
 class ExpertStage(nn.Module):
     """The expert shards ``[start, stop)`` of the MoE layers one F-group owns."""
+
+    config: Any  # the model's HF config
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...], start: int, stop: int):
         super().__init__()
