@@ -112,6 +112,8 @@ class Workload:
         split_backward: each backward runs as an input-gradient task on the critical path and a weight-gradient
             task that fills idle time (zero-bubble pipelining on the A/F ring).
         attention_zero_stage, ffn_zero_stage: per-side ZeRO stage (None: ``zero_stage``).
+        sequence_parallel, tensor_parallel: s and t of an A-lane of s x t ranks (``attention_lanes.py``): DeepSpeed-
+            Ulysses over s ranks, Megatron-style TP+SP over t; the lane's micro-batch is split over its s x t ranks.
     """
 
     seq_len: int
@@ -124,6 +126,13 @@ class Workload:
     split_backward: bool = False
     attention_zero_stage: int | None = None
     ffn_zero_stage: int | None = None
+    sequence_parallel: int = 1
+    tensor_parallel: int = 1
+
+    @property
+    def lane_size(self) -> int:
+        """Ranks of one A-lane: s x t."""
+        return self.sequence_parallel * self.tensor_parallel
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -148,6 +157,7 @@ class Workload:
         a, f = self.offload
         parts += [f"offload A {a:.0%} F {f:.0%}"] if a or f else []
         parts += ["split backward"] if self.split_backward else []
+        parts += [f"SP {self.sequence_parallel} x TP {self.tensor_parallel}"] if self.lane_size > 1 else []
         return ", ".join(parts + [f"ZeRO {self.zero_of('attention')}/{self.zero_of('ffn')}"])
 
 
