@@ -334,7 +334,8 @@ def test_plans_divide_and_fit_memory():
     assert c.memory_ffn.total_at(result.af.in_flight) <= usable
     assert result.baseline.candidate.memory.total <= usable
     assert result.rejected["does not fit memory (recompute none)"] > 0
-    tiny_hbm = plan_for(spec, small_cluster(hbm_bytes=1e9), 4096, baseline="ep")
+    plain = {"sequence_parallel": (1,), "tensor_parallel": (1,)}  # TP lanes would fit: they shard the A side's state
+    tiny_hbm = plan_for(spec, small_cluster(hbm_bytes=1e9), 4096, baseline="ep", **plain)
     assert tiny_hbm.af is None and tiny_hbm.baseline is None
 
 
