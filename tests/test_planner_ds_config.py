@@ -79,3 +79,14 @@ def test_the_planners_refusals_are_the_runtimes(recompute, resend, split, za, zf
         assert cfg.zero_stage == {"attention": za, "ffn": zf} and cfg.offload_share("attention") == 0.15
     else:  # the layout alone
         assert "zero_stage" not in section and "offload" not in section
+
+
+def test_the_planner_knows_whether_the_runtime_runs_a_lanes():
+    """``report.RUNTIME_RUNS_LANES`` says whether ``DisagMoEConfig`` reads "sequence_parallel" and "tensor_parallel"
+    (the planner cannot import it): until it does, a plan with s x t > 1 gets no ds_config."""
+    from dataclasses import fields
+
+    from disagmoe_ds.planner.report import RUNTIME_RUNS_LANES
+
+    names = {f.name for f in fields(DisagMoEConfig)}
+    assert RUNTIME_RUNS_LANES == ({"sequence_parallel", "tensor_parallel"} <= names)
