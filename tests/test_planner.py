@@ -821,7 +821,8 @@ def test_variant_ladder_stops_once_memory_is_roomy():
 
     spec, cluster = mid_model(), small_cluster()
     rates = Rates.from_cluster(cluster, Efficiency())
-    req = PlanRequest(spec, cluster, rates, Workload(2048, 1), global_batch=64)
+    req = PlanRequest(spec, cluster, rates, Workload(2048, 1), global_batch=64, sequence_parallel=(1,))
+    req = replace(req, tensor_parallel=(1,))  # each A-lane shape climbs its own ladder (test_planner_lanes.py)
     paper, _ = af_candidates(replace(req, af_variants=PAPER))
     everything, _ = af_candidates(req)
     assert {c.work.variant for c in paper} <= {"recompute none, ZeRO 1/1", "recompute full, ZeRO 1/1"}
