@@ -13,7 +13,7 @@ import pytest
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner import Efficiency, Rates, save_cluster
-from disagmoe_ds.planner.allocator import PlanRequest, af_shortlist, best_af
+from disagmoe_ds.planner.allocator import PlanRequest, best_af, shortlist
 from disagmoe_ds.planner.attention_lanes import (
     lane_comm_s,
     lane_options,
@@ -115,6 +115,7 @@ def test_more_lane_options_never_give_a_slower_af_pipe_plan():
         for big in sets:
             if set(small[0]) <= set(big[0]) and set(small[1]) <= set(big[1]):
                 assert rate[big] >= rate[small] * (1 - 1e-9), (small, big)
+    assert rate[(1,), (1, 2)] > rate[(1,), (1,)]  # here TP 2 lanes pay: the lanes are not a no-op
 
 
 def test_lane_shortlist_of_an_option_subset_is_the_full_shortlist_restricted_to_it():
@@ -136,10 +137,10 @@ def test_lane_shortlist_of_an_option_subset_is_the_full_shortlist_restricted_to_
         ranked = [fake(*rng.choice(shapes), rng.random() < 0.5, rng.random() < 0.7) for _ in range(rng.randint(1, 12))]
         ranked.sort(key=lambda c: c.max_in_flight < 5)
         for top in (1, 2):
-            full = af_shortlist(ranked, top)
+            full = shortlist(ranked, top)
             for allowed in allowed_sets:
                 mine = [c for c in ranked if search_options(c.work) <= allowed]
-                assert af_shortlist(mine, top) == [c for c in full if c in mine]
+                assert shortlist(mine, top) == [c for c in full if c in mine]
 
 
 def _cli(capsys, tmp_path, *extra: str) -> tuple[int, str, str]:

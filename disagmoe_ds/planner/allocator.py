@@ -417,16 +417,6 @@ def shortlist(ranked: list[AfCandidate], top: int) -> list[AfCandidate]:
     return out
 
 
-def af_shortlist(ranked: list[AfCandidate], top: int) -> list[AfCandidate]:
-    """The families to simulate: ``shortlist(top)`` of the plain lanes (s = t = 1, the search before A-lanes had
-    degrees) and ``shortlist(1)`` of all, in ranked order. Each part is what it is for every set of allowed options
-    restricted to that set, so their union is too (monotone), and a search of plain lanes simulates what it did
-    before; ``top`` for every lane shape would multiply the simulations by the shapes' count."""
-    plain = [c for c in ranked if c.work.lane_size == 1]
-    listed = {id(c) for c in shortlist(plain, top)} | {id(c) for c in shortlist(ranked, 1)}
-    return [c for c in ranked if id(c) in listed]
-
-
 def best_tokens_per_s(c: AfCandidate) -> float:
     """An upper bound on any simulated plan of ``c``: its step is never below T* plus the sync and optimizer."""
     return c.tokens / (c.roofline.bottleneck_s + c.exposed_sync_s + c.optimizer_step_s)
@@ -441,7 +431,7 @@ def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
     for c in sorted(candidates, key=_rank_key):
         families.setdefault(_family(c), c)
     ranked = sorted(families.values(), key=_rank_key)
-    listed = af_shortlist(ranked, req.simulate_per_variant_set)
+    listed = shortlist(ranked, req.simulate_per_variant_set)
     memo: dict[tuple[AfCandidate, int], SimResult] = {}
     splits = (False, True) if "split_backward" in req.af_variants else (False,)  # the split changes the schedule only
     best: AfPlan | None = None
