@@ -81,12 +81,12 @@ def test_the_planners_refusals_are_the_runtimes(recompute, resend, split, za, zf
         assert "zero_stage" not in section and "offload" not in section
 
 
-def test_the_planner_knows_whether_the_runtime_runs_a_lanes():
-    """``report.RUNTIME_RUNS_LANES`` says whether ``DisagMoEConfig`` reads "sequence_parallel" and "tensor_parallel"
-    (the planner cannot import it): until it does, a plan with s x t > 1 gets no ds_config."""
+def test_the_planner_knows_which_a_lane_degrees_the_runtime_runs():
+    """``report.RUNTIME_LANE_FIELDS`` names which of "sequence_parallel" and "tensor_parallel" ``DisagMoEConfig`` reads
+    (the planner cannot import it): a plan with a degree > 1 the runtime does not read gets no ds_config."""
     from dataclasses import fields
 
-    from disagmoe_ds.planner.report import RUNTIME_RUNS_LANES
+    from disagmoe_ds.planner.report import RUNTIME_LANE_FIELDS
 
     names = {f.name for f in fields(DisagMoEConfig)}
-    assert RUNTIME_RUNS_LANES == ({"sequence_parallel", "tensor_parallel"} <= names)
+    assert RUNTIME_LANE_FIELDS == {"sequence_parallel", "tensor_parallel"} & names

@@ -182,6 +182,9 @@ def test_ds_config_writes_the_lane_once_the_runtime_runs_it(monkeypatch):
     result = SimpleNamespace(request=request, af=SimpleNamespace(candidate=candidate, in_flight=5))
     with pytest.raises(ConfigError, match="--sequence-parallel 1 --tensor-parallel 1"):
         ds_config(result)
-    monkeypatch.setattr(report, "RUNTIME_RUNS_LANES", True)
+    monkeypatch.setattr(report, "RUNTIME_LANE_FIELDS", frozenset({"sequence_parallel"}))
+    with pytest.raises(ConfigError, match="does not run"):  # TP 2 still is not run
+        ds_config(result)
+    monkeypatch.setattr(report, "RUNTIME_LANE_FIELDS", frozenset({"sequence_parallel", "tensor_parallel"}))
     section = ds_config(result)["disagmoe"]
     assert (section["sequence_parallel"], section["tensor_parallel"]) == (2, 2)

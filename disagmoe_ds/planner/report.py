@@ -329,9 +329,9 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
     ]
 
 
-# Whether the runtime's ``DisagMoEConfig`` reads "sequence_parallel" and "tensor_parallel" (an A-lane of s x t ranks).
-# It cannot be imported here (it imports torch); tests/test_planner_ds_config.py holds this to its fields.
-RUNTIME_RUNS_LANES = False
+# Which of "sequence_parallel" and "tensor_parallel" (an A-lane of s x t ranks) the runtime's ``DisagMoEConfig``
+# reads. It cannot be imported here (it imports torch); tests/test_planner_ds_config.py holds this to its fields.
+RUNTIME_LANE_FIELDS: frozenset[str] = frozenset()
 
 
 def runtime_refusal(work: Workload) -> str | None:
@@ -348,14 +348,15 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
     cluster (preset or JSON path) the runtime's schedule costs assume and, where the runtime runs it
     (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing), resend, split backward,
     the offload shares and each side's ZeRO stage. A plan with A-lanes of s x t > 1 ranks raises ``ConfigError``
-    while the runtime does not run them (``RUNTIME_RUNS_LANES``); once it does, they go into the section.
+    while the runtime does not run them (``RUNTIME_LANE_FIELDS``); the degrees it runs go into the section.
 
     The NIC split and placement are not runtime settings: the hostfile's order places the ranks.
     """
     req, af = result.request, result.af
     assert af is not None
     c, w = af.candidate, af.candidate.work
-    if w.lane_size > 1 and not RUNTIME_RUNS_LANES:
+    degrees = {"sequence_parallel": w.sequence_parallel, "tensor_parallel": w.tensor_parallel}
+    if any(degree > 1 and name not in RUNTIME_LANE_FIELDS for name, degree in degrees.items()):
         raise ConfigError(
             f"the plan's A-lanes are SP {w.sequence_parallel} x TP {w.tensor_parallel}, but the runtime does not run "
             "sequence/tensor parallelism yet: pass --sequence-parallel 1 --tensor-parallel 1 for a plan it runs"
@@ -378,8 +379,7 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
             "offload": {"attention": round(w.offload[0], 6), "ffn": round(w.offload[1], 6)},
             "zero_stage": {"attention": w.zero_of("attention"), "ffn": w.zero_of("ffn")},
         }
-    if w.lane_size > 1:
-        section |= {"sequence_parallel": w.sequence_parallel, "tensor_parallel": w.tensor_parallel}
+    section |= {name: degree for name, degree in degrees.items() if degree > 1}
     return {
         "train_micro_batch_size_per_gpu": req.work.micro_batch_size,
         "gradient_accumulation_steps": c.micro_batches,
