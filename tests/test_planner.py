@@ -334,7 +334,8 @@ def test_plans_divide_and_fit_memory():
     assert c.memory_ffn.total_at(result.af.in_flight) <= usable
     assert result.baseline.candidate.memory.total <= usable
     assert result.rejected["does not fit memory (recompute none)"] > 0
-    tiny_hbm = plan_for(spec, small_cluster(hbm_bytes=1e9), 4096, baseline="ep")
+    plain = {"sequence_parallel": (1,), "tensor_parallel": (1,)}  # TP lanes would fit: they shard the A side's state
+    tiny_hbm = plan_for(spec, small_cluster(hbm_bytes=1e9), 4096, baseline="ep", **plain)
     assert tiny_hbm.af is None and tiny_hbm.baseline is None
 
 
@@ -820,7 +821,8 @@ def test_variant_ladder_stops_once_memory_is_roomy():
 
     spec, cluster = mid_model(), small_cluster()
     rates = Rates.from_cluster(cluster, Efficiency())
-    req = PlanRequest(spec, cluster, rates, Workload(2048, 1), global_batch=64)
+    req = PlanRequest(spec, cluster, rates, Workload(2048, 1), global_batch=64, sequence_parallel=(1,))
+    req = replace(req, tensor_parallel=(1,))  # each A-lane shape climbs its own ladder (test_planner_lanes.py)
     paper, _ = af_candidates(replace(req, af_variants=PAPER))
     everything, _ = af_candidates(req)
     assert {c.work.variant for c in paper} <= {"recompute none, ZeRO 1/1", "recompute full, ZeRO 1/1"}

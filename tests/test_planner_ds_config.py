@@ -79,3 +79,14 @@ def test_the_planners_refusals_are_the_runtimes(recompute, resend, split, za, zf
         assert cfg.zero_stage == {"attention": za, "ffn": zf} and cfg.offload_share("attention") == 0.15
     else:  # the layout alone
         assert "zero_stage" not in section and "offload" not in section
+
+
+def test_the_planner_knows_which_a_lane_degrees_the_runtime_runs():
+    """``report.RUNTIME_LANE_FIELDS`` names which of "sequence_parallel" and "tensor_parallel" ``DisagMoEConfig`` reads
+    (the planner cannot import it): a plan with a degree > 1 the runtime does not read gets no ds_config."""
+    from dataclasses import fields
+
+    from disagmoe_ds.planner.report import RUNTIME_LANE_FIELDS
+
+    names = {f.name for f in fields(DisagMoEConfig)}
+    assert RUNTIME_LANE_FIELDS == {"sequence_parallel", "tensor_parallel"} & names

@@ -19,6 +19,7 @@ from typing import Generic, Literal, TypeVar
 
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner.attention_lanes import DEGREES, data_lanes, lane_options, lane_spans
 from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.colocated import ColocatedCandidate, colocated_candidates, divisors, simulate_colocated
 from disagmoe_ds.planner.colocated_costs import Shape
@@ -36,7 +37,7 @@ from disagmoe_ds.planner.placement import Placement, placements
 from disagmoe_ds.planner.simulate import SimResult, simulate_af
 from disagmoe_ds.planner.stages import AfRoofline, af_roofline, compute_multiplier
 from disagmoe_ds.planner.task_costs import af_task_costs
-from disagmoe_ds.planner.variants import VARIANTS, dominated, memory_variants, offload_share, savings, variants_used
+from disagmoe_ds.planner.variants import VARIANTS, dominated, memory_variants, offload_share, savings, search_options
 
 SIDES = ("attention", "ffn")
 PAYS_THRESHOLD = 1.05  # below this predicted speed-up, disaggregation is not worth its complexity
@@ -61,6 +62,8 @@ class PlanRequest:
         baseline_dispatcher: "alltoall" or "deepep" (None: ``dispatcher``).
         baseline_layout: price the co-located baseline at this shape instead of searching (``baseline_layout.py``).
         baseline_recompute: the co-located recompute policy (None: the cheapest that fits).
+        sequence_parallel, tensor_parallel: the A-lane degrees s and t to try (``attention_lanes.py``), each pair
+            where the model and the A-group allow it.
     """
 
     spec: ModelSpec
@@ -80,6 +83,19 @@ class PlanRequest:
     baseline_dispatcher: str | None = None
     baseline_layout: Shape | None = None
     baseline_recompute: Recompute | None = None
+    sequence_parallel: tuple[int, ...] = DEGREES
+    tensor_parallel: tuple[int, ...] = DEGREES
+
+    @property
+    def lane_options(self) -> list[tuple[int, int]]:
+        """The (s, t) pairs of A-lanes this model and sequence allow among those asked for."""
+        return lane_options(
+            self.spec,
+            tokens=self.work.tokens_per_micro_batch,
+            gpus_per_node=self.cluster.gpus_per_node,
+            sp=self.sequence_parallel,
+            tp=self.tensor_parallel,
+        )
 
     @property
     def dispatcher(self) -> str:
@@ -120,7 +136,7 @@ class AfCandidate:
 
     @property
     def tokens(self) -> int:
-        return self.micro_batches * self.layout.lanes * self.work.tokens_per_micro_batch
+        return self.micro_batches * data_lanes(self.layout, self.work) * self.work.tokens_per_micro_batch
 
     @property
     def exposed_sync_s(self) -> float:
@@ -214,24 +230,40 @@ def _layouts(req: PlanRequest, counter: Counter) -> list[Layout]:
 
 
 def af_candidates(req: PlanRequest) -> tuple[list[AfCandidate], Counter]:
-    """All feasible AF-Pipe candidates (memory-checked), and a count of rejections by reason."""
+    """All feasible AF-Pipe candidates (memory-checked), and a count of rejections by reason: every layout with
+    every A-lane shape (s, t) that divides its A-groups, and the variants each needs."""
     rejected: Counter = Counter()
     out: list[AfCandidate] = []
+    lanes = req.lane_options
+    if not lanes:
+        rejected["no A-lane shape (s x t) of those asked fits the model and sequence"] += 1
     for layout in _layouts(req, rejected):
-        micro_batches = max(1, round(req.global_batch / (layout.lanes * req.work.micro_batch_size)))
-        roomy: list[Workload] = []
-        for work in memory_variants(req.work, req.recompute_options, req.af_variants):
-            if dominated(work, roomy):
+        for s, t in lanes:
+            if layout.lanes % (s * t):
+                rejected["the A-lane (s x t) does not divide an A-group"] += 1
                 continue
-            fitted = _fit_memory(req, layout, work, micro_batches)
-            if fitted is None:
-                rejected[f"does not fit memory (recompute {work.recompute})"] += 1
-                continue
-            for work_fit, mem_a, mem_f, cap in fitted:
-                out += _placed(req, layout, work_fit, micro_batches, (mem_a, mem_f), cap, rejected)
-                if cap >= 2 * (2 * layout.depth + 1):
-                    roomy.append(work)
+            base = replace(req.work, sequence_parallel=s, tensor_parallel=t)
+            out += _lane_candidates(req, layout, base, rejected)
     return out, rejected
+
+
+def _lane_candidates(req: PlanRequest, layout: Layout, base: Workload, rejected: Counter) -> list[AfCandidate]:
+    """The candidates of one layout and A-lane shape: each memory variant that a cheaper one does not make moot."""
+    micro_batches = max(1, round(req.global_batch / (data_lanes(layout, base) * base.micro_batch_size)))
+    roomy: list[Workload] = []
+    out: list[AfCandidate] = []
+    for work in memory_variants(base, req.recompute_options, req.af_variants):
+        if dominated(work, roomy):
+            continue
+        fitted = _fit_memory(req, layout, work, micro_batches)
+        if fitted is None:
+            rejected[f"does not fit memory (recompute {work.recompute})"] += 1
+            continue
+        for work_fit, mem_a, mem_f, cap in fitted:
+            out += _placed(req, layout, work_fit, micro_batches, (mem_a, mem_f), cap, rejected)
+            if cap >= 2 * (2 * layout.depth + 1):
+                roomy.append(work)
+    return out
 
 
 def _fit_memory(
@@ -274,6 +306,10 @@ def _placed(
 ) -> list[AfCandidate]:
     """One candidate per placement and NIC split of ``layout`` under ``work``."""
     places = placements(req.cluster, layout.attention_gpus, req.placement, req.granularity)
+    s, t = work.sequence_parallel, work.tensor_parallel
+    if any(lane_spans(layout, pl, s, t)[1] for pl in places):
+        rejected["a TP group would span nodes"] += 1
+        places = [pl for pl in places if not lane_spans(layout, pl, s, t)[1]]
     options = [(pl, nics) for pl in places for nics in pl.nic_splits(req.cluster, layout.attention_gpus)]
     if not options:
         rejected["no placement gives each side a NIC (a shared node with one NIC)"] += 1
@@ -349,17 +385,28 @@ def simulate_candidate(
 
 def _family(c: AfCandidate) -> tuple:
     w = c.work
-    return (c.layout.depth, c.placement.kind, w.recompute, w.resend, w.offload != (0.0, 0.0), savings(w), fills_ring(c))
+    lane = (w.sequence_parallel, w.tensor_parallel)
+    return (
+        c.layout.depth,
+        c.placement.kind,
+        lane,
+        w.recompute,
+        w.resend,
+        w.offload != (0.0, 0.0),
+        savings(w),
+        fills_ring(c),
+    )
 
 
 def shortlist(ranked: list[AfCandidate], top: int) -> list[AfCandidate]:
     """The families to simulate: each one that is among the ``top`` best ranked of the families using a subset
-    of its variants (the ring-filling ones only, where any of those does: a starved ring loses to a filled one).
+    of its options (variants and A-lane degrees, ``variants.search_options``; the ring-filling ones only, where any
+    of those does: a starved ring loses to a filled one).
 
-    That is the union, over every set of allowed variants, of what a search with only those variants would
-    simulate, so allowing more variants never loses a plan a smaller set finds: the search is monotone in the
-    variants (a global top few is not: new families push the old winner out of the shortlist unsimulated)."""
-    used = [variants_used(c.work) for c in ranked]
+    That is the union, over every set of allowed options, of what a search with only those options would
+    simulate, so allowing more options never loses a plan a smaller set finds: the search is monotone in the
+    options (a global top few is not: new families push the old winner out of the shortlist unsimulated)."""
+    used = [search_options(c.work) for c in ranked]
     out = []
     for i, c in enumerate(ranked):
         below = [j for j in range(i + 1) if used[j] <= used[i]]  # ranked order: the subset's families up to c
@@ -370,8 +417,15 @@ def shortlist(ranked: list[AfCandidate], top: int) -> list[AfCandidate]:
     return out
 
 
+def best_tokens_per_s(c: AfCandidate) -> float:
+    """An upper bound on any simulated plan of ``c``: its step is never below T* plus the sync and optimizer."""
+    return c.tokens / (c.roofline.bottleneck_s + c.exposed_sync_s + c.optimizer_step_s)
+
+
 def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
-    """Best roofline candidate of each (depth, placement, variant) family, simulated; highest throughput wins."""
+    """Best roofline candidate of each (depth, placement, A-lane, variant) family, simulated; highest throughput
+    wins. Families are simulated best bound first and skipped once their bound (``best_tokens_per_s``) cannot beat
+    the best plan so far, which gives the plan simulating all of them would."""
     candidates, rejected = af_candidates(req)
     families: dict[tuple, AfCandidate] = {}
     for c in sorted(candidates, key=_rank_key):
@@ -379,15 +433,15 @@ def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
     ranked = sorted(families.values(), key=_rank_key)
     listed = shortlist(ranked, req.simulate_per_variant_set)
     memo: dict[tuple[AfCandidate, int], SimResult] = {}
-    plans = sorted((simulate_candidate(req, c, memo=memo) for c in listed), key=lambda p: -p.tokens_per_s)
-    if not plans:
+    splits = (False, True) if "split_backward" in req.af_variants else (False,)  # the split changes the schedule only
+    best: AfPlan | None = None
+    for c in sorted(listed, key=lambda c: -best_tokens_per_s(c)):
+        if best is not None and best_tokens_per_s(c) <= best.tokens_per_s:
+            break
+        plan = simulate_candidate(req, c, splits=splits, memo=memo)
+        best = plan if best is None or plan.tokens_per_s > best.tokens_per_s else best
+    if best is None:
         return None, rejected
-    if "split_backward" in req.af_variants:  # the split only changes the schedule: try it on every simulated plan
-        plans = sorted(
-            (simulate_candidate(req, p.candidate, splits=(False, True), memo=memo) for p in plans),
-            key=lambda p: -p.tokens_per_s,
-        )
-    best = plans[0]
     splits = (best.candidate.work.split_backward,)
     return simulate_candidate(req, best.candidate, exposed_comm=True, splits=splits), rejected
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from disagmoe_ds.errors import DisagMoEError
 from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, plan
+from disagmoe_ds.planner.attention_lanes import DEGREES, lane_refusal
 from disagmoe_ds.planner.baseline_layout import check_layout, parse_layout
 from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
 from disagmoe_ds.planner.colocated_costs import DISPATCHERS
@@ -171,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="co-located baseline: strongest (TP, CP, selective recompute, all-to-all overlapped with the other "
         "micro-batch) or ep (plain EP+DP interleaved 1F1B)",
     )
+    for flag, what in (("sequence-parallel", "DeepSpeed-Ulysses ranks"), ("tensor-parallel", "tensor-parallel ranks")):
+        p.add_argument(
+            f"--{flag}",
+            type=int,
+            default=None,
+            choices=DEGREES,
+            help=f"fix the {what} of an attention lane (s x t ranks per lane; default: search {DEGREES} where the "
+            "heads, the sequence and the A-groups allow)",
+        )
     p.add_argument(
         "--variants",
         default="all",
@@ -240,7 +250,13 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
         baseline_dispatcher=args.baseline_dispatcher,
         baseline_layout=layout,
         baseline_recompute=args.recompute if layout is not None and args.recompute != "auto" else None,
+        sequence_parallel=(args.sequence_parallel,) if args.sequence_parallel else DEGREES,
+        tensor_parallel=(args.tensor_parallel,) if args.tensor_parallel else DEGREES,
     )
+    if not req.lane_options:
+        s, t = args.sequence_parallel or 1, args.tensor_parallel or 1
+        why = lane_refusal(spec, s, t, tokens=req.work.tokens_per_micro_batch, gpus_per_node=cluster.gpus_per_node)
+        raise DisagMoEError(f"--sequence-parallel {s} --tensor-parallel {t}: {why}; pick another or leave it searched")
     return req, warnings
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 
 from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.colocated_costs import ColocatedCosts, Shape, colocated_costs, tp_options
+from disagmoe_ds.planner.gemm_efficiency import MIN_ROWS_PER_RANK
 from disagmoe_ds.planner.grad_sync import baseline_sync_s, exposed_sync_s
 from disagmoe_ds.planner.memory import RankMemory, Workload, baseline_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
@@ -54,10 +55,6 @@ OVERLAPS = ("partial", "paired")
 # leave most of it exposed. Calibrated on that run (docs/planner.md section 8).
 A2A_HIDDEN_SHARE = 0.45
 CONTEXT_PARALLEL = (1, 2, 4, 8, 16)
-# The planner's compute efficiency holds for GEMMs that fill the GPU: with 128 x 256 output tiles over 132 SMs a
-# projection of N = 2048-8192 columns needs about 1K rows to give every SM a tile. TP x CP shards the rows
-# (tokens) of a micro-batch, so shapes leaving fewer than this many tokens per rank are not searched.
-MIN_ROWS_PER_RANK = 1024
 
 
 # ----- schedule -----

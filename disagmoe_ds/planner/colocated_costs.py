@@ -15,6 +15,9 @@ from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
 from disagmoe_ds.planner.part_times import attention_call_s, expert_call_s, head_call_s
 from disagmoe_ds.planner.pipeline_split import chunk_layers
 from disagmoe_ds.planner.simulate import BaselineChunkCosts
+from disagmoe_ds.planner.tensor_parallel import kv_bytes_per_token, tp_exposed_s, tp_options
+
+__all__ = ["tp_options"]  # re-exported: the co-located search and --baseline-layout import it from here
 
 DISPATCHERS = ("alltoall", "deepep")
 
@@ -48,21 +51,6 @@ class ColocatedCosts(BaselineChunkCosts):
     bwd_a2a: tuple[float, ...] = ()
     fwd_other: tuple[float, ...] = ()
     bwd_other: tuple[float, ...] = ()
-
-
-def tp_options(spec: ModelSpec, gpus_per_node: int) -> list[int]:
-    """TP sizes inside a node that divide the query heads and (GQA) the KV heads, as Megatron requires."""
-    a = spec.attention
-    heads = (a.num_heads, a.num_kv_heads) if a.kind == "gqa" else (a.num_heads,)
-    return [t for t in (1, 2, 4, 8) if t <= gpus_per_node and all(h % t == 0 for h in heads)]
-
-
-def kv_bytes_per_token(spec: ModelSpec, tp: int) -> float:
-    """K and V of one token on one TP rank, the tensors ring attention passes around (bf16)."""
-    a = spec.attention
-    if a.kind == "gqa":
-        return 2 * ACT_BYTES * a.num_kv_heads * a.head_dim / tp
-    return ACT_BYTES * a.num_heads * (a.head_dim + a.v_head_dim) / tp
 
 
 def alltoall_s(
@@ -105,15 +93,20 @@ def tp_cp_exposed_s(
     tokens = work.tokens_per_micro_batch / (t * c)
     core_flops = tokens * spec.attention_core_flops(work.seq_len, layer)
     core = rates.attention_fwd.seconds(0.0, core_flops, calls=0)
-    linear = rates.attention_fwd.seconds(tokens * spec.attention_side_flops(work.seq_len, layer) - core_flops, calls=0)
-    blocks = 1 + (1 if spec.shared_intermediate or not spec.moe_layers[layer] else 0)
-    tp_bytes = blocks * 2 * (t - 1) / t * (work.tokens_per_micro_batch / c) * ACT_BYTES * spec.hidden_size
-    tp_s = tp_bytes / rates.nvlink_bw
+    tp_fwd, tp_bwd = tp_exposed_s(
+        spec,
+        rates,
+        seq_len=work.seq_len,
+        layer=layer,
+        tp=t,
+        group_tokens=work.tokens_per_micro_batch / c,
+        tokens=tokens,
+    )
     cp_bytes = (c - 1) / c * work.tokens_per_micro_batch * kv_bytes_per_token(spec, t)
     cp_rate = rates.nvlink_bw if t * c <= cluster.gpus_per_node else rates.nic_bw_per_gpu(cluster)
     cp_s = cp_bytes / cp_rate if c > 1 else 0.0
-    fwd = max(0.0, tp_s - linear) + max(0.0, cp_s - core)
-    bwd = max(0.0, 1.5 * tp_s - 2 * linear) + max(0.0, 2 * cp_s - 2 * core)
+    fwd = tp_fwd + max(0.0, cp_s - core)
+    bwd = tp_bwd + max(0.0, 2 * cp_s - 2 * core)
     return fwd, bwd
 
 

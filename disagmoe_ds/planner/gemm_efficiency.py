@@ -35,6 +35,11 @@ from disagmoe_ds.planner.model import ModelSpec
 
 DENSE_GEMM = 0.62
 ATTENTION_CORE = 0.50
+# The planner's compute efficiency holds for GEMMs that fill the GPU: with 128 x 256 output tiles over 132 SMs a
+# projection of N = 2048-8192 columns needs about 1K rows to give every SM a tile. TP x CP (co-located) and SP x TP
+# (an AF-Pipe A-lane) shard the rows (tokens) of a micro-batch, so shapes leaving fewer than this many tokens per
+# rank are not searched.
+MIN_ROWS_PER_RANK = 1024
 # (expert width I, share of peak) of the routed experts' whole path, ascending in I
 EXPERT_PATH: tuple[tuple[int, float], ...] = ((768, 0.30), (1536, 0.40), (2048, 0.42), (14336, 0.55))
 

@@ -5,6 +5,7 @@ group's replicas, per ZeRO stage, and the share of it the backward cannot hide (
 from __future__ import annotations
 
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner.attention_lanes import param_replicas, rank_params
 from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.memory import Precision, Workload, baseline_stage_params, busiest_group_params
 from disagmoe_ds.planner.model import ModelSpec
@@ -40,7 +41,8 @@ def step_sync_s(params: float, replicas: int, zero_stage: int, *, precision: str
 def af_sync_s(
     spec: ModelSpec, layout: Layout, work: Workload, *, placement: Placement, rates: Rates, nics: tuple[int, int]
 ) -> tuple[float, float]:
-    """(A lane, F rank) gradient-sync seconds per step: over the d lanes of an A-group and over the expert-DP
+    """(A rank, F rank) gradient-sync seconds per step: over the ranks of an A-group that hold the same parameter
+    shard (its d lanes x s Ulysses ranks, 1/t of the parameters each: ``attention_lanes.py``) and over the expert-DP
     replicas of an F-group, through the side's NIC share when the replicas span nodes, else NVLink."""
     m = layout.attention_gpus
 
@@ -49,8 +51,8 @@ def af_sync_s(
 
     a_params, f_params = busiest_group_params(spec, layout)
     a = step_sync_s(
-        a_params,
-        layout.lanes,
+        rank_params(a_params, work),
+        param_replicas(layout, work),
         work.zero_of("attention"),
         precision=work.precision,
         bytes_per_s=rate(layout.attention_ranks(0), nics[0] / m),

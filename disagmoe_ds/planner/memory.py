@@ -3,8 +3,9 @@
 Training state per parameter (ZeRO paper, Rajbhandari et al. 2020, section 3): bf16 mixed precision keeps
 a bf16 parameter (2 B) and gradient (2 B) plus fp32 master weights and Adam m, v (12 B) = 16 B; fp32
 training keeps 4 + 4 + 8 = 16 B. ZeRO-1 shards the master weights and moments over the data-parallel
-group, ZeRO-2 also the gradients. The data-parallel group is the d lanes of an A-group, the expert-DP
-replicas of an F-group, and, in the baseline, the DP (attention) or expert-DP (experts) ranks of a stage.
+group, ZeRO-2 also the gradients. The data-parallel group is the d lanes of an A-group (times the s Ulysses ranks
+of a lane, ``attention_lanes.py``), the expert-DP replicas of an F-group, and, in the baseline, the DP (attention)
+or expert-DP (experts) ranks of a stage.
 
 Activations are kept per in-flight micro-batch for every layer a rank owns (``ModelSpec`` per-token
 bytes); with full recompute only the layer inputs stay, plus one layer's full set while it is recomputed.
@@ -27,6 +28,7 @@ from functools import lru_cache
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner.attention_lanes import data_lanes, param_replicas, rank_params, rank_tokens
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
 from disagmoe_ds.planner.pipeline_split import chunk_layers, stage_layers
 from disagmoe_ds.planner.recompute import Recompute, a_side_saved_bytes, expert_saved_bytes_per_assignment
@@ -112,6 +114,8 @@ class Workload:
         split_backward: each backward runs as an input-gradient task on the critical path and a weight-gradient
             task that fills idle time (zero-bubble pipelining on the A/F ring).
         attention_zero_stage, ffn_zero_stage: per-side ZeRO stage (None: ``zero_stage``).
+        sequence_parallel, tensor_parallel: s and t of an A-lane of s x t ranks (``attention_lanes.py``): DeepSpeed-
+            Ulysses over s ranks, Megatron-style TP+SP over t; the lane's micro-batch is split over its s x t ranks.
     """
 
     seq_len: int
@@ -124,6 +128,13 @@ class Workload:
     split_backward: bool = False
     attention_zero_stage: int | None = None
     ffn_zero_stage: int | None = None
+    sequence_parallel: int = 1
+    tensor_parallel: int = 1
+
+    @property
+    def lane_size(self) -> int:
+        """Ranks of one A-lane: s x t."""
+        return self.sequence_parallel * self.tensor_parallel
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -148,6 +159,7 @@ class Workload:
         a, f = self.offload
         parts += [f"offload A {a:.0%} F {f:.0%}"] if a or f else []
         parts += ["split backward"] if self.split_backward else []
+        parts += [f"SP {self.sequence_parallel} x TP {self.tensor_parallel}"] if self.lane_size > 1 else []
         return ", ".join(parts + [f"ZeRO {self.zero_of('attention')}/{self.zero_of('ffn')}"])
 
 
@@ -189,14 +201,16 @@ def baseline_stage_params(
 
 
 def attention_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: int = 1) -> RankMemory:
-    """Worst A-group lane: its v layers' A parts (+ embedding, + head on the head group), ZeRO over d lanes."""
+    """Worst A-group rank: its v layers' A parts (+ embedding, + head on the head group). In a lane of s x t ranks
+    (``attention_lanes.py``) it holds 1/t of the parameters, ZeRO-sharded over the d x s ranks holding the same
+    shard, and 1/(s t) of the lane's activations and logits."""
     zero = work.zero_of("attention")
-    per_param = Precision.named(work.precision).per_param(zero_stage=zero, dp=layout.lanes)
+    per_param = Precision.named(work.precision).per_param(zero_stage=zero, dp=param_replicas(layout, work))
     worst: RankMemory | None = None
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
-        params = attention_lane_params(spec, layout, g)
-        tokens = work.tokens_per_micro_batch
+        params = rank_params(attention_lane_params(spec, layout, g), work)
+        tokens = rank_tokens(work)
         per_full, per_saved, biggest = _a_side_per_token(spec, tuple(layers))
         full = [b * tokens for b in per_full]
         saved = [b * tokens for b in per_saved]
@@ -205,7 +219,7 @@ def attention_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_fl
         logits = tokens * spec.vocab_size * LOGIT_BYTES if g == layout.head_group else 0
         share = work.offload[0]
         working = _working(full, saved, work.recompute) + logits + _offload_window(act, len(layers), share)
-        working += _gathered(biggest, zero, work.precision)
+        working += _gathered(rank_params(biggest, work), zero, work.precision)
         mem = RankMemory(params * per_param, act * (1 - share), working, in_flight, act * share)
         worst = mem if worst is None or mem.total > worst.total else worst
     assert worst is not None
@@ -227,21 +241,22 @@ def _resent(spec: ModelSpec, layout: Layout, work: Workload, layers: tuple[int, 
     if not (work.resend and layout.depth > 1):
         return 0.0
     per_token = spec.wire_bytes_per_token(layout.ep_size).m2n
-    return sum(per_token * work.tokens_per_micro_batch for i in layers if i > 0 and spec.moe_layers[i - 1])
+    return sum(per_token * rank_tokens(work) for i in layers if i > 0 and spec.moe_layers[i - 1])
 
 
 def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: int = 1) -> RankMemory:
     """Worst F-group rank: E/ep experts of its v MoE layers, ZeRO over the expert-DP replicas.
 
-    A micro-batch brings d * B * s tokens to the F-group; a replica sees 1/edp of them, and each of its ep
-    ranks receives a token once per chosen local expert set and keeps top_k/ep assignments per token.
+    A micro-batch brings d * B * S tokens to the F-group (d data-parallel lanes); a replica sees 1/edp of them,
+    and each of its ep ranks receives a token once per chosen local expert set and keeps top_k/ep assignments per
+    token.
     With ``resend`` the F side keeps nothing in flight, whatever the recompute policy: the forward runs without
     autograd and the backward gets the tokens again and re-runs the forward, so one layer's full set (tokens,
     gathered copies and every expert tensor) is working memory.
     """
     zero = work.zero_of("ffn")
     per_param = Precision.named(work.precision).per_param(zero_stage=zero, dp=layout.expert_data_parallel)
-    tokens_per_replica = layout.lanes * work.tokens_per_micro_batch / layout.expert_data_parallel
+    tokens_per_replica = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.expert_data_parallel
     assignments = tokens_per_replica * spec.top_k / layout.ep_size
     received = tokens_per_replica * spec.distinct_ranks_per_token(layout.ep_size) / layout.ep_size
     worst: RankMemory | None = None

@@ -22,6 +22,7 @@ It starts after the global gradient norm (clipping needs it), so after the last 
 from __future__ import annotations
 
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner.attention_lanes import param_replicas, rank_params
 from disagmoe_ds.planner.cluster import HBM_BW_H200, Efficiency, Rates
 from disagmoe_ds.planner.colocated_costs import Shape
 from disagmoe_ds.planner.memory import Workload, baseline_stage_params, busiest_group_params
@@ -60,10 +61,11 @@ def optimizer_step_s(params: float, *, precision: str, rates: Rates) -> float:
 
 
 def af_optimizer_s(spec: ModelSpec, layout: Layout, work: Workload, rates: Rates) -> tuple[float, float]:
-    """(A lane, F rank) optimizer step of the busiest group: A state sharded over the d lanes, F state over the
-    expert-DP replicas."""
+    """(A rank, F rank) optimizer step of the busiest group: A state (1/t of the parameters in a TP lane) sharded
+    over the d lanes x s Ulysses ranks holding it (``attention_lanes.py``), F state over the expert-DP replicas."""
     a_params, f_params = busiest_group_params(spec, layout)
-    a = state_params(a_params, replicas=layout.lanes, zero_stage=work.zero_of("attention"))
+    a_params = rank_params(a_params, work)
+    a = state_params(a_params, replicas=param_replicas(layout, work), zero_stage=work.zero_of("attention"))
     f = state_params(f_params, replicas=layout.expert_data_parallel, zero_stage=work.zero_of("ffn"))
     return (
         optimizer_step_s(a, precision=work.precision, rates=rates),

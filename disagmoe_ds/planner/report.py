@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import RankRole
 from disagmoe_ds.planner.allocator import PAYS_THRESHOLD, AfPlan, BaselinePlan, PlanResult
+from disagmoe_ds.planner.attention_lanes import data_lanes
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.stages import SideTimes
 
@@ -185,7 +187,9 @@ def _af_json(result: PlanResult, af: AfPlan) -> dict[str, Any]:
         "ffn_nics": c.nics[1],
         "depth": c.layout.depth,
         "layers_per_group": c.layout.layers_per_group,
-        "lanes": c.layout.lanes,
+        "lanes": data_lanes(c.layout, c.work),
+        "sequence_parallel": c.work.sequence_parallel,
+        "tensor_parallel": c.work.tensor_parallel,
         "expert_parallel": c.layout.ep_size,
         "expert_data_parallel": c.layout.expert_data_parallel,
         "micro_batches": c.micro_batches,
@@ -300,7 +304,8 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
         ("GPUs / NICs", f"{lay.attention_gpus} / {c.nics[0]}", f"{lay.ffn_gpus} / {c.nics[1]}"),
         (
             "groups",
-            f"{lay.depth} x {lay.lanes} lanes",
+            f"{lay.depth} x {data_lanes(lay, c.work)} lanes of SP {c.work.sequence_parallel} x TP "
+            f"{c.work.tensor_parallel}",
             f"{lay.depth} x EP {lay.ep_size} x EDP {lay.expert_data_parallel}",
         ),
         ("compute s/step", f"{ra.compute_s:.3f}", f"{rf.compute_s:.3f}"),
@@ -324,6 +329,11 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
     ]
 
 
+# Which of "sequence_parallel" and "tensor_parallel" (an A-lane of s x t ranks) the runtime's ``DisagMoEConfig``
+# reads. It cannot be imported here (it imports torch); tests/test_planner_ds_config.py holds this to its fields.
+RUNTIME_LANE_FIELDS: frozenset[str] = frozenset()
+
+
 def runtime_refusal(work: Workload) -> str | None:
     """What of the variant ``work`` the runtime refuses (None: it runs all of it, at any depth). The runtime's own
     checks (``DisagMoEConfig``, ``engine.build.check_zero_stages``) cannot be imported here (engine imports the
@@ -337,13 +347,20 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
     """A ds_config whose "disagmoe" section ``run_pretrain.py`` reads as it is: the layout, the in-flight cap, the
     cluster (preset or JSON path) the runtime's schedule costs assume and, where the runtime runs it
     (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing), resend, split backward,
-    the offload shares and each side's ZeRO stage.
+    the offload shares and each side's ZeRO stage. A plan with A-lanes of s x t > 1 ranks raises ``ConfigError``
+    while the runtime does not run them (``RUNTIME_LANE_FIELDS``); the degrees it runs go into the section.
 
     The NIC split and placement are not runtime settings: the hostfile's order places the ranks.
     """
     req, af = result.request, result.af
     assert af is not None
     c, w = af.candidate, af.candidate.work
+    degrees = {"sequence_parallel": w.sequence_parallel, "tensor_parallel": w.tensor_parallel}
+    if any(degree > 1 and name not in RUNTIME_LANE_FIELDS for name, degree in degrees.items()):
+        raise ConfigError(
+            f"the plan's A-lanes are SP {w.sequence_parallel} x TP {w.tensor_parallel}, but the runtime does not run "
+            "sequence/tensor parallelism yet: pass --sequence-parallel 1 --tensor-parallel 1 for a plan it runs"
+        )
     section = {
         "attention_gpus": c.layout.attention_gpus,
         "ffn_gpus": c.layout.ffn_gpus,
@@ -362,6 +379,7 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
             "offload": {"attention": round(w.offload[0], 6), "ffn": round(w.offload[1], 6)},
             "zero_stage": {"attention": w.zero_of("attention"), "ffn": w.zero_of("ffn")},
         }
+    section |= {name: degree for name, degree in degrees.items() if degree > 1}
     return {
         "train_micro_batch_size_per_gpu": req.work.micro_batch_size,
         "gradient_accumulation_steps": c.micro_batches,

@@ -33,10 +33,18 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner.attention_lanes import (
+    data_lanes,
+    lane_attention_call_s,
+    lane_bytes_per_s,
+    param_replicas,
+    rank_params,
+    rank_tokens,
+)
 from disagmoe_ds.planner.cluster import Rates
 from disagmoe_ds.planner.memory import Precision, Workload, busiest_group_params
 from disagmoe_ds.planner.model import ModelSpec
-from disagmoe_ds.planner.part_times import attention_call_s, expert_call_s, head_call_s
+from disagmoe_ds.planner.part_times import expert_call_s, head_call_s
 from disagmoe_ds.planner.placement import Placement
 from disagmoe_ds.planner.recompute import Recompute, expert_recompute_flops_per_assignment, recompute_flops_per_token
 
@@ -102,29 +110,31 @@ def cross_node_share(layout: Layout, placement: Placement) -> tuple[float, float
 
 
 def _group_compute_s(
-    spec: ModelSpec, layout: Layout, work: Workload, rates: Rates, micro_batches: int
+    spec: ModelSpec, layout: Layout, work: Workload, rates: Rates, micro_batches: int, lane_bw: float
 ) -> tuple[float, float]:
-    """(A lane, F rank) compute seconds per step on the busiest group (F: with resend's re-run forward)."""
-    a, f = _group_compute_per_micro_batch(
-        spec, layout, work.recompute, work.ffn_recompute, work.seq_len, work.micro_batch_size, rates
-    )
+    """(A rank, F rank) compute seconds per step on the busiest group (F: with resend's re-run forward; A: with its
+    lane's exposed Ulysses and TP communication, ``attention_lanes.py``)."""
+    lane = Workload(
+        work.seq_len,
+        work.micro_batch_size,
+        recompute=work.recompute,
+        sequence_parallel=work.sequence_parallel,
+        tensor_parallel=work.tensor_parallel,
+    )  # only what the compute depends on, so variants share the cache
+    a, f = _group_compute_per_micro_batch(spec, layout, lane, work.ffn_recompute, rates, lane_bw)
     return micro_batches * a, micro_batches * f
 
 
 @lru_cache(maxsize=65536)
 def _group_compute_per_micro_batch(
-    spec: ModelSpec, layout: Layout, rc: Recompute, f_rc: Recompute, seq_len: int, micro_batch_size: int, rates: Rates
+    spec: ModelSpec, layout: Layout, work: Workload, f_rc: Recompute, rates: Rates, lane_bw: float
 ) -> tuple[float, float]:
-    tokens = seq_len * micro_batch_size
-    f_tokens = layout.lanes * tokens / layout.ffn_ranks_per_group
+    f_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.ffn_ranks_per_group
     a_worst = f_worst = 0.0
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
-        a = sum(
-            sum(attention_call_s(spec, rates, seq_len=seq_len, layer=i, tokens=tokens, recompute=rc, whole_blocks=True))
-            for i in layers
-        )
-        a += sum(head_call_s(spec, rates, tokens=tokens)) if g == layout.head_group else 0.0
+        a = sum(sum(lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)) for i in layers)
+        a += sum(head_call_s(spec, rates, tokens=rank_tokens(work))) if g == layout.head_group else 0.0
         f = sum(sum(expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=f_rc)) for i in layers)
         a_worst, f_worst = max(a_worst, a), max(f_worst, f)
     return a_worst, f_worst
@@ -164,7 +174,8 @@ def _zero_bytes(spec: ModelSpec, layout: Layout, work: Workload, placement: Plac
     """Per-rank ZeRO-2/3 bytes per micro-batch of each side, keyed by the link they use ("nic" or "nvlink")."""
     m = layout.attention_gpus
     a_params, f_params = busiest_group_params(spec, layout)
-    a = zero_micro_batch_bytes(a_params, layout.lanes, work.zero_of("attention"), work.precision)
+    a_params = rank_params(a_params, work)
+    a = zero_micro_batch_bytes(a_params, param_replicas(layout, work), work.zero_of("attention"), work.precision)
     f = zero_micro_batch_bytes(f_params, layout.expert_data_parallel, work.zero_of("ffn"), work.precision)
     a_link = "nic" if placement.spans_nodes(layout.attention_ranks(0), attention_gpus=m) else "nvlink"
     f_link = "nic" if placement.spans_nodes(layout.edp_group_ranks(0, 0), attention_gpus=m) else "nvlink"
@@ -184,8 +195,9 @@ def af_roofline(
 ) -> AfRoofline:
     """T_a and T_f of one step of ``micro_batches`` micro-batches (each d lanes x B sequences).
 
-    ``offloaded``: bytes per micro-batch that one A lane and one F rank move to host and back."""
-    tokens = micro_batches * layout.lanes * work.tokens_per_micro_batch
+    ``offloaded``: bytes per micro-batch that one A rank and one F rank move to host and back. An A-lane's Ulysses
+    and TP communication is exposed, so it counts in the A side's compute time, not in its network terms."""
+    tokens = micro_batches * data_lanes(layout, work) * work.tokens_per_micro_batch
     a_flops, f_flops = side_flops(spec, work)
     c_a, c_f = tokens * a_flops, tokens * f_flops
     wire = spec.wire_bytes_per_token(layout.ep_size)
@@ -201,7 +213,8 @@ def af_roofline(
     f_nic = af_dir * af_cross + micro_batches * n * f_zero.get("nic", 0.0)
     a_nvl = af_dir * (1 - af_cross) + res_dir * (1 - res_cross) + micro_batches * m * a_zero.get("nvlink", 0.0)
     f_nvl = af_dir * (1 - af_cross) + micro_batches * n * f_zero.get("nvlink", 0.0)
-    a_compute, f_compute = _group_compute_s(spec, layout, work, rates, micro_batches)
+    lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
+    a_compute, f_compute = _group_compute_s(spec, layout, work, rates, micro_batches, lane_bw)
     a_pcie = (a_nic / m + micro_batches * offloaded[0]) / rates.pcie_bw if offloaded[0] else 0.0
     f_pcie = (f_nic / n + micro_batches * offloaded[1]) / rates.pcie_bw if offloaded[1] else 0.0
     attention = SideTimes(

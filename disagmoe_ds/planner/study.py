@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, best_af, best_baseline, plan
+from disagmoe_ds.planner.attention_lanes import DEGREES
 from disagmoe_ds.planner.cluster import Efficiency, preset
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.memory import Workload
@@ -32,6 +33,7 @@ ISSUE_16_GRID = (
     ("DeepSeek-V3", 64),
 )
 SEQ_LENS = (4096, 16384, 32768)
+Lanes = tuple[tuple[int, ...], tuple[int, ...]]  # the (s, t) degrees searched
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,10 @@ class Cell:
     seq_len: int
 
 
-def cell_request(cell: Cell, models: Path, cluster: str = "h800", per_variant_set: int = 2) -> PlanRequest:
+def cell_request(
+    cell: Cell, models: Path, cluster: str = "h800", per_variant_set: int = 2, lanes: Lanes = (DEGREES, DEGREES)
+) -> PlanRequest:
+    """The cell's request; ``lanes``: the A-lane degrees (s, t) to search (``attention_lanes.py``)."""
     spec = load_model_spec(models / cell.model)
     clus = preset(cluster, cell.nodes)
     return PlanRequest(
@@ -51,6 +56,8 @@ def cell_request(cell: Cell, models: Path, cluster: str = "h800", per_variant_se
         work=Workload(cell.seq_len, 1),
         global_batch=8 * clus.world_size,
         simulate_per_variant_set=per_variant_set,
+        sequence_parallel=lanes[0],
+        tensor_parallel=lanes[1],
     )
 
 
@@ -122,8 +129,8 @@ def reason(result: PlanResult) -> str:
     )
 
 
-def table_row(cell: Cell, models: Path, per_variant_set: int = 2) -> str:
-    result = plan(cell_request(cell, models, per_variant_set=per_variant_set))
+def table_row(cell: Cell, models: Path, per_variant_set: int = 2, lanes: Lanes = (DEGREES, DEGREES)) -> str:
+    result = plan(cell_request(cell, models, per_variant_set=per_variant_set, lanes=lanes))
     ratio = f"{result.speedup:.2f}x" if result.speedup is not None else "-"
     return (
         f"| {cell.model} | {cell.nodes} | {cell.seq_len // 1024}K | {af_summary(result)} | "
@@ -131,15 +138,18 @@ def table_row(cell: Cell, models: Path, per_variant_set: int = 2) -> str:
     )
 
 
-def table_rows(cells: list[Cell], models: Path, per_variant_set: int = 2, workers: int = 1) -> Iterator[str]:
+def table_rows(
+    cells: list[Cell], models: Path, per_variant_set: int = 2, workers: int = 1, lanes: Lanes = (DEGREES, DEGREES)
+) -> Iterator[str]:
     """The Markdown table, one row per cell in grid order (``workers`` processes plan cells side by side)."""
     yield "| model | nodes | seq | best AF-Pipe | strongest co-located | AF / co-located | reason |"
     yield "|---|---|---|---|---|---|---|"
     if workers <= 1:
-        yield from (table_row(cell, models, per_variant_set) for cell in cells)
+        yield from (table_row(cell, models, per_variant_set, lanes) for cell in cells)
         return
+    n = len(cells)
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        yield from pool.map(table_row, cells, [models] * len(cells), [per_variant_set] * len(cells))
+        yield from pool.map(table_row, cells, [models] * n, [per_variant_set] * n, [lanes] * n)
 
 
 def ablation_rows(cells: list[Cell], models: Path) -> Iterator[str]:
@@ -174,18 +184,25 @@ def main(argv: list[str]) -> int:
         "--simulate-per-variant-set", type=int, default=2, help="AF-Pipe families simulated per variant set (default 2)"
     )
     p.add_argument("--workers", type=int, default=1, help="processes planning cells side by side (default 1)")
+    for flag in ("--sequence-parallel", "--tensor-parallel"):
+        p.add_argument(flag, default=",".join(map(str, DEGREES)), help="comma-separated A-lane degrees to search")
     args = p.parse_args(argv)
+    lanes = (_degrees(args.sequence_parallel), _degrees(args.tensor_parallel))
     seqs = tuple(int(x) for x in args.seq_len.split(","))
     cells = [c for c in grid([m for m in args.models.split(",") if m]) if c.seq_len in seqs]
     models = Path(args.hf_models)
     rows = (
         ablation_rows(cells, models)
         if args.ablate
-        else table_rows(cells, models, args.simulate_per_variant_set, args.workers)
+        else table_rows(cells, models, args.simulate_per_variant_set, args.workers, lanes)
     )
     for row in rows:
         print(row, flush=True)
     return 0
+
+
+def _degrees(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
 
 
 def grid(models: list[str] | None = None) -> list[Cell]:

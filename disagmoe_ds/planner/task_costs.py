@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner.attention_lanes import data_lanes, lane_attention_call_s, lane_bytes_per_s, rank_tokens
 from disagmoe_ds.planner.cluster import Rates
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.part_times import (
-    attention_call_s,
     attention_wgrad_s,
     expert_call_s,
     expert_wgrad_s,
@@ -42,30 +42,29 @@ class AfTaskCosts:
 def af_task_costs(
     spec: ModelSpec, layout: Layout, work: Workload, *, placement: Placement, rates: Rates, nics: tuple[int, int]
 ) -> AfTaskCosts:
-    """Per-task seconds for the schedule generator: a lane's A part, an F rank's share, and each transfer.
+    """Per-task seconds for the schedule generator: an A rank's part, an F rank's share, and each transfer.
 
-    A transfer of one micro-batch moves d lanes' tokens through the group's NIC share (M_a/p on the A side,
-    M_f/p on the F side; the slower end sets the time) or over NVLink for the intra-node share. With
+    An A task is one rank's share of its lane's micro-batch with the lane's exposed Ulysses and TP communication
+    (``attention_lanes.py``). A transfer of one micro-batch moves d lanes' tokens (each A rank its own) through the
+    group's NIC share (M_a/p on the A side, M_f/p on the F side; the slower end sets the time) or over NVLink for
+    the intra-node share. With
     ``resend`` the backward's n2m_grad message also carries the layer's m2n payload again and each F backward
     re-runs the expert forward first (``Workload.ffn_recompute``: charged once, also under full recompute).
     With a split backward the expert side keeps its weight gradients in its backward at ZeRO-3, which gathers and
     releases the parameters around each backward (``engine.split_backward``); only the attention side splits then.
     """
-    p, d, tokens = layout.depth, layout.lanes, work.tokens_per_micro_batch
-    rc = work.recompute
+    p, ranks, tokens = layout.depth, layout.lanes, rank_tokens(work)
     af_cross, res_cross = cross_node_share(layout, placement)
-    af_link = _link(
-        min(nics) / p * rates.nic_bw, rates.nvlink_bw * min(layout.lanes, layout.ffn_ranks_per_group), af_cross
-    )
-    res_link = _link(nics[0] / p * rates.nic_bw, rates.nvlink_bw * d, res_cross)
+    af_link = _link(min(nics) / p * rates.nic_bw, rates.nvlink_bw * min(ranks, layout.ffn_ranks_per_group), af_cross)
+    res_link = _link(nics[0] / p * rates.nic_bw, rates.nvlink_bw * ranks, res_cross)
+    lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
     wire = spec.wire_bytes_per_token(layout.ep_size)
-    group_tokens, f_tokens = d * tokens, d * tokens / layout.ffn_ranks_per_group
+    group_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch  # every A rank sends its own T/(s t)
+    f_tokens = group_tokens / layout.ffn_ranks_per_group
     per_layer: dict[str, list[float]] = {k: [] for k in ("A_fwd", "A_bwd", "F_fwd", "F_bwd")}
     wgrad: dict[str, list[float]] = {"A": [], "F": []}
     for i in range(spec.num_layers):
-        a_fwd, a_bwd = attention_call_s(
-            spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=rc, whole_blocks=True
-        )
+        a_fwd, a_bwd = lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)
         f_fwd, f_bwd = expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=work.ffn_recompute)
         a_w = attention_wgrad_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens)
         f_w = expert_wgrad_s(spec, rates, layer=i, tokens=f_tokens)

@@ -82,3 +82,11 @@ def variants_used(work: Workload) -> frozenset[str]:
     used |= {"zero2"} if any(s == 2 > z for s in sides) else set()
     used |= {"zero3"} if sides[1] == 3 > z else set()
     return frozenset(used)
+
+
+def search_options(work: Workload) -> frozenset[str]:
+    """The options of the search a workload needs: its ``variants_used`` and its A-lane degrees above 1 ("sp2",
+    "tp4", ...: a search allowing s in {1, 2} allows "sp2")."""
+    lane = {f"sp{work.sequence_parallel}"} if work.sequence_parallel > 1 else set()
+    lane |= {f"tp{work.tensor_parallel}"} if work.tensor_parallel > 1 else set()
+    return variants_used(work) | lane
