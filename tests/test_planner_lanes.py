@@ -161,15 +161,25 @@ def test_cli_fixes_s_and_t_and_shows_them(tmp_path, capsys):
     assert rc == 2 and err.count("\n") == 1 and "--sequence-parallel 4" in err and "tokens per rank" in err
 
 
-def test_write_ds_config_refuses_lanes_the_runtime_does_not_run(tmp_path, capsys):
+def test_write_ds_config_writes_sequence_parallelism_and_refuses_tensor_parallelism(tmp_path, capsys):
+    """The runtime runs SP lanes: the written config names the degree and loads as the runtime's section; it does
+    not run TP yet, so a TP plan is refused in one line naming the flag that gives one it runs."""
+    from disagmoe_ds.config import DisagMoEConfig
+
     ds = tmp_path / "ds.json"
-    rc, _, err = _cli(capsys, tmp_path, "--sequence-parallel", "2", "--write-ds-config", str(ds))
-    assert rc == 2 and not ds.exists()
-    assert "does not run sequence/tensor parallelism" in err and "--sequence-parallel 1 --tensor-parallel 1" in err
     rc, _, _ = _cli(
-        capsys, tmp_path, "--sequence-parallel", "1", "--tensor-parallel", "1", "--write-ds-config", str(ds)
+        capsys, tmp_path, "--sequence-parallel", "2", "--tensor-parallel", "1", "--write-ds-config", str(ds)
     )
-    assert rc == 0 and "sequence_parallel" not in json.loads(ds.read_text())["disagmoe"]
+    section = json.loads(ds.read_text())["disagmoe"]
+    assert rc == 0 and section["sequence_parallel"] == 2
+    cfg = DisagMoEConfig.from_ds_config(json.loads(ds.read_text()))
+    assert cfg.lanes % cfg.sequence_parallel == 0 and cfg.batch_lanes == cfg.lanes // 2
+    ds.unlink()
+    rc, _, err = _cli(
+        capsys, tmp_path, "--sequence-parallel", "1", "--tensor-parallel", "2", "--write-ds-config", str(ds)
+    )
+    assert rc == 2 and not ds.exists() and err.count("\n") == 1
+    assert "does not run tensor parallel yet: pass --tensor-parallel 1" in err
 
 
 def test_ds_config_writes_the_lane_once_the_runtime_runs_it(monkeypatch):
@@ -180,10 +190,11 @@ def test_ds_config_writes_the_lane_once_the_runtime_runs_it(monkeypatch):
     candidate = SimpleNamespace(layout=LAYOUT, micro_batches=8, work=lane(2, 2))
     request = SimpleNamespace(work=Workload(4096, 1), cluster=SimpleNamespace(name="h800"))
     result = SimpleNamespace(request=request, af=SimpleNamespace(candidate=candidate, in_flight=5))
+    monkeypatch.setattr(report, "RUNTIME_LANE_FIELDS", frozenset())
     with pytest.raises(ConfigError, match="--sequence-parallel 1 --tensor-parallel 1"):
         ds_config(result)
     monkeypatch.setattr(report, "RUNTIME_LANE_FIELDS", frozenset({"sequence_parallel"}))
-    with pytest.raises(ConfigError, match="does not run"):  # TP 2 still is not run
+    with pytest.raises(ConfigError, match="does not run tensor parallel yet: pass --tensor-parallel 1"):
         ds_config(result)
     monkeypatch.setattr(report, "RUNTIME_LANE_FIELDS", frozenset({"sequence_parallel", "tensor_parallel"}))
     section = ds_config(result)["disagmoe"]

@@ -331,7 +331,7 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
 
 # Which of "sequence_parallel" and "tensor_parallel" (an A-lane of s x t ranks) the runtime's ``DisagMoEConfig``
 # reads. It cannot be imported here (it imports torch); tests/test_planner_ds_config.py holds this to its fields.
-RUNTIME_LANE_FIELDS: frozenset[str] = frozenset()
+RUNTIME_LANE_FIELDS: frozenset[str] = frozenset({"sequence_parallel"})
 
 
 def runtime_refusal(work: Workload) -> str | None:
@@ -356,10 +356,12 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
     assert af is not None
     c, w = af.candidate, af.candidate.work
     degrees = {"sequence_parallel": w.sequence_parallel, "tensor_parallel": w.tensor_parallel}
-    if any(degree > 1 and name not in RUNTIME_LANE_FIELDS for name, degree in degrees.items()):
+    not_run = [name for name, degree in degrees.items() if degree > 1 and name not in RUNTIME_LANE_FIELDS]
+    if not_run:
         raise ConfigError(
             f"the plan's A-lanes are SP {w.sequence_parallel} x TP {w.tensor_parallel}, but the runtime does not run "
-            "sequence/tensor parallelism yet: pass --sequence-parallel 1 --tensor-parallel 1 for a plan it runs"
+            f"{' or '.join(n.replace('_', ' ') for n in not_run)} yet: pass "
+            f"{' '.join('--' + n.replace('_', '-') + ' 1' for n in not_run)} for a plan it runs"
         )
     section = {
         "attention_gpus": c.layout.attention_gpus,
