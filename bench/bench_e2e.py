@@ -313,28 +313,37 @@ def build_colocated(a: argparse.Namespace, device: torch.device):
 
 
 def build_deepspeed_moe(a: argparse.Namespace, device: torch.device):
-    import deepspeed
 
     cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=micro_batches(a, a.world_size))
     module = DeepSpeedMoEModel(make_model(a, device), ep_size=a.ep_size, capacity_factor=a.ds_capacity_factor)
     config = role_ds_config(
         ds_config(a), micro_batches=cfg.micro_batches, micro_batch_size=a.micro_batch_size, dp_size=a.world_size
     )
+    executor = _hf_executor(a, module, config, cfg.micro_batches, "deepspeed-moe")
+    experts = module.blocks[0].moe.num_experts
+    return executor, cfg.micro_batches, f"DeepSpeed-MoE: {a.world_size} ranks, EP {a.ep_size}, {experts} experts"
+
+
+def _hf_executor(
+    a: argparse.Namespace, module: nn.Module, config: dict[str, Any], micro_batches: int, name: str
+) -> ColocatedExecutor:
+    """A DeepSpeed engine over an HF-based baseline ``module``, trained by the co-located executor (its step, its
+    clipping over replicated attention and sliced expert parameters)."""
+    import deepspeed
+
     params = [p for p in module.parameters() if p.requires_grad]
     # An explicit mpu, so that an earlier engine's mpu left in deepspeed.utils.groups (launcher runs) is replaced.
     everyone = dist.new_group(list(range(a.world_size)))
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=config, mpu=RoleMPU(everyone))
     grad_norm = ColocatedGradNorm(everyone, attention_replicas=a.world_size, expert_replicas=a.world_size // a.ep_size)
     grad_norm.install(engine)
-    executor = ColocatedExecutor(
+    return ColocatedExecutor(
         engine=engine,
-        num_micro_batches=cfg.micro_batches,
+        num_micro_batches=micro_batches,
         grad_norm=grad_norm,
         group=everyone,
-        name=f"rank {dist.get_rank()} deepspeed-moe",
+        name=f"rank {dist.get_rank()} {name}",
     )
-    experts = module.blocks[0].moe.num_experts
-    return executor, cfg.micro_batches, f"DeepSpeed-MoE: {a.world_size} ranks, EP {a.ep_size}, {experts} experts"
 
 
 def _has_autoep_preset(model_dir: str) -> bool:
@@ -344,7 +353,6 @@ def _has_autoep_preset(model_dir: str) -> bool:
 
 
 def build_autoep(a: argparse.Namespace, device: torch.device):
-    import deepspeed
 
     _autoep_on_this_transformers()
     cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=micro_batches(a, a.world_size))
@@ -359,21 +367,10 @@ def build_autoep(a: argparse.Namespace, device: torch.device):
         "preset_model": preset,
         "moe_layer_pattern": r"model\.model\.layers\.\d+\.mlp",  # the preset's, under ``HFCausalLM.model``
     }
-    everyone = dist.new_group(list(range(a.world_size)))
-    params = [p for p in module.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=config, mpu=RoleMPU(everyone))
+    executor = _hf_executor(a, module, config, cfg.micro_batches, "autoep")
     if a.compile:  # every decoder layer, AutoEP's MoE layers inside them
         for layer in module.model.model.layers:
             layer.compile()
-    grad_norm = ColocatedGradNorm(everyone, attention_replicas=a.world_size, expert_replicas=a.world_size // a.ep_size)
-    grad_norm.install(engine)
-    executor = ColocatedExecutor(
-        engine=engine,
-        num_micro_batches=cfg.micro_batches,
-        grad_norm=grad_norm,
-        group=everyone,
-        name=f"rank {dist.get_rank()} autoep",
-    )
     replaced = sum(type(layer.mlp).__name__ == "AutoEPMoELayer" for layer in module.model.model.layers)
     return (
         executor,
