@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -137,7 +138,8 @@ class _Ulysses:
     """The attention function of one SP rank's attention module: DeepSpeed's Ulysses around HF's core attention."""
 
     def __init__(self, core, sp: SequenceParallel) -> None:
-        self.core, self.sp, self.ulysses = core, sp, None
+        self.core, self.sp = core, sp
+        self.ulysses: Any = None  # DeepSpeed's UlyssesSPAttentionHF, made at the first call (it needs the shapes)
 
     def __call__(self, module: nn.Module, q, k, v, mask, *args, **kwargs):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -172,7 +174,8 @@ def install_ulysses(attention_modules: list[nn.Module], sp: SequenceParallel) ->
             ATTENTION_KEY, lambda module, *a, **kw: module._disagmoe_ulysses(module, *a, **kw)
         )
     for module in attention_modules:
-        core = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
-        module.config = copy.copy(module.config)
-        module.config._attn_implementation = ATTENTION_KEY
+        config: Any = copy.copy(module.config)
+        core = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+        config._attn_implementation = ATTENTION_KEY
+        module.config = config
         object.__setattr__(module, "_disagmoe_ulysses", _Ulysses(core, sp))  # not a submodule: no state
