@@ -89,3 +89,13 @@ def test_a_variant_rides_along_and_detaches() -> None:
     assert spec.sizes_of(grad.tensors()) == (3,)
     with pytest.raises(ChannelError, match="expected 1 tensors"):  # sent with resend, declared without
         ExpertOutGrad.spec(Dims(H, K, E, P, torch.float32, torch.float32)).sizes_of(grad.tensors())
+
+
+def test_detached_keeps_the_host_and_local_fields():
+    tokens = Tokens(
+        torch.randn(2, H, requires_grad=True) * 1, torch.zeros(2, K, dtype=torch.int64), torch.ones(2, K), 3
+    )
+    tokens = Tokens(tokens.x_RH, tokens.local_idx_RK, tokens.w_RK, 3, bounded=True)
+    copy = tokens.detached()
+    assert not copy.x_RH.requires_grad and copy.pairs == 3 and copy.bounded
+    assert torch.equal(copy.x_RH, tokens.x_RH)

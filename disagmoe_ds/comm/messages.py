@@ -119,8 +119,13 @@ class Message:
         return cls(**values, **local)
 
     def detached(self: M) -> M:
-        """The same message with every tensor detached (sent again, outside autograd)."""
-        return type(self).from_wire([t.detach() for t in self.tensors()], self.host_ints())
+        """The same message with every tensor detached (sent again, outside autograd); host and local fields kept."""
+        cls = type(self)
+        changes: dict[str, Any] = {f.name: getattr(self, f.name).detach() for f in _fields(cls, "tensor")}
+        for f in _fields(cls, "variant"):
+            if (nested := getattr(self, f.name)) is not None:
+                changes[f.name] = nested.detached()
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def cat(cls: type[M], messages: Sequence[M]) -> M:
@@ -134,8 +139,15 @@ class Message:
         return [type(self).from_wire(piece) for piece in zip(*parts, strict=True)] if parts else []
 
 
+_FIELDS: dict[tuple[type, str], tuple[dataclasses.Field, ...]] = {}
+
+
 def _fields(cls: type, key: str) -> tuple[dataclasses.Field, ...]:
-    return tuple(f for f in dataclasses.fields(cls) if key in f.metadata)
+    # Cached: every send and receive reads a message's fields several times (the host path of the exchange).
+    found = _FIELDS.get((cls, key))
+    if found is None:
+        found = _FIELDS[cls, key] = tuple(f for f in dataclasses.fields(cls) if key in f.metadata)
+    return found
 
 
 def _tensor_specs(

@@ -132,8 +132,8 @@ class _Chunk:
         if self.dispatch is None:
             return []
         plan, pieces = self.dispatch.resolved
-        pairs = zip(pieces, plan.local_idx_RK, plan.pairs, strict=True)
-        return [Tokens(x_RH, idx_RK, w_RK, pairs) for (x_RH, w_RK), idx_RK, pairs in pairs]
+        per_rank = zip(pieces, plan.local_idx_RK, plan.pairs, strict=True)
+        return [Tokens(x_RH, idx_RK, w_RK, pairs) for (x_RH, w_RK), idx_RK, pairs in per_rank]
 
 
 @dataclass
