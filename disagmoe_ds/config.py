@@ -20,6 +20,7 @@ from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.jsonfile import read_json_object
 from disagmoe_ds.layout import Layout, RankCounts
+from disagmoe_ds.models.lora import LoraSettings
 from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
@@ -33,7 +34,7 @@ _FLAGS = (
     "split_backward",
 )
 SIDES = ("attention", "ffn")  # the keys of the per-side settings (offload, zero_stage)
-_NOT_NUMBERS = (*_FLAGS, "transport", "offload", "zero_stage", "cluster", "profile")
+_NOT_NUMBERS = (*_FLAGS, "transport", "offload", "zero_stage", "cluster", "profile", "lora")
 ZERO_STAGES = {"attention": (0, 1, 2), "ffn": (0, 1, 2, 3)}  # ZeRO-3 (parameters sharded) on the expert side only
 
 
@@ -90,6 +91,8 @@ class DisagMoEConfig(RankCounts):
         cluster: what the schedule generator's task costs assume: a planner preset (``h800``, ``h100``, ``h200``)
             or a cluster JSON (``docs/planner.md``), so the order it emits is the one the planner simulated.
         profile: a ``disagmoe-plan profile`` JSON whose measured part times replace peak x efficiency there.
+        lora: LoRA fine-tuning (``models.lora.LoraSettings``: rank, alpha, dropout, targets, train_router): adapters
+            on both sides, every base weight frozen; None: every parameter trains.
     """
 
     attention_gpus: int = 1
@@ -113,8 +116,11 @@ class DisagMoEConfig(RankCounts):
     zero_stage: dict[str, int] = field(default_factory=dict)
     cluster: str = "h200"
     profile: str | None = None
+    lora: LoraSettings | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is not None:
+            object.__setattr__(self, "lora", LoraSettings.from_dict(self.lora))
         for flag in _FLAGS:
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f'"{SECTION}.{flag}" must be true or false, got {getattr(self, flag)!r}')

@@ -30,6 +30,7 @@ from disagmoe_ds.errors import DisagMoEError
 from disagmoe_ds.launch.env import detect_launcher, init_from_env
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.loading import load_model
+from disagmoe_ds.models.lora import DEFAULT_TARGETS, LoraSettings
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.skew import skew_router
 from disagmoe_ds.models.split import hf_reference_loss
@@ -128,6 +129,7 @@ def build_for_verify(build: Callable[..., Any], args: VerifyArgs):
         micro_batch_size=args.micro_batch_size,
         dtype=DTYPES[args.dtype],
         model=load_for_verify(args),
+        seed=args.seed,
         seq_len=args.seq_len,
     )
     if args.cfg.cuda_graphs:
@@ -198,8 +200,14 @@ def _hf_named(runtime, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int,
 
 
 def reference(args: VerifyArgs, lanes: int) -> dict[str, Any]:
-    """The single-process HF model trained on the same batches."""
+    """The single-process HF model trained on the same batches; with LoRA, under PEFT, from the adapters the ranks
+    start from."""
     model = load_for_verify(args)
+    lora = args.cfg.lora
+    if lora is not None:
+        from disagmoe_ds.models import peft_format
+
+        model = peft_format.peft_model(model, lora, peft_format.initial_adapters(model, lora, seed=args.seed))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, eps=ADAM_EPS)
@@ -217,16 +225,31 @@ def reference(args: VerifyArgs, lanes: int) -> dict[str, Any]:
                     position_ids=batch.get("position_ids"),
                     use_cache=False,
                 )
-                loss = hf_reference_loss(model, out)
+                loss = hf_reference_loss(model if lora is None else model.get_base_model(), out)
                 (loss / count).backward()
                 total += loss.item() / count
         losses.append(total)
         norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf"))
         norms.append(norm.item())
-        grads.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None})
+        grads.append(
+            _ours(
+                {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None},
+                model,
+                lora,
+            )
+        )
         opt.step()
-    params = {n: p.detach().float() for n, p in model.named_parameters()}
+    params = _ours({n: p.detach().float() for n, p in model.named_parameters()}, model, lora)
     return {"losses": losses, "grad_norms": norms, "grads": grads, "params": params}
+
+
+def _ours(tensors: dict[str, torch.Tensor], model, lora: LoraSettings | None) -> dict[str, torch.Tensor]:
+    """The reference's tensors under the ranks' HF names (a PEFT model's renamed, its expert factors re-laid)."""
+    if lora is None:
+        return tensors
+    from disagmoe_ds.models.peft_format import to_ours
+
+    return to_ours(model, tensors)
 
 
 def _assemble(pieces_by_rank: list[dict[str, tuple[int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
@@ -351,6 +374,7 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
         activation_checkpointing=a.activation_checkpointing,
         transport=a.transport,
         comm_timeout_s=a.comm_timeout,
+        lora=lora_of(a),
         **lever_settings(a),
     )
     return run_args(VerifyArgs, a, cfg)
@@ -423,7 +447,42 @@ def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
     p.add_argument("--packed", action="store_true", help="two documents per sequence (position ids restart)")
     p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
     p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
+    add_lora_args(p)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+
+
+def add_lora_args(p: argparse.ArgumentParser, *, verify: bool = True) -> None:
+    """The LoRA flags (``lora_of`` turns them into ``LoraSettings``); shared with ``run_pretrain.py``."""
+    g = p.add_argument_group("LoRA", "low-rank adapters on both sides, every base weight frozen (models.lora)")
+    g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R instead of every weight")
+    g.add_argument(
+        "--lora-alpha", type=float, help="scale the adapters' update by alpha / R (default: R, a scale of 1)"
+    )
+    g.add_argument(
+        "--lora-targets",
+        default=",".join(DEFAULT_TARGETS),
+        help="what gets adapters, comma-separated: attention (the token mixer's projections), mlp (dense MLPs and "
+        "shared experts), experts (every routed expert), or projection names such as q_proj,v_proj "
+        "(default: %(default)s)",
+    )
+    if not verify:  # the reference is PEFT's, whose expert parameters take no dropout either
+        g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the attention-side adapters' input")
+    g.add_argument("--lora-train-router", action="store_true", help="the routers' weights train in full too")
+
+
+def lora_of(a: argparse.Namespace, *, verify: bool = True) -> LoraSettings | None:
+    """The ``LoraSettings`` of ``add_lora_args``' flags (None without --lora-rank). ``verify`` starts B random
+    (PEFT's init_lora_weights=False), so that the first step already checks the adapted forward."""
+    if a.lora_rank is None:
+        return None
+    return LoraSettings(
+        rank=a.lora_rank,
+        alpha=a.lora_alpha,
+        dropout=getattr(a, "lora_dropout", 0.0),
+        targets=tuple(t.strip() for t in a.lora_targets.split(",") if t.strip()),
+        train_router=a.lora_train_router,
+        init_lora_weights=not verify,
+    )
 
 
 def run_args(cls: type[VerifyArgs], a: argparse.Namespace, cfg: Any) -> VerifyArgs:

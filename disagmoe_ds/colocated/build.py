@@ -29,6 +29,7 @@ from disagmoe_ds.engine.deepspeed_role import check_stage, ds_stage
 from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
+from disagmoe_ds.models.lora import check_lora
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_experts_of
 from disagmoe_ds.models.split import aux_loss_enabled
@@ -46,7 +47,9 @@ class Colocated:
         return self.cfg.layout(num_experts=num_experts_of(config))
 
     def check(self, layout: ColocatedLayout, config, ds_config: dict[str, Any]) -> None:
-        del layout, config  # any ep_size (ExpertShard)
+        del layout  # any ep_size (ExpertShard)
+        if self.cfg.lora is not None:
+            check_lora(config, self.cfg.lora)
         if ds_config.get(SECTION, {}).get("zero_stage"):
             raise ConfigError(
                 f'"{SECTION}.zero_stage" sets a ZeRO stage per side of a disaggregated job; a co-located rank has one '

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.layout import ExpertSlices, GroupRanks
+from disagmoe_ds.models.lora import LoraSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +41,7 @@ class ColocatedConfig:
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
         cuda_graphs: replay the attention parts, the head and (with one ep rank) the expert shards as CUDA graphs
             (``models.graphs``; CUDA only).
+        lora: LoRA fine-tuning (``models.lora.LoraSettings``), as in the disaggregated mode; None: full training.
     """
 
     world_size: int = 1
@@ -48,10 +50,15 @@ class ColocatedConfig:
     comm_timeout_s: float = 300.0
     compile: bool = False
     cuda_graphs: bool = False
+    lora: LoraSettings | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is not None:
+            object.__setattr__(self, "lora", LoraSettings.from_dict(self.lora))
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "lora":
+                continue
             if f.name in ("compile", "cuda_graphs"):
                 if not isinstance(value, bool):
                     raise ConfigError(f"colocated.{f.name} must be true or false, got {value!r}")

@@ -29,6 +29,7 @@ from disagmoe_ds.verify import (
     build_for_verify,
     cli,
     compare,
+    lora_of,
     make_batches,
     reference,
     run_args,
@@ -123,7 +124,7 @@ def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per rank")
     add_run_args(p, zero_help="ZeRO stage")
     a = p.parse_args(argv)
-    cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=a.micro_batches)
+    cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=a.micro_batches, lora=lora_of(a))
     return run_args(ColocatedVerifyArgs, a, cfg)
 
 

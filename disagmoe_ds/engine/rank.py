@@ -30,6 +30,7 @@ from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.groups import ProcessGroups
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.lora import add_adapters
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
 from disagmoe_ds.models.parts import RoutingFacts, compile_stage, routing_facts
@@ -168,6 +169,8 @@ class RankBuilder:
         # Freshly initialised replicas differ until DeepSpeed broadcasts them; pretrained ones start identical.
         module = mode.module(model, layout, groups, role, device=device, seed=seed * 100_003 + rank, weights=pretrained)
         del model
+        if cfg.lora is not None:  # the same adapters in every layout: drawn from the run's seed, not the rank's
+            add_adapters(module, cfg.lora, seed=seed)
         if cfg.compile:
             compile_stage(module)
         engine = build_engine(

@@ -34,6 +34,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from disagmoe_ds.models import triton_swiglu
+from disagmoe_ds.models.lora import ExpertAdapters
 
 GatedFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]  # (gate_up_PF, w_P, act_fn) -> hidden_PI
 SumSlotsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (y_PH, slot_RK, keep_RK)
@@ -81,6 +82,7 @@ def grouped_gated_experts(
     elementwise: Elementwise | None = None,
     recompute: bool = False,
     bounded: bool = False,
+    adapters: ExpertAdapters | None = None,
 ) -> torch.Tensor:
     """Each row's sum over its local experts of ``w * expert(x)``; sentinel ids (>= e) are skipped.
 
@@ -91,7 +93,8 @@ def grouped_gated_experts(
     the activation (selective recompute: ``_RecomputedMiddle``). ``bounded``: ``num_pairs`` is only an upper bound
     (messages at a fixed capacity, ``routing.Capacity``): the buffers take that many pairs, the grouped GEMMs compute
     the real ones (their count stays on the device) and the slots past them are masked to zero both ways (a GEMM
-    leaves those rows unwritten); pairs past the bound are dropped.
+    leaves those rows unwritten); pairs past the bound are dropped. ``adapters``: LoRA factors of both projections
+    (``models.lora``), two more grouped GEMMs per projection.
     """
     elementwise = EAGER if elementwise is None else elementwise
     num_experts, K = gate_up_eFH.shape[0], local_idx_RK.shape[1]
@@ -114,12 +117,44 @@ def grouped_gated_experts(
     w_P = w_RK.reshape(-1).index_select(0, order_P)
     if kept is not None:  # the slots past the real pairs: no weight, so no weight gradient from their garbage rows
         w_P = torch.where(torch.arange(num_pairs, device=w_P.device) < kept, w_P, 0)
-    if recompute:
+    if adapters is not None:
+        out_PH = _adapted_experts(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise, adapters, recompute)
+    elif recompute:
         out_PH = _RecomputedMiddle.apply(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise.gated)
     else:
         hidden_PI = elementwise.gated(_grouped_mm(x_PH, gate_up_eFH.transpose(1, 2), offsets_e), w_P, act_fn)
         out_PH = _grouped_mm(hidden_PI, down_eHI.transpose(1, 2), offsets_e)
     return _Unpermute.apply(out_PH, slots)
+
+
+def _adapted_experts(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise, adapters, recompute):
+    """The two projections with their LoRA updates; ``recompute`` keeps only the inputs of the gate/up projection
+    and the middle (``torch.utils.checkpoint``), as ``_RecomputedMiddle`` does without adapters."""
+
+    def middle(x_PH: torch.Tensor, w_P: torch.Tensor) -> torch.Tensor:
+        return elementwise.gated(
+            _adapted_mm(x_PH, gate_up_eFH, adapters.gate_up, adapters.scaling, offsets_e), w_P, act_fn
+        )
+
+    if recompute:
+        hidden_PI = torch.utils.checkpoint.checkpoint(middle, x_PH, w_P, use_reentrant=False)
+    else:
+        hidden_PI = middle(x_PH, w_P)
+    return _adapted_mm(hidden_PI, down_eHI, adapters.down, adapters.scaling, offsets_e)
+
+
+def _adapted_mm(x_PD, w_eND, factors, scaling, offsets_e):
+    """``x W_e^T + s * (x A_e^T) B_e^T`` per group; the rank is zero-padded to a 16-byte row (grouped GEMMs need
+    aligned rows; the padded columns are zero, so they change nothing and get no gradient)."""
+    a_eRD, b_eNR = factors
+    pad = -a_eRD.shape[1] % (16 // x_PD.element_size())
+    if pad:
+        a_eRD, b_eNR = F.pad(a_eRD, (0, 0, 0, pad)), F.pad(b_eNR, (0, pad))
+    low_PR = _grouped_mm(x_PD, a_eRD.transpose(1, 2), offsets_e)
+    return (
+        _grouped_mm(x_PD, w_eND.transpose(1, 2), offsets_e)
+        + _grouped_mm(low_PR, b_eNR.transpose(1, 2), offsets_e) * scaling
+    )
 
 
 class _Slots:

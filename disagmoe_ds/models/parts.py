@@ -27,6 +27,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer, mixer_attr, route
 from disagmoe_ds.models.grouped_experts import EAGER, compiled_elementwise, grouped_gated_experts, supports_grouped
+from disagmoe_ds.models.lora import expert_adapters, merged_expert_weights
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -315,6 +316,7 @@ class ExpertShard(nn.Module):
                 self.elementwise,
                 self.recompute,
                 bounded,
+                expert_adapters(e),
             )
         return self.forward_hf(x_RH, local_idx_RK, w_RK)
 
@@ -335,13 +337,18 @@ class ExpertShard(nn.Module):
         return self._pairs(zero_1H, idx_1K, w_RK.new_zeros(1, top_k), 1)
 
     def forward_hf(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
-        """Through HF's own experts module (its configured implementation): the reference path."""
+        """Through HF's own experts module (its configured implementation): the reference path. With LoRA adapters
+        (``models.lora``) it runs on the merged weights, as PEFT's ``target_parameters`` does."""
         rows_P, slots_P = (local_idx_RK < self.num_local).nonzero(as_tuple=True)
-        out_PH = self.experts(
+        args = (
             x_RH.index_select(0, rows_P),
             local_idx_RK[rows_P, slots_P].unsqueeze(1),
             w_RK[rows_P, slots_P].unsqueeze(1),
         )
+        if expert_adapters(self.experts) is None:
+            out_PH = self.experts(*args)
+        else:
+            out_PH = torch.func.functional_call(self.experts, merged_expert_weights(self.experts), args)
         return torch.zeros_like(x_RH).index_add(0, rows_P, out_PH.to(x_RH.dtype))
 
 

@@ -70,6 +70,7 @@ def mode_config(
         comm_timeout_s=section.comm_timeout_s,
         compile=section.compile,
         cuda_graphs=section.cuda_graphs,
+        lora=section.lora,
     )
 
 

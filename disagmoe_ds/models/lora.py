@@ -1,0 +1,318 @@
+"""LoRA adapters on both sides of the cut, with PEFT's math, added to the parts a rank already holds.
+
+Attention side: each adapted ``nn.Linear`` (token mixer projections, dense and shared MLPs) becomes a ``LoraLinear``
+that keeps its ``weight`` and ``bias`` under the same names and adds PEFT's ``lora_A [r, in]``, ``lora_B [out, r]``:
+``y = x W^T + b + s * dropout(x) A^T B^T`` with ``s = alpha / r``. Expert side: each routed expert projection
+``P [E, out, in]`` of HF's fused experts module gets ``P_lora_A [E, r, in]`` and ``P_lora_B [E, out, r]`` beside it
+(dim 0 the expert, like the weight, so an expert shard slices them with it), the per-expert form of PEFT's
+``target_parameters`` (``delta_e = s * B_e A_e``); ``grouped_experts`` computes them as two more grouped GEMMs per
+projection. PEFT takes no dropout on expert parameters, nor does this.
+
+``add_adapters`` adds them to a built rank module (either mode: it finds the ``AttentionStage`` and ``ExpertStage``
+inside) and freezes everything else. The initial values depend only on the run seed and each tensor's HF name, so
+every layout starts from the same adapters (and ``verify`` hands them to its PEFT reference); the expert tensors are
+drawn whole and sliced.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
+
+GROUPS = ("attention", "mlp", "experts")
+DEFAULT_TARGETS = ("attention", "experts")  # PEFT loads no dense/shared-MLP adapter of most MoE models (peft_format)
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
+A, B = "lora_A", "lora_B"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The ``"disagmoe": {"lora": {...}}`` section (``--lora-rank`` and its flags).
+
+    Attributes:
+        rank: r, the adapters' inner width.
+        alpha: the update is scaled by alpha / r (None: alpha = r, a scale of 1).
+        dropout: PEFT's ``lora_dropout`` on the input of the attention-side adapters (the expert side takes none).
+        targets: what gets adapters: ``attention`` (every projection of the token mixer), ``mlp`` (dense MLPs and
+            shared experts), ``experts`` (every routed expert's gate/up and down), or projection names such as
+            ``q_proj`` / ``v_proj`` (the attention side's ``nn.Linear`` modules of that name). Default: attention
+            and experts (``mlp`` adapters train and merge, but PEFT cannot load them as an adapter directory).
+        train_router: the routers' weights train in full beside the adapters (else they stay frozen, like every
+            other base weight).
+        init_lora_weights: PEFT's: B starts at zero, so training starts from the base model; False: B random too
+            (``verify`` checks the adapted forward from the first step).
+    """
+
+    rank: int
+    alpha: float | None = None
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    train_router: bool = False
+    init_lora_weights: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ConfigError(f'"disagmoe.lora.rank" must be a positive integer, got {self.rank!r}')
+        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float)):
+            raise ConfigError(f'"disagmoe.lora.alpha" must be a number, got {self.alpha!r}')
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise ConfigError(f'"disagmoe.lora.dropout" must be in [0, 1), got {self.dropout!r}')
+        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise ConfigError(
+                f'"disagmoe.lora.targets" must name what gets adapters ({", ".join(GROUPS)} or projection names), '
+                f"got {list(self.targets)!r}"
+            )
+        for flag in ("train_router", "init_lora_weights"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f'"disagmoe.lora.{flag}" must be true or false, got {getattr(self, flag)!r}')
+
+    @classmethod
+    def from_dict(cls, section: Any) -> LoraSettings:
+        if isinstance(section, LoraSettings):
+            return section
+        if not isinstance(section, dict):
+            raise ConfigError(f'"disagmoe.lora" must be an object like {{"rank": 8, "alpha": 16}}, got {section!r}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ConfigError(
+                f'unknown key(s) in "disagmoe.lora": {", ".join(unknown)}; known: {", ".join(sorted(known))}'
+            )
+        if "rank" not in section:
+            raise ConfigError('"disagmoe.lora" needs a "rank" (the adapters\' inner width, e.g. 8)')
+        return cls(**section)
+
+    @property
+    def scaling(self) -> float:
+        return (self.rank if self.alpha is None else self.alpha) / self.rank
+
+    @property
+    def experts(self) -> bool:
+        return "experts" in self.targets
+
+    def adapts(self, group: str, name: str) -> bool:
+        """Whether the attention-side projection ``name`` of ``group`` (``attention``: the token mixer, or ``mlp``)
+        gets an adapter; in an MLP only the gate/up/down projections do (not Qwen2-MoE's shared-expert gate)."""
+        if name in self.targets:
+            return True
+        return group in self.targets and (group == "attention" or name in MLP_PROJECTIONS)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["targets"] = list(self.targets)
+        return out
+
+
+class LoraLinear(nn.Linear):
+    """``base`` (its own ``weight`` and ``bias`` objects, under the same names) plus PEFT's low-rank update."""
+
+    def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.lora_A = nn.Parameter(base.weight.new_zeros(rank, base.in_features))
+        self.lora_B = nn.Parameter(base.weight.new_zeros(base.out_features, rank))
+        self.scaling = scaling
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
+        return F.linear(x, self.weight, self.bias) + update * self.scaling
+
+    def merged_weight(self) -> torch.Tensor:
+        return self.weight + (self.lora_B @ self.lora_A) * self.scaling
+
+
+@dataclass(frozen=True)
+class ExpertAdapters:
+    """The factors of one expert shard's two projections, ``(A [e, r, in], B [e, out, r])`` each, and s."""
+
+    gate_up: tuple[torch.Tensor, torch.Tensor]
+    down: tuple[torch.Tensor, torch.Tensor]
+    scaling: float
+
+
+def expert_adapters(experts: nn.Module) -> ExpertAdapters | None:
+    """The adapters ``add_adapters`` put on an experts module, or None."""
+    scaling = getattr(experts, "lora_scaling", None)
+    if scaling is None:
+        return None
+    factors = [(getattr(experts, f"{p}_{A}"), getattr(experts, f"{p}_{B}")) for p in EXPERT_PROJECTIONS]
+    return ExpertAdapters(*factors, scaling=scaling)
+
+
+def expert_delta(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, transposed: bool):
+    """``s * B_e A_e`` for every expert, laid out as HF stores ``weight`` (``[E, out, in]``, or ``[E, in, out]``
+    where the experts module is transposed, GPT-OSS)."""
+    delta = torch.bmm(b, a) * scaling
+    return (delta.transpose(1, 2) if transposed else delta).to(weight.dtype)
+
+
+def merged_expert_weights(experts: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapted projections of an experts module with their updates added (HF's layout)."""
+    found = expert_adapters(experts)
+    assert found is not None
+    transposed = bool(getattr(experts, "is_transposed", False))
+    return {
+        name: getattr(experts, name) + expert_delta(getattr(experts, name), a, b, found.scaling, transposed)
+        for name, (a, b) in zip(EXPERT_PROJECTIONS, (found.gate_up, found.down), strict=True)
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Adding adapters to a rank's module
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def add_adapters(module: nn.Module, settings: LoraSettings, *, seed: int) -> int:
+    """Adapters on every part of ``module`` that ``settings`` targets, everything else frozen (the routers train
+    with ``train_router``); DeepSpeed's expert-parallel marks are copied from each weight to its adapters. Returns
+    the number of adapter parameters added."""
+    from disagmoe_ds.models.parts import AttentionStage, ExpertStage  # parts imports this module
+
+    added = 0
+    for stage in [m for m in module.modules() if isinstance(m, AttentionStage | ExpertStage)]:
+        added += _adapt_attention(stage, settings, seed) if isinstance(stage, AttentionStage) else 0
+        added += _adapt_experts(stage, settings, seed) if isinstance(stage, ExpertStage) else 0
+    _freeze_base(module, settings)
+    return added
+
+
+def _adapt_attention(stage: nn.Module, settings: LoraSettings, seed: int) -> int:
+    added = 0
+    for layer, part in stage.layers.items():
+        for group, root, prefix in (("attention", part.mixer, part.mixer_attr), ("mlp", part.mlp, "mlp")):
+            for name, linear in list(_linears(root, skip=getattr(part, "router", None) if part.is_moe else None)):
+                if not settings.adapts(group, name.rpartition(".")[2]):
+                    continue
+                adapted = LoraLinear(linear, settings.rank, settings.scaling, settings.dropout)
+                hf = attention_name_to_hf(f"layers.{layer}.{prefix}.{name}")
+                _init_pair(adapted.lora_A, adapted.lora_B, hf, settings, seed)
+                owner, _, attr = name.rpartition(".")
+                setattr(root.get_submodule(owner) if owner else root, attr, adapted)
+                added += adapted.lora_A.numel() + adapted.lora_B.numel()
+    return added
+
+
+def _linears(root: nn.Module, skip: nn.Module | None):
+    """``(name, module)`` of every plain ``nn.Linear`` under ``root``, outside ``skip`` (the router)."""
+    skipped = set() if skip is None else {id(m) for m in skip.modules()}
+    for name, sub in root.named_modules():
+        if type(sub) is nn.Linear and id(sub) not in skipped and name:
+            yield name, sub
+
+
+def _adapt_experts(stage: nn.Module, settings: LoraSettings, seed: int) -> int:
+    if not settings.experts:
+        return 0
+    added = 0
+    num_experts = _num_experts(stage.config)
+    for layer, shard in stage.layers.items():
+        experts = shard.experts
+        transposed = bool(getattr(experts, "is_transposed", False))
+        for proj in EXPERT_PROJECTIONS:
+            weight = getattr(experts, proj)
+            out_dim, in_dim = (weight.shape[2], weight.shape[1]) if transposed else weight.shape[1:]
+            a = weight.new_zeros(shard.num_local, settings.rank, in_dim)
+            b = weight.new_zeros(shard.num_local, out_dim, settings.rank)
+            hf = expert_name_to_hf(f"layers.{layer}.experts.{proj}")
+            rows = slice(shard.first_expert, shard.first_expert + shard.num_local)
+            _init_pair(a, b, hf, settings, seed, experts=(num_experts, rows))
+            for suffix, value in ((A, a), (B, b)):
+                param = nn.Parameter(value)
+                for mark in ("allreduce", "group_name"):  # colocated: DeepSpeed reduces them as expert parameters
+                    if hasattr(weight, mark):
+                        setattr(param, mark, getattr(weight, mark))
+                experts.register_parameter(f"{proj}_{suffix}", param)
+            added += a.numel() + b.numel()
+        experts.lora_scaling = settings.scaling
+    return added
+
+
+def _num_experts(config) -> int:
+    from disagmoe_ds.models.parts import num_experts_of
+
+    return num_experts_of(config)
+
+
+def _init_pair(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    hf_name: str,
+    settings: LoraSettings,
+    seed: int,
+    *,
+    experts: tuple[int, slice] | None = None,
+) -> None:
+    """PEFT's initial values: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform, a = sqrt 5), B zero or, without
+    ``init_lora_weights``, U(-1/sqrt(r), 1/sqrt(r)). Drawn from the seed and the tensor's HF name alone; an expert
+    shard's rows are cut from the whole layer's draw (``experts``: E and the rows)."""
+    with torch.no_grad():
+        for tensor, suffix, fan_in in ((a, A, a.shape[-1]), (b, B, b.shape[-1])):
+            if suffix == B and settings.init_lora_weights:
+                tensor.zero_()
+                continue
+            shape = tensor.shape if experts is None else (experts[0], *tensor.shape[1:])
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{hf_name}.{suffix}".encode()))
+            value = (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(fan_in)
+            tensor.copy_(value if experts is None else value[experts[1]])
+
+
+def _freeze_base(module: nn.Module, settings: LoraSettings) -> None:
+    """Only adapters train, and with ``train_router`` each router's weight (not DeepSeek-V3's correction bias,
+    which keeps its own update rule)."""
+    from disagmoe_ds.models.parts import AttentionPart
+
+    routers = set()
+    if settings.train_router:
+        parts = [m for m in module.modules() if isinstance(m, AttentionPart) and m.is_moe]
+        routers = {id(part.router.get_parameter(part.family.router_weight)) for part in parts}
+    for name, param in module.named_parameters():
+        param.requires_grad_(is_adapter(name) or id(param) in routers)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the parameter (or HF tensor) name is an adapter's."""
+    leaf = name.rpartition(".")[2]
+    return leaf in (A, B) or leaf.endswith((f"_{A}", f"_{B}"))
+
+
+def check_lora(config, settings: LoraSettings) -> tuple[bool, bool]:
+    """Refuse targets that name nothing in the model (before any rank starts; the model is built on the meta
+    device). Returns whether the attention side and the expert side get adapters."""
+    from transformers import AutoModelForCausalLM
+
+    from disagmoe_ds.models.families import family_of, is_moe_layer, mixer_attr
+
+    family = family_of(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    seen: set[str] = set()
+    attention = False
+    for layer in model.model.layers:
+        moe = is_moe_layer(layer)
+        skip = [getattr(layer.mlp, family.router_attr)] if moe else []
+        mlp = nn.ModuleDict({k: m for k, m in layer.mlp.named_children() if k != "experts"}) if moe else layer.mlp
+        for group, root in (("attention", getattr(layer, mixer_attr(layer))), ("mlp", mlp)):
+            for name, _ in _linears(root, skip=skip[0] if skip else None):
+                leaf = name.rpartition(".")[2]
+                seen.add(leaf)
+                attention |= settings.adapts(group, leaf)
+    unknown = [t for t in settings.targets if t not in GROUPS and t not in seen]
+    if unknown:
+        raise ConfigError(
+            f'"disagmoe.lora.targets" names {", ".join(unknown)}, which the {config.model_type} model has no '
+            f"projection called; use {', '.join(GROUPS)} or one of {', '.join(sorted(seen))}"
+        )
+    return attention or settings.train_router, settings.experts
