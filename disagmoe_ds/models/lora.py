@@ -256,10 +256,11 @@ def _init_pair(
     experts: tuple[int, slice] | None = None,
 ) -> None:
     """PEFT's initial values: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform, a = sqrt 5), B zero or, without
-    ``init_lora_weights``, U(-1/sqrt(r), 1/sqrt(r)). Drawn from the seed and the tensor's HF name alone; an expert
+    ``init_lora_weights``, U(-1/sqrt(out), 1/sqrt(out)), an update about the size of the base weights (PEFT's own
+    1/sqrt(r) would swamp them; the values are handed to PEFT anyway). Drawn from the seed and the tensor's HF name alone; an expert
     shard's rows are cut from the whole layer's draw (``experts``: E and the rows)."""
     with torch.no_grad():
-        for tensor, suffix, fan_in in ((a, A, a.shape[-1]), (b, B, b.shape[-1])):
+        for tensor, suffix, fan_in in ((a, A, a.shape[-1]), (b, B, b.shape[-2])):
             if suffix == B and settings.init_lora_weights:
                 tensor.zero_()
                 continue

@@ -175,7 +175,7 @@ def peft_model(model: nn.Module, settings: LoraSettings, init: Mapping[str, torc
     routers' weights trainable with ``train_router``, like ours."""
     from peft import get_peft_model
 
-    routers = router_modules(model.config, init) if settings.train_router else []
+    routers = router_modules(model.config, dict(model.named_parameters())) if settings.train_router else []
     with _no_v4_renames():
         wrapped = get_peft_model(model, lora_config(settings, init))
     params = dict(wrapped.named_parameters())
