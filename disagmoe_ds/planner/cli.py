@@ -1,6 +1,7 @@
 """``disagmoe-plan``: size the attention and FFN sides of a disaggregated MoE job and say whether it pays.
 
     disagmoe-plan --model hf_models/Qwen3-235B-A22B --seq-len 8192 --micro-batch-size 1 --cluster h800 --nodes 16
+    disagmoe-plan --model hf_models/Qwen3-30B-A3B --seq-len 4096 --nodes 1 --lora-rank 16   # LoRA fine-tuning
     disagmoe-plan profile --model hf_models/Qwen3-30B-A3B --seq-len 4096 --out profile.json
     disagmoe-plan study [--models Qwen3-235B-A22B] [--seq-len 4096,16384] [--ablate]
     disagmoe-plan calibrate                       # the baseline against published Megatron-Core runs
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from disagmoe_ds.errors import DisagMoEError
+from disagmoe_ds.errors import ConfigError, DisagMoEError
 from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, plan
 from disagmoe_ds.planner.attention_lanes import DEGREES, lane_refusal
 from disagmoe_ds.planner.baseline_layout import check_layout, parse_layout
@@ -26,6 +27,7 @@ from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
 from disagmoe_ds.planner.colocated_costs import DISPATCHERS
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.inputs import check_at_least_one
+from disagmoe_ds.planner.lora import TARGETS, LoRA, check_adapts
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.profile_fit import load_profile, profile_warnings, rates_from_profile
@@ -183,6 +185,27 @@ def build_parser() -> argparse.ArgumentParser:
             "for Qwen3-235B-A22B at 4K on 16 nodes against 42 s with --sequence-parallel 1 --tensor-parallel 1)",
         )
     p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="plan LoRA fine-tuning with adapters of rank R: base weights frozen (parameter bytes only), the "
+        'adapters keep the training state; --write-ds-config writes "disagmoe": {"lora": ...} (default 0: full '
+        "fine-tuning)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar=",".join(TARGETS),
+        help="which projections get adapters (with --lora-rank): attention (every Linear of the token mixer), mlp "
+        "(dense MLPs and shared experts), experts (every routed expert); default all three",
+    )
+    p.add_argument(
+        "--lora-train-router",
+        action="store_true",
+        help="with --lora-rank: train the routers in full too (default: frozen like every base weight)",
+    )
+    p.add_argument(
         "--variants",
         default="all",
         help=f"AF-Pipe variants to try: all, paper (none), or a comma list of {', '.join(VARIANTS)}",
@@ -202,8 +225,23 @@ def _variants(text: str) -> frozenset[str]:
     return chosen
 
 
+def _lora(args: argparse.Namespace) -> LoRA:
+    """The LoRA run the flags ask for; each error names its flag."""
+    if not args.lora_rank and (args.lora_targets is not None or args.lora_train_router):
+        given = "--lora-targets" if args.lora_targets is not None else "--lora-train-router"
+        raise DisagMoEError(f"{given} needs --lora-rank R (R > 0); without it every weight trains")
+    targets = TARGETS if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(",") if t)
+    flag = "--lora-rank" if args.lora_rank < 0 else "--lora-targets"
+    try:
+        return LoRA(args.lora_rank, targets, args.lora_train_router)
+    except ConfigError as err:
+        raise ConfigError(f"{flag}: {err}") from err
+
+
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
     spec = load_model_spec(args.model)
+    lora = _lora(args)
+    check_adapts(spec, lora)
     cluster = load_cluster(args.cluster, args.nodes)
     chosen = {name: getattr(args, f"{name}_efficiency") for name in _EFFICIENCY_FLAGS}
     eff = Efficiency(**{k: v for k, v in chosen.items() if v is not None})
@@ -239,7 +277,15 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
         spec=spec,
         cluster=cluster,
         rates=rates,
-        work=Workload(args.seq_len, args.micro_batch_size, zero_stage=args.zero_stage, precision=args.precision),
+        work=Workload(
+            args.seq_len,
+            args.micro_batch_size,
+            zero_stage=args.zero_stage,
+            precision=args.precision,
+            lora_rank=lora.rank,
+            lora_targets=lora.targets,
+            lora_train_router=lora.train_router,
+        ),
         global_batch=global_batch,
         recompute=args.recompute,
         granularity=cluster.gpus_per_node if args.split_granularity == "node" else 1,

@@ -43,22 +43,23 @@ def af_sync_s(
 ) -> tuple[float, float]:
     """(A rank, F rank) gradient-sync seconds per step: over the ranks of an A-group that hold the same parameter
     shard (its d lanes x s Ulysses ranks, 1/t of the parameters each: ``attention_lanes.py``) and over the expert-DP
-    replicas of an F-group, through the side's NIC share when the replicas span nodes, else NVLink."""
+    replicas of an F-group, through the side's NIC share when the replicas span nodes, else NVLink. Only trained
+    parameters have gradients to reduce and updates to gather (LoRA: the adapters)."""
     m = layout.attention_gpus
 
     def rate(ranks: tuple[int, ...], nic_share: float) -> float:
         return nic_share * rates.nic_bw if placement.spans_nodes(ranks, attention_gpus=m) else rates.nvlink_bw
 
-    a_params, f_params = busiest_group_params(spec, layout)
+    a_params, f_params = busiest_group_params(spec, layout, work.lora)
     a = step_sync_s(
-        rank_params(a_params, work),
+        rank_params(a_params.trained, work),
         param_replicas(layout, work),
         work.zero_of("attention"),
         precision=work.precision,
         bytes_per_s=rate(layout.attention_ranks(0), nics[0] / m),
     )
     f = step_sync_s(
-        f_params,
+        f_params.trained,
         layout.expert_data_parallel,
         work.zero_of("ffn"),
         precision=work.precision,
@@ -81,16 +82,16 @@ def baseline_sync_s(
 ) -> float:
     """Co-located gradient sync per step on the worst stage: dense parameters (split over tp) over the stage's
     W/(pp tp) data- and context-parallel ranks, expert shards over their (W/pp)/ep replicas (strided by tp and
-    ep, so they share a node only while the stride stays inside it)."""
+    ep, so they share a node only while the stride stays inside it); trained parameters only."""
     grad = (Precision.megatron if fp32_grads else Precision.named)(work.precision).grad  # Megatron: fp32 main grads
     dp, g = cluster.world_size // (pp * tp), cluster.gpus_per_node
     nic = rates.nic_bw_per_gpu(cluster)
     worst = 0.0
     for stage in range(pp):
-        _, dense, experts = baseline_stage_params(spec, pp=pp, vpp=vpp, ep=ep, stage=stage)
+        _, dense, experts = baseline_stage_params(spec, pp=pp, vpp=vpp, ep=ep, stage=stage, lora=work.lora)
         dense_rate = nic if dp * tp > g else rates.nvlink_bw
-        dense_s = ring_sync_s(dense / tp, dp, grad_bytes=grad, bytes_per_s=dense_rate)
+        dense_s = ring_sync_s(dense.trained / tp, dp, grad_bytes=grad, bytes_per_s=dense_rate)
         edp = cluster.world_size // (pp * ep)
         expert_rate = nic if edp > max(1, g // ep) else rates.nvlink_bw
-        worst = max(worst, dense_s + ring_sync_s(experts, edp, grad_bytes=grad, bytes_per_s=expert_rate))
+        worst = max(worst, dense_s + ring_sync_s(experts.trained, edp, grad_bytes=grad, bytes_per_s=expert_rate))
     return worst

@@ -81,6 +81,7 @@ class LinearAttentionSpec:
     head_k_dim: int
     head_v_dim: int
     conv_kernel: int
+    split_in_proj: bool = False  # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Qwen3-Next: qkvz, ba)
 
     @property
     def key_dim(self) -> int:
@@ -229,6 +230,7 @@ def _linear_attention(cfg: dict[str, Any], model_type: str, num_layers: int) -> 
         head_k_dim=_int(cfg, "linear_key_head_dim", default=128),
         head_v_dim=_int(cfg, "linear_value_head_dim", default=128),
         conv_kernel=_int(cfg, "linear_conv_kernel_dim", default=4),
+        split_in_proj=model_type == "qwen3_5_moe_text",
     )
     return {"linear_attention": spec, "linear_layers": tuple(t == "linear_attention" for t in types)}
 

@@ -176,9 +176,12 @@ class ModelSpec:
         h = self.hidden_size
         if not self.moe_layers[layer]:
             return self.attention_params(layer) + 3 * h * self.dense_intermediate
-        router = self.num_experts * h + (self.num_experts if self.router_bias else 0)
         shared = 3 * h * self.shared_intermediate + (h if self.shared_gate else 0)
-        return self.attention_params(layer) + router + shared
+        return self.attention_params(layer) + self.router_params() + shared
+
+    def router_params(self) -> int:
+        """One MoE layer's router: E x H weights, plus GPT-OSS's bias (ERNIE's correction bias)."""
+        return self.num_experts * self.hidden_size + (self.num_experts if self.router_bias else 0)
 
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up, down, plus GPT-OSS biases)."""

@@ -62,11 +62,12 @@ def optimizer_step_s(params: float, *, precision: str, rates: Rates) -> float:
 
 def af_optimizer_s(spec: ModelSpec, layout: Layout, work: Workload, rates: Rates) -> tuple[float, float]:
     """(A rank, F rank) optimizer step of the busiest group: A state (1/t of the parameters in a TP lane) sharded
-    over the d lanes x s Ulysses ranks holding it (``attention_lanes.py``), F state over the expert-DP replicas."""
-    a_params, f_params = busiest_group_params(spec, layout)
-    a_params = rank_params(a_params, work)
-    a = state_params(a_params, replicas=param_replicas(layout, work), zero_stage=work.zero_of("attention"))
-    f = state_params(f_params, replicas=layout.expert_data_parallel, zero_stage=work.zero_of("ffn"))
+    over the d lanes x s Ulysses ranks holding it (``attention_lanes.py``), F state over the expert-DP replicas;
+    only trained parameters have optimizer state (LoRA: the adapters)."""
+    a_params, f_params = busiest_group_params(spec, layout, work.lora)
+    a_trained = rank_params(a_params.trained, work)
+    a = state_params(a_trained, replicas=param_replicas(layout, work), zero_stage=work.zero_of("attention"))
+    f = state_params(f_params.trained, replicas=layout.expert_data_parallel, zero_stage=work.zero_of("ffn"))
     return (
         optimizer_step_s(a, precision=work.precision, rates=rates),
         optimizer_step_s(f, precision=work.precision, rates=rates),
@@ -79,8 +80,8 @@ def baseline_optimizer_s(spec: ModelSpec, work: Workload, shape: Shape, *, world
     optimizer, as ``memory.baseline_rank_memory`` counts it)."""
     pp, tp, ep, worst = shape.pp, shape.tp, shape.ep, 0.0
     for stage in range(pp):
-        _, dense, experts = baseline_stage_params(spec, pp=pp, vpp=shape.vpp, ep=ep, stage=stage)
-        params = state_params(dense / tp, replicas=world_size // (pp * tp), zero_stage=work.zero_stage)
-        params += state_params(experts, replicas=world_size // (pp * ep), zero_stage=work.zero_stage)
+        _, dense, experts = baseline_stage_params(spec, pp=pp, vpp=shape.vpp, ep=ep, stage=stage, lora=work.lora)
+        params = state_params(dense.trained / tp, replicas=world_size // (pp * tp), zero_stage=work.zero_stage)
+        params += state_params(experts.trained, replicas=world_size // (pp * ep), zero_stage=work.zero_stage)
         worst = max(worst, optimizer_step_s(params, precision=work.precision, rates=rates))
     return worst

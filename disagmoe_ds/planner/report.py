@@ -14,6 +14,7 @@ from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import RankRole
 from disagmoe_ds.planner.allocator import PAYS_THRESHOLD, AfPlan, BaselinePlan, PlanResult
 from disagmoe_ds.planner.attention_lanes import data_lanes
+from disagmoe_ds.planner.lora import adapter_params
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.stages import SideTimes
 
@@ -151,6 +152,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         "nodes": req.cluster.nodes,
         "world_size": req.cluster.world_size,
         "zero_stage": req.work.zero_stage,
+        "lora": _lora_json(result),
         "rates": req.rates.source,
         "attention_gpus": None,
         "ffn_gpus": None,
@@ -176,6 +178,19 @@ def to_json(result: PlanResult) -> dict[str, Any]:
     if base is not None:
         out["baseline"] = _baseline_json(result, base)
     return out
+
+
+def _lora_json(result: PlanResult) -> dict[str, Any] | None:
+    """The LoRA run planned (None: full fine-tuning)."""
+    spec, lora = result.request.spec, result.request.work.lora
+    if not lora.enabled:
+        return None
+    return {
+        "rank": lora.rank,
+        "targets": list(lora.targets),
+        "train_router": lora.train_router,
+        "adapter_params": adapter_params(spec, lora),
+    }
 
 
 def _af_json(result: PlanResult, af: AfPlan) -> dict[str, Any]:
@@ -260,6 +275,7 @@ def to_text(result: PlanResult) -> str:
         f"{spec.num_experts} experts top-{spec.top_k}, {spec.total_params() / 1e9:.1f}B parameters",
         f"workload seq {req.work.seq_len} x micro-batch {req.work.micro_batch_size} per lane, global batch "
         f"{req.global_batch} sequences, ZeRO-{req.work.zero_stage} {req.work.precision}",
+        *_lora_lines(result),
         f"cluster  {cl.nodes} x {cl.gpus_per_node} {cl.name} = {cl.world_size} GPUs, {cl.total_nics} NICs x "
         f"{cl.nic_bw / GB:.3g} GB/s; rates from {req.rates.source}",
         _per_token_line(result),
@@ -280,6 +296,18 @@ def to_text(result: PlanResult) -> str:
         ]
     head, reasons = verdict(result)
     return "\n".join(lines + [f"verdict  {head}"] + [f"  - {r}" for r in reasons]) + "\n"
+
+
+def _lora_lines(result: PlanResult) -> list[str]:
+    """What a LoRA plan trains (nothing for full fine-tuning, whose table is unchanged)."""
+    spec, lora = result.request.spec, result.request.work.lora
+    if not lora.enabled:
+        return []
+    adapters = adapter_params(spec, lora)
+    return [
+        f"training {lora.describe()}: {adapters / 1e6:,.1f}M adapter parameters ({adapters / spec.total_params():.2%} "
+        "of the model) keep the training state; the base weights are frozen (parameter bytes only)"
+    ]
 
 
 def _per_token_line(result: PlanResult) -> str:
@@ -348,7 +376,8 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
     cluster (preset or JSON path) the runtime's schedule costs assume and, where the runtime runs it
     (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing), resend, split backward,
     the offload shares and each side's ZeRO stage. A plan with A-lanes of s x t > 1 ranks raises ``ConfigError``
-    while the runtime does not run them (``RUNTIME_LANE_FIELDS``); the degrees it runs go into the section.
+    while the runtime does not run them (``RUNTIME_LANE_FIELDS``); the degrees it runs go into the section. A LoRA
+    plan writes ``"lora": {"rank", "targets"}`` (and ``"train_router": true`` where the plan trains the routers).
 
     The NIC split and placement are not runtime settings: the hostfile's order places the ranks.
     """
@@ -382,6 +411,9 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
             "zero_stage": {"attention": w.zero_of("attention"), "ffn": w.zero_of("ffn")},
         }
     section |= {name: degree for name, degree in degrees.items() if degree > 1}
+    if w.lora.enabled:  # the runtime's LoRA section; alpha and dropout stay the runtime's defaults
+        lora: dict[str, Any] = {"rank": w.lora.rank, "targets": list(w.lora.targets)}
+        section["lora"] = lora | ({"train_router": True} if w.lora.train_router else {})
     return {
         "train_micro_batch_size_per_gpu": req.work.micro_batch_size,
         "gradient_accumulation_steps": c.micro_batches,

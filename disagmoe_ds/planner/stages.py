@@ -160,23 +160,30 @@ def _side_flops(spec: ModelSpec, s: int, recompute: Recompute, resend: bool = Fa
     return 3 * (a_fwd + spec.head_flops()) + a_rc, 3 * f_fwd + f_rc
 
 
-def zero_micro_batch_bytes(params: float, replicas: int, zero_stage: int, precision: str) -> float:
+def zero_micro_batch_bytes(
+    params: float, replicas: int, zero_stage: int, precision: str, *, frozen: float = 0.0
+) -> float:
     """Bytes a rank sends per micro-batch for ZeRO-2 (reduce-scatter of that micro-batch's gradients) and
     ZeRO-3 (plus an all-gather of the parameters before the forward and another before the backward); a
-    ring moves (r - 1)/r of the tensor out of each rank. ZeRO-0/1 reduce once per step (``af_sync_s``)."""
+    ring moves (r - 1)/r of the tensor out of each rank. ZeRO-0/1 reduce once per step (``af_sync_s``).
+    ``params`` are trained, ``frozen`` ones (LoRA's base weights) have no gradient but are gathered too."""
     if replicas <= 1 or zero_stage < 2:
         return 0.0
     prec, share = Precision.named(precision), (replicas - 1) / replicas
-    return share * params * (prec.grad + (2 * prec.param if zero_stage >= 3 else 0.0))
+    gathered = 2 * prec.param * (params + frozen) if zero_stage >= 3 else 0.0
+    return share * (params * prec.grad + gathered)
 
 
 def _zero_bytes(spec: ModelSpec, layout: Layout, work: Workload, placement: Placement) -> tuple[dict, dict]:
     """Per-rank ZeRO-2/3 bytes per micro-batch of each side, keyed by the link they use ("nic" or "nvlink")."""
     m = layout.attention_gpus
-    a_params, f_params = busiest_group_params(spec, layout)
-    a_params = rank_params(a_params, work)
-    a = zero_micro_batch_bytes(a_params, param_replicas(layout, work), work.zero_of("attention"), work.precision)
-    f = zero_micro_batch_bytes(f_params, layout.expert_data_parallel, work.zero_of("ffn"), work.precision)
+    a_params, f_params = busiest_group_params(spec, layout, work.lora)
+    a_trained, a_frozen = rank_params(a_params.trained, work), rank_params(a_params.frozen, work)
+    a_zero, f_zero = work.zero_of("attention"), work.zero_of("ffn")
+    a = zero_micro_batch_bytes(a_trained, param_replicas(layout, work), a_zero, work.precision, frozen=a_frozen)
+    f = zero_micro_batch_bytes(
+        f_params.trained, layout.expert_data_parallel, f_zero, work.precision, frozen=f_params.frozen
+    )
     a_link = "nic" if placement.spans_nodes(layout.attention_ranks(0), attention_gpus=m) else "nvlink"
     f_link = "nic" if placement.spans_nodes(layout.edp_group_ranks(0, 0), attention_gpus=m) else "nvlink"
     return {a_link: a}, {f_link: f}
