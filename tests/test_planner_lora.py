@@ -287,7 +287,8 @@ def test_cli_plans_a_lora_run_and_writes_its_section(tmp_path: Path, capsys) -> 
     rc, out, err = _plan(capsys, tmp_path, "--lora-rank", "8", "--lora-targets", "experts,attention")
     assert rc == 0, err
     assert "training LoRA r=8 on attention, experts: 0.1M adapter parameters" in out
-    rc, out, err = _plan(capsys, tmp_path, "--lora-rank", "8", "--json", "--write-ds-config", str(ds))
+    everything = ("--lora-targets", "attention,mlp,experts")
+    rc, out, err = _plan(capsys, tmp_path, "--lora-rank", "8", *everything, "--json", "--write-ds-config", str(ds))
     assert rc == 0, err
     assert json.loads(out)["lora"] == {
         "rank": 8,
@@ -296,6 +297,8 @@ def test_cli_plans_a_lora_run_and_writes_its_section(tmp_path: Path, capsys) -> 
         "adapter_params": 61184,
     }
     assert json.loads(ds.read_text())["disagmoe"]["lora"] == {"rank": 8, "targets": ["attention", "mlp", "experts"]}
+    rc, out, err = _plan(capsys, tmp_path, "--lora-rank", "8", "--json")  # the runtime's default targets
+    assert rc == 0 and json.loads(out)["lora"]["targets"] == ["attention", "experts"], err
     rc, out, _ = _plan(capsys, tmp_path, "--json", "--write-ds-config", str(ds))  # full fine-tuning: no section
     assert rc == 0 and json.loads(out)["lora"] is None and "lora" not in json.loads(ds.read_text())["disagmoe"]
     rc, _, err = _plan(capsys, tmp_path, "--lora-rank", "4", "--lora-train-router", "--write-ds-config", str(ds))

@@ -264,7 +264,7 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
 def initial_adapters(model: nn.Module, settings: LoraSettings, *, seed: int) -> dict[str, torch.Tensor]:
     """The adapters every rank of a run with ``seed`` starts from, for the whole model under HF names (cut as one
     attention stage and one shard of all experts, from a copy of ``model``)."""
-    from disagmoe_ds.models.lora import add_adapters
+    from disagmoe_ds.models.adapters import add_adapters
     from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
     from disagmoe_ds.models.split import SplitModel
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from disagmoe_ds.errors import ConfigError, DisagMoEError
+from disagmoe_ds.models.lora import DEFAULT_TARGETS
 from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, plan
 from disagmoe_ds.planner.attention_lanes import DEGREES, lane_refusal
 from disagmoe_ds.planner.baseline_layout import check_layout, parse_layout
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar=",".join(TARGETS),
         help="which projections get adapters (with --lora-rank): attention (every Linear of the token mixer), mlp "
-        "(dense MLPs and shared experts), experts (every routed expert); default all three",
+        "(dense MLPs and shared experts), experts (every routed expert); default attention,experts, as the runtime's",
     )
     p.add_argument(
         "--lora-train-router",
@@ -230,7 +231,9 @@ def _lora(args: argparse.Namespace) -> LoRA:
     if not args.lora_rank and (args.lora_targets is not None or args.lora_train_router):
         given = "--lora-targets" if args.lora_targets is not None else "--lora-train-router"
         raise DisagMoEError(f"{given} needs --lora-rank R (R > 0); without it every weight trains")
-    targets = TARGETS if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(",") if t)
+    targets = (
+        DEFAULT_TARGETS if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(",") if t)
+    )
     flag = "--lora-rank" if args.lora_rank < 0 else "--lora-targets"
     try:
         return LoRA(args.lora_rank, targets, args.lora_train_router)

@@ -1,0 +1,150 @@
+"""Adding LoRA adapters (``models.lora``) to a built rank module, and checking the targets before launch.
+
+``add_adapters`` works on either mode's module: it finds the ``AttentionStage`` and ``ExpertStage`` inside, adds
+the adapters the settings target and freezes everything else. The initial values depend only on the run seed and
+each tensor's HF name, so every layout starts from the same adapters (and ``verify`` hands them to its PEFT
+reference); the expert tensors are drawn whole and sliced.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.models.lora import EXPERT_PROJECTIONS, GROUPS, A, B, LoraLinear, LoraSettings, is_adapter
+from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
+from disagmoe_ds.models.parts import AttentionPart, AttentionStage, ExpertStage, num_experts_of
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def add_adapters(module: nn.Module, settings: LoraSettings, *, seed: int) -> int:
+    """Adapters on every part of ``module`` that ``settings`` targets, everything else frozen (the routers train
+    with ``train_router``); DeepSpeed's expert-parallel marks are copied from each weight to its adapters. Returns
+    the number of adapter parameters added."""
+    added = 0
+    for stage in [m for m in module.modules() if isinstance(m, AttentionStage | ExpertStage)]:
+        added += _adapt_attention(stage, settings, seed) if isinstance(stage, AttentionStage) else 0
+        added += _adapt_experts(stage, settings, seed) if isinstance(stage, ExpertStage) else 0
+    _freeze_base(module, settings)
+    return added
+
+
+def _adapt_attention(stage: nn.Module, settings: LoraSettings, seed: int) -> int:
+    added = 0
+    for layer, part in stage.layers.items():
+        for group, root, prefix in (("attention", part.mixer, part.mixer_attr), ("mlp", part.mlp, "mlp")):
+            for name, linear in list(_linears(root, skip=getattr(part, "router", None) if part.is_moe else None)):
+                if not settings.adapts(group, name.rpartition(".")[2]):
+                    continue
+                adapted = LoraLinear(linear, settings.rank, settings.scaling, settings.dropout)
+                hf = attention_name_to_hf(f"layers.{layer}.{prefix}.{name}")
+                _init_pair(adapted.lora_A, adapted.lora_B, hf, settings, seed)
+                owner, _, attr = name.rpartition(".")
+                setattr(root.get_submodule(owner) if owner else root, attr, adapted)
+                added += adapted.lora_A.numel() + adapted.lora_B.numel()
+    return added
+
+
+def _linears(root: nn.Module, skip: nn.Module | None):
+    """``(name, module)`` of every plain ``nn.Linear`` under ``root``, outside ``skip`` (the router)."""
+    skipped = set() if skip is None else {id(m) for m in skip.modules()}
+    for name, sub in root.named_modules():
+        if type(sub) is nn.Linear and id(sub) not in skipped and name:
+            yield name, sub
+
+
+def _adapt_experts(stage: nn.Module, settings: LoraSettings, seed: int) -> int:
+    if not settings.experts:
+        return 0
+    added = 0
+    num_experts = num_experts_of(stage.config)
+    for layer, shard in stage.layers.items():
+        experts = shard.experts
+        transposed = bool(getattr(experts, "is_transposed", False))
+        for proj in EXPERT_PROJECTIONS:
+            weight = getattr(experts, proj)
+            out_dim, in_dim = (weight.shape[2], weight.shape[1]) if transposed else weight.shape[1:]
+            a = weight.new_zeros(shard.num_local, settings.rank, in_dim)
+            b = weight.new_zeros(shard.num_local, out_dim, settings.rank)
+            hf = expert_name_to_hf(f"layers.{layer}.experts.{proj}")
+            rows = slice(shard.first_expert, shard.first_expert + shard.num_local)
+            _init_pair(a, b, hf, settings, seed, experts=(num_experts, rows))
+            for suffix, value in ((A, a), (B, b)):
+                param = nn.Parameter(value)
+                for mark in ("allreduce", "group_name"):  # colocated: DeepSpeed reduces them as expert parameters
+                    if hasattr(weight, mark):
+                        setattr(param, mark, getattr(weight, mark))
+                experts.register_parameter(f"{proj}_{suffix}", param)
+            added += a.numel() + b.numel()
+        experts.lora_scaling = settings.scaling
+    return added
+
+
+def _init_pair(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    hf_name: str,
+    settings: LoraSettings,
+    seed: int,
+    *,
+    experts: tuple[int, slice] | None = None,
+) -> None:
+    """PEFT's initial values: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform, a = sqrt 5), B zero or, without
+    ``init_lora_weights``, U(-1/sqrt(out), 1/sqrt(out)), an update about the size of the base weights (PEFT's own
+    1/sqrt(r) would swamp them; the values are handed to PEFT anyway). Drawn from the seed and the tensor's HF name
+    alone; an expert shard's rows are cut from the whole layer's draw (``experts``: E and the rows)."""
+    with torch.no_grad():
+        for tensor, suffix, fan_in in ((a, A, a.shape[-1]), (b, B, b.shape[-2])):
+            if suffix == B and settings.init_lora_weights:
+                tensor.zero_()
+                continue
+            shape = tensor.shape if experts is None else (experts[0], *tensor.shape[1:])
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{hf_name}.{suffix}".encode()))
+            value = (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(fan_in)
+            tensor.copy_(value if experts is None else value[experts[1]])
+
+
+def _freeze_base(module: nn.Module, settings: LoraSettings) -> None:
+    """Only adapters train, and with ``train_router`` each router's weight (not DeepSeek-V3's correction bias,
+    which keeps its own update rule)."""
+    routers = set()
+    if settings.train_router:
+        parts = [m for m in module.modules() if isinstance(m, AttentionPart) and m.is_moe]
+        routers = {id(part.router.get_parameter(part.family.router_weight)) for part in parts}
+    for name, param in module.named_parameters():
+        param.requires_grad_(is_adapter(name) or id(param) in routers)
+
+
+def check_lora(config, settings: LoraSettings) -> tuple[bool, bool]:
+    """Refuse targets that name nothing in the model (before any rank starts; the model is built on the meta
+    device). Returns whether the attention side and the expert side get adapters."""
+    from transformers import AutoModelForCausalLM
+
+    from disagmoe_ds.models.families import family_of, is_moe_layer, mixer_attr
+
+    family = family_of(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    seen: set[str] = set()
+    attention = False
+    for layer in model.model.layers:
+        moe = is_moe_layer(layer)
+        skip = [getattr(layer.mlp, family.router_attr)] if moe else []
+        mlp = nn.ModuleDict({k: m for k, m in layer.mlp.named_children() if k != "experts"}) if moe else layer.mlp
+        for group, root in (("attention", getattr(layer, mixer_attr(layer))), ("mlp", mlp)):
+            for name, _ in _linears(root, skip=skip[0] if skip else None):
+                leaf = name.rpartition(".")[2]
+                seen.add(leaf)
+                attention |= settings.adapts(group, leaf)
+    unknown = [t for t in settings.targets if t not in GROUPS and t not in seen]
+    if unknown:
+        raise ConfigError(
+            f'"disagmoe.lora.targets" names {", ".join(unknown)}, which the {config.model_type} model has no '
+            f"projection called; use {', '.join(GROUPS)} or one of {', '.join(sorted(seen))}"
+        )
+    return attention or settings.train_router, settings.experts
