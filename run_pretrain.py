@@ -68,7 +68,7 @@ from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_d
 from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops
 from disagmoe_ds.train.model import check_train_model, load_train_model
 from disagmoe_ds.train.modes import Runtime, mode_of
-from disagmoe_ds.train.progress import Progress, banner
+from disagmoe_ds.train.progress import Progress, banner, training_state_line
 
 ROOT = Path(__file__).resolve().parent  # defaults (model, ds_config, tokenizer cache) live beside this file
 
@@ -127,7 +127,7 @@ def preflight_run(
 
 def _check_resume(args: TrainArgs, config, layout, *, num_samples: int | None, hashes: bool = True) -> ResumePoint:
     root, tag = locate(args.resume, args.save_dir)
-    requested = {"router": args.freeze_router, "attention": args.freeze_attention}
+    requested = {"router": args.freeze_router, "attention": args.freeze_attention, "lora": _lora_record(args)}
     return check_resume(root, tag, config, layout, num_samples=num_samples, seed=args.seed, frozen=requested,
                         ds_config=args.ds_config, hashes=hashes)  # fmt: skip
 
@@ -207,6 +207,7 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> bool:
     rate = bias_update_rate(args.bias_update_rate, config)
     if rank == 0:
         layout_lines = mode.describe(args, layout, facts)
+        layout_lines.append(training_state_line(args, config, layout))
         lines = banner(args, config, layout_lines=layout_lines, facts=facts, data=data, bias_rate=rate, resume=resume)
         print("\n".join(lines), flush=True)
 
@@ -264,15 +265,27 @@ def _resume_point(args: TrainArgs, config, layout) -> ResumePoint:
 def save_and_export(runtime: Runtime, args: TrainArgs, step: int, loader, tokenizer, progress: Progress | None) -> None:
     """The checkpoint (--save-dir) and the HF directory (--export-hf) of ``step``. Collective."""
     if args.save_dir is not None:
-        frozen = {"router": args.freeze_router, "attention": args.freeze_attention}
+        frozen = {"router": args.freeze_router, "attention": args.freeze_attention, "lora": _lora_record(args)}
         path = save(runtime, args.save_dir, step, loader, keep_last=args.keep_last, seed=args.seed, frozen=frozen,
                     tokenizer=tokenizer, ds_config=args.ds_config)  # fmt: skip
         if progress is not None:
             progress.print(f"saved {path} (step {step})")
+    lora = args.cfg.lora
     if args.export_hf is not None:
-        export_hf(runtime, args.model, args.export_hf, dtype=args.torch_dtype, tokenizer=tokenizer)
+        export_hf(runtime, args.model, args.export_hf, dtype=args.torch_dtype, tokenizer=tokenizer, lora=lora)
         if progress is not None:
-            progress.print(f"exported {args.export_hf} (step {step}; AutoModelForCausalLM.from_pretrained loads it)")
+            loads = "AutoModelForCausalLM.from_pretrained" if lora is None else "PeftModel.from_pretrained(base, DIR)"
+            progress.print(f"exported {args.export_hf} (step {step}; {loads} loads it)")
+    if args.export_hf_merged is not None:
+        export_hf(runtime, args.model, args.export_hf_merged, dtype=args.torch_dtype, tokenizer=tokenizer, lora=lora,
+                  merged=True)  # fmt: skip
+        if progress is not None:
+            progress.print(f"exported {args.export_hf_merged} (step {step}; the adapters merged)")
+
+
+def _lora_record(args: TrainArgs) -> dict[str, Any] | None:
+    """The LoRA settings a checkpoint records (a resume must repeat them); None: every weight trains."""
+    return None if args.cfg.lora is None else args.cfg.lora.to_dict()
 
 
 def summary_line(
@@ -283,7 +296,8 @@ def summary_line(
     tokens = steps * args.tokens_per_step
     loss = f"loss {first_loss:.4f} -> {last.loss:.4f}" if last is not None else "no step run"
     written = [f"checkpoint {args.save_dir / f'step{step}'}"] if args.save_dir is not None else []
-    written += [f"HF model {args.export_hf}"] if args.export_hf is not None else []
+    written += [f"HF {'model' if args.cfg.lora is None else 'adapter'} {args.export_hf}"] if args.export_hf else []
+    written += [f"merged HF model {args.export_hf_merged}"] if args.export_hf_merged is not None else []
     return (
         f"done: steps {start + 1}-{step} of {args.steps} ({steps} step{'s' if steps != 1 else ''}, {tokens:,} tokens) "
         f"in {seconds:.1f} s, "

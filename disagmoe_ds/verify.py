@@ -30,7 +30,7 @@ from disagmoe_ds.errors import DisagMoEError
 from disagmoe_ds.launch.env import detect_launcher, init_from_env
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.loading import load_model
-from disagmoe_ds.models.lora import DEFAULT_TARGETS, LoraSettings
+from disagmoe_ds.models.lora import LoraSettings, add_lora_args, lora_of
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.skew import skew_router
 from disagmoe_ds.models.split import hf_reference_loss
@@ -449,40 +449,6 @@ def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
     add_lora_args(p)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
-
-
-def add_lora_args(p: argparse.ArgumentParser, *, verify: bool = True) -> None:
-    """The LoRA flags (``lora_of`` turns them into ``LoraSettings``); shared with ``run_pretrain.py``."""
-    g = p.add_argument_group("LoRA", "low-rank adapters on both sides, every base weight frozen (models.lora)")
-    g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R instead of every weight")
-    g.add_argument(
-        "--lora-alpha", type=float, help="scale the adapters' update by alpha / R (default: R, a scale of 1)"
-    )
-    g.add_argument(
-        "--lora-targets",
-        default=",".join(DEFAULT_TARGETS),
-        help="what gets adapters, comma-separated: attention (the token mixer's projections), mlp (dense MLPs and "
-        "shared experts), experts (every routed expert), or projection names such as q_proj,v_proj "
-        "(default: %(default)s)",
-    )
-    if not verify:  # the reference is PEFT's, whose expert parameters take no dropout either
-        g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the attention-side adapters' input")
-    g.add_argument("--lora-train-router", action="store_true", help="the routers' weights train in full too")
-
-
-def lora_of(a: argparse.Namespace, *, verify: bool = True) -> LoraSettings | None:
-    """The ``LoraSettings`` of ``add_lora_args``' flags (None without --lora-rank). ``verify`` starts B random
-    (PEFT's init_lora_weights=False), so that the first step already checks the adapted forward."""
-    if a.lora_rank is None:
-        return None
-    return LoraSettings(
-        rank=a.lora_rank,
-        alpha=a.lora_alpha,
-        dropout=getattr(a, "lora_dropout", 0.0),
-        targets=tuple(t.strip() for t in a.lora_targets.split(",") if t.strip()),
-        train_router=a.lora_train_router,
-        init_lora_weights=not verify,
-    )
 
 
 def run_args(cls: type[VerifyArgs], a: argparse.Namespace, cfg: Any) -> VerifyArgs:

@@ -11,6 +11,7 @@ projection. PEFT takes no dropout on expert parameters, nor does this. ``models.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -166,3 +167,42 @@ def is_adapter(name: str) -> bool:
     """Whether the parameter (or HF tensor) name is an adapter's."""
     leaf = name.rpartition(".")[2]
     return leaf in (A, B) or leaf.endswith((f"_{A}", f"_{B}"))
+
+
+def add_lora_args(p: argparse.ArgumentParser, *, verify: bool = True) -> None:
+    """The LoRA flags of disagmoe-verify and run_pretrain.py (``lora_of`` turns them into ``LoraSettings``)."""
+    g = p.add_argument_group("LoRA", "low-rank adapters on both sides, every base weight frozen")
+    g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R instead of every weight")
+    g.add_argument(
+        "--lora-alpha", type=float, help="scale the adapters' update by alpha / R (default: R, a scale of 1)"
+    )
+    g.add_argument(
+        "--lora-targets",
+        help="what gets adapters, comma-separated: attention (the token mixer's projections), mlp (dense MLPs and "
+        "shared experts), experts (every routed expert), or projection names such as q_proj,v_proj "
+        f"(default: {','.join(DEFAULT_TARGETS)})",
+    )
+    if not verify:  # the reference is PEFT's, whose expert parameters take no dropout either
+        g.add_argument("--lora-dropout", type=float, help="dropout on the attention-side adapters' input (default 0)")
+    g.add_argument("--lora-train-router", action="store_true", help="the routers' weights train in full too")
+
+
+def lora_of(a: argparse.Namespace, *, verify: bool = True) -> LoraSettings | None:
+    """The ``LoraSettings`` of ``add_lora_args``' flags (None without --lora-rank). ``verify`` starts B random
+    (PEFT's init_lora_weights=False), so that the first step already checks the adapted forward."""
+    if a.lora_rank is None:
+        given = [flag for flag, value in (("--lora-alpha", a.lora_alpha), ("--lora-targets", a.lora_targets),
+                 ("--lora-dropout", getattr(a, "lora_dropout", None)), ("--lora-train-router", a.lora_train_router))
+                 if value]  # fmt: skip
+        if given:
+            raise ConfigError(f"{given[0]} needs --lora-rank R: without it every weight trains")
+        return None
+    targets = DEFAULT_TARGETS if a.lora_targets is None else a.lora_targets.split(",")
+    return LoraSettings(
+        rank=a.lora_rank,
+        alpha=a.lora_alpha,
+        dropout=getattr(a, "lora_dropout", None) or 0.0,
+        targets=tuple(t.strip() for t in targets if t.strip()),
+        train_router=a.lora_train_router,
+        init_lora_weights=not verify,
+    )

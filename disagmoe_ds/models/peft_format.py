@@ -145,6 +145,18 @@ def write_adapter(
     return out
 
 
+def experts_transposed(model_dir: str | Path) -> bool:
+    """Whether the model's fused experts store ``[E, in, out]`` (GPT-OSS) rather than ``[E, out, in]``."""
+    from transformers import AutoModelForCausalLM
+
+    from disagmoe_ds.models.loading import load_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(model_dir))
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    return bool(getattr(experts[0], "is_transposed", False)) if experts else False
+
+
 def merged(tensors: Mapping[str, torch.Tensor], settings: LoraSettings, *, transposed: bool) -> dict[str, torch.Tensor]:
     """The base tensors with every adapter's update added, adapters dropped (``--export-hf-merged``).
     ``transposed``: the experts store ``[E, in, out]`` (GPT-OSS)."""

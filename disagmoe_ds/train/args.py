@@ -16,6 +16,7 @@ import torch
 
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import DisagMoEConfig, load_ds_config
+from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.launch import detect_launcher
 from disagmoe_ds.train.checks import (
     check_batch_keys,
@@ -60,6 +61,7 @@ class TrainArgs:
     bias_update_rate: float | None  # None: DeepSeek-V3's 1e-3 where the router has a bias, else off
     save_dir: Path | None
     export_hf: Path | None  # save_pretrained directory with the tokenizer, written with every checkpoint and at the end
+    export_hf_merged: Path | None  # LoRA: the model with the adapters merged, written with --export-hf
     save_every: int
     keep_last: int
     resume: str | None  # None: fresh start; "": the newest checkpoint in save_dir; else a checkpoint path
@@ -119,6 +121,11 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
     check_resume_flags(ns.resume, ns.save_dir)
     check_tensorboard(ns.tensorboard)
     check_outputs(ns)
+    if ns.export_hf_merged is not None and cfg.lora is None:
+        raise ConfigError(
+            "--export-hf-merged writes a LoRA run's model with its adapters merged; pass --lora-rank (or set "
+            '"disagmoe": {"lora": ...}), or use --export-hf for a full fine-tune'
+        )
     derived = {
         "model": ns.init_from or ns.model or default_model,
         "pretrained": ns.init_from is not None,

@@ -4,7 +4,8 @@
 records a checksum per file. This module adds the training state to the manifest:
 
     client_state   step, seed, num_samples (also in every engine's DeepSpeed client state)
-    frozen         {"router": bool, "attention": bool}: what --freeze-* fixed; a resume keeps it
+    frozen         {"router": bool, "attention": bool, "lora": {...} or null}: what --freeze-* fixed and the LoRA
+                   settings (every base weight frozen); a resume keeps the first and must repeat the second
     data           {"loader_states": {lane: state}}: every lane's loader position (gathered from the lanes)
     tokenizer      "tokenizer": the run's tokenizer, saved as an HF tokenizer directory under the tag
 
@@ -128,7 +129,7 @@ class ResumePoint:
     root: Path
     tag: str
     step: int
-    frozen: dict[str, bool] | None  # None: not recorded (checkpoints written before freezing was recorded)
+    frozen: dict[str, Any] | None  # None: not recorded (checkpoints written before freezing was recorded)
     has_data_position: bool  # False: the run starts at the beginning of the data
     weights_only: bool = False  # converted HF weights: the run's optimizer and LR scheduler start fresh
 
@@ -233,16 +234,29 @@ def _check_engine_settings(
         )
 
 
-def _check_freezing(where: Path, recorded: dict[str, bool], requested: dict[str, bool]) -> None:
-    extra = [FREEZE_FLAGS[k] for k, on in requested.items() if on and not recorded.get(k, False)]
+def _check_freezing(where: Path, recorded: dict[str, Any], requested: dict[str, Any]) -> None:
+    """``requested``'s freezing adds nothing to the checkpoint's, and its LoRA settings (``"lora"``) are the same."""
+    if recorded.get("lora") != requested.get("lora"):
+        saved, asked = (_describe_lora(d.get("lora")) for d in (recorded, requested))
+        raise CheckpointError(
+            f"checkpoint {where} trained {saved}, this run asks for {asked}; resume it with the same --lora-* flags, "
+            "or export it and start a new run from the export (--init-from)"
+        )
+    extra = [FREEZE_FLAGS[k] for k in FREEZE_FLAGS if requested.get(k) and not recorded.get(k, False)]
     if extra:
-        kept = [FREEZE_FLAGS[k] for k, on in recorded.items() if on]
+        kept = [FREEZE_FLAGS[k] for k in FREEZE_FLAGS if recorded.get(k)]
         keep = f"pass {' '.join(kept)} or nothing" if kept else "pass no --freeze-* flag"
         raise CheckpointError(
             f"checkpoint {where} was trained with {' '.join(kept) or 'nothing frozen'}, this run adds "
             f"{' '.join(extra)}, which changes the optimizer's parameter groups; to resume, {keep}; to freeze more, "
             f"export it (disagmoe-convert disagmoe-to-hf) and start a new run with --init-from OUT {' '.join(extra)}"
         )
+
+
+def _describe_lora(lora: dict[str, Any] | None) -> str:
+    if lora is None:
+        return "every weight (no LoRA)"
+    return f"LoRA adapters {', '.join(f'{k}={v}' for k, v in lora.items())}"
 
 
 def effective_freezing(point: ResumePoint | None, router: bool, attention: bool) -> dict[str, bool]:

@@ -58,6 +58,7 @@ def check_outputs(ns: argparse.Namespace) -> None:
     for flag, path, directory in (
         ("--save-dir", ns.save_dir, True),
         ("--export-hf", ns.export_hf, True),
+        ("--export-hf-merged", ns.export_hf_merged, True),
         ("--tensorboard", ns.tensorboard, True),
         ("--metrics-file", ns.metrics_file, False),
         ("--timeline", ns.timeline, False),

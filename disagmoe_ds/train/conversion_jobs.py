@@ -128,6 +128,12 @@ def open_checkpoint(
             "trained with (its ZeRO stage and precision)"
         )
     frozen = dict(manifest.get("frozen") or {})
+    if frozen.get("lora"):
+        raise CheckpointError(
+            f"checkpoint {root / tag} holds LoRA adapters, which disagmoe-convert does not read yet; resume it with "
+            "run_pretrain.py and its --lora-* flags, whose --export-hf / --export-hf-merged write the adapter and "
+            "the merged model"
+        )
     job = Job(str(model_dir), cfg, without_section(recorded if recorded is not None else ds_config), frozen)
     extra = {key: manifest[key] for key in TRAINING_ENTRIES if key in manifest}
     return Source(root, tag, job, dict(manifest["client_state"]), mode, extra)

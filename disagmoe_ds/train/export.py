@@ -5,6 +5,9 @@ to rank 0, which assembles the model and writes it with ``hf_writer.write_hf``: 
 model directory's config and generation files, and the run's tokenizer, so ``AutoModelForCausalLM`` and
 ``AutoTokenizer.from_pretrained(DIR)`` load it. DIR is replaced atomically; rank 0 holds the whole model in host
 memory while it writes.
+
+A LoRA run (``models.lora``) writes a PEFT adapter directory instead (``peft_format.write_adapter``; the tokenizer
+beside it), and with ``merged`` the model with its adapters merged into the weights, as above.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import torch.distributed as dist
 
 from disagmoe_ds.data import Tokenizer
 from disagmoe_ds.engine.ds_state import join_module_pieces, module_pieces
+from disagmoe_ds.models import peft_format
 from disagmoe_ds.models.hf_writer import write_hf
+from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.lora import LoraSettings
 from disagmoe_ds.train.modes import Runtime
 
 
@@ -26,14 +32,33 @@ def _to_cpu(pieces: dict[str, Any]) -> dict[str, Any]:
 
 
 def export_hf(
-    runtime: Runtime, model_dir: Path, out: Path, *, dtype: torch.dtype, tokenizer: Tokenizer | None
+    runtime: Runtime,
+    model_dir: Path,
+    out: Path,
+    *,
+    dtype: torch.dtype,
+    tokenizer: Tokenizer | None,
+    lora: LoraSettings | None = None,
+    merged: bool = False,
 ) -> Path | None:
-    """Write the model to ``out`` (collective); returns ``out`` on rank 0, None elsewhere."""
+    """Write the model to ``out`` (collective); returns ``out`` on rank 0, None elsewhere. With ``lora``: the PEFT
+    adapter directory (base: ``model_dir``), or with ``merged`` the model with the adapters merged."""
     mine = _to_cpu(module_pieces(runtime))
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     written = None
     if gathered is not None:
-        written = write_hf(model_dir, join_module_pieces(gathered), out, dtype=dtype, tokenizer=tokenizer)
+        tensors = join_module_pieces(gathered)
+        if lora is None:
+            written = write_hf(model_dir, tensors, out, dtype=dtype, tokenizer=tokenizer)
+        elif merged:
+            tensors = peft_format.merged(tensors, lora, transposed=peft_format.experts_transposed(model_dir))
+            written = write_hf(model_dir, tensors, out, dtype=dtype, tokenizer=tokenizer)
+        else:
+            written = peft_format.write_adapter(
+                tensors, lora, out, config=load_config(model_dir), base_model=str(model_dir), dtype=dtype
+            )
+            if tokenizer is not None:
+                tokenizer.save_hf(written)
     dist.barrier()  # nobody moves on (or exits) while rank 0 writes
     return written

@@ -12,6 +12,8 @@ from pathlib import Path
 import deepspeed
 import torch
 
+from disagmoe_ds.models.lora import add_lora_args
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ("disaggregated", "colocated")
 DEFAULT_MICRO_BATCH_SIZE = 4
@@ -64,6 +66,7 @@ def build_parser(
     _layout(p.add_argument_group('layout (overrides the ds_config\'s "disagmoe" section)'))
     _optimisation(p.add_argument_group("optimisation"))
     _fine_tuning(p.add_argument_group("fine-tuning"))
+    add_lora_args(p, verify=False)
     _checkpoints(p.add_argument_group("checkpoints"))
     _output(p.add_argument_group("output"))
     _launch(p.add_argument_group("launch"))
@@ -194,7 +197,14 @@ def _checkpoints(g: argparse._ArgumentGroup) -> None:
         type=Path,
         metavar="DIR",
         help="also write the model as a save_pretrained directory with its tokenizer (AutoModelForCausalLM and "
-        "AutoTokenizer.from_pretrained load it): at the end and with every --save-every checkpoint, replacing DIR",
+        "AutoTokenizer.from_pretrained load it): at the end and with every --save-every checkpoint, replacing DIR; "
+        "with --lora-rank a PEFT adapter directory (PeftModel.from_pretrained(base, DIR) loads it)",
+    )
+    g.add_argument(
+        "--export-hf-merged",
+        type=Path,
+        metavar="DIR",
+        help="with --lora-rank: also write the model with the adapters merged into its weights, as --export-hf does",
     )
     g.add_argument(
         "--resume",

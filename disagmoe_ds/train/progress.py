@@ -13,8 +13,13 @@ from typing import Any
 
 from tqdm import tqdm
 
+from disagmoe_ds.engine.deepspeed_role import ds_stage
+from disagmoe_ds.models.lora import GROUPS
 from disagmoe_ds.models.parts import balance_per_layer
 from disagmoe_ds.models.split import aux_loss_enabled
+from disagmoe_ds.planner.lora import LoRA, adapter_params
+from disagmoe_ds.planner.memory import rank_state_bytes
+from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.train.args import TrainArgs
 from disagmoe_ds.train.checkpoints import ResumePoint
 from disagmoe_ds.train.data import TrainData, epoch_text
@@ -163,3 +168,36 @@ def _lanes_text(args: TrainArgs) -> str:
         if s == 1
         else f"{args.lanes} lanes (each {s} ranks holding {args.seq_len // s}-token slices)"
     )
+
+
+def training_state_line(args: TrainArgs, config, layout) -> str:
+    """What the run trains and the training state per rank the planner's memory model gives it (parameters,
+    gradients, optimizer state; activations come on top), beside full fine-tuning's for a LoRA run."""
+    lora = args.cfg.lora
+    zero = ds_stage(args.ds_config)
+    stages = {side: getattr(args.cfg, "zero_stage_of", lambda _s, d: d)(side, zero) for side in ("attention", "ffn")}
+    common = dict(precision=args.dtype, zero_stage_a=stages["attention"], zero_stage_f=stages["ffn"])
+    full = rank_state_bytes(config.to_dict(), layout, **common)
+    if lora is None:
+        return "training state per rank (planner): " + _gib(full) + "; every weight trains"
+    what = f"LoRA r={lora.rank}, alpha {lora.rank if lora.alpha is None else lora.alpha:g} on {', '.join(lora.targets)}"
+    what += " + routers" if lora.train_router else ""
+    if not set(lora.targets) <= set(GROUPS):  # projection names: the planner counts groups only
+        return f"{what}; every base weight frozen"
+    spec = ModelSpec.from_config(config.to_dict())
+    adapters = adapter_params(spec, LoRA(lora.rank, lora.targets, lora.train_router))
+    ours = rank_state_bytes(config.to_dict(), layout, **common, lora_rank=lora.rank, lora_targets=lora.targets,
+                            lora_train_router=lora.train_router)  # fmt: skip
+    return (
+        f"{what}: {adapters / 1e6:.2f}M adapter parameters train ({adapters / spec.total_params():.2%}), the base "
+        f"weights are frozen; training state per rank (planner): {_gib(ours)} (full fine-tuning: {_gib(full)})"
+    )
+
+
+def _gib(state: dict[str, float]) -> str:
+    names = {"attention": "attention", "ffn": "experts", "colocated": "each"}
+    return ", ".join(f"{names[k]} {_bytes(v)}" for k, v in state.items())
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

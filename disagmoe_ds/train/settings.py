@@ -21,6 +21,7 @@ from typing import Any
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION, DisagMoEConfig
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.models.lora import lora_of
 from disagmoe_ds.train.flags import COLOCATED_FLAGS, DEFAULT_MICRO_BATCH_SIZE, LAYOUT_FLAGS, flag_of
 
 # Schedulers whose peak learning rate is a scheduler parameter, not the optimizer's lr.
@@ -44,9 +45,12 @@ def mode_config(
     if ns.mode == "disaggregated":
         _refuse_flags(ns, COLOCATED_FLAGS, "is a --mode colocated flag; the disaggregated layout is set by the "
                       "layout flags (--attention-gpus, --ffn-gpus, --depth ...)")  # fmt: skip
-        return DisagMoEConfig.from_ds_config(ds_config, {k: getattr(ns, k) for k in (*LAYOUT_FLAGS, "micro_batches")})
+        flags = {k: getattr(ns, k) for k in (*LAYOUT_FLAGS, "micro_batches")}
+        return DisagMoEConfig.from_ds_config(ds_config, {**flags, "lora": lora_of(ns, verify=False)})
     _refuse_flags(ns, LAYOUT_FLAGS, "sets the disaggregated layout; --mode colocated takes --world-size and --ep-size")
-    section = DisagMoEConfig.from_ds_config(ds_config, {"micro_batches": ns.micro_batches})
+    section = DisagMoEConfig.from_ds_config(
+        ds_config, {"micro_batches": ns.micro_batches, "lora": lora_of(ns, verify=False)}
+    )
     ignored = {
         "activation_checkpointing": section.activation_checkpointing,
         "selective_recompute": section.selective_recompute,
