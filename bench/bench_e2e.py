@@ -73,6 +73,7 @@ from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.lora import add_lora_args, lora_of
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.verify import add_lever_args, lever_settings
 
@@ -270,6 +271,7 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
         depth=a.depth,
         micro_batches=micro_batches(a, a.attention_gpus // a.depth),
         compile=a.compile,
+        lora=lora_of(a, verify=False),
         **lever_settings(a),
     )
     ds = {**ds_config(a), SECTION: cfg.to_dict()}
@@ -297,6 +299,7 @@ def build_colocated(a: argparse.Namespace, device: torch.device):
         micro_batches=micro_batches(a, a.world_size),
         compile=a.compile,
         cuda_graphs=a.cuda_graphs,
+        lora=lora_of(a, verify=False),
     )
     runtime = build_colocated_rank(
         a.model,
@@ -616,6 +619,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a local job is killed")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the setup as JSON")
+    add_lora_args(p, verify=False)  # afpipe and colocated: adapters on both sides, every base weight frozen
     p.add_argument(
         "--trace-syncs",
         metavar="DIR",
