@@ -49,7 +49,7 @@ class Colocated:
     def check(self, layout: ColocatedLayout, config, ds_config: dict[str, Any]) -> None:
         del layout  # any ep_size (ExpertShard)
         if self.cfg.lora is not None:
-            check_lora(config, self.cfg.lora)
+            check_lora(config, self.cfg.lora, needs=("expert",))  # DeepSpeed's MoE engine needs an expert group
         if ds_config.get(SECTION, {}).get("zero_stage"):
             raise ConfigError(
                 f'"{SECTION}.zero_stage" sets a ZeRO stage per side of a disaggregated job; a co-located rank has one '

@@ -35,7 +35,6 @@ from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages
-from disagmoe_ds.models.lora import LoraSettings
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
@@ -73,7 +72,7 @@ class Disaggregated:
         check_zero_stages(self.cfg, ds_config)  # with expert replicas too (ExpertShard)
         check_sequence_parallel(config, layout.sequence_parallel)
         if self.cfg.lora is not None:
-            check_lora_sides(config, self.cfg.lora)
+            check_lora(config, self.cfg.lora, needs=("attention", "expert"))
         moe = moe_layer_pattern(config.to_dict())
         for g in range(layout.depth):
             if not any(moe[layer] for layer in layout.layers_of_group(g)):
@@ -305,21 +304,6 @@ def check_zero_stages(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
             f"ZeRO-3 on the expert side does not work with {', '.join(chosen)} yet; turn "
             f"{'it' if len(chosen) == 1 else 'them'} off or use ZeRO stage 2 there "
             f'("{SECTION}": {{"zero_stage": {{"ffn": 2}}}})'
-        )
-
-
-def check_lora_sides(config, lora: LoraSettings) -> None:
-    """Each side's engines need something to train: LoRA targets on the attention side (or the routers) and on
-    the routed experts."""
-    attention, experts = check_lora(config, lora)
-    missing = [side for side, on in (("attention", attention), ("expert", experts)) if not on]
-    if missing:
-        fix = (
-            "add experts to the targets" if not experts else "add attention or mlp to the targets, or train the routers"
-        )
-        raise ConfigError(
-            f'"{SECTION}.lora.targets" {list(lora.targets)} leave the {missing[0]} side nothing to train, and its '
-            f"ranks' DeepSpeed engines need parameters to train; {fix} (--lora-targets, --lora-train-router)"
         )
 
 

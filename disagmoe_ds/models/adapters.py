@@ -120,9 +120,10 @@ def _freeze_base(module: nn.Module, settings: LoraSettings) -> None:
         param.requires_grad_(is_adapter(name) or id(param) in routers)
 
 
-def check_lora(config, settings: LoraSettings) -> tuple[bool, bool]:
+def check_lora(config, settings: LoraSettings, *, needs: tuple[str, ...] = ()) -> None:
     """Refuse targets that name nothing in the model (before any rank starts; the model is built on the meta
-    device). Returns whether the attention side and the expert side get adapters."""
+    device), and targets that leave one of the sides in ``needs`` (``attention``, ``expert``) nothing to train: its
+    DeepSpeed engine needs parameters to train (the attention side trains the routers with ``train_router``)."""
     from transformers import AutoModelForCausalLM
 
     from disagmoe_ds.models.families import family_of, is_moe_layer, mixer_attr
@@ -147,4 +148,11 @@ def check_lora(config, settings: LoraSettings) -> tuple[bool, bool]:
             f'"disagmoe.lora.targets" names {", ".join(unknown)}, which the {config.model_type} model has no '
             f"projection called; use {', '.join(GROUPS)} or one of {', '.join(sorted(seen))}"
         )
-    return attention or settings.train_router, settings.experts
+    trains = {"attention": attention or settings.train_router, "expert": settings.experts}
+    idle = [side for side in needs if not trains[side]]
+    if idle:
+        fix = "add experts to the targets" if idle[0] == "expert" else "add attention or mlp, or train the routers"
+        raise ConfigError(
+            f'"disagmoe.lora.targets" {list(settings.targets)} leave the {idle[0]} side nothing to train, and its '
+            f"DeepSpeed engines need parameters to train; {fix} (--lora-targets, --lora-train-router)"
+        )
