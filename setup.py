@@ -23,6 +23,7 @@ setup(
         "safetensors>=0.4",
         "tqdm>=4.60",
         "numpy>=1.24",
+        "peft>=0.21",  # LoRA: disagmoe-verify --lora-rank checks against PEFT, --export-hf writes its adapter format
         "psutil>=5.9",  # train.interrupt: a rank notices its launcher is gone (deepspeed needs it too)
     ],
     extras_require={

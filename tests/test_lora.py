@@ -228,3 +228,27 @@ def test_run_pretrain_refuses_bad_lora_settings_before_launch(tok_cache, capfd, 
 
     argv = [str(tmp_path / a) if a == "out" else a for a in argv]
     assert_refused_before_launch(tok_cache, capfd, argv, message)
+
+
+def test_colocated_lora_needs_expert_adapters() -> None:
+    from disagmoe_ds.colocated.build import preflight_colocated
+
+    cfg = ColocatedConfig(world_size=2, lora=LoraSettings(rank=8, targets=("attention",)))
+    with pytest.raises(ConfigError, match="leave the expert side nothing to train"):
+        preflight_colocated(MODELS / "tiny-qwen3-moe", cfg, {"zero_optimization": {"stage": 1}}, 2)
+
+
+def test_lora_section_round_trips_and_refuses_bad_values() -> None:
+    section = {"rank": 8, "alpha": 16, "targets": ["attention", "experts"], "train_router": True}
+    cfg = DisagMoEConfig.from_ds_config({"disagmoe": {"lora": section}})
+    assert cfg.lora == LoraSettings(rank=8, alpha=16, train_router=True) and cfg.lora.scaling == 2.0
+    assert DisagMoEConfig(**cfg.to_dict()) == cfg
+    bad_sections = [
+        ({"alpha": 4}, 'needs a "rank"'),
+        ({"rank": 8, "ranks": 2}, "unknown key"),
+        ({"rank": 8, "dropout": 1.5}, "dropout"),
+        ({"rank": 8, "targets": []}, "targets"),
+    ]
+    for bad, message in bad_sections:
+        with pytest.raises(ConfigError, match=message):
+            DisagMoEConfig.from_ds_config({"disagmoe": {"lora": bad}})

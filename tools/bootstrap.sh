@@ -5,6 +5,6 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # Pinning torch makes pip take the local CPU wheel instead of a multi-GB CUDA build; DS_BUILD_OPS=0 skips op builds.
-if ! .venv/bin/python -c "import disagmoe_ds, deepspeed, transformers, pytest, triton, matplotlib, mypy" 2>/dev/null; then
+if ! .venv/bin/python -c "import disagmoe_ds, deepspeed, transformers, peft, pytest, triton, matplotlib, mypy" 2>/dev/null; then
   DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}" -e ".[test,plot]"
 fi
