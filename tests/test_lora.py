@@ -18,7 +18,7 @@ from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.lora import LoraLinear, LoraSettings, is_adapter
 from disagmoe_ds.models.split import SplitModel
 from disagmoe_ds.verify import VerifyArgs, run_verify
-from tests.conftest import ROOT
+from tests.conftest import ROOT, all_families_only
 
 peft = pytest.importorskip("peft")
 MODELS = ROOT / "hf_models"
@@ -132,20 +132,18 @@ def test_mlp_adapters_are_refused_as_a_peft_directory(tmp_path) -> None:
                                   dtype=torch.float32)  # fmt: skip
 
 
-CASES = {  # (family, M, N, depth, edp, zero, settings)
-    "qwen3-111-zero1": ("qwen3-moe", 1, 1, 1, 1, 1, {}),
-    "deepseek-v3-221-zero2": ("deepseek-v3", 2, 2, 1, 1, 2, {}),
-    "mixtral-depth2-zero1": ("mixtral", 2, 2, 2, 1, 1, {}),
+CASES = {  # family, layout, ZeRO stage, LoRA settings
+    "qwen3-111-zero1": ("qwen3-moe", {}, 1, {}),
+    "deepseek-v3-221-zero2": ("deepseek-v3", {"attention_gpus": 2, "ffn_gpus": 2}, 2, {}),
+    "mixtral-depth2-zero1": ("mixtral", {"attention_gpus": 2, "ffn_gpus": 2, "depth": 2}, 1, {}),
     "qwen2-mlp-router-edp2": (
         "qwen2-moe",
-        1,
-        2,
-        1,
-        2,
+        {"ffn_gpus": 2, "expert_data_parallel": 2},
         2,
         {"targets": ("attention", "mlp", "experts"), "train_router": True},
     ),  # fmt: skip
-    "gpt-oss-hf-path-rank3": ("gpt-oss", 1, 2, 1, 1, 0, {"rank": 3, "targets": ("q_proj", "o_proj", "experts")}),
+    "gpt-oss-hf-path-rank3": ("gpt-oss", {"ffn_gpus": 2}, 0, {"rank": 3, "targets": ("q_proj", "o_proj", "experts")}),
+    "qwen3-ulysses-2": ("qwen3-moe", {"attention_gpus": 2, "sequence_parallel": 2}, 1, {}),
 }
 
 
@@ -153,10 +151,30 @@ CASES = {  # (family, M, N, depth, edp, zero, settings)
 def test_lora_training_equals_peft(case) -> None:
     """Two steps on CPU ranks under the rendezvous transport: loss, grad norm, every gradient (the adapters') and
     every parameter (the frozen base unchanged) equal PEFT's on the single-process HF model."""
-    family, M, N, p, edp, zero, extra = CASES[case]
+    family, layout, zero, extra = CASES[case]
     lora = LoraSettings(**{"rank": 8, **RANDOM_B, **extra})
-    cfg = DisagMoEConfig(attention_gpus=M, ffn_gpus=N, depth=p, expert_data_parallel=edp, micro_batches=2,
-                         transport="rendezvous", lora=lora)  # fmt: skip
+    cfg = DisagMoEConfig(**layout, micro_batches=2, transport="rendezvous", lora=lora)
+    result = run_verify(VerifyArgs(model=str(MODELS / f"tiny-{family}"), cfg=cfg, zero=zero, seq_len=8))
+    assert result["pass"], result["max_abs_diff"]
+
+
+LAYOUTS = {
+    "111": {},
+    "221": {"attention_gpus": 2, "ffn_gpus": 2},
+    "depth2": {"attention_gpus": 2, "ffn_gpus": 2, "depth": 2},
+}
+SWEEP = [
+    all_families_only(family, layout, zero)
+    for family in ("qwen3-moe", "deepseek-v3", "mixtral")
+    for layout in LAYOUTS
+    for zero in (1, 2)
+]
+
+
+@pytest.mark.parametrize(("family", "layout", "zero"), SWEEP)
+def test_lora_equals_peft_in_every_layout(family, layout, zero) -> None:
+    """Issue 30's grid (DISAGMOE_ALL_FAMILIES=1): three families x (1,1,1), (2,2,1), depth 2 x ZeRO 1 and 2."""
+    cfg = DisagMoEConfig(**LAYOUTS[layout], micro_batches=2, transport="rendezvous", lora=LoraSettings(8, **RANDOM_B))
     result = run_verify(VerifyArgs(model=str(MODELS / f"tiny-{family}"), cfg=cfg, zero=zero, seq_len=8))
     assert result["pass"], result["max_abs_diff"]
 
@@ -239,6 +257,10 @@ def test_colocated_lora_needs_expert_adapters() -> None:
 
 
 def test_lora_section_round_trips_and_refuses_bad_values() -> None:
+    from disagmoe_ds.models import lora
+    from disagmoe_ds.planner import lora as planned
+
+    assert (lora.GROUPS, lora.DEFAULT_TARGETS) == (planned.TARGETS, planned.DEFAULT_TARGETS)  # one meaning, two homes
     section = {"rank": 8, "alpha": 16, "targets": ["attention", "experts"], "train_router": True}
     cfg = DisagMoEConfig.from_ds_config({"disagmoe": {"lora": section}})
     assert cfg.lora == LoraSettings(rank=8, alpha=16, train_router=True) and cfg.lora.scaling == 2.0
@@ -252,3 +274,40 @@ def test_lora_section_round_trips_and_refuses_bad_values() -> None:
     for bad, message in bad_sections:
         with pytest.raises(ConfigError, match=message):
             DisagMoEConfig.from_ds_config({"disagmoe": {"lora": bad}})
+
+
+def _state_bytes(rank: int, args: VerifyArgs) -> dict[str, float]:
+    """One rank's parameters, gradients and optimizer state after a step, in bytes, by side."""
+    from disagmoe_ds.engine import build as engine_build
+    from disagmoe_ds.verify import build_for_verify, make_batches, train_steps
+
+    runtime = build_for_verify(engine_build.build_rank, args)
+    role = runtime.role
+    vocab = runtime.module.config.vocab_size
+    feeds = role.is_attention and role.group == 0
+    train_steps(runtime, args, lambda step: make_batches(args, vocab, step, role.index) if feeds else None)
+    params = list(runtime.module.parameters())
+    inner = runtime.engine.optimizer
+    moments = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()]
+    total = sum(t.numel() * t.element_size() for t in params + moments)
+    total += sum(p.numel() * p.element_size() for p in params if p.requires_grad)  # each trained one's gradient
+    return {"attention" if role.is_attention else "ffn": float(total)}
+
+
+def test_rank_state_is_the_planners() -> None:
+    """The training state a LoRA rank holds (fp32, ZeRO 0: every base weight 4 B, every adapter 4 + 4 + 8 B) is what
+    the planner's memory model, which the start banner prints, gives it."""
+    from disagmoe_ds.launch.testing import run_ranks
+    from disagmoe_ds.models.loading import load_config
+    from disagmoe_ds.models.parts import num_experts_of
+    from disagmoe_ds.planner.memory import rank_state_bytes
+
+    lora = LoraSettings(rank=8)
+    cfg = DisagMoEConfig(micro_batches=1, lora=lora)
+    args = VerifyArgs(model=str(MODELS / "tiny-qwen3-moe"), cfg=cfg, steps=1, seq_len=8)
+    measured = {k: v for r in run_ranks(_state_bytes, 2, args=(args,)) for k, v in r.items()}
+    config = load_config(MODELS / "tiny-qwen3-moe")
+    layout = cfg.layout(num_layers=config.num_hidden_layers, num_experts=num_experts_of(config))
+    planned = rank_state_bytes(config.to_dict(), layout, precision="fp32", zero_stage_a=0, zero_stage_f=0, lora_rank=8,
+                               lora_targets=lora.targets)  # fmt: skip
+    assert measured == pytest.approx(planned, rel=0.01), (measured, planned)

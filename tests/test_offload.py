@@ -257,7 +257,16 @@ def test_colocated_mode_warns_that_it_ignores_the_memory_levers():
     from disagmoe_ds.train.flags import LAYOUT_FLAGS
     from disagmoe_ds.train.settings import mode_config
 
-    ns = argparse.Namespace(mode="colocated", micro_batches=None, world_size=None, ep_size=None)
+    ns = argparse.Namespace(
+        mode="colocated",
+        micro_batches=None,
+        world_size=None,
+        ep_size=None,
+        lora_rank=None,
+        lora_alpha=None,
+        lora_targets=None,
+        lora_train_router=False,
+    )
     vars(ns).update(dict.fromkeys(LAYOUT_FLAGS))
     with pytest.warns(UserWarning, match='"disagmoe.offload" is ignored in co-located mode'):
         mode_config(ns, {"disagmoe": {"offload": {"attention": 0.5}}}, None)

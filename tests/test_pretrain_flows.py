@@ -69,7 +69,8 @@ def _state(ckpt_tag: Path) -> dict[str, torch.Tensor]:
 
 def test_resume_keeps_the_recorded_freezing_with_or_without_the_flag(ft_run, tok_cache, tmp_path, capfd) -> None:
     manifest = json.loads((ft_run.ckpt / "step1" / "manifest.json").read_text())
-    assert manifest["frozen"] == {"router": True, "attention": False} and manifest["client_state"]["seed"] == 0
+    frozen = {"router": True, "attention": False, "lora": None}
+    assert manifest["frozen"] == frozen and manifest["client_state"]["seed"] == 0
     for flags in ([], ["--freeze-router"]):  # the README's resume line omits the flag
         out = tmp_path / f"resumed{len(flags)}"
         argv = ft_run.argv(*flags, "--steps", 3, "--save-dir", out, "--resume", ft_run.ckpt / "step1")
@@ -111,7 +112,9 @@ def test_relayout_of_a_frozen_run_resumes_at_its_data_position(ft_run, tok_cache
     relayout += " --ffn-gpus 1"  # 2 lanes as before, so the resumed step reads the batch the original step 3 read
     assert convert(relayout.split()) == 0
     manifest = json.loads((relaid / "step2" / "manifest.json").read_text())
-    assert manifest["frozen"] == {"router": True, "attention": False} and manifest["data"]["loader_states"]
+    assert (
+        manifest["frozen"] == {"router": True, "attention": False, "lora": None} and manifest["data"]["loader_states"]
+    )
     out = tmp_path / "resumed"
     argv = ft_run.argv(
         "--ffn-gpus", 1, "--steps", 3, "--save-dir", out, "--resume", relaid, "--metrics-file", out / "m"
@@ -196,6 +199,8 @@ README_CPU = {
     "--save-dir runs/ft --export-hf runs/ft-hf",
     "python run_pretrain.py --init-from runs/tiny-hf --sft --data chat.jsonl --lr 1e-5 --steps 500 --save-dir runs/ft "
     "--resume",
+    "python run_pretrain.py --init-from runs/tiny-hf --sft --data chat.jsonl --lora-rank 16 --lora-alpha 32 --lr 2e-4 "
+    "--steps 500 --save-dir runs/lora --export-hf runs/lora-adapter --export-hf-merged runs/lora-merged",
 }
 README_ELSEWHERE = {
     # test_pretrain's default_run (the embedded default as a subprocess, 6 steps of 32 tokens)
@@ -229,7 +234,8 @@ def test_readme_cpu_commands_run_as_written(tok_cache, tmp_path, monkeypatch, ca
     hostfile check. Each is the README's line with --steps small, run in a fresh directory (runs/, chat.jsonl)."""
     commands = readme_commands()
     assert set(commands) == README_CPU | README_ELSEWHERE, set(commands) ^ (README_CPU | README_ELSEWHERE)
-    pretrain_cmd, finetune_cmd, resume_cmd = (c for c in commands if "--steps" in c and c in README_CPU)
+    lora_cmd = next(c for c in commands if "--lora-rank" in c)
+    pretrain_cmd, finetune_cmd, resume_cmd = (c for c in commands if "--steps" in c and c in README_CPU - {lora_cmd})
     check_cmd = next(c for c in commands if "--check-hostfile" in c)
 
     monkeypatch.chdir(ROOT)
@@ -252,6 +258,9 @@ def test_readme_cpu_commands_run_as_written(tok_cache, tmp_path, monkeypatch, ca
     manifest = json.loads((tmp_path / "runs" / "ft" / "step2" / "manifest.json").read_text())
     assert manifest["frozen"]["router"] and manifest["client_state"]["step"] == 2
     assert (tmp_path / "runs" / "ft-hf" / "model.safetensors").exists()
+    assert run_pretrain.main(_as_written(lora_cmd, 1, tok_cache)) == 0
+    assert (tmp_path / "runs" / "lora-adapter" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "runs" / "lora-merged" / "model.safetensors").exists()
 
 
 def test_the_pretraining_flow_end_to_end(tok_cache, tmp_path) -> None:

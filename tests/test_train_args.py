@@ -27,7 +27,8 @@ FLAGS = frozenset(
         "--bias-update-rate", "--sft", "--freeze-router", "--freeze-attention", "--save-dir", "--save-every",
         "--keep-last", "--resume", "--metrics-file", "--tensorboard", "--timeline", "--log-every", "--peak-tflops",
         "--hostfile", "--launcher-args", "--check-hostfile", "--local_rank", "--mode", "--world-size", "--ep-size",
-        "--zero", "--export-hf", "--prompt-field", "--response-field", "--messages-field",
+        "--zero", "--export-hf", "--prompt-field", "--response-field", "--messages-field", "--export-hf-merged",
+        "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--lora-train-router",
         # deepspeed.add_config_arguments
         "--deepspeed", "--deepspeed_config", "--deepscale", "--deepscale_config",
     }

@@ -19,26 +19,22 @@ from disagmoe_ds.models.lora import EXPERT_PROJECTIONS, GROUPS, A, B, LoraLinear
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import AttentionPart, AttentionStage, ExpertStage, num_experts_of
 
-# ----------------------------------------------------------------------------------------------------------------
 
-
-def add_adapters(module: nn.Module, settings: LoraSettings, *, seed: int) -> int:
+def add_adapters(module: nn.Module, settings: LoraSettings, *, seed: int) -> None:
     """Adapters on every part of ``module`` that ``settings`` targets, everything else frozen (the routers train
-    with ``train_router``); DeepSpeed's expert-parallel marks are copied from each weight to its adapters. Returns
-    the number of adapter parameters added."""
-    added = 0
-    for stage in [m for m in module.modules() if isinstance(m, AttentionStage | ExpertStage)]:
-        added += _adapt_attention(stage, settings, seed) if isinstance(stage, AttentionStage) else 0
-        added += _adapt_experts(stage, settings, seed) if isinstance(stage, ExpertStage) else 0
+    with ``train_router``); DeepSpeed's expert-parallel marks are copied from each weight to its adapters."""
+    for stage in list(module.modules()):
+        if isinstance(stage, AttentionStage):
+            _adapt_attention(stage, settings, seed)
+        elif isinstance(stage, ExpertStage) and settings.experts:
+            _adapt_experts(stage, settings, seed)
     _freeze_base(module, settings)
-    return added
 
 
-def _adapt_attention(stage: nn.Module, settings: LoraSettings, seed: int) -> int:
-    added = 0
+def _adapt_attention(stage: AttentionStage, settings: LoraSettings, seed: int) -> None:
     for layer, part in stage.layers.items():
         for group, root, prefix in (("attention", part.mixer, part.mixer_attr), ("mlp", part.mlp, "mlp")):
-            for name, linear in list(_linears(root, skip=getattr(part, "router", None) if part.is_moe else None)):
+            for name, linear in list(_linears(root, skip=part.router if part.is_moe else None)):
                 if not settings.adapts(group, name.rpartition(".")[2]):
                     continue
                 adapted = LoraLinear(linear, settings.rank, settings.scaling, settings.dropout)
@@ -46,8 +42,6 @@ def _adapt_attention(stage: nn.Module, settings: LoraSettings, seed: int) -> int
                 _init_pair(adapted.lora_A, adapted.lora_B, hf, settings, seed)
                 owner, _, attr = name.rpartition(".")
                 setattr(root.get_submodule(owner) if owner else root, attr, adapted)
-                added += adapted.lora_A.numel() + adapted.lora_B.numel()
-    return added
 
 
 def _linears(root: nn.Module, skip: nn.Module | None):
@@ -58,10 +52,7 @@ def _linears(root: nn.Module, skip: nn.Module | None):
             yield name, sub
 
 
-def _adapt_experts(stage: nn.Module, settings: LoraSettings, seed: int) -> int:
-    if not settings.experts:
-        return 0
-    added = 0
+def _adapt_experts(stage: ExpertStage, settings: LoraSettings, seed: int) -> None:
     num_experts = num_experts_of(stage.config)
     for layer, shard in stage.layers.items():
         experts = shard.experts
@@ -80,9 +71,7 @@ def _adapt_experts(stage: nn.Module, settings: LoraSettings, seed: int) -> int:
                     if hasattr(weight, mark):
                         setattr(param, mark, getattr(weight, mark))
                 experts.register_parameter(f"{proj}_{suffix}", param)
-            added += a.numel() + b.numel()
         experts.lora_scaling = settings.scaling
-    return added
 
 
 def _init_pair(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -119,11 +118,10 @@ def write_adapter(
     config,
     base_model: str,
     dtype: torch.dtype,
-    tokenizer_files: list[Path] = (),
 ) -> Path:
     """A PEFT adapter directory of the adapters (and trained routers) in ``tensors``, written atomically:
     ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), out)`` loads it."""
-    from disagmoe_ds.models.hf_writer import copy_into, replace_dir
+    from disagmoe_ds.models.hf_writer import replace_dir
 
     renamed = v4_renamed(config, tensors)
     if renamed:
@@ -140,7 +138,6 @@ def write_adapter(
     lora_config(settings, adapters, base_model=base_model, routers=routers).save_pretrained(str(partial))
     state = {k: v.to(dtype).contiguous() for k, v in to_peft(adapters, routers).items()}
     save_file(state, str(partial / ADAPTER_FILE), metadata={"format": "pt"})
-    copy_into(tokenizer_files, partial)
     replace_dir(partial, out)
     return out
 
@@ -267,10 +264,6 @@ def _peft_names(wrapped: nn.Module) -> dict[str, tuple[str, str, int | None]]:
             else:
                 names[peft_name] = (f"{base}.{ab}", ab, None)
     return names
-
-
-def read_adapter_config(path: Path) -> dict[str, Any]:
-    return json.loads((path / "adapter_config.json").read_text())
 
 
 def initial_adapters(model: nn.Module, settings: LoraSettings, *, seed: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from disagmoe_ds.errors import ConfigError, DisagMoEError
-from disagmoe_ds.models.lora import DEFAULT_TARGETS
 from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, plan
 from disagmoe_ds.planner.attention_lanes import DEGREES, lane_refusal
 from disagmoe_ds.planner.baseline_layout import check_layout, parse_layout
@@ -28,7 +27,7 @@ from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
 from disagmoe_ds.planner.colocated_costs import DISPATCHERS
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.inputs import check_at_least_one
-from disagmoe_ds.planner.lora import TARGETS, LoRA, check_adapts
+from disagmoe_ds.planner.lora import DEFAULT_TARGETS, TARGETS, LoRA, check_adapts
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.profile_fit import load_profile, profile_warnings, rates_from_profile

@@ -39,6 +39,7 @@ from disagmoe_ds.planner.hf_config import AttentionSpec, LinearAttentionSpec
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
 
 TARGETS = ("attention", "mlp", "experts")
+DEFAULT_TARGETS = ("attention", "experts")  # the runtime's (models.lora; tests/test_lora.py ties them)
 Projection = tuple[int, int]  # (in_features, out_features) of one Linear
 
 
