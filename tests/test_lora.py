@@ -197,7 +197,12 @@ def tok_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("tokenizers")
 
 
-def test_lora_fine_tuning_resumes_exactly_and_exports_peft_and_merged(tok_cache, tmp_path) -> None:
+@pytest.mark.parametrize(
+    "layout",
+    [("--attention-gpus", 2, "--ffn-gpus", 2), ("--mode", "colocated", "--world-size", 2, "--ep-size", 2)],
+    ids=["disaggregated", "colocated"],
+)
+def test_lora_fine_tuning_resumes_exactly_and_exports_peft_and_merged(tok_cache, tmp_path, layout) -> None:
     """HF dir -> --init-from --sft --lora-rank 8 -> resume at step 2 (steps 3-4 bit for bit) -> --export-hf (a
     PEFT adapter directory) and --export-hf-merged: PEFT's model on the base and the merged model give the same
     logits, and not the base model's."""
@@ -211,13 +216,17 @@ def test_lora_fine_tuning_resumes_exactly_and_exports_peft_and_merged(tok_cache,
     hf_dir = write_tiny_checkpoint("qwen3-moe", tmp_path / "hf", seed=1, vocab_size=512)
     train_or_load_tokenizer(bundled_corpus(), 512, tok_cache).save_hf(hf_dir)
     write_sft_jsonl(tmp_path / "sft.jsonl", n=40)
-    argv = ("--init-from", hf_dir, "--sft", "--data", tmp_path / "sft.jsonl", "--attention-gpus", 2, "--ffn-gpus", 2)
+    argv = ("--init-from", hf_dir, "--sft", "--data", tmp_path / "sft.jsonl", *layout)
     argv += ("--micro-batches", 2, "--steps", 4, "--lora-rank", 8, "--lora-alpha", 16, "--lr", "1e-2")
     full, resumed, ck, adapter, merged = (tmp_path / n for n in ("full.jsonl", "resumed.jsonl", "ck", "ad", "m"))
     exports = ("--export-hf", adapter, "--export-hf-merged", merged)
     assert pretrain(tok_cache, *argv, "--save-dir", ck, "--save-every", 2, "--metrics-file", full, *exports) == 0
     assert pretrain(tok_cache, *argv, "--resume", ck / "step2", "--metrics-file", resumed) == 0
     assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
+    # The base weights stay in --init-from's directory (co-located: DeepSpeed's per-expert files still hold them).
+    for states in (ck / "step4").rglob("mp_rank_*_model_states.pt"):
+        module = torch.load(states, map_location="cpu", weights_only=False)["module"]
+        assert module and all(is_adapter(name) for name in module), sorted(module)[:3]
     assert pretrain(tok_cache, *argv[:-6], "--steps", 6, "--resume", ck / "step4") == 2  # no LoRA: refused
     ids = torch.arange(3, 35).view(2, 16)
     base = AutoModelForCausalLM.from_pretrained(hf_dir)

@@ -22,6 +22,7 @@ from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION
 from disagmoe_ds.engine.rank import RankRuntime
 from disagmoe_ds.launch.local import spawn_local
+from disagmoe_ds.models.lora import lora_of
 from disagmoe_ds.verify import (
     VerifyArgs,
     _full_grad,
@@ -29,7 +30,6 @@ from disagmoe_ds.verify import (
     build_for_verify,
     cli,
     compare,
-    lora_of,
     make_batches,
     reference,
     run_args,

@@ -153,13 +153,15 @@ def save_checkpoint(
     ds_config: dict[str, Any] | None = None,
     manifest_extra: Mapping[str, Any] | None = None,
     attach: Callable[[Path], None] | None = None,
+    frozen_excluded: bool = False,
 ) -> Path:
     """Save every rank's engine under ``root/tag`` atomically. Collective: every rank must call it.
 
     ``role`` is this rank's role in ``layout`` (either mode's). ``ds_config`` (the user's DeepSpeed config) goes
     into the manifest so conversions can rebuild the engines. ``manifest_extra``: more JSON entries of the manifest
     (what was frozen, the data position). ``attach(tag_dir)``: rank 0 writes more files there (the tokenizer)
-    before they are hashed.
+    before they are hashed. ``frozen_excluded``: the engines leave their frozen parameters out (a LoRA run: its
+    base weights come from ``--init-from`` again at a resume), recorded in the manifest.
     """
     job = recorded(layout)
     root = Path(root)
@@ -168,7 +170,12 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    engine.save_checkpoint(str(partial / job.checkpoint_dir(role)), tag=_DS_TAG, client_state=client_state)
+    engine.save_checkpoint(
+        str(partial / job.checkpoint_dir(role)),
+        tag=_DS_TAG,
+        client_state=client_state,
+        exclude_frozen_parameters=frozen_excluded,
+    )
     if dist.get_rank() == 0 and attach is not None:
         attach(partial)
     dist.barrier()
@@ -186,6 +193,7 @@ def save_checkpoint(
             "client_state": {k: v for k, v in client_state.items() if isinstance(v, (int, float, str))},
             "ds_config": None if ds_config is None else {k: v for k, v in ds_config.items() if k != "disagmoe"},
             **(manifest_extra or {}),
+            **({FROZEN_EXCLUDED: True} if frozen_excluded else {}),
             "files": files,
         }
         _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=2))
@@ -290,6 +298,9 @@ def check_compatible(manifest: dict[str, Any], config, layout: Layout | Recorded
 # is the converter's fresh one, so a run that resumes it loads the module alone and keeps its own optimizer and LR
 # scheduler, as its ds_config makes them.
 WEIGHTS_ONLY = "weights_only"
+# Manifest entry of a checkpoint without its frozen parameters (LoRA): the module loads non-strictly over the base
+# weights the run rebuilt (``--init-from``, or the seed's initialisation).
+FROZEN_EXCLUDED = "frozen_excluded"
 
 
 def load_checkpoint(
@@ -308,7 +319,10 @@ def load_checkpoint(
         saved_ds_config = manifest.get("ds_config")
         saved_scheduler = saved_ds_config is None or saved_ds_config.get("scheduler") is not None
         load_path, client_state = engine.load_checkpoint(
-            str(path), tag=_DS_TAG, load_lr_scheduler_states=saved_scheduler
+            str(path),
+            tag=_DS_TAG,
+            load_lr_scheduler_states=saved_scheduler,
+            load_module_strict=not manifest.get(FROZEN_EXCLUDED),
         )
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint in {path}")
