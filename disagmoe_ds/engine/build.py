@@ -41,6 +41,7 @@ from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage,
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, check_sequence_parallel, install_ulysses
 from disagmoe_ds.models.split import aux_loss_enabled
+from disagmoe_ds.planner.lora import FULL, LoRA
 from disagmoe_ds.planner.runtime_costs import runtime_costs, unit_costs
 from disagmoe_ds.schedule import (
     BackwardAttn,
@@ -327,4 +328,5 @@ def schedule_costs(
         split_backward=cfg.split_backward,
         compiled=cfg.compile,
         ffn_zero_stage=3 if ffn_zero3 else None,
+        lora=LoRA(cfg.lora.rank, cfg.lora.targets, cfg.lora.train_router) if cfg.lora else FULL,
     )

@@ -35,6 +35,7 @@ from typing import Protocol
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cluster import Rates
 from disagmoe_ds.planner.gemm_efficiency import MIN_ROWS_PER_RANK
+from disagmoe_ds.planner.lora import LoRA
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
 from disagmoe_ds.planner.part_times import attention_call_s
 from disagmoe_ds.planner.placement import Placement
@@ -51,6 +52,9 @@ class LaneWork(Protocol):
 
     @property
     def lane_size(self) -> int: ...
+
+    @property
+    def lora(self) -> LoRA: ...
 
     @property
     def tokens_per_micro_batch(self) -> int: ...
@@ -189,6 +193,7 @@ def lane_attention_call_s(
         tokens=rank_tokens(work),
         recompute=work.recompute,
         whole_blocks=True,
+        lora=work.lora,
     )
     comm_fwd, comm_bwd = lane_comm_s(spec, work, rates, layer=layer, lane_bw=lane_bw)
     return fwd + comm_fwd, bwd + comm_bwd

@@ -119,6 +119,7 @@ def colocated_costs(
     a2a = alltoall_s(spec, work, ep=shape.ep, cluster=cluster, rates=rates, dispatcher=shape.dispatcher) / (t * c)
     shared = rates.attention_fwd.per_flop * tokens * spec.shared_flops()
     alone = max(0.0, 2 * a2a - min(2 * a2a, overlap * 2 * a2a + shared))
+    lora = work.lora
     chunks = chunk_layers(spec.num_layers, shape.pp, shape.vpp)
     assert chunks is not None, f"{spec.num_layers} layers do not split over {shape.describe()}"
     rows: dict[str, list[float]] = {k: [] for k in ("fc", "bc", "fx", "bx", "fa", "ba", "fo", "bo")}
@@ -126,14 +127,16 @@ def colocated_costs(
         fc = bc = fo = bo = 0.0
         for i in layers:
             for fwd, bwd in (
-                attention_call_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=work.recompute),
-                expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=work.recompute),
+                attention_call_s(
+                    spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=work.recompute, lora=lora
+                ),
+                expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=work.recompute, lora=lora),
             ):
                 fc, bc = fc + fwd, bc + bwd
             other = tp_cp_exposed_s(spec, work, shape, layer=i, cluster=cluster, rates=rates)
             fo, bo = fo + other[0], bo + other[1]
         if index == len(chunks) - 1:
-            head = head_call_s(spec, rates, tokens=tokens)
+            head = head_call_s(spec, rates, tokens=tokens, lora=lora)
             fc, bc = fc + head[0], bc + head[1]
         moe = sum(spec.moe_layers[i] for i in layers)
         if shape.ep > 1:  # each MoE layer's dispatch and combine all-to-all calls, forward and backward

@@ -18,6 +18,10 @@ Every base weight is frozen (embedding, head, norms, and the router unless ``tra
 bytes only. The adapters (and a trained router) keep the full state (``memory.Precision.per_param``): they are what
 DeepSpeed's optimizer gets.
 
+Compute (``GemmFlops``, priced by ``part_times.py``): a frozen weight's GEMM needs no weight gradient, so its backward
+is the input gradient alone (1x its forward, not 2x); each adapter adds 2r (in + out) FLOPs per token to the forward,
+as much again to the input gradient and as much to its own weight gradients.
+
 >>> from disagmoe_ds.planner.model import ModelSpec
 >>> spec = ModelSpec.from_config({"model_type": "mixtral", "hidden_size": 8, "num_hidden_layers": 1,
 ...     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 16, "intermediate_size": 4,
@@ -211,6 +215,57 @@ def check_adapts(spec: ModelSpec, lora: LoRA) -> None:
             f"LoRA targets {', '.join(lora.targets)} hold no projection of {spec.name} (it has no dense or shared "
             f"MLP), so nothing would train; add attention or experts"
         )
+
+
+# ----- compute -----
+@dataclass(frozen=True)
+class GemmFlops:
+    """FLOPs of a part's weight GEMMs per token (experts: per assignment) in one step: the forward, the backward's
+    input-gradient (dgrad) GEMMs and its weight-gradient (wgrad) GEMMs. A trained weight costs its forward in each
+    of the three; a frozen one (every base weight under LoRA) none in wgrad."""
+
+    fwd: float
+    dgrad: float
+    wgrad: float
+
+    @property
+    def bwd(self) -> float:
+        return self.dgrad + self.wgrad
+
+
+def _gemm_flops(base: float, trained: float, adapters: float) -> GemmFlops:
+    """``base`` forward FLOPs of which ``trained`` keep their wgrad, plus ``adapters``' forward FLOPs (each of
+    an adapter's dgrad and wgrad costs its forward: dy B and dh A; B's and A's weight gradients)."""
+    return GemmFlops(fwd=base + adapters, dgrad=base + adapters, wgrad=trained + adapters)
+
+
+def adapter_flops(projections: Iterable[Projection], rank: int) -> int:
+    """Forward FLOPs per token of the adapters on ``projections``: x A^T then h B^T, 2r (in + out) each."""
+    return 2 * _adapter_params(projections, rank)
+
+
+def a_side_gemm_flops(spec: ModelSpec, layer: int, lora: LoRA) -> GemmFlops:
+    """``layer``'s A-part GEMMs (projections, router, shared or dense MLP; the attention core has no weights)."""
+    base = spec.a_side_linear_flops(layer)
+    if not lora.enabled:
+        return _gemm_flops(base, base, 0)
+    router = spec.router_flops() if lora.train_router and spec.moe_layers[layer] else 0
+    return _gemm_flops(base, router, adapter_flops(a_side_projections(spec, layer, lora), lora.rank))
+
+
+def expert_gemm_flops(spec: ModelSpec, lora: LoRA) -> GemmFlops:
+    """One (token, expert) assignment: gate_up and down (6 H I), their adapters r (2H + 3I) x 2 with ``experts``."""
+    base = 6 * spec.hidden_size * spec.expert_intermediate
+    if not lora.enabled:
+        return _gemm_flops(base, base, 0)
+    adapters = adapter_flops(expert_projections(spec), lora.rank) if lora.adapts("experts") else 0
+    return _gemm_flops(base, 0, adapters)
+
+
+def head_gemm_flops(spec: ModelSpec, lora: LoRA) -> GemmFlops:
+    """The LM head per token: frozen under LoRA (no target adapts it), its input gradient still needed."""
+    base = spec.head_flops()
+    return _gemm_flops(base, 0 if lora.enabled else base, 0)
 
 
 # ----- activations -----

@@ -146,6 +146,11 @@ class ModelSpec:
             return attn + self.router_flops() + self.shared_flops()
         return attn + self.dense_mlp_flops()
 
+    def a_side_linear_flops(self, layer: int) -> int:
+        """The weight GEMMs of ``attention_side_flops`` (all but the attention core)."""
+        mlp = self.router_flops() + self.shared_flops() if self.moe_layers[layer] else self.dense_mlp_flops()
+        return self.attention_projection_flops(layer) + mlp
+
     def expert_side_flops(self, layer: int) -> int:
         """F-side forward FLOPs per token of ``layer`` (0 for a dense layer)."""
         return self.routed_flops_per_token() if self.moe_layers[layer] else 0

@@ -3,11 +3,18 @@ and the LM head, from their FLOPs and the ``cluster.PartModel`` time models in `
 
 The backward includes what the recompute policy re-runs (``recompute.py``); with a split backward the
 weight-gradient GEMMs become their own tasks (``*_wgrad_s``: dgrad and wgrad GEMMs cost the same).
+
+The GEMM FLOPs come from ``lora.GemmFlops``: under LoRA the frozen base weights skip their wgrad and the adapters
+add theirs. The backward time models (``Rates.*_bwd``) price a full backward (dgrad + wgrad, 2x the forward) per
+forward FLOP, so they are given half a part's backward FLOPs. Selective recompute re-runs base GEMMs only: the
+adapters' share of the re-run (r (in + out) against in x out per projection, about 1% at r=16 on a 2,048-wide
+model) is left out.
 """
 
 from __future__ import annotations
 
 from disagmoe_ds.planner.cluster import Rates
+from disagmoe_ds.planner.lora import FULL, GemmFlops, LoRA, a_side_gemm_flops, expert_gemm_flops, head_gemm_flops
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.recompute import Recompute, a_side_recompute_flops, expert_recompute_flops_per_assignment
 
@@ -21,14 +28,15 @@ def attention_call_s(
     tokens: float,
     recompute: Recompute,
     whole_blocks: bool = False,
+    lora: LoRA = FULL,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one A part of ``layer`` on ``tokens`` tokens; the backward includes what
     ``recompute`` re-runs (full: the forward; selective: Q/K/V projections, core and gate/up GEMMs, or with
     ``whole_blocks`` every projection of the attention block and the shared/dense SwiGLU: AF-Pipe's runtime)."""
     core = tokens * spec.attention_core_flops(seq_len, layer)
-    linear = tokens * spec.attention_side_flops(seq_len, layer) - core
-    fwd = rates.attention_fwd.seconds(linear, core)
-    bwd = rates.attention_bwd.seconds(linear, core)
+    gemm = a_side_gemm_flops(spec, layer, lora)
+    fwd = rates.attention_fwd.seconds(tokens * gemm.fwd, core)
+    bwd = rates.attention_bwd.seconds(tokens * _bwd_units(gemm), core)
     if recompute == "full":
         return fwd, bwd + fwd
     if recompute == "selective":
@@ -37,22 +45,33 @@ def attention_call_s(
     return fwd, bwd
 
 
-def attention_wgrad_s(spec: ModelSpec, rates: Rates, *, seq_len: int, layer: int, tokens: float) -> float:
-    """The weight-gradient GEMMs of one A part: half the backward of its projections (dgrad = wgrad FLOPs);
-    the attention core has no weights, so its backward stays whole on the input-gradient side."""
-    linear = tokens * (spec.attention_side_flops(seq_len, layer) - spec.attention_core_flops(seq_len, layer))
-    return rates.attention_bwd.per_flop * linear / 2
+def _bwd_units(gemm: GemmFlops) -> float:
+    """A backward's GEMM FLOPs in the backward time models' unit: forward FLOPs of a full (2x) backward."""
+    return gemm.bwd / 2
+
+
+def attention_wgrad_s(spec: ModelSpec, rates: Rates, *, layer: int, tokens: float, lora: LoRA = FULL) -> float:
+    """The weight-gradient GEMMs of one A part (full fine-tuning: half the backward of its projections; LoRA: the
+    adapters' and a trained router's only); the attention core has no weights, so its backward stays whole on the
+    input-gradient side."""
+    return rates.attention_bwd.per_flop * tokens * a_side_gemm_flops(spec, layer, lora).wgrad / 2
+
+
+def _assignments(spec: ModelSpec, rates: Rates, *, layer: int, tokens: float) -> float:
+    """(token, expert) assignments of ``layer`` on the busiest F rank, which sets the pace (0 on a dense layer)."""
+    return tokens * spec.top_k * rates.routing_imbalance if spec.moe_layers[layer] else 0.0
 
 
 def expert_call_s(
-    spec: ModelSpec, rates: Rates, *, layer: int, tokens: float, recompute: Recompute
+    spec: ModelSpec, rates: Rates, *, layer: int, tokens: float, recompute: Recompute, lora: LoRA = FULL
 ) -> tuple[float, float]:
     """(forward, backward) seconds of the routed experts of ``layer`` for ``tokens`` tokens' top_k assignments."""
-    flops = tokens * spec.expert_side_flops(layer) * rates.routing_imbalance  # the busiest rank sets the pace
-    if flops == 0:
+    assignments = _assignments(spec, rates, layer=layer, tokens=tokens)
+    if assignments == 0:
         return 0.0, 0.0
-    fwd = rates.experts_fwd.seconds(flops)
-    bwd = rates.experts_bwd.seconds(flops)
+    gemm = expert_gemm_flops(spec, lora)
+    fwd = rates.experts_fwd.seconds(assignments * gemm.fwd)
+    bwd = rates.experts_bwd.seconds(assignments * _bwd_units(gemm))
     if recompute == "full":
         return fwd, bwd + fwd
     if recompute == "selective":
@@ -61,12 +80,19 @@ def expert_call_s(
     return fwd, bwd
 
 
-def expert_wgrad_s(spec: ModelSpec, rates: Rates, *, layer: int, tokens: float) -> float:
-    """The weight-gradient half of the experts' backward (every expert FLOP is a GEMM)."""
-    return rates.experts_bwd.per_flop * tokens * spec.expert_side_flops(layer) * rates.routing_imbalance / 2
+def expert_wgrad_s(spec: ModelSpec, rates: Rates, *, layer: int, tokens: float, lora: LoRA = FULL) -> float:
+    """The experts' weight-gradient GEMMs (full fine-tuning: half their backward, every expert FLOP is a GEMM;
+    LoRA: the adapters' only)."""
+    assignments = _assignments(spec, rates, layer=layer, tokens=tokens)
+    return rates.experts_bwd.per_flop * assignments * expert_gemm_flops(spec, lora).wgrad / 2
 
 
-def head_call_s(spec: ModelSpec, rates: Rates, *, tokens: float) -> tuple[float, float]:
+def head_call_s(spec: ModelSpec, rates: Rates, *, tokens: float, lora: LoRA = FULL) -> tuple[float, float]:
     """LM head GEMM (final norm and loss are elementwise), at the attention part's per-FLOP speed."""
-    flops = tokens * spec.head_flops()
-    return rates.attention_fwd.per_flop * flops, rates.attention_bwd.per_flop * flops
+    gemm = head_gemm_flops(spec, lora)
+    return rates.attention_fwd.per_flop * tokens * gemm.fwd, rates.attention_bwd.per_flop * tokens * _bwd_units(gemm)
+
+
+def head_wgrad_s(spec: ModelSpec, rates: Rates, *, tokens: float, lora: LoRA = FULL) -> float:
+    """The LM head's weight gradient (none under LoRA: the head is frozen)."""
+    return rates.attention_bwd.per_flop * tokens * head_gemm_flops(spec, lora).wgrad / 2

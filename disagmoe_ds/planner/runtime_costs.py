@@ -21,6 +21,7 @@ from typing import Any
 
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
+from disagmoe_ds.planner.lora import FULL, LoRA
 from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.placement import Placement
@@ -49,6 +50,7 @@ def runtime_task_costs(
     split_backward: bool = False,
     compiled: bool = False,
     ffn_zero_stage: int | None = None,
+    lora: LoRA = FULL,
 ) -> AfTaskCosts:
     """Seconds per task and transfer of one micro-batch for ``layout``, ranks placed contiguously (attention first).
 
@@ -62,6 +64,7 @@ def runtime_task_costs(
         compiled: the attention parts and the head are ``torch.compile``d: their backward is one autograd node, so
             their weight gradients stay in the backward (no A-side W task); the experts' GEMMs still split.
         ffn_zero_stage: the expert side's ZeRO stage where the job sets one; at 3 its backward stays whole.
+        lora: the job's LoRA adapters: frozen base weights skip their weight gradients (``lora.GemmFlops``).
     """
     spec = ModelSpec.from_config(config)
     nodes = math.ceil(layout.world_size / GPUS_PER_PRESET_NODE)
@@ -74,7 +77,14 @@ def runtime_task_costs(
     placement = Placement.contiguous(machines.nodes, machines.gpus_per_node)
     nics = placement.nic_splits(machines, layout.attention_gpus)[0]
     work = Workload(
-        seq_len, micro_batch_size, resend=resend, split_backward=split_backward, ffn_zero_stage=ffn_zero_stage
+        seq_len,
+        micro_batch_size,
+        resend=resend,
+        split_backward=split_backward,
+        ffn_zero_stage=ffn_zero_stage,
+        lora_rank=lora.rank,
+        lora_targets=lora.targets,
+        lora_train_router=lora.train_router,
     )
     task_costs = af_task_costs(spec, layout, work, placement=placement, rates=rates, nics=nics)
     return attention_wgrad_folded(task_costs) if compiled else task_costs

@@ -120,6 +120,9 @@ def _group_compute_s(
         recompute=work.recompute,
         sequence_parallel=work.sequence_parallel,
         tensor_parallel=work.tensor_parallel,
+        lora_rank=work.lora_rank,
+        lora_targets=work.lora_targets,
+        lora_train_router=work.lora_train_router,
     )  # only what the compute depends on, so variants share the cache
     a, f = _group_compute_per_micro_batch(spec, layout, lane, work.ffn_recompute, rates, lane_bw)
     return micro_batches * a, micro_batches * f
@@ -134,8 +137,10 @@ def _group_compute_per_micro_batch(
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
         a = sum(sum(lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)) for i in layers)
-        a += sum(head_call_s(spec, rates, tokens=rank_tokens(work))) if g == layout.head_group else 0.0
-        f = sum(sum(expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=f_rc)) for i in layers)
+        a += sum(head_call_s(spec, rates, tokens=rank_tokens(work), lora=work.lora)) if g == layout.head_group else 0.0
+        f = sum(
+            sum(expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=f_rc, lora=work.lora)) for i in layers
+        )
         a_worst, f_worst = max(a_worst, a), max(f_worst, f)
     return a_worst, f_worst
 

@@ -1,9 +1,9 @@
 """Per-task seconds of an AF-Pipe step for the schedule generator and the simulator: each layer's A part and F
 share per micro-batch, and each A <-> F and A -> A transfer (pure Python).
 
-With a split backward the weight-gradient half of each GEMM's backward (the dgrad and wgrad GEMMs cost the
-same) becomes its own task (``zerobubble.py``). The same costs order the runtime's schedule
-(``runtime_costs.py``), so what the planner simulates is what runs.
+With a split backward the weight-gradient GEMMs of each backward (half of it in full fine-tuning, dgrad and wgrad
+costing the same; under LoRA the adapters' only, ``lora.GemmFlops``) become their own task (``zerobubble.py``).
+The same costs order the runtime's schedule (``runtime_costs.py``), so what the planner simulates is what runs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from disagmoe_ds.planner.part_times import (
     expert_call_s,
     expert_wgrad_s,
     head_call_s,
+    head_wgrad_s,
 )
 from disagmoe_ds.planner.placement import Placement
 from disagmoe_ds.planner.stages import cross_node_share
@@ -63,11 +64,12 @@ def af_task_costs(
     f_tokens = group_tokens / layout.ffn_ranks_per_group
     per_layer: dict[str, list[float]] = {k: [] for k in ("A_fwd", "A_bwd", "F_fwd", "F_bwd")}
     wgrad: dict[str, list[float]] = {"A": [], "F": []}
+    lora = work.lora
     for i in range(spec.num_layers):
         a_fwd, a_bwd = lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)
-        f_fwd, f_bwd = expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=work.ffn_recompute)
-        a_w = attention_wgrad_s(spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens)
-        f_w = expert_wgrad_s(spec, rates, layer=i, tokens=f_tokens)
+        f_fwd, f_bwd = expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=work.ffn_recompute, lora=lora)
+        a_w = attention_wgrad_s(spec, rates, layer=i, tokens=tokens, lora=lora)
+        f_w = expert_wgrad_s(spec, rates, layer=i, tokens=f_tokens, lora=lora)
         if not work.split_backward:
             a_w = f_w = 0.0
         if work.zero_of("ffn") == 3:
@@ -87,8 +89,8 @@ def af_task_costs(
     for kind in ("resid", "resid_grad"):
         per_layer_bytes = [getattr(wire, kind) + (extra if kind == "resid" else 0.0) for extra in resent]
         costs[kind] = tuple(group_tokens * b / res_link if p > 1 else 0.0 for b in per_layer_bytes)
-    head_fwd, head_bwd = head_call_s(spec, rates, tokens=tokens)
-    head_w = head_bwd / 2 if work.split_backward else 0.0
+    head_fwd, head_bwd = head_call_s(spec, rates, tokens=tokens, lora=lora)
+    head_w = head_wgrad_s(spec, rates, tokens=tokens, lora=lora) if work.split_backward else 0.0
     wgrads = {k: tuple(v) for k, v in wgrad.items()} if work.split_backward else {}
     return AfTaskCosts(costs, head_fwd=head_fwd, head_bwd=head_bwd - head_w, wgrad=wgrads, head_wgrad=head_w)
 
