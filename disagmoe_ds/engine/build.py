@@ -35,6 +35,7 @@ from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages
+from disagmoe_ds.models.lora import GROUPS, LoraSettings
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
@@ -328,5 +329,14 @@ def schedule_costs(
         split_backward=cfg.split_backward,
         compiled=cfg.compile,
         ffn_zero_stage=3 if ffn_zero3 else None,
-        lora=LoRA(cfg.lora.rank, cfg.lora.targets, cfg.lora.train_router) if cfg.lora else FULL,
+        lora=_costed_lora(cfg.lora),
     )
+
+
+def _costed_lora(lora: LoraSettings | None) -> LoRA:
+    """The planner's view of the run's LoRA: it costs target groups, so projection names (``q_proj``) count as the
+    attention group they sit in (a slight over-estimate, for the schedule's task costs only)."""
+    if lora is None:
+        return FULL
+    groups = {t if t in GROUPS else "attention" for t in lora.targets}
+    return LoRA(lora.rank, tuple(groups), lora.train_router)
