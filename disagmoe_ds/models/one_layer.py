@@ -15,8 +15,11 @@ from torch import nn
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, build_context, compile_stage, num_routed_experts
 
 
-def one_layer_model(config, *, device: str, dtype: torch.dtype, experts: str = "grouped_mm") -> nn.Module:
-    """A causal LM with a single decoder layer of ``config``'s sizes, that layer made MoE (random weights)."""
+def one_layer_model(
+    config, *, device: str, dtype: torch.dtype, experts: str = "grouped_mm", layer: int = 0
+) -> nn.Module:
+    """A causal LM with a single decoder layer of ``config``'s sizes, that layer made MoE (random weights), of the
+    type (``config.layer_types``: full or linear attention, sliding window) of the model's layer ``layer``."""
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(config)
@@ -25,7 +28,9 @@ def one_layer_model(config, *, device: str, dtype: torch.dtype, experts: str = "
         if hasattr(config, dense_rule):
             setattr(config, dense_rule, value)
     if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:1]
+        if not 0 <= layer < len(config.layer_types):
+            raise ValueError(f"layer {layer} is not one of the model's {len(config.layer_types)} layers")
+        config.layer_types = config.layer_types[layer : layer + 1]
     config._experts_implementation = experts  # not a from_config keyword in every transformers 5.x
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
