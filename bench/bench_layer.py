@@ -9,6 +9,7 @@ attention; weights random, only the config is read) and times forward + backward
     hf-eager      HF ``XDecoderLayer`` with the per-expert Python loop (``experts_implementation="eager"``)
     hf-grouped    HF ``XDecoderLayer`` with ``grouped_mm`` experts
     hf-compiled   the same layer under ``torch.compile`` (default options, the whole layer): the reference
+    hf-graphed    the same under ``mode="reduce-overhead"`` (inductor's CUDA graph trees, forward and backward)
     ours          ``AttentionPart`` -> dispatch plan -> ``ExpertShard`` (all experts, one rank) -> combine
     ours-compiled the same under ``compile_stage`` as a ``"compile": true`` job runs it (attention part; the
                   experts' activation/gating/weighting, on CUDA as Triton kernels, and un-permute)
@@ -78,6 +79,7 @@ PATHS = (
     "hf-eager",
     "hf-grouped",
     "hf-compiled",
+    "hf-graphed",
     "ours",
     "ours-compiled",
     "ours-graphed",
@@ -85,7 +87,7 @@ PATHS = (
     "selective-compiled",
     "floor",
 )
-CUDA_ONLY = ("ours-graphed",)
+CUDA_ONLY = ("hf-graphed", "ours-graphed")
 REFERENCE = "hf-compiled"
 
 
@@ -158,6 +160,11 @@ def _hf_step(model, h_BSH, ctx, grad_BSH):
     )
     HeldActivations.end()
     out.backward(grad_BSH)
+
+
+def _hf_graphed_step(model, h_BSH, ctx, grad_BSH):
+    torch.compiler.cudagraph_mark_step_begin()  # a new step: the graph trees may reuse the last step's outputs
+    _hf_step(model, h_BSH, ctx, grad_BSH)
 
 
 def _ours_step(parts, h_BSH, ctx, grad_BSH):
@@ -316,6 +323,9 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
     if name == "hf-compiled":
         with compile_backend(backend):
             model.model.layers[0].compile()
+    if name == "hf-graphed":
+        model.model.layers[0].compile(mode="reduce-overhead")
+        return _hf_graphed_step, (model, h_BSH, ctx, grad_BSH)
     return _hf_step, (model, h_BSH, ctx, grad_BSH)
 
 
