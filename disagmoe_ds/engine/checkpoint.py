@@ -54,7 +54,9 @@ class RecordedLayout(Protocol):
 
     mode: ClassVar[str]  # recorded in the manifest; a checkpoint loads only into a job of the same mode
     relayout_hint: ClassVar[str]  # how to continue from a checkpoint of another layout of the same mode
-    world_size: int
+
+    @property
+    def world_size(self) -> int: ...
 
     def role_of(self, rank: int) -> Any: ...
 

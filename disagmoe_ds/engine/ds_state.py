@@ -30,6 +30,7 @@ from torch import nn
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
+from disagmoe_ds.models.parts import ExpertStage
 
 Weights = Literal["module", "master"]  # what an HF export holds / what a re-layout carries
 Pieces = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the rows it holds, tensor)
@@ -82,7 +83,7 @@ def rank_share(rt, weights: Weights) -> dict[str, Any]:
     """
     engine = rt.engine
     moment_keys, scalars = _optimizer_layout(engine) if weights == "master" else ([], {})
-    share = {"params": {}, "buffers": {}, "moments": {k: {} for k in moment_keys}, "scalars": scalars}
+    share: dict[str, Any] = {"params": {}, "buffers": {}, "moments": {k: {} for k in moment_keys}, "scalars": scalars}
     for part in _parts(rt):
         buffers = dict(persistent_buffers(part.module))
         if weights == "module":
@@ -136,7 +137,7 @@ def holds_read_copy(rt) -> bool:
     return any(part.writer for part in _parts(rt))
 
 
-def _expert_part(stage: nn.Module, *, writer: bool) -> _Part:
+def _expert_part(stage: ExpertStage, *, writer: bool) -> _Part:
     experts = range(stage.first_expert, stage.first_expert + stage.num_local)
     return _Part(stage, expert_name_to_hf, experts, writer)
 
@@ -228,7 +229,7 @@ def _optimizer_layout(engine) -> tuple[list[str], dict[str, torch.Tensor]]:
     return keys, scalars
 
 
-def _full_state(engine, param: torch.Tensor, key: str | None) -> torch.Tensor:
+def _full_state(engine, param: nn.Parameter, key: str | None) -> torch.Tensor:
     """The fp32 master (``key`` None) or optimizer state ``key`` of the whole parameter.
 
     ZeRO: each rank of the parameter's data-parallel group holds a fragment; one all-reduce (every other rank
@@ -243,13 +244,13 @@ def _full_state(engine, param: torch.Tensor, key: str | None) -> torch.Tensor:
     full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
     for src, dst in _fragments(engine, param, key):
         full.narrow(0, dst.start, dst.numel).copy_(src)
-    dist.all_reduce(full, group=param._dp_group)
+    dist.all_reduce(full, group=param._dp_group)  # type: ignore[attr-defined]  # DeepSpeed sets it
     return full.view(param.shape)
 
 
-def _fragments(engine, param: torch.Tensor, key: str | None) -> Iterator[tuple[torch.Tensor, Any]]:
+def _fragments(engine, param: nn.Parameter, key: str | None) -> Iterator[tuple[torch.Tensor, Any]]:
     """This rank's ZeRO fragment of ``param`` (view into the flat partition) and its address in the param."""
-    mapping = param._hp_mapping
+    mapping = param._hp_mapping  # type: ignore[attr-defined]  # DeepSpeed's ZeRO-1/2 fragment address
     if mapping is None:  # the parameter lies wholly in other ranks' partitions
         return
     flat = engine.optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
@@ -273,11 +274,11 @@ def _set_partition_z3(engine, param: nn.Parameter, value: torch.Tensor, key: str
     group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
     flat = optimizer.fp32_partitioned_groups_flat[group]
     dst = (flat if key is None else optimizer.optimizer.state[flat][key]).narrow(0, offset, numel)
-    start = numel * dist.get_rank(param.ds_process_group)
+    start = numel * dist.get_rank(param.ds_process_group)  # type: ignore[attr-defined]  # ZeRO-3's
     src = value.reshape(-1)[start : start + numel]
     dst[: src.numel()].copy_(src)
     if key is None:
-        param.ds_tensor.view(-1)[: src.numel()].copy_(src)
+        param.ds_tensor.view(-1)[: src.numel()].copy_(src)  # type: ignore[attr-defined]  # ZeRO-3's shard
 
 
 # ----- writing a state into a freshly built rank -----

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,10 @@ from disagmoe_ds.engine.mailbox import Key, Mailbox
 from disagmoe_ds.engine.offload import ActivationOffloader
 from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.schedule import Task, TimelineEvent
+from disagmoe_ds.schedule.tasks import TaskKind
+from disagmoe_ds.schedule.trace import Category
 
-_CATEGORY = {
+_CATEGORY: dict[type, Category] = {
     ins.PostRecv: "recv",
     ins.WaitRecv: "wait",
     ins.SendMessage: "send",
@@ -173,7 +176,7 @@ class AFPipeExecutor:
         self.mailbox.send(message, self._outgoing.pop(message.key))
 
     # ----- compute -----
-    def _compute(self, kind: str, fn, layer: int, micro_batch: int) -> None:
+    def _compute(self, kind: TaskKind, fn, layer: int, micro_batch: int) -> None:
         incoming = self._incoming.pop(Task(kind, layer, micro_batch), {})
         with self._offloading(kind, layer, micro_batch):
             outgoing = fn(layer, micro_batch, incoming)
@@ -224,7 +227,7 @@ class AFPipeExecutor:
         loss, lm, aux, count = sums.tolist()
         return StepResult(loss / count, lm / count, aux / count, self.grad_norm.last_norm, seconds)
 
-    _INSTRUCTION_MAP = {
+    _INSTRUCTION_MAP: ClassVar[dict[type, Callable[..., None]]] = {
         ins.PostRecv: _exec_post_recv,
         ins.WaitRecv: _exec_wait_recv,
         ins.SendMessage: _exec_send,
@@ -244,7 +247,10 @@ def _random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | No
     return torch.get_rng_state(), cuda
 
 
-def _set_random_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+def _set_random_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None] | None) -> None:
+    """Back to ``state`` (None: nothing was drawn that a rerun must repeat)."""
+    if state is None:
+        return
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)

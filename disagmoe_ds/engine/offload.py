@@ -195,7 +195,7 @@ class ActivationOffloader:
         if address not in chunk.by_address:
             chunk.by_address[address] = self._copy_out(_bytes_of(storage, t.device), chunk)
         stored = chunk.by_address[address]
-        return _Packed(chunk, stored, t.dtype, t.storage_offset(), t.shape, t.stride(), weakref.ref(t), t._version)
+        return _Packed(chunk, stored, t.dtype, int(t.storage_offset()), t.shape, t.stride(), weakref.ref(t), t._version)
 
     def _unpack(self, packed: torch.Tensor | _Packed) -> torch.Tensor:
         if not isinstance(packed, _Packed):

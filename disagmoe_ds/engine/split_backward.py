@@ -40,9 +40,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
 
@@ -64,7 +65,7 @@ class DeferredWeightGrad:
 
 
 def backward_input(
-    loss: torch.Tensor, inputs: Iterable[torch.Tensor | None], params: Iterable[torch.Tensor]
+    loss: torch.Tensor, inputs: Iterable[torch.Tensor | None], params: Iterable[nn.Parameter]
 ) -> DeferredWeightGrad:
     """B: accumulate d ``loss`` / d ``inputs`` into the inputs' ``.grad`` (no parameter's) and keep what W needs.
 
@@ -80,7 +81,8 @@ def backward_input(
         return DeferredWeightGrad(loss=loss)
     weights = [p for p in params if p.requires_grad]
     _, groups = stage_backward_input([loss], None, leaves, iter(weights))
-    return DeferredWeightGrad(groups, {_get_grad_fn_or_grad_acc(p): p for p in weights})
+    # A parameter that requires grad always has its gradient accumulator.
+    return DeferredWeightGrad(groups, {cast(Node, _get_grad_fn_or_grad_acc(p)): p for p in weights})
 
 
 def backward_weight(engine, deferred: DeferredWeightGrad) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -23,7 +24,7 @@ def start_clock() -> float:
 def gather_timeline(events: list[TimelineEvent], t0: float) -> list[TimelineEvent] | None:
     """All ranks' events shifted to the common start; the list on rank 0, None elsewhere (collective)."""
     shifted = [TimelineEvent(e.worker, e.name, e.category, e.start_s - t0, e.end_s - t0, dict(e.args)) for e in events]
-    gathered: list[list[TimelineEvent]] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(shifted, gathered, dst=0)
     if gathered is None:
         return None

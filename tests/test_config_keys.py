@@ -1,0 +1,36 @@
+"""The ``"disagmoe"`` section of a ds_config is an interface, like the command line: a key is added or removed on
+purpose, with these lists (the flags are frozen in test_train_args)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from disagmoe_ds.colocated.layout import ColocatedConfig
+from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.models.lora import LoraSettings
+
+KEYS = {
+    DisagMoEConfig: {
+        "attention_gpus", "ffn_gpus", "depth", "micro_batches", "expert_data_parallel", "sequence_parallel",
+        "max_in_flight", "comm_timeout_s", "compile", "cuda_graphs", "activation_checkpointing",
+        "selective_recompute", "comm_stream", "transport", "capacity_factor", "resend", "offload", "split_backward",
+        "zero_stage", "cluster", "profile", "lora",
+    },
+    ColocatedConfig: {"world_size", "ep_size", "micro_batches", "comm_timeout_s", "compile", "cuda_graphs", "lora"},
+    LoraSettings: {"rank", "alpha", "dropout", "targets", "train_router", "init_lora_weights"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("section", KEYS, ids=lambda cls: cls.__name__)
+def test_section_keys_are_frozen(section):
+    assert {f.name for f in fields(section)} == KEYS[section]
+
+
+def test_an_unknown_key_names_every_known_one():
+    with pytest.raises(ConfigError) as err:
+        DisagMoEConfig.from_ds_config({"disagmoe": {"attention_gpu": 2}})
+    assert 'unknown key(s) in "disagmoe": attention_gpu; known: ' in str(err.value)
+    assert all(key in str(err.value) for key in KEYS[DisagMoEConfig])
