@@ -3,7 +3,8 @@
   hf-to-disagmoe   HF weights -> step 0 of a disaggregated checkpoint, for a run to start from with --resume
                    (run_pretrain.py --init-from HF_DIR starts from HF weights without this step)
   disagmoe-to-hf   a checkpoint of either mode -> an HF directory with the run's tokenizer, which
-                   AutoModelForCausalLM and AutoTokenizer.from_pretrained load
+                   AutoModelForCausalLM and AutoTokenizer.from_pretrained load; a LoRA run's checkpoint -> its
+                   PEFT adapter directory (base: --model, the run's --init-from), or --merged the merged model
   relayout         a disaggregated checkpoint -> the same state under another layout (GPU split, depth, ZeRO
                    stage, precision): weights, optimizer state, scheduler, step and data position, so
                    run_pretrain.py --resume with the new layout continues the run exactly
@@ -63,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--model", required=True, help="the HF directory (weights not needed) the run trained")
     to_hf.add_argument("--out", required=True, help="new HF directory")
     to_hf.add_argument("--ds-config", help="DeepSpeed config JSON, for checkpoints that do not record theirs")
+    to_hf.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA checkpoint: write the model with its adapters merged (default: a PEFT adapter directory "
+        "whose base is --model, which must then hold the weights the run started from)",
+    )
     re = sub.add_parser(
         "relayout",
         help="checkpoint -> checkpoint of another layout (weights + optimizer state)",
@@ -128,7 +135,7 @@ def _run(a: argparse.Namespace) -> Path:
         return hf_to_disagmoe(job, a.out)
     source = open_checkpoint(a.ckpt, a.model, tag=a.tag, ds_config=ds_file, command=a.command)
     if a.command == "disagmoe-to-hf":
-        return disagmoe_to_hf(source, a.out)
+        return disagmoe_to_hf(source, a.out, merged=a.merged)
     base = ds_file if ds_file is not None else source.job.ds_config
     cfg = _layout_cfg(a, source.job.cfg.zero_stage)
     job = replace(source.job, cfg=cfg, ds_config=resolve_ds_config(base, zero=a.zero, dtype=a.dtype))

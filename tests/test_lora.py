@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from disagmoe_ds import convert
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.config import DisagMoEConfig
@@ -202,7 +205,7 @@ def tok_cache(tmp_path_factory):
     [("--attention-gpus", 2, "--ffn-gpus", 2), ("--mode", "colocated", "--world-size", 2, "--ep-size", 2)],
     ids=["disaggregated", "colocated"],
 )
-def test_lora_fine_tuning_resumes_exactly_and_exports_peft_and_merged(tok_cache, tmp_path, layout) -> None:
+def test_lora_fine_tuning_resumes_exactly_and_exports_peft_and_merged(tok_cache, tmp_path, capfd, layout) -> None:
     """HF dir -> --init-from --sft --lora-rank 8 -> resume at step 2 (steps 3-4 bit for bit) -> --export-hf (a
     PEFT adapter directory) and --export-hf-merged: PEFT's model on the base and the merged model give the same
     logits, and not the base model's."""
@@ -236,6 +239,21 @@ def test_lora_fine_tuning_resumes_exactly_and_exports_peft_and_merged(tok_cache,
         folded = AutoModelForCausalLM.from_pretrained(merged)(ids).logits
     assert torch.allclose(adapted, folded, atol=1e-4)
     assert (adapted - plain).abs().max() > 1e-3
+    # disagmoe-convert writes the same from the step-4 checkpoint: the adapter directory (disaggregated) or the
+    # merged model (co-located), tensor for tensor; without the base weights it is refused before any rank starts.
+    merge = layout[0] == "--mode"
+    converted, exported = tmp_path / "converted", merged if merge else adapter
+    to_hf = ["disagmoe-to-hf", "--ckpt", str(ck), "--model", str(hf_dir), "--out", str(converted)]
+    assert convert.main(to_hf + (["--merged"] if merge else [])) == 0
+    weights = "model.safetensors" if merge else peft_format.ADAPTER_FILE
+    ours, theirs = (load_file(str(d / weights)) for d in (converted, exported))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert (converted / "tokenizer.json").is_file()
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(hf_dir / "config.json", config_only)
+    assert convert.main(to_hf[:4] + [str(config_only), "--out", str(tmp_path / "never")]) == 2
+    assert "holds only LoRA adapters, and" in capfd.readouterr().err and not (tmp_path / "never").exists()
 
 
 @pytest.mark.parametrize(

@@ -118,8 +118,11 @@ def write_adapter(
     config,
     base_model: str,
     dtype: torch.dtype,
+    tokenizer_dir: Path | None = None,
+    tokenizer: Any = None,
 ) -> Path:
-    """A PEFT adapter directory of the adapters (and trained routers) in ``tensors``, written atomically:
+    """A PEFT adapter directory of the adapters (and trained routers) in ``tensors``, written atomically with the
+    run's tokenizer (a checkpoint's ``tokenizer_dir`` or a ``data.Tokenizer``) where given:
     ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), out)`` loads it."""
     from disagmoe_ds.models.hf_writer import replace_dir
 
@@ -138,6 +141,10 @@ def write_adapter(
     lora_config(settings, adapters, base_model=base_model, routers=routers).save_pretrained(str(partial))
     state = {k: v.to(dtype).contiguous() for k, v in to_peft(adapters, routers).items()}
     save_file(state, str(partial / ADAPTER_FILE), metadata={"format": "pt"})
+    if tokenizer_dir is not None:
+        shutil.copytree(tokenizer_dir, partial, dirs_exist_ok=True)
+    if tokenizer is not None:
+        tokenizer.save_hf(partial)
     replace_dir(partial, out)
     return out
 

@@ -31,7 +31,7 @@ from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.engine.checkpoint import WEIGHTS_ONLY, load_checkpoint, save_checkpoint
 from disagmoe_ds.engine.ds_state import TrainState, Weights, gather_state, read_share, set_rank_state
 from disagmoe_ds.errors import CheckpointError
-from disagmoe_ds.models.hf_writer import TOKENIZER_FILES, copy_into, present_files, write_hf
+from disagmoe_ds.models.hf_writer import TOKENIZER_FILES, copy_into, present_files
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.train.conversion_jobs import Job, Source, refuse_checkpoint_as_model, require_disaggregated
 
@@ -59,16 +59,29 @@ def hf_to_disagmoe(job: Job, out: str | Path, *, tag: str = FIRST_TAG) -> Path:
     return Path(out) / tag
 
 
-def disagmoe_to_hf(source: Source, out: str | Path) -> Path:
+def disagmoe_to_hf(source: Source, out: str | Path, *, merged: bool = False) -> Path:
     """Write a checkpoint's module weights as an HF directory (``from_pretrained`` loads it), atomically.
 
-    Either mode: ``source.job`` rebuilds the ranks of the disaggregated or co-located job that wrote it.
+    Either mode: ``source.job`` rebuilds the ranks of the disaggregated or co-located job that wrote it. A LoRA
+    checkpoint holds only its adapters: the ranks put them over the base weights of ``source.job.model_dir`` (the
+    run's ``--init-from``), and the output is a PEFT adapter directory, or with ``merged`` the merged model.
     """
+    from disagmoe_ds.train.export import write_model
+
     out = Path(out)
+    lora = source.job.cfg.lora
+    if merged and lora is None:
+        raise CheckpointError(
+            f"--merged merges a LoRA run's adapters, and checkpoint {source.root / source.tag} holds none; "
+            "leave --merged out"
+        )
     _refuse_existing(out, "output directory")
     state = read_state(source, weights="module")
     tensors = {**state.params, **state.buffers}
-    return write_hf(source.job.model_dir, tensors, out, dtype=source.job.dtype, tokenizer_dir=source.tokenizer_dir)
+    job = source.job
+    return write_model(
+        tensors, Path(job.model_dir), out, dtype=job.dtype, lora=lora, merged=merged, tokenizer_dir=source.tokenizer_dir
+    )
 
 
 def relayout(source: Source, job: Job, out: str | Path) -> Path:

@@ -31,7 +31,7 @@ from disagmoe_ds.engine.checkpoint import (
 )
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.families import family_of
-from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.loading import has_weights, load_config
 
 if TYPE_CHECKING:
     from disagmoe_ds.colocated.layout import ColocatedConfig
@@ -129,11 +129,18 @@ def open_checkpoint(
         )
     frozen = dict(manifest.get("frozen") or {})
     if frozen.get("lora"):
-        raise CheckpointError(
-            f"checkpoint {root / tag} holds LoRA adapters, which disagmoe-convert does not read yet; resume it with "
-            "run_pretrain.py and its --lora-* flags, whose --export-hf / --export-hf-merged write the adapter and "
-            "the merged model"
-        )
+        if command != "disagmoe-to-hf":
+            raise CheckpointError(
+                f"checkpoint {root / tag} holds LoRA adapters, which disagmoe-convert {command} does not carry yet; "
+                "export them with disagmoe-convert disagmoe-to-hf (a PEFT adapter directory, or --merged), or "
+                "resume the run with run_pretrain.py and its --lora-* flags"
+            )
+        if not has_weights(model_dir):
+            raise CheckpointError(
+                f"checkpoint {root / tag} holds only LoRA adapters, and {model_dir} has no weights to put them on; "
+                "pass --model the HF directory the run started from (its --init-from)"
+            )
+        cfg = replace(cfg, lora=frozen["lora"])  # the ranks get the run's adapters over --model's base weights
     job = Job(str(model_dir), cfg, without_section(recorded if recorded is not None else ds_config), frozen)
     extra = {key: manifest[key] for key in TRAINING_ENTRIES if key in manifest}
     return Source(root, tag, job, dict(manifest["client_state"]), mode, extra)

@@ -31,6 +31,35 @@ def _to_cpu(pieces: dict[str, Any]) -> dict[str, Any]:
     return {kind: {n: (first, t.cpu()) for n, (first, t) in named.items()} for kind, named in pieces.items()}
 
 
+def write_model(
+    tensors: dict[str, torch.Tensor],
+    model_dir: Path,
+    out: Path,
+    *,
+    dtype: torch.dtype,
+    lora: LoraSettings | None,
+    merged: bool,
+    tokenizer: Tokenizer | None = None,
+    tokenizer_dir: Path | None = None,
+) -> Path:
+    """The model in ``tensors`` (HF names) as an HF directory, or a LoRA run's as its PEFT adapter directory (base:
+    ``model_dir``) or, ``merged``, with the adapters merged into the weights; atomically, with the tokenizer."""
+    if lora is None or merged:
+        if lora is not None:
+            tensors = peft_format.merged(tensors, lora, transposed=peft_format.experts_transposed(model_dir))
+        return write_hf(model_dir, tensors, out, dtype=dtype, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir)
+    return peft_format.write_adapter(
+        tensors,
+        lora,
+        out,
+        config=load_config(model_dir),
+        base_model=str(model_dir),
+        dtype=dtype,
+        tokenizer=tokenizer,
+        tokenizer_dir=tokenizer_dir,
+    )
+
+
 def export_hf(
     runtime: Runtime,
     model_dir: Path,
@@ -49,16 +78,6 @@ def export_hf(
     written = None
     if gathered is not None:
         tensors = join_module_pieces(gathered)
-        if lora is None:
-            written = write_hf(model_dir, tensors, out, dtype=dtype, tokenizer=tokenizer)
-        elif merged:
-            tensors = peft_format.merged(tensors, lora, transposed=peft_format.experts_transposed(model_dir))
-            written = write_hf(model_dir, tensors, out, dtype=dtype, tokenizer=tokenizer)
-        else:
-            written = peft_format.write_adapter(
-                tensors, lora, out, config=load_config(model_dir), base_model=str(model_dir), dtype=dtype
-            )
-            if tokenizer is not None:
-                tokenizer.save_hf(written)
+        written = write_model(tensors, model_dir, out, dtype=dtype, lora=lora, merged=merged, tokenizer=tokenizer)
     dist.barrier()  # nobody moves on (or exits) while rank 0 writes
     return written
