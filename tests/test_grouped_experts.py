@@ -26,13 +26,14 @@ FAMILY_DIRS = {
     "hunyuan_v1_moe": "hunyuan-v1-moe",
     "dots1": "dots1",
     "minimax_m2": "minimax-m2",
+    "deepseek_v4": "deepseek-v4",
 }
 TOL = 1e-5  # fp32; only the GEMM kernels and the summation order differ
 
 
-def _routed_case(tiny_checkpoint, family: str, case: str):
+def _routed_case(tiny_checkpoint, family: str, case: str, **overrides):
     """A shard of half the experts of ``family``'s first MoE layer and routed rows for ``case``."""
-    model = load_model(tiny_checkpoint(FAMILY_DIRS[family]))
+    model = load_model(tiny_checkpoint(FAMILY_DIRS[family], **overrides))
     model.set_experts_implementation("eager")  # the per-expert loop
     layer = next(i for i, lay in enumerate(model.model.layers) if hasattr(lay.mlp, "experts"))
     num_experts = model.model.layers[layer].mlp.experts.gate_up_proj.shape[0]
@@ -105,6 +106,18 @@ def test_bounded_pairs_equal_hf_loop(tiny_checkpoint, monkeypatch, family, case,
     fast = shard(x, idx, w, num_pairs + 5, bounded=True)  # "empty": padding only, no real pair at all
     assert torch.isfinite(fast).all() and not fast[-pad:].any()
     _assert_close(shard, x, w, fast, shard.forward_hf(x, idx, w) + x * 0)  # + x * 0: a graph when nothing routes
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+def test_clamped_swiglu_equals_hf_loop(tiny_checkpoint, recompute):
+    """DeepSeek-V4 clamps its SwiGLU (``swiglu_limit``; HF's ``_apply_gate``): at a limit most gate and up values
+    exceed, the grouped path (and its recomputed middle) still gives HF's outputs and gradients."""
+    shard, x, idx, w, num_pairs = _routed_case(tiny_checkpoint, "deepseek_v4", "random", swiglu_limit=0.05)
+    x = (x.detach() * 3).requires_grad_()  # gate/up values of about 0.5: most clamped
+    gate_up = x @ shard.experts.gate_up_proj[0].t()
+    assert (gate_up.abs() > 0.05).float().mean() > 0.5
+    shard.recompute = recompute
+    _assert_close(shard, x, w, shard(x, idx, w, num_pairs), shard.forward_hf(x, idx, w))
 
 
 def test_bounded_pairs_past_the_bound_are_dropped_not_a_crash(tiny_checkpoint):

@@ -41,16 +41,10 @@ from disagmoe_ds.comm.routing import (
 from disagmoe_ds.engine.later import Later, made
 from disagmoe_ds.engine.split_backward import ChunkBackward, retained_graph_compiles
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.models.aux_loss import RouterStats, balance_per_layer, router_stats, switch_loss
+from disagmoe_ds.models.context import LayerContext
 from disagmoe_ds.models.graphs import StageGraphs, warm_up_positions
-from disagmoe_ds.models.parts import (
-    AttentionStage,
-    ExpertStage,
-    LayerContext,
-    RouterStats,
-    balance_per_layer,
-    router_stats,
-    switch_loss,
-)
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, slice_batch
 
 Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, build_context, compile_stage, num_routed_experts
+from disagmoe_ds.models.context import build_context
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_routed_experts
 
 
 def one_layer_model(config, *, device: str, dtype: torch.dtype, experts: str = "grouped_mm") -> nn.Module:

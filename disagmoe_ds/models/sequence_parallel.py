@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe_ds.errors import LayoutError
+from disagmoe_ds.models.aux_loss import RouterStats
+from disagmoe_ds.models.context import LayerContext, build_context
 from disagmoe_ds.models.families import family_of
-from disagmoe_ds.models.parts import LayerContext, RouterStats, build_context
 
 ATTENTION_KEY = "disagmoe_ulysses"  # the HF attention implementation an SP rank's attention modules use
 IGNORE_INDEX = -100
