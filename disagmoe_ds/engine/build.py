@@ -38,7 +38,7 @@ from disagmoe_ds.models.graphs import StageGraphs, graph_stages
 from disagmoe_ds.models.lora import GROUPS, LoraSettings
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of, residual_shape
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, check_sequence_parallel, install_ulysses
 from disagmoe_ds.models.split import aux_loss_enabled
@@ -156,6 +156,7 @@ class Disaggregated:
             resend=cfg.resend,
             moe_layers=parts.routing.moe_layers,
             capacity=capacity,
+            residual=residual_shape(stage.config),
         )
         graphs = self._graphs(parts, schedule, worker, capacity)
         return AFPipeExecutor(

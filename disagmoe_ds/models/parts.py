@@ -387,6 +387,14 @@ def num_experts_of(config) -> int:
     return getattr(config, family_of(config).num_experts_attr)
 
 
+def residual_shape(config) -> tuple[int, int, int]:
+    """A token's residual in the hand-off (``comm.messages.Dims``): its streams, the routed sum's weights (one per
+    stream with hyper-connections, else none) and its token-id columns (one where some layer routes by token id)."""
+    hyper = family_of(config).hyper
+    streams = 1 if hyper is None else hyper.streams(config)
+    return streams, 0 if hyper is None else streams, int(any(token_routed_layers(config.to_dict())))
+
+
 def num_routed_experts(model: nn.Module) -> int:
     """E of ``model`` (its config's ``num_experts_of``)."""
     return num_experts_of(model.config)
