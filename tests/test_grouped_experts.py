@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagmoe_ds.engine.runners import _warm_up_cases, _warm_up_ids
+from disagmoe_ds.engine.expert_runner import warm_up_cases, warm_up_ids
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_model
@@ -153,9 +153,9 @@ def test_compiled_fusions_stay_compiled_across_the_warm_up_cases(tiny_checkpoint
     compile_stage(shard)
     torch._dynamo.reset()
     hidden, top_k = shard.experts.gate_up_proj.shape[-1], 2
-    for rows, pattern in _warm_up_cases(16):
+    for rows, pattern in warm_up_cases(16):
         x = torch.randn(rows, hidden, requires_grad=True)
-        idx = _warm_up_ids(rows, top_k, shard.num_local, pattern, x.device)
+        idx = warm_up_ids(rows, top_k, shard.num_local, pattern, x.device)
         w = torch.rand(rows, top_k, requires_grad=True)
         out = shard(x, idx, w, int((idx < shard.num_local).sum()))
         torch.autograd.grad(out.sum(), [x, w], allow_unused=True)

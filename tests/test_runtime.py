@@ -248,7 +248,7 @@ def test_resend_keeps_nothing_on_the_expert_side_and_equals_hf(tiny_checkpoint, 
     """``resend``: between a micro-batch's forward and backward an FFN rank holds no tensor of it (the attention side
     sends the tokens again with the gradients; with p > 1 A_next, which got them with the residual); the result is
     still HF's, exactly. Depth 2 with 2 lanes and 2 ep ranks per group, ZeRO-2."""
-    from disagmoe_ds.engine.runners import ExpertRunner
+    from disagmoe_ds.engine.expert_runner import ExpertRunner
 
     forward = ExpertRunner.forward
 

@@ -25,11 +25,12 @@ from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
 from disagmoe_ds.engine.deepspeed_role import GlobalGradNorm, check_stage, ds_stage
 from disagmoe_ds.engine.executor import AFPipeExecutor
+from disagmoe_ds.engine.expert_runner import ExpertRunner
 from disagmoe_ds.engine.instructions import AFPipeSchedule
 from disagmoe_ds.engine.mailbox import Mailbox
 from disagmoe_ds.engine.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
-from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
+from disagmoe_ds.engine.runners import AttentionRunner
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole

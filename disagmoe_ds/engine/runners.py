@@ -14,20 +14,19 @@ travels back with the residual gradient and enters each MoE layer's backward. Pe
 each MoE layer's own term needs nothing from other layers: it is computed and backpropagated where the layer runs,
 and its value joins the step's loss sums there.
 
+The FFN side's runner is ``engine.expert_runner``'s.
+
 Shape suffixes: B micro-batch size, S sequence, T = B*S, H hidden, K top-k, E experts, R/S rows.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from disagmoe_ds.comm.exchange import LaneRows
-from disagmoe_ds.comm.messages import ExpertOut, ExpertOutGrad, Residual, ResidualGrad, TokenGrads, Tokens
+from disagmoe_ds.comm.messages import ExpertOutGrad, Residual, ResidualGrad, Tokens
 from disagmoe_ds.comm.routing import (
     Capacity,
     CombinePlan,
@@ -35,60 +34,20 @@ from disagmoe_ds.comm.routing import (
     PendingDispatch,
     combine,
     count_ids,
-    pads,
     start_dispatch,
 )
+from disagmoe_ds.engine.chunk_io import Outgoing, checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
+from disagmoe_ds.engine.head_stats import HeadStats
 from disagmoe_ds.engine.later import Later, made
-from disagmoe_ds.engine.split_backward import ChunkBackward, retained_graph_compiles
+from disagmoe_ds.engine.split_backward import ChunkBackward
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.aux_loss import RouterStats, balance_per_layer, router_stats, switch_loss
 from disagmoe_ds.models.context import LayerContext
 from disagmoe_ds.models.graphs import StageGraphs, warm_up_positions
 from disagmoe_ds.models.hyper_connections import add_routed
 from disagmoe_ds.models.moe_pattern import aux_layer_pattern
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, residual_shape
+from disagmoe_ds.models.parts import AttentionStage, residual_shape
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, slice_batch
-
-Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction
-
-
-def _run(fn, *args):
-    return fn(*args)
-
-
-def _checkpointed(fn, *args):
-    # Non-reentrant: works with the chunk-level backward (engine.backward of a pseudo-loss) and any outputs.
-    return checkpoint(fn, *args, use_reentrant=False)
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().requires_grad_()
-
-
-def _warm_up_cases(seq_len: int) -> list[tuple[int, str]]:
-    """(rows, id pattern): several row and pair counts, 1 row, 1 pair, with and without sentinel ids."""
-    sizes = (seq_len, seq_len // 2 + 1, seq_len // 3 + 2)
-    return [(r, p) for p in ("all", "some") for r in (*sizes, 1)] + [(1, "one"), (2, "one"), (0, "all")]
-
-
-def _warm_up_ids(rows: int, top_k: int, num_local: int, pattern: str, device: torch.device) -> torch.Tensor:
-    """Local expert ids: all local (``all``), the last slot held elsewhere (``some``), or one pair in all (``one``)."""
-    idx_RK = torch.randint(0, num_local, (rows, top_k), device=device)
-    if pattern == "some" and top_k > 1:
-        idx_RK[:, -1] = num_local
-    elif pattern == "one":
-        idx_RK.fill_(num_local)
-        idx_RK[0, 0] = 0
-    return idx_RK
-
-
-def _grad_of_inputs(outputs: list[torch.Tensor | None], inputs: list[torch.Tensor]) -> None:
-    """Run the backward from random output gradients to ``inputs`` only: parameters' ``.grad`` and DeepSpeed's
-    gradient hooks are untouched (a compiled backward still computes, and so compiles, every gradient)."""
-    outputs = [t for t in outputs if t is not None and t.requires_grad]
-    if outputs:
-        grads = [torch.randn_like(t) for t in outputs]
-        torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
 
 
 def _sent(dispatch: PendingDispatch) -> PendingDispatch:
@@ -97,10 +56,6 @@ def _sent(dispatch: PendingDispatch) -> PendingDispatch:
     if not dispatch.is_resolved:
         raise RuntimeError("a dispatch was read before its m2n message was sent: the schedule sends m2n first")
     return dispatch
-
-
-def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
-    return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
 @dataclass
@@ -145,28 +100,6 @@ class _PerToken:
     token_ids_TI: torch.Tensor
 
 
-@dataclass
-class HeadStats:
-    """Per-step loss sums on the head lanes, kept on the device: reading a loss per micro-batch would block the
-    host until that micro-batch's head forward is done."""
-
-    sums: torch.Tensor | None = None  # float64 [loss, lm_loss, aux_loss]
-    micro_batches: int = 0
-
-    def add(self, loss: torch.Tensor, lm_loss: torch.Tensor, aux_loss: torch.Tensor) -> None:
-        self._add(torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]))
-        self.micro_batches += 1
-
-    def add_layer_aux(self, coef: float, aux_loss: torch.Tensor) -> None:
-        """One MoE layer's own aux loss of one micro-batch (per-layer balancing), on the rank that runs the layer."""
-        aux = aux_loss.detach()
-        self._add(torch.stack([coef * aux, torch.zeros_like(aux), aux]))
-
-    def _add(self, terms: torch.Tensor) -> None:
-        terms = terms.double()
-        self.sums = terms if self.sums is None else self.sums + terms
-
-
 class AttentionRunner:
     """Attention side of one rank: embedding (A-group 0), attention parts of its layers, head and loss."""
 
@@ -196,7 +129,7 @@ class AttentionRunner:
         self.graphs = graphs or StageGraphs()  # the parts replayed as CUDA graphs (none: every part as it is)
         self.weight_dtype = weight_dtype  # the router weights' (resend at p > 1 sends them with the residual)
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
-        self.recompute = _checkpointed if activation_checkpointing else _run
+        self.recompute = checkpointed if activation_checkpointing else run
         self.config = stage.config
         self.moe_layers = moe_layers
         self.num_layers = len(moe_layers)
@@ -262,7 +195,7 @@ class AttentionRunner:
                     ctx = self._warm_up_context(h_BSH, positions_BS)
                     out = self.recompute(self.stage.part(int(layer)), h_BSH, ctx, self.config)  # as the step runs
                     outputs = [out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE, out.routed_w_BSC]
-                    _grad_of_inputs(outputs, [h_BSH])
+                    grad_of_inputs(outputs, [h_BSH])
             if self.stage.head is not None:
                 S = seq_len // (1 if self.sp is None else self.sp.size)
                 h_BSH = torch.randn(self.B, S, *self.stage.residual_dims, device=device, dtype=dtype)
@@ -272,7 +205,7 @@ class AttentionRunner:
                     loss = self.stage.head(h_BSH, labels_BS)[1]
                 else:  # a slice's share, as the step calls the head
                     loss = self.stage.head(h_BSH, None, labels_BS, labels_BS.new_tensor(labels_BS.numel()))[1]
-                _grad_of_inputs([loss], [h_BSH])
+                grad_of_inputs([loss], [h_BSH])
 
     def _warm_up_context(self, h_BSH: torch.Tensor, positions_BS: torch.Tensor | None) -> LayerContext:
         """A context as the step builds it (None: the default positions, no mask)."""
@@ -378,12 +311,13 @@ class AttentionRunner:
         routed = None
         if self.resend and self.layout.depth > 1:  # A_next sends n2m_grad: it needs the tokens again
             routed = self._routed_rows(tokens.residual_TW, chunk.messages)
+        t = tokens
         return Residual(
-            tokens.residual_TW,
+            t.residual_TW,
             token_idx_S,
-            tokens.position_ids_T,
-            tokens.routed_w_TC,
-            tokens.token_ids_TI,
+            t.position_ids_T,
+            t.routed_w_TC,
+            t.token_ids_TI,
             counts_E,
             probs_E,
             rows_P,
@@ -416,13 +350,13 @@ class AttentionRunner:
             chunk.resent = resid.routed.split(resid.rows_P)
         T = resid.residual_TH.shape[0]
         S = T // self.B
-        chunk.resid_leaf = _leaf(resid.residual_TH.view(self.B, S, *self.stage.residual_dims))
+        chunk.resid_leaf = leaf(resid.residual_TH.view(self.B, S, *self.stage.residual_dims))
         h_BSH = chunk.resid_leaf
         if resid.is_moe:
-            chunk.y_leaves = [_leaf(out.y_RH) for out in incoming["n2m"]]
+            chunk.y_leaves = [leaf(out.y_RH) for out in incoming["n2m"]]
             plan = CombinePlan(T, tuple(resid.rows_P), resid.token_idx_S)
             if self.routed_weights:  # hyper-connections: the routed sum weighed per stream
-                chunk.routed_w_leaf = _leaf(resid.routed_w_TC.view(self.B, S, -1))
+                chunk.routed_w_leaf = leaf(resid.routed_w_TC.view(self.B, S, -1))
             h_BSH = add_routed(h_BSH, chunk.routed_w_leaf, combine(chunk.y_leaves, plan))
         token_ids_BS = resid.token_ids_TI.view(self.B, S) if self.stage.token_routed else None
         return h_BSH, resid.position_ids_T.view(self.B, S), token_ids_BS, resid.counts_E, resid.prob_sum_E
@@ -468,9 +402,9 @@ class AttentionRunner:
         outgoing: Outgoing = {}
         if layer > 0:
             T = chunk.resid_leaf.shape[0] * chunk.resid_leaf.shape[1]
-            d_resid_TW = _grad_or_zeros(chunk.resid_leaf).reshape(T, -1)
+            d_resid_TW = grad_or_zeros(chunk.resid_leaf).reshape(T, -1)
             if chunk.routed_w_leaf is not None:
-                d_routed_w_TC = _grad_or_zeros(chunk.routed_w_leaf).reshape(T, -1)
+                d_routed_w_TC = grad_or_zeros(chunk.routed_w_leaf).reshape(T, -1)
             else:  # no hyper-connections ([T, 0]), or a dense layer's (its weights weighed nothing)
                 d_routed_w_TC = d_resid_TW.new_zeros(T, self.routed_weights)
             self._hand_off("resid_grad", layer, mb, ResidualGrad(d_resid_TW, d_routed_w_TC, aux_grad_E), outgoing)
@@ -479,7 +413,7 @@ class AttentionRunner:
                 if self.resend:  # the previous layer's tokens again (p = 1: its chunk is on this rank)
                     resent = chunk.resent or [m.detached() for m in self.chunks[(layer - 1, mb)].messages]
                 outgoing["n2m_grad"] = [
-                    ExpertOutGrad(_grad_or_zeros(y), tokens) for y, tokens in zip(chunk.y_leaves, resent, strict=True)
+                    ExpertOutGrad(grad_or_zeros(y), tokens) for y, tokens in zip(chunk.y_leaves, resent, strict=True)
                 ]
         return outgoing
 
@@ -501,142 +435,3 @@ class AttentionRunner:
         if isinstance(value, Later) and value.source is not None:  # a layer whose n2m came back: its m2n went out
             _sent(value.source)
         return made(value)
-
-
-@dataclass
-class _ExpertChunk:
-    x_SH: torch.Tensor | None  # None between forward and backward with resend
-    w_SK: torch.Tensor | None
-    y_SH: torch.Tensor | None
-    rows: LaneRows
-    pairs: int
-    bounded: bool  # pairs is a capacity's bound
-
-
-class ExpertRunner:
-    """FFN side of one rank: its expert shard of every MoE layer its F-group owns."""
-
-    def __init__(
-        self,
-        engine,
-        stage: ExpertStage,
-        *,
-        top_k: int,
-        weight_dtype: torch.dtype,
-        activation_checkpointing: bool = False,
-        resend: bool = False,
-        split_layers: frozenset[int] = frozenset(),
-        graphs: StageGraphs | None = None,
-        capacity: Capacity | None = None,
-        lanes: int = 1,
-    ):
-        """``capacity``, ``lanes``: the fixed size of each of the ``lanes`` messages a step's micro-batch brings (None:
-        sizes vary); the graphed shards and the warm-up run at their sum."""
-        self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, top_k, weight_dtype
-        self.graphs = graphs or StageGraphs()  # the shards replayed as CUDA graphs (at the capacity's rows)
-        self._capacity, self.lanes = capacity, lanes
-        self.resend = resend
-        self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
-        # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
-        self.compiling = retained_graph_compiles if split_layers else nullcontext
-        self.recompute = _checkpointed if activation_checkpointing else _run
-        self.chunks: dict[tuple[int, int], _ExpertChunk] = {}
-
-    def start_step(self, batches) -> None:
-        del batches  # the FFN side reads no data
-
-    @property
-    def capacity(self) -> Capacity | None:
-        return self._capacity
-
-    @capacity.setter
-    def capacity(self, capacity: Capacity) -> None:
-        """A grown capacity (a step outgrew the old one): the graphed shards are captured again at its size."""
-        grown, self._capacity = capacity != self._capacity, capacity
-        if grown and self.graphs.shards:
-            self._capture_shards()
-
-    def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
-        with self.compiling():
-            self._warm_up(seq_len, packed=packed)
-        if self.graphs.shards:
-            self._capture_shards()
-
-    def _capture_shards(self) -> None:
-        rows, bound = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
-        self.graphs.capture_shards(
-            self.stage, rows=rows, top_k=self.top_k, weight_dtype=self.weight_dtype,
-            pair_bound=bound if pads(self.capacity) else None,
-        )  # fmt: skip
-
-    def _warm_up(self, seq_len: int, *, packed: bool = False) -> None:
-        """Compile and load every compiled kernel of the expert shards now (see ``AttentionRunner.warm_up``).
-
-        Row and pair counts change every micro-batch: after two sizes the compiled graphs are dynamic in them, but a
-        count of 1 gets graphs of its own, and so do messages whose ids all live here (no sentinel, as with one ep
-        rank): ``_warm_up_cases`` covers each combination.
-        """
-        del packed  # the experts see rows, not documents
-        device, dtype, hidden = self.engine.device, next(self.stage.parameters()).dtype, self.stage.config.hidden_size
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for layer in self.stage.layers:
-                shard = self.stage.shard(int(layer))
-                for rows, pattern, bound in self._warm_up_cases(seq_len):
-                    x_RH = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
-                    idx_RK = _warm_up_ids(rows, self.top_k, shard.num_local, pattern, device)
-                    w_RK = torch.rand(rows, self.top_k, device=device, dtype=self.weight_dtype, requires_grad=True)
-                    pairs = bound or int((idx_RK < shard.num_local).sum())
-                    if self.resend:  # its forward runs without autograd: graphs of their own
-                        with torch.no_grad():
-                            shard(x_RH, idx_RK, w_RK, pairs, bool(bound))
-                    _grad_of_inputs([self.recompute(shard, x_RH, idx_RK, w_RK, pairs, bool(bound))], [x_RH, w_RK])
-
-    def _warm_up_cases(self, seq_len: int) -> list[tuple[int, str, int | None]]:
-        """(rows, id pattern, pair bound): messages of varying size, or, at a capacity that pads them, the one size
-        they all have, with and without sentinel ids."""
-        if not pads(self.capacity):
-            return [(rows, pattern, None) for rows, pattern in _warm_up_cases(seq_len)]
-        rows, pairs = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
-        return [(rows, pattern, pairs) for pattern in ("some", "one")]
-
-    def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
-        with self.compiling():
-            return self._forward(layer, mb, incoming)
-
-    def _forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
-        tokens: Tokens
-        tokens, rows = incoming["m2n"]
-        pairs, bounded = tokens.pairs, tokens.bounded
-        if self.resend:  # keep nothing: the backward gets the tokens again and recomputes
-            with torch.no_grad():
-                y_SH = self._shard(layer)(*tokens.shard_args)
-            self.chunks[(layer, mb)] = _ExpertChunk(None, None, None, rows, pairs, bounded)
-            return {"n2m": ExpertOut(y_SH).split(rows.counts)}
-        x_SH, w_SK = _leaf(tokens.x_RH), _leaf(tokens.w_RK)
-        y_SH = self.recompute(self._shard(layer), x_SH, tokens.local_idx_RK, w_SK, pairs, bounded)
-        self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows, pairs, bounded)
-        return {"n2m": ExpertOut(y_SH).split(rows.counts)}
-
-    def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
-        with self.compiling():
-            return self._backward(layer, mb, incoming)
-
-    def _shard(self, layer: int):
-        return self.graphs.shard(self.stage, layer)
-
-    def weight_grad(self, layer: int, mb: int) -> None:
-        """Split backward: the expert weight gradients ``backward`` deferred for this chunk."""
-        self.backward_pass.weight_grad((layer, mb))
-
-    def _backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
-        chunk = self.chunks.pop((layer, mb))
-        grad: ExpertOutGrad
-        grad, _ = incoming["n2m_grad"]
-        if grad.resent is not None:  # resend: recompute the forward from the tokens sent again
-            chunk.x_SH, chunk.w_SK = _leaf(grad.resent.x_RH), _leaf(grad.resent.w_RK)
-            idx_SK = grad.resent.local_idx_RK
-            chunk.y_SH = self._shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.pairs, chunk.bounded)
-        if chunk.y_SH.requires_grad:
-            self.backward_pass.run((layer, mb), (chunk.y_SH * grad.dy_RH).float().sum(), [chunk.x_SH, chunk.w_SK])
-        token_grads = TokenGrads(_grad_or_zeros(chunk.x_SH), _grad_or_zeros(chunk.w_SK))
-        return {"m2n_grad": token_grads.split(chunk.rows.counts)}
