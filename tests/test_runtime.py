@@ -52,6 +52,10 @@ CASES = [
     all_families_only("minimax-m2", {}, 2, 4, 2, 1, 3, 2, True),  # the router takes the block's bias
     # DeepSeek-V3.2: sparse attention (the indexer keeps 4 of the 8 keys), its indexers frozen; 2 ep ranks, depth 2
     ("deepseek-v32", {}, 2, 4, 2, 1, 3, 1, True),
+    # DeepSeek-V4: hyper-connection streams and the routed sum's weights in the hand-off, hash-routed layers 0-1 (one
+    # per A-group: the token ids travel to A-group 1) and learned ones 2-3; 2 ep ranks, depth 2
+    ("deepseek-v4", {}, 2, 4, 2, 1, 3, 1, True),
+    all_families_only("deepseek-v4", {}, 1, 2, 1, 1, 3, 2, False),  # ZeRO-2, one A-group
 ]
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active
@@ -93,6 +97,7 @@ CAPACITY_CASES = [
     ("deepseek-v3", 2, 4, 2, 1, 1, False, 0.5),
     ("mixtral", 2, 4, 2, 1, 2, True, 0.5),
     ("qwen2-moe", 2, 4, 1, 2, 2, False, 1.25),  # expert replicas; a dense layer's resid
+    all_families_only("deepseek-v4", 2, 4, 2, 1, 1, True, 0.5),  # streams, weights and token ids at a capacity
 ]
 
 
