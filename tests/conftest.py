@@ -57,7 +57,7 @@ def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, max_shard_s
         for name, buf in [*model.named_buffers(), *model.named_parameters()]:  # ERNIE's is a frozen parameter
             if name.endswith("e_score_correction_bias"):  # exercise DeepSeek-V3's biased top-k choice
                 buf.copy_(torch.randn_like(buf) * 0.05)
-    fill_token_tables(model.model.layers, model.config, seed)  # DeepSeek-V4's hash routing (HF's init: all zeros)
+    fill_token_tables(model.model.layers, model.config)  # DeepSeek-V4's hash routing (HF's init: all zeros)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     return out_dir
 

@@ -102,7 +102,7 @@ def load_model(
     if not has_weights(path) and not require_weights:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-        fill_token_tables(model.model.layers, model.config, seed)
+        fill_token_tables(model.model.layers, model.config)
         return freeze_untrained(model)
     check_weights(path)
     try:
@@ -149,20 +149,21 @@ def freeze_untrained(model: nn.Module) -> nn.Module:
     return model
 
 
-def token_table(config, layer: int, seed: int) -> torch.Tensor:
+def token_table(config, layer: int) -> torch.Tensor:
     """Generated weights' token id -> experts table of a hash-routed layer ([V, K]: K distinct experts per token).
 
     HF initialises DeepSeek-V4's ``tid2eid`` to zeros (every token to expert 0 in every slot; its real values come
-    from the checkpoint), which would route a generated model's hash layers to one expert. Drawn from ``seed`` and
-    the layer alone, so every rank that holds the layer draws the same table, whatever else it holds.
+    from the checkpoint), which would route a generated model's hash layers to one expert. A frozen table, as a
+    checkpoint's is: drawn from the layer index alone, so every rank and run that holds the layer has the same
+    (the ranks initialise their parts from seeds of their own, and DeepSpeed broadcasts parameters, not buffers).
     """
     family = family_of(config)
-    generator = torch.Generator().manual_seed(seed * 100_003 + layer)
+    generator = torch.Generator().manual_seed(100_003 + layer)
     scores = torch.rand(config.vocab_size, getattr(config, family.num_experts_attr), generator=generator)
     return scores.argsort(dim=1)[:, : config.num_experts_per_tok]
 
 
-def fill_token_tables(layers, config, seed: int) -> None:
+def fill_token_tables(layers, config) -> None:
     """Fill the token tables (``Family.token_table``) of ``layers`` (decoder layers or attention parts, in order of
     their indices, or a {index: layer} mapping) with ``token_table``."""
     family = family_of(config)
@@ -173,7 +174,7 @@ def fill_token_tables(layers, config, seed: int) -> None:
         table = token_table_of(family, layer.mlp) if is_moe_layer(layer) else None
         if table is not None:
             with torch.no_grad():
-                table.copy_(token_table(config, int(index), seed))
+                table.copy_(token_table(config, int(index)))
 
 
 def shared_parameters(module: nn.Module) -> list[list[str]]:

@@ -344,4 +344,4 @@ def _initialise(stage: nn.Module, model: nn.Module, seed: int) -> None:
     for module in stage.modules():
         model._init_weights(module)
     parts = {part.layer_idx: part for part in stage.modules() if isinstance(part, AttentionPart)}
-    fill_token_tables(parts, model.config, seed)  # as load_model fills a generated model's
+    fill_token_tables(parts, model.config)  # as load_model fills a generated model's

@@ -71,6 +71,22 @@ UNCUT: dict[str, ReasonsFn] = {"gemma4_text": _gemma4_text}
 _TEXT_OF = {"gemma4": "gemma4_text"}
 
 
+# What a family's cut runs but a feature of the runtime cannot hold yet: model_type -> {feature: why}.
+NOT_WITH: dict[str, dict[str, str]] = {
+    "deepseek_v4": {
+        "cuda_graphs": "its parts take the micro-batch's token ids (hash-routed layers) and hand on the routed "
+        "sum's weights per stream, which the graphed parts' static inputs and outputs do not hold",
+        "sequence_parallel": "its compressors pool windows of the whole sequence and its lightning indexer scores "
+        "every compressed key, outside the attention function that Ulysses splits",
+    },
+}
+
+
+def refused_with(cfg: Mapping[str, Any], feature: str) -> str | None:
+    """Why the model of config.json dict ``cfg`` cannot run with ``feature`` yet (``NOT_WITH``), or None."""
+    return NOT_WITH.get(str(cfg.get("model_type")), {}).get(feature)
+
+
 def check_uncut(cfg: Mapping[str, Any]) -> None:
     """Refuse a config.json dict of a family in ``UNCUT`` (``refusal``); other configs pass."""
     line = refusal(cfg)
