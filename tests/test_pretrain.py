@@ -329,6 +329,7 @@ def test_aux_loss_free_bias_moves_in_the_job(tok_cache, tmp_path) -> None:
         all_families_only("dots1", (1, 2, 1)),
         all_families_only("minimax-m2", (1, 2, 1)),
         all_families_only("deepseek-v32", (1, 2, 1)),
+        ("deepseek-v4", (2, 4, 2)),  # hyper-connection streams, token ids and tid2eid tables; 2 ep ranks, depth 2
     ],
 )
 def test_init_from_fine_tune_resumes_exactly(tok_cache, tmp_path, family, layout) -> None:
