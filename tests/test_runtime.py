@@ -223,7 +223,7 @@ def test_kernel_warm_up_leaves_no_trace(tiny_checkpoint, monkeypatch):
         head = getattr(getattr(runner, "stage", None), "head", None)
         if isinstance(runner, AttentionRunner):
             context = runner.stage.context
-            runner.stage.context = lambda h, positions: _noting_mask(context(h, positions), masks)
+            runner.stage.context = lambda h, positions, *ids: _noting_mask(context(h, positions, *ids), masks)
         if head is not None:
             head.register_forward_hook(lambda *_: heads.append(1))
         runtime.executor.warm_up(seq_len=8, packed=True)
