@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagmoe_ds.models.context import build_context
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_routed_experts
 
 
@@ -25,8 +24,9 @@ def one_layer_model(config, *, device: str, dtype: torch.dtype, experts: str = "
     for dense_rule, value in (("first_k_dense_replace", 0), ("mlp_only_layers", []), ("decoder_sparse_step", 1)):
         if hasattr(config, dense_rule):
             setattr(config, dense_rule, value)
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:1]
+    for per_layer in ("layer_types", "mlp_layer_types"):  # DeepSeek-V4 lists its MLPs per layer too
+        if getattr(config, per_layer, None):
+            setattr(config, per_layer, getattr(config, per_layer)[:1])
     config._experts_implementation = experts  # not a from_config keyword in every transformers 5.x
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -57,8 +57,10 @@ def disagmoe_parts(
         compile_stage(attention)
         compile_stage(experts)
     H = model.config.hidden_size
-    h_BSH = torch.randn(micro_batch_size, seq_len, H, device=device, dtype=dtype, requires_grad=True)
-    ctx = build_context(model.config, attention.rotary_emb, h_BSH, None)
+    h_BSH = torch.randn(micro_batch_size, seq_len, *attention.residual_dims, device=device, dtype=dtype)
+    h_BSH.requires_grad_()
+    token_ids_BS = torch.randint(0, model.config.vocab_size, (micro_batch_size, seq_len), device=device)
+    ctx = attention.context(h_BSH, None, token_ids_BS)  # token ids: for a layer that routes by them
 
     def attention_fn() -> tuple:
         out = attention.part(0)(h_BSH, ctx, model.config)
