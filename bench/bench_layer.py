@@ -9,6 +9,7 @@ attention; weights random, only the config is read) and times forward + backward
     hf-eager      HF ``XDecoderLayer`` with the per-expert Python loop (``experts_implementation="eager"``)
     hf-grouped    HF ``XDecoderLayer`` with ``grouped_mm`` experts
     hf-compiled   the same layer under ``torch.compile`` (default options, the whole layer): the reference
+    hf-graphed    the same under ``mode="reduce-overhead"`` (inductor's CUDA graph trees, forward and backward)
     ours          ``AttentionPart`` -> dispatch plan -> ``ExpertShard`` (all experts, one rank) -> combine
     ours-compiled the same under ``compile_stage`` as a ``"compile": true`` job runs it (attention part; the
                   experts' activation/gating/weighting, on CUDA as Triton kernels, and un-permute)
@@ -62,13 +63,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig
 
 from disagmoe_ds.comm.routing import combine, count_ids, pack, plan_dispatch
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.context import build_context
 from disagmoe_ds.models.families import family_of, router_of
 from disagmoe_ds.models.graphs import graph_stages
+from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.one_layer import one_layer_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertShard, ExpertStage, compile_stage
 from disagmoe_ds.models.recompute import apply_selective_recompute
@@ -79,6 +80,7 @@ PATHS = (
     "hf-eager",
     "hf-grouped",
     "hf-compiled",
+    "hf-graphed",
     "ours",
     "ours-compiled",
     "ours-graphed",
@@ -86,7 +88,7 @@ PATHS = (
     "selective-compiled",
     "floor",
 )
-CUDA_ONLY = ("ours-graphed",)
+CUDA_ONLY = ("hf-graphed", "ours-graphed")
 REFERENCE = "hf-compiled"
 
 
@@ -159,6 +161,11 @@ def _hf_step(model, h_BSH, ctx, grad_BSH):
     )
     HeldActivations.end()
     out.backward(grad_BSH)
+
+
+def _hf_graphed_step(model, h_BSH, ctx, grad_BSH):
+    torch.compiler.cudagraph_mark_step_begin()  # a new step: the graph trees may reuse the last step's outputs
+    _hf_step(model, h_BSH, ctx, grad_BSH)
 
 
 def _ours_step(parts, h_BSH, ctx, grad_BSH):
@@ -279,13 +286,13 @@ def _without_triton(stage: ExpertStage) -> None:
             shard.elementwise = shard.elementwise.without_triton()
 
 
-def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, device: str, backend: str):
+def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, device: str, backend: str, layer: int = 0):
     """``(step, args)`` of one path, compiled where its name says so. Every path gets the same weights and batch
     (the same seed), so the same routing: expert GEMM times depend on how evenly the tokens spread."""
     torch.manual_seed(0)
     experts = "eager" if name == "hf-eager" else "grouped_mm"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = one_layer_model(AutoConfig.from_pretrained(model_dir), device=device, dtype=dtype, experts=experts)
+    model = one_layer_model(load_config(model_dir), device=device, dtype=dtype, experts=experts, layer=layer)
     h_BSH = torch.randn(batch, seq_len, model.config.hidden_size, device=device, dtype=model.dtype) * 0.5
     h_BSH.requires_grad_()
     grad_BSH = torch.randn_like(h_BSH) * 1e-3
@@ -317,6 +324,9 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
     if name == "hf-compiled":
         with compile_backend(backend):
             model.model.layers[0].compile()
+    if name == "hf-graphed":
+        model.model.layers[0].compile(mode="reduce-overhead")
+        return _hf_graphed_step, (model, h_BSH, ctx, grad_BSH)
     return _hf_step, (model, h_BSH, ctx, grad_BSH)
 
 
@@ -331,20 +341,23 @@ def bench_model(
     profile: bool,
     paths: list[str],
     backend: str = "inductor",
+    layer: int = 0,
 ) -> Iterator[dict]:
-    """One row per path, as each is measured (``vs_hf_compiled`` is filled in by ``add_ratios``)."""
+    """One row per path, as each is measured (``vs_hf_compiled`` is filled in by ``add_ratios``); the model's
+    layer ``layer`` (its attention type), named ``model:layer`` where it is not the first."""
     spec = load_model_spec(model_dir)
-    flops_per_token = 3 * (spec.attention_side_flops(seq_len, 0) + spec.expert_side_flops(0))
+    flops_per_token = 3 * (spec.attention_side_flops(seq_len, layer) + spec.expert_side_flops(layer))
     tokens = batch * seq_len
+    model_name = Path(model_dir).name + (f":{layer}" if layer else "")
     for name in paths:
-        row = {"model": Path(model_dir).name, "seq_len": seq_len, "batch": batch, "path": name}
+        row = {"model": model_name, "layer": layer, "seq_len": seq_len, "batch": batch, "path": name}
         row.update(ms=None, tokens_per_s=None, tflops=None, mfu=None, vs_hf_compiled=None, error=None)
         row.update(peak_gib=None, held_gib=None, idle=None)
         step = args = None
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         try:
-            step, args = build_path(name, model_dir, spec, seq_len, batch, device=device, backend=backend)
+            step, args = build_path(name, model_dir, spec, seq_len, batch, device=device, backend=backend, layer=layer)
             seconds = time_step(step, *args, warmup=warmup, iters=iters, device=device)
             tflops = flops_per_token * tokens / seconds / 1e12
             row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds, tflops=tflops, mfu=tflops / PEAK_TFLOPS)
@@ -467,6 +480,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"{', '.join(PATHS)} (default: all; on CPUs all but {', '.join(CUDA_ONLY)})",
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: CPU tests)")
+    p.add_argument(
+        "--layer",
+        type=int,
+        default=0,
+        help="which of the model's layers to build, for its attention type (config.layer_types: Qwen3.5's "
+        "full_attention layers are 3, 7, ...); always made MoE. Default 0",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
     a.paths = a.paths or paths_for(a.device)
@@ -483,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                 profile=a.profile,
                 paths=a.paths,
                 backend=a.compile_backend,
+                layer=a.layer,
             ):
                 rows.append(row)
                 add_ratios(rows)

@@ -138,3 +138,33 @@ def test_the_floor_refuses_experts_it_cannot_time(tmp_path, capsys):
     assert bench_layer.main(argv + ["--json", str(out_json)] + TINY) == 1
     (row,) = json.loads(out_json.read_text())
     assert row["error"] == "ValueError: the floor path needs HF's fused gate/up expert tensors, not gpt_oss's"
+
+
+@pytest.mark.parametrize("layer, mixer", [(0, "linear_attn"), (3, "self_attn")])
+def test_layer_picks_the_models_layer_type(tmp_path, monkeypatch, layer, mixer):
+    """Qwen3.5-MoE alternates Gated DeltaNet and full attention: ``--layer`` builds the type of that layer and counts
+    its FLOPs."""
+    built = []
+    one_layer = bench_layer.one_layer_model
+
+    def recorded(*args, **kwargs):
+        built.append(one_layer(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(bench_layer, "one_layer_model", recorded)
+    out_json = tmp_path / "layer.json"
+    argv = ["--model", str(ROOT / "hf_models" / "tiny-qwen3.5-moe"), "--seq-len", "8", "--batch", "1"]
+    argv += ["--paths", "hf-grouped", "--layer", str(layer), "--json", str(out_json)]
+    assert bench_layer.main(argv + TINY) == 0
+    (row,) = json.loads(out_json.read_text())
+    assert hasattr(built[0].model.layers[0], mixer)
+    assert row["model"] == "tiny-qwen3.5-moe" + (f":{layer}" if layer else "") and row["layer"] == layer
+    spec = bench_layer.load_model_spec(str(ROOT / "hf_models" / "tiny-qwen3.5-moe"))
+    flops = 3 * (spec.attention_side_flops(8, layer) + spec.expert_side_flops(layer))
+    assert row["tflops"] == pytest.approx(flops * 8 / (row["ms"] / 1e3) / 1e12)
+
+
+def test_layer_out_of_range_is_refused():
+    config = bench_layer.load_config(ROOT / "hf_models" / "tiny-qwen3.5-moe")
+    with pytest.raises(ValueError, match="layer 9 is not one of the model's 4 layers"):
+        bench_layer.one_layer_model(config, device="cpu", dtype=torch.float32, layer=9)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 
+from disagmoe_ds.engine import ds_patches
 from disagmoe_ds.engine.deepspeed_role import GradNorm, clip_by_norm, zero_grads_of_untouched
 from disagmoe_ds.engine.executor import StepResult
 from disagmoe_ds.launch.watchdog import StallWatch
@@ -47,7 +48,7 @@ class ColocatedGradNorm:
     def install(self, engine) -> None:
         self._engine = engine
         if not engine.zero_optimization():
-            engine.clip_fp32_gradients = lambda: self._clip_fp32(engine)
+            ds_patches.replace_fp32_clipping(engine, lambda: self._clip_fp32(engine))
 
     @property
     def last_norm(self) -> float | None:

@@ -33,11 +33,11 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-from deepspeed.runtime.utils import combine_grad_norm_groups
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from torch import nn
 
 from disagmoe_ds.config import SECTION
+from disagmoe_ds.engine import ds_patches
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.parts import ExpertShard
 
@@ -136,28 +136,6 @@ def scale_gradients(module: nn.Module, factor: float) -> None:
             param.register_hook(lambda grad, f=factor: grad * f)
 
 
-def allow_backward_without_gradients(optimizer) -> None:
-    """Let a ZeRO-2 backward reach no parameter of the engine.
-
-    ZeRO-2 allocates its gradient buckets at a backward's first parameter gradient and frees them when the backward
-    ends, where it reduces the last bucket unconditionally. A backward that produces no parameter gradient (a chunk
-    whose trainable parameters it does not reach) would make DeepSpeed index a bucket that was never allocated
-    (``IndexError`` in ``reduce_ipg_grads``). With nothing in any bucket there is nothing to reduce, so that call is
-    skipped; every other call is DeepSpeed's. Expert shards never need it: their forward reaches every parameter
-    even with no token routed to them (``ExpertShard.forward``), so that their replicas reduce the same buckets.
-    """
-    reduce = optimizer.reduce_ipg_grads
-
-    def reduce_allocated(comm_dtype: torch.dtype | None = None) -> None:
-        buckets = optimizer.ipg_buckets.values()
-        nothing = all(not b.buffer and b.elements == 0 for b in buckets) and not optimizer.extra_large_param_to_reduce
-        if optimizer.contiguous_gradients and nothing:
-            return
-        reduce(comm_dtype)
-
-    optimizer.reduce_ipg_grads = reduce_allocated
-
-
 class GradNorm(Protocol):
     """The gradient norm a rank's engine clips with: over every unique parameter of the job, the same on every rank.
 
@@ -193,15 +171,13 @@ class GlobalGradNorm:
 
     def install(self, engine) -> None:
         """Route the engine's clipping norm through ``combine`` (ZeRO optimizer, or the fp32 engine path)."""
-        optimizer = engine.optimizer
-        if hasattr(optimizer, "scaled_global_norm"):  # ZeRO stage 1/2
-            role_norm = optimizer.scaled_global_norm
-            optimizer.scaled_global_norm = lambda *a, **k: self.combine(role_norm(*a, **k))
-        elif engine.zero_optimization_stage() == 3:  # step() clips with the L2 combination of these group norms
-            norm_groups = optimizer._get_norm_groups
-            optimizer._get_norm_groups = lambda: [self.combine(combine_grad_norm_groups(norm_groups()))]
+        stage = engine.zero_optimization_stage()
+        if stage in (1, 2):
+            ds_patches.combine_zero_norm(engine.optimizer, self.combine)
+        elif stage == 3:
+            ds_patches.combine_zero3_norm(engine.optimizer, self.combine)
         else:  # plain fp32 engine: DeepSpeed clips with torch's clip_grad_norm_ in clip_fp32_gradients
-            engine.clip_fp32_gradients = lambda: self._clip_fp32(engine)
+            ds_patches.replace_fp32_clipping(engine, lambda: self._clip_fp32(engine))
 
     def _clip_fp32(self, engine) -> None:
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
@@ -246,14 +222,7 @@ def discard_gradients(engine) -> None:
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         if engine.zero_optimization_partition_gradients():  # ZeRO-2 holds the step's backwards unreduced so far
             optimizer.finalize_gradient_accumulation_boundary()  # (a collective: every replica discards together)
-        checking = optimizer.check_grad_overflow
-        optimizer.check_grad_overflow = True
-        optimizer.check_overflow = lambda *args, **kwargs: setattr(optimizer, "overflow", True)
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.check_overflow  # the method again
-            optimizer.check_grad_overflow, optimizer.overflow = checking, False
+        ds_patches.step_as_overflow(optimizer)
     elif isinstance(optimizer, BF16_Optimizer):
         optimizer.zero_grad(set_to_none=True)
     for param in engine.module.parameters():
@@ -272,48 +241,6 @@ def gather_read_parameters(module: nn.Module) -> None:
         if isinstance(shard, ExpertShard):
             for param in shard.experts.parameters():
                 deepspeed.zero.register_external_parameter(shard, param)
-
-
-def accumulate_across_backwards(optimizer) -> None:
-    """Make ZeRO-3 sum the gradient partitions of every backward between two ``step()`` calls.
-
-    ZeRO-3 copies a backward's reduced partitions into its gradient buffer while ``micro_step_id`` is 0 and adds
-    them after that; only ``engine.forward`` advances the counter and only ``step()`` resets it. The AF-Pipe runs
-    its chunks outside ``engine.forward``, and a backward reaches one layer's parameters: so every backward adds,
-    into a buffer that is zero at the start of each step (it is allocated zero; ``step`` leaves it zero again).
-    """
-    partition_grads, step = optimizer.partition_grads, optimizer.step
-
-    def accumulating(params_to_release, grad_partitions) -> None:
-        optimizer.micro_step_id = 1
-        partition_grads(params_to_release, grad_partitions)
-
-    def step_then_zero(*args, **kwargs):
-        result = step(*args, **kwargs)
-        optimizer.grad_partitions_flat_buffer.zero_()
-        return result
-
-    optimizer.partition_grads, optimizer.step = accumulating, step_then_zero
-
-
-@contextmanager
-def barriers_within(replicas: dist.ProcessGroup) -> Iterator[None]:
-    """Inside it, DeepSpeed's world barriers (``group=None``) are barriers of ``group`` only.
-
-    ZeRO-3's optimizer set-up places world barriers between its steps (sync points, nothing exchanged); the ranks of
-    the other side build engines at another stage that issue none, so those barriers would wait forever. The engine's
-    own data-parallel group (the replicas it partitions over) is the set of ranks that must be in step there.
-    """
-    barrier = deepspeed.comm.barrier
-
-    def replica_barrier(group=None, **kwargs):
-        return barrier(group=group or replicas, **kwargs)
-
-    deepspeed.comm.barrier = replica_barrier
-    try:
-        yield
-    finally:
-        deepspeed.comm.barrier = barrier
 
 
 @contextmanager
@@ -362,12 +289,13 @@ def build_engine(
     stage3 = config["zero_optimization"]["stage"] == 3
     if stage3:
         gather_read_parameters(module)
-    with barriers_within(data_parallel_group) if stage3 else nullcontext(), _scheduler_start_unlogged():
+    barriers = ds_patches.barriers_within(data_parallel_group) if stage3 else nullcontext()
+    with barriers, _scheduler_start_unlogged():
         engine, *_ = deepspeed.initialize(
             model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config, mpu=mpu
         )
     if engine.zero_optimization_stage() == 2:
-        allow_backward_without_gradients(engine.optimizer)
+        ds_patches.allow_backward_without_gradients(engine.optimizer)
     elif engine.zero_optimization_stage() == 3:
-        accumulate_across_backwards(engine.optimizer)
+        ds_patches.accumulate_across_backwards(engine.optimizer)
     return engine

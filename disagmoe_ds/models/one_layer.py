@@ -15,8 +15,11 @@ from torch import nn
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_routed_experts
 
 
-def one_layer_model(config, *, device: str, dtype: torch.dtype, experts: str = "grouped_mm") -> nn.Module:
-    """A causal LM with a single decoder layer of ``config``'s sizes, that layer made MoE (random weights)."""
+def one_layer_model(
+    config, *, device: str, dtype: torch.dtype, experts: str = "grouped_mm", layer: int = 0
+) -> nn.Module:
+    """A causal LM with a single decoder layer of ``config``'s sizes, that layer made MoE (random weights), of the
+    type (``config.layer_types``: full or linear attention, sliding window) of the model's layer ``layer``."""
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(config)
@@ -24,9 +27,12 @@ def one_layer_model(config, *, device: str, dtype: torch.dtype, experts: str = "
     for dense_rule, value in (("first_k_dense_replace", 0), ("mlp_only_layers", []), ("decoder_sparse_step", 1)):
         if hasattr(config, dense_rule):
             setattr(config, dense_rule, value)
-    for per_layer in ("layer_types", "mlp_layer_types"):  # DeepSeek-V4 lists its MLPs per layer too
-        if getattr(config, per_layer, None):
-            setattr(config, per_layer, getattr(config, per_layer)[:1])
+    if getattr(config, "layer_types", None):
+        if not 0 <= layer < len(config.layer_types):
+            raise ValueError(f"layer {layer} is not one of the model's {len(config.layer_types)} layers")
+        config.layer_types = config.layer_types[layer : layer + 1]
+    if getattr(config, "mlp_layer_types", None):  # DeepSeek-V4 lists its MLPs per layer too (a hash or learned router)
+        config.mlp_layer_types = config.mlp_layer_types[layer : layer + 1]
     config._experts_implementation = experts  # not a from_config keyword in every transformers 5.x
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
