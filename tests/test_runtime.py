@@ -54,8 +54,8 @@ CASES = [
     ("deepseek-v32", {}, 2, 4, 2, 1, 3, 1, True),
     # DeepSeek-V4: hyper-connection streams and the routed sum's weights in the hand-off, hash-routed layers 0-1 (one
     # per A-group: the token ids travel to A-group 1) and learned ones 2-3; 2 ep ranks, depth 2
-    ("deepseek-v4", {}, 2, 4, 2, 1, 3, 1, True),
-    all_families_only("deepseek-v4", {}, 1, 2, 1, 1, 3, 2, False),  # ZeRO-2, one A-group
+    ("deepseek-v4", {}, 2, 4, 2, 1, 3, 1, False),  # unskewed: a skewed table would route every token id alike
+    all_families_only("deepseek-v4", {}, 1, 2, 1, 1, 3, 2, True),  # ZeRO-2, one A-group, every token on expert 0
 ]
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active

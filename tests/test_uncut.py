@@ -116,6 +116,9 @@ def test_deepseek_v4_is_cut_by_runtime_planner_and_benches():
     plain = {**tiny_config("deepseek-v4"), "mlp_layer_types": ["moe"] * 4}
     hc, h, k = 4, 2 * 64, 2  # streams, bf16 hidden bytes, top-k
     assert spec.wire_bytes_per_token(1).resid == hc * h + 2 * hc + 8 + 4 * k  # streams, weights, token id, ids
+    H = 64  # two hyper-connections per layer: projections of the flattened streams to (2 + hc) hc weights, the mixes
+    assert spec.hyper_flops() == 2 * (2 * hc * H * (2 + hc) * hc + 2 * hc * hc * H)
+    assert spec.layer_input_bytes() == hc * h and spec.wire_bytes_per_token(1).resid_grad == hc * h + 2 * hc
     assert not ModelSpec.from_config(plain).token_routed  # no hash-routed layer: no token ids in the hand-off
 
 
