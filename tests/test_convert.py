@@ -74,8 +74,9 @@ ROUND_TRIPS = [
     all_families_only("dots1", (1, 2, 1), 1, {}),
     all_families_only("minimax-m2", (1, 2, 1), 2, {}),
     all_families_only("deepseek-v32", (2, 2, 2), 1, {}),  # frozen indexers in the checkpoint
-    # DeepSeek-V4: hyper-connections (attn_hc, ffn_hc, hc_head), tid2eid tables, frozen indexers, 2 ep ranks, depth 2
-    ("deepseek-v4", (2, 4, 2), 1, {}),
+    # DeepSeek-V4: hyper-connections (attn_hc, ffn_hc, hc_head), tid2eid tables, frozen indexers, 2 ep ranks
+    ("deepseek-v4", (1, 2, 1), 1, {}),
+    all_families_only("deepseek-v4", (2, 4, 2), 2, {}),  # depth 2
 ]
 
 
