@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagmoe_ds.models.loading import fill_token_tables
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_FAMILIES = (
     "qwen2-moe",
@@ -25,6 +27,7 @@ TINY_FAMILIES = (
     "hunyuan-v1-moe",
     "dots1",
     "minimax-m2",
+    "deepseek-v4",
 )
 
 
@@ -54,6 +57,7 @@ def write_tiny_checkpoint(family: str, out_dir: Path, seed: int = 0, max_shard_s
         for name, buf in [*model.named_buffers(), *model.named_parameters()]:  # ERNIE's is a frozen parameter
             if name.endswith("e_score_correction_bias"):  # exercise DeepSeek-V3's biased top-k choice
                 buf.copy_(torch.randn_like(buf) * 0.05)
+    fill_token_tables(model.model.layers, model.config)  # DeepSeek-V4's hash routing (HF's init: all zeros)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     return out_dir
 

@@ -36,6 +36,7 @@ CASES = [
     ("qwen3-moe", {"num_experts_per_tok": 1}, 4, 2, 2, 1, True),
     ("mixtral", {}, 2, 1, 2, 2, False),
     ("qwen3-moe", {"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5}, 2, 2, 2, 0, True),
+    ("deepseek-v4", {}, 2, 2, 2, 1, True),  # hyper-connections and hash routing with the same parts
 ]
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-3), so global-norm clipping is active
 

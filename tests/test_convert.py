@@ -52,6 +52,7 @@ EXPERT_KEY = {
     "minimax-m2": "model.layers.1.block_sparse_moe.experts.0.w1.weight",
     "mixtral": "model.layers.1.block_sparse_moe.experts.0.w1.weight",
     "gpt-oss": "model.layers.1.mlp.experts.gate_up_proj",  # GPT-OSS is fused on the Hub too
+    "deepseek-v4": "model.layers.1.ffn.experts.0.w1.weight",  # DeepSeek's own names, as its Hub checkpoints have
 }
 
 # (family, layout, ZeRO stage, config overrides): one layout per family with the ZeRO stages spread over them, and
@@ -73,6 +74,9 @@ ROUND_TRIPS = [
     all_families_only("dots1", (1, 2, 1), 1, {}),
     all_families_only("minimax-m2", (1, 2, 1), 2, {}),
     all_families_only("deepseek-v32", (2, 2, 2), 1, {}),  # frozen indexers in the checkpoint
+    # DeepSeek-V4: hyper-connections (attn_hc, ffn_hc, hc_head), tid2eid tables, frozen indexers, 2 ep ranks
+    ("deepseek-v4", (1, 2, 1), 1, {}),
+    all_families_only("deepseek-v4", (2, 4, 2), 2, {}),  # depth 2
 ]
 
 

@@ -77,9 +77,12 @@ class FakeRank:
             sizes = tuple(rows(layer, mb, lane, e) for e in range(self.P)) if self.moe[layer] else (-1,) * self.P
             idx = torch.arange(sum(max(s, 0) for s in sizes), dtype=torch.int64)
             zeros_e = torch.zeros(E)
-            return Residual(residual(layer, mb, lane), idx, torch.arange(T), zeros_e, zeros_e, sizes)
+            none_T0 = torch.zeros(T, 0)  # no routed-sum weights, no token ids (no hyper-connections, no hash layers)
+            return Residual(
+                residual(layer, mb, lane), idx, torch.arange(T), none_T0, none_T0.long(), zeros_e, zeros_e, sizes
+            )
         if kind == "resid_grad":  # sent by A_bwd(layer): the grad of resid (layer - 1)
-            return ResidualGrad(residual(layer - 1, mb, lane) * 7, torch.ones(E))
+            return ResidualGrad(residual(layer - 1, mb, lane) * 7, torch.zeros(T, 0), torch.ones(E))
         if kind == "n2m_grad":  # sent by A_bwd(layer) for MoE layer - 1
             return [ExpertOutGrad(tokens(layer - 1, mb, lane, e) * 6) for e in range(self.P)]
         e = self.role.ep_rank  # F side: rows of every lane it serves, in lane order

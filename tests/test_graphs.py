@@ -209,7 +209,7 @@ def test_an_expert_runner_captures_its_shards_again_at_a_grown_capacity():
     from types import SimpleNamespace
 
     from disagmoe_ds.comm.routing import Capacity
-    from disagmoe_ds.engine.runners import ExpertRunner
+    from disagmoe_ds.engine.expert_runner import ExpertRunner
     from disagmoe_ds.models.graphs import StageGraphs
 
     class Recorded(StageGraphs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagmoe_ds.engine.runners import _warm_up_cases, _warm_up_ids
+from disagmoe_ds.engine.expert_runner import warm_up_cases, warm_up_ids
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_model
@@ -26,13 +26,14 @@ FAMILY_DIRS = {
     "hunyuan_v1_moe": "hunyuan-v1-moe",
     "dots1": "dots1",
     "minimax_m2": "minimax-m2",
+    "deepseek_v4": "deepseek-v4",
 }
 TOL = 1e-5  # fp32; only the GEMM kernels and the summation order differ
 
 
-def _routed_case(tiny_checkpoint, family: str, case: str):
+def _routed_case(tiny_checkpoint, family: str, case: str, **overrides):
     """A shard of half the experts of ``family``'s first MoE layer and routed rows for ``case``."""
-    model = load_model(tiny_checkpoint(FAMILY_DIRS[family]))
+    model = load_model(tiny_checkpoint(FAMILY_DIRS[family], **overrides))
     model.set_experts_implementation("eager")  # the per-expert loop
     layer = next(i for i, lay in enumerate(model.model.layers) if hasattr(lay.mlp, "experts"))
     num_experts = model.model.layers[layer].mlp.experts.gate_up_proj.shape[0]
@@ -107,6 +108,18 @@ def test_bounded_pairs_equal_hf_loop(tiny_checkpoint, monkeypatch, family, case,
     _assert_close(shard, x, w, fast, shard.forward_hf(x, idx, w) + x * 0)  # + x * 0: a graph when nothing routes
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+def test_clamped_swiglu_equals_hf_loop(tiny_checkpoint, recompute):
+    """DeepSeek-V4 clamps its SwiGLU (``swiglu_limit``; HF's ``_apply_gate``): at a limit most gate and up values
+    exceed, the grouped path (and its recomputed middle) still gives HF's outputs and gradients."""
+    shard, x, idx, w, num_pairs = _routed_case(tiny_checkpoint, "deepseek_v4", "random", swiglu_limit=0.05)
+    x = (x.detach() * 3).requires_grad_()  # gate/up values of about 0.5: most clamped
+    gate_up = x @ shard.experts.gate_up_proj[0].t()
+    assert (gate_up.abs() > 0.05).float().mean() > 0.5
+    shard.recompute = recompute
+    _assert_close(shard, x, w, shard(x, idx, w, num_pairs), shard.forward_hf(x, idx, w))
+
+
 def test_bounded_pairs_past_the_bound_are_dropped_not_a_crash(tiny_checkpoint):
     """An overflow (more real pairs than the bound) computes the first pairs only; the step that saw it is run
     again at a larger capacity, so the result only has to be finite."""
@@ -140,9 +153,9 @@ def test_compiled_fusions_stay_compiled_across_the_warm_up_cases(tiny_checkpoint
     compile_stage(shard)
     torch._dynamo.reset()
     hidden, top_k = shard.experts.gate_up_proj.shape[-1], 2
-    for rows, pattern in _warm_up_cases(16):
+    for rows, pattern in warm_up_cases(16):
         x = torch.randn(rows, hidden, requires_grad=True)
-        idx = _warm_up_ids(rows, top_k, shard.num_local, pattern, x.device)
+        idx = warm_up_ids(rows, top_k, shard.num_local, pattern, x.device)
         w = torch.rand(rows, top_k, requires_grad=True)
         out = shard(x, idx, w, int((idx < shard.num_local).sum()))
         torch.autograd.grad(out.sum(), [x, w], allow_unused=True)

@@ -182,6 +182,16 @@ def test_lora_equals_peft_in_every_layout(family, layout, zero) -> None:
     assert result["pass"], result["max_abs_diff"]
 
 
+@pytest.mark.parametrize("layout", [all_families_only("depth2")])
+def test_deepseek_v4_lora_equals_peft(layout) -> None:
+    """DeepSeek-V4's LoRA (DISAGMOE_ALL_FAMILIES=1): adapters on its attention's plain Linears (its grouped output
+    projection, a Linear subclass with a forward of its own, gets none) and every expert; the hyper-connections stay
+    frozen with the base. Depth 2: the hand-off's streams and token ids under LoRA too."""
+    cfg = DisagMoEConfig(**LAYOUTS[layout], micro_batches=2, transport="rendezvous", lora=LoraSettings(8, **RANDOM_B))
+    result = run_verify(VerifyArgs(model=str(MODELS / "tiny-deepseek-v4"), cfg=cfg, zero=1, seq_len=8))
+    assert result["pass"], result["max_abs_diff"]
+
+
 def test_lora_in_bf16_with_the_memory_levers_equals_peft() -> None:
     lora = LoraSettings(rank=4, train_router=True, **RANDOM_B)
     cfg = DisagMoEConfig(ffn_gpus=2, micro_batches=2, selective_recompute=True, split_backward=True, lora=lora)

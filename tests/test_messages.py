@@ -24,6 +24,8 @@ def _residual(rows_P: tuple[int, ...], *, routed: bool) -> Residual:
         torch.randn(T, H).bfloat16(),
         torch.arange(S),
         torch.arange(T),
+        torch.zeros(T, 0).bfloat16(),  # no routed-sum weights (no hyper-connections)
+        torch.zeros(T, 0, dtype=torch.int64),  # no token ids (no hash-routed layer)
         torch.ones(E),
         torch.rand(E),
         rows_P,
@@ -38,7 +40,7 @@ def test_every_kind_has_a_type_and_the_specs_follow_the_fields() -> None:
     assert [t.dtype for t in m2n.tensors] == [torch.bfloat16, torch.int64, torch.float32]
     assert [t.shape for t in m2n.tensors] == [(H,), (K,), (K,)] and m2n.metas == 1 and m2n.coalesced
     resid = specs[Kind.RESID]
-    assert [t.size for t in resid.tensors] == [0, 1, 0, None, None] and resid.metas == P and not resid.coalesced
+    assert [t.size for t in resid.tensors] == [0, 1, 0, 0, 0, None, None] and resid.metas == P and not resid.coalesced
     assert specs[Kind.N2M].metas == 0 and not specs[Kind.N2M].coalesced  # one tensor: nothing to coalesce
 
 
@@ -47,7 +49,7 @@ def test_resend_adds_the_variants_after_the_own_tensors() -> None:
     for kind in (Kind.M2N, Kind.N2M, Kind.M2N_GRAD, Kind.RESID_GRAD):
         assert plain[kind] == resend[kind]
     assert resend[Kind.N2M_GRAD].tensors == plain[Kind.N2M_GRAD].tensors + plain[Kind.M2N].tensors
-    routed = resend[Kind.RESID].tensors[5:]
+    routed = resend[Kind.RESID].tensors[7:]
     assert [t.size for t in routed] == [1, 1, 1]  # the tokens' R rows counted as the residual's S
     assert resend[Kind.N2M_GRAD].fingerprint != plain[Kind.N2M_GRAD].fingerprint  # a mismatch fails loudly
 

@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ("qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "olmoe")
 TINY += ("qwen3-next", "qwen3.5-moe")  # hybrid: linear-attention layers beside full ones
 TINY += ("ernie4.5-moe", "hunyuan-v1-moe", "dots1", "minimax-m2")
+TINY += ("deepseek-v4",)  # hyper-connections (attn_hc, ffn_hc, hc_head), compressors and indexers
 # FLOP identities are exact integer arithmetic up to float rounding of the s^2/2 term.
 FLOP_RTOL = 1e-12
 # The bound for the memory model against what PyTorch allocates.

@@ -329,6 +329,7 @@ def test_aux_loss_free_bias_moves_in_the_job(tok_cache, tmp_path) -> None:
         all_families_only("dots1", (1, 2, 1)),
         all_families_only("minimax-m2", (1, 2, 1)),
         all_families_only("deepseek-v32", (1, 2, 1)),
+        ("deepseek-v4", (2, 4, 2)),  # hyper-connection streams, token ids and tid2eid tables; 2 ep ranks, depth 2
     ],
 )
 def test_init_from_fine_tune_resumes_exactly(tok_cache, tmp_path, family, layout) -> None:
@@ -385,7 +386,10 @@ def _other_model_checkpoint(root: Path) -> Path:
         ("optimizer without type", r'ds_config "optimizer" has no "type"; name one'),
         ("scheduler without its params", r'ds_config "scheduler.params" lacks cycle_min_lr, cycle_max_lr'),
         ("per-layer top-k", r"layer 2 of the hunyuan_v1_moe config has its own moe_topk \(1; layer 0: 2\)"),
-        ("deepseek-v4", r"the deepseek_v4 config cannot be cut by DisagMoE-DS: layers 0-3 carry 4 residual streams"),
+        (
+            "deepseek-v4 with sequence parallelism",
+            r"sequence_parallel 2: deepseek_v4 is not supported: its compressors",
+        ),
         ("gemma4", r"the gemma4_text config cannot be cut by DisagMoE-DS: layers 0-3 run their experts beside"),
     ],
 )
@@ -417,7 +421,12 @@ def test_bad_input_is_a_one_line_error_before_any_rank_starts(tok_cache, tmp_pat
         "export-hf under a file": ["--export-hf", tmp_path / "a-file" / "hf"],
         "metrics-file is a folder": ["--metrics-file", tmp_path],
         "per-layer top-k": ["--model", _config_with(tmp_path / "hy", "tiny-hunyuan-v1-moe", moe_topk=[2, 2, 1, 1])],
-        "deepseek-v4": ["--model", ROOT / "hf_models" / "tiny-deepseek-v4"],
+        "deepseek-v4 with sequence parallelism": [
+            "--model",
+            ROOT / "hf_models" / "tiny-deepseek-v4",
+            "--sequence-parallel",
+            2,
+        ],
         "gemma4": ["--model", ROOT / "hf_models" / "tiny-gemma4"],
     }.get(case, ["--deepspeed_config", tmp_path / "ds.json"])
     assert_refused_before_launch(tok_cache, capfd, argv, message)

@@ -52,6 +52,10 @@ CASES = [
     all_families_only("minimax-m2", {}, 2, 4, 2, 1, 3, 2, True),  # the router takes the block's bias
     # DeepSeek-V3.2: sparse attention (the indexer keeps 4 of the 8 keys), its indexers frozen; 2 ep ranks, depth 2
     ("deepseek-v32", {}, 2, 4, 2, 1, 3, 1, True),
+    # DeepSeek-V4: hyper-connection streams and the routed sum's weights in the hand-off, hash-routed layers 0-1 (one
+    # per A-group: the token ids travel to A-group 1) and learned ones 2-3; 2 ep ranks, depth 2
+    ("deepseek-v4", {}, 2, 4, 2, 1, 3, 1, False),  # unskewed: a skewed table would route every token id alike
+    all_families_only("deepseek-v4", {}, 1, 2, 1, 1, 3, 2, True),  # ZeRO-2, one A-group, every token on expert 0
 ]
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active
@@ -93,6 +97,7 @@ CAPACITY_CASES = [
     ("deepseek-v3", 2, 4, 2, 1, 1, False, 0.5),
     ("mixtral", 2, 4, 2, 1, 2, True, 0.5),
     ("qwen2-moe", 2, 4, 1, 2, 2, False, 1.25),  # expert replicas; a dense layer's resid
+    all_families_only("deepseek-v4", 2, 4, 2, 1, 1, True, 0.5),  # streams, weights and token ids at a capacity
 ]
 
 
@@ -218,7 +223,7 @@ def test_kernel_warm_up_leaves_no_trace(tiny_checkpoint, monkeypatch):
         head = getattr(getattr(runner, "stage", None), "head", None)
         if isinstance(runner, AttentionRunner):
             context = runner.stage.context
-            runner.stage.context = lambda h, positions: _noting_mask(context(h, positions), masks)
+            runner.stage.context = lambda h, positions, *ids: _noting_mask(context(h, positions, *ids), masks)
         if head is not None:
             head.register_forward_hook(lambda *_: heads.append(1))
         runtime.executor.warm_up(seq_len=8, packed=True)
@@ -248,7 +253,7 @@ def test_resend_keeps_nothing_on_the_expert_side_and_equals_hf(tiny_checkpoint, 
     """``resend``: between a micro-batch's forward and backward an FFN rank holds no tensor of it (the attention side
     sends the tokens again with the gradients; with p > 1 A_next, which got them with the residual); the result is
     still HF's, exactly. Depth 2 with 2 lanes and 2 ep ranks per group, ZeRO-2."""
-    from disagmoe_ds.engine.runners import ExpertRunner
+    from disagmoe_ds.engine.expert_runner import ExpertRunner
 
     forward = ExpertRunner.forward
 

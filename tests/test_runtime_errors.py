@@ -12,7 +12,7 @@ import pytest
 from disagmoe_ds.comm.channel import ChannelError
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.engine.build import build_rank, preflight
-from disagmoe_ds.engine.runners import ExpertRunner
+from disagmoe_ds.engine.expert_runner import ExpertRunner
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.launch.local import RankFailedError, spawn_local
 from disagmoe_ds.verify import VerifyArgs, load_for_verify, main, make_batches

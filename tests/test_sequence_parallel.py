@@ -140,7 +140,8 @@ def test_layouts_and_models_sequence_parallelism_cannot_split_are_refused():
         check_sequence_parallel(qwen, 8)
     with pytest.raises(LayoutError, match="sequence length"):
         check_sequence_parallel(qwen, 2, seq_len=9)
-    for family, reason in [("gpt-oss", "sinks"), ("qwen3-next", "recurrent"), ("deepseek-v32", "indexer")]:
+    refused = [("gpt-oss", "sinks"), ("qwen3-next", "recurrent"), ("deepseek-v32", "indexer")]
+    for family, reason in [*refused, ("deepseek-v4", "compressors pool windows of the whole sequence")]:
         with pytest.raises(LayoutError, match=reason):
             check_sequence_parallel(AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}"), 2)
 

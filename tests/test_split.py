@@ -147,7 +147,7 @@ def test_compiled_head_equals_hf_loss(tiny_checkpoint, monkeypatch):
     torch.testing.assert_close(grad_compiled, grad_eager, rtol=0, atol=FP32_TOL)
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral", "deepseek-v4"])  # V4: its learned layers only
 def test_per_layer_balancing_equals_hf_per_layer(tiny_checkpoint, family):
     """``router_aux_loss_per_layer``: the split's aux loss is the mean of HF's function on each layer alone, which
     on a skewed router differs from HF's pooled loss (so the comparison could fail), and the gradients follow it."""

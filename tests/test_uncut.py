@@ -1,6 +1,8 @@
-"""Families known but not cut yet (DeepSeek-V4, Gemma 4's text MoE; ``models.uncut``): HF builds and trains their
-tiny configs, every layer type included, and DisagMoE-DS refuses them before launch in one line naming the layers
-and the reasons, alike in the runtime's preflight, the planner, the benches' one-layer models and the CLIs."""
+"""Families known but not cut yet (Gemma 4's text MoE; ``models.uncut``): HF builds and trains their tiny configs,
+every layer type included, and DisagMoE-DS refuses them before launch in one line naming the layers and the
+reasons, alike in the runtime's preflight, the planner, the benches' one-layer models and the CLIs. DeepSeek-V4 is
+cut (hyper-connection streams, hash routing by token id); what its cut cannot run with yet (sequence parallelism,
+CUDA graphs) is refused before launch in one line naming the reason (``uncut.NOT_WITH``)."""
 
 from __future__ import annotations
 
@@ -10,28 +12,33 @@ import pytest
 import torch
 
 from disagmoe_ds import verify
-from disagmoe_ds.errors import UnsupportedModelError
+from disagmoe_ds.colocated import ColocatedConfig
+from disagmoe_ds.colocated.build import build_colocated_rank
+from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.engine.build import build_rank
+from disagmoe_ds.errors import ConfigError, LayoutError, UnsupportedModelError
 from disagmoe_ds.models.families import family_of
 from disagmoe_ds.models.loading import load_model
+from disagmoe_ds.models.sequence_parallel import check_sequence_parallel
+from disagmoe_ds.planner.attention_lanes import lane_refusal
 from disagmoe_ds.planner.hf_config import model_fields
+from disagmoe_ds.planner.model import ModelSpec, load_model_spec
 from tests.conftest import ROOT
 
-HC = r"layers 0-3 carry 4 residual streams \(hyper-connections, hc_mult\) and weigh the experts' sum per token"
-HASH = r"layers 0-1 route by token id \(hash_moe: tid2eid\[input_ids\]\), while the attention parts get hidden"
 BESIDE = r"layers 0-3 run their experts beside a dense MLP and normalise the experts' sum"
 CASES = {
-    "deepseek-v4": rf"^the deepseek_v4 config cannot be cut by DisagMoE-DS: {HC}.*; {HASH}.*; not supported yet",
     "gemma4": rf"^the gemma4_text config cannot be cut by DisagMoE-DS: {BESIDE}.*; not supported yet \(the README",
 }
+V4 = ROOT / "hf_models" / "tiny-deepseek-v4"
 
 
 def tiny_config(tiny: str) -> dict:
     return json.loads((ROOT / "hf_models" / f"tiny-{tiny}" / "config.json").read_text())
 
 
-@pytest.mark.parametrize("tiny", CASES)
+@pytest.mark.parametrize("tiny", [*CASES, "deepseek-v4"])
 def test_hf_trains_the_tiny_config_with_every_layer_type(tiny):
-    """The refusal is about the cut: HF's own model of the tiny config runs forward and backward."""
+    """HF's own model of the tiny config runs forward and backward, with every layer type of the real model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{tiny}")
@@ -85,10 +92,10 @@ def test_gemma4_hub_config_is_refused_through_its_text_config(tmp_path, fields, 
 
 
 def test_disagmoe_verify_refuses_before_any_rank_starts(capfd):
-    argv = ["--model", str(ROOT / "hf_models" / "tiny-deepseek-v4"), "--attention-gpus", "2", "--ffn-gpus", "2"]
+    argv = ["--model", str(ROOT / "hf_models" / "tiny-gemma4"), "--attention-gpus", "2", "--ffn-gpus", "2"]
     assert verify.main(argv) == 2
     out, err = capfd.readouterr()
-    assert err.splitlines() == [f"disagmoe-verify: error: {_line('deepseek-v4')}"], err
+    assert err.splitlines() == [f"disagmoe-verify: error: {_line('gemma4')}"], err
     assert out == ""
 
 
@@ -96,3 +103,43 @@ def _line(tiny: str) -> str:
     with pytest.raises(UnsupportedModelError) as err:
         load_model(ROOT / "hf_models" / f"tiny-{tiny}")
     return str(err.value)
+
+
+# ----- DeepSeek-V4: cut, and refused only with what its cut cannot run with yet -----
+def test_deepseek_v4_is_cut_by_runtime_planner_and_benches():
+    from transformers import AutoConfig
+
+    load_model(V4)
+    assert family_of(AutoConfig.from_pretrained(V4)).hyper is not None
+    spec = load_model_spec(V4)
+    assert spec.hc_streams == 4 and spec.token_routed and spec.compressed.kinds == ("sliding", "csa", "hca", "csa")
+    plain = {**tiny_config("deepseek-v4"), "mlp_layer_types": ["moe"] * 4}
+    hc, h, k = 4, 2 * 64, 2  # streams, bf16 hidden bytes, top-k
+    assert spec.wire_bytes_per_token(1).resid == hc * h + 2 * hc + 8 + 4 * k  # streams, weights, token id, ids
+    H = 64  # two hyper-connections per layer: projections of the flattened streams to (2 + hc) hc weights, the mixes
+    assert spec.hyper_flops() == 2 * (2 * hc * H * (2 + hc) * hc + 2 * hc * hc * H)
+    assert spec.layer_input_bytes() == hc * h and spec.wire_bytes_per_token(1).resid_grad == hc * h + 2 * hc
+    assert not ModelSpec.from_config(plain).token_routed  # no hash-routed layer: no token ids in the hand-off
+
+
+def test_deepseek_v4_refuses_sequence_parallelism_in_one_line():
+    from transformers import AutoConfig
+
+    with pytest.raises(LayoutError, match=r"^sequence_parallel 2: deepseek_v4 is not supported: its compressors") as e:
+        check_sequence_parallel(AutoConfig.from_pretrained(V4), 2)
+    assert "\n" not in str(e.value)
+    spec = load_model_spec(V4)  # the planner's A-lanes too
+    assert "compressors" in lane_refusal(spec, 2, 1, tokens=4096, gpus_per_node=8)
+    assert lane_refusal(spec, 1, 1, tokens=4096, gpus_per_node=8) is None
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_deepseek_v4_refuses_cuda_graphs_before_any_rank_starts(mode):
+    if mode == "disaggregated":
+        cfg, preflight, world = DisagMoEConfig(attention_gpus=1, ffn_gpus=1, cuda_graphs=True), build_rank, 2
+    else:
+        cfg, preflight, world = ColocatedConfig(world_size=1, ep_size=1, cuda_graphs=True), build_colocated_rank, 1
+    refusal = r'^"cuda_graphs" does not work with the deepseek_v4 model yet: its parts take the micro-batch.s token ids'
+    with pytest.raises(ConfigError, match=refusal) as e:
+        preflight.preflight(V4, cfg, {"zero_optimization": {"stage": 0}}, world)
+    assert "\n" not in str(e.value)

@@ -28,17 +28,11 @@ from torch import nn
 from disagmoe_ds.colocated.dispatch import LocalDispatcher
 from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.errors import CheckpointError
+from disagmoe_ds.models.aux_loss import RouterStats, aux_loss_from_stats, balance_per_layer, router_stats
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages, warm_up_positions
+from disagmoe_ds.models.hyper_connections import add_routed
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
-from disagmoe_ds.models.parts import (
-    AttentionStage,
-    ExpertShard,
-    ExpertStage,
-    RouterStats,
-    aux_loss_from_stats,
-    balance_per_layer,
-    router_stats,
-)
+from disagmoe_ds.models.parts import AttentionStage, ExpertShard, ExpertStage
 
 # DeepSpeed's MoE checkpointing finds expert ``i`` of a layer by this infix and renumbers it globally on save.
 _DS_EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
@@ -163,8 +157,8 @@ class ColocatedModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> ColocatedOutput:
-        h_BSH = self.attention.embed_tokens(input_ids)
-        ctx = self.attention.context(h_BSH, position_ids)
+        h_BSH = self.attention.embed(input_ids)
+        ctx = self.attention.context(h_BSH, position_ids, input_ids)
         stats: list[RouterStats] = []
         num_layers, num_experts = self.config.num_hidden_layers, self.experts.num_experts
         load_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=h_BSH.device)
@@ -175,11 +169,12 @@ class ColocatedModel(nn.Module):
                 h_BSH = out.residual_BSH
                 continue
             load_LE[layer] = count_ids(out.topk_idx_TK, num_experts)
-            stats.append(router_stats(out.router_logits_TE, part.router.top_k))
+            if out.router_logits_TE is not None:  # a learned choice (not a token-routed layer)
+                stats.append(router_stats(out.router_logits_TE, part.router.top_k))
             routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
             shard = self.graphs.shard(self.experts.stage, layer)
             y_RH = shard(*routed.shard_args)
-            h_BSH = out.residual_BSH + self.dispatcher.combine(y_RH, meta).view_as(out.residual_BSH)
+            h_BSH = add_routed(out.residual_BSH, out.routed_w_BSC, self.dispatcher.combine(y_RH, meta))
         _, lm_loss = self.graphs.head_of(self.attention)(h_BSH, labels)
         if self.aux_coef is None:
             return ColocatedOutput(lm_loss, lm_loss, None, load_LE)

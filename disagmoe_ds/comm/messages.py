@@ -1,15 +1,18 @@
 """The exchange's messages: one frozen type per kind, whose wire spec is derived from its fields.
 
 Legend: R rows of one message (one lane and one ep rank), T tokens of a lane's micro-batch, S rows of every ep
-rank together, H hidden, K top-k, E experts, P ep ranks.
+rank together, H hidden, K top-k, E experts, P ep ranks; W a token's residual (H, or hc x H with DeepSeek-V4's
+hyper-connection streams), C the routed sum's weights per token (hc with hyper-connections, else 0: no tensor on
+the wire), I token-id columns (1 where some layer routes by token id, else 0).
 
-    kind        type           tensors                                                         host    variant
-    m2n         Tokens         x_RH, local_idx_RK, w_RK                                        pairs
+    kind        type           tensors                                                        host    variant
+    m2n         Tokens         x_RH, local_idx_RK, w_RK                                       pairs
     n2m         ExpertOut      y_RH
     m2n_grad    TokenGrads     dx_RH, dw_RK
-    n2m_grad    ExpertOutGrad  dy_RH                                                                   resent: Tokens
-    resid       Residual       residual_TH, token_idx_S, position_ids_T, counts_E, prob_sum_E  rows_P  routed: Tokens
-    resid_grad  ResidualGrad   d_residual_TH, aux_grad_E
+    n2m_grad    ExpertOutGrad  dy_RH                                                                  resent: Tokens
+    resid       Residual       residual_TH [T, W], token_idx_S, position_ids_T, routed_w_TC,  rows_P  routed: Tokens
+                               token_ids_TI, counts_E, prob_sum_E
+    resid_grad  ResidualGrad   d_residual_TH [T, W], d_routed_w_TC, aux_grad_E
 
 A field is a tensor on the wire (``tensor``: dtype, trailing shape, which size leads it), a host int or ints that
 ride in the message's header (``host``), a nested message sent with it when the exchange resends tokens
@@ -34,7 +37,9 @@ M = TypeVar("M", bound="Message")
 
 @dataclass(frozen=True)
 class Dims:
-    """What the message shapes depend on: H, K, E, P and the two dtypes (activations; router weights)."""
+    """What the message shapes depend on: H, K, E, P, the two dtypes (activations; router weights) and the residual's
+    shape: ``streams`` per token (hyper-connections), ``routed_weights`` per token (one per stream with
+    hyper-connections; 0: the routed sum is added as it is), ``token_ids`` columns (1: the hand-off carries them)."""
 
     hidden: int
     top_k: int
@@ -42,9 +47,15 @@ class Dims:
     ep_size: int
     dtype: torch.dtype
     weight_dtype: torch.dtype
+    streams: int = 1
+    routed_weights: int = 0
+    token_ids: int = 0
 
     def of(self, symbol: str | int) -> int:
-        return symbol if isinstance(symbol, int) else {"H": self.hidden, "K": self.top_k, "E": self.num_experts}[symbol]
+        if isinstance(symbol, int):
+            return symbol
+        sizes = {"H": self.hidden, "K": self.top_k, "E": self.num_experts, "W": self.streams * self.hidden}
+        return {**sizes, "C": self.routed_weights, "I": self.token_ids}[symbol]
 
     def dtype_of(self, role: str | torch.dtype) -> torch.dtype:
         if isinstance(role, torch.dtype):
@@ -210,9 +221,11 @@ class Residual(Message):
     """The residual hand-off from A_g to A_next (p > 1): what A_next needs to combine layer l's expert outputs and
     go on; ``rows_P`` are the combine plan's rows per ep rank (-1 each: a dense layer, no n2m follows)."""
 
-    residual_TH: torch.Tensor = tensor("activation", ("H",), "T")
+    residual_TH: torch.Tensor = tensor("activation", ("W",), "T")  # [T, W]: the streams flattened
     token_idx_S: torch.Tensor = tensor(torch.int64, (), "S")  # the combine plan
     position_ids_T: torch.Tensor = tensor(torch.int64, (), "T")
+    routed_w_TC: torch.Tensor = tensor("activation", ("C",), "T")  # the routed sum's weight per stream
+    token_ids_TI: torch.Tensor = tensor(torch.int64, ("I",), "T")  # for the layers that route by token id
     counts_E: torch.Tensor = tensor(torch.float32, ("E",), None)  # router statistics so far (the pooled aux loss)
     prob_sum_E: torch.Tensor = tensor(torch.float32, ("E",), None)
     rows_P: tuple[int, ...] | None = host("P")
@@ -225,5 +238,6 @@ class Residual(Message):
 
 @dataclass(frozen=True, eq=False)
 class ResidualGrad(Message):
-    d_residual_TH: torch.Tensor = tensor("activation", ("H",), "T")
+    d_residual_TH: torch.Tensor = tensor("activation", ("W",), "T")
+    d_routed_w_TC: torch.Tensor = tensor("activation", ("C",), "T")
     aux_grad_E: torch.Tensor = tensor(torch.float32, ("E",), None)

@@ -25,11 +25,12 @@ from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
 from disagmoe_ds.engine.deepspeed_role import GlobalGradNorm, check_stage, ds_stage
 from disagmoe_ds.engine.executor import AFPipeExecutor
+from disagmoe_ds.engine.expert_runner import ExpertRunner
 from disagmoe_ds.engine.instructions import AFPipeSchedule
 from disagmoe_ds.engine.mailbox import Mailbox
 from disagmoe_ds.engine.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
-from disagmoe_ds.engine.runners import AttentionRunner, ExpertRunner
+from disagmoe_ds.engine.runners import AttentionRunner
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
@@ -38,7 +39,7 @@ from disagmoe_ds.models.graphs import StageGraphs, graph_stages
 from disagmoe_ds.models.lora import GROUPS, LoraSettings
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of, residual_shape
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, check_sequence_parallel, install_ulysses
 from disagmoe_ds.models.split import aux_loss_enabled
@@ -156,6 +157,7 @@ class Disaggregated:
             resend=cfg.resend,
             moe_layers=parts.routing.moe_layers,
             capacity=capacity,
+            residual=residual_shape(stage.config),
         )
         graphs = self._graphs(parts, schedule, worker, capacity)
         return AFPipeExecutor(

@@ -96,13 +96,15 @@ class Mailbox:
         resend: bool = False,
         moe_layers: Sequence[bool] = (),
         capacity: Capacity | None = None,
+        residual: tuple[int, int, int] = (1, 0, 0),
     ):
         """``moe_layers``: which layers route (one bool per layer); ``capacity``: the fixed sizes of m2n messages
-        when ``comms`` has no headers. Header-less resid messages take their sizes from both."""
+        when ``comms`` has no headers. Header-less resid messages take their sizes from both. ``residual``: the
+        residual's streams, routed-sum weights and token-id columns per token (``comm.messages.Dims``)."""
         layout, rank = comms.layout, comms.rank
         if comms.headerless and capacity is None:
             raise ValueError("header-less exchanges need the capacity that sizes their messages")
-        dims = Dims(hidden, top_k, layout.num_experts, layout.ep_size, dtype, weight_dtype)
+        dims = Dims(hidden, top_k, layout.num_experts, layout.ep_size, dtype, weight_dtype, *residual)
         specs = exchange_specs(dims, resend=resend)
         stream = CommStream(device, enabled=comm_stream)
         self.depth = layout.depth

@@ -34,6 +34,7 @@ from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
 from disagmoe_ds.models.parts import RoutingFacts, compile_stage, routing_facts
+from disagmoe_ds.models.uncut import refused_with
 
 
 @dataclass
@@ -203,4 +204,7 @@ class RankBuilder:
         layout = mode.layout(config)
         layout.check_world_size(world_size)
         mode.check(layout, config, ds_config)
+        why = refused_with(config.to_dict(), "cuda_graphs")
+        if why is not None and getattr(getattr(mode, "cfg", None), "cuda_graphs", False):
+            raise ConfigError(f'"cuda_graphs" does not work with the {config.model_type} model yet: {why}; turn it off')
         return layout

@@ -14,20 +14,19 @@ travels back with the residual gradient and enters each MoE layer's backward. Pe
 each MoE layer's own term needs nothing from other layers: it is computed and backpropagated where the layer runs,
 and its value joins the step's loss sums there.
 
+The FFN side's runner is ``engine.expert_runner``'s.
+
 Shape suffixes: B micro-batch size, S sequence, T = B*S, H hidden, K top-k, E experts, R/S rows.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from disagmoe_ds.comm.exchange import LaneRows
-from disagmoe_ds.comm.messages import ExpertOut, ExpertOutGrad, Residual, ResidualGrad, TokenGrads, Tokens
+from disagmoe_ds.comm.messages import ExpertOutGrad, Residual, ResidualGrad, Tokens
 from disagmoe_ds.comm.routing import (
     Capacity,
     CombinePlan,
@@ -35,64 +34,20 @@ from disagmoe_ds.comm.routing import (
     PendingDispatch,
     combine,
     count_ids,
-    pads,
     start_dispatch,
 )
+from disagmoe_ds.engine.chunk_io import Outgoing, checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
+from disagmoe_ds.engine.head_stats import HeadStats
 from disagmoe_ds.engine.later import Later, made
-from disagmoe_ds.engine.split_backward import ChunkBackward, retained_graph_compiles
+from disagmoe_ds.engine.split_backward import ChunkBackward
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.models.aux_loss import RouterStats, balance_per_layer, router_stats, switch_loss
+from disagmoe_ds.models.context import LayerContext
 from disagmoe_ds.models.graphs import StageGraphs, warm_up_positions
-from disagmoe_ds.models.parts import (
-    AttentionStage,
-    ExpertStage,
-    LayerContext,
-    RouterStats,
-    balance_per_layer,
-    router_stats,
-    switch_loss,
-)
+from disagmoe_ds.models.hyper_connections import add_routed
+from disagmoe_ds.models.moe_pattern import aux_layer_pattern
+from disagmoe_ds.models.parts import AttentionStage, residual_shape
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, slice_batch
-
-Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction
-
-
-def _run(fn, *args):
-    return fn(*args)
-
-
-def _checkpointed(fn, *args):
-    # Non-reentrant: works with the chunk-level backward (engine.backward of a pseudo-loss) and any outputs.
-    return checkpoint(fn, *args, use_reentrant=False)
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().requires_grad_()
-
-
-def _warm_up_cases(seq_len: int) -> list[tuple[int, str]]:
-    """(rows, id pattern): several row and pair counts, 1 row, 1 pair, with and without sentinel ids."""
-    sizes = (seq_len, seq_len // 2 + 1, seq_len // 3 + 2)
-    return [(r, p) for p in ("all", "some") for r in (*sizes, 1)] + [(1, "one"), (2, "one"), (0, "all")]
-
-
-def _warm_up_ids(rows: int, top_k: int, num_local: int, pattern: str, device: torch.device) -> torch.Tensor:
-    """Local expert ids: all local (``all``), the last slot held elsewhere (``some``), or one pair in all (``one``)."""
-    idx_RK = torch.randint(0, num_local, (rows, top_k), device=device)
-    if pattern == "some" and top_k > 1:
-        idx_RK[:, -1] = num_local
-    elif pattern == "one":
-        idx_RK.fill_(num_local)
-        idx_RK[0, 0] = 0
-    return idx_RK
-
-
-def _grad_of_inputs(outputs: list[torch.Tensor | None], inputs: list[torch.Tensor]) -> None:
-    """Run the backward from random output gradients to ``inputs`` only: parameters' ``.grad`` and DeepSpeed's
-    gradient hooks are untouched (a compiled backward still computes, and so compiles, every gradient)."""
-    outputs = [t for t in outputs if t is not None and t.requires_grad]
-    if outputs:
-        grads = [torch.randn_like(t) for t in outputs]
-        torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
 
 
 def _sent(dispatch: PendingDispatch) -> PendingDispatch:
@@ -103,10 +58,6 @@ def _sent(dispatch: PendingDispatch) -> PendingDispatch:
     return dispatch
 
 
-def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
-    return t.grad if t.grad is not None else torch.zeros_like(t)
-
-
 @dataclass
 class _Chunk:
     """What A_fwd(l, m) keeps for A_bwd(l, m)."""
@@ -114,6 +65,8 @@ class _Chunk:
     resid_leaf: torch.Tensor | None = None
     y_leaves: list[torch.Tensor] = field(default_factory=list)
     residual_out: torch.Tensor | None = None
+    routed_w_out: torch.Tensor | None = None  # hyper-connections: the routed sum's weights this layer handed on
+    routed_w_leaf: torch.Tensor | None = None  # ... and those it received with the residual
     dispatch: PendingDispatch | None = None  # MoE layers: the tokens packed for the ep ranks
     prob_sum_E: torch.Tensor | None = None
     layer_aux: torch.Tensor | None = None  # per-layer balancing: this layer's share of the aux loss
@@ -136,26 +89,15 @@ class _Chunk:
         return [Tokens(x_RH, idx_RK, w_RK, pairs) for (x_RH, w_RK), idx_RK, pairs in per_rank]
 
 
-@dataclass
-class HeadStats:
-    """Per-step loss sums on the head lanes, kept on the device: reading a loss per micro-batch would block the
-    host until that micro-batch's head forward is done."""
+@dataclass(frozen=True)
+class _PerToken:
+    """What the residual hand-off carries per token besides the combine plan: the residual ([T, W]), positions, the
+    routed sum's weights ([T, C]) and token ids ([T, I]) (``comm.messages.Residual``)."""
 
-    sums: torch.Tensor | None = None  # float64 [loss, lm_loss, aux_loss]
-    micro_batches: int = 0
-
-    def add(self, loss: torch.Tensor, lm_loss: torch.Tensor, aux_loss: torch.Tensor) -> None:
-        self._add(torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]))
-        self.micro_batches += 1
-
-    def add_layer_aux(self, coef: float, aux_loss: torch.Tensor) -> None:
-        """One MoE layer's own aux loss of one micro-batch (per-layer balancing), on the rank that runs the layer."""
-        aux = aux_loss.detach()
-        self._add(torch.stack([coef * aux, torch.zeros_like(aux), aux]))
-
-    def _add(self, terms: torch.Tensor) -> None:
-        terms = terms.double()
-        self.sums = terms if self.sums is None else self.sums + terms
+    residual_TW: torch.Tensor
+    position_ids_T: torch.Tensor
+    routed_w_TC: torch.Tensor
+    token_ids_TI: torch.Tensor
 
 
 class AttentionRunner:
@@ -187,7 +129,7 @@ class AttentionRunner:
         self.graphs = graphs or StageGraphs()  # the parts replayed as CUDA graphs (none: every part as it is)
         self.weight_dtype = weight_dtype  # the router weights' (resend at p > 1 sends them with the residual)
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
-        self.recompute = _checkpointed if activation_checkpointing else _run
+        self.recompute = checkpointed if activation_checkpointing else run
         self.config = stage.config
         self.moe_layers = moe_layers
         self.num_layers = len(moe_layers)
@@ -196,6 +138,8 @@ class AttentionRunner:
         self.B = micro_batch_size
         self.aux_coef = aux_coef  # None: the family/config has no aux loss
         self.per_layer_aux = balance_per_layer(stage.config)
+        self.aux_layers = sum(aux_layer_pattern(stage.config.to_dict()))  # MoE layers with a learned choice
+        self.routed_weights = residual_shape(stage.config)[1]  # per token: hc with hyper-connections, else 0
         self.num_experts = layout.num_experts
         self.chunks: dict[tuple[int, int], _Chunk] = {}
         self.local: dict[tuple[str, int, int], Any] = {}  # hand-offs that stay on this rank (p == 1)
@@ -244,28 +188,30 @@ class AttentionRunner:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for positions_BS in (None, restarting) if packed else (None,):
                 for layer in self.stage.layers:
-                    h_BSH = torch.randn(self.B, seq_len, self.config.hidden_size, device=device, dtype=dtype)
+                    h_BSH = torch.randn(self.B, seq_len, *self.stage.residual_dims, device=device, dtype=dtype)
                     if self.sp is not None:  # the lane's slice, its Ulysses all-to-alls with the others' warm-up
                         h_BSH = self.sp.slice_of(h_BSH)
                     h_BSH.requires_grad_()
                     ctx = self._warm_up_context(h_BSH, positions_BS)
                     out = self.recompute(self.stage.part(int(layer)), h_BSH, ctx, self.config)  # as the step runs
-                    _grad_of_inputs([out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE], [h_BSH])
+                    outputs = [out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE, out.routed_w_BSC]
+                    grad_of_inputs(outputs, [h_BSH])
             if self.stage.head is not None:
                 S = seq_len // (1 if self.sp is None else self.sp.size)
-                h_BSH = torch.randn(self.B, S, self.config.hidden_size, device=device, dtype=dtype)
+                h_BSH = torch.randn(self.B, S, *self.stage.residual_dims, device=device, dtype=dtype)
                 h_BSH.requires_grad_()
                 labels_BS = torch.randint(0, self.config.vocab_size, (self.B, S), device=device)
                 if self.sp is None:
                     loss = self.stage.head(h_BSH, labels_BS)[1]
                 else:  # a slice's share, as the step calls the head
                     loss = self.stage.head(h_BSH, None, labels_BS, labels_BS.new_tensor(labels_BS.numel()))[1]
-                _grad_of_inputs([loss], [h_BSH])
+                grad_of_inputs([loss], [h_BSH])
 
     def _warm_up_context(self, h_BSH: torch.Tensor, positions_BS: torch.Tensor | None) -> LayerContext:
         """A context as the step builds it (None: the default positions, no mask)."""
         if self.sp is None:
-            return self.stage.context(h_BSH, positions_BS)
+            ids_BS = torch.zeros(h_BSH.shape[:2], dtype=torch.long, device=h_BSH.device)  # for token-routed layers
+            return self.stage.context(h_BSH, positions_BS, ids_BS)
         B, S_l, _ = h_BSH.shape
         whole_BS = (
             torch.arange(S_l * self.sp.size, device=h_BSH.device).expand(B, -1)
@@ -278,27 +224,27 @@ class AttentionRunner:
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         chunk = _Chunk()
         if layer == 0:
-            h_BSH, position_ids_BS, counts_E, probs_E = self._embed(mb)
+            h_BSH, position_ids_BS, token_ids_BS, counts_E, probs_E = self._embed(mb)
         else:
-            h_BSH, position_ids_BS, counts_E, probs_E = self._combine(layer, mb, incoming, chunk)
+            h_BSH, position_ids_BS, token_ids_BS, counts_E, probs_E = self._combine(layer, mb, incoming, chunk)
         if layer == self.num_layers:
             self._head(mb, h_BSH, counts_E, probs_E, chunk)
             self.chunks[(layer, mb)] = chunk
             return {}
         part = self.graphs.part(self.stage, layer)
-        out = self.recompute(part, h_BSH, self._context(mb, h_BSH, position_ids_BS), self.config)
-        chunk.residual_out = out.residual_BSH
+        out = self.recompute(part, h_BSH, self._context(mb, h_BSH, position_ids_BS, token_ids_BS), self.config)
+        chunk.residual_out, chunk.routed_w_out = out.residual_BSH, out.routed_w_BSC
         outgoing: Outgoing = {}
-        T, H = h_BSH.shape[0] * h_BSH.shape[1], h_BSH.shape[2]
+        T = h_BSH.shape[0] * h_BSH.shape[1]
         if out.x_TH is not None:
             topk_idx_TK = out.topk_idx_TK.long()
             load_E = count_ids(topk_idx_TK, self.num_experts)
             self.expert_counts[layer] = self.expert_counts.get(layer, 0) + load_E
-            if self.aux_coef is not None:
+            if self.aux_coef is not None and out.router_logits_TE is not None:  # a learned choice: an aux term
                 stats = router_stats(out.router_logits_TE, self.top_k)
                 if self.per_layer_aux:
                     share = switch_loss(stats if self.sp is None else self.sp.share_of(stats))
-                    chunk.layer_aux = share * self._share_scale / sum(self.moe_layers)
+                    chunk.layer_aux = share * self._share_scale / self.aux_layers
                     self.stats.add_layer_aux(self.aux_coef, chunk.layer_aux)
                 else:
                     chunk.prob_sum_E = stats.prob_sum_E
@@ -312,19 +258,31 @@ class AttentionRunner:
                 self.need_2 = need_2 if self.need_2 is None else torch.maximum(self.need_2, need_2)
             outgoing["m2n"] = Later(chunk.dispatch, lambda: chunk.messages)
         # A_next combines from what combine needs of the plan (with p > 1 its rows per ep rank ride in the header).
-        residual_TH, position_ids_T = out.residual_BSH.detach().reshape(T, H), position_ids_BS.reshape(T)
+        per_token = _PerToken(
+            out.residual_BSH.detach().reshape(T, -1),
+            position_ids_BS.reshape(T),
+            self._routed_w_TC(out.routed_w_BSC, T, out.residual_BSH),
+            token_ids_BS.reshape(T, -1) if token_ids_BS is not None else position_ids_BS.new_empty(T, 0),
+        )
         dispatch = chunk.dispatch
         resid = Later(
             dispatch,
             lambda: self._resid_message(
-                residual_TH, dispatch.resolved[0] if dispatch else None, position_ids_T, counts_E, probs_E, chunk
+                per_token, dispatch.resolved[0] if dispatch else None, counts_E, probs_E, chunk
             ),
         )
         self._hand_off("resid", layer, mb, resid, outgoing)
         self.chunks[(layer, mb)] = chunk
         return outgoing
 
-    def _context(self, mb: int, h_BSH: torch.Tensor, position_ids_BS: torch.Tensor):
+    def _routed_w_TC(self, routed_w_BSC: torch.Tensor | None, T: int, like: torch.Tensor) -> torch.Tensor:
+        """The routed sum's weights for the hand-off, [T, C]: [T, 0] without hyper-connections, zeros after a dense
+        layer (nothing routed to weigh)."""
+        if routed_w_BSC is not None:
+            return routed_w_BSC.detach().reshape(T, -1)
+        return like.new_zeros(T, self.routed_weights)
+
+    def _context(self, mb: int, h_BSH: torch.Tensor, position_ids_BS: torch.Tensor, token_ids_BS=None):
         """The micro-batch's mask and rotary embeddings, built once per rank and step: building them from given
         positions syncs the host with the device (HF looks for packed documents), so the embedding rank builds them
         from the batch's own positions (None: the default ones, no sync) and every layer reuses them."""
@@ -336,7 +294,7 @@ class AttentionRunner:
             ctx = self.contexts[mb] = self.sp.context(self.stage, h_BSH, position_ids_BS, whole)
         elif ctx is None:
             given = self.batches[mb].get("position_ids") if self.batches is not None else position_ids_BS
-            ctx = self.contexts[mb] = self.stage.context(h_BSH, given)
+            ctx = self.contexts[mb] = self.stage.context(h_BSH, given, token_ids_BS)
         return ctx
 
     @property
@@ -345,34 +303,46 @@ class AttentionRunner:
         one micro-batch while DeepSpeed averages over every lane (``models.sequence_parallel``)."""
         return 1.0 if self.sp is None else float(self.sp.size)
 
-    def _resid_message(
-        self, residual_TH, plan: DispatchPlan | None, position_ids_T, counts_E, probs_E, chunk
-    ) -> Residual:
+    def _resid_message(self, tokens: _PerToken, plan: DispatchPlan | None, counts_E, probs_E, chunk) -> Residual:
         if plan is None:  # dense layer: nothing to combine (-1 tells A_next's mailbox no n2m follows)
-            token_idx_S, rows_P = position_ids_T.new_empty(0), (-1,) * self.layout.ep_size
+            token_idx_S, rows_P = tokens.position_ids_T.new_empty(0), (-1,) * self.layout.ep_size
         else:
             token_idx_S, rows_P = plan.token_idx_S, plan.counts
         routed = None
         if self.resend and self.layout.depth > 1:  # A_next sends n2m_grad: it needs the tokens again
-            routed = self._routed_rows(residual_TH, chunk.messages)
-        return Residual(residual_TH, token_idx_S, position_ids_T, counts_E, probs_E, rows_P, routed)
+            routed = self._routed_rows(tokens.residual_TW, chunk.messages)
+        t = tokens
+        return Residual(
+            t.residual_TW,
+            token_idx_S,
+            t.position_ids_T,
+            t.routed_w_TC,
+            t.token_ids_TI,
+            counts_E,
+            probs_E,
+            rows_P,
+            routed,
+        )
 
-    def _routed_rows(self, residual_TH: torch.Tensor, messages: list[Tokens]) -> Tokens:
+    def _routed_rows(self, residual_TW: torch.Tensor, messages: list[Tokens]) -> Tokens:
         """Every ep rank's m2n message in one (S rows), detached; empty for a dense layer."""
         if not messages:
-            empty_K = residual_TH.new_empty(0, self.top_k)
-            return Tokens(residual_TH[:0], empty_K.long(), empty_K.to(self.weight_dtype), 0)
+            empty_K = residual_TW.new_empty(0, self.top_k)
+            return Tokens(
+                residual_TW.new_empty(0, self.config.hidden_size), empty_K.long(), empty_K.to(self.weight_dtype), 0
+            )
         return Tokens.cat([m.detached() for m in messages])
 
     def _embed(self, mb: int):
         batch = self.batches[mb]
         input_ids_BS = batch["input_ids"]
-        h_BSH = self.stage.embed_tokens(input_ids_BS)
+        h_BSH = self.stage.embed(input_ids_BS)
         position_ids_BS = batch.get("position_ids")
         if position_ids_BS is None:
             position_ids_BS = torch.arange(input_ids_BS.shape[1], device=h_BSH.device).expand_as(input_ids_BS)
         zeros_E = torch.zeros(self.num_experts, dtype=torch.float32, device=h_BSH.device)
-        return h_BSH, position_ids_BS, zeros_E, zeros_E
+        token_ids_BS = input_ids_BS if self.stage.token_routed else None
+        return h_BSH, position_ids_BS, token_ids_BS, zeros_E, zeros_E
 
     def _combine(self, layer: int, mb: int, incoming: dict[str, Any], chunk: _Chunk):
         resid: Residual = self._take("resid", layer - 1, mb, incoming)
@@ -380,13 +350,16 @@ class AttentionRunner:
             chunk.resent = resid.routed.split(resid.rows_P)
         T = resid.residual_TH.shape[0]
         S = T // self.B
-        chunk.resid_leaf = _leaf(resid.residual_TH.view(self.B, S, -1))
+        chunk.resid_leaf = leaf(resid.residual_TH.view(self.B, S, *self.stage.residual_dims))
         h_BSH = chunk.resid_leaf
         if resid.is_moe:
-            chunk.y_leaves = [_leaf(out.y_RH) for out in incoming["n2m"]]
+            chunk.y_leaves = [leaf(out.y_RH) for out in incoming["n2m"]]
             plan = CombinePlan(T, tuple(resid.rows_P), resid.token_idx_S)
-            h_BSH = h_BSH + combine(chunk.y_leaves, plan).view_as(h_BSH)
-        return h_BSH, resid.position_ids_T.view(self.B, S), resid.counts_E, resid.prob_sum_E
+            if self.routed_weights:  # hyper-connections: the routed sum weighed per stream
+                chunk.routed_w_leaf = leaf(resid.routed_w_TC.view(self.B, S, -1))
+            h_BSH = add_routed(h_BSH, chunk.routed_w_leaf, combine(chunk.y_leaves, plan))
+        token_ids_BS = resid.token_ids_TI.view(self.B, S) if self.stage.token_routed else None
+        return h_BSH, resid.position_ids_T.view(self.B, S), token_ids_BS, resid.counts_E, resid.prob_sum_E
 
     def _head(self, mb: int, h_BSH: torch.Tensor, counts_E: torch.Tensor, probs_E: torch.Tensor, chunk: _Chunk) -> None:
         batch, scale = self.batches[mb], self._share_scale
@@ -398,7 +371,7 @@ class AttentionRunner:
         loss, aux = lm_loss, torch.zeros_like(lm_loss)
         chunk.aux_grad_E = torch.zeros_like(counts_E)
         if self.aux_coef is not None and not self.per_layer_aux:  # per layer: each layer's term is its own
-            stats = RouterStats(counts_E, probs_E, h_BSH.shape[0] * h_BSH.shape[1] * sum(self.moe_layers))
+            stats = RouterStats(counts_E, probs_E, h_BSH.shape[0] * h_BSH.shape[1] * self.aux_layers)
             stats = stats if self.sp is None else self.sp.share_of(stats)
             aux = switch_loss(stats) * scale  # every MoE layer's rows pooled, as HF does
             chunk.aux_grad_E = scale * self.aux_coef * self.num_experts * stats.counts_E / stats.rows**2 / self.K
@@ -409,7 +382,7 @@ class AttentionRunner:
     # ----- backward -----
     def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         chunk = self.chunks.pop((layer, mb))
-        inputs = [chunk.resid_leaf, *chunk.y_leaves]
+        inputs = [chunk.resid_leaf, *chunk.y_leaves, chunk.routed_w_leaf]
         if layer == self.num_layers:
             aux_grad_E = chunk.aux_grad_E
             self.backward_pass.run((layer, mb), chunk.scaled_loss, inputs)
@@ -417,6 +390,8 @@ class AttentionRunner:
             grad: ResidualGrad = self._take("resid_grad", layer + 1, mb, incoming)
             aux_grad_E = grad.aux_grad_E
             terms = [(chunk.residual_out * grad.d_residual_TH.view_as(chunk.residual_out)).sum()]
+            if chunk.routed_w_out is not None:
+                terms.append((chunk.routed_w_out * grad.d_routed_w_TC.view_as(chunk.routed_w_out)).sum())
             for (x_RH, w_RK), token_grads in zip(chunk.pieces, incoming.get("m2n_grad", [])):
                 terms += [(x_RH * token_grads.dx_RH).sum(), (w_RK * token_grads.dw_RK).sum()]
             if chunk.prob_sum_E is not None:
@@ -426,14 +401,19 @@ class AttentionRunner:
             self.backward_pass.run((layer, mb), torch.stack([t.float() for t in terms]).sum(), inputs)
         outgoing: Outgoing = {}
         if layer > 0:
-            d_resid_TH = _grad_or_zeros(chunk.resid_leaf).reshape(-1, chunk.resid_leaf.shape[-1])
-            self._hand_off("resid_grad", layer, mb, ResidualGrad(d_resid_TH, aux_grad_E), outgoing)
+            T = chunk.resid_leaf.shape[0] * chunk.resid_leaf.shape[1]
+            d_resid_TW = grad_or_zeros(chunk.resid_leaf).reshape(T, -1)
+            if chunk.routed_w_leaf is not None:
+                d_routed_w_TC = grad_or_zeros(chunk.routed_w_leaf).reshape(T, -1)
+            else:  # no hyper-connections ([T, 0]), or a dense layer's (its weights weighed nothing)
+                d_routed_w_TC = d_resid_TW.new_zeros(T, self.routed_weights)
+            self._hand_off("resid_grad", layer, mb, ResidualGrad(d_resid_TW, d_routed_w_TC, aux_grad_E), outgoing)
             if chunk.y_leaves:
                 resent = [None] * len(chunk.y_leaves)
                 if self.resend:  # the previous layer's tokens again (p = 1: its chunk is on this rank)
                     resent = chunk.resent or [m.detached() for m in self.chunks[(layer - 1, mb)].messages]
                 outgoing["n2m_grad"] = [
-                    ExpertOutGrad(_grad_or_zeros(y), tokens) for y, tokens in zip(chunk.y_leaves, resent, strict=True)
+                    ExpertOutGrad(grad_or_zeros(y), tokens) for y, tokens in zip(chunk.y_leaves, resent, strict=True)
                 ]
         return outgoing
 
@@ -455,142 +435,3 @@ class AttentionRunner:
         if isinstance(value, Later) and value.source is not None:  # a layer whose n2m came back: its m2n went out
             _sent(value.source)
         return made(value)
-
-
-@dataclass
-class _ExpertChunk:
-    x_SH: torch.Tensor | None  # None between forward and backward with resend
-    w_SK: torch.Tensor | None
-    y_SH: torch.Tensor | None
-    rows: LaneRows
-    pairs: int
-    bounded: bool  # pairs is a capacity's bound
-
-
-class ExpertRunner:
-    """FFN side of one rank: its expert shard of every MoE layer its F-group owns."""
-
-    def __init__(
-        self,
-        engine,
-        stage: ExpertStage,
-        *,
-        top_k: int,
-        weight_dtype: torch.dtype,
-        activation_checkpointing: bool = False,
-        resend: bool = False,
-        split_layers: frozenset[int] = frozenset(),
-        graphs: StageGraphs | None = None,
-        capacity: Capacity | None = None,
-        lanes: int = 1,
-    ):
-        """``capacity``, ``lanes``: the fixed size of each of the ``lanes`` messages a step's micro-batch brings (None:
-        sizes vary); the graphed shards and the warm-up run at their sum."""
-        self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, top_k, weight_dtype
-        self.graphs = graphs or StageGraphs()  # the shards replayed as CUDA graphs (at the capacity's rows)
-        self._capacity, self.lanes = capacity, lanes
-        self.resend = resend
-        self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
-        # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
-        self.compiling = retained_graph_compiles if split_layers else nullcontext
-        self.recompute = _checkpointed if activation_checkpointing else _run
-        self.chunks: dict[tuple[int, int], _ExpertChunk] = {}
-
-    def start_step(self, batches) -> None:
-        del batches  # the FFN side reads no data
-
-    @property
-    def capacity(self) -> Capacity | None:
-        return self._capacity
-
-    @capacity.setter
-    def capacity(self, capacity: Capacity) -> None:
-        """A grown capacity (a step outgrew the old one): the graphed shards are captured again at its size."""
-        grown, self._capacity = capacity != self._capacity, capacity
-        if grown and self.graphs.shards:
-            self._capture_shards()
-
-    def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
-        with self.compiling():
-            self._warm_up(seq_len, packed=packed)
-        if self.graphs.shards:
-            self._capture_shards()
-
-    def _capture_shards(self) -> None:
-        rows, bound = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
-        self.graphs.capture_shards(
-            self.stage, rows=rows, top_k=self.top_k, weight_dtype=self.weight_dtype,
-            pair_bound=bound if pads(self.capacity) else None,
-        )  # fmt: skip
-
-    def _warm_up(self, seq_len: int, *, packed: bool = False) -> None:
-        """Compile and load every compiled kernel of the expert shards now (see ``AttentionRunner.warm_up``).
-
-        Row and pair counts change every micro-batch: after two sizes the compiled graphs are dynamic in them, but a
-        count of 1 gets graphs of its own, and so do messages whose ids all live here (no sentinel, as with one ep
-        rank): ``_warm_up_cases`` covers each combination.
-        """
-        del packed  # the experts see rows, not documents
-        device, dtype, hidden = self.engine.device, next(self.stage.parameters()).dtype, self.stage.config.hidden_size
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for layer in self.stage.layers:
-                shard = self.stage.shard(int(layer))
-                for rows, pattern, bound in self._warm_up_cases(seq_len):
-                    x_RH = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
-                    idx_RK = _warm_up_ids(rows, self.top_k, shard.num_local, pattern, device)
-                    w_RK = torch.rand(rows, self.top_k, device=device, dtype=self.weight_dtype, requires_grad=True)
-                    pairs = bound or int((idx_RK < shard.num_local).sum())
-                    if self.resend:  # its forward runs without autograd: graphs of their own
-                        with torch.no_grad():
-                            shard(x_RH, idx_RK, w_RK, pairs, bool(bound))
-                    _grad_of_inputs([self.recompute(shard, x_RH, idx_RK, w_RK, pairs, bool(bound))], [x_RH, w_RK])
-
-    def _warm_up_cases(self, seq_len: int) -> list[tuple[int, str, int | None]]:
-        """(rows, id pattern, pair bound): messages of varying size, or, at a capacity that pads them, the one size
-        they all have, with and without sentinel ids."""
-        if not pads(self.capacity):
-            return [(rows, pattern, None) for rows, pattern in _warm_up_cases(seq_len)]
-        rows, pairs = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
-        return [(rows, pattern, pairs) for pattern in ("some", "one")]
-
-    def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
-        with self.compiling():
-            return self._forward(layer, mb, incoming)
-
-    def _forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
-        tokens: Tokens
-        tokens, rows = incoming["m2n"]
-        pairs, bounded = tokens.pairs, tokens.bounded
-        if self.resend:  # keep nothing: the backward gets the tokens again and recomputes
-            with torch.no_grad():
-                y_SH = self._shard(layer)(*tokens.shard_args)
-            self.chunks[(layer, mb)] = _ExpertChunk(None, None, None, rows, pairs, bounded)
-            return {"n2m": ExpertOut(y_SH).split(rows.counts)}
-        x_SH, w_SK = _leaf(tokens.x_RH), _leaf(tokens.w_RK)
-        y_SH = self.recompute(self._shard(layer), x_SH, tokens.local_idx_RK, w_SK, pairs, bounded)
-        self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows, pairs, bounded)
-        return {"n2m": ExpertOut(y_SH).split(rows.counts)}
-
-    def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
-        with self.compiling():
-            return self._backward(layer, mb, incoming)
-
-    def _shard(self, layer: int):
-        return self.graphs.shard(self.stage, layer)
-
-    def weight_grad(self, layer: int, mb: int) -> None:
-        """Split backward: the expert weight gradients ``backward`` deferred for this chunk."""
-        self.backward_pass.weight_grad((layer, mb))
-
-    def _backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
-        chunk = self.chunks.pop((layer, mb))
-        grad: ExpertOutGrad
-        grad, _ = incoming["n2m_grad"]
-        if grad.resent is not None:  # resend: recompute the forward from the tokens sent again
-            chunk.x_SH, chunk.w_SK = _leaf(grad.resent.x_RH), _leaf(grad.resent.w_RK)
-            idx_SK = grad.resent.local_idx_RK
-            chunk.y_SH = self._shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.pairs, chunk.bounded)
-        if chunk.y_SH.requires_grad:
-            self.backward_pass.run((layer, mb), (chunk.y_SH * grad.dy_RH).float().sum(), [chunk.x_SH, chunk.w_SK])
-        token_grads = TokenGrads(_grad_or_zeros(chunk.x_SH), _grad_or_zeros(chunk.w_SK))
-        return {"m2n_grad": token_grads.split(chunk.rows.counts)}

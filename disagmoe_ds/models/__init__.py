@@ -1,12 +1,15 @@
 """Hugging Face MoE models, cut into the two halves DisagMoE places on different GPUs.
 
 families       per-family facts as data: router, shared experts, expert count, token mixer (Qwen2/3-MoE, Qwen3-Next,
-               Qwen3.5-MoE, Mixtral, DeepSeek-V2/V3, GLM-4.5, GPT-OSS, OLMoE, ERNIE-4.5, Hunyuan, dots.llm1,
+               Qwen3.5-MoE, Mixtral, DeepSeek-V2/V3/V3.2/V4, GLM-4.5, GPT-OSS, OLMoE, ERNIE-4.5, Hunyuan, dots.llm1,
                MiniMax-M2), and what the cut refuses
-uncut          families known but not cut yet (DeepSeek-V4, Gemma 4's text MoE): one line, the layers and why (no
-               torch)
+uncut          families known but not cut yet (Gemma 4's text MoE), and what a cut family cannot run with yet
+               (DeepSeek-V4: sequence parallelism, CUDA graphs): one line, the layers and why (no torch)
 moe_pattern    which layers route to experts, from the config alone (no torch)
 parts          the attention part and the expert shard of every layer, built from HF's own modules
+context        a micro-batch's masks, rotary tables and token ids, as HF's model builds them
+hyper_connections  DeepSeek-V4's residual streams: enter/leave a block, the routed sum weighed per stream
+aux_loss       HF's router aux loss, split into each layer's counts and probability sums
 grouped_experts  the expert compute: grouped GEMMs over the routed (row, expert) pairs
 loading        load a model or its config with clear errors; a meta model that allocates nothing
 partial_load   fill the parts a rank cut from a meta model, reading only its own tensors

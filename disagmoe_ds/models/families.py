@@ -1,8 +1,8 @@
 """Per-family facts as data: where HF keeps the router, the shared experts and the expert count.
 
 Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V2, DeepSeek-V3, GLM-4.5-style MoE (``glm4_moe``),
-Qwen3-Next and Qwen3.5-MoE (its text model, ``qwen3_5_moe_text``), ERNIE-4.5-MoE, Hunyuan-MoE (v1), dots.llm1 and
-MiniMax-M2.
+Qwen3-Next and Qwen3.5-MoE (its text model, ``qwen3_5_moe_text``), ERNIE-4.5-MoE, Hunyuan-MoE (v1), dots.llm1,
+MiniMax-M2 and DeepSeek-V4.
 
 Every supported family builds its decoder layer from the same template (a token mixer, ``mlp``, two norms), and
 its MoE block holds a router module that returns ``(router_logits, top_k_weights, top_k_index)`` plus a fused
@@ -10,6 +10,11 @@ its MoE block holds a router module that returns ``(router_logits, top_k_weights
 
 The token mixer is ``self_attn`` (softmax attention), or, in the hybrid Qwen3-Next / Qwen3.5 layers whose
 ``config.layer_types[i]`` is ``"linear_attention"``, ``linear_attn`` (Gated DeltaNet); ``mixer_attr`` says which.
+
+DeepSeek-V4 adds four facts: a residual of several streams (``hyper``: hyper-connections,
+``models.hyper_connections``), rotary tables by name instead of one (``rotary_tables``), layer types that share
+another type's mask (``mask_types``), and a token id -> experts table for the first layers, which choose their
+experts by token id (``token_table``; ``moe_pattern.token_routed_layers``: the router takes the token ids, ``route``).
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe_ds.errors import UnsupportedModelError
+from disagmoe_ds.models.hyper_connections import HyperConnections
 from disagmoe_ds.models.uncut import check_uncut
 
 SharedFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
-RouteFn = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (block, x_TH, token_ids_T or None) -> (router_logits, top_k_weights, top_k_index)
+RouteFn = Callable[[nn.Module, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _qwen2_shared(block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
@@ -42,9 +49,22 @@ def _hunyuan_shared(block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
     return block.shared_mlp(x_TH)
 
 
-def _minimax_route(block: nn.Module, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _minimax_route(
+    block: nn.Module, x_TH: torch.Tensor, token_ids_T: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # MiniMax-M2 keeps its correction bias on the MoE block and hands it to the router.
     return block.gate(x_TH, block.e_score_correction_bias)
+
+
+def _deepseek_v4_route(
+    block: nn.Module, x_TH: torch.Tensor, token_ids_T: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # DeepSeek-V4's hash-routed blocks (``is_hash``) take the token ids: their experts are ``tid2eid[input_ids]``.
+    if block.is_hash:
+        if token_ids_T is None:
+            raise RuntimeError("a hash-routed DeepSeek-V4 layer needs the token ids (LayerContext.token_ids)")
+        return block.gate(x_TH, token_ids_T)
+    return block.gate(x_TH)
 
 
 @dataclass(frozen=True)
@@ -64,6 +84,13 @@ class Family:
         route: how the MoE block calls its router, where it is not ``router(x_TH)`` (MiniMax-M2), or None.
         mrope: the rotary embedding takes M-RoPE's (3, B, S) position ids (temporal, height, width), which for text
             are the token positions three times, as HF's model passes them (Qwen3.5; transformers 5.17 needs them).
+        hyper: the residual has several streams (hyper-connections, ``models.hyper_connections``), or None.
+        rotary_tables: the rotary embedding's tables, each called with ``layer_type=name`` and handed to the attention
+            as a dict by name (DeepSeek-V4: ``main`` for sliding layers, ``compress`` for compressed ones); () for one.
+        mask_types: (layer type, the layer type whose mask it takes) pairs, for layer types that build no mask of
+            their own (DeepSeek-V4's compressed layers take the sliding-window mask, as its model does).
+        token_table: a hash router's token id -> experts table, as a dotted path from the MoE block (DeepSeek-V4's
+            ``gate.tid2eid``), or None. Generated weights fill it (``loading``), the skew sets it (``skew``).
     """
 
     model_type: str
@@ -75,6 +102,14 @@ class Family:
     expert_bias_path: str | None = None
     route: RouteFn | None = None
     mrope: bool = False
+    hyper: HyperConnections | None = None
+    rotary_tables: tuple[str, ...] = ()
+    mask_types: tuple[tuple[str, str], ...] = ()
+    token_table: str | None = None
+
+    def mask_type(self, layer_type: str) -> str:
+        """The layer type whose mask a layer of ``layer_type`` takes (itself, unless ``mask_types`` says another)."""
+        return dict(self.mask_types).get(layer_type, layer_type)
 
 
 FAMILIES: dict[str, Family] = {
@@ -141,6 +176,24 @@ FAMILIES: dict[str, Family] = {
             expert_bias_path="e_score_correction_bias",
             route=_minimax_route,
         ),
+        # DeepSeek-V4: hyper-connections (hc_mult residual streams), one shared KV head over a sliding window plus
+        # compressed keys (a compressor, and on compressed-sparse layers a frozen lightning indexer, inside
+        # ``self_attn``), hash-routed first layers (``mlp_layer_types`` "hash_moe"), then a sqrt-softplus router
+        # with a correction bias; one ungated shared expert; experts with a clamped SwiGLU (``swiglu_limit``).
+        Family(
+            "deepseek_v4",
+            num_experts_attr="n_routed_experts",
+            shared=_deepseek_shared,
+            expert_bias_path="gate.e_score_correction_bias",
+            route=_deepseek_v4_route,
+            hyper=HyperConnections(),
+            rotary_tables=("main", "compress"),
+            mask_types=(
+                ("compressed_sparse_attention", "sliding_attention"),
+                ("heavily_compressed_attention", "sliding_attention"),
+            ),
+            token_table="gate.tid2eid",
+        ),
     )
 }
 # config.json model_types that name a family by another model_type: Qwen3.5-MoE's Hub config is its vision-language
@@ -172,20 +225,31 @@ def router_of(family: Family, layer: nn.Module) -> nn.Module:
     return getattr(layer.mlp, family.router_attr)
 
 
-def route(family: Family, block: nn.Module, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(router_logits, top_k_weights, top_k_index)`` of the MoE block ``block`` for tokens ``x_TH``, its router
-    called as the block calls it."""
+def route(
+    family: Family, block: nn.Module, x_TH: torch.Tensor, token_ids_T: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(router_logits, top_k_weights, top_k_index)`` of the MoE block ``block`` for tokens ``x_TH`` (their ids
+    ``token_ids_T`` where the layer routes by token id), its router called as the block calls it."""
     if family.route is not None:
-        return family.route(block, x_TH)
+        return family.route(block, x_TH, token_ids_T)
     return getattr(block, family.router_attr)(x_TH)
 
 
-def expert_bias_of(family: Family, block: nn.Module) -> torch.Tensor:
-    """The correction bias of an MoE block whose family has one (``expert_bias_path``)."""
+def expert_bias_of(family: Family, block: nn.Module) -> torch.Tensor | None:
+    """The correction bias of an MoE block whose family has one (``expert_bias_path``); None for a block of it that
+    has none (DeepSeek-V4's hash-routed blocks: a token's table chooses, nothing to balance)."""
     if family.expert_bias_path is None:
         raise UnsupportedModelError(f"model_type {family.model_type!r} has no router correction bias")
     owner_path, _, name = family.expert_bias_path.rpartition(".")
-    return getattr(block.get_submodule(owner_path), name)
+    return getattr(block.get_submodule(owner_path), name, None)
+
+
+def token_table_of(family: Family, block: nn.Module) -> torch.Tensor | None:
+    """The token id -> experts table ([V, K] int64) of a hash-routed MoE block (``Family.token_table``), else None."""
+    if family.token_table is None:
+        return None
+    owner_path, _, name = family.token_table.rpartition(".")
+    return getattr(block.get_submodule(owner_path), name, None)
 
 
 def mixer_attr(layer: nn.Module) -> str:
@@ -205,8 +269,9 @@ def check_cut(config) -> None:
     * a per-layer expert count or top-k (Hunyuan's ``num_experts`` / ``moe_topk`` may be lists): every MoE
       layer's experts are sharded alike and every exchange carries one K.
     """
+    family = family_of(config)
     for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
-        if kind not in LAYER_TYPES:
+        if family.mask_type(kind) not in LAYER_TYPES:
             raise UnsupportedModelError(
                 f"layer {i} of the {config.model_type} config is a {kind!r} layer, which DisagMoE-DS cannot cut "
                 f"(its attention parts handle {', '.join(LAYER_TYPES)})"

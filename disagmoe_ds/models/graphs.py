@@ -36,15 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagmoe_ds.models.parts import (
-    AttentionOutput,
-    AttentionPart,
-    AttentionStage,
-    ExpertShard,
-    ExpertStage,
-    Head,
-    LayerContext,
-)
+from disagmoe_ds.models.context import LayerContext
+from disagmoe_ds.models.parts import AttentionOutput, AttentionPart, AttentionStage, ExpertShard, ExpertStage, Head
 
 WARMUP_CALLS = 2  # before capture, on a side stream: compiled parts compile, libraries allocate their workspaces
 

@@ -2,7 +2,9 @@
 
 Used by ``ExpertShard`` for the families whose experts are gated MLPs stored as HF's fused tensors
 (``gate_up_proj [e, 2I, H]`` with gate rows first, ``down_proj [e, H, I]``): Qwen2/3-MoE, Mixtral, OLMoE,
-DeepSeek-V2/V3. GPT-OSS (transposed, interleaved, biased, clamped) keeps HF's own module.
+DeepSeek-V2/V3/V4 and the others of ``GATED_FUSED_FAMILIES``. GPT-OSS (transposed, interleaved, biased, clamped)
+keeps HF's own module. DeepSeek-V4 clamps its SwiGLU (``swiglu_limit``: the gate from above, the up projection both
+ways, before the activation, as its ``_apply_gate``): ``limit`` clamps the gate/up GEMM's output before the middle.
 
 No per-expert Python loop; pairs whose local id is the sentinel (expert on another rank) are sorted last and
 dropped before any compute. The permutation and its inverse are gathers in both directions: the un-permute
@@ -54,6 +56,7 @@ GATED_FUSED_FAMILIES = (
     "hunyuan_v1_moe",
     "dots1",
     "minimax_m2",
+    "deepseek_v4",
 )
 
 
@@ -83,6 +86,7 @@ def grouped_gated_experts(
     recompute: bool = False,
     bounded: bool = False,
     adapters: ExpertAdapters | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Each row's sum over its local experts of ``w * expert(x)``; sentinel ids (>= e) are skipped.
 
@@ -94,9 +98,12 @@ def grouped_gated_experts(
     (messages at a fixed capacity, ``routing.Capacity``): the buffers take that many pairs, the grouped GEMMs compute
     the real ones (their count stays on the device) and the slots past them are masked to zero both ways (a GEMM
     leaves those rows unwritten); pairs past the bound are dropped. ``adapters``: LoRA factors of both projections
-    (``models.lora``), two more grouped GEMMs per projection.
+    (``models.lora``), two more grouped GEMMs per projection. ``limit``: the SwiGLU's clamp (DeepSeek-V4's
+    ``swiglu_limit``), None for none.
     """
     elementwise = EAGER if elementwise is None else elementwise
+    if limit is not None:
+        elementwise = replace(elementwise, gated=ClampedGate(elementwise.gated, limit))
     num_experts, K = gate_up_eFH.shape[0], local_idx_RK.shape[1]
     sorted_ids_P, order_P = torch.sort(local_idx_RK.reshape(-1), stable=True)  # sentinels (== e) sort last
     # Each expert's end offset in the sorted order, without a host sync (the ids are sorted anyway).
@@ -308,6 +315,20 @@ EAGER = Elementwise(_gated_eager, _sum_slots_eager)
 def is_silu(act_fn: Callable) -> bool:
     """``act_fn`` is SiLU (HF's ``SiLUActivation``, torch's module or function): the Triton middle computes it."""
     return act_fn is F.silu or isinstance(act_fn, nn.SiLU | SiLUActivation)
+
+
+@dataclass(frozen=True)
+class ClampedGate:
+    """A gated middle whose gate/up input is clamped first, as DeepSeek-V4's experts clamp it (``_apply_gate``):
+    the gate half at most ``limit``, the up half within +-``limit``."""
+
+    inner: GatedFn
+    limit: float
+
+    def __call__(self, gate_up_PF: torch.Tensor, w_P: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
+        gate_PI, up_PI = gate_up_PF.chunk(2, dim=-1)
+        clamped_PF = torch.cat([gate_PI.clamp(max=self.limit), up_PI.clamp(min=-self.limit, max=self.limit)], dim=-1)
+        return self.inner(clamped_PF, w_P, act_fn)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,14 @@ from torch import nn
 
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.jsonfile import read_json_object
-from disagmoe_ds.models.families import ALIASES, check_cut, expert_bias_of, family_of, is_moe_layer
+from disagmoe_ds.models.families import (
+    ALIASES,
+    check_cut,
+    expert_bias_of,
+    family_of,
+    is_moe_layer,
+    token_table_of,
+)
 from disagmoe_ds.models.uncut import check_uncut
 
 WEIGHT_FILES = (
@@ -95,6 +102,7 @@ def load_model(
     if not has_weights(path) and not require_weights:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        fill_token_tables(model.model.layers, model.config)
         return freeze_untrained(model)
     check_weights(path)
     try:
@@ -124,8 +132,9 @@ def freeze_untrained(model: nn.Module) -> nn.Module:
     * a router correction bias that HF holds as a parameter (ERNIE-4.5's ``moe_statics``), as its module declares it
       (``requires_grad=False``; ``from_pretrained`` makes it trainable again): only the auxiliary-loss-free update
       moves it (``train.balance``), as it moves DeepSeek-V3's buffer;
-    * DeepSeek-V3.2's lightning indexer: its top-k choice is not differentiable, so no gradient reaches it in HF's
-      forward either (DeepSeek trains it with a loss of its own, which transformers does not implement).
+    * DeepSeek-V3.2's lightning indexer, and DeepSeek-V4's (inside its compressed-sparse layers' compressor): its
+      top-k choice is not differentiable, so no gradient reaches it in HF's forward either (DeepSeek trains it with
+      a loss of its own, which transformers does not implement).
     """
     family = family_of(model.config)
     for layer in model.model.layers:
@@ -133,10 +142,39 @@ def freeze_untrained(model: nn.Module) -> nn.Module:
             bias = expert_bias_of(family, layer.mlp)
             if isinstance(bias, nn.Parameter):
                 bias.requires_grad_(False)
-        indexer = getattr(getattr(layer, "self_attn", None), "indexer", None)
-        if indexer is not None:
-            indexer.requires_grad_(False)
+        attention = getattr(layer, "self_attn", None)
+        for name, module in attention.named_modules() if attention is not None else ():
+            if name.rpartition(".")[2] == "indexer":  # DeepSeek-V3.2's, or DeepSeek-V4's inside its compressor
+                module.requires_grad_(False)
     return model
+
+
+def token_table(config, layer: int) -> torch.Tensor:
+    """Generated weights' token id -> experts table of a hash-routed layer ([V, K]: K distinct experts per token).
+
+    HF initialises DeepSeek-V4's ``tid2eid`` to zeros (every token to expert 0 in every slot; its real values come
+    from the checkpoint), which would route a generated model's hash layers to one expert. A frozen table, as a
+    checkpoint's is: drawn from the layer index alone, so every rank and run that holds the layer has the same
+    (the ranks initialise their parts from seeds of their own, and DeepSpeed broadcasts parameters, not buffers).
+    """
+    family = family_of(config)
+    generator = torch.Generator().manual_seed(100_003 + layer)
+    scores = torch.rand(config.vocab_size, getattr(config, family.num_experts_attr), generator=generator)
+    return scores.argsort(dim=1)[:, : config.num_experts_per_tok]
+
+
+def fill_token_tables(layers, config) -> None:
+    """Fill the token tables (``Family.token_table``) of ``layers`` (decoder layers or attention parts, in order of
+    their indices, or a {index: layer} mapping) with ``token_table``."""
+    family = family_of(config)
+    if family.token_table is None:
+        return
+    items = layers.items() if hasattr(layers, "items") else enumerate(layers)
+    for index, layer in items:
+        table = token_table_of(family, layer.mlp) if is_moe_layer(layer) else None
+        if table is not None:
+            with torch.no_grad():
+                table.copy_(token_table(config, int(index)))
 
 
 def shared_parameters(module: nn.Module) -> list[list[str]]:

@@ -11,7 +11,11 @@ the planner. HF builds a layer's MLP as (hf-notes section 1):
                               -1: the last layer), every ``moe_layer_interval``-th layer
     qwen2_moe, qwen3_moe, qwen3_next  MoE unless in ``mlp_only_layers``, and only every ``decoder_sparse_step``-th
                               layer
-    mixtral, olmoe, gpt_oss, qwen3_5_moe(_text), hunyuan_v1_moe, minimax_m2  every layer MoE
+    mixtral, olmoe, gpt_oss, qwen3_5_moe(_text), hunyuan_v1_moe, minimax_m2, deepseek_v4  every layer MoE
+
+DeepSeek-V4's MoE layers route by token id where ``mlp_layer_types`` says "hash_moe" (HF's default: the first
+``num_hash_layers``, 3), by a learned router elsewhere (``token_routed_layers``); only the learned routers' logits
+enter HF's aux loss (``aux_layer_pattern``).
 
 A vision-language config.json (``qwen3_5_moe``) is read through its ``text_config`` (``language_model_config``).
 
@@ -19,6 +23,8 @@ A vision-language config.json (``qwen3_5_moe``) is read through its ``text_confi
 (False, True, True, True)
 >>> moe_layer_pattern({"model_type": "deepseek_v3", "num_hidden_layers": 4})
 (False, False, False, True)
+>>> token_routed_layers({"model_type": "deepseek_v4", "num_hidden_layers": 4})
+(True, True, True, False)
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 _FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "deepseek_v32": 3, "glm4_moe": 1, "dots1": 0}
 _QWEN_SPARSE_STEP = ("qwen2_moe", "qwen3_moe", "qwen3_next")
 _VISION_LANGUAGE = {"qwen3_5_moe": "qwen3_5_moe_text"}  # config.json model_type -> its text_config's
+_HASH_LAYERS_DEFAULT = {"deepseek_v4": 3}  # HF's default_num_hash_layers
 
 
 def language_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -60,3 +67,22 @@ def moe_layer_pattern(config: Mapping[str, Any]) -> tuple[bool, ...]:
         interval = config.get("moe_layer_interval", 1)
         return tuple((i + 1) % interval == 0 and start <= i <= end for i in range(num_layers))
     return (True,) * num_layers
+
+
+def token_routed_layers(config: Mapping[str, Any]) -> tuple[bool, ...]:
+    """One bool per layer, True where the MoE layer chooses its experts by token id (DeepSeek-V4's "hash_moe":
+    ``tid2eid[input_ids]``), so its attention part needs the micro-batch's token ids."""
+    config = language_model_config(config)
+    model_type, num_layers = config["model_type"], config["num_hidden_layers"]
+    if model_type not in _HASH_LAYERS_DEFAULT:
+        return (False,) * num_layers
+    if config.get("mlp_layer_types"):
+        return tuple(kind == "hash_moe" for kind in config["mlp_layer_types"])
+    hashed = config.get("num_hash_layers", _HASH_LAYERS_DEFAULT[model_type])  # a legacy field HF still reads
+    return tuple(i < hashed for i in range(num_layers))
+
+
+def aux_layer_pattern(config: Mapping[str, Any]) -> tuple[bool, ...]:
+    """One bool per layer, True where the router's logits enter the aux loss: the MoE layers whose choice is learned
+    (HF records only its top-k routers' logits; a token-routed layer has no choice to balance)."""
+    return tuple(m and not t for m, t in zip(moe_layer_pattern(config), token_routed_layers(config), strict=True))

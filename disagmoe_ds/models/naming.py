@@ -6,7 +6,8 @@ Attention-side names are HF's minus the ``model.`` prefix, except the head; expe
 
 from __future__ import annotations
 
-_HEAD = {"head.norm.": "model.norm.", "head.lm_head.": "lm_head."}
+# The head's modules: the final norm, the LM head and, with hyper-connections, DeepSeek-V4's stream collapse.
+_HEAD = {"head.norm.": "model.norm.", "head.lm_head.": "lm_head.", "head.hc_head.": "model.hc_head."}
 
 
 def attention_name_to_hf(name: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, build_context, compile_stage, num_routed_experts
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_routed_experts
 
 
 def one_layer_model(
@@ -31,6 +31,8 @@ def one_layer_model(
         if not 0 <= layer < len(config.layer_types):
             raise ValueError(f"layer {layer} is not one of the model's {len(config.layer_types)} layers")
         config.layer_types = config.layer_types[layer : layer + 1]
+    if getattr(config, "mlp_layer_types", None):  # DeepSeek-V4 lists its MLPs per layer too (a hash or learned router)
+        config.mlp_layer_types = config.mlp_layer_types[layer : layer + 1]
     config._experts_implementation = experts  # not a from_config keyword in every transformers 5.x
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -61,8 +63,10 @@ def disagmoe_parts(
         compile_stage(attention)
         compile_stage(experts)
     H = model.config.hidden_size
-    h_BSH = torch.randn(micro_batch_size, seq_len, H, device=device, dtype=dtype, requires_grad=True)
-    ctx = build_context(model.config, attention.rotary_emb, h_BSH, None)
+    h_BSH = torch.randn(micro_batch_size, seq_len, *attention.residual_dims, device=device, dtype=dtype)
+    h_BSH.requires_grad_()
+    token_ids_BS = torch.randint(0, model.config.vocab_size, (micro_batch_size, seq_len), device=device)
+    ctx = attention.context(h_BSH, None, token_ids_BS)  # token ids: for a layer that routes by them
 
     def attention_fn() -> tuple:
         out = attention.part(0)(h_BSH, ctx, model.config)

@@ -43,13 +43,14 @@ from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.loading import (
     build_meta_model,
     check_weights,
+    fill_token_tables,
     has_weights,
     load_config,
     load_model,
     shared_parameters,
 )
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
-from disagmoe_ds.models.parts import ExpertStage
+from disagmoe_ds.models.parts import AttentionPart, ExpertStage
 
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")  # from_pretrained's order of preference
 
@@ -233,8 +234,10 @@ def _sources(
 
 
 def _star(pattern: str) -> re.Pattern:
-    """A converter's source pattern (``mlp.experts.*.up_proj.weight``) with the expert number captured."""
-    return re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+    r"""A converter's source pattern (``mlp.experts.*.up_proj.weight``; DeepSeek-V4's ``\.experts.*.w1.weight``)
+    with the expert number captured. transformers reads the patterns as regular expressions (``*`` as ``.*``), and
+    so does this (``*`` as the number)."""
+    return re.compile(pattern.replace("*", r"(\d+)"))
 
 
 def _expert_of(pattern: str, key: str) -> int:
@@ -311,10 +314,14 @@ def place(
         weights.fill(stage)
     else:
         _initialise(stage, model, seed)
-    rotary = getattr(stage, "rotary_emb", None)
-    if rotary is not None:  # its inv_freq buffers are computed in __init__, neither initialised nor loaded
+    # Rotary embeddings' inv_freq buffers are computed in __init__, neither initialised nor loaded: made again (the
+    # model's, and those DeepSeek-V4's compressors and indexers hold).
+    rotaries = [name for name, module in stage.named_modules() if name.rpartition(".")[2] == "rotary_emb"]
+    for name in rotaries:
+        owner, _, attr = name.rpartition(".")
+        parent = stage.get_submodule(owner)
         with torch.device(device):
-            stage.rotary_emb = type(rotary)(config=stage.config)
+            setattr(parent, attr, type(getattr(parent, attr))(config=model.config))
 
 
 def _allocate(stage: nn.Module, device: torch.device) -> None:
@@ -336,3 +343,5 @@ def _initialise(stage: nn.Module, model: nn.Module, seed: int) -> None:
             param._is_hf_initialized = False  # set while building on meta, where nothing was written
     for module in stage.modules():
         model._init_weights(module)
+    parts = {part.layer_idx: part for part in stage.modules() if isinstance(part, AttentionPart)}
+    fill_token_tables(parts, model.config)  # as load_model fills a generated model's

@@ -17,78 +17,18 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from disagmoe_ds.comm.routing import count_ids
+from disagmoe_ds.models import hyper_connections as hc
+from disagmoe_ds.models.context import LayerContext, build_context
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer, mixer_attr, route
 from disagmoe_ds.models.grouped_experts import EAGER, compiled_elementwise, grouped_gated_experts, supports_grouped
 from disagmoe_ds.models.lora import expert_adapters, merged_expert_weights
-from disagmoe_ds.models.moe_pattern import moe_layer_pattern
-
-# ----------------------------------------------------------------------------------------------------------------
-# Per-micro-batch context (mask and rotary embeddings), computed locally on every attention rank
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayerContext:
-    """What every attention part of one micro-batch needs besides the hidden states."""
-
-    position_ids: torch.Tensor
-    position_embeddings: object  # (cos, sin) tuple, or DeepSeek-V2's complex freqs
-    masks: dict[str, object]  # keyed by layer type: "full_attention" / "sliding_attention" / "linear_attention"
-
-    def mask_for(self, config, layer: int):
-        return self.masks[_layer_type(config, layer)]
-
-
-def _layer_type(config, layer: int) -> str:
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return layer_types[layer]
-    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
-
-
-def build_context(
-    config, rotary_emb: nn.Module, h_BSH: torch.Tensor, position_ids: torch.Tensor | None
-) -> LayerContext:
-    """Masks and rotary embeddings exactly as ``XModel.forward`` builds them (no KV cache, no padding mask).
-
-    Passing ``position_ids`` lets HF detect packed documents (position restarts) and build a block-diagonal mask;
-    it reads them on the host to find out (a device sync), so pass None when the batch has the default positions.
-    """
-    given = position_ids
-    if position_ids is None:
-        position_ids = torch.arange(h_BSH.shape[1], device=h_BSH.device).unsqueeze(0)
-    needed = {_layer_type(config, i) for i in range(config.num_hidden_layers)}
-    builders = {
-        "full_attention": create_causal_mask,
-        "sliding_attention": create_sliding_window_causal_mask,
-        "linear_attention": _no_padding_mask,
-        "indexed_attention": _indexed_mask,
-    }
-    # The cache argument is passed positionally: it is named past_key_values in transformers 5.17, cache in 5.2x.
-    masks = {kind: builders[kind](config, h_BSH, None, None, position_ids=given) for kind in needed}
-    rotary_ids = position_ids[None].expand(3, *position_ids.shape) if family_of(config).mrope else position_ids
-    return LayerContext(position_ids, rotary_emb(h_BSH, rotary_ids), masks)
-
-
-def _indexed_mask(*args, **kwargs):
-    """DeepSeek-V3.2's mask, made as its model makes it: always a tensor (never skipped for SDPA's is_causal),
-    since the indexer scores keys against it and folds its top-k choice into it."""
-    return create_causal_mask(*args, allow_is_causal_skip=False, **kwargs)
-
-
-def _no_padding_mask(*args, **kwargs) -> None:
-    """A linear-attention layer's mask: HF's ``create_recurrent_attention_mask`` is the 2D padding mask, None
-    without one, and the parts never get one (no padding mask, as above). Linear attention is causal by itself."""
-    return None
-
+from disagmoe_ds.models.moe_pattern import moe_layer_pattern, token_routed_layers
 
 # ----------------------------------------------------------------------------------------------------------------
 # Attention side
@@ -100,7 +40,10 @@ class AttentionOutput:
     """One attention part's results for one micro-batch.
 
     ``residual_BSH`` is everything of the layer's output except the routed experts' sum (for dense layers: the
-    whole layer output). The rest is None on dense layers.
+    whole layer output; [B, S, hc, H] with hyper-connections). The rest is None on dense layers.
+    ``router_logits_TE`` is None too where the layer routes by token id (no learned choice: no aux term, as HF
+    records none); ``routed_w_BSC`` is the routed sum's weight per residual stream (hyper-connections), None where
+    it is added as it is (``hyper_connections.add_routed``).
     """
 
     residual_BSH: torch.Tensor
@@ -108,22 +51,32 @@ class AttentionOutput:
     topk_w_TK: torch.Tensor | None = None
     topk_idx_TK: torch.Tensor | None = None
     router_logits_TE: torch.Tensor | None = None
+    routed_w_BSC: torch.Tensor | None = None
 
 
 class AttentionPart(nn.Module):
     """Attention side of one decoder layer. Keeps HF's attribute names (``self_attn`` or ``linear_attn``,
-    ``mlp.gate``, ``mlp.shared_expert``...)."""
+    ``mlp.gate``, ``mlp.shared_expert``, DeepSeek-V4's ``attn_hc`` / ``ffn_hc``...).
 
-    def __init__(self, layer: nn.Module, family: Family, layer_idx: int):
+    ``token_routed``: the layer chooses its experts by token id (``moe_pattern.token_routed_layers``); its router
+    then reads ``LayerContext.token_ids``.
+    """
+
+    def __init__(self, layer: nn.Module, family: Family, layer_idx: int, *, token_routed: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.family = family
         self.is_moe = is_moe_layer(layer)
+        self.token_routed = token_routed
         self.mixer_attr = mixer_attr(layer)
         self.input_layernorm = layer.input_layernorm
         setattr(self, self.mixer_attr, getattr(layer, self.mixer_attr))
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.mlp = _without_experts(layer.mlp) if self.is_moe else layer.mlp
+        self.hyper = family.hyper
+        if self.hyper is not None:  # the two HyperConnection modules, under HF's names
+            for attr in (self.hyper.around_mixer, self.hyper.around_mlp):
+                setattr(self, attr, getattr(layer, attr))
 
     @property
     def router(self) -> nn.Module:
@@ -133,6 +86,10 @@ class AttentionPart(nn.Module):
     def mixer(self) -> nn.Module:
         """The token mixer: HF's attention module, or its Gated DeltaNet."""
         return getattr(self, self.mixer_attr)
+
+    def _around(self, which: str) -> nn.Module | None:
+        """The hyper-connection around the mixer or the MLP (None: a plain residual)."""
+        return None if self.hyper is None else getattr(self, getattr(self.hyper, which))
 
     def _mix(self, x_BSH: torch.Tensor, ctx: LayerContext, config) -> torch.Tensor:
         """The token mixer called as HF's decoder layer calls it (no cache: training)."""
@@ -148,20 +105,22 @@ class AttentionPart(nn.Module):
         return attn_BSH
 
     def forward(self, h_BSH: torch.Tensor, ctx: LayerContext, config) -> AttentionOutput:
-        a_BSH = h_BSH + self._mix(self.input_layernorm(h_BSH), ctx, config)
-        x_BSH = self.post_attention_layernorm(a_BSH)
+        x_BSH, around = hc.enter(self._around("around_mixer"), h_BSH)
+        a_BSH = hc.leave(around, h_BSH, self._mix(self.input_layernorm(x_BSH), ctx, config))
+        x_BSH, around = hc.enter(self._around("around_mlp"), a_BSH)
+        x_BSH = self.post_attention_layernorm(x_BSH)
         if not self.is_moe:
-            return AttentionOutput(residual_BSH=a_BSH + self.mlp(x_BSH))
+            return AttentionOutput(residual_BSH=hc.leave(around, a_BSH, self.mlp(x_BSH)))
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         jitter = getattr(self.mlp, "jitter_noise", 0.0)
         if self.training and jitter > 0:  # Mixtral's router jitter, as HF applies it (in place, before routing)
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - jitter, 1.0 + jitter)
-        logits_TE, w_TK, idx_TK = route(self.family, self.mlp, x_TH)
-        residual_BSH = a_BSH
+        token_ids_T = ctx.token_ids.reshape(-1) if self.token_routed and ctx.token_ids is not None else None
+        logits_TE, w_TK, idx_TK = route(self.family, self.mlp, x_TH, token_ids_T)
         shared_TH = None if self.family.shared is None else self.family.shared(self.mlp, x_TH)
-        if shared_TH is not None:
-            residual_BSH = a_BSH + shared_TH.view_as(a_BSH)
-        return AttentionOutput(residual_BSH, x_TH, w_TK, idx_TK, logits_TE)
+        residual_BSH = hc.leave(around, a_BSH, None if shared_TH is None else shared_TH.view_as(x_BSH))
+        logits_TE = None if self.token_routed else logits_TE
+        return AttentionOutput(residual_BSH, x_TH, w_TK, idx_TK, logits_TE, hc.routed_weight(around, a_BSH.dtype))
 
 
 def _without_experts(block: nn.Module) -> nn.Module:
@@ -176,10 +135,15 @@ def _without_experts(block: nn.Module) -> nn.Module:
 
 
 class Head(nn.Module):
-    """Final norm + LM head + HF's causal-LM loss."""
+    """Final norm + LM head + HF's causal-LM loss; with hyper-connections, the streams collapsed first (HF's hyper
+    head, under its name)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
+        hyper = family_of(model.config).hyper
+        self.hyper_head = None if hyper is None else hyper.head
+        if self.hyper_head is not None:
+            setattr(self, self.hyper_head, getattr(model.model, self.hyper_head))
         self.norm = model.model.norm
         self.lm_head = model.lm_head
         self._loss_function = model.loss_function
@@ -194,6 +158,8 @@ class Head(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``shift_labels_BS`` (labels already shifted) and ``num_items`` (what the sum is divided by): one slice's
         share of a micro-batch's loss (``models.sequence_parallel``)."""
+        if self.hyper_head is not None:
+            h_BSH = getattr(self, self.hyper_head)(h_BSH)
         logits_BSV = self.lm_head(self.norm(h_BSH))
         if labels_BS is None and shift_labels_BS is None:
             return logits_BSV, None
@@ -201,56 +167,6 @@ class Head(nn.Module):
             logits_BSV, labels_BS, self.vocab_size, num_items_in_batch=num_items, shift_labels=shift_labels_BS
         )
         return logits_BSV, loss
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Router aux loss, decomposed so that layers on different ranks can contribute
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RouterStats:
-    """One MoE layer's share of HF's Switch-style ``load_balancing_loss_func``.
-
-    HF computes, over the router logits of all MoE layers concatenated (R rows in total):
-    ``aux = E * sum_e (counts_e / R) * (probs_e / R)`` where counts are top-k assignments of the re-computed
-    softmax (no gradient) and probs the summed softmax probabilities. Both sums split over layers, so each
-    layer contributes its own ``counts_E`` and ``prob_sum_E`` and the head combines them.
-    """
-
-    counts_E: torch.Tensor
-    prob_sum_E: torch.Tensor  # differentiable
-    rows: int
-
-
-def router_stats(logits_TE: torch.Tensor, top_k: int) -> RouterStats:
-    probs_TE = torch.softmax(logits_TE, dim=-1)
-    _, selected_TK = torch.topk(probs_TE, top_k, dim=-1)
-    counts_E = count_ids(selected_TK, logits_TE.shape[-1]).float()
-    return RouterStats(counts_E, probs_TE.float().sum(dim=0), logits_TE.shape[0])
-
-
-def aux_loss_from_stats(stats: list[RouterStats], *, per_layer: bool = False) -> torch.Tensor:
-    """HF's loss over the layers' rows pooled; ``per_layer``: the mean of each layer's own (``balance_per_layer``)."""
-    if per_layer:
-        return torch.stack([switch_loss(s) for s in stats]).mean()
-    counts_E = torch.stack([s.counts_E for s in stats]).sum(0)
-    prob_sum_E = torch.stack([s.prob_sum_E for s in stats]).sum(0)
-    return switch_loss(RouterStats(counts_E, prob_sum_E, sum(s.rows for s in stats)))
-
-
-def switch_loss(stats: RouterStats) -> torch.Tensor:
-    """The Switch loss of ``stats``' rows, ``E * sum_e (counts_e / R) * (probs_e / R)``: HF's
-    ``load_balancing_loss_func`` given those rows alone (one layer's, or several layers' pooled)."""
-    return (stats.counts_E / stats.rows * stats.prob_sum_E / stats.rows).sum() * stats.counts_E.numel()
-
-
-def balance_per_layer(config) -> bool:
-    """Whether the router aux loss is the mean of every MoE layer's own Switch loss (``router_aux_loss_per_layer``
-    in the model's config.json, as Megatron-Core computes it) instead of HF's one loss over all layers' rows pooled.
-    Pooled, layers whose loads are skewed in different directions cancel out: each can collapse onto a few experts
-    while the pooled loss reads perfectly balanced."""
-    return bool(getattr(config, "router_aux_loss_per_layer", False))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -317,6 +233,7 @@ class ExpertShard(nn.Module):
                 self.recompute,
                 bounded,
                 expert_adapters(e),
+                getattr(e, "limit", None),  # the SwiGLU's clamp where HF's experts have one (DeepSeek-V4)
             )
         return self.forward_hf(x_RH, local_idx_RK, w_RK)
 
@@ -369,7 +286,11 @@ def slice_experts(experts: nn.Module, config, family: Family, start: int, stop: 
 
 
 class AttentionStage(nn.Module):
-    """The attention parts of the layers one A-group owns, plus embedding (A-group 0) and head (A-group L % p)."""
+    """The attention parts of the layers one A-group owns, plus embedding (A-group 0) and head (A-group L % p).
+
+    ``residual_dims``: a token's residual, (H,), or (hc, H) with hyper-connections; ``token_routed``: some layer of
+    the model routes by token id, so contexts carry the token ids and the residual hand-off too.
+    """
 
     config: Any  # the model's HF config (family-specific fields)
     head: Head | None
@@ -381,20 +302,36 @@ class AttentionStage(nn.Module):
         self.embed_tokens = model.model.embed_tokens if with_embedding else None
         self.rotary_emb = model.model.rotary_emb
         hf_layers = model.model.layers
-        self.layers = nn.ModuleDict({str(i): AttentionPart(hf_layers[i], self.family, i) for i in layers})
+        by_token = token_routed_layers(model.config.to_dict())
+        self.token_routed = any(by_token)
+        self.layers = nn.ModuleDict(
+            {str(i): AttentionPart(hf_layers[i], self.family, i, token_routed=by_token[i]) for i in layers}
+        )
         self.head = Head(model) if with_head else None
+        self.streams = None if self.family.hyper is None else self.family.hyper.streams(model.config)
+        hidden = model.config.hidden_size
+        self.residual_dims = (hidden,) if self.streams is None else (self.streams, hidden)
         self._default_contexts: dict[tuple, LayerContext] = {}
 
-    def context(self, h_BSH: torch.Tensor, position_ids: torch.Tensor | None) -> LayerContext:
+    def embed(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        """The first layer's residual: the token embeddings (in every stream, with hyper-connections)."""
+        return hc.expand(self.embed_tokens(input_ids_BS), self.streams)
+
+    def context(
+        self, h_BSH: torch.Tensor, position_ids: torch.Tensor | None, token_ids: torch.Tensor | None = None
+    ) -> LayerContext:
         """The micro-batch's context; with the default positions (None), one per shape, built once: its tensors
-        are then the same every call, which a graphed part need not copy in, and no step rebuilds them."""
+        are then the same every call, which a graphed part need not copy in, and no step rebuilds them. The token
+        ids ([B, S]) join it where some layer routes by them."""
         if position_ids is not None or torch.is_inference_mode_enabled():
-            return build_context(self.config, self.rotary_emb, h_BSH, position_ids)
-        key = (h_BSH.shape[:2], h_BSH.dtype, h_BSH.device, self.config._attn_implementation)
-        if key not in self._default_contexts:
-            with torch.no_grad():
-                self._default_contexts[key] = build_context(self.config, self.rotary_emb, h_BSH, None)
-        return self._default_contexts[key]
+            ctx = build_context(self.config, self.rotary_emb, h_BSH, position_ids)
+        else:
+            key = (h_BSH.shape[:2], h_BSH.dtype, h_BSH.device, self.config._attn_implementation)
+            if key not in self._default_contexts:
+                with torch.no_grad():
+                    self._default_contexts[key] = build_context(self.config, self.rotary_emb, h_BSH, None)
+            ctx = self._default_contexts[key]
+        return replace(ctx, token_ids=token_ids) if self.token_routed else ctx
 
     def part(self, layer: int) -> AttentionPart:
         return self.layers[str(layer)]
@@ -450,6 +387,14 @@ def num_experts_of(config) -> int:
     return getattr(config, family_of(config).num_experts_attr)
 
 
+def residual_shape(config) -> tuple[int, int, int]:
+    """A token's residual in the hand-off (``comm.messages.Dims``): its streams, the routed sum's weights (one per
+    stream with hyper-connections, else none) and its token-id columns (one where some layer routes by token id)."""
+    hyper = family_of(config).hyper
+    streams = 1 if hyper is None else hyper.streams(config)
+    return streams, 0 if hyper is None else streams, int(any(token_routed_layers(config.to_dict())))
+
+
 def num_routed_experts(model: nn.Module) -> int:
     """E of ``model`` (its config's ``num_experts_of``)."""
     return num_experts_of(model.config)
@@ -479,5 +424,6 @@ def routing_facts(model: nn.Module) -> RoutingFacts:
     param = next(model.parameters())
     with torch.no_grad():
         x_1H = torch.zeros(1, model.config.hidden_size, dtype=param.dtype, device=param.device)
-        _, weights, _ = route(family, block, x_1H)
+        token_1 = torch.zeros(1, dtype=torch.long, device=param.device)  # for a router that reads token ids
+        _, weights, _ = route(family, block, x_1H, token_1)
     return RoutingFacts(moe, router.top_k, weights.dtype)

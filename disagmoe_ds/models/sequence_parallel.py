@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe_ds.errors import LayoutError
+from disagmoe_ds.models.aux_loss import RouterStats
+from disagmoe_ds.models.context import LayerContext, build_context
 from disagmoe_ds.models.families import family_of
-from disagmoe_ds.models.parts import LayerContext, RouterStats, build_context
+from disagmoe_ds.models.uncut import refused_with
 
 ATTENTION_KEY = "disagmoe_ulysses"  # the HF attention implementation an SP rank's attention modules use
 IGNORE_INDEX = -100
@@ -111,6 +113,9 @@ def check_sequence_parallel(config, size: int, seq_len: int | None = None) -> No
         "deepseek_v32": "its lightning indexer scores every key of the sequence outside the attention function",
         "gpt_oss": "its attention sinks are per head and not split with the heads",
     }
+    why = refused_with(config.to_dict(), "sequence_parallel")
+    if why is not None:
+        unsupported[family.model_type] = why
     if family.model_type in unsupported:
         raise LayoutError(
             f"sequence_parallel {size}: {family.model_type} is not supported: {unsupported[family.model_type]}"

@@ -1,7 +1,9 @@
 """A deliberately skewed router for tests and ``disagmoe-verify --skew``: every token picks one expert first.
 
 It changes the router's *input* through a forward pre-hook (a large push along hidden dim 0, with only the chosen
-expert's router weight reading that dim), so everything after it is still HF's own routing math.
+expert's router weight reading that dim), so everything after it is still HF's own routing math. A hash-routed
+layer (DeepSeek-V4's ``tid2eid``) chooses by token id: its table sends every token to the chosen expert first and
+the next ones after it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from disagmoe_ds.models.families import family_of, is_moe_layer, router_of
+from disagmoe_ds.models.families import family_of, is_moe_layer, router_of, token_table_of
 
 PUSH = 50.0
 
@@ -30,7 +32,11 @@ def skew_router(model: nn.Module, expert: int = 0, *, spread: bool = False) -> N
     for i, layer in enumerate(moe_layers):
         router = router_of(family, layer)
         weight_EH = router.get_parameter(family.router_weight)
+        chosen = (expert + i * spread) % weight_EH.shape[0]
         with torch.no_grad():
             weight_EH[:, 0] = 0.0
-            weight_EH[(expert + i * spread) % weight_EH.shape[0], 0] = 1.0
+            weight_EH[chosen, 0] = 1.0
+            table_VK = token_table_of(family, layer.mlp)
+            if table_VK is not None:
+                table_VK.copy_((chosen + torch.arange(table_VK.shape[1])) % weight_EH.shape[0])
         router.register_forward_pre_hook(_push)

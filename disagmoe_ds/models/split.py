@@ -14,17 +14,11 @@ from torch import nn
 
 from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
 from disagmoe_ds.errors import LayoutError
+from disagmoe_ds.models.aux_loss import RouterStats, aux_loss_from_stats, balance_per_layer, router_stats
 from disagmoe_ds.models.families import family_of
+from disagmoe_ds.models.hyper_connections import add_routed
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
-from disagmoe_ds.models.parts import (
-    AttentionStage,
-    ExpertStage,
-    RouterStats,
-    aux_loss_from_stats,
-    balance_per_layer,
-    num_routed_experts,
-    router_stats,
-)
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_routed_experts
 
 
 @dataclass
@@ -74,8 +68,8 @@ class SplitModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
     ) -> SplitOutput:
-        h_BSH = self.attention.embed_tokens(input_ids)
-        ctx = self.attention.context(h_BSH, position_ids)
+        h_BSH = self.attention.embed(input_ids)
+        ctx = self.attention.context(h_BSH, position_ids, input_ids)
         stats: list[RouterStats] = []
         for layer in range(self.config.num_hidden_layers):
             part = self.attention.part(layer)
@@ -83,8 +77,9 @@ class SplitModel(nn.Module):
             if out.x_TH is None:
                 h_BSH = out.residual_BSH
                 continue
-            stats.append(router_stats(out.router_logits_TE, part.router.top_k))
-            h_BSH = out.residual_BSH + self._experts(layer, out).view_as(out.residual_BSH)
+            if out.router_logits_TE is not None:  # a learned choice (not a token-routed layer)
+                stats.append(router_stats(out.router_logits_TE, part.router.top_k))
+            h_BSH = add_routed(out.residual_BSH, out.routed_w_BSC, self._experts(layer, out))
         logits, loss = self.attention.head(h_BSH, labels)
         per_layer = balance_per_layer(self.config)
         aux = aux_loss_from_stats(stats, per_layer=per_layer) if aux_loss_enabled(self.config) else None

@@ -1,13 +1,14 @@
 """Families DisagMoE-DS knows and cannot cut yet, refused before launch in one line naming the layer and the reason.
 
-The cut hands every layer's attention part one residual stream and adds the routed experts' sum to it as it
-arrives (``parts.AttentionOutput``; the next A-group does the add, ``engine.runners``), and it gives the attention
-parts hidden states only (the token ids stay with the embedding, on the first A-group). Two issue-29 families need
-more (HF 5.24's modules):
+The cut hands every layer's attention part a residual (one stream, or DeepSeek-V4's hyper-connection streams with the
+routed sum's weight per stream, ``models.hyper_connections``), adds the routed experts' sum to it as it arrives
+(``parts.AttentionOutput``; the next A-group does the add, ``engine.runners``), and gives the attention parts hidden
+states and, where a layer routes by token id (DeepSeek-V4's hash-routed layers), the token ids. How DeepSeek-V4's
+layers are cut: the attention part holds ``attn_hc``, the input norm, ``self_attn`` (sliding window, compressor and
+frozen indexer), ``ffn_hc``, the post-attention norm, the router (hash or learned) and the shared expert, and hands
+on ``comb^T @ streams + post * shared`` with ``post``; A_next adds ``post * routed``. One issue-29 family needs more
+(HF 5.24's modules):
 
-    deepseek_v4   hyper-connections (``DeepseekV4HyperConnection``): ``hc_mult`` residual streams per token; a layer's
-                  output is ``post * (experts + shared) + comb^T @ streams``, the experts' sum weighed per token and
-                  stream. Hash-routed layers (``mlp_layer_types`` "hash_moe") choose experts by ``tid2eid[input_ids]``.
     gemma4_text   (and the Hub's ``gemma4``, through its ``text_config``) the experts sit beside a dense MLP and their
                   sum is normalised (``post_feedforward_layernorm_2``), added to the MLP's, normalised again
                   (``post_feedforward_layernorm``) and scaled (``layer_scalar``) around the residual add; optional
@@ -41,27 +42,6 @@ def _layers(indices: list[int]) -> str:
     return f"layers {', '.join(map(str, indices))}"
 
 
-def _deepseek_v4(cfg: Mapping[str, Any]) -> list[str]:
-    num_layers = cfg.get("num_hidden_layers", 0)
-    hc = cfg.get("hc_mult", 4)  # HF's default; V4 always builds its hyper-connections
-    reasons = [
-        f"{_layers(list(range(num_layers)))} carry {hc} residual streams (hyper-connections, hc_mult) and weigh the "
-        "experts' sum per token and stream (ffn_hc), while the cut hands one residual stream on and adds the "
-        "experts' sum to it"
-    ]
-    mlp_types = cfg.get("mlp_layer_types")
-    if not mlp_types:  # HF's default: the first num_hash_layers (3) hash-routed
-        hashed = min(num_layers, cfg.get("num_hash_layers", 3))
-        mlp_types = ["hash_moe"] * hashed + ["moe"] * (num_layers - hashed)
-    hashed = [i for i, kind in enumerate(mlp_types) if kind == "hash_moe"]
-    if hashed:
-        reasons.append(
-            f"{_layers(hashed)} route by token id (hash_moe: tid2eid[input_ids]), while the attention parts get "
-            "hidden states only (the token ids stay with the embedding)"
-        )
-    return reasons
-
-
 def _gemma4_text(cfg: Mapping[str, Any]) -> list[str]:
     num_layers = cfg.get("num_hidden_layers", 0)
     if not cfg.get("enable_moe_block", False):
@@ -86,9 +66,25 @@ def _gemma4_text(cfg: Mapping[str, Any]) -> list[str]:
     return reasons
 
 
-UNCUT: dict[str, ReasonsFn] = {"deepseek_v4": _deepseek_v4, "gemma4_text": _gemma4_text}
+UNCUT: dict[str, ReasonsFn] = {"gemma4_text": _gemma4_text}
 # config.json model_types whose language model is the ``text_config`` of a vision-language config.
 _TEXT_OF = {"gemma4": "gemma4_text"}
+
+
+# What a family's cut runs but a feature of the runtime cannot hold yet: model_type -> {feature: why}.
+NOT_WITH: dict[str, dict[str, str]] = {
+    "deepseek_v4": {
+        "cuda_graphs": "its parts take the micro-batch's token ids (hash-routed layers) and hand on the routed "
+        "sum's weights per stream, which the graphed parts' static inputs and outputs do not hold",
+        "sequence_parallel": "its compressors pool windows of the whole sequence and its lightning indexer scores "
+        "every compressed key, outside the attention function that Ulysses splits",
+    },
+}
+
+
+def refused_with(cfg: Mapping[str, Any], feature: str) -> str | None:
+    """Why the model of config.json dict ``cfg`` cannot run with ``feature`` yet (``NOT_WITH``), or None."""
+    return NOT_WITH.get(str(cfg.get("model_type")), {}).get(feature)
 
 
 def check_uncut(cfg: Mapping[str, Any]) -> None:

@@ -2,9 +2,10 @@
 
 Supported ``model_type``s: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe,
 gpt_oss, qwen3_next, qwen3_5_moe (read through its ``text_config``), qwen3_5_moe_text, ernie4_5_moe, hunyuan_v1_moe,
-dots1 and minimax_m2. Field names differ per family; the
+dots1, minimax_m2 and deepseek_v4. Field names differ per family; the
 maps below resolve them into ``model_fields``, the keyword arguments of ``model.ModelSpec``, into an
-``AttentionSpec`` and, for the hybrid Qwen3-Next / Qwen3.5 layers, a ``LinearAttentionSpec``.
+``AttentionSpec`` and, for the hybrid Qwen3-Next / Qwen3.5 layers, a ``LinearAttentionSpec``; DeepSeek-V4's
+attention and hyper-connection streams are ``compressed_attention``'s.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
-from disagmoe_ds.models.moe_pattern import language_model_config, moe_layer_pattern
+from disagmoe_ds.models.moe_pattern import language_model_config, moe_layer_pattern, token_routed_layers
 from disagmoe_ds.models.uncut import check_uncut
+from disagmoe_ds.planner.compressed_attention import compressed_attention
 from disagmoe_ds.planner.inputs import read_json
 
 SUPPORTED_TYPES = (
@@ -35,6 +37,7 @@ SUPPORTED_TYPES = (
     "hunyuan_v1_moe",
     "dots1",
     "minimax_m2",
+    "deepseek_v4",
 )
 # Qwen2-MoE's MLP layout (moe_intermediate_size, a sigmoid-gated shared expert of shared_expert_intermediate_size).
 _QWEN_SHARED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
@@ -44,7 +47,7 @@ _HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 _DEEPSEEK_MLP = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "dots1")
 _FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1, "dots1": 0}
 # Which layers route, read by the runtime's own rule (models.moe_pattern) for the families added with it.
-_PATTERN_RULE = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "qwen3_5_moe_text", "deepseek_v32")
+_PATTERN_RULE = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "qwen3_5_moe_text", "deepseek_v32", "deepseek_v4")
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "windows": _windows(cfg, model_type, num_layers),
         **experts,
         **_linear_attention(cfg, model_type, num_layers),
+        **_hyper(cfg, model_type, num_layers),
     }
 
 
@@ -149,7 +153,7 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     top_k = _int(cfg, "num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk")
     if not 1 <= top_k <= num_experts:
         raise ConfigError(f"num_experts_per_tok ({top_k}) must be between 1 and the expert count ({num_experts})")
-    deepseek, qwen = model_type in _DEEPSEEK_MLP, model_type in ("qwen3_moe", *_QWEN_SHARED)
+    deepseek, qwen = model_type in (*_DEEPSEEK_MLP, "deepseek_v4"), model_type in ("qwen3_moe", *_QWEN_SHARED)
     ernie = model_type == "ernie4_5_moe"
     expert_i = _int(cfg, "moe_intermediate_size") if deepseek or qwen or ernie else _int(cfg, "intermediate_size")
     shared = 0
@@ -177,6 +181,9 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
 def _attention(cfg: dict[str, Any], model_type: str) -> AttentionSpec:
     heads = _int(cfg, "num_attention_heads")
     hidden = _int(cfg, "hidden_size")
+    if model_type == "deepseek_v4":  # one K=V head; its own terms are compressed_attention's
+        head_dim = _int(cfg, "head_dim", default=512)
+        return AttentionSpec(kind="gqa", num_heads=heads, num_kv_heads=1, head_dim=head_dim, v_head_dim=head_dim)
     if model_type.startswith("deepseek"):
         rope, nope = _int(cfg, "qk_rope_head_dim"), _int(cfg, "qk_nope_head_dim")
         return AttentionSpec(
@@ -233,6 +240,18 @@ def _linear_attention(cfg: dict[str, Any], model_type: str, num_layers: int) -> 
         split_in_proj=model_type == "qwen3_5_moe_text",
     )
     return {"linear_attention": spec, "linear_layers": tuple(t == "linear_attention" for t in types)}
+
+
+def _hyper(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """DeepSeek-V4: its attention (``compressed_attention``), its residual streams (``hc_mult``, HF's default 4) and
+    whether a layer routes by token id (the residual hand-off then carries the ids)."""
+    if model_type != "deepseek_v4":
+        return {}
+    return {
+        "compressed": compressed_attention(cfg, num_layers),
+        "hc_streams": _int(cfg, "hc_mult", default=4),
+        "token_routed": any(token_routed_layers(cfg)),
+    }
 
 
 def _moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[bool, ...]:

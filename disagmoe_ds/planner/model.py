@@ -17,6 +17,11 @@ Counting conventions (Megatron-LM ``num_floating_point_operations``; Narayanan e
   the chunk's d_k x d_v state, two reads and one update, 6*d_k*d_v. The triangular solve (about 2*C^2/3, under
   4% at HF's head sizes) is not counted.
 
+DeepSeek-V4 (``compressed``, ``hc_streams``): its attention's terms are ``compressed_attention``'s, and its
+hyper-connections add their projections and stream mixes to every layer's A side, the hyper head to the head, and
+their streams to the residual hand-off (hc x H per token, plus the routed sum's hc weights and, where some layer
+routes by token id, the token ids) and to what a layer keeps.
+
 The split follows the runtime (DESIGN.md section 3): the A side holds norms, attention, router, shared
 experts, dense MLP layers, embedding and LM head; the F side holds the routed experts only.
 
@@ -34,11 +39,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from disagmoe_ds.planner.compressed_attention import (
+    CompressedAttentionSpec,
+    hyper_connection_flops,
+    hyper_connection_params,
+    hyper_head_params,
+)
 from disagmoe_ds.planner.hf_config import AttentionSpec, LinearAttentionSpec, model_fields, read_model_config
 
 ACT_BYTES = 2  # bf16 activations and wire format of hidden states
 DELTA_RULE_CHUNK = 64  # chunk length of the chunked gated delta rule (HF's torch path and flash-linear-attention)
 ID_BYTES = 4  # int32 expert ids on the wire (one per chosen expert)
+TOKEN_ID_BYTES = 8  # int64 token ids in the residual hand-off (DeepSeek-V4's hash-routed layers)
 WEIGHT_BYTES = 4  # fp32 routing weights on the wire (one per chosen expert)
 
 
@@ -69,6 +81,9 @@ class ModelSpec:
     windows: tuple[int, ...]
     linear_attention: LinearAttentionSpec | None = None
     linear_layers: tuple[bool, ...] = ()
+    compressed: CompressedAttentionSpec | None = None  # DeepSeek-V4's attention
+    hc_streams: int = 1  # residual streams per token (hyper-connections)
+    token_routed: bool = False  # some layer routes by token id: the hand-off carries the ids
 
     # ----- construction -----
     @classmethod
@@ -88,6 +103,8 @@ class ModelSpec:
         if self.is_linear(layer):
             return self.linear_projection_flops()
         a, h = self.attention, self.hidden_size
+        if self.compressed is not None:
+            return self.compressed.projection_flops(h, layer)
         if a.kind == "gqa":
             q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
             gate = 2 * h * q if a.output_gate else 0
@@ -103,6 +120,8 @@ class ModelSpec:
         a linear-attention layer's delta rule instead (``linear_attention_core_flops``)."""
         if self.is_linear(layer):
             return self.linear_attention_core_flops(seq_len)
+        if self.compressed is not None:
+            return self.compressed.core_flops(seq_len, layer, causal_pairs(seq_len, self.windows[layer]))
         a = self.attention
         per_pair = 2 * a.num_heads * (a.head_dim + a.v_head_dim)
         return per_pair * causal_pairs(seq_len, self.windows[layer]) / seq_len
@@ -137,11 +156,18 @@ class ModelSpec:
         return self.top_k * 6 * self.hidden_size * self.expert_intermediate
 
     def head_flops(self) -> int:
-        return 2 * self.hidden_size * self.vocab_size
+        """The LM head, and with hyper-connections the hyper head's projection of the streams."""
+        h, hc = self.hidden_size, self.hc_streams
+        return 2 * h * self.vocab_size + (2 * hc * h * hc if hc > 1 else 0)
+
+    def hyper_flops(self) -> int:
+        """A layer's two hyper-connections (0 without): projections of the streams and their mixes."""
+        return 2 * hyper_connection_flops(self.hidden_size, self.hc_streams) if self.hc_streams > 1 else 0
 
     def attention_side_flops(self, seq_len: int, layer: int) -> float:
-        """A-side forward FLOPs per token of ``layer``: attention, then router + shared or the dense MLP."""
-        attn = self.attention_projection_flops(layer) + self.attention_core_flops(seq_len, layer)
+        """A-side forward FLOPs per token of ``layer``: attention, then router + shared or the dense MLP (and the
+        hyper-connections around both)."""
+        attn = self.attention_projection_flops(layer) + self.attention_core_flops(seq_len, layer) + self.hyper_flops()
         if self.moe_layers[layer]:
             return attn + self.router_flops() + self.shared_flops()
         return attn + self.dense_mlp_flops()
@@ -149,7 +175,7 @@ class ModelSpec:
     def a_side_linear_flops(self, layer: int) -> int:
         """The weight GEMMs of ``attention_side_flops`` (all but the attention core)."""
         mlp = self.router_flops() + self.shared_flops() if self.moe_layers[layer] else self.dense_mlp_flops()
-        return self.attention_projection_flops(layer) + mlp
+        return self.attention_projection_flops(layer) + mlp + self.hyper_flops()
 
     def expert_side_flops(self, layer: int) -> int:
         """F-side forward FLOPs per token of ``layer`` (0 for a dense layer)."""
@@ -168,6 +194,9 @@ class ModelSpec:
         norms = 2 * h
         if self.is_linear(layer):
             return norms + _linear_params(_linear(self), h)
+        if self.compressed is not None:
+            hyper = 2 * hyper_connection_params(h, self.hc_streams) if self.hc_streams > 1 else 0
+            return norms + self.compressed.params(h, layer) + hyper
         if a.kind == "mla":
             return norms + _mla_params(a, h)
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -197,8 +226,11 @@ class ModelSpec:
         return self.vocab_size * self.hidden_size
 
     def head_params(self) -> int:
-        """Final norm plus the LM head (nothing extra for the head when it is tied to the embedding)."""
-        return self.hidden_size + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
+        """Final norm plus the LM head (nothing extra for the head when it is tied to the embedding), and with
+        hyper-connections the hyper head."""
+        h = self.hidden_size
+        hyper = hyper_head_params(h, self.hc_streams) if self.hc_streams > 1 else 0
+        return h + (0 if self.tie_word_embeddings else self.vocab_size * h) + hyper
 
     def total_params(self) -> int:
         experts = sum(self.num_experts * self.expert_params() for i in range(self.num_layers) if self.moe_layers[i])
@@ -215,19 +247,28 @@ class ModelSpec:
         per chunk the fp32 state of every value head (``linear_attention_bytes``).
         """
         a, h = self.attention, self.hidden_size
-        if self.is_linear(layer):
+        if self.compressed is not None:  # at a 4K sequence (the keys kept per query do not grow past the window)
+            attn = self.compressed.activation_bytes(ACT_BYTES, layer, 4096) + self.hyper_activation_bytes()
+            attn += ACT_BYTES * 4 * h
+        elif self.is_linear(layer):
             attn = self.linear_attention_bytes()
         elif a.kind == "gqa":
             qkv = a.num_heads * a.head_dim + 2 * a.num_kv_heads * a.head_dim
         else:
             latent = a.q_lora_rank * 2 + (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
             qkv = latent + 2 * a.num_heads * a.head_dim + a.num_heads * a.v_head_dim
-        if not self.is_linear(layer):
+        if not self.is_linear(layer) and self.compressed is None:
             gate = a.num_heads * a.head_dim if a.output_gate else 0
             attn = ACT_BYTES * (4 * h + qkv + gate + a.num_heads * a.v_head_dim) + 4 * a.num_heads
         if not self.moe_layers[layer]:
             return attn + ACT_BYTES * 3 * self.dense_intermediate
         return attn + 2 * 4 * self.num_experts + ACT_BYTES * 3 * self.shared_intermediate
+
+    def hyper_activation_bytes(self) -> int:
+        """Per token of a layer with hyper-connections: the streams before and after the token mixer (hc x H each)
+        and the two connections' fp32 projections ((2 + hc) hc each) and weights."""
+        hc = self.hc_streams
+        return ACT_BYTES * 2 * hc * self.hidden_size + 2 * 4 * 2 * (2 + hc) * hc
 
     def linear_attention_bytes(self) -> int:
         """Per token of a Gated DeltaNet block: layer input and norms, projections, conv output, delta-rule output,
@@ -242,8 +283,9 @@ class ModelSpec:
         return ACT_BYTES * (2 * self.hidden_size + 3 * self.expert_intermediate)
 
     def layer_input_bytes(self) -> int:
-        """What full recompute keeps per token and layer: the layer input (Megatron full recompute)."""
-        return ACT_BYTES * self.hidden_size
+        """What full recompute keeps per token and layer: the layer input (Megatron full recompute; hc streams with
+        hyper-connections)."""
+        return ACT_BYTES * self.hidden_size * self.hc_streams
 
     # ----- bytes on the wire -----
     def distinct_ranks_per_token(self, ep_size: int) -> float:
@@ -261,13 +303,16 @@ class ModelSpec:
         """Bytes per token and MoE layer on each AF-Pipe channel (DESIGN.md section 4)."""
         h, k = ACT_BYTES * self.hidden_size, self.top_k
         ranks = self.distinct_ranks_per_token(ep_size)
+        hc = self.hc_streams  # the residual's streams, and with them the routed sum's weight per stream
+        weights = ACT_BYTES * hc if hc > 1 else 0
+        ids = TOKEN_ID_BYTES if self.token_routed else 0
         return WireBytes(
             m2n=ranks * (h + k * (ID_BYTES + WEIGHT_BYTES)),
             n2m=ranks * h,
             n2m_grad=ranks * h,
             m2n_grad=ranks * (h + k * WEIGHT_BYTES),
-            resid=h + k * ID_BYTES,
-            resid_grad=h,
+            resid=hc * h + weights + ids + k * ID_BYTES,
+            resid_grad=hc * h + weights,
         )
 
     @property

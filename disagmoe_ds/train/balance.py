@@ -76,5 +76,7 @@ def update_expert_bias(runtime: Runtime, load_LE: torch.Tensor, rate: float) -> 
     for part in runtime.module.modules():
         if isinstance(part, AttentionPart) and part.is_moe:
             bias_E = expert_bias_of(family, part.mlp)  # [E], or [1, E] (ERNIE)
+            if bias_E is None:  # a hash-routed layer (DeepSeek-V4): its table chooses
+                continue
             with torch.no_grad():
                 bias_E.add_(bias_step(load_LE[part.layer_idx], rate).to(device=bias_E.device, dtype=bias_E.dtype))

@@ -1,0 +1,37 @@
+"""What both sides' runners share: a chunk's inputs as fresh leaves, its forward as it is or checkpointed, and the
+gradients of its inputs for the backward that starts upstream (``engine.runners``, ``engine.expert_runner``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction
+
+
+def run(fn, *args):
+    return fn(*args)
+
+
+def checkpointed(fn, *args):
+    # Non-reentrant: works with the chunk-level backward (engine.backward of a pseudo-loss) and any outputs.
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_()
+
+
+def grad_of_inputs(outputs: list[torch.Tensor | None], inputs: list[torch.Tensor]) -> None:
+    """Run the backward from random output gradients to ``inputs`` only: parameters' ``.grad`` and DeepSpeed's
+    gradient hooks are untouched (a compiled backward still computes, and so compiles, every gradient)."""
+    outputs = [t for t in outputs if t is not None and t.requires_grad]
+    if outputs:
+        grads = [torch.randn_like(t) for t in outputs]
+        torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+
+
+def grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)

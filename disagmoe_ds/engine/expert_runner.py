@@ -1,0 +1,177 @@
+"""The FFN side's runner: the expert shard of every MoE layer an F-group owns, chunk forward and backward (see
+``engine.runners`` for the chunk protocol both sides follow).
+
+Shape suffixes: R/S rows, H hidden, K top-k.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from disagmoe_ds.comm.exchange import LaneRows
+from disagmoe_ds.comm.messages import ExpertOut, ExpertOutGrad, TokenGrads, Tokens
+from disagmoe_ds.comm.routing import Capacity, pads
+from disagmoe_ds.engine.chunk_io import Outgoing, checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
+from disagmoe_ds.engine.split_backward import ChunkBackward, retained_graph_compiles
+from disagmoe_ds.models.graphs import StageGraphs
+from disagmoe_ds.models.parts import ExpertStage
+
+
+def warm_up_cases(seq_len: int) -> list[tuple[int, str]]:
+    """(rows, id pattern): several row and pair counts, 1 row, 1 pair, with and without sentinel ids."""
+    sizes = (seq_len, seq_len // 2 + 1, seq_len // 3 + 2)
+    return [(r, p) for p in ("all", "some") for r in (*sizes, 1)] + [(1, "one"), (2, "one"), (0, "all")]
+
+
+def warm_up_ids(rows: int, top_k: int, num_local: int, pattern: str, device: torch.device) -> torch.Tensor:
+    """Local expert ids: all local (``all``), the last slot held elsewhere (``some``), or one pair in all (``one``)."""
+    idx_RK = torch.randint(0, num_local, (rows, top_k), device=device)
+    if pattern == "some" and top_k > 1:
+        idx_RK[:, -1] = num_local
+    elif pattern == "one":
+        idx_RK.fill_(num_local)
+        idx_RK[0, 0] = 0
+    return idx_RK
+
+
+@dataclass
+class _ExpertChunk:
+    x_SH: torch.Tensor | None  # None between forward and backward with resend
+    w_SK: torch.Tensor | None
+    y_SH: torch.Tensor | None
+    rows: LaneRows
+    pairs: int
+    bounded: bool  # pairs is a capacity's bound
+
+
+class ExpertRunner:
+    """FFN side of one rank: its expert shard of every MoE layer its F-group owns."""
+
+    def __init__(
+        self,
+        engine,
+        stage: ExpertStage,
+        *,
+        top_k: int,
+        weight_dtype: torch.dtype,
+        activation_checkpointing: bool = False,
+        resend: bool = False,
+        split_layers: frozenset[int] = frozenset(),
+        graphs: StageGraphs | None = None,
+        capacity: Capacity | None = None,
+        lanes: int = 1,
+    ):
+        """``capacity``, ``lanes``: the fixed size of each of the ``lanes`` messages a step's micro-batch brings (None:
+        sizes vary); the graphed shards and the warm-up run at their sum."""
+        self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, top_k, weight_dtype
+        self.graphs = graphs or StageGraphs()  # the shards replayed as CUDA graphs (at the capacity's rows)
+        self._capacity, self.lanes = capacity, lanes
+        self.resend = resend
+        self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
+        # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
+        self.compiling = retained_graph_compiles if split_layers else nullcontext
+        self.recompute = checkpointed if activation_checkpointing else run
+        self.chunks: dict[tuple[int, int], _ExpertChunk] = {}
+
+    def start_step(self, batches) -> None:
+        del batches  # the FFN side reads no data
+
+    @property
+    def capacity(self) -> Capacity | None:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, capacity: Capacity) -> None:
+        """A grown capacity (a step outgrew the old one): the graphed shards are captured again at its size."""
+        grown, self._capacity = capacity != self._capacity, capacity
+        if grown and self.graphs.shards:
+            self._capture_shards()
+
+    def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
+        with self.compiling():
+            self._warm_up(seq_len, packed=packed)
+        if self.graphs.shards:
+            self._capture_shards()
+
+    def _capture_shards(self) -> None:
+        rows, bound = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
+        self.graphs.capture_shards(
+            self.stage, rows=rows, top_k=self.top_k, weight_dtype=self.weight_dtype,
+            pair_bound=bound if pads(self.capacity) else None,
+        )  # fmt: skip
+
+    def _warm_up(self, seq_len: int, *, packed: bool = False) -> None:
+        """Compile and load every compiled kernel of the expert shards now (see ``AttentionRunner.warm_up``).
+
+        Row and pair counts change every micro-batch: after two sizes the compiled graphs are dynamic in them, but a
+        count of 1 gets graphs of its own, and so do messages whose ids all live here (no sentinel, as with one ep
+        rank): ``_warm_up_cases`` covers each combination.
+        """
+        del packed  # the experts see rows, not documents
+        device, dtype, hidden = self.engine.device, next(self.stage.parameters()).dtype, self.stage.config.hidden_size
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for layer in self.stage.layers:
+                shard = self.stage.shard(int(layer))
+                for rows, pattern, bound in self._warm_up_cases(seq_len):
+                    x_RH = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
+                    idx_RK = warm_up_ids(rows, self.top_k, shard.num_local, pattern, device)
+                    w_RK = torch.rand(rows, self.top_k, device=device, dtype=self.weight_dtype, requires_grad=True)
+                    pairs = bound or int((idx_RK < shard.num_local).sum())
+                    if self.resend:  # its forward runs without autograd: graphs of their own
+                        with torch.no_grad():
+                            shard(x_RH, idx_RK, w_RK, pairs, bool(bound))
+                    grad_of_inputs([self.recompute(shard, x_RH, idx_RK, w_RK, pairs, bool(bound))], [x_RH, w_RK])
+
+    def _warm_up_cases(self, seq_len: int) -> list[tuple[int, str, int | None]]:
+        """(rows, id pattern, pair bound): messages of varying size, or, at a capacity that pads them, the one size
+        they all have, with and without sentinel ids."""
+        if not pads(self.capacity):
+            return [(rows, pattern, None) for rows, pattern in warm_up_cases(seq_len)]
+        rows, pairs = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
+        return [(rows, pattern, pairs) for pattern in ("some", "one")]
+
+    def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+        with self.compiling():
+            return self._forward(layer, mb, incoming)
+
+    def _forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+        tokens: Tokens
+        tokens, rows = incoming["m2n"]
+        pairs, bounded = tokens.pairs, tokens.bounded
+        if self.resend:  # keep nothing: the backward gets the tokens again and recomputes
+            with torch.no_grad():
+                y_SH = self._shard(layer)(*tokens.shard_args)
+            self.chunks[(layer, mb)] = _ExpertChunk(None, None, None, rows, pairs, bounded)
+            return {"n2m": ExpertOut(y_SH).split(rows.counts)}
+        x_SH, w_SK = leaf(tokens.x_RH), leaf(tokens.w_RK)
+        y_SH = self.recompute(self._shard(layer), x_SH, tokens.local_idx_RK, w_SK, pairs, bounded)
+        self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows, pairs, bounded)
+        return {"n2m": ExpertOut(y_SH).split(rows.counts)}
+
+    def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+        with self.compiling():
+            return self._backward(layer, mb, incoming)
+
+    def _shard(self, layer: int):
+        return self.graphs.shard(self.stage, layer)
+
+    def weight_grad(self, layer: int, mb: int) -> None:
+        """Split backward: the expert weight gradients ``backward`` deferred for this chunk."""
+        self.backward_pass.weight_grad((layer, mb))
+
+    def _backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+        chunk = self.chunks.pop((layer, mb))
+        grad: ExpertOutGrad
+        grad, _ = incoming["n2m_grad"]
+        if grad.resent is not None:  # resend: recompute the forward from the tokens sent again
+            chunk.x_SH, chunk.w_SK = leaf(grad.resent.x_RH), leaf(grad.resent.w_RK)
+            idx_SK = grad.resent.local_idx_RK
+            chunk.y_SH = self._shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.pairs, chunk.bounded)
+        if chunk.y_SH.requires_grad:
+            self.backward_pass.run((layer, mb), (chunk.y_SH * grad.dy_RH).float().sum(), [chunk.x_SH, chunk.w_SK])
+        token_grads = TokenGrads(grad_or_zeros(chunk.x_SH), grad_or_zeros(chunk.w_SK))
+        return {"m2n_grad": token_grads.split(chunk.rows.counts)}
