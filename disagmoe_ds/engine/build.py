@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagmoe_ds.comm.exchange import ffn_lanes
+from disagmoe_ds.comm.exchange import ExchangeComms, ffn_lanes
 from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
@@ -110,13 +110,14 @@ class Disaggregated:
         weights: PretrainedWeights | None,
     ) -> nn.Module:
         layers = layout.layers_of_group(role.group)
+        stage: AttentionStage | ExpertStage
         if role.is_attention:
             stage = AttentionStage(
                 model, layers, with_embedding=role.group == 0, with_head=role.group == layout.head_group
             )
             sp = sequence_parallel_of(groups, role)
             if sp is not None:
-                install_ulysses([part.mixer for part in stage.layers.values()], sp)
+                install_ulysses([stage.part(layer).mixer for layer in layers], sp)
         else:
             experts = layout.expert_range(role.ep_rank)
             stage = ExpertStage(model, layers, experts.start, experts.stop)
@@ -137,7 +138,7 @@ class Disaggregated:
         return GlobalGradNorm(groups.data_parallel_size)  # a norm domain: the replicas of this rank's parameters
 
     def executor(self, parts: RankParts) -> AFPipeExecutor:
-        cfg, layout, role, stage = self.cfg, parts.layout, parts.role, parts.module
+        cfg, layout, role, stage = self.cfg, parts.layout, parts.role, _stage(parts)
         costs = schedule_costs(
             stage.config.to_dict(), layout, cfg, seq_len=parts.seq_len, micro_batch_size=parts.micro_batch_size
         )
@@ -147,7 +148,7 @@ class Disaggregated:
         worker = Worker("A" if role.is_attention else "F", role.group)
         capacity = self._capacity(parts)
         mailbox = Mailbox(
-            parts.groups.exchange,
+            _exchange(parts),
             hidden=stage.config.hidden_size,
             top_k=parts.routing.top_k,
             dtype=parts.dtype,
@@ -193,8 +194,9 @@ class Disaggregated:
 
     def _capacity(self, parts: RankParts) -> Capacity | None:
         """The fixed sizes of the m2n messages where the exchange goes without headers (None: it has headers)."""
-        if not parts.groups.exchange.headerless:
+        if not _exchange(parts).headerless:
             return None
+        assert parts.seq_len is not None, "fixed message sizes need the sequence length the ranks were built with"
         return Capacity.initial(
             tokens=parts.seq_len * parts.micro_batch_size // parts.layout.sequence_parallel,  # a lane's slice
             top_k=parts.routing.top_k,
@@ -212,11 +214,12 @@ class Disaggregated:
             return None
         in_flight = layer_in_flight(schedule.streams[worker])
         slots = lambda layer: in_flight.get(layer, 1)  # noqa: E731 (a layer the stream never runs: one, unused)
-        if parts.role.is_attention:
-            return graph_stages(slots, attention=parts.module)
+        stage = _stage(parts)
+        if isinstance(stage, AttentionStage):
+            return graph_stages(slots, attention=stage)
         if capacity is None:
             return None  # rows vary with the routing: the shards run as they are
-        return graph_stages(slots, experts=parts.module)
+        return graph_stages(slots, experts=stage)
 
     def _runner(
         self,
@@ -226,8 +229,8 @@ class Disaggregated:
         graphs: StageGraphs | None,
         capacity: Capacity | None,
     ) -> AttentionRunner | ExpertRunner:
-        cfg, stage, routing = self.cfg, parts.module, parts.routing
-        if not parts.role.is_attention:
+        cfg, stage, routing = self.cfg, _stage(parts), parts.routing
+        if isinstance(stage, ExpertStage):
             return ExpertRunner(
                 parts.engine,
                 stage,
@@ -257,6 +260,18 @@ class Disaggregated:
             capacity=capacity,
             sp=sequence_parallel_of(parts.groups, parts.role),
         )
+
+
+def _stage(parts: RankParts) -> AttentionStage | ExpertStage:
+    """The rank's role stage, as ``Disaggregated.module`` cut it."""
+    assert isinstance(parts.module, AttentionStage | ExpertStage)
+    return parts.module
+
+
+def _exchange(parts: RankParts) -> ExchangeComms:
+    """The exchange communicators, which ``build_process_groups`` makes for every disaggregated layout."""
+    assert parts.groups.exchange is not None
+    return parts.groups.exchange
 
 
 def sequence_parallel_of(groups: ProcessGroups, role: RankRole) -> SequenceParallel | None:

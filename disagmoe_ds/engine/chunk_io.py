@@ -27,10 +27,10 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
 def grad_of_inputs(outputs: list[torch.Tensor | None], inputs: list[torch.Tensor]) -> None:
     """Run the backward from random output gradients to ``inputs`` only: parameters' ``.grad`` and DeepSpeed's
     gradient hooks are untouched (a compiled backward still computes, and so compiles, every gradient)."""
-    outputs = [t for t in outputs if t is not None and t.requires_grad]
-    if outputs:
-        grads = [torch.randn_like(t) for t in outputs]
-        torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    differentiable = [t for t in outputs if t is not None and t.requires_grad]
+    if differentiable:
+        grads = [torch.randn_like(t) for t in differentiable]
+        torch.autograd.grad(differentiable, inputs, grads, allow_unused=True)
 
 
 def grad_or_zeros(t: torch.Tensor) -> torch.Tensor:

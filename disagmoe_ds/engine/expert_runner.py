@@ -44,7 +44,7 @@ class _ExpertChunk:
     w_SK: torch.Tensor | None
     y_SH: torch.Tensor | None
     rows: LaneRows
-    pairs: int
+    pairs: int | None  # the routed pairs, where the host knows them
     bounded: bool  # pairs is a capacity's bound
 
 
@@ -98,6 +98,7 @@ class ExpertRunner:
             self._capture_shards()
 
     def _capture_shards(self) -> None:
+        assert self.capacity is not None, "graphed shards run at a capacity (engine.build graphs them only then)"
         rows, bound = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
         self.graphs.capture_shards(
             self.stage, rows=rows, top_k=self.top_k, weight_dtype=self.weight_dtype,
@@ -167,11 +168,12 @@ class ExpertRunner:
         chunk = self.chunks.pop((layer, mb))
         grad: ExpertOutGrad
         grad, _ = incoming["n2m_grad"]
+        x_SH, w_SK, y_SH = chunk.x_SH, chunk.w_SK, chunk.y_SH
         if grad.resent is not None:  # resend: recompute the forward from the tokens sent again
-            chunk.x_SH, chunk.w_SK = leaf(grad.resent.x_RH), leaf(grad.resent.w_RK)
-            idx_SK = grad.resent.local_idx_RK
-            chunk.y_SH = self._shard(layer)(chunk.x_SH, idx_SK, chunk.w_SK, chunk.pairs, chunk.bounded)
-        if chunk.y_SH.requires_grad:
-            self.backward_pass.run((layer, mb), (chunk.y_SH * grad.dy_RH).float().sum(), [chunk.x_SH, chunk.w_SK])
-        token_grads = TokenGrads(grad_or_zeros(chunk.x_SH), grad_or_zeros(chunk.w_SK))
+            x_SH, w_SK = leaf(grad.resent.x_RH), leaf(grad.resent.w_RK)
+            y_SH = self._shard(layer)(x_SH, grad.resent.local_idx_RK, w_SK, chunk.pairs, chunk.bounded)
+        assert x_SH is not None and w_SK is not None and y_SH is not None, "kept by the forward, or resent"
+        if y_SH.requires_grad:
+            self.backward_pass.run((layer, mb), (y_SH * grad.dy_RH).float().sum(), [x_SH, w_SK])
+        token_grads = TokenGrads(grad_or_zeros(x_SH), grad_or_zeros(w_SK))
         return {"m2n_grad": token_grads.split(chunk.rows.counts)}

@@ -238,7 +238,7 @@ class Mailbox:
 
     def _after(self, produced: torch.cuda.Event | None) -> contextlib.AbstractContextManager:
         # On the compute stream NCCL would start the send only after all compute queued since.
-        if produced is None:
+        if produced is None or self._send_stream is None:  # no event without a send stream (``_produced``)
             return contextlib.nullcontext()
         self._send_stream.wait_event(produced)
         return torch.cuda.stream(self._send_stream)
@@ -268,9 +268,15 @@ class Mailbox:
         arrival.sizes = self._known.pop(key)
         return True
 
+    @property
+    def _fixed(self) -> Capacity:
+        """The capacity of header-less exchanges (the constructor refuses those without one)."""
+        assert self.capacity is not None
+        return self.capacity
+
     def _static_sizes(self, kind: str, key: Key, peers: int):
         moe_layer = self._moe_layers[key[1]] if kind == "resid" else True
-        return static_sizes(Kind(kind), self.capacity, peers=peers, ep_size=self._ep_size, moe_layer=moe_layer)
+        return static_sizes(Kind(kind), self._fixed, peers=peers, ep_size=self._ep_size, moe_layer=moe_layer)
 
     def _check_static(self, key: Key, messages: Sequence[Message]) -> None:
         """A header-less message must have the sizes its receiver assumes (else it would wait for bytes never sent)."""
@@ -283,12 +289,13 @@ class Mailbox:
             side = "the FFN side expects" if key[0] == "m2n" else "the next A-group expects"
             raise ChannelError(
                 f"{key}: {key[0]} rows {[g[0] for g in got]}, but {side} {[w[0] for w in want]}, the fixed sizes of "
-                f"the micro-batch's {self.capacity.tokens} tokens (no header): every micro-batch must have the "
+                f"the micro-batch's {self._fixed.tokens} tokens (no header): every micro-batch must have the "
                 "micro_batch_size x seq_len the ranks were built with"
             )
 
     def _learn_from_header(self, kind: str, key: Key, arrival: Arrival) -> None:
         _, layer, mb = key
+        assert arrival.sizes is not None  # read from the header just now
         if kind == "m2n":  # the gradients of these rows come back on n2m_grad from A_next's chunk layer + 1
             self._known[("n2m_grad", layer + 1, mb)] = list(arrival.sizes)
         elif kind == "resid" and arrival.metas[0][0] >= 0:  # layer was MoE (-1: dense): its n2m rows per ep rank
@@ -303,6 +310,7 @@ class Mailbox:
     # ----- payloads for the runner -----
     def _unpack(self, kind: str, arrival: Arrival, whole: Sequence[torch.Tensor], per_peer: list) -> Any:
         fan_in, message = self._in[kind].fan_in, MESSAGE_TYPES[Kind(kind)]
+        assert arrival.sizes is not None  # payloads are unpacked once their sizes are known
         if not self._attention:  # every lane's message in one, in lane order (host ints summed: all lanes' pairs)
             host_ints = [sum(ints) for ints in zip(*arrival.metas, strict=True)] or [0] * fan_in.spec.metas
             local = {"bounded": pads(self.capacity)} if message is Tokens else {}

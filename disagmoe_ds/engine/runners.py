@@ -333,8 +333,12 @@ class AttentionRunner:
             )
         return Tokens.cat([m.detached() for m in messages])
 
+    def _batch(self, mb: int) -> dict[str, torch.Tensor]:
+        assert self.batches is not None, "the lanes that embed or end the model are given batches (begin_step)"
+        return self.batches[mb]
+
     def _embed(self, mb: int):
-        batch = self.batches[mb]
+        batch = self._batch(mb)
         input_ids_BS = batch["input_ids"]
         h_BSH = self.stage.embed(input_ids_BS)
         position_ids_BS = batch.get("position_ids")
@@ -346,15 +350,16 @@ class AttentionRunner:
 
     def _combine(self, layer: int, mb: int, incoming: dict[str, Any], chunk: _Chunk):
         resid: Residual = self._take("resid", layer - 1, mb, incoming)
-        if resid.routed is not None and resid.is_moe:  # resend, p > 1: kept for n2m_grad, as the m2n messages were
-            chunk.resent = resid.routed.split(resid.rows_P)
+        rows_P = resid.rows_P if resid.is_moe else None  # None: a dense layer, no n2m follows
+        if resid.routed is not None and rows_P is not None:  # resend, p > 1: kept for n2m_grad, as m2n messages were
+            chunk.resent = resid.routed.split(rows_P)
         T = resid.residual_TH.shape[0]
         S = T // self.B
         chunk.resid_leaf = leaf(resid.residual_TH.view(self.B, S, *self.stage.residual_dims))
         h_BSH = chunk.resid_leaf
-        if resid.is_moe:
+        if rows_P is not None:
             chunk.y_leaves = [leaf(out.y_RH) for out in incoming["n2m"]]
-            plan = CombinePlan(T, tuple(resid.rows_P), resid.token_idx_S)
+            plan = CombinePlan(T, tuple(rows_P), resid.token_idx_S)
             if self.routed_weights:  # hyper-connections: the routed sum weighed per stream
                 chunk.routed_w_leaf = leaf(resid.routed_w_TC.view(self.B, S, -1))
             h_BSH = add_routed(h_BSH, chunk.routed_w_leaf, combine(chunk.y_leaves, plan))
@@ -362,10 +367,11 @@ class AttentionRunner:
         return h_BSH, resid.position_ids_T.view(self.B, S), token_ids_BS, resid.counts_E, resid.prob_sum_E
 
     def _head(self, mb: int, h_BSH: torch.Tensor, counts_E: torch.Tensor, probs_E: torch.Tensor, chunk: _Chunk) -> None:
-        batch, scale = self.batches[mb], self._share_scale
+        batch, scale = self._batch(mb), self._share_scale
         if self.sp is None:
             _, lm_loss = self.graphs.head_of(self.stage)(h_BSH, batch["labels"])
-        else:  # this slice's share of the micro-batch's loss
+        else:  # this slice's share of the micro-batch's loss (no graphs with sequence parallelism)
+            assert self.stage.head is not None
             _, lm_loss = self.stage.head(h_BSH, None, batch["shift_labels"], batch["num_items"])
             lm_loss = lm_loss * scale
         loss, aux = lm_loss, torch.zeros_like(lm_loss)
@@ -384,11 +390,13 @@ class AttentionRunner:
         chunk = self.chunks.pop((layer, mb))
         inputs = [chunk.resid_leaf, *chunk.y_leaves, chunk.routed_w_leaf]
         if layer == self.num_layers:
+            assert chunk.aux_grad_E is not None and chunk.scaled_loss is not None  # the head's forward set them
             aux_grad_E = chunk.aux_grad_E
             self.backward_pass.run((layer, mb), chunk.scaled_loss, inputs)
         else:
             grad: ResidualGrad = self._take("resid_grad", layer + 1, mb, incoming)
             aux_grad_E = grad.aux_grad_E
+            assert chunk.residual_out is not None  # every layer below the last hands a residual on
             terms = [(chunk.residual_out * grad.d_residual_TH.view_as(chunk.residual_out)).sum()]
             if chunk.routed_w_out is not None:
                 terms.append((chunk.routed_w_out * grad.d_routed_w_TC.view_as(chunk.routed_w_out)).sum())
@@ -396,11 +404,12 @@ class AttentionRunner:
                 terms += [(x_RH * token_grads.dx_RH).sum(), (w_RK * token_grads.dw_RK).sum()]
             if chunk.prob_sum_E is not None:
                 terms.append((chunk.prob_sum_E * aux_grad_E).sum())
-            if chunk.layer_aux is not None:
+            if chunk.layer_aux is not None and self.aux_coef is not None:  # the term exists only with a coefficient
                 terms.append(self.aux_coef * chunk.layer_aux / self.K)
             self.backward_pass.run((layer, mb), torch.stack([t.float() for t in terms]).sum(), inputs)
         outgoing: Outgoing = {}
         if layer > 0:
+            assert chunk.resid_leaf is not None  # every layer above the first received one
             T = chunk.resid_leaf.shape[0] * chunk.resid_leaf.shape[1]
             d_resid_TW = grad_or_zeros(chunk.resid_leaf).reshape(T, -1)
             if chunk.routed_w_leaf is not None:
@@ -409,9 +418,9 @@ class AttentionRunner:
                 d_routed_w_TC = d_resid_TW.new_zeros(T, self.routed_weights)
             self._hand_off("resid_grad", layer, mb, ResidualGrad(d_resid_TW, d_routed_w_TC, aux_grad_E), outgoing)
             if chunk.y_leaves:
-                resent = [None] * len(chunk.y_leaves)
+                resent: list[Tokens | None] = [None] * len(chunk.y_leaves)
                 if self.resend:  # the previous layer's tokens again (p = 1: its chunk is on this rank)
-                    resent = chunk.resent or [m.detached() for m in self.chunks[(layer - 1, mb)].messages]
+                    resent = [*(chunk.resent or [m.detached() for m in self.chunks[(layer - 1, mb)].messages])]
                 outgoing["n2m_grad"] = [
                     ExpertOutGrad(grad_or_zeros(y), tokens) for y, tokens in zip(chunk.y_leaves, resent, strict=True)
                 ]
@@ -432,6 +441,6 @@ class AttentionRunner:
         if self.layout.depth > 1:
             return incoming[kind]
         value = self.local.pop((kind, layer, mb))
-        if isinstance(value, Later) and value.source is not None:  # a layer whose n2m came back: its m2n went out
+        if isinstance(value, Later) and isinstance(value.source, PendingDispatch):  # its n2m came back: m2n went out
             _sent(value.source)
         return made(value)

@@ -357,8 +357,10 @@ class StageGraphs:
     def shard(self, stage: ExpertStage, layer: int):
         return self.shards.get(layer) or stage.shard(layer)
 
-    def head_of(self, stage: AttentionStage):
-        return self.head or stage.head
+    def head_of(self, stage: AttentionStage) -> Head | GraphedHead:
+        head = self.head or stage.head
+        assert head is not None, "only the last A-group's lanes, which hold the head, ask for it"
+        return head
 
     @property
     def misses(self) -> int:
