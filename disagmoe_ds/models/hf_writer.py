@@ -55,12 +55,17 @@ def write_hf(
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     copy_into(present_files(model_dir, CARRIED_FILES), partial)
-    if tokenizer_dir is not None:
-        shutil.copytree(tokenizer_dir, partial, dirs_exist_ok=True)
-    if tokenizer is not None:
-        tokenizer.save_hf(partial)
+    add_tokenizer(partial, tokenizer_dir=tokenizer_dir, tokenizer=tokenizer)
     replace_dir(partial, out)
     return out
+
+
+def add_tokenizer(dest: Path, *, tokenizer_dir: Path | None, tokenizer: Any) -> None:
+    """The run's tokenizer files into ``dest``: a checkpoint's ``tokenizer_dir``, or a ``data.Tokenizer``'s."""
+    if tokenizer_dir is not None:
+        shutil.copytree(tokenizer_dir, dest, dirs_exist_ok=True)
+    if tokenizer is not None:
+        tokenizer.save_hf(dest)
 
 
 def present_files(model_dir: str | Path, names: Iterable[str]) -> list[Path]:

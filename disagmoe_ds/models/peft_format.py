@@ -124,7 +124,7 @@ def write_adapter(
     """A PEFT adapter directory of the adapters (and trained routers) in ``tensors``, written atomically with the
     run's tokenizer (a checkpoint's ``tokenizer_dir`` or a ``data.Tokenizer``) where given:
     ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), out)`` loads it."""
-    from disagmoe_ds.models.hf_writer import replace_dir
+    from disagmoe_ds.models.hf_writer import add_tokenizer, replace_dir
 
     renamed = v4_renamed(config, tensors)
     if renamed:
@@ -141,10 +141,7 @@ def write_adapter(
     lora_config(settings, adapters, base_model=base_model, routers=routers).save_pretrained(str(partial))
     state = {k: v.to(dtype).contiguous() for k, v in to_peft(adapters, routers).items()}
     save_file(state, str(partial / ADAPTER_FILE), metadata={"format": "pt"})
-    if tokenizer_dir is not None:
-        shutil.copytree(tokenizer_dir, partial, dirs_exist_ok=True)
-    if tokenizer is not None:
-        tokenizer.save_hf(partial)
+    add_tokenizer(partial, tokenizer_dir=tokenizer_dir, tokenizer=tokenizer)
     replace_dir(partial, out)
     return out
 
