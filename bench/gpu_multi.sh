@@ -8,16 +8,19 @@
 #   variants  on NCCL against HF: the mailbox's late sends (bench/verify_late_sends.py) and the memory levers
 #             (split backward at ZeRO 1 and 2, selective recompute, ZeRO-3 on the expert side)
 #   levers    each memory lever's AF-Pipe step beside plain AF-Pipe on the balanced model, compiled, with timelines
-# TRANSPORT: nvlink (NCCL's default between GPUs of one host) or socket (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
-# NCCL_SOCKET_IFNAME=lo: NCCL's network transport, where a large send waits for its receive as between nodes).
+# TRANSPORT: nvlink (NCCL's default between GPUs of one host), iblike (NCCL_P2P_DISABLE=1: NCCL's shared-memory
+# transport through host memory, meant to sit near a cluster's 25-50 GB/s per GPU across nodes; IBLIKE_ENV replaces
+# it, e.g. IBLIKE_ENV="NCCL_MAX_NCHANNELS=2" for NVLink on fewer channels) or socket (NCCL_P2P_DISABLE=1
+# NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo: NCCL's network transport, where a large send waits for its receive as
+# between nodes). Every part first measures the link (bench/link_probe.py) into link-<transport>.json and its log.
 # Writes to $OUT: env.txt, multi-<part>-<transport>.txt (every command, its output and exit code), and for
 # exchange and e2e, <part>-<transport>.json and timeline-<transport>-<method>.json; profile-{eager,compiled}.json.
 # E2E_DEPTH: AF-Pipe's depth p in the e2e part (default 1; the planner's choice for the GPU count and transport:
 # `disagmoe-plan --model ... --cluster ...` prints it).
-# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH]
-#        [E2E_DEPTH]
+# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers [nvlink|iblike|socket] [E2E_MODEL]
+#        [GLOBAL_BATCH] [E2E_DEPTH]
 set -u
-PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers [nvlink|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]}
+PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers [nvlink|iblike|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]}
 TRANSPORT=${2:-nvlink}
 MODEL=${3:-hf_models/Qwen3-30B-A3B-balanced}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,8 +30,10 @@ BATCH=${4:-$((4 * G))}
 DEPTH=${5:-1}
 case $TRANSPORT in
   nvlink) ;;
+  # shellcheck disable=SC2086
+  iblike) export ${IBLIKE_ENV:-NCCL_P2P_DISABLE=1} ;;
   socket) export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo ;;
-  *) echo "TRANSPORT must be nvlink or socket, got $TRANSPORT" >&2; exit 2 ;;
+  *) echo "TRANSPORT must be nvlink, iblike or socket, got $TRANSPORT" >&2; exit 2 ;;
 esac
 LOG=$OUT/multi-$PART-$TRANSPORT.txt
 { nvidia-smi topo -m
@@ -41,6 +46,7 @@ step() {  # step TIMEOUT_S COMMAND...: run, log the command, its output and its 
   timeout "$limit" "$@" >> "$LOG" 2>&1
   echo "### exit $? after $((SECONDS - t0)) s" >> "$LOG"
 }
+step 60 torchrun --nproc_per_node 2 bench/link_probe.py --json "$OUT/link-$TRANSPORT.json"  # the link under it all
 case $PART in
 check)
   # AF-Pipe and co-located on NCCL against the single-process HF model (the reference runs on rank 0's CPU): the
@@ -115,4 +121,4 @@ levers)
   ;;
 *) echo "PART must be check, exchange, e2e, profile, variants or levers" >&2; exit 2 ;;
 esac
-grep -E '^###|"pass"|tokens/s|GB/s|^  rank|^    rank|Error|error:' "$LOG" | cut -c1-300
+grep -E '^###|^link:|"pass"|tokens/s|GB/s|^  rank|^    rank|Error|error:' "$LOG" | cut -c1-300
