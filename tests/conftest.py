@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from disagmoe_ds.models import parts
 from disagmoe_ds.models.loading import fill_token_tables
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,3 +76,26 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tok_cache(tmp_path_factory) -> Path:
+    """The tokenizer cache of every run_pretrain.py run of the session (``--tokenizer-cache``): each vocabulary is
+    trained on the bundled corpus once."""
+    return tmp_path_factory.mktemp("tokenizers")
+
+
+@pytest.fixture
+def pairs_log(monkeypatch, tmp_path):
+    """Every rank (forked) appends the routed pairs of each expert forward it runs to ``rank<r>.txt``."""
+    forward = parts.ExpertShard.forward
+
+    def logged(self, x_RH, local_idx_RK, w_RK, num_pairs=None, bounded=False):
+        if x_RH.requires_grad and dist.is_initialized():
+            pairs = int((local_idx_RK < self.num_local).sum())
+            with open(tmp_path / f"rank{dist.get_rank()}.txt", "a", encoding="utf-8") as f:
+                f.write(f"{pairs}\n")
+        return forward(self, x_RH, local_idx_RK, w_RK, num_pairs, bounded)
+
+    monkeypatch.setattr(parts.ExpertShard, "forward", logged)
+    return tmp_path

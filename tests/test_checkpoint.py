@@ -6,32 +6,17 @@ import pytest
 
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.engine.build import build_rank
-from disagmoe_ds.engine.checkpoint import load_checkpoint, resolve_tag, save_checkpoint
+from disagmoe_ds.engine.checkpoint import resolve_tag
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.launch.testing import run_ranks
-from disagmoe_ds.verify import VerifyArgs, load_for_verify, make_batches
+from disagmoe_ds.verify import VerifyArgs, load_for_verify
+from tests.rank_jobs import train_saving
 
 CFG = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=1, micro_batches=2)
 
 
 def _args(model: str, zero: int) -> VerifyArgs:
     return VerifyArgs(model, CFG, zero=zero, steps=4, seq_len=8, clip=0.05)
-
-
-def train_saving(rt, args: VerifyArgs, ckpt: str, mode: str, *, save_after: int, ds_config=None) -> list[float]:
-    """mode 'full': ``args.steps`` steps, saving after step ``save_after`` (tag ``step{save_after}``, with
-    ``ds_config`` in the manifest); 'resume': load that checkpoint and run the steps after it. The losses."""
-    config = rt.module.config
-    start = load_checkpoint(rt.engine, rt.role, rt.layout, config, ckpt)[1]["step"] if mode == "resume" else 0
-    losses = []
-    for step in range(start, args.steps):
-        vocab = config.vocab_size if rt.role.is_attention else 0
-        batches = make_batches(args, vocab, step, rt.role.index) if rt.role.is_attention else None
-        losses.append(rt.executor.train_batch(batches).loss)
-        if mode == "full" and step + 1 == save_after:
-            tag, state = f"step{save_after}", {"step": save_after}
-            save_checkpoint(rt.engine, rt.role, rt.layout, config, ckpt, tag, state, ds_config=ds_config)
-    return losses
 
 
 def _train(rank: int, args: VerifyArgs, ckpt: str, mode: str) -> list[float]:

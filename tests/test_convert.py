@@ -30,7 +30,7 @@ from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe, relayou
 from disagmoe_ds.train.conversion_jobs import Job, open_checkpoint
 from disagmoe_ds.verify import DTYPES, VerifyArgs, load_for_verify, make_batches
 from tests.conftest import all_families_only
-from tests.test_pretrain import ROOT, SHORT, run_pretrain
+from tests.runs import ROOT, SHORT, run_pretrain
 
 # fp32: layouts differ only in the order of sums (lane reduction, expert partials, ZeRO partitions).
 RESUME_TOL = 1e-5
@@ -225,10 +225,9 @@ def _recording_save(save: Callable, record: Path) -> Callable:
 
 
 @pytest.fixture(scope="module")
-def colocated_run(tmp_path_factory) -> Callable[..., ColocatedRun]:
+def colocated_run(tmp_path_factory, tok_cache) -> Callable[..., ColocatedRun]:
     """``colocated_run(ep_size, zero, dtype)``: 2 co-located ranks trained 2 steps by run_pretrain.py and saved by
     its --save-dir; run once per module and setting."""
-    tok_cache = tmp_path_factory.mktemp("tokenizers")
     cache: dict[tuple, ColocatedRun] = {}
 
     def get(ep_size: int, zero: int, dtype: str) -> ColocatedRun:

@@ -205,11 +205,6 @@ def test_colocated_lora_equals_peft() -> None:
     assert result["pass"], result["max_abs_diff"]
 
 
-@pytest.fixture(scope="module")
-def tok_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("tokenizers")
-
-
 @pytest.mark.parametrize(
     "layout",
     [("--attention-gpus", 2, "--ffn-gpus", 2), ("--mode", "colocated", "--world-size", 2, "--ep-size", 2)],
@@ -223,8 +218,7 @@ def test_lora_fine_tuning_resumes_exactly_and_exports_peft_and_merged(tok_cache,
 
     from disagmoe_ds.data import bundled_corpus, train_or_load_tokenizer
     from tests.conftest import write_tiny_checkpoint
-    from tests.test_pretrain import pretrain, records, same
-    from tests.test_train_data import write_sft_jsonl
+    from tests.runs import pretrain, records, same, write_sft_jsonl
 
     hf_dir = write_tiny_checkpoint("qwen3-moe", tmp_path / "hf", seed=1, vocab_size=512)
     train_or_load_tokenizer(bundled_corpus(), 512, tok_cache).save_hf(hf_dir)
@@ -279,7 +273,7 @@ def test_lora_fine_tuning_resumes_exactly_and_exports_peft_and_merged(tok_cache,
     ids=["no-experts", "no-attention", "unknown-name", "rank", "alpha-alone", "merged-alone"],
 )
 def test_run_pretrain_refuses_bad_lora_settings_before_launch(tok_cache, capfd, tmp_path, argv, message) -> None:
-    from tests.test_pretrain import assert_refused_before_launch
+    from tests.runs import assert_refused_before_launch
 
     argv = [str(tmp_path / a) if a == "out" else a for a in argv]
     assert_refused_before_launch(tok_cache, capfd, argv, message)

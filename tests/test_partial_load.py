@@ -23,7 +23,7 @@ from disagmoe_ds.models.partial_load import PretrainedWeights, check_pretrained,
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_routed_experts
 from disagmoe_ds.train.model import freeze
 from tests.conftest import ROOT, TINY_FAMILIES
-from tests.test_pretrain import SHORT, records, run_pretrain
+from tests.runs import SHORT, records, run_pretrain
 
 CPU = torch.device("cpu")
 
@@ -168,11 +168,6 @@ def test_run_pretrain_refuses_a_missing_tensor_before_any_rank_starts(tiny_check
     expected = f"run_pretrain.py: error: {path} has no tensor {key} (expert 7 of model.layers.1.mlp.experts.down_proj)"
     assert lines == [expected], err
     assert "model:" not in out  # no rank printed its banner
-
-
-@pytest.fixture(scope="module")
-def tok_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tokenizers")
 
 
 @pytest.fixture(scope="module")

@@ -9,152 +9,38 @@ subprocesses (each in its own session, so that a signal reaches only the process
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from tests.conftest import all_families_only, write_tiny_checkpoint
-from tests.test_train_data import write_sft_jsonl
-
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("run_pretrain", ROOT / "run_pretrain.py")
-run_pretrain = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run_pretrain)
-
-SHORT = ["--seq-len", "32", "--log-every", "1"]
-# Exact, not approximate: on CPU a resumed run must reproduce the uninterrupted one bit for bit.
-COMPARED = ("step", "loss", "lm_loss", "aux_loss", "grad_norm", "lr", "expert_imbalance")
-SUBPROCESS_TIMEOUT_S = 180
-
-
-@pytest.fixture(scope="module")
-def tok_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tokenizers")
-
-
-def pretrain(tok_cache: Path, *argv: object) -> int:
-    return run_pretrain.main([*SHORT, "--tokenizer-cache", str(tok_cache), *map(str, argv)])
-
-
-def assert_refused_before_launch(tok_cache: Path, capfd, argv: list, message: str) -> None:
-    """``run_pretrain.py argv`` exits 2 at once with one error line matching ``message``; no rank started."""
-    start = time.monotonic()
-    assert pretrain(tok_cache, *argv) == 2
-    assert time.monotonic() - start < 10  # nothing was launched
-    out, err = capfd.readouterr()
-    lines = [line for line in err.splitlines() if line.startswith("run_pretrain.py")]
-    assert len(lines) == 1 and lines[0].startswith("run_pretrain.py: error: ") and "Traceback" not in err, err
-    assert re.search(message, lines[0]), lines[0]
-    assert "model:" not in out  # no rank printed its banner
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def same(a: list[dict], b: list[dict]) -> bool:
-    return [{k: r[k] for k in COMPARED} for r in a] == [{k: r[k] for k in COMPARED} for r in b]
-
-
-def run_script(*argv: object, launcher: tuple[str, ...] = (sys.executable,)) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [*launcher, str(ROOT / "run_pretrain.py"), *map(str, argv)]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-
-
-STEPS = 1000
-STARTUP_S = 150  # 4 ranks importing torch and DeepSpeed on 2 shared cores, then two steps
-# From the signal to the last process gone: the current step (~0.3 s), the save (~1 s), teardown, on busy cores.
-STOP_BOUND_S = 30
-
-
-def start_job(launcher: list[str], tmp: Path, tok_cache: Path, *extra: object) -> subprocess.Popen:
-    """``launcher run_pretrain.py`` for STEPS steps in its own session, saving to tmp/ck; output in tmp/out, tmp/err."""
-    argv = [*extra, "--steps", STEPS, *SHORT, "--tokenizer-cache", tok_cache, "--save-dir", tmp / "ck"]
-    command = [*launcher, str(ROOT / "run_pretrain.py"), *map(str, argv), "--metrics-file", str(tmp / "m.jsonl")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with (tmp / "out").open("w") as out, (tmp / "err").open("w") as err:
-        return subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True, preexec_fn=_default_sigint
-        )
-
-
-def _default_sigint() -> None:
-    # As from a terminal: a suite started in the background by a shell (``pytest &``) inherits SIGINT ignored, and
-    # a Python launcher that starts with SIGINT ignored never installs its KeyboardInterrupt handler.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def logged_steps(metrics: Path) -> list[int]:
-    if not metrics.exists():
-        return []
-    return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.endswith("}")]
-
-
-def wait_for_steps(proc: subprocess.Popen, tmp: Path, n: int) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while len(logged_steps(tmp / "m.jsonl")) < n:
-        assert proc.poll() is None, (tmp / "err").read_text()[-3000:]
-        assert time.monotonic() < deadline, f"fewer than {n} steps after {STARTUP_S} s"
-        time.sleep(0.2)
-
-
-def assert_saved_at_the_stopped_step(tmp: Path) -> int:
-    steps = logged_steps(tmp / "m.jsonl")
-    stopped = steps[-1]
-    assert 2 <= stopped < STEPS and steps == list(range(1, stopped + 1)), steps
-    assert (tmp / "ck" / "latest").read_text() == f"step{stopped}"
-    manifest = json.loads((tmp / "ck" / f"step{stopped}" / "manifest.json").read_text())
-    assert manifest["client_state"]["step"] == stopped
-    return stopped
-
-
-def kill_session(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the test's own session: only what it started
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def signal_state(pid: int) -> str:
-    """The process's signal masks (blocked, ignored, caught; hex bit sets) and where its main thread waits."""
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    masks = [line for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
-    return f"{', '.join(masks)}; state {psutil.Process(pid).status()}"
-
-
-def sigint_the_launcher_alone(launcher: list[str], tmp: Path, tok_cache: Path, *extra: object, processes: int) -> None:
-    """Start ``launcher run_pretrain.py``, let it log 2 steps, SIGINT the launcher's PID only; it must exit non-zero
-    within STOP_BOUND_S and take its ``processes`` descendants with it."""
-    proc = start_job(launcher, tmp, tok_cache, *extra)
-    try:
-        wait_for_steps(proc, tmp, 2)
-        job = psutil.Process(proc.pid).children(recursive=True)
-        assert len(job) == processes, job
-        sent = time.monotonic()
-        os.kill(proc.pid, signal.SIGINT)
-        try:
-            code = proc.wait(timeout=STOP_BOUND_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the launcher outlived a SIGINT by {STOP_BOUND_S} s; {signal_state(proc.pid)}")
-        assert code != 0
-        _, alive = psutil.wait_procs(job, timeout=max(1.0, STOP_BOUND_S - (time.monotonic() - sent)))
-        assert not alive, alive
-    finally:
-        kill_session(proc)
+from tests.runs import (
+    ROOT,
+    SHORT,
+    STEPS,
+    STOP_BOUND_S,
+    assert_refused_before_launch,
+    assert_saved_at_the_stopped_step,
+    kill_session,
+    pretrain,
+    records,
+    run_pretrain,
+    run_script,
+    same,
+    sigint_the_launcher_alone,
+    start_job,
+    wait_for_steps,
+    write_sft_jsonl,
+)
 
 
 def test_sigint_to_the_parent_alone_stops_saves_and_exits_130(tok_cache, tmp_path) -> None:

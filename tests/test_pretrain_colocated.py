@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_pretrain import (
+from tests.runs import (
     ROOT,
     SHORT,
     STEPS,
@@ -31,11 +31,6 @@ from tests.test_pretrain import (
 
 MODEL = ROOT / "hf_models" / "tiny-qwen3-moe-lm"  # the embedded default: 8 experts, 4 MoE layers
 TWO_RANKS = ("--mode", "colocated", "--world-size", 2)
-
-
-@pytest.fixture(scope="module")
-def tok_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tokenizers")
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from disagmoe_ds.convert import main as convert
-from tests.test_pretrain import ROOT, assert_refused_before_launch, pretrain, records, run_pretrain, same
-from tests.test_train_data import write_sft_jsonl
+from tests.runs import ROOT, assert_refused_before_launch, pretrain, records, run_pretrain, same, write_sft_jsonl
 
 MODEL = ROOT / "hf_models" / "tiny-qwen3-moe-lm"
 ROUTER = "model.layers.1.mlp.gate.weight"
@@ -37,11 +36,6 @@ class FineTune:
 
     def argv(self, *extra: object) -> list[object]:
         return ["--init-from", self.hf_dir, "--sft", "--data", self.data, "--seq-len", 64, *extra]
-
-
-@pytest.fixture(scope="module")
-def tok_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tokenizers")
 
 
 @pytest.fixture(scope="module")

@@ -146,17 +146,12 @@ def test_layouts_and_models_sequence_parallelism_cannot_split_are_refused():
             check_sequence_parallel(AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}"), 2)
 
 
-@pytest.fixture(scope="module")
-def tok_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("tokenizers")
-
-
 def test_pretraining_with_sequence_parallelism_resumes_exactly_and_exports(tok_cache, tmp_path):
     """The README job's model on 2 SP lanes and 2 expert ranks: every step saved, the run resumed at step 2 repeats
     steps 3-4 bit for bit, and the HF export loads with ``from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
-    from tests.test_pretrain import pretrain, records, same
+    from tests.runs import pretrain, records, same
 
     argv = ("--attention-gpus", 2, "--ffn-gpus", 2, "--sequence-parallel", 2, "--micro-batches", 2, "--steps", 4)
     full, resumed, ck, export = (tmp_path / name for name in ("full.jsonl", "resumed.jsonl", "ck", "hf"))
@@ -177,8 +172,7 @@ def test_fine_tuning_with_sequence_parallelism_resumes_exactly_and_exports(tok_c
 
     from disagmoe_ds.data import bundled_corpus, train_or_load_tokenizer
     from tests.conftest import write_tiny_checkpoint
-    from tests.test_pretrain import pretrain, records, same
-    from tests.test_train_data import write_sft_jsonl
+    from tests.runs import pretrain, records, same, write_sft_jsonl
 
     hf_dir = write_tiny_checkpoint("deepseek-v3", tmp_path / "hf", seed=1, vocab_size=512)
     train_or_load_tokenizer(bundled_corpus(), 512, tok_cache).save_hf(hf_dir)  # the model's own tokenizer
@@ -205,7 +199,7 @@ def test_fine_tuning_with_sequence_parallelism_resumes_exactly_and_exports(tok_c
     ids=["sequence", "lanes", "sinks"],
 )
 def test_run_pretrain_refuses_what_it_cannot_slice_before_launch(tok_cache, capfd, argv, message):
-    from tests.test_pretrain import assert_refused_before_launch
+    from tests.runs import assert_refused_before_launch
 
     layout = ["--attention-gpus", 2, "--ffn-gpus", 1, "--sequence-parallel", 2]
     assert_refused_before_launch(tok_cache, capfd, [*layout, *argv], message)

@@ -11,15 +11,10 @@ from disagmoe_ds.data import IGNORE_INDEX, DataError, bundled_corpus, train_or_l
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.train.args import parse_args
 from disagmoe_ds.train.data import check_data_args, prepare_data
+from tests.runs import write_sft_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "hf_models" / "tiny-qwen3-moe-lm"
-
-
-def write_sft_jsonl(path: Path, n: int = 24) -> list[tuple[str, str]]:
-    pairs = [(f"What is {i} plus {i + 1}?", f"It is {2 * i + 1}.") for i in range(n)]
-    path.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in pairs))
-    return pairs
 
 
 def _args(tmp_path: Path, *argv: str):

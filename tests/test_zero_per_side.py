@@ -35,8 +35,7 @@ from disagmoe_ds.train.checkpoints import check_resume
 from disagmoe_ds.train.checks import check_engine_config
 from disagmoe_ds.train.export import export_hf
 from disagmoe_ds.verify import TOLERANCE, VerifyArgs, _assemble, _hf_named, load_for_verify, run_verify
-from tests.test_checkpoint import train_saving
-from tests.test_zero_replicas import _idle_beside_busy, pairs_log  # noqa: F401  (pairs_log is a fixture)
+from tests.rank_jobs import idle_beside_busy, train_saving
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms, so global-norm clipping is active
@@ -107,7 +106,7 @@ def test_per_side_stages_equal_hf(engines_log, pairs_log, family, M, N, p, edp, 
         config = load_for_verify(args).config
         layout = Layout(M, N, config.num_hidden_layers, num_experts_of(config), expert_data_parallel=edp)
         groups = [layout.edp_group_ranks(0, e) for e in range(layout.ep_size)]
-        assert _idle_beside_busy(pairs_log, groups) > 0
+        assert idle_beside_busy(pairs_log, groups) > 0
 
 
 # ----- checkpoint save -> resume and HF export with the experts at ZeRO-3 -----

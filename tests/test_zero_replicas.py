@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoConfig
 
 from disagmoe_ds.colocated import ColocatedConfig
@@ -24,6 +23,7 @@ from disagmoe_ds.models import parts
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.parts import ExpertStage, num_experts_of
 from disagmoe_ds.verify import TOLERANCE, VerifyArgs, run_verify
+from tests.rank_jobs import idle_beside_busy
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("qwen2-moe", "qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3", "gpt-oss", "olmoe")
@@ -87,32 +87,6 @@ def test_every_backward_reaches_every_parameter_in_one_order(monkeypatch, family
 
 
 # ----- jobs: the replicas of a shard, one of them without a token in some backward -----
-@pytest.fixture
-def pairs_log(monkeypatch, tmp_path):
-    """Every rank (forked) appends the routed pairs of each expert forward it runs to ``rank<r>.txt``."""
-    forward = parts.ExpertShard.forward
-
-    def logged(self, x_RH, local_idx_RK, w_RK, num_pairs=None, bounded=False):
-        if x_RH.requires_grad and dist.is_initialized():
-            pairs = int((local_idx_RK < self.num_local).sum())
-            with open(tmp_path / f"rank{dist.get_rank()}.txt", "a", encoding="utf-8") as f:
-                f.write(f"{pairs}\n")
-        return forward(self, x_RH, local_idx_RK, w_RK, num_pairs, bounded)
-
-    monkeypatch.setattr(parts.ExpertShard, "forward", logged)
-    return tmp_path
-
-
-def _idle_beside_busy(log: Path, replica_groups: list[tuple[int, ...]]) -> int:
-    """How many expert forwards ran on a replica with no pair while another replica of its shard had pairs (the
-    replicas run the same schedule, so their i-th forwards are the same layer and micro-batch)."""
-    count = 0
-    for ranks in replica_groups:
-        runs = [[int(n) for n in (log / f"rank{r}.txt").read_text().split()] for r in ranks]
-        count += sum(min(pairs) == 0 < max(pairs) for pairs in zip(*runs, strict=True))
-    return count
-
-
 def _config(model: Path):
     return AutoConfig.from_pretrained(model)
 
@@ -143,7 +117,7 @@ def test_af_pipe_zero2_with_expert_replicas_equals_hf(pairs_log, family, M, N, e
     config = _config(model)
     layout = Layout(M, N, config.num_hidden_layers, num_experts_of(config), expert_data_parallel=edp)
     groups = [layout.edp_group_ranks(0, e) for e in range(layout.ep_size)]
-    assert (_idle_beside_busy(pairs_log, groups) > 0) == idle
+    assert (idle_beside_busy(pairs_log, groups) > 0) == idle
 
 
 def test_colocated_zero2_with_expert_replicas_equals_hf(pairs_log):
@@ -153,4 +127,4 @@ def test_colocated_zero2_with_expert_replicas_equals_hf(pairs_log):
     args = ColocatedVerifyArgs(str(model), cfg, zero=2, seq_len=2, clip=CLIP, skew=True, seed=2)
     _assert_exact(run_colocated_verify(args, timeout_s=180))
     layout = cfg.layout(num_experts=num_experts_of(_config(model)))
-    assert _idle_beside_busy(pairs_log, [layout.edp_group_ranks(e) for e in range(layout.ep_size)]) > 0
+    assert idle_beside_busy(pairs_log, [layout.edp_group_ranks(e) for e in range(layout.ep_size)]) > 0
