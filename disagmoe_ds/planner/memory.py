@@ -166,11 +166,12 @@ class Workload:
 
     def __post_init__(self) -> None:
         # validated once; the targets kept in canonical order so that equal runs hash equal
-        object.__setattr__(self, "lora_targets", self.lora.targets)
+        lora = LoRA(self.lora_rank, self.lora_targets, self.lora_train_router)
+        object.__setattr__(self, "lora_targets", lora.targets)
 
     @property
     def lora(self) -> LoRA:
-        return LoRA(self.lora_rank, self.lora_targets, self.lora_train_router)
+        return _lora(self.lora_rank, self.lora_targets, self.lora_train_router)
 
     @property
     def lane_size(self) -> int:
@@ -204,6 +205,12 @@ class Workload:
         return ", ".join(parts + [f"ZeRO {self.zero_of('attention')}/{self.zero_of('ffn')}"])
 
 
+@lru_cache(maxsize=64)
+def _lora(rank: int, targets: tuple[str, ...], train_router: bool) -> LoRA:
+    """``Workload.lora``, validated once: the search asks for it hundreds of thousands of times."""
+    return LoRA(rank, targets, train_router)
+
+
 @lru_cache(maxsize=65536)
 def attention_lane_params(spec: ModelSpec, layout: Layout, group: int, lora: LoRA = FULL) -> Params:
     """Parameters on a lane of A-group ``group``: its layers' A parts, the embedding (A_0), the head (A_{L%p})."""
@@ -219,6 +226,7 @@ def ffn_rank_params(spec: ModelSpec, layout: Layout, group: int, lora: LoRA = FU
     return expert_split(spec, lora).scaled(moe * layout.experts_per_rank)
 
 
+@lru_cache(maxsize=4096)  # every candidate of a layout asks (roofline, sync, optimizer step)
 def busiest_group_params(spec: ModelSpec, layout: Layout, lora: LoRA = FULL) -> tuple[Params, Params]:
     """(A lane, F rank) parameters of the group holding the most of each kind: what a per-rank sync (the trained
     ones) or ZeRO gather (all) waits for."""

@@ -42,6 +42,7 @@ from disagmoe_ds.planner.attention_lanes import (
     rank_tokens,
 )
 from disagmoe_ds.planner.cluster import Rates
+from disagmoe_ds.planner.lora import LoRA
 from disagmoe_ds.planner.memory import Precision, Workload, busiest_group_params
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.part_times import expert_call_s, head_call_s
@@ -133,16 +134,38 @@ def _group_compute_per_micro_batch(
     spec: ModelSpec, layout: Layout, work: Workload, f_rc: Recompute, rates: Rates, lane_bw: float
 ) -> tuple[float, float]:
     f_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.ffn_ranks_per_group
+    a_layers = _attention_layer_s(spec, work, rates, lane_bw)
+    f_layers = _expert_layer_s(spec, f_tokens, f_rc, rates, work.lora)
     a_worst = f_worst = 0.0
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
-        a = sum(sum(lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)) for i in layers)
-        a += sum(head_call_s(spec, rates, tokens=rank_tokens(work), lora=work.lora)) if g == layout.head_group else 0.0
-        f = sum(
-            sum(expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=f_rc, lora=work.lora)) for i in layers
-        )
+        a = sum(a_layers[i] for i in layers)
+        a += _head_s(spec, rates, rank_tokens(work), work.lora) if g == layout.head_group else 0.0
+        f = sum(f_layers[i] for i in layers)
         a_worst, f_worst = max(a_worst, a), max(f_worst, f)
     return a_worst, f_worst
+
+
+# Per-layer seconds, fwd + bwd, cached apart from the layout: the layouts of a lane shape (and, on F, of every lane
+# shape with the same tokens per F rank) share them; the groups sum them in layer order as before.
+@lru_cache(maxsize=4096)
+def _attention_layer_s(spec: ModelSpec, work: Workload, rates: Rates, lane_bw: float) -> tuple[float, ...]:
+    return tuple(
+        sum(lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)) for i in range(spec.num_layers)
+    )
+
+
+@lru_cache(maxsize=4096)
+def _expert_layer_s(spec: ModelSpec, tokens: float, f_rc: Recompute, rates: Rates, lora: LoRA) -> tuple[float, ...]:
+    return tuple(
+        sum(expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=f_rc, lora=lora))
+        for i in range(spec.num_layers)
+    )
+
+
+@lru_cache(maxsize=4096)
+def _head_s(spec: ModelSpec, rates: Rates, tokens: float, lora: LoRA) -> float:
+    return sum(head_call_s(spec, rates, tokens=tokens, lora=lora))
 
 
 def side_flops(spec: ModelSpec, work: Workload) -> tuple[float, float]:
