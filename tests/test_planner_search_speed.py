@@ -22,7 +22,7 @@ from disagmoe_ds.planner.allocator import (
     shortlist,
 )
 from disagmoe_ds.planner.memory import Workload
-from disagmoe_ds.planner.ring_sim import RingRun, run_ring
+from disagmoe_ds.planner.ring_sim import RingRun, cap_bound_s, run_ring
 from disagmoe_ds.planner.simulate import simulate_af
 from disagmoe_ds.planner.task_costs import af_task_costs
 from disagmoe_ds.schedule import Costs, PipeShape, build_graph
@@ -60,6 +60,7 @@ def test_ring_replica_gives_the_generators_every_interval():
         assert run.compute == tuple((t, s, e) for t, (s, e) in compute.items()), case  # same order, same floats
         assert run.transfers == tuple((m, s, e) for m, (s, e) in transfers.items()), case
         assert run.step_s == max(end for _, end in compute.values())
+        assert cap_bound_s(shape, micro_batches, costs, cap=cap) <= run.step_s  # the pruning's bound is one
         checked += 1
 
 
@@ -120,8 +121,9 @@ def _request(**kw) -> PlanRequest:
         _request(cluster={"hbm_bytes": 20e9, "nic_bw": 5e9}, simulate_per_variant_set=1),  # TP 2 lanes win here
         _request(cluster={"nic_bw": 25e9}, global_batch=64),
         _request(cluster={"hbm_bytes": 30e9}, work=Workload(8192, 1), sequence_parallel=(1, 2), tensor_parallel=(1,)),
+        _request(cluster={"nic_bw": 2e9}, global_batch=64, simulate_per_variant_set=2),
     ],
-    ids=["small-hbm-slow-nic", "roomy", "8k-sp"],
+    ids=["small-hbm-slow-nic", "roomy", "8k-sp", "socket-nic"],
 )
 def test_search_gives_the_unpruned_generator_searchs_plan(req, monkeypatch):
     fast, _ = best_af(req)
@@ -153,3 +155,36 @@ def test_memoised_group_compute_is_the_per_group_sum():
             a_worst, f_worst = max(a_worst, a), max(f_worst, f)
         got = _group_compute_per_micro_batch(spec, layout, work, recompute, req.rates, 1e11)
         assert got == (a_worst, f_worst)  # exactly: the same additions in the same order
+
+
+def test_memory_cached_per_side_is_each_sides_own():
+    from disagmoe_ds.planner.memory import attention_rank_memory, ffn_rank_memory
+
+    req = _request(cluster={"hbm_bytes": 20e9, "nic_bw": 5e9})
+    candidates, _ = af_candidates(req)
+    assert {c.work.zero_of("ffn") for c in candidates} == {1, 2, 3}  # the variants whose memory the sides share
+    assert {c.work.lane_size for c in candidates} >= {1, 2, 4} and any(c.work.offload != (0, 0) for c in candidates)
+    for c in candidates[::7]:
+        assert c.memory_attention == attention_rank_memory(req.spec, c.layout, c.work)
+        assert c.memory_ffn == ffn_rank_memory(req.spec, c.layout, c.work)
+
+
+def test_the_bounds_skip_simulations_here(monkeypatch):
+    import disagmoe_ds.planner.af_simulation as af_simulation
+    from disagmoe_ds.planner.af_simulation import bound_tokens_per_s, forms
+
+    calls: list[int] = []
+    simulate = af_simulation._simulate
+    monkeypatch.setattr(af_simulation, "_simulate", lambda *a, **kw: calls.append(1) or simulate(*a, **kw))
+    best_af(_request(cluster={"hbm_bytes": 20e9, "nic_bw": 5e9}, simulate_per_variant_set=1))
+    assert len(calls) < 2 * 2 * 2  # 2 families x 2 forms x 2 caps unpruned: the T* stop and the kept-plan skip fired
+    req = _request(cluster={"hbm_bytes": 30e9}, work=Workload(8192, 1), sequence_parallel=(1, 2), tensor_parallel=(1,))
+    best, _ = best_af(req)
+    assert best is not None
+    candidates, _ = af_candidates(req)
+    skipped = [  # families the in-flight bound rules out although T* alone would have simulated them
+        c
+        for c in candidates
+        if best_tokens_per_s(c) > best.tokens_per_s >= bound_tokens_per_s(c, forms(req, c, (False, True)))
+    ]
+    assert skipped

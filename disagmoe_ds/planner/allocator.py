@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from functools import lru_cache
 
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.layout import Layout
@@ -23,6 +24,7 @@ from disagmoe_ds.planner.attention_lanes import data_lanes, lane_spans
 from disagmoe_ds.planner.colocated import colocated_candidates, divisors, simulate_colocated
 from disagmoe_ds.planner.grad_sync import af_sync_s
 from disagmoe_ds.planner.memory import RankMemory, Workload, attention_rank_memory, ffn_rank_memory
+from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.optimizer_step import af_optimizer_s
 from disagmoe_ds.planner.placement import placements
 from disagmoe_ds.planner.plans import (
@@ -115,8 +117,7 @@ def _fit_memory(
     """The variant as is (if at least one micro-batch fits) and, where offload is allowed and the ring is
     short of 2p + 1 micro-batches, with the smallest offload shares that fill it; None if neither fits."""
     usable, out = req.rates.usable_hbm, []
-    mem_a = attention_rank_memory(req.spec, layout, work)
-    mem_f = ffn_rank_memory(req.spec, layout, work)
+    mem_a, mem_f = _memory(req.spec, layout, work)
     cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable))
     if cap >= 1:
         out.append((work, mem_a, mem_f, cap))
@@ -128,7 +129,7 @@ def _fit_memory(
         )
         if shares[0] is not None and shares[1] is not None:
             off = replace(work, offload=(shares[0], shares[1]))
-            mem_a, mem_f = attention_rank_memory(req.spec, layout, off), ffn_rank_memory(req.spec, layout, off)
+            mem_a, mem_f = _memory(req.spec, layout, off)
             off_cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable))
             host = (
                 req.cluster.gpus_per_node * ring * max(mem_a.offloaded_per_micro_batch, mem_f.offloaded_per_micro_batch)
@@ -136,6 +137,26 @@ def _fit_memory(
             if off_cap >= ring and host <= req.cluster.host_bytes:
                 out.append((off, mem_a, mem_f, off_cap))
     return out or None
+
+
+def _memory(spec: ModelSpec, layout: Layout, work: Workload) -> tuple[RankMemory, RankMemory]:
+    """(A rank, F rank) memory, each cached on a workload holding only what its side reads: the variants of a layout
+    differ in the other side's ZeRO stage or offload share, and the F side sees an A-lane's size only (its tokens),
+    so most of them share one (``memory.py``'s functions, exactly)."""
+    a = replace(work, ffn_zero_stage=None, offload=(work.offload[0], 0.0), split_backward=False)
+    f = replace(
+        work,
+        attention_zero_stage=None,
+        offload=(0.0, work.offload[1]),
+        split_backward=False,
+        sequence_parallel=work.lane_size,
+        tensor_parallel=1,
+    )
+    return _attention_memory(spec, layout, a), _ffn_memory(spec, layout, f)
+
+
+_attention_memory = lru_cache(maxsize=65536)(attention_rank_memory)
+_ffn_memory = lru_cache(maxsize=65536)(ffn_rank_memory)
 
 
 def _placed(

@@ -69,10 +69,9 @@ class Precision:
 
     @classmethod
     def named(cls, name: str) -> Precision:
-        table = {"bf16": cls("bf16", 2, 2, 4, 8), "fp32": cls("fp32", 4, 4, 0, 8)}
-        if name not in table:
-            raise ConfigError(f"precision {name!r} is not one of {sorted(table)}")
-        return table[name]
+        if name not in _PRECISIONS:
+            raise ConfigError(f"precision {name!r} is not one of {sorted(_PRECISIONS)}")
+        return _PRECISIONS[name]
 
     @classmethod
     def megatron(cls, name: str) -> Precision:
@@ -99,6 +98,9 @@ class Precision:
         """Training-state bytes of ``params`` on one rank of a ``dp``-way data-parallel group."""
         frozen = params.frozen * self.frozen_per_param(zero_stage=zero_stage, dp=dp) if params.frozen else 0.0
         return frozen + params.trained * self.per_param(zero_stage=zero_stage, dp=dp)
+
+
+_PRECISIONS = {"bf16": Precision("bf16", 2, 2, 4, 8), "fp32": Precision("fp32", 4, 4, 0, 8)}
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,10 @@ class Workload:
 
     def __post_init__(self) -> None:
         # validated once; the targets kept in canonical order so that equal runs hash equal
-        lora = LoRA(self.lora_rank, self.lora_targets, self.lora_train_router)
+        try:
+            lora = _lora(self.lora_rank, self.lora_targets, self.lora_train_router)
+        except TypeError:  # unhashable targets (a list): LoRA checks and normalises them
+            lora = LoRA(self.lora_rank, self.lora_targets, self.lora_train_router)
         object.__setattr__(self, "lora_targets", lora.targets)
 
     @property
@@ -205,9 +210,9 @@ class Workload:
         return ", ".join(parts + [f"ZeRO {self.zero_of('attention')}/{self.zero_of('ffn')}"])
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=64, typed=True)  # typed: True is no LoRA rank, and must not hit rank 1's entry
 def _lora(rank: int, targets: tuple[str, ...], train_router: bool) -> LoRA:
-    """``Workload.lora``, validated once: the search asks for it hundreds of thousands of times."""
+    """``Workload.lora``, validated once: the search builds and asks for hundreds of thousands of workloads."""
     return LoRA(rank, targets, train_router)
 
 
@@ -347,6 +352,7 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
     return worst
 
 
+@lru_cache(maxsize=65536)  # the same shapes come back for every bandwidth of a sweep and every dispatcher
 def baseline_rank_memory(
     spec: ModelSpec,
     work: Workload,

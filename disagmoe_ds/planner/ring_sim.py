@@ -43,6 +43,7 @@ class RingGraph:
 
     @property
     def size(self) -> int:
+        """T: tasks per micro-batch."""
         return len(self.kinds)
 
     def task(self, i: int) -> Task:
@@ -152,6 +153,7 @@ class _Run:
         self.g, self.cap = g, cap
         mbs, size, workers = g.micro_batches, g.size, len(g.workers)
         self.n = n = size * mbs
+        self.size, self.mbs, self.local = size, mbs, len(g.messages)
         compute, wgrad, self.transfer = _local_costs(g, costs)
         self.cost = compute * mbs + wgrad * mbs
         self.worker = list(g.worker) * (2 * mbs)  # of task i and of its W task n + i
@@ -188,7 +190,7 @@ class _Run:
 
     def run(self) -> None:
         now, idle, events, wake, worker = 0.0, set(self.wake), self.events, self.wake, self.worker
-        local, size, dst = len(self.g.messages), self.g.size, [m[2] for m in self.g.messages]
+        local, size, dst = self.local, self.size, [m[2] for m in self.g.messages]
         while True:
             for w in sorted(wake & idle):
                 if self._start(w, now):
@@ -235,27 +237,28 @@ class _Run:
         return True
 
     def _finish(self, i: int, now: float) -> None:
-        w, m, g = self.worker[i], self.micro_batch[i], self.g
-        key = w * g.micro_batches + m
-        self.left[key] -= 1
-        if not self.left[key]:
+        w, m, left = self.worker[i], self.micro_batch[i], self.left
+        key = w * self.mbs + m
+        left[key] -= 1
+        if not left[key]:
             self.in_flight[w] -= 1
         if i >= self.n:
             return
-        j = i - m * g.size
+        offset = m * self.size
+        j = i - offset
         if self.has_wgrad[j]:
             self.pending[w].append(self.n + i)
-        offset, local, link_free = m * g.size, len(g.messages), self.link_free
-        for succ, k in g.successors[j]:
+        link_free, messages = self.link_free, self.g.messages
+        for succ, k in self.g.successors[j]:
             if k < 0:
                 self._release(offset + succ)
                 continue
-            channel = g.messages[k][3]
+            channel, sent = messages[k][3], m * self.local + k
             start = max(now, link_free[channel])
             end = link_free[channel] = start + self.transfer[k]
-            self.sent.append((m * local + k, start, end))
+            self.sent.append((sent, start, end))
             self.seq += 1
-            heapq.heappush(self.events, (end, self.seq, ~(m * local + k)))
+            heapq.heappush(self.events, (end, self.seq, ~sent))
 
     def _release(self, i: int) -> None:
         self.missing[i] -= 1

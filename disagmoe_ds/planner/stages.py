@@ -232,6 +232,25 @@ def af_roofline(
 
     ``offloaded``: bytes per micro-batch that one A rank and one F rank move to host and back. An A-lane's Ulysses
     and TP communication is exposed, so it counts in the A side's compute time, not in its network terms."""
+    c_a, c_f, a_nic, f_nic, a_nvl, f_nvl = _step_volumes(spec, layout, work, placement, micro_batches)
+    m, n = layout.attention_gpus, layout.ffn_gpus
+    lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
+    a_compute, f_compute = _group_compute_s(spec, layout, work, rates, micro_batches, lane_bw)
+    a_pcie = (a_nic / m + micro_batches * offloaded[0]) / rates.pcie_bw if offloaded[0] else 0.0
+    f_pcie = (f_nic / n + micro_batches * offloaded[1]) / rates.pcie_bw if offloaded[1] else 0.0
+    attention = SideTimes(
+        a_compute, _per(a_nic, nics[0] * rates.nic_bw), a_nvl / (m * rates.nvlink_bw), c_a, a_nic, a_pcie
+    )
+    ffn = SideTimes(f_compute, _per(f_nic, nics[1] * rates.nic_bw), f_nvl / (n * rates.nvlink_bw), c_f, f_nic, f_pcie)
+    return AfRoofline(attention, ffn)
+
+
+@lru_cache(maxsize=65536)  # the NIC splits of a placement share them
+def _step_volumes(
+    spec: ModelSpec, layout: Layout, work: Workload, placement: Placement, micro_batches: int
+) -> tuple[float, float, float, float, float, float]:
+    """(C_a, C_f, A NIC bytes, F NIC bytes, A NVLink bytes, F NVLink bytes) of one step: what ``af_roofline``
+    divides by the rates, none of it depending on the NIC split."""
     tokens = micro_batches * data_lanes(layout, work) * work.tokens_per_micro_batch
     a_flops, f_flops = side_flops(spec, work)
     c_a, c_f = tokens * a_flops, tokens * f_flops
@@ -248,15 +267,7 @@ def af_roofline(
     f_nic = af_dir * af_cross + micro_batches * n * f_zero.get("nic", 0.0)
     a_nvl = af_dir * (1 - af_cross) + res_dir * (1 - res_cross) + micro_batches * m * a_zero.get("nvlink", 0.0)
     f_nvl = af_dir * (1 - af_cross) + micro_batches * n * f_zero.get("nvlink", 0.0)
-    lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
-    a_compute, f_compute = _group_compute_s(spec, layout, work, rates, micro_batches, lane_bw)
-    a_pcie = (a_nic / m + micro_batches * offloaded[0]) / rates.pcie_bw if offloaded[0] else 0.0
-    f_pcie = (f_nic / n + micro_batches * offloaded[1]) / rates.pcie_bw if offloaded[1] else 0.0
-    attention = SideTimes(
-        a_compute, _per(a_nic, nics[0] * rates.nic_bw), a_nvl / (m * rates.nvlink_bw), c_a, a_nic, a_pcie
-    )
-    ffn = SideTimes(f_compute, _per(f_nic, nics[1] * rates.nic_bw), f_nvl / (n * rates.nvlink_bw), c_f, f_nic, f_pcie)
-    return AfRoofline(attention, ffn)
+    return c_a, c_f, a_nic, f_nic, a_nvl, f_nvl
 
 
 def _per(amount: float, rate: float) -> float:
