@@ -23,7 +23,7 @@ from disagmoe_ds.planner.af_simulation import Memo, bound_tokens_per_s, forms, s
 from disagmoe_ds.planner.attention_lanes import data_lanes, lane_spans
 from disagmoe_ds.planner.colocated import colocated_candidates, divisors, simulate_colocated
 from disagmoe_ds.planner.grad_sync import af_sync_s
-from disagmoe_ds.planner.memory import RankMemory, Workload, attention_rank_memory, ffn_rank_memory
+from disagmoe_ds.planner.memory import RankMemory, Recompute, Workload, attention_rank_memory, ffn_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.optimizer_step import af_optimizer_s
 from disagmoe_ds.planner.placement import placements
@@ -97,7 +97,7 @@ def _lane_candidates(req: PlanRequest, layout: Layout, base: Workload, rejected:
     micro_batches = max(1, round(req.global_batch / (data_lanes(layout, base) * base.micro_batch_size)))
     roomy: list[Workload] = []
     out: list[AfCandidate] = []
-    for work in memory_variants(base, req.recompute_options, req.af_variants):
+    for work in _variants(base, req.recompute_options, req.af_variants):
         if dominated(work, roomy):
             continue
         fitted = _fit_memory(req, layout, work, micro_batches)
@@ -109,6 +109,11 @@ def _lane_candidates(req: PlanRequest, layout: Layout, base: Workload, rejected:
             if cap >= 2 * (2 * layout.depth + 1):
                 roomy.append(work)
     return out
+
+
+@lru_cache(maxsize=256)  # one ladder per lane shape, asked for by every layout
+def _variants(base: Workload, recompute: tuple[Recompute, ...], allowed: frozenset[str]) -> tuple[Workload, ...]:
+    return tuple(memory_variants(base, recompute, allowed))
 
 
 def _fit_memory(
@@ -143,6 +148,13 @@ def _memory(spec: ModelSpec, layout: Layout, work: Workload) -> tuple[RankMemory
     """(A rank, F rank) memory, each cached on a workload holding only what its side reads: the variants of a layout
     differ in the other side's ZeRO stage or offload share, and the F side sees an A-lane's size only (its tokens),
     so most of them share one (``memory.py``'s functions, exactly)."""
+    a, f = _side_works(work)
+    return _attention_memory(spec, layout, a), _ffn_memory(spec, layout, f)
+
+
+@lru_cache(maxsize=65536)
+def _side_works(work: Workload) -> tuple[Workload, Workload]:
+    """``work`` with what the A side's memory does not read set to defaults, and the same for the F side."""
     a = replace(work, ffn_zero_stage=None, offload=(work.offload[0], 0.0), split_backward=False)
     f = replace(
         work,
@@ -152,7 +164,7 @@ def _memory(spec: ModelSpec, layout: Layout, work: Workload) -> tuple[RankMemory
         sequence_parallel=work.lane_size,
         tensor_parallel=1,
     )
-    return _attention_memory(spec, layout, a), _ffn_memory(spec, layout, f)
+    return a, f
 
 
 _attention_memory = lru_cache(maxsize=65536)(attention_rank_memory)

@@ -430,6 +430,7 @@ def baseline_state_bytes(
 
 
 @lru_cache(maxsize=65536)
+@lru_cache(maxsize=65536)  # every co-located shape asks for every layer
 def _colocated_bytes(spec: ModelSpec, layer: int, lora: LoRA = FULL) -> float:
     """Per token of a co-located layer: the A-side set plus top_k expert assignments (balanced routing), with the
     adapters' intermediates."""

@@ -115,7 +115,14 @@ def _group_compute_s(
 ) -> tuple[float, float]:
     """(A rank, F rank) compute seconds per step on the busiest group (F: with resend's re-run forward; A: with its
     lane's exposed Ulysses and TP communication, ``attention_lanes.py``)."""
-    lane = Workload(
+    a, f = _group_compute_per_micro_batch(spec, layout, _compute_work(work), work.ffn_recompute, rates, lane_bw)
+    return micro_batches * a, micro_batches * f
+
+
+@lru_cache(maxsize=4096)
+def _compute_work(work: Workload) -> Workload:
+    """Only what the compute depends on, so that variants share ``_group_compute_per_micro_batch``'s cache."""
+    return Workload(
         work.seq_len,
         work.micro_batch_size,
         recompute=work.recompute,
@@ -124,9 +131,7 @@ def _group_compute_s(
         lora_rank=work.lora_rank,
         lora_targets=work.lora_targets,
         lora_train_router=work.lora_train_router,
-    )  # only what the compute depends on, so variants share the cache
-    a, f = _group_compute_per_micro_batch(spec, layout, lane, work.ffn_recompute, rates, lane_bw)
-    return micro_batches * a, micro_batches * f
+    )
 
 
 @lru_cache(maxsize=65536)
