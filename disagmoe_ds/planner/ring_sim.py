@@ -114,7 +114,7 @@ class RingRun:
 def run_ring(shape: PipeShape, micro_batches: int, costs: Costs, *, cap: int, intervals: bool = False) -> RingRun:
     """Simulate one step as ``_Simulation(build_graph(shape, micro_batches), costs, cap).run()`` does."""
     g = ring_graph(shape, micro_batches)
-    sim = _Run(g, costs, cap)
+    sim = _Run(g, costs, cap, record=intervals)
     sim.run()
     if sim.started < sim.n:  # a stall: the generator raises, in its words
         _Simulation(build_graph(shape, micro_batches), costs, cap).run()
@@ -149,8 +149,8 @@ class _Run:
     or it finished one: a W task pending, a slot freed); the generator asks every idle worker every time, and one
     whose state did not change starts nothing, so the starts are the same."""
 
-    def __init__(self, g: RingGraph, costs: Costs, cap: int) -> None:
-        self.g, self.cap = g, cap
+    def __init__(self, g: RingGraph, costs: Costs, cap: int, *, record: bool = True) -> None:
+        self.g, self.cap, self.record = g, cap, record
         mbs, size, workers = g.micro_batches, g.size, len(g.workers)
         self.n = n = size * mbs
         self.size, self.mbs, self.local = size, mbs, len(g.messages)
@@ -226,11 +226,12 @@ class _Run:
         else:
             return False
         end = now + self.cost[i]
-        self.start_of[i], self.end_of[i] = now, end
         self.busy[w] += end - now
         if end > self.step:
             self.step = end
-        self.order.append(i)
+        if self.record:
+            self.start_of[i], self.end_of[i] = now, end
+            self.order.append(i)
         self.started += i < self.n
         self.seq += 1
         heapq.heappush(self.events, (end, self.seq, i))
@@ -256,13 +257,15 @@ class _Run:
             channel, sent = messages[k][3], m * self.local + k
             start = max(now, link_free[channel])
             end = link_free[channel] = start + self.transfer[k]
-            self.sent.append((sent, start, end))
+            if self.record:
+                self.sent.append((sent, start, end))
             self.seq += 1
             heapq.heappush(self.events, (end, self.seq, ~sent))
 
     def _release(self, i: int) -> None:
-        self.missing[i] -= 1
-        if not self.missing[i]:
+        missing = self.missing
+        missing[i] -= 1
+        if not missing[i]:
             self._ready(i)
 
     def _ready(self, i: int) -> None:
