@@ -5,6 +5,7 @@ the slow reference path (pure Python, a few seconds)."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -188,3 +189,48 @@ def test_the_bounds_skip_simulations_here(monkeypatch):
         if best_tokens_per_s(c) > best.tokens_per_s >= bound_tokens_per_s(c, forms(req, c, (False, True)))
     ]
     assert skipped
+
+
+def test_simulation_order_keeps_the_first_of_equally_fast_plans(monkeypatch):
+    """best_af simulates the most promising family first but must return what the T*-ordered loop returned: the
+    earliest, in T* order, of the fastest plans. Random bounds and rates on a coarse grid, so that ties happen."""
+    from types import SimpleNamespace
+
+    import disagmoe_ds.planner.allocator as allocator
+
+    rng = random.Random(3)
+    req = _request()
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        rates = [rng.choice((1.0, 2.0, 3.0)) for _ in range(n)]
+        fakes = [
+            SimpleNamespace(
+                name=k,
+                tokens=1.0,
+                roofline=SimpleNamespace(bottleneck_s=1 / (rates[k] + rng.choice((0.0, 1.0, 2.0))) / 2),
+                exposed_sync_s=0.0,
+                optimizer_step_s=0.0,
+                rate=rates[k],
+                bound=rates[k] + rng.choice((0.0, 0.5, 1.0)),  # an upper bound, sometimes exact
+                work=SimpleNamespace(split_backward=False),
+            )
+            for k in range(n)
+        ]
+        for f in fakes:  # T*'s bound is never below the in-flight one
+            f.roofline.bottleneck_s = min(f.roofline.bottleneck_s, 1 / f.bound)
+        simulated: list[int] = []
+
+        def simulate(req, c, *, exposed_comm=False, splits=(), memo=None, shapes=None, simulated=simulated):
+            simulated.append(c.name)
+            return SimpleNamespace(tokens_per_s=c.rate, candidate=c)
+
+        monkeypatch.setattr(allocator, "af_candidates", lambda req: ([], Counter()))
+        monkeypatch.setattr(allocator, "shortlist", lambda ranked, top, fakes=fakes: list(fakes))
+        monkeypatch.setattr(allocator, "forms", lambda req, c, splits: c)
+        monkeypatch.setattr(allocator, "bound_tokens_per_s", lambda c, shapes: c.bound)
+        monkeypatch.setattr(allocator, "simulate_candidate", simulate)
+        plan, _ = allocator.best_af(req)
+        order = sorted(fakes, key=lambda c: -allocator.best_tokens_per_s(c))  # the loop's order before
+        expected = max(order, key=lambda c: c.rate)  # the first of the fastest
+        assert plan.candidate.name == expected.name
+        assert len(set(simulated[:-1])) == len(simulated) - 1  # each simulated once, then the kept one again

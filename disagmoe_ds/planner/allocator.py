@@ -263,29 +263,33 @@ def best_tokens_per_s(c: AfCandidate) -> float:
 
 def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
     """Best roofline candidate of each (depth, placement, A-lane, variant) family, simulated; highest throughput
-    wins. Families are simulated best bound first and skipped once their bound (``best_tokens_per_s``) cannot beat
-    the best plan so far, which gives the plan simulating all of them would."""
+    wins, the earliest in ``best_tokens_per_s`` order on a tie. Families are simulated most promising first (by the
+    tighter bound of ``af_simulation``) and skipped once that bound cannot beat the best plan so far, which gives
+    the plan simulating all of them would."""
     candidates, rejected = af_candidates(req)
     families: dict[tuple, AfCandidate] = {}
     for c in sorted(candidates, key=_rank_key):
         families.setdefault(_family(c), c)
     ranked = sorted(families.values(), key=_rank_key)
-    listed = shortlist(ranked, req.simulate_per_variant_set)
-    memo: Memo = {}
+    listed = sorted(shortlist(ranked, req.simulate_per_variant_set), key=lambda c: -best_tokens_per_s(c))
     splits = (False, True) if "split_backward" in req.af_variants else (False,)  # the split changes the schedule only
-    best: AfPlan | None = None
-    for c in sorted(listed, key=lambda c: -best_tokens_per_s(c)):
-        if best is not None and best_tokens_per_s(c) <= best.tokens_per_s:
-            break
-        shapes = forms(req, c, splits)
-        if best is not None and bound_tokens_per_s(c, shapes) <= best.tokens_per_s:
-            continue  # the in-flight bound: no simulation of it could replace the best plan
+    bounded = [(i, c, forms(req, c, splits)) for i, c in enumerate(listed)]
+    bounded.sort(key=lambda entry: -bound_tokens_per_s(entry[1], entry[2]))
+    memo: Memo = {}
+    best: tuple[float, int, AfPlan] | None = None  # (tokens/s, -position in ``listed``, plan): the larger wins
+    for i, c, shapes in bounded:
+        bound = bound_tokens_per_s(c, shapes)
+        if best is not None and (bound, -i) < best[:2]:
+            if bound < best[0]:
+                break  # and so is every later one's
+            continue  # at most a tie, and a later one
         plan = simulate_candidate(req, c, splits=splits, memo=memo, shapes=shapes)
-        best = plan if best is None or plan.tokens_per_s > best.tokens_per_s else best
+        if best is None or (plan.tokens_per_s, -i) > best[:2]:
+            best = (plan.tokens_per_s, -i, plan)
     if best is None:
         return None, rejected
-    splits = (best.candidate.work.split_backward,)
-    return simulate_candidate(req, best.candidate, exposed_comm=True, splits=splits, memo=memo), rejected
+    kept = best[2].candidate
+    return simulate_candidate(req, kept, exposed_comm=True, splits=(kept.work.split_backward,), memo=memo), rejected
 
 
 # ----- co-located baseline search (colocated.py) -----
