@@ -14,197 +14,42 @@ the paper's second criterion). The co-located baseline is searched the same way 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
-from typing import Generic, Literal, TypeVar
+from dataclasses import replace
+from functools import lru_cache
 
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.planner.attention_lanes import DEGREES, data_lanes, lane_options, lane_spans
-from disagmoe_ds.planner.cluster import Cluster, Rates
-from disagmoe_ds.planner.colocated import ColocatedCandidate, colocated_candidates, divisors, simulate_colocated
-from disagmoe_ds.planner.colocated_costs import Shape
-from disagmoe_ds.planner.grad_sync import af_sync_s, exposed_sync_s
-from disagmoe_ds.planner.memory import (
-    RankMemory,
-    Recompute,
-    Workload,
-    attention_rank_memory,
-    ffn_rank_memory,
-)
+from disagmoe_ds.planner.af_simulation import Memo, bound_tokens_per_s, forms, simulate_candidate
+from disagmoe_ds.planner.attention_lanes import data_lanes, lane_spans
+from disagmoe_ds.planner.colocated import colocated_candidates, divisors, simulate_colocated
+from disagmoe_ds.planner.grad_sync import af_sync_s
+from disagmoe_ds.planner.memory import RankMemory, Recompute, Workload, attention_rank_memory, ffn_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.optimizer_step import af_optimizer_s
-from disagmoe_ds.planner.placement import Placement, placements
-from disagmoe_ds.planner.simulate import SimResult, simulate_af
-from disagmoe_ds.planner.stages import AfRoofline, af_roofline, compute_multiplier
-from disagmoe_ds.planner.task_costs import af_task_costs
-from disagmoe_ds.planner.variants import VARIANTS, dominated, memory_variants, offload_share, savings, search_options
+from disagmoe_ds.planner.placement import placements
+from disagmoe_ds.planner.plans import (
+    PAYS_THRESHOLD,
+    AfCandidate,
+    AfPlan,
+    BaselinePlan,
+    PlanRequest,
+    PlanResult,
+)
+from disagmoe_ds.planner.stages import af_roofline
+from disagmoe_ds.planner.variants import dominated, memory_variants, offload_share, savings, search_options
 
-SIDES = ("attention", "ffn")
-PAYS_THRESHOLD = 1.05  # below this predicted speed-up, disaggregation is not worth its complexity
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """Everything the allocator needs.
-
-    Args:
-        global_batch: sequences per step (both systems are compared per token, so rounding is harmless).
-        recompute: "none", "full" or "auto" (full recompute only where nothing fits without it).
-        granularity: contiguous placements move the split in steps of this many GPUs (gpus_per_node: whole nodes).
-        placement: "contiguous", "spread" or "auto" (both; see ``placement.py``).
-        baseline_overlap: share of the co-located all-to-all hidden behind compute (besides shared experts).
-        baseline_ep: pin the co-located expert-parallel size (None: search it).
-        simulate_top: how many roofline-best co-located candidates to simulate.
-        simulate_per_variant_set: AF-Pipe families simulated per set of variants (``shortlist``).
-        baseline: "strongest" (TP, CP, selective recompute, paired all-to-all overlap; ``colocated.py``) or
-            "ep" (plain EP+DP interleaved 1F1B with partial overlap).
-        af_variants: the AF-Pipe variants to try (``variants.VARIANTS``; ``variants.PAPER`` for none).
-        baseline_dispatcher: "alltoall" or "deepep" (None: ``dispatcher``).
-        baseline_layout: price the co-located baseline at this shape instead of searching (``baseline_layout.py``).
-        baseline_recompute: the co-located recompute policy (None: the cheapest that fits).
-        sequence_parallel, tensor_parallel: the A-lane degrees s and t to try (``attention_lanes.py``), each pair
-            where the model and the A-group allow it.
-    """
-
-    spec: ModelSpec
-    cluster: Cluster
-    rates: Rates
-    work: Workload
-    global_batch: int
-    recompute: Recompute | Literal["auto"] = "auto"
-    granularity: int = 1
-    placement: str = "auto"
-    baseline_overlap: float = 0.0
-    baseline_ep: int | None = None
-    simulate_top: int = 6
-    simulate_per_variant_set: int = 2
-    baseline: Literal["strongest", "ep"] = "strongest"
-    af_variants: frozenset[str] = frozenset(VARIANTS)
-    baseline_dispatcher: str | None = None
-    baseline_layout: Shape | None = None
-    baseline_recompute: Recompute | None = None
-    sequence_parallel: tuple[int, ...] = DEGREES
-    tensor_parallel: tuple[int, ...] = DEGREES
-
-    @property
-    def lane_options(self) -> list[tuple[int, int]]:
-        """The (s, t) pairs of A-lanes this model and sequence allow among those asked for."""
-        return lane_options(
-            self.spec,
-            tokens=self.work.tokens_per_micro_batch,
-            gpus_per_node=self.cluster.gpus_per_node,
-            sp=self.sequence_parallel,
-            tp=self.tensor_parallel,
-        )
-
-    @property
-    def dispatcher(self) -> str:
-        """The co-located token dispatcher: as asked, else DeepEP's for the strongest baseline, the plain
-        all-to-all for ``--baseline ep``."""
-        if self.baseline_dispatcher:
-            return self.baseline_dispatcher
-        return "deepep" if self.baseline == "strongest" else "alltoall"
-
-    @property
-    def recompute_options(self) -> tuple[Recompute, ...]:
-        """AF-Pipe recompute policies to try: auto means all (selective only if that variant is allowed)."""
-        if self.recompute != "auto":
-            return (self.recompute,)
-        return ("none", "selective", "full") if "selective" in self.af_variants else ("none", "full")
-
-
-@dataclass(frozen=True)
-class AfCandidate:
-    """A feasible AF-Pipe layout with its NIC split, roofline, memory (1 micro-batch in flight) and sync."""
-
-    layout: Layout
-    placement: Placement
-    nics: tuple[int, int]
-    work: Workload
-    micro_batches: int
-    max_in_flight: int
-    roofline: AfRoofline
-    memory_attention: RankMemory
-    memory_ffn: RankMemory
-    sync_s: tuple[float, float]  # gradient sync per step: A lane, F rank
-    optimizer_s: tuple[float, float]  # optimizer step: A lane, F rank
-
-    @property
-    def optimizer_step_s(self) -> float:
-        """The sides step in parallel after the global gradient norm: the step waits for the slower one."""
-        return max(self.optimizer_s)
-
-    @property
-    def tokens(self) -> int:
-        return self.micro_batches * data_lanes(self.layout, self.work) * self.work.tokens_per_micro_batch
-
-    @property
-    def exposed_sync_s(self) -> float:
-        """The slower side's gradient sync that does not hide behind its backward compute."""
-        shares = [(compute_multiplier(self.work, side) - 1) / compute_multiplier(self.work, side) for side in SIDES]
-        sides = zip(self.sync_s, shares, (self.roofline.attention, self.roofline.ffn))
-        return max(exposed_sync_s(sync, share * side.compute_s) for sync, share, side in sides)
-
-
-Candidate = TypeVar("Candidate", AfCandidate, ColocatedCandidate)
-
-
-@dataclass(frozen=True)
-class SimulatedPlan(Generic[Candidate]):
-    """A candidate of either system with its simulated step; both are compared by tokens per second."""
-
-    candidate: Candidate
-    sim: SimResult
-
-    @property
-    def step_time_s(self) -> float:
-        """Simulated step plus the exposed gradient sync and the optimizer step."""
-        return self.sim.step_time_s + self.candidate.exposed_sync_s + self.candidate.optimizer_step_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.candidate.tokens / self.step_time_s
-
-
-@dataclass(frozen=True)
-class AfPlan(SimulatedPlan[AfCandidate]):
-    """A simulated AF-Pipe plan. ``step_time_s`` is never below the roofline bottleneck T*."""
-
-    in_flight: int
-
-    @property
-    def step_time_s(self) -> float:
-        """Simulated step (at least the roofline T*) plus the exposed gradient sync and the slower side's optimizer
-        step."""
-        c = self.candidate
-        return max(self.sim.step_time_s, c.roofline.bottleneck_s) + c.exposed_sync_s + c.optimizer_step_s
-
-
-@dataclass(frozen=True)
-class BaselinePlan(SimulatedPlan[ColocatedCandidate]):
-    """A simulated co-located plan."""
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    """The chosen AF-Pipe plan and co-located baseline (None where nothing fits), with rejection counts."""
-
-    request: PlanRequest
-    af: AfPlan | None
-    baseline: BaselinePlan | None
-    rejected: Counter = field(default_factory=Counter)
-    baseline_rejected: Counter = field(default_factory=Counter)
-
-    @property
-    def speedup(self) -> float | None:
-        """Throughput ratio AF-Pipe / co-located (tokens per second; equal to step-time ratio at equal batch)."""
-        if self.af is None or self.baseline is None:
-            return None
-        return self.af.tokens_per_s / self.baseline.tokens_per_s
-
-    @property
-    def pays(self) -> bool:
-        return self.af is not None and (self.speedup is None or self.speedup >= PAYS_THRESHOLD)
+__all__ = [  # the types live in plans.py, the candidate simulation in af_simulation.py; imported from here as before
+    "PAYS_THRESHOLD",
+    "AfCandidate",
+    "AfPlan",
+    "BaselinePlan",
+    "PlanRequest",
+    "PlanResult",
+    "best_af",
+    "best_baseline",
+    "plan",
+    "simulate_candidate",
+]
 
 
 # ----- AF-Pipe search -----
@@ -252,7 +97,7 @@ def _lane_candidates(req: PlanRequest, layout: Layout, base: Workload, rejected:
     micro_batches = max(1, round(req.global_batch / (data_lanes(layout, base) * base.micro_batch_size)))
     roomy: list[Workload] = []
     out: list[AfCandidate] = []
-    for work in memory_variants(base, req.recompute_options, req.af_variants):
+    for work in _variants(base, req.recompute_options, req.af_variants):
         if dominated(work, roomy):
             continue
         fitted = _fit_memory(req, layout, work, micro_batches)
@@ -266,14 +111,18 @@ def _lane_candidates(req: PlanRequest, layout: Layout, base: Workload, rejected:
     return out
 
 
+@lru_cache(maxsize=256)  # one ladder per lane shape, asked for by every layout
+def _variants(base: Workload, recompute: tuple[Recompute, ...], allowed: frozenset[str]) -> tuple[Workload, ...]:
+    return tuple(memory_variants(base, recompute, allowed))
+
+
 def _fit_memory(
     req: PlanRequest, layout: Layout, work: Workload, micro_batches: int
 ) -> list[tuple[Workload, RankMemory, RankMemory, int]] | None:
     """The variant as is (if at least one micro-batch fits) and, where offload is allowed and the ring is
     short of 2p + 1 micro-batches, with the smallest offload shares that fill it; None if neither fits."""
     usable, out = req.rates.usable_hbm, []
-    mem_a = attention_rank_memory(req.spec, layout, work)
-    mem_f = ffn_rank_memory(req.spec, layout, work)
+    mem_a, mem_f = _memory(req.spec, layout, work)
     cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable))
     if cap >= 1:
         out.append((work, mem_a, mem_f, cap))
@@ -285,7 +134,7 @@ def _fit_memory(
         )
         if shares[0] is not None and shares[1] is not None:
             off = replace(work, offload=(shares[0], shares[1]))
-            mem_a, mem_f = attention_rank_memory(req.spec, layout, off), ffn_rank_memory(req.spec, layout, off)
+            mem_a, mem_f = _memory(req.spec, layout, off)
             off_cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable))
             host = (
                 req.cluster.gpus_per_node * ring * max(mem_a.offloaded_per_micro_batch, mem_f.offloaded_per_micro_batch)
@@ -293,6 +142,33 @@ def _fit_memory(
             if off_cap >= ring and host <= req.cluster.host_bytes:
                 out.append((off, mem_a, mem_f, off_cap))
     return out or None
+
+
+def _memory(spec: ModelSpec, layout: Layout, work: Workload) -> tuple[RankMemory, RankMemory]:
+    """(A rank, F rank) memory, each cached on a workload holding only what its side reads: the variants of a layout
+    differ in the other side's ZeRO stage or offload share, and the F side sees an A-lane's size only (its tokens),
+    so most of them share one (``memory.py``'s functions, exactly)."""
+    a, f = _side_works(work)
+    return _attention_memory(spec, layout, a), _ffn_memory(spec, layout, f)
+
+
+@lru_cache(maxsize=65536)
+def _side_works(work: Workload) -> tuple[Workload, Workload]:
+    """``work`` with what the A side's memory does not read set to defaults, and the same for the F side."""
+    a = replace(work, ffn_zero_stage=None, offload=(work.offload[0], 0.0), split_backward=False)
+    f = replace(
+        work,
+        attention_zero_stage=None,
+        offload=(0.0, work.offload[1]),
+        split_backward=False,
+        sequence_parallel=work.lane_size,
+        tensor_parallel=1,
+    )
+    return a, f
+
+
+_attention_memory = lru_cache(maxsize=65536)(attention_rank_memory)
+_ffn_memory = lru_cache(maxsize=65536)(ffn_rank_memory)
 
 
 def _placed(
@@ -346,43 +222,6 @@ def _rank_key(c: AfCandidate) -> tuple[bool, float, float, int]:
     return (not fills_ring(c), step / c.tokens, network / c.tokens, -c.max_in_flight)
 
 
-def simulate_candidate(
-    req: PlanRequest,
-    c: AfCandidate,
-    *,
-    exposed_comm: bool = False,
-    splits: tuple[bool, ...] = (False,),
-    memo: dict[tuple[AfCandidate, int], SimResult] | None = None,
-) -> AfPlan:
-    """Simulate with the schedule's default ring cap (2p + 1 micro-batches in flight) and with twice that, as far
-    as memory allows, for each backward form in ``splits`` (False: whole, True: split); keep the smaller cap and
-    the earlier form unless another is at least 1% faster. ``memo`` keeps simulations (without exposed
-    communication) for a later call on the same candidate."""
-    ring = 2 * c.layout.depth + 1
-    best: AfPlan | None = None
-    for split in splits:
-        cand = replace(c, work=replace(c.work, split_backward=split))
-        costs = af_task_costs(req.spec, c.layout, cand.work, placement=c.placement, rates=req.rates, nics=c.nics)
-        for cap in sorted({min(c.max_in_flight, c.micro_batches, k * ring) for k in (1, 2)}):
-            sim = memo.get((cand, cap)) if memo is not None and not exposed_comm else None
-            if sim is None:
-                sim = simulate_af(
-                    req.spec,
-                    c.layout,
-                    costs,
-                    micro_batches=c.micro_batches,
-                    max_in_flight=cap,
-                    exposed_comm=exposed_comm,
-                )
-                if memo is not None and not exposed_comm:
-                    memo[cand, cap] = sim
-            plan = AfPlan(cand, sim, cap)
-            if best is None or plan.step_time_s < 0.99 * best.step_time_s:
-                best = plan
-    assert best is not None
-    return best
-
-
 def _family(c: AfCandidate) -> tuple:
     w = c.work
     lane = (w.sequence_parallel, w.tensor_parallel)
@@ -424,26 +263,33 @@ def best_tokens_per_s(c: AfCandidate) -> float:
 
 def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
     """Best roofline candidate of each (depth, placement, A-lane, variant) family, simulated; highest throughput
-    wins. Families are simulated best bound first and skipped once their bound (``best_tokens_per_s``) cannot beat
-    the best plan so far, which gives the plan simulating all of them would."""
+    wins, the earliest in ``best_tokens_per_s`` order on a tie. Families are simulated most promising first (by the
+    tighter bound of ``af_simulation``) and skipped once that bound cannot beat the best plan so far, which gives
+    the plan simulating all of them would."""
     candidates, rejected = af_candidates(req)
     families: dict[tuple, AfCandidate] = {}
     for c in sorted(candidates, key=_rank_key):
         families.setdefault(_family(c), c)
     ranked = sorted(families.values(), key=_rank_key)
-    listed = shortlist(ranked, req.simulate_per_variant_set)
-    memo: dict[tuple[AfCandidate, int], SimResult] = {}
+    listed = sorted(shortlist(ranked, req.simulate_per_variant_set), key=lambda c: -best_tokens_per_s(c))
     splits = (False, True) if "split_backward" in req.af_variants else (False,)  # the split changes the schedule only
-    best: AfPlan | None = None
-    for c in sorted(listed, key=lambda c: -best_tokens_per_s(c)):
-        if best is not None and best_tokens_per_s(c) <= best.tokens_per_s:
-            break
-        plan = simulate_candidate(req, c, splits=splits, memo=memo)
-        best = plan if best is None or plan.tokens_per_s > best.tokens_per_s else best
+    bounded = [(i, c, forms(req, c, splits)) for i, c in enumerate(listed)]
+    bounded.sort(key=lambda entry: -bound_tokens_per_s(entry[1], entry[2]))
+    memo: Memo = {}
+    best: tuple[float, int, AfPlan] | None = None  # (tokens/s, -position in ``listed``, plan): the larger wins
+    for i, c, shapes in bounded:
+        bound = bound_tokens_per_s(c, shapes)
+        if best is not None and (bound, -i) < best[:2]:
+            if bound < best[0]:
+                break  # and so is every later one's
+            continue  # at most a tie, and a later one
+        plan = simulate_candidate(req, c, splits=splits, memo=memo, shapes=shapes)
+        if best is None or (plan.tokens_per_s, -i) > best[:2]:
+            best = (plan.tokens_per_s, -i, plan)
     if best is None:
         return None, rejected
-    splits = (best.candidate.work.split_backward,)
-    return simulate_candidate(req, best.candidate, exposed_comm=True, splits=splits), rejected
+    kept = best[2].candidate
+    return simulate_candidate(req, kept, exposed_comm=True, splits=(kept.work.split_backward,), memo=memo), rejected
 
 
 # ----- co-located baseline search (colocated.py) -----

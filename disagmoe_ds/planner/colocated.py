@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.colocated_costs import ColocatedCosts, Shape, colocated_costs, tp_options
@@ -125,13 +126,18 @@ def paired_allowed(shape: Shape, recompute: str) -> bool:
     return recompute != "full" and (shape.pp == 1 or shape.vpp > 1)
 
 
+@lru_cache(maxsize=256)  # each simulation runs twice (with and without communication), every cap alike
+def _orders(pp: int, vpp: int, micro_batches: int, paired: bool) -> tuple[tuple[tuple[Op, ...], ...], ...]:
+    """Every pipeline rank's units in order: fused pairs (``paired_order``) or single ops (``megatron_order``)."""
+    if paired:
+        return tuple(tuple(paired_order(pp, vpp, micro_batches, r)) for r in range(pp))
+    return tuple(tuple((o,) for o in megatron_order(pp, vpp, micro_batches, r)) for r in range(pp))
+
+
 def _run(costs: ColocatedCosts, shape: Shape, micro_batches: int) -> list[tuple[float, float]]:
     """(end, compute seconds) per unit; every unit waits for its ops' inputs (``simulate.input_ready``)."""
     pp, vpp = shape.pp, shape.vpp
-    if shape.overlap == "paired":
-        orders = [paired_order(pp, vpp, micro_batches, r) for r in range(pp)]
-    else:
-        orders = [[(o,) for o in megatron_order(pp, vpp, micro_batches, r)] for r in range(pp)]
+    orders = _orders(pp, vpp, micro_batches, shape.overlap == "paired")
     done: dict[tuple[bool, int, int], float] = {}
     free, out, last = [0.0] * pp, [], pp * vpp - 1
 

@@ -4,6 +4,9 @@ group's replicas, per ZeRO stage, and the share of it the backward cannot hide (
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import lru_cache
+
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import param_replicas, rank_params
 from disagmoe_ds.planner.cluster import Cluster, Rates
@@ -45,6 +48,20 @@ def af_sync_s(
     shard (its d lanes x s Ulysses ranks, 1/t of the parameters each: ``attention_lanes.py``) and over the expert-DP
     replicas of an F-group, through the side's NIC share when the replicas span nodes, else NVLink. Only trained
     parameters have gradients to reduce and updates to gather (LoRA: the adapters)."""
+    return _af_sync_s(spec, layout, _sync_work(work), placement, rates, nics)
+
+
+@lru_cache(maxsize=4096)
+def _sync_work(work: Workload) -> Workload:
+    """``work`` without what the sync does not read (recompute, resend, offload, split backward), so that the
+    search's variants of a layout share ``_af_sync_s``."""
+    return replace(work, recompute="none", resend=False, offload=(0.0, 0.0), split_backward=False)
+
+
+@lru_cache(maxsize=65536)
+def _af_sync_s(
+    spec: ModelSpec, layout: Layout, work: Workload, placement: Placement, rates: Rates, nics: tuple[int, int]
+) -> tuple[float, float]:
     m = layout.attention_gpus
 
     def rate(ranks: tuple[int, ...], nic_share: float) -> float:

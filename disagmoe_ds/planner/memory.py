@@ -69,10 +69,9 @@ class Precision:
 
     @classmethod
     def named(cls, name: str) -> Precision:
-        table = {"bf16": cls("bf16", 2, 2, 4, 8), "fp32": cls("fp32", 4, 4, 0, 8)}
-        if name not in table:
-            raise ConfigError(f"precision {name!r} is not one of {sorted(table)}")
-        return table[name]
+        if name not in _PRECISIONS:
+            raise ConfigError(f"precision {name!r} is not one of {sorted(_PRECISIONS)}")
+        return _PRECISIONS[name]
 
     @classmethod
     def megatron(cls, name: str) -> Precision:
@@ -99,6 +98,9 @@ class Precision:
         """Training-state bytes of ``params`` on one rank of a ``dp``-way data-parallel group."""
         frozen = params.frozen * self.frozen_per_param(zero_stage=zero_stage, dp=dp) if params.frozen else 0.0
         return frozen + params.trained * self.per_param(zero_stage=zero_stage, dp=dp)
+
+
+_PRECISIONS = {"bf16": Precision("bf16", 2, 2, 4, 8), "fp32": Precision("fp32", 4, 4, 0, 8)}
 
 
 @dataclass(frozen=True)
@@ -166,11 +168,15 @@ class Workload:
 
     def __post_init__(self) -> None:
         # validated once; the targets kept in canonical order so that equal runs hash equal
-        object.__setattr__(self, "lora_targets", self.lora.targets)
+        try:
+            lora = _lora(self.lora_rank, self.lora_targets, self.lora_train_router)
+        except TypeError:  # unhashable targets (a list): LoRA checks and normalises them
+            lora = LoRA(self.lora_rank, self.lora_targets, self.lora_train_router)
+        object.__setattr__(self, "lora_targets", lora.targets)
 
     @property
     def lora(self) -> LoRA:
-        return LoRA(self.lora_rank, self.lora_targets, self.lora_train_router)
+        return _lora(self.lora_rank, self.lora_targets, self.lora_train_router)
 
     @property
     def lane_size(self) -> int:
@@ -204,6 +210,12 @@ class Workload:
         return ", ".join(parts + [f"ZeRO {self.zero_of('attention')}/{self.zero_of('ffn')}"])
 
 
+@lru_cache(maxsize=64, typed=True)  # typed: True is no LoRA rank, and must not hit rank 1's entry
+def _lora(rank: int, targets: tuple[str, ...], train_router: bool) -> LoRA:
+    """``Workload.lora``, validated once: the search builds and asks for hundreds of thousands of workloads."""
+    return LoRA(rank, targets, train_router)
+
+
 @lru_cache(maxsize=65536)
 def attention_lane_params(spec: ModelSpec, layout: Layout, group: int, lora: LoRA = FULL) -> Params:
     """Parameters on a lane of A-group ``group``: its layers' A parts, the embedding (A_0), the head (A_{L%p})."""
@@ -219,6 +231,7 @@ def ffn_rank_params(spec: ModelSpec, layout: Layout, group: int, lora: LoRA = FU
     return expert_split(spec, lora).scaled(moe * layout.experts_per_rank)
 
 
+@lru_cache(maxsize=4096)  # every candidate of a layout asks (roofline, sync, optimizer step)
 def busiest_group_params(spec: ModelSpec, layout: Layout, lora: LoRA = FULL) -> tuple[Params, Params]:
     """(A lane, F rank) parameters of the group holding the most of each kind: what a per-rank sync (the trained
     ones) or ZeRO gather (all) waits for."""
@@ -339,6 +352,7 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
     return worst
 
 
+@lru_cache(maxsize=65536)  # the same shapes come back for every bandwidth of a sweep and every dispatcher
 def baseline_rank_memory(
     spec: ModelSpec,
     work: Workload,
@@ -416,6 +430,7 @@ def baseline_state_bytes(
 
 
 @lru_cache(maxsize=65536)
+@lru_cache(maxsize=65536)  # every co-located shape asks for every layer
 def _colocated_bytes(spec: ModelSpec, layer: int, lora: LoRA = FULL) -> float:
     """Per token of a co-located layer: the A-side set plus top_k expert assignments (balanced routing), with the
     adapters' intermediates."""

@@ -35,7 +35,7 @@ experts, dense MLP layers, embedding and LM head; the F side holds the routed ex
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -85,12 +85,24 @@ class ModelSpec:
     hc_streams: int = 1  # residual streams per token (hyper-connections)
     token_routed: bool = False  # some layer routes by token id: the hand-off carries the ids
 
+    def __hash__(self) -> int:
+        """The fields' hash, as the dataclass's, kept once computed: the search's caches hash the spec millions of
+        times, and its three per-layer tuples make that the costliest key. Not pickled (str hashes are per process)."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     # ----- construction -----
     @classmethod
     def from_config(cls, cfg: dict[str, Any], name: str = "") -> ModelSpec:
         """Build from a config.json dict; raises ``UnsupportedModelError`` / ``ConfigError`` with the field name."""
-        fields = model_fields(cfg)
-        return cls(name=name or fields["model_type"], **fields)
+        found = model_fields(cfg)
+        return cls(name=name or found["model_type"], **found)
 
     # ----- per-token forward FLOPs -----
     def is_linear(self, layer: int | None) -> bool:

@@ -18,6 +18,7 @@ Two placements of the ``Layout`` ranks (attention ranks [0, M), FFN ranks [M, W)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 from disagmoe_ds.planner.cluster import Cluster
@@ -48,7 +49,7 @@ class Placement:
 
     def spans_nodes(self, ranks: tuple[int, ...], *, attention_gpus: int) -> bool:
         """Whether layout ranks ``ranks`` sit on more than one node (their collectives then cross NICs)."""
-        return len({self.node_of(r, attention_gpus=attention_gpus) for r in ranks}) > 1
+        return _spans_nodes(self, tuple(ranks), attention_gpus)
 
     def launcher_to_layout_rank(self, node: int, local: int, *, attention_gpus: int) -> int:
         """Layout rank of the process the launcher starts as local rank ``local`` on ``node``."""
@@ -76,6 +77,11 @@ class Placement:
             f"spread ({self.attention_per_node} attention + {self.gpus_per_node - self.attention_per_node} FFN GPUs "
             f"on every node; needs the launcher-rank -> layout-rank map, see docs/planner.md)"
         )
+
+
+@lru_cache(maxsize=65536)  # every candidate of a layout asks for the same replica groups (sync, ZeRO, lanes)
+def _spans_nodes(placement: Placement, ranks: tuple[int, ...], attention_gpus: int) -> bool:
+    return len({placement.node_of(r, attention_gpus=attention_gpus) for r in ranks}) > 1
 
 
 def placements(cluster: Cluster, attention_gpus: int, wanted: str, granularity: int) -> list[Placement]:

@@ -77,33 +77,42 @@ def simulate_af(
     micro_batches: int,
     max_in_flight: int,
     exposed_comm: bool = True,
+    events: bool = True,
 ) -> SimResult:
     """Generate the AF-Pipe instruction streams for the plan and read their predicted timeline.
 
-    ``exposed_comm=False`` skips the second, communication-free run (its fraction is then reported as 0).
+    ``exposed_comm=False`` skips the second, communication-free run (its fraction is then reported as 0);
+    ``events=False`` the timeline (the search needs the step only).
     The step comes from ``zerobubble.py``, which is the generator's simulation plus, with a split backward,
     the deferred weight-gradient tasks.
     """
     shape = PipeShape(depth=layout.depth, num_layers=spec.num_layers, moe_layers=spec.moe_layers)
     cap = min(max_in_flight, micro_batches)
     weights = {w: layout.lanes if w.side == "A" else layout.ffn_ranks_per_group for w in shape.workers}
-    step, busy, events = _run_af(shape, micro_batches, spec, task_costs, cap, with_comm=True)
+    step, busy, timeline = _run_af(shape, micro_batches, spec, task_costs, cap, with_comm=True, events=events)
     compute = sum(weights[w] * busy[w] for w in weights) / sum(weights.values())
     free_step = step
     if exposed_comm:
-        free_step = _run_af(shape, micro_batches, spec, task_costs, cap, with_comm=False)[0]
+        free_step = _run_af(shape, micro_batches, spec, task_costs, cap, with_comm=False, events=False)[0]
     variant = ", split backward" if task_costs.wgrad else ""
     system = f"AF-Pipe (p={layout.depth}, {micro_batches} micro-batches, {cap} in flight{variant})"
-    return SimResult.from_steps(system, step_s=step, free_step_s=free_step, compute_fraction=compute, events=events)
+    return SimResult.from_steps(system, step_s=step, free_step_s=free_step, compute_fraction=compute, events=timeline)
 
 
 def _run_af(
-    shape: PipeShape, micro_batches: int, spec: ModelSpec, task_costs: AfTaskCosts, cap: int, *, with_comm: bool
+    shape: PipeShape,
+    micro_batches: int,
+    spec: ModelSpec,
+    task_costs: AfTaskCosts,
+    cap: int,
+    *,
+    with_comm: bool,
+    events: bool,
 ) -> tuple[float, dict, tuple[TimelineEvent, ...]]:
     """(step, busy share per worker, timeline events) of one simulated AF-Pipe step."""
     costs = schedule_costs(spec, task_costs, with_comm=with_comm)
     # ``generate``'s own simulation (with a split backward's W tasks when costed), minus building instruction streams.
-    return simulate_split_backward(shape, micro_batches, costs, cap=cap)
+    return simulate_split_backward(shape, micro_batches, costs, cap=cap, events=events)
 
 
 # ----- co-located EP + DP, interleaved 1F1B -----

@@ -42,6 +42,7 @@ from disagmoe_ds.planner.attention_lanes import (
     rank_tokens,
 )
 from disagmoe_ds.planner.cluster import Rates
+from disagmoe_ds.planner.lora import LoRA
 from disagmoe_ds.planner.memory import Precision, Workload, busiest_group_params
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.part_times import expert_call_s, head_call_s
@@ -114,7 +115,14 @@ def _group_compute_s(
 ) -> tuple[float, float]:
     """(A rank, F rank) compute seconds per step on the busiest group (F: with resend's re-run forward; A: with its
     lane's exposed Ulysses and TP communication, ``attention_lanes.py``)."""
-    lane = Workload(
+    a, f = _group_compute_per_micro_batch(spec, layout, _compute_work(work), work.ffn_recompute, rates, lane_bw)
+    return micro_batches * a, micro_batches * f
+
+
+@lru_cache(maxsize=4096)
+def _compute_work(work: Workload) -> Workload:
+    """Only what the compute depends on, so that variants share ``_group_compute_per_micro_batch``'s cache."""
+    return Workload(
         work.seq_len,
         work.micro_batch_size,
         recompute=work.recompute,
@@ -123,9 +131,7 @@ def _group_compute_s(
         lora_rank=work.lora_rank,
         lora_targets=work.lora_targets,
         lora_train_router=work.lora_train_router,
-    )  # only what the compute depends on, so variants share the cache
-    a, f = _group_compute_per_micro_batch(spec, layout, lane, work.ffn_recompute, rates, lane_bw)
-    return micro_batches * a, micro_batches * f
+    )
 
 
 @lru_cache(maxsize=65536)
@@ -133,16 +139,38 @@ def _group_compute_per_micro_batch(
     spec: ModelSpec, layout: Layout, work: Workload, f_rc: Recompute, rates: Rates, lane_bw: float
 ) -> tuple[float, float]:
     f_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.ffn_ranks_per_group
+    a_layers = _attention_layer_s(spec, work, rates, lane_bw)
+    f_layers = _expert_layer_s(spec, f_tokens, f_rc, rates, work.lora)
     a_worst = f_worst = 0.0
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
-        a = sum(sum(lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)) for i in layers)
-        a += sum(head_call_s(spec, rates, tokens=rank_tokens(work), lora=work.lora)) if g == layout.head_group else 0.0
-        f = sum(
-            sum(expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=f_rc, lora=work.lora)) for i in layers
-        )
+        a = sum(a_layers[i] for i in layers)
+        a += _head_s(spec, rates, rank_tokens(work), work.lora) if g == layout.head_group else 0.0
+        f = sum(f_layers[i] for i in layers)
         a_worst, f_worst = max(a_worst, a), max(f_worst, f)
     return a_worst, f_worst
+
+
+# Per-layer seconds, fwd + bwd, cached apart from the layout: the layouts of a lane shape (and, on F, of every lane
+# shape with the same tokens per F rank) share them; the groups sum them in layer order as before.
+@lru_cache(maxsize=4096)
+def _attention_layer_s(spec: ModelSpec, work: Workload, rates: Rates, lane_bw: float) -> tuple[float, ...]:
+    return tuple(
+        sum(lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)) for i in range(spec.num_layers)
+    )
+
+
+@lru_cache(maxsize=4096)
+def _expert_layer_s(spec: ModelSpec, tokens: float, f_rc: Recompute, rates: Rates, lora: LoRA) -> tuple[float, ...]:
+    return tuple(
+        sum(expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=f_rc, lora=lora))
+        for i in range(spec.num_layers)
+    )
+
+
+@lru_cache(maxsize=4096)
+def _head_s(spec: ModelSpec, rates: Rates, tokens: float, lora: LoRA) -> float:
+    return sum(head_call_s(spec, rates, tokens=tokens, lora=lora))
 
 
 def side_flops(spec: ModelSpec, work: Workload) -> tuple[float, float]:
@@ -209,6 +237,25 @@ def af_roofline(
 
     ``offloaded``: bytes per micro-batch that one A rank and one F rank move to host and back. An A-lane's Ulysses
     and TP communication is exposed, so it counts in the A side's compute time, not in its network terms."""
+    c_a, c_f, a_nic, f_nic, a_nvl, f_nvl = _step_volumes(spec, layout, work, placement, micro_batches)
+    m, n = layout.attention_gpus, layout.ffn_gpus
+    lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
+    a_compute, f_compute = _group_compute_s(spec, layout, work, rates, micro_batches, lane_bw)
+    a_pcie = (a_nic / m + micro_batches * offloaded[0]) / rates.pcie_bw if offloaded[0] else 0.0
+    f_pcie = (f_nic / n + micro_batches * offloaded[1]) / rates.pcie_bw if offloaded[1] else 0.0
+    attention = SideTimes(
+        a_compute, _per(a_nic, nics[0] * rates.nic_bw), a_nvl / (m * rates.nvlink_bw), c_a, a_nic, a_pcie
+    )
+    ffn = SideTimes(f_compute, _per(f_nic, nics[1] * rates.nic_bw), f_nvl / (n * rates.nvlink_bw), c_f, f_nic, f_pcie)
+    return AfRoofline(attention, ffn)
+
+
+@lru_cache(maxsize=65536)  # the NIC splits of a placement share them
+def _step_volumes(
+    spec: ModelSpec, layout: Layout, work: Workload, placement: Placement, micro_batches: int
+) -> tuple[float, float, float, float, float, float]:
+    """(C_a, C_f, A NIC bytes, F NIC bytes, A NVLink bytes, F NVLink bytes) of one step: what ``af_roofline``
+    divides by the rates, none of it depending on the NIC split."""
     tokens = micro_batches * data_lanes(layout, work) * work.tokens_per_micro_batch
     a_flops, f_flops = side_flops(spec, work)
     c_a, c_f = tokens * a_flops, tokens * f_flops
@@ -225,15 +272,7 @@ def af_roofline(
     f_nic = af_dir * af_cross + micro_batches * n * f_zero.get("nic", 0.0)
     a_nvl = af_dir * (1 - af_cross) + res_dir * (1 - res_cross) + micro_batches * m * a_zero.get("nvlink", 0.0)
     f_nvl = af_dir * (1 - af_cross) + micro_batches * n * f_zero.get("nvlink", 0.0)
-    lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
-    a_compute, f_compute = _group_compute_s(spec, layout, work, rates, micro_batches, lane_bw)
-    a_pcie = (a_nic / m + micro_batches * offloaded[0]) / rates.pcie_bw if offloaded[0] else 0.0
-    f_pcie = (f_nic / n + micro_batches * offloaded[1]) / rates.pcie_bw if offloaded[1] else 0.0
-    attention = SideTimes(
-        a_compute, _per(a_nic, nics[0] * rates.nic_bw), a_nvl / (m * rates.nvlink_bw), c_a, a_nic, a_pcie
-    )
-    ffn = SideTimes(f_compute, _per(f_nic, nics[1] * rates.nic_bw), f_nvl / (n * rates.nvlink_bw), c_f, f_nic, f_pcie)
-    return AfRoofline(attention, ffn)
+    return c_a, c_f, a_nic, f_nic, a_nvl, f_nvl
 
 
 def _per(amount: float, rate: float) -> float:

@@ -12,23 +12,15 @@ With every W cost zero this reduces to ``generate`` exactly (tested).
 
 from __future__ import annotations
 
-from disagmoe_ds.schedule import Costs, PipeShape, TimelineEvent, Worker, build_graph
-from disagmoe_ds.schedule.generator import _Simulation
+from disagmoe_ds.planner.ring_sim import run_ring
+from disagmoe_ds.schedule import Costs, PipeShape, TimelineEvent, Worker
 
 
 def simulate_split_backward(
-    shape: PipeShape, micro_batches: int, costs: Costs, *, cap: int
+    shape: PipeShape, micro_batches: int, costs: Costs, *, cap: int, events: bool = True
 ) -> tuple[float, dict[Worker, float], tuple[TimelineEvent, ...]]:
-    """(step seconds, busy share per worker, timeline) of one step; ``costs``' ``*_wgt`` costs are the W tasks."""
-    _, compute, transfers = _Simulation(build_graph(shape, micro_batches), costs, cap).run()
-    step = max(end for _, end in compute.values())
-    busy: dict[Worker, float] = dict.fromkeys(shape.workers, 0.0)
-    events = []
-    for task, (start, end) in compute.items():
-        busy[shape.worker_of(task)] += end - start
-        events.append(TimelineEvent(str(shape.worker_of(task)), task.label, "compute", start, end, {"task": str(task)}))
-    for msg, (start, end) in transfers.items():
-        args = {"channel": str(msg.channel)}
-        events.append(TimelineEvent(str(msg.src_worker), str(msg), "send", start, end, args))
-        events.append(TimelineEvent(str(msg.dst_worker), str(msg), "recv", start, end, args))
-    return step, {w: b / step for w, b in busy.items()}, tuple(events)
+    """(step seconds, busy share per worker, timeline) of one step; ``costs``' ``*_wgt`` costs are the W tasks. The
+    generator's simulation, run by its index-based replica (``ring_sim.py``); ``events=False`` skips the timeline."""
+    run = run_ring(shape, micro_batches, costs, cap=cap, intervals=events)
+    step = run.step_s
+    return step, {w: b / step for w, b in run.busy_s.items()}, run.events(shape) if events else ()
