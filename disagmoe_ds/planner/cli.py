@@ -181,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             choices=DEGREES,
             help=f"fix the {what} of an attention lane (s x t ranks per lane; default: search {DEGREES} where the "
-            "heads, the sequence and the A-groups allow; the search costs minutes for a large model, e.g. 7 min "
-            "for Qwen3-235B-A22B at 4K on 16 nodes against 42 s with --sequence-parallel 1 --tensor-parallel 1)",
+            "heads, the sequence and the A-groups allow; searching costs about twice the fixed lanes' time, e.g. 21 s "
+            "for Qwen3-235B-A22B at 4K on 16 nodes against 10 s with --sequence-parallel 1 --tensor-parallel 1)",
         )
     p.add_argument(
         "--lora-rank",

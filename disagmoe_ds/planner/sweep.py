@@ -8,7 +8,7 @@ Each cell is a preset cluster whose NICs give every GPU the cell's bandwidth one
 GPUs / NICs per node), planned as ``disagmoe-plan`` would (per-shape compute table, all AF-Pipe variants, the
 DeepEP dispatcher for the baseline), with two sequences per GPU and step and the best simulated family of each
 variant set (``--simulate-per-variant-set``): both systems are compared per token, so the smaller step changes
-the fill of both pipelines alike and keeps a model's sweep near two minutes on two cores.
+the fill of both pipelines alike and keeps a model's sweep under a minute on two idle cores.
 """
 
 from __future__ import annotations
