@@ -16,6 +16,7 @@ def test_link_probe_measures_and_records_the_regime(tmp_path):
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # a free rendezvous port, not 29500
         "--nproc_per_node",
         "2",
         str(ROOT / "bench" / "link_probe.py"),
