@@ -18,6 +18,7 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.utils import combine_grad_norm_groups
 
 from disagmoe_ds.errors import DisagMoEError
 
@@ -87,8 +88,6 @@ def combine_zero_norm(optimizer: Any, combine: Callable[[torch.Tensor], torch.Te
 
 def combine_zero3_norm(optimizer: Any, combine: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """ZeRO-3: ``step()`` clips with the L2 combination of the group norms; it gets ``combine`` of it instead."""
-    from deepspeed.runtime.utils import combine_grad_norm_groups
-
     require(optimizer, "combine_zero3_norm")
     own = optimizer._get_norm_groups
     optimizer._get_norm_groups = lambda: [combine(combine_grad_norm_groups(own()))]

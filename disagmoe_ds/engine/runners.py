@@ -21,6 +21,7 @@ Shape suffixes: B micro-batch size, S sequence, T = B*S, H hidden, K top-k, E ex
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,13 +312,12 @@ class AttentionRunner:
         routed = None
         if self.resend and self.layout.depth > 1:  # A_next sends n2m_grad: it needs the tokens again
             routed = self._routed_rows(tokens.residual_TW, chunk.messages)
-        t = tokens
         return Residual(
-            t.residual_TW,
+            tokens.residual_TW,
             token_idx_S,
-            t.position_ids_T,
-            t.routed_w_TC,
-            t.token_ids_TI,
+            tokens.position_ids_T,
+            tokens.routed_w_TC,
+            tokens.token_ids_TI,
             counts_E,
             probs_E,
             rows_P,
@@ -418,9 +418,9 @@ class AttentionRunner:
                 d_routed_w_TC = d_resid_TW.new_zeros(T, self.routed_weights)
             self._hand_off("resid_grad", layer, mb, ResidualGrad(d_resid_TW, d_routed_w_TC, aux_grad_E), outgoing)
             if chunk.y_leaves:
-                resent: list[Tokens | None] = [None] * len(chunk.y_leaves)
+                resent: Sequence[Tokens | None] = [None] * len(chunk.y_leaves)
                 if self.resend:  # the previous layer's tokens again (p = 1: its chunk is on this rank)
-                    resent = [*(chunk.resent or [m.detached() for m in self.chunks[(layer - 1, mb)].messages])]
+                    resent = chunk.resent or [m.detached() for m in self.chunks[(layer - 1, mb)].messages]
                 outgoing["n2m_grad"] = [
                     ExpertOutGrad(grad_or_zeros(y), tokens) for y, tokens in zip(chunk.y_leaves, resent, strict=True)
                 ]

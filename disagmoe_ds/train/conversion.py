@@ -68,8 +68,8 @@ def disagmoe_to_hf(source: Source, out: str | Path, *, merged: bool = False) -> 
     """
     from disagmoe_ds.train.export import write_model
 
-    out = Path(out)
-    lora = source.job.cfg.lora
+    out, job = Path(out), source.job
+    lora = job.cfg.lora
     if merged and lora is None:
         raise CheckpointError(
             f"--merged merges a LoRA run's adapters, and checkpoint {source.root / source.tag} holds none; "
@@ -78,7 +78,6 @@ def disagmoe_to_hf(source: Source, out: str | Path, *, merged: bool = False) -> 
     _refuse_existing(out, "output directory")
     state = read_state(source, weights="module")
     tensors = {**state.params, **state.buffers}
-    job = source.job
     return write_model(
         tensors, Path(job.model_dir), out, dtype=job.dtype, lora=lora, merged=merged, tokenizer_dir=source.tokenizer_dir
     )
