@@ -50,24 +50,25 @@ from typing import Any
 
 import torch.distributed as dist
 
+from disagmoe_ds.checkpoint.export import export_hf
+from disagmoe_ds.checkpoint.resume import ResumePoint, check_resume, effective_freezing, locate, restore, save
 from disagmoe_ds.data.loader import to_device
-from disagmoe_ds.engine.executor import StepResult
-from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
 from disagmoe_ds.errors import ConfigError, DisagMoEError
 from disagmoe_ds.launch import RankFailedError, detect_launcher, init_from_env, spawn_local
 from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.runtime.rank import RankRuntime
+from disagmoe_ds.runtime.step import StepResult
+from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
 from disagmoe_ds.train.args import TrainArgs, parse_args
 from disagmoe_ds.train.balance import bias_update_rate, expert_load, imbalance, update_expert_bias
-from disagmoe_ds.train.checkpoints import ResumePoint, check_resume, effective_freezing, locate, restore, save
 from disagmoe_ds.train.data import TrainData, check_data_args, lane_loader, prepare_data
-from disagmoe_ds.train.export import export_hf
 from disagmoe_ds.train.failures import job_key, report_launched_failure, report_rank_failure
 from disagmoe_ds.train.hostfile import check_hostfile, deepspeed_command, describe, filters_slots, strip_launch_flags
 from disagmoe_ds.train.interrupt import STOPPED_EXIT, StopRequest, parent_waits_for_ranks
 from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
 from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops
 from disagmoe_ds.train.model import check_train_model, load_train_model
-from disagmoe_ds.train.modes import Runtime, mode_of
+from disagmoe_ds.train.modes import mode_of
 from disagmoe_ds.train.progress import Progress, banner, training_state_line
 
 ROOT = Path(__file__).resolve().parent  # defaults (model, ds_config, tokenizer cache) live beside this file
@@ -262,7 +263,9 @@ def _resume_point(args: TrainArgs, config, layout) -> ResumePoint:
     return check_resume(root, tag, config, layout, num_samples=None, hashes=False)
 
 
-def save_and_export(runtime: Runtime, args: TrainArgs, step: int, loader, tokenizer, progress: Progress | None) -> None:
+def save_and_export(
+    runtime: RankRuntime, args: TrainArgs, step: int, loader, tokenizer, progress: Progress | None
+) -> None:
     """The checkpoint (--save-dir) and the HF directory (--export-hf) of ``step``. Collective."""
     if args.save_dir is not None:
         frozen = {"router": args.freeze_router, "attention": args.freeze_attention, "lora": _lora_record(args)}
@@ -305,7 +308,7 @@ def summary_line(
     )
 
 
-def run_step(runtime: Runtime, batches, *, timeline: Path | None) -> StepResult:
+def run_step(runtime: RankRuntime, batches, *, timeline: Path | None) -> StepResult:
     """One optimizer step; with ``timeline``, every rank records it and rank 0 writes the Chrome trace."""
     if timeline is None:
         return runtime.executor.train_batch(batches)

@@ -35,7 +35,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "disagmoe-verify = disagmoe_ds.verify:main",
+            "disagmoe-verify = disagmoe_ds.afpipe.verify:main",
             "disagmoe-plan = disagmoe_ds.planner.cli:main",
             "disagmoe-convert = disagmoe_ds.convert:main",
         ],

@@ -15,7 +15,7 @@ Every method trains the same model config (random weights, seed ``--seed``) on t
 of tokens per optimizer step (``--global-batch`` sequences of ``--seq-len``), with the same ds_config (ZeRO stage,
 bf16 on GPU, AdamW, clipping). Each method's micro-batches per rank follow from its number of data-parallel lanes:
 
-    afpipe         ``engine.build.build_rank`` + ``AFPipeExecutor.train_batch``: M attention + N FFN ranks, depth p
+    afpipe         ``afpipe.build.build_rank`` + ``AFPipeExecutor.train_batch``: M attention + N FFN ranks, depth p
     colocated      ``colocated.build_colocated_rank``: every rank attention + 1/ep of the experts, all-to-all, 1F1B
     autoep         the HF model under DeepSpeed's own AutoEP (``"expert_parallel": {"enabled": true,
                    "autoep_size": EP, "preset_model": <model_type>}``: ``deepspeed.initialize`` swaps every MoE block
@@ -63,19 +63,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from disagmoe_ds.afpipe.build import build_rank
+from disagmoe_ds.afpipe.verify import add_lever_args, lever_settings
 from disagmoe_ds.colocated import ColocatedConfig, build_colocated_rank
 from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
 from disagmoe_ds.colocated.model import ColocatedOutput
 from disagmoe_ds.config import SECTION, DisagMoEConfig
-from disagmoe_ds.engine.build import build_rank
-from disagmoe_ds.engine.deepspeed_role import RoleMPU, role_ds_config
-from disagmoe_ds.engine.timeline import start_clock, write_job_timeline
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.lora import add_lora_args, lora_of
 from disagmoe_ds.planner.model import ModelSpec
-from disagmoe_ds.verify import add_lever_args, lever_settings
+from disagmoe_ds.runtime.deepspeed_role import RoleMPU, role_ds_config
+from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
 
 METHODS = ("afpipe", "colocated", "autoep", "deepspeed-moe")
 EP_METHODS = ("colocated", "autoep", "deepspeed-moe")

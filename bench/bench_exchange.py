@@ -104,7 +104,7 @@ class ExchangeSide:
         self.role = self.layout.role_of(rank)
         self.device = device
         transport = make_transport(args.transport)
-        one_ep_rank = self.layout.ep_size == 1  # fixed sizes: no headers (as ``engine.mailbox`` runs it)
+        one_ep_rank = self.layout.ep_size == 1  # fixed sizes: no headers (as ``afpipe.mailbox`` runs it)
         comms = build_exchange_comms(self.layout, transport, device=device, headerless=one_ep_rank)
         exact = Capacity.initial(tokens=args.tokens, top_k=args.top_k, ep_size=1, experts_per_rank=1, factor=1.0)
         self.capacity = exact if one_ep_rank else None
@@ -145,7 +145,7 @@ class ExchangeSide:
         for arrival in arrivals:
             if self.capacity is None:
                 self.m2n.read_headers(arrival)
-            else:  # one ep rank: no header, every lane sends its whole micro-batch (as ``engine.mailbox`` does)
+            else:  # one ep rank: no header, every lane sends its whole micro-batch (as ``afpipe.mailbox`` does)
                 peers = len(self.m2n.peers)
                 arrival.sizes, arrival.metas = static_sizes(
                     Kind.M2N, self.capacity, peers=peers, ep_size=1, moe_layer=True

@@ -66,7 +66,7 @@ check)
     picked=("${cases[@]}"); [ "$i" -gt 0 ] && picked=("${cases[$((i % ${#cases[@]}))]}")
     for case_ in "${picked[@]}"; do
       # shellcheck disable=SC2086
-      step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.verify --json --attention-gpus "$m" --ffn-gpus "$n" \
+      step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.afpipe.verify --json --attention-gpus "$m" --ffn-gpus "$n" \
         --depth "$p" --expert-data-parallel "$edp" $case_
     done
   done
@@ -106,7 +106,7 @@ variants)
            --zero-stage 1 3 --skew")
   for lever in "${levers[@]}"; do
     # shellcheck disable=SC2086
-    step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.verify --json --micro-batches 3 $lever
+    step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.afpipe.verify --json --micro-batches 3 $lever
   done
   ;;
 levers)

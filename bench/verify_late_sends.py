@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from disagmoe_ds import verify
+from disagmoe_ds.afpipe import verify
 from disagmoe_ds.comm.routing import PendingDispatch, sizes_landing_late
 
 if __name__ == "__main__":

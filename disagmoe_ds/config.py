@@ -81,7 +81,7 @@ class DisagMoEConfig(RankCounts):
             forward from them (the planner's "resend" variant: F memory for A->F bytes). With p > 1 the rank that
             sends those gradients (A_next) gets the tokens with the residual hand-off and keeps them until then.
         offload: per side (``attention``, ``ffn``), the share in [0, 1] of each micro-batch's layers whose saved
-            activations wait for their backward in host memory (the planner's "offload" variant; ``engine.offload``).
+            activations wait for their backward in host memory (the planner's "offload" variant; ``afpipe.offload``).
         split_backward: each backward computes the input gradients its upstream peer waits for, and defers the weight
             gradients to a task of their own that the schedule runs when the worker would idle (the planner's "split
             backward" variant, the zero-bubble idea on the A/F ring).

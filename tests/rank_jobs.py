@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disagmoe_ds.engine.checkpoint import load_checkpoint, save_checkpoint
-from disagmoe_ds.verify import VerifyArgs, make_batches
+from disagmoe_ds.checkpoint.manifest import load_checkpoint, save_checkpoint
+from disagmoe_ds.parity.reference import VerifyArgs, make_batches
 
 
 def train_saving(rt, args: VerifyArgs, ckpt: str, mode: str, *, save_after: int, ds_config=None) -> list[float]:

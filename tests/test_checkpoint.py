@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from disagmoe_ds.afpipe.build import build_rank
+from disagmoe_ds.checkpoint.manifest import resolve_tag
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.build import build_rank
-from disagmoe_ds.engine.checkpoint import resolve_tag
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.launch.testing import run_ranks
-from disagmoe_ds.verify import VerifyArgs, load_for_verify
+from disagmoe_ds.parity.reference import VerifyArgs, load_for_verify
 from tests.rank_jobs import train_saving
 
 CFG = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, depth=1, micro_batches=2)

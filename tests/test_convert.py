@@ -17,18 +17,18 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from disagmoe_ds.afpipe.build import build_rank
+from disagmoe_ds.checkpoint.ds_state import _full_state
+from disagmoe_ds.checkpoint.manifest import load_checkpoint, save_checkpoint
 from disagmoe_ds.colocated.verify import _written
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.convert import main
-from disagmoe_ds.engine.build import build_rank
-from disagmoe_ds.engine.checkpoint import load_checkpoint, save_checkpoint
-from disagmoe_ds.engine.ds_state import _full_state
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.models.split import hf_reference_loss
+from disagmoe_ds.parity.reference import DTYPES, VerifyArgs, load_for_verify, make_batches
 from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe, relayout
 from disagmoe_ds.train.conversion_jobs import Job, open_checkpoint
-from disagmoe_ds.verify import DTYPES, VerifyArgs, load_for_verify, make_batches
 from tests.conftest import all_families_only
 from tests.runs import ROOT, SHORT, run_pretrain
 

@@ -1,4 +1,4 @@
-"""The DeepSpeed patches (``engine/ds_patches.py``) against the installed DeepSpeed: every internal they rely on
+"""The DeepSpeed patches (``runtime/ds_patches.py``) against the installed DeepSpeed: every internal they rely on
 exists on real engines of every ZeRO stage, the table lists every attribute each patch touches, and a missing one
 fails in one line that names it and the pinned version."""
 
@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disagmoe_ds.engine import ds_patches
-from disagmoe_ds.engine.deepspeed_role import GlobalGradNorm, build_engine
 from disagmoe_ds.launch.testing import run_ranks
+from disagmoe_ds.runtime import ds_patches
+from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm, build_engine
 from tests.conftest import ROOT
 
 # Which patches apply to an engine of each ZeRO stage, and to which of its objects.

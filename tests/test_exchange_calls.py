@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import pytest
 
+from disagmoe_ds.afpipe.build import build_rank
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.build import build_rank
 from disagmoe_ds.launch.testing import run_ranks
-from disagmoe_ds.verify import VerifyArgs, build_for_verify, make_batches, train_steps
+from disagmoe_ds.parity.harness import build_for_verify, train_steps
+from disagmoe_ds.parity.reference import VerifyArgs, make_batches
 
 
 def _stats(rank: int, args: VerifyArgs):

@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from disagmoe_ds.afpipe.mailbox import Mailbox
 from disagmoe_ds.comm import (
     ExpertOut,
     ExpertOutGrad,
@@ -25,7 +26,6 @@ from disagmoe_ds.comm import (
 )
 from disagmoe_ds.comm.exchange import ffn_lanes
 from disagmoe_ds.comm.routing import Capacity
-from disagmoe_ds.engine.mailbox import Mailbox
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.schedule import ComputeInstruction, PipeShape, PostRecv, Send, WaitRecv, Worker, generate

@@ -208,8 +208,8 @@ def test_an_expert_runner_captures_its_shards_again_at_a_grown_capacity():
     the captures are recorded, not made)."""
     from types import SimpleNamespace
 
+    from disagmoe_ds.afpipe.expert_runner import ExpertRunner
     from disagmoe_ds.comm.routing import Capacity
-    from disagmoe_ds.engine.expert_runner import ExpertRunner
     from disagmoe_ds.models.graphs import StageGraphs
 
     class Recorded(StageGraphs):

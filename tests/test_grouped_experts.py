@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagmoe_ds.engine.expert_runner import warm_up_cases, warm_up_ids
+from disagmoe_ds.afpipe.expert_runner import warm_up_cases, warm_up_ids
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_model

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from disagmoe_ds import convert
+from disagmoe_ds.afpipe.verify import run_verify
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.config import DisagMoEConfig
@@ -20,7 +21,7 @@ from disagmoe_ds.models.adapters import add_adapters
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.lora import LoraLinear, LoraSettings, is_adapter
 from disagmoe_ds.models.split import SplitModel
-from disagmoe_ds.verify import VerifyArgs, run_verify
+from disagmoe_ds.parity.reference import VerifyArgs
 from tests.conftest import ROOT, all_families_only
 
 peft = pytest.importorskip("peft")
@@ -309,8 +310,9 @@ def test_lora_section_round_trips_and_refuses_bad_values() -> None:
 
 def _state_bytes(rank: int, args: VerifyArgs) -> dict[str, float]:
     """One rank's parameters, gradients and optimizer state after a step, in bytes, by side."""
-    from disagmoe_ds.engine import build as engine_build
-    from disagmoe_ds.verify import build_for_verify, make_batches, train_steps
+    from disagmoe_ds.afpipe import build as engine_build
+    from disagmoe_ds.parity.harness import build_for_verify, train_steps
+    from disagmoe_ds.parity.reference import make_batches
 
     runtime = build_for_verify(engine_build.build_rank, args)
     role = runtime.role

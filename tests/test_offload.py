@@ -1,4 +1,4 @@
-"""Activation offload (``engine.offload``, ``"disagmoe": {"offload": {...}}``): saved tensors of the chosen chunks
+"""Activation offload (``afpipe.offload``, ``"disagmoe": {"offload": {...}}``): saved tensors of the chosen chunks
 leave the device between forward and backward and come back for the backward; the job still equals HF exactly."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from disagmoe_ds.afpipe.offload import ActivationOffloader, offloaded_layers
+from disagmoe_ds.afpipe.verify import parse_args, run_verify
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.verify import VerifyArgs, parse_args, run_verify
+from disagmoe_ds.parity.reference import VerifyArgs
 
 CPU = torch.device("cpu")
 
@@ -201,7 +202,7 @@ def test_offload_config_and_verify_flag():
 def _checking_offload(monkeypatch, shares: tuple[float, float]) -> None:
     """Make every rank check, after each step, that its chunks' saved tensors went to host memory and all came back,
     and that the layers offloaded are the configured share of its own."""
-    from disagmoe_ds.engine import build
+    from disagmoe_ds.afpipe import build
 
     original = build.build_rank
 

@@ -674,7 +674,7 @@ def test_resend_costs_exactly_one_more_expert_forward_in_the_f_backward():
     whole = af_task_costs(spec, layout, replace(plain, resend=True), **kw)
     for i in range(spec.num_layers):
         assert split.per_layer["F_bwd"][i] + split.wgrad["F"][i] == pytest.approx(whole.per_layer["F_bwd"][i])
-    # ... except at ZeRO-3 on the F side, where the runtime keeps the experts' backward whole (engine.split_backward)
+    # ... except at ZeRO-3 on the F side, where the runtime keeps the experts' backward whole (afpipe.split_backward)
     zero3 = af_task_costs(spec, layout, replace(plain, resend=True, split_backward=True, ffn_zero_stage=3), **kw)
     assert not any(zero3.wgrad["F"]) and any(zero3.wgrad["A"])
 

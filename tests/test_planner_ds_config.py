@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from disagmoe_ds.afpipe.build import check_zero_stages
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.build import check_zero_stages
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.memory import Workload

@@ -133,7 +133,7 @@ def test_resume_continues_exactly_and_keeps_the_last_n(tok_cache, tmp_path) -> N
 
 
 def test_crash_during_save_resumes_from_the_last_complete_checkpoint(tok_cache, tmp_path, monkeypatch) -> None:
-    import disagmoe_ds.engine.checkpoint as checkpoint
+    import disagmoe_ds.checkpoint.manifest as checkpoint
 
     write_atomic = checkpoint._write_atomic
 
@@ -240,7 +240,7 @@ def _config_with(model_dir: Path, tiny: str, **fields) -> Path:
 
 def _other_model_checkpoint(root: Path) -> Path:
     """A complete-looking checkpoint whose manifest names another architecture (tiny-qwen3-moe: vocab 128)."""
-    from disagmoe_ds.engine.checkpoint import model_fingerprint
+    from disagmoe_ds.checkpoint.manifest import model_fingerprint
     from disagmoe_ds.models.loading import load_config
 
     (root / "step5").mkdir(parents=True)

@@ -120,7 +120,7 @@ def test_torchrun_gives_the_world_size_and_sigint_to_it_alone_stops(two_rank_run
 def _disaggregated_checkpoint(root: Path) -> Path:
     """A complete-looking checkpoint of the default disaggregated job, with a manifest from before the co-located
     mode (no "mode" key): such manifests are disaggregated."""
-    from disagmoe_ds.engine.checkpoint import model_fingerprint
+    from disagmoe_ds.checkpoint.manifest import model_fingerprint
     from disagmoe_ds.models.loading import load_config
 
     (root / "step5").mkdir(parents=True)

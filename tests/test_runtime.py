@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagmoe_ds.afpipe.verify import run_verify
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.launch.local import free_port
 from disagmoe_ds.launch.testing import run_ranks
-from disagmoe_ds.verify import VerifyArgs, run_verify
+from disagmoe_ds.parity.reference import VerifyArgs
 from tests.conftest import all_families_only
 
 # Per-layer balancing, with a coefficient large enough that the pooled loss would fail the comparison.
@@ -168,7 +169,7 @@ def test_verify_under_the_deepspeed_launcher(tiny_checkpoint):
 
 
 def _train_from_config(rank: int, model_dir: str) -> dict:
-    from disagmoe_ds.engine.build import build_rank
+    from disagmoe_ds.afpipe.build import build_rank
 
     cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, micro_batches=2)
     ds = {"zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
@@ -211,8 +212,8 @@ def test_kernel_warm_up_leaves_no_trace(tiny_checkpoint, monkeypatch):
     """``warm_up`` (compiled jobs run it before the first step, so no kernel loads while receives are posted) runs
     every part's forward and backward (the head's too), 0- and 1-row shards included, with the default and the packed
     documents' mask, and leaves no gradient, RNG state or result behind: the job still equals HF exactly."""
-    from disagmoe_ds.engine import build
-    from disagmoe_ds.engine.runners import AttentionRunner
+    from disagmoe_ds.afpipe import build
+    from disagmoe_ds.afpipe.attention_runner import AttentionRunner
 
     original = build.build_rank
 
@@ -253,7 +254,7 @@ def test_resend_keeps_nothing_on_the_expert_side_and_equals_hf(tiny_checkpoint, 
     """``resend``: between a micro-batch's forward and backward an FFN rank holds no tensor of it (the attention side
     sends the tokens again with the gradients; with p > 1 A_next, which got them with the residual); the result is
     still HF's, exactly. Depth 2 with 2 lanes and 2 ep ranks per group, ZeRO-2."""
-    from disagmoe_ds.engine.expert_runner import ExpertRunner
+    from disagmoe_ds.afpipe.expert_runner import ExpertRunner
 
     forward = ExpertRunner.forward
 

@@ -9,13 +9,14 @@ from dataclasses import replace
 
 import pytest
 
+from disagmoe_ds.afpipe.build import build_rank, preflight
+from disagmoe_ds.afpipe.expert_runner import ExpertRunner
+from disagmoe_ds.afpipe.verify import main
 from disagmoe_ds.comm.channel import ChannelError
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.build import build_rank, preflight
-from disagmoe_ds.engine.expert_runner import ExpertRunner
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.launch.local import RankFailedError, spawn_local
-from disagmoe_ds.verify import VerifyArgs, load_for_verify, main, make_batches
+from disagmoe_ds.parity.reference import VerifyArgs, load_for_verify, make_batches
 
 MODEL = "hf_models/tiny-qwen2-moe"  # 4 layers, 8 experts, layer 0 dense
 

@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from disagmoe_ds.afpipe.verify import run_verify
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.parts import AttentionStage
 from disagmoe_ds.models.recompute import apply_selective_recompute
-from disagmoe_ds.verify import VerifyArgs, run_verify
+from disagmoe_ds.parity.reference import VerifyArgs
 
 CLIP = 0.05  # below the tiny models' gradient norms: clipping is active
 

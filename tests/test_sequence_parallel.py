@@ -8,12 +8,13 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from disagmoe_ds.afpipe.verify import run_verify
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.sequence_parallel import IGNORE_INDEX, SequenceParallel, check_sequence_parallel, slice_batch
-from disagmoe_ds.verify import VerifyArgs, run_verify
+from disagmoe_ds.parity.reference import VerifyArgs
 from tests.conftest import ROOT, all_families_only
 
 CLIP = 0.05  # below the tiny models' gradient norms: clipping is active
@@ -56,7 +57,7 @@ def test_sequence_parallel_equals_hf(tiny_checkpoint, family, overrides, M, N, p
 def test_the_kernel_warm_up_runs_on_slices_and_leaves_no_trace(tiny_checkpoint, monkeypatch):
     """``warm_up`` (compiled jobs) on SP lanes: every part on a slice, the Ulysses all-to-alls matched across the
     group, the head as a share; the job still equals HF exactly."""
-    from disagmoe_ds.engine import build
+    from disagmoe_ds.afpipe import build
 
     original = build.build_rank
 

@@ -16,9 +16,11 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from disagmoe_ds.afpipe.split_backward import backward_input, backward_weight, retained_graph_compiles
+from disagmoe_ds.afpipe.verify import run_verify
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.split_backward import backward_input, backward_weight, retained_graph_compiles
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.parity.reference import VerifyArgs
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.runtime_costs import runtime_costs, runtime_task_costs
 from disagmoe_ds.planner.simulate import simulate_af
@@ -32,7 +34,6 @@ from disagmoe_ds.schedule import (
     check_streams,
     generate,
 )
-from disagmoe_ds.verify import VerifyArgs, run_verify
 
 SPLIT = Costs(a_bwd=1.0, f_bwd=1.0, head_bwd=1.0, a_wgt=1.0, f_wgt=1.0, head_wgt=1.0)  # backward halved, same work
 CLIP = 0.05  # below the tiny models' gradient norms, so global-norm clipping is active (as in test_runtime.py)
@@ -211,5 +212,5 @@ def test_split_backward_equals_hf(tiny_checkpoint, tmp_path, family, M, N, p, ed
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary
     names = {e["name"].split("(")[0] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
-    ffn_zero3 = extra.get("zero_stage", {}).get("ffn") == 3  # its backward stays whole (engine.split_backward)
+    ffn_zero3 = extra.get("zero_stage", {}).get("ffn") == 3  # its backward stays whole (afpipe.split_backward)
     assert "WeightGradAttn" in names and ("WeightGradExperts" in names) != ffn_zero3

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from disagmoe_ds.checkpoint.manifest import file_digest, model_fingerprint, verify_files
+from disagmoe_ds.checkpoint.resume import check_resume, effective_freezing, locate, prune
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.checkpoint import file_digest, model_fingerprint, verify_files
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.loading import load_config
-from disagmoe_ds.train.checkpoints import check_resume, effective_freezing, locate, prune
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "hf_models" / "tiny-qwen3-moe-lm"
@@ -21,7 +21,7 @@ LAYOUT = DisagMoEConfig(attention_gpus=2, ffn_gpus=2).layout(num_layers=4, num_e
 def _fake_checkpoint(
     root: Path, step: int, *, model: Path = MODEL, complete: bool = True, entries: dict | None = None, **client
 ) -> Path:
-    """A checkpoint directory with the manifest ``train.checkpoints.save`` writes (no engine files); ``entries``
+    """A checkpoint directory with the manifest ``checkpoint.resume.save`` writes (no engine files); ``entries``
     replace or add manifest entries (None values remove them)."""
     tag = f"step{step}"
     path = root / (tag if complete else f".partial-{tag}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from disagmoe_ds.engine.executor import StepResult
+from disagmoe_ds.runtime.step import StepResult
 from disagmoe_ds.train.args import parse_args
 from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops
 from disagmoe_ds.train.progress import Progress

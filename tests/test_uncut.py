@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from disagmoe_ds import verify
+from disagmoe_ds.afpipe import verify
+from disagmoe_ds.afpipe.build import build_rank
 from disagmoe_ds.colocated import ColocatedConfig
 from disagmoe_ds.colocated.build import build_colocated_rank
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.build import build_rank
 from disagmoe_ds.errors import ConfigError, LayoutError, UnsupportedModelError
 from disagmoe_ds.models.families import family_of
 from disagmoe_ds.models.loading import load_model

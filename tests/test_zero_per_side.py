@@ -20,21 +20,23 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from disagmoe_ds.afpipe import build as engine_build
+from disagmoe_ds.afpipe.verify import run_verify
+from disagmoe_ds.checkpoint.ds_state import gathered
+from disagmoe_ds.checkpoint.export import export_hf
+from disagmoe_ds.checkpoint.resume import check_resume
 from disagmoe_ds.colocated import ColocatedConfig
 from disagmoe_ds.colocated.build import preflight_colocated
 from disagmoe_ds.config import SECTION, DisagMoEConfig
 from disagmoe_ds.convert import main as convert_main
-from disagmoe_ds.engine import build as engine_build
-from disagmoe_ds.engine.deepspeed_role import role_ds_config
-from disagmoe_ds.engine.ds_state import gathered
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.parts import num_experts_of
-from disagmoe_ds.train.checkpoints import check_resume
+from disagmoe_ds.parity.compare import assemble, hf_named
+from disagmoe_ds.parity.reference import TOLERANCE, VerifyArgs, load_for_verify
+from disagmoe_ds.runtime.deepspeed_role import role_ds_config
 from disagmoe_ds.train.checks import check_engine_config
-from disagmoe_ds.train.export import export_hf
-from disagmoe_ds.verify import TOLERANCE, VerifyArgs, _assemble, _hf_named, load_for_verify, run_verify
 from tests.rank_jobs import idle_beside_busy, train_saving
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,7 +133,7 @@ def _train(rank: int, args: VerifyArgs, ckpt: str, export: str, mode: str) -> di
         export_hf(rt, Path(args.model), Path(export), dtype=torch.float32, tokenizer=None)
     writer = rt.role.index == 0 if rt.role.is_attention else rt.role.edp_rank == 0
     with gathered(rt.engine, rt.module):
-        params = _hf_named(rt, {n: p.detach() for n, p in rt.module.named_parameters()})
+        params = hf_named(rt, {n: p.detach() for n, p in rt.module.named_parameters()})
     return {"losses": losses, "params": params if writer else {}}
 
 
@@ -141,7 +143,7 @@ def test_resume_and_hf_export_under_ffn_zero3(tiny_checkpoint, tmp_path):
     full = run_ranks(_train, CKPT_CFG.world_size, args=(args, ckpt, export, "full"), timeout_s=180)
     resumed = run_ranks(_train, CKPT_CFG.world_size, args=(args, ckpt, export, "resume"), timeout_s=180)
     assert resumed[0]["losses"] == full[0]["losses"][1:]  # bit-identical, on CPU
-    trained, again = _assemble([r["params"] for r in full]), _assemble([r["params"] for r in resumed])
+    trained, again = assemble([r["params"] for r in full]), assemble([r["params"] for r in resumed])
     assert trained.keys() == again.keys() and all(torch.equal(trained[n], again[n]) for n in trained)
     loaded = dict(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).named_parameters())
     assert loaded.keys() == trained.keys()

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from disagmoe_ds.afpipe.verify import run_verify
 from disagmoe_ds.colocated import ColocatedConfig
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.config import DisagMoEConfig
@@ -22,7 +23,7 @@ from disagmoe_ds.layout import Layout
 from disagmoe_ds.models import parts
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.parts import ExpertStage, num_experts_of
-from disagmoe_ds.verify import TOLERANCE, VerifyArgs, run_verify
+from disagmoe_ds.parity.reference import TOLERANCE, VerifyArgs
 from tests.rank_jobs import idle_beside_busy
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 """Build everything one co-located rank needs: ``build_colocated_rank`` (and ``preflight_colocated``).
 
-The steps and their order are ``engine.rank.RankBuilder``'s, shared with the disaggregated mode; this mode's own:
+The steps and their order are ``runtime.rank.RankBuilder``'s, shared with the disaggregated mode; this mode's own:
 
     layout   ``ColocatedConfig.layout`` (W ranks, EP groups of ep_size);
     groups   data parallel (all W ranks), expert parallel and expert data parallel, registered as DeepSpeed's
@@ -25,14 +25,14 @@ from disagmoe_ds.colocated.groups import register_with_deepspeed
 from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout, ColocatedRole
 from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
 from disagmoe_ds.config import SECTION
-from disagmoe_ds.engine.deepspeed_role import check_stage, ds_stage
-from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_experts_of
 from disagmoe_ds.models.split import aux_loss_enabled
+from disagmoe_ds.runtime.deepspeed_role import check_stage, ds_stage
+from disagmoe_ds.runtime.rank import RankBuilder, RankParts, RankRuntime
 
 ColocatedRuntime = RankRuntime  # one runtime type for both modes; the name stays for readers of this package
 

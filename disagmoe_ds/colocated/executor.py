@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 
-from disagmoe_ds.engine import ds_patches
-from disagmoe_ds.engine.deepspeed_role import GradNorm, clip_by_norm, zero_grads_of_untouched
-from disagmoe_ds.engine.executor import StepResult
 from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.models.parts import RoutingFacts
+from disagmoe_ds.runtime import ds_patches
+from disagmoe_ds.runtime.deepspeed_role import GradNorm, clip_by_norm, zero_grads_of_untouched
+from disagmoe_ds.runtime.step import StepResult
 from disagmoe_ds.schedule import TimelineEvent
 
 

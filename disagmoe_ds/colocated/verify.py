@@ -4,8 +4,8 @@
 
 Starts ``world_size`` CPU ranks (gloo), or runs as one rank under ``torchrun``/``deepspeed``; trains ``steps``
 steps and compares loss, global gradient norm, every gradient and every parameter with the HF model trained on
-the same batches (rank r trains on lane r's batches).
-The batches, the reference and the comparison are ``disagmoe_ds.verify``'s own; only the runtime differs.
+the same batches (rank r trains on lane r's batches). The batches, the reference and the comparison are
+``disagmoe_ds.parity``'s, as for ``disagmoe-verify``; only the runtime differs.
 """
 
 from __future__ import annotations
@@ -20,21 +20,12 @@ import torch
 from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION
-from disagmoe_ds.engine.rank import RankRuntime
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.lora import lora_of
-from disagmoe_ds.verify import (
-    VerifyArgs,
-    _full_grad,
-    add_run_args,
-    build_for_verify,
-    cli,
-    compare,
-    make_batches,
-    reference,
-    run_args,
-    train_steps,
-)
+from disagmoe_ds.parity.compare import compare, full_grad
+from disagmoe_ds.parity.harness import add_run_args, build_for_verify, cli, run_args, train_steps
+from disagmoe_ds.parity.reference import VerifyArgs, make_batches, reference
+from disagmoe_ds.runtime.rank import RankRuntime
 
 Named = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the slice, value)
 
@@ -77,7 +68,7 @@ def capture_grads(runtime: RankRuntime) -> list[Named]:
             captured.append({})
         mine = None if group is None else {id(p) for p in optimizer.bit16_groups[group]}
         named = {n: p for n, p in runtime.module.named_parameters() if mine is None or id(p) in mine}
-        grads = {n: _full_grad(optimizer, p) for n, p in named.items()}
+        grads = {n: full_grad(optimizer, p) for n, p in named.items()}
         captured[-1].update(_written(runtime, {n: g for n, g in grads.items() if g is not None}))
 
     inner.register_step_pre_hook(hook)

@@ -245,7 +245,7 @@ class ExpertShard(nn.Module):
         replicas of a shard must produce the same parameters' gradients in the same order in every backward, also
         the replica no token reached (its gradients are then exactly zero: every term carries the weight 0). The
         zero row is made from ``x_RH`` so that it lies on the input path: a split backward's W then reaches every
-        parameter here as it does on a busy replica (``engine.split_backward``).
+        parameter here as it does on a busy replica (``afpipe.split_backward``).
         """
         top_k = local_idx_RK.shape[1]
         idx_1K = local_idx_RK.new_full((1, top_k), self.num_local)

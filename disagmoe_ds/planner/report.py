@@ -364,7 +364,7 @@ RUNTIME_LANE_FIELDS: frozenset[str] = frozenset({"sequence_parallel"})
 
 def runtime_refusal(work: Workload) -> str | None:
     """What of the variant ``work`` the runtime refuses (None: it runs all of it, at any depth). The runtime's own
-    checks (``DisagMoEConfig``, ``engine.build.check_zero_stages``) cannot be imported here (engine imports the
+    checks (``DisagMoEConfig``, ``afpipe.build.check_zero_stages``) cannot be imported here (engine imports the
     planner); a test holds the two to the same answers."""
     if work.zero_of("ffn") == 3 and work.offload[1] > 0:
         return "offload on an expert side at ZeRO-3"

@@ -52,7 +52,7 @@ def af_task_costs(
     ``resend`` the backward's n2m_grad message also carries the layer's m2n payload again and each F backward
     re-runs the expert forward first (``Workload.ffn_recompute``: charged once, also under full recompute).
     With a split backward the expert side keeps its weight gradients in its backward at ZeRO-3, which gathers and
-    releases the parameters around each backward (``engine.split_backward``); only the attention side splits then.
+    releases the parameters around each backward (``afpipe.split_backward``); only the attention side splits then.
     """
     p, ranks, tokens = layout.depth, layout.lanes, rank_tokens(work)
     af_cross, res_cross = cross_node_share(layout, placement)

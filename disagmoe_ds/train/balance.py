@@ -19,7 +19,7 @@ import torch.distributed as dist
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.families import expert_bias_of, family_of
 from disagmoe_ds.models.parts import AttentionPart
-from disagmoe_ds.train.modes import Runtime
+from disagmoe_ds.runtime.rank import RankRuntime
 
 DEEPSEEK_V3_RATE = 1e-3  # gamma of DeepSeek-V3 for most of its training
 
@@ -37,7 +37,7 @@ def bias_update_rate(requested: float | None, config) -> float:
     return requested
 
 
-def expert_load(runtime: Runtime) -> torch.Tensor:
+def expert_load(runtime: RankRuntime) -> torch.Tensor:
     """[L, E] tokens routed to each expert in the last step, summed over every lane. Collective (all ranks)."""
     layout = runtime.layout
     if runtime.role.is_attention:
@@ -67,7 +67,7 @@ def bias_step(load_E: torch.Tensor, rate: float) -> torch.Tensor:
     return rate * torch.sign(load_E.mean() - load_E)
 
 
-def update_expert_bias(runtime: Runtime, load_LE: torch.Tensor, rate: float) -> None:
+def update_expert_bias(runtime: RankRuntime, load_LE: torch.Tensor, rate: float) -> None:
     """Apply ``bias_step`` to the router bias of every MoE layer this attention rank holds (the attention parts
     anywhere in its module: an attention stage, or a co-located rank's whole model)."""
     if rate == 0 or not runtime.role.is_attention:

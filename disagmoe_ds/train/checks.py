@@ -18,8 +18,8 @@ from typing import Any
 
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
-from disagmoe_ds.engine.deepspeed_role import ds_stage, role_ds_config
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.runtime.deepspeed_role import ds_stage, role_ds_config
 
 
 def check_flag_values(ns: argparse.Namespace) -> None:

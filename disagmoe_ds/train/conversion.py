@@ -5,7 +5,7 @@ Every conversion runs a layout's ranks as CPU processes (``spawn_local``, gloo) 
 what it writes is exactly what training writes and reads. The HF model is loaded once in this process; the forked
 ranks share it copy-on-write.
 
-Between layouts the state travels as an ``engine.ds_state.TrainState``: full tensors under HF's in-memory names,
+Between layouts the state travels as an ``checkpoint.ds_state.TrainState``: full tensors under HF's in-memory names,
 the fp32 master weights, the optimizer's state, the LR scheduler and the engine counters. Frozen parameters travel
 as their module weights without optimizer state.
 
@@ -27,19 +27,19 @@ from typing import Any
 
 from torch import nn
 
+from disagmoe_ds.checkpoint.ds_state import TrainState, Weights, gather_state, read_share, set_rank_state
+from disagmoe_ds.checkpoint.manifest import WEIGHTS_ONLY, load_checkpoint, save_checkpoint
 from disagmoe_ds.config import DisagMoEConfig
-from disagmoe_ds.engine.checkpoint import WEIGHTS_ONLY, load_checkpoint, save_checkpoint
-from disagmoe_ds.engine.ds_state import TrainState, Weights, gather_state, read_share, set_rank_state
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.hf_writer import TOKENIZER_FILES, copy_into, present_files
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.train.conversion_jobs import Job, Source, refuse_checkpoint_as_model, require_disaggregated
 
-# engine.build, engine.deepspeed_role, launch.local, train.model and disagmoe_ds.colocated import DeepSpeed (~5 s):
+# afpipe.build, runtime.deepspeed_role, launch.local, train.model and disagmoe_ds.colocated import DeepSpeed (~5 s):
 # they are imported where they are used, so that --help and bad arguments answer at once.
 
 FIRST_TAG = "step0"
-TOKENIZER_DIR = "tokenizer"  # under the tag, as train.checkpoints names it
+TOKENIZER_DIR = "tokenizer"  # under the tag, as checkpoint.resume names it
 # Conversions of real models load and save many GiB per rank; a rank that fails still ends the job at once.
 TIMEOUT_S = 3600.0
 
@@ -66,7 +66,7 @@ def disagmoe_to_hf(source: Source, out: str | Path, *, merged: bool = False) -> 
     checkpoint holds only its adapters: the ranks put them over the base weights of ``source.job.model_dir`` (the
     run's ``--init-from``), and the output is a PEFT adapter directory, or with ``merged`` the merged model.
     """
-    from disagmoe_ds.train.export import write_model
+    from disagmoe_ds.checkpoint.export import write_model
 
     out, job = Path(out), source.job
     lora = job.cfg.lora
@@ -122,8 +122,8 @@ def _job_model(job: Job, *, require_weights: bool = False) -> nn.Module:
 
 def _check_job(job: Job) -> None:
     """Fail in this process, before any rank starts, on a layout or DeepSpeed config that cannot run."""
-    from disagmoe_ds.engine.build import preflight
-    from disagmoe_ds.engine.deepspeed_role import role_ds_config
+    from disagmoe_ds.afpipe.build import preflight
+    from disagmoe_ds.runtime.deepspeed_role import role_ds_config
 
     preflight(job.model_dir, job.cfg, job.ds_config, job.cfg.world_size)  # each side's ZeRO stage too
     if not job.cfg.zero_stage:
@@ -143,7 +143,7 @@ def _refuse_existing(path: Path, what: str) -> None:
 def _build(job: Job, model: nn.Module):
     """This rank of ``job``, built as training builds it (collective)."""
     if isinstance(job.cfg, DisagMoEConfig):
-        from disagmoe_ds.engine.build import build_rank as build
+        from disagmoe_ds.afpipe.build import build_rank as build
     else:
         from disagmoe_ds.colocated.build import build_colocated_rank as build
 

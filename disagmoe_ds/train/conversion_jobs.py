@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from disagmoe_ds.config import SECTION, DisagMoEConfig
-from disagmoe_ds.engine.checkpoint import (
+from disagmoe_ds.checkpoint.manifest import (
     DISAGGREGATED,
     LATEST,
     MANIFEST,
@@ -29,6 +28,7 @@ from disagmoe_ds.engine.checkpoint import (
     resolve_tag,
     verify_files,
 )
+from disagmoe_ds.config import SECTION, DisagMoEConfig
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.families import family_of
 from disagmoe_ds.models.loading import has_weights, load_config
@@ -36,7 +36,7 @@ from disagmoe_ds.models.loading import has_weights, load_config
 if TYPE_CHECKING:
     from disagmoe_ds.colocated.layout import ColocatedConfig
 
-# Manifest entries of run_pretrain.py's checkpoints (train.checkpoints) that a re-layout carries unchanged.
+# Manifest entries of run_pretrain.py's checkpoints (checkpoint.resume) that a re-layout carries unchanged.
 TRAINING_ENTRIES = ("frozen", "data", "tokenizer", "weights_only")  # a re-layout keeps them
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from disagmoe_ds.engine.executor import StepResult
 from disagmoe_ds.planner.model import ModelSpec, load_model_spec
+from disagmoe_ds.runtime.step import StepResult
 
 # Dense bf16 peak TFLOP/s (no sparsity) by a substring of torch.cuda.get_device_name(); vendor datasheets.
 PEAK_BF16_TFLOPS = {

@@ -1,12 +1,12 @@
 """The two ways a job places the model on its ranks, behind the one interface the training loop uses.
 
-disaggregated  attention and experts on disjoint ranks, the AF-Pipe schedule (``engine.build.build_rank``)
+disaggregated  attention and experts on disjoint ranks, the AF-Pipe schedule (``afpipe.build.build_rank``)
 colocated      every rank holds the whole attention side and a slice of the experts: EP+DP with all-to-all
                dispatch (``colocated.build_colocated_rank``); the one-GPU path and the baseline
 
 ``--mode`` picks one ``TrainMode`` once (``mode_of``); it validates the layout before any rank starts, gives the
-banner its layout lines and builds a rank. What it builds is a ``Runtime``: the loop, the checkpoints and the
-expert balancing read nothing else, and never ask which mode built it.
+banner its layout lines and builds a rank. What it builds is a ``runtime.rank.RankRuntime``: the loop, the
+checkpoints and the expert balancing read nothing else, and never ask which mode built it.
 """
 
 from __future__ import annotations
@@ -18,30 +18,16 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from disagmoe_ds.afpipe.build import build_rank, preflight, schedule_costs
 from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.layout import ColocatedLayout
-from disagmoe_ds.engine.build import build_rank, preflight, schedule_costs
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.sequence_parallel import check_sequence_parallel
+from disagmoe_ds.runtime.rank import RankRuntime
 from disagmoe_ds.schedule import PipeShape, generate
 from disagmoe_ds.train.args import TrainArgs
 from disagmoe_ds.train.metrics import ModelFacts
-
-
-class Runtime(Protocol):
-    """One built rank as the training loop sees it (``engine.rank.RankRuntime``, both modes).
-
-    ``layout.role_of(rank)`` and ``role`` name the same role: a rank with ``role.is_attention and role.group == 0``
-    reads lane ``role.index``'s data (every co-located rank does). ``layout`` and ``role`` are also what
-    ``engine.checkpoint`` records and where it saves.
-    """
-
-    layout: Any  # world_size, role_of(rank), describe()
-    role: Any  # is_attention, group, index
-    executor: Any  # train_batch(batches) -> StepResult, record_timeline(on), timeline, runner.step_expert_counts()
-    module: nn.Module  # .config: the HF model config
-    engine: Any  # the rank's DeepSpeed engine
 
 
 class TrainMode(Protocol):
@@ -55,7 +41,9 @@ class TrainMode(Protocol):
         """The start banner's lines about the layout and the pipeline."""
         ...
 
-    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
+    def build(
+        self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None
+    ) -> RankRuntime:
         """This rank's part of the job (collective: every rank calls it), cut from ``model``; ``weights``: the HF
         directory whose safetensors fill the parts of a meta ``model`` (``train.model.TrainModel``)."""
         ...
@@ -82,7 +70,9 @@ class Disaggregated:
             f"in flight per worker; predicted bubble {bubble:.0%} {_costed_on(args.cfg.cluster)}",
         ]
 
-    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
+    def build(
+        self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None
+    ) -> RankRuntime:
         runtime = _build(build_rank, args, model=model, device=device, weights=weights, seq_len=args.seq_len)
         if args.cfg.compile or args.cfg.cuda_graphs:  # compiled kernels loaded, graphs captured before any exchange
             runtime.executor.warm_up(args.seq_len, packed=True)  # packed data carries positions
@@ -114,7 +104,9 @@ class Colocated:
             f"backward); {exchange}",
         ]
 
-    def build(self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None) -> Runtime:
+    def build(
+        self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None
+    ) -> RankRuntime:
         runtime = _build(build_colocated_rank, args, model=model, device=device, weights=weights)
         if args.cfg.cuda_graphs:
             runtime.executor.warm_up(args.seq_len, packed=True)
@@ -122,14 +114,14 @@ class Colocated:
 
 
 def _build(
-    builder: Callable[..., Runtime],
+    builder: Callable[..., RankRuntime],
     args: TrainArgs,
     *,
     model: nn.Module,
     device: torch.device,
     weights: Path | None,
     **extra: Any,
-) -> Runtime:
+) -> RankRuntime:
     """Both modes' builders take the same arguments from the command line (``extra``: one mode's own)."""
     return builder(
         args.model,

@@ -13,15 +13,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from disagmoe_ds.engine.deepspeed_role import ds_stage
+from disagmoe_ds.checkpoint.resume import ResumePoint
 from disagmoe_ds.models.aux_loss import balance_per_layer
 from disagmoe_ds.models.lora import GROUPS
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.lora import LoRA, adapter_params
 from disagmoe_ds.planner.memory import rank_state_bytes
 from disagmoe_ds.planner.model import ModelSpec
+from disagmoe_ds.runtime.deepspeed_role import ds_stage
 from disagmoe_ds.train.args import TrainArgs
-from disagmoe_ds.train.checkpoints import ResumePoint
 from disagmoe_ds.train.data import TrainData, epoch_text
 from disagmoe_ds.train.metrics import ModelFacts, StepRecord
 

@@ -1,4 +1,4 @@
-"""The head lanes' loss sums of a step (``engine.runners``)."""
+"""The head lanes' loss sums of a step (``afpipe.attention_runner``)."""
 
 from __future__ import annotations
 

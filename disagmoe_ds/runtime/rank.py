@@ -9,7 +9,7 @@
     5. the executor whose ``train_batch`` runs a step.
 
 A mode decides only its ``RankMode`` steps: the layout and its checks, what it adds to the groups, the module, the
-gradient scale and norm, and the executor (``engine.build.Disaggregated``, ``colocated.build.Colocated``). Each
+gradient scale and norm, and the executor (``afpipe.build.Disaggregated``, ``colocated.build.Colocated``). Each
 mode's ``build_rank`` and ``preflight`` are one ``RankBuilder``.
 """
 
@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disagmoe_ds.engine.deepspeed_role import GradNorm, build_engine
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.groups import ProcessGroups
 from disagmoe_ds.launch.env import process_device
@@ -35,6 +34,7 @@ from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
 from disagmoe_ds.models.parts import RoutingFacts, compile_stage, routing_facts
 from disagmoe_ds.models.uncut import refused_with
+from disagmoe_ds.runtime.deepspeed_role import GradNorm, build_engine
 
 
 @dataclass
@@ -144,7 +144,7 @@ class RankBuilder:
         fill them (``partial_load.model_to_cut``). A model on the meta device is never materialised whole: each rank
         allocates only the parts it owns, then reads their pretrained values or initialises them (from ``seed`` and
         its rank; DeepSpeed then broadcasts the replicas' first copy). ``seq_len`` gives the AF-Pipe schedule the
-        planner's task costs (``engine.build.schedule_costs``; without it every task costs one unit); the
+        planner's task costs (``afpipe.build.schedule_costs``; without it every task costs one unit); the
         co-located mode has no schedule to cost.
         """
         mode = self.mode(cfg)

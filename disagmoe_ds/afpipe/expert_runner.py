@@ -1,5 +1,5 @@
 """The FFN side's runner: the expert shard of every MoE layer an F-group owns, chunk forward and backward (see
-``engine.runners`` for the chunk protocol both sides follow).
+``afpipe.attention_runner`` for the chunk protocol both sides follow).
 
 Shape suffixes: R/S rows, H hidden, K top-k.
 """
@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from disagmoe_ds.afpipe.chunk_io import Outgoing, checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
+from disagmoe_ds.afpipe.split_backward import ChunkBackward, retained_graph_compiles
 from disagmoe_ds.comm.exchange import LaneRows
 from disagmoe_ds.comm.messages import ExpertOut, ExpertOutGrad, TokenGrads, Tokens
 from disagmoe_ds.comm.routing import Capacity, pads
-from disagmoe_ds.engine.chunk_io import Outgoing, checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
-from disagmoe_ds.engine.split_backward import ChunkBackward, retained_graph_compiles
 from disagmoe_ds.models.graphs import StageGraphs
 from disagmoe_ds.models.parts import ExpertStage
 
@@ -98,7 +98,7 @@ class ExpertRunner:
             self._capture_shards()
 
     def _capture_shards(self) -> None:
-        assert self.capacity is not None, "graphed shards run at a capacity (engine.build graphs them only then)"
+        assert self.capacity is not None, "graphed shards run at a capacity (afpipe.build graphs them only then)"
         rows, bound = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
         self.graphs.capture_shards(
             self.stage, rows=rows, top_k=self.top_k, weight_dtype=self.weight_dtype,

@@ -12,19 +12,20 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
+from disagmoe_ds.afpipe import instructions as ins
+from disagmoe_ds.afpipe.mailbox import Key, Mailbox
+from disagmoe_ds.afpipe.offload import ActivationOffloader
 from disagmoe_ds.comm.routing import Capacity, pads
-from disagmoe_ds.engine import instructions as ins
-from disagmoe_ds.engine.deepspeed_role import GradNorm, discard_gradients, zero_grads_of_untouched
-from disagmoe_ds.engine.mailbox import Key, Mailbox
-from disagmoe_ds.engine.offload import ActivationOffloader
 from disagmoe_ds.launch.watchdog import StallWatch
+from disagmoe_ds.runtime.deepspeed_role import GradNorm, discard_gradients, zero_grads_of_untouched
+from disagmoe_ds.runtime.step import StepResult
 from disagmoe_ds.schedule import Task, TimelineEvent
 from disagmoe_ds.schedule.tasks import TaskKind
 from disagmoe_ds.schedule.trace import Category
@@ -47,18 +48,6 @@ class _Outgrown(Exception):
     def __init__(self, capacity: Capacity) -> None:
         super().__init__(capacity)
         self.capacity = capacity  # the one to run the step again at
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One optimizer step, identical on every rank."""
-
-    loss: float  # mean over lanes and micro-batches of (LM loss + coef * aux loss), as HF reports it
-    lm_loss: float
-    aux_loss: float
-    grad_norm: float | None  # global, over every unique parameter (None when clipping is off with ZeRO-0)
-    seconds: float
-    reruns: int = 0  # times the step ran again at a larger exchange capacity (``routing.Capacity``)
 
 
 class AFPipeExecutor:

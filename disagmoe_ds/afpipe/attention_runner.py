@@ -14,7 +14,7 @@ travels back with the residual gradient and enters each MoE layer's backward. Pe
 each MoE layer's own term needs nothing from other layers: it is computed and backpropagated where the layer runs,
 and its value joins the step's loss sums there.
 
-The FFN side's runner is ``engine.expert_runner``'s.
+The FFN side's runner is ``afpipe.expert_runner``'s.
 
 Shape suffixes: B micro-batch size, S sequence, T = B*S, H hidden, K top-k, E experts, R/S rows.
 """
@@ -27,6 +27,10 @@ from typing import Any
 
 import torch
 
+from disagmoe_ds.afpipe.chunk_io import Outgoing, checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
+from disagmoe_ds.afpipe.head_stats import HeadStats
+from disagmoe_ds.afpipe.later import Later, made
+from disagmoe_ds.afpipe.split_backward import ChunkBackward
 from disagmoe_ds.comm.messages import ExpertOutGrad, Residual, ResidualGrad, Tokens
 from disagmoe_ds.comm.routing import (
     Capacity,
@@ -37,10 +41,6 @@ from disagmoe_ds.comm.routing import (
     count_ids,
     start_dispatch,
 )
-from disagmoe_ds.engine.chunk_io import Outgoing, checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
-from disagmoe_ds.engine.head_stats import HeadStats
-from disagmoe_ds.engine.later import Later, made
-from disagmoe_ds.engine.split_backward import ChunkBackward
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.aux_loss import RouterStats, balance_per_layer, router_stats, switch_loss
 from disagmoe_ds.models.context import LayerContext

@@ -51,7 +51,7 @@ def require(obj: Any, patch: str) -> None:
     if missing:
         raise DeepSpeedInternalsError(
             f"DeepSpeed {deepspeed.__version__}'s {type(obj).__name__} has no {', '.join(missing)}, which "
-            f"DisagMoE-DS's {patch} patch relies on (disagmoe_ds/engine/ds_patches.py, written against DeepSpeed "
+            f"DisagMoE-DS's {patch} patch relies on (disagmoe_ds/runtime/ds_patches.py, written against DeepSpeed "
             f"{PINNED}); install deepspeed=={PINNED}"
         )
 

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
+from disagmoe_ds.afpipe.later import Later, made
 from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn, FanOut
 from disagmoe_ds.comm.exchange import A_TO_A, MESSAGE_TYPES, ExchangeComms, Kind, LaneRows, exchange_specs, static_sizes
 from disagmoe_ds.comm.messages import Dims, Message, Tokens
 from disagmoe_ds.comm.routing import Capacity, pads
-from disagmoe_ds.engine.later import Later, made
 from disagmoe_ds.schedule import Message as Scheduled
 
 Key = tuple[str, int, int]  # ``Scheduled.key``: (kind, layer of the sending task, micro-batch)

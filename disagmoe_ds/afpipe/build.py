@@ -1,6 +1,6 @@
 """Build everything one rank needs for disaggregated training: ``build_rank`` (and its ``preflight``).
 
-The steps and their order are ``engine.rank.RankBuilder``'s, shared with the co-located mode; this mode's own:
+The steps and their order are ``runtime.rank.RankBuilder``'s, shared with the co-located mode; this mode's own:
 
     layout   ``DisagMoEConfig.layout`` (M attention ranks in p A-groups, N FFN ranks in p F-groups), every
              F-group owning an MoE layer;
@@ -19,18 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from disagmoe_ds.afpipe.attention_runner import AttentionRunner
+from disagmoe_ds.afpipe.executor import AFPipeExecutor
+from disagmoe_ds.afpipe.expert_runner import ExpertRunner
+from disagmoe_ds.afpipe.instructions import AFPipeSchedule
+from disagmoe_ds.afpipe.mailbox import Mailbox
+from disagmoe_ds.afpipe.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.comm.exchange import ExchangeComms, ffn_lanes
 from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
-from disagmoe_ds.engine.deepspeed_role import GlobalGradNorm, check_stage, ds_stage
-from disagmoe_ds.engine.executor import AFPipeExecutor
-from disagmoe_ds.engine.expert_runner import ExpertRunner
-from disagmoe_ds.engine.instructions import AFPipeSchedule
-from disagmoe_ds.engine.mailbox import Mailbox
-from disagmoe_ds.engine.offload import ActivationOffloader, offloaded_layers
-from disagmoe_ds.engine.rank import RankBuilder, RankParts, RankRuntime
-from disagmoe_ds.engine.runners import AttentionRunner
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
@@ -45,6 +43,8 @@ from disagmoe_ds.models.sequence_parallel import SequenceParallel, check_sequenc
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.lora import FULL, LoRA
 from disagmoe_ds.planner.runtime_costs import runtime_costs, unit_costs
+from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm, check_stage, ds_stage
+from disagmoe_ds.runtime.rank import RankBuilder, RankParts, RankRuntime
 from disagmoe_ds.schedule import (
     BackwardAttn,
     BackwardExperts,

@@ -37,9 +37,9 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from torch import nn
 
 from disagmoe_ds.config import SECTION
-from disagmoe_ds.engine import ds_patches
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.parts import ExpertShard
+from disagmoe_ds.runtime import ds_patches
 
 
 class RoleMPU:

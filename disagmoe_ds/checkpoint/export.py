@@ -18,13 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from disagmoe_ds.checkpoint.ds_state import join_module_pieces, module_pieces
 from disagmoe_ds.data import Tokenizer
-from disagmoe_ds.engine.ds_state import join_module_pieces, module_pieces
 from disagmoe_ds.models import peft_format
 from disagmoe_ds.models.hf_writer import write_hf
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.lora import LoraSettings
-from disagmoe_ds.train.modes import Runtime
+from disagmoe_ds.runtime.rank import RankRuntime
 
 
 def _to_cpu(pieces: dict[str, Any]) -> dict[str, Any]:
@@ -61,7 +61,7 @@ def write_model(
 
 
 def export_hf(
-    runtime: Runtime,
+    runtime: RankRuntime,
     model_dir: Path,
     out: Path,
     *,

@@ -1,5 +1,6 @@
-"""What both sides' runners share: a chunk's inputs as fresh leaves, its forward as it is or checkpointed, and the
-gradients of its inputs for the backward that starts upstream (``engine.runners``, ``engine.expert_runner``)."""
+"""What both sides' runners share: a chunk's inputs as fresh leaves, its forward as it is or checkpointed, and
+the gradients of its inputs for the backward that starts upstream (``afpipe.attention_runner``,
+``afpipe.expert_runner``)."""
 
 from __future__ import annotations
 

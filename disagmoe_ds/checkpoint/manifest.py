@@ -317,7 +317,7 @@ def load_checkpoint(
         load_path, client_state = engine.load_checkpoint(str(path), tag=_DS_TAG, load_module_only=True)
     else:
         # A checkpoint written without a scheduler has no state for this engine's one, which then starts fresh
-        # (train.checkpoints allows that at step 0 only); one that records no ds_config at all predates the record.
+        # (checkpoint.resume allows that at step 0 only); one that records no ds_config at all predates the record.
         saved_ds_config = manifest.get("ds_config")
         saved_scheduler = saved_ds_config is None or saved_ds_config.get("scheduler") is not None
         load_path, client_state = engine.load_checkpoint(

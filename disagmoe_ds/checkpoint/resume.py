@@ -1,6 +1,6 @@
-"""Training checkpoints on top of ``engine.checkpoint``: what a resume needs, where it is, how many to keep.
+"""Training checkpoints on top of ``checkpoint.manifest``: what a resume needs, where it is, how many to keep.
 
-``engine.checkpoint.save_checkpoint`` makes a save atomic (``.partial-<tag>``, manifest, rename, ``latest``) and
+``checkpoint.manifest.save_checkpoint`` makes a save atomic (``.partial-<tag>``, manifest, rename, ``latest``) and
 records a checksum per file. This module adds the training state to the manifest:
 
     client_state   step, seed, num_samples (also in every engine's DeepSpeed client state)
@@ -26,10 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from disagmoe_ds.config import SECTION, SIDES, DisagMoEConfig
-from disagmoe_ds.data import MicroBatchLoader, Tokenizer
-from disagmoe_ds.data.sampler import regroup
-from disagmoe_ds.engine.checkpoint import (
+from disagmoe_ds.checkpoint.manifest import (
     LATEST,
     MANIFEST,
     WEIGHTS_ONLY,
@@ -41,10 +38,13 @@ from disagmoe_ds.engine.checkpoint import (
     save_checkpoint,
     verify_files,
 )
-from disagmoe_ds.engine.deepspeed_role import ds_stage
+from disagmoe_ds.config import SECTION, SIDES, DisagMoEConfig
+from disagmoe_ds.data import MicroBatchLoader, Tokenizer
+from disagmoe_ds.data.sampler import regroup
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.train.modes import Runtime
+from disagmoe_ds.runtime.deepspeed_role import ds_stage
+from disagmoe_ds.runtime.rank import RankRuntime
 
 _TAG = re.compile(r"^step(\d+)$")
 TOKENIZER_DIR = "tokenizer"
@@ -56,7 +56,7 @@ def tag_of(step: int) -> str:
 
 
 def save(
-    runtime: Runtime,
+    runtime: RankRuntime,
     root: Path,
     step: int,
     loader: MicroBatchLoader | None,
@@ -273,7 +273,7 @@ def _loader_states(manifest: dict[str, Any]) -> dict[str, Any] | None:
     return (manifest.get("data") or {}).get("loader_states")
 
 
-def restore(runtime: Runtime, root: Path, tag: str, loader: MicroBatchLoader | None, *, lanes: int) -> int:
+def restore(runtime: RankRuntime, root: Path, tag: str, loader: MicroBatchLoader | None, *, lanes: int) -> int:
     """Load this rank's engine (and its lane's loader position); returns the step to continue from. Collective.
 
     The loader position is the manifest's (else the engine's client state, in checkpoints written before it was in

@@ -1,0 +1,147 @@
+"""How either mode's verify runs: build a rank on the run's model, train its steps, gather the ranks' results
+(launched or local), the flags both verifies share, and the command line's exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disagmoe_ds.data.loader import to_device
+from disagmoe_ds.errors import DisagMoEError
+from disagmoe_ds.launch.env import detect_launcher, init_from_env
+from disagmoe_ds.models.lora import add_lora_args
+from disagmoe_ds.parity.compare import compare
+from disagmoe_ds.parity.reference import (
+    DTYPES,
+    VerifyArgs,
+    load_for_verify,
+    reference,
+)
+from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
+
+
+def build_for_verify(build: Callable[..., Any], args: VerifyArgs):
+    """``build`` (either mode's rank builder, ``runtime.rank.RankBuilder``) on the verify run's model and shapes;
+    with ``cuda_graphs``, the graphs captured."""
+    runtime = build(
+        args.model,
+        args.ds_config(),
+        args.cfg,
+        micro_batch_size=args.micro_batch_size,
+        dtype=DTYPES[args.dtype],
+        model=load_for_verify(args),
+        seed=args.seed,
+        seq_len=args.seq_len,
+    )
+    if args.cfg.cuda_graphs:
+        runtime.executor.warm_up(args.seq_len, packed=args.packed)
+    return runtime
+
+
+def train_steps(
+    runtime, args: VerifyArgs, batches_of: Callable[[int], list[dict[str, torch.Tensor]] | None]
+) -> tuple[list[float], list[float | None]]:
+    """Train ``args.steps`` steps, step s on ``batches_of(s)`` (moved to the rank's device); the last step is
+    written as a job timeline when ``args.timeline`` is set. Returns the losses and global grad norms."""
+    losses, norms = [], []
+    for step in range(args.steps):
+        last = step == args.steps - 1
+        batches = batches_of(step)
+        if batches is not None:
+            batches = to_device(batches, runtime.engine.device)
+        runtime.executor.record_timeline(bool(args.timeline) and last)
+        t0 = start_clock()
+        result = runtime.executor.train_batch(batches)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        if args.timeline and last:
+            write_job_timeline(runtime.executor.timeline, t0, args.timeline)
+    return losses, norms
+
+
+def run_launched(
+    args: VerifyArgs, *, rank_fn: Callable[[int, Any], dict[str, Any]], preflight_fn: Callable[..., Any]
+) -> dict[str, Any] | None:
+    """Run as one rank of a job a launcher started (``rank_fn``, after ``preflight_fn``: the mode's); the summary
+    on global rank 0, None elsewhere."""
+    init_from_env(comm_timeout_s=args.cfg.comm_timeout_s)
+    preflight_fn(args.model, args.cfg, args.ds_config(), dist.get_world_size())
+    result = rank_fn(dist.get_rank(), args)
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(_to_cpu(result), gathered, dst=0)
+    summary = compare(gathered, reference(args, args.cfg.batch_lanes), args) if gathered is not None else None
+    # Tear the groups down together, once rank 0 has its summary: a rank that exits first and leaves its many
+    # process groups to the interpreter's finalisation can abort in their threads' destructors, and the launcher
+    # then kills rank 0 before it prints.
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
+    """The flags both verifies share: model, batches, optimizer, routing, outputs (the layout flags are each mode's)."""
+    p.add_argument("--model", default="hf_models/tiny-qwen3-moe", help="HF model directory or config-only directory")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help=zero_help)
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--skew", action="store_true",
+        help="every token of the i-th MoE layer picks expert i first: the worst imbalance, another expert per layer",
+    )  # fmt: skip
+    p.add_argument("--packed", action="store_true", help="two documents per sequence (position ids restart)")
+    p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
+    p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
+    add_lora_args(p)
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+
+
+def run_args(cls: type[VerifyArgs], a: argparse.Namespace, cfg: Any) -> VerifyArgs:
+    """``cls`` (``VerifyArgs`` or a subclass) from ``add_run_args``'s flags and the mode's config."""
+    return cls(cfg=cfg, **{f.name: getattr(a, f.name) for f in fields(VerifyArgs) if f.name != "cfg"})
+
+
+def cli(
+    argv: list[str] | None,
+    parse: Callable[[list[str] | None], VerifyArgs],
+    run_local: Callable[[VerifyArgs], dict[str, Any]],
+    *,
+    prog: str,
+    **launched: Any,
+) -> int:
+    """Parse, run here (``run_local``) or as a launcher's rank (``run_launched(**launched)``), print the summary.
+
+    Exit code 0 on pass, 1 on a mismatch, 2 on a configuration error (one line on stderr).
+    """
+    try:
+        args = parse(argv)
+        summary = run_launched(args, **launched) if detect_launcher() else run_local(args)
+    except DisagMoEError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    if summary is None:  # not global rank 0 of a launched job
+        return 0
+    one_line = "--json" in (argv if argv is not None else sys.argv)
+    print(json.dumps(summary, indent=None if one_line else 2))
+    return 0 if summary["pass"] else 1
