@@ -29,9 +29,9 @@ def launched_rank_and_world() -> tuple[int, int]:
 def local_backend(world_size: int) -> str:
     """Backend for ranks started here without a launcher: NCCL with one GPU per rank, gloo on a CPU-only machine.
 
-    The GPU probe goes through NVML so that the parent does not initialise CUDA before forking its ranks.
+    The GPU probe goes through NVML (the package's ``__init__`` says so) so that the parent does not initialise CUDA
+    before forking its ranks.
     """
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     if not torch.cuda.is_available():
         return "gloo"
     gpus = torch.cuda.device_count()
