@@ -20,22 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from disagmoe_ds.comm.exchange import ExchangeComms, build_exchange_comms
 from disagmoe_ds.comm.transport import Transport
-from disagmoe_ds.layout import GroupRanks
-
-
-class GroupedLayout(Protocol):
-    """What the groups are made from: either mode's layout."""
-
-    def check_world_size(self, world_size: int) -> None: ...
-
-    def group_ranks(self) -> GroupRanks: ...
+from disagmoe_ds.layout import JobLayout
 
 
 @dataclass(frozen=True)
@@ -60,7 +51,7 @@ class ProcessGroups:
 
 
 def build_process_groups(
-    layout: GroupedLayout,
+    layout: JobLayout,
     rank: int,
     *,
     timeout: timedelta | None = None,

@@ -21,11 +21,56 @@ RankRole(role='ffn', group=1, index=0, ep_rank=0, edp_rank=0)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 from disagmoe_ds.errors import LayoutError
 
 Role = Literal["attention", "ffn"]
+
+
+class JobRole(Protocol):
+    """What one rank does, as the training loop, the checkpoints and the verifies read it in either mode
+    (``RankRole``, ``colocated.layout.ColocatedRole``): a rank with ``is_attention and group == 0`` reads lane
+    ``index``'s data."""
+
+    @property
+    def is_attention(self) -> bool: ...
+
+    @property
+    def group(self) -> int: ...
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def edp_rank(self) -> int: ...
+
+
+class JobLayout(Protocol):
+    """Either mode's layout (``Layout``, ``colocated.layout.ColocatedLayout``): what the shared runtime, the process
+    groups and the checkpoints read of it."""
+
+    mode: ClassVar[str]  # recorded in a checkpoint's manifest; a checkpoint loads only into a job of the same mode
+    relayout_hint: ClassVar[str]  # how to continue from a checkpoint of another layout of the same mode
+
+    @property
+    def world_size(self) -> int: ...
+
+    def role_of(self, rank: int) -> JobRole: ...
+
+    def check_world_size(self, world_size: int) -> None: ...
+
+    def group_ranks(self) -> GroupRanks: ...
+
+    def describe(self) -> str: ...
+
+    def manifest_layout(self) -> dict[str, int]:
+        """The layout values a resume must match."""
+        ...
+
+    def checkpoint_dir(self, role: JobRole) -> str:
+        """The directory (under a checkpoint's tag) of the DeepSpeed engine of a rank with this role."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -249,6 +294,21 @@ class Layout(RankCounts, ExpertSlices):
         s = self.sequence_parallel
         slices = [ranks[i : i + s] for ranks in lanes for i in range(0, len(ranks), s)] if s > 1 else []
         return GroupRanks(data_parallel=(*lanes, *replicas), sequence_parallel=tuple(slices))
+
+    # ----- what a checkpoint records (JobLayout) -----
+    mode: ClassVar[str] = "disaggregated"
+    relayout_hint: ClassVar[str] = "resume with the same layout (or convert it with `disagmoe-convert relayout`)"
+
+    def manifest_layout(self) -> dict[str, int]:
+        keys = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "num_layers", "num_experts")
+        return {key: getattr(self, key) for key in keys}
+
+    def checkpoint_dir(self, role: JobRole) -> str:
+        """One directory per engine group: an A-group's lanes, an F-group's replicas of one expert shard."""
+        if role.is_attention:
+            return f"attention_g{role.group}"
+        assert isinstance(role, RankRole)
+        return f"ffn_g{role.group}_ep{role.ep_rank}"
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:

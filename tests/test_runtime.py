@@ -150,7 +150,7 @@ def test_verify_under_the_deepspeed_launcher(tiny_checkpoint):
         "4",
         "--master_port",
         str(free_port()),
-        str(ROOT / "disagmoe_ds" / "verify.py"),
+        str(ROOT / "disagmoe_ds" / "afpipe" / "verify.py"),
         "--model",
         str(tiny_checkpoint("qwen2-moe")),
         "--attention-gpus",

@@ -31,7 +31,7 @@ from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
-from disagmoe_ds.layout import Layout, RankRole
+from disagmoe_ds.layout import JobRole, Layout, RankRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages
 from disagmoe_ds.models.lora import GROUPS, LoraSettings
@@ -103,12 +103,13 @@ class Disaggregated:
         model: nn.Module,
         layout: Layout,
         groups: ProcessGroups,
-        role: RankRole,
+        role: JobRole,
         *,
         device: torch.device,
         seed: int,
         weights: PretrainedWeights | None,
     ) -> nn.Module:
+        assert isinstance(role, RankRole)  # this mode's layout made it
         layers = layout.layers_of_group(role.group)
         stage: AttentionStage | ExpertStage
         if role.is_attention:
@@ -126,10 +127,10 @@ class Disaggregated:
             apply_selective_recompute(stage)
         return stage
 
-    def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: JobRole, ds_config: dict[str, Any]) -> int:
         return self.cfg.zero_stage_of("attention" if role.is_attention else "ffn", ds_stage(ds_config))
 
-    def grad_scale(self, layout: Layout, role: RankRole) -> float:
+    def grad_scale(self, layout: Layout, role: JobRole) -> float:
         # Expert grads sum over the tokens of all lanes; DeepSpeed averages over the edp replicas only.
         return 1.0 if role.is_attention else layout.expert_data_parallel / layout.lanes
 
@@ -137,7 +138,7 @@ class Disaggregated:
         del layout
         return GlobalGradNorm(groups.data_parallel_size)  # a norm domain: the replicas of this rank's parameters
 
-    def executor(self, parts: RankParts) -> AFPipeExecutor:
+    def executor(self, parts: RankParts[Layout]) -> AFPipeExecutor:
         cfg, layout, role, stage = self.cfg, parts.layout, parts.role, _stage(parts)
         costs = schedule_costs(
             stage.config.to_dict(), layout, cfg, seq_len=parts.seq_len, micro_batch_size=parts.micro_batch_size
@@ -172,7 +173,7 @@ class Disaggregated:
             offloader=self._offloader(parts, schedule, worker),
         )
 
-    def _offloader(self, parts: RankParts, schedule: Schedule, worker: Worker) -> ActivationOffloader | None:
+    def _offloader(self, parts: RankParts[Layout], schedule: Schedule, worker: Worker) -> ActivationOffloader | None:
         """The side's offload share of this rank's chunk layers (None: nothing offloaded), prefetching in the order
         the worker's stream runs its backward chunks."""
         side = "attention" if parts.role.is_attention else "ffn"
@@ -192,7 +193,7 @@ class Disaggregated:
             backward_order=[(i.layer, i.micro_batch) for i in backwards],
         )
 
-    def _capacity(self, parts: RankParts) -> Capacity | None:
+    def _capacity(self, parts: RankParts[Layout]) -> Capacity | None:
         """The fixed sizes of the m2n messages where the exchange goes without headers (None: it has headers)."""
         if not _exchange(parts).headerless:
             return None
@@ -206,7 +207,7 @@ class Disaggregated:
         )
 
     def _graphs(
-        self, parts: RankParts, schedule: Schedule, worker: Worker, capacity: Capacity | None
+        self, parts: RankParts[Layout], schedule: Schedule, worker: Worker, capacity: Capacity | None
     ) -> StageGraphs | None:
         """With ``cuda_graphs``: graphs of the rank's parts, each with a slot per micro-batch its stream holds in
         flight for that layer; expert shards only where their rows are fixed (one ep rank, or a capacity)."""
@@ -223,7 +224,7 @@ class Disaggregated:
 
     def _runner(
         self,
-        parts: RankParts,
+        parts: RankParts[Layout],
         *,
         split_layers: frozenset[int],
         graphs: StageGraphs | None,
@@ -262,19 +263,19 @@ class Disaggregated:
         )
 
 
-def _stage(parts: RankParts) -> AttentionStage | ExpertStage:
+def _stage(parts: RankParts[Layout]) -> AttentionStage | ExpertStage:
     """The rank's role stage, as ``Disaggregated.module`` cut it."""
     assert isinstance(parts.module, AttentionStage | ExpertStage)
     return parts.module
 
 
-def _exchange(parts: RankParts) -> ExchangeComms:
+def _exchange(parts: RankParts[Layout]) -> ExchangeComms:
     """The exchange communicators, which ``build_process_groups`` makes for every disaggregated layout."""
     assert parts.groups.exchange is not None
     return parts.groups.exchange
 
 
-def sequence_parallel_of(groups: ProcessGroups, role: RankRole) -> SequenceParallel | None:
+def sequence_parallel_of(groups: ProcessGroups, role: JobRole) -> SequenceParallel | None:
     """An attention rank's place in its SP group (None without sequence parallelism)."""
     if groups.sequence_parallel is None:
         return None
@@ -287,7 +288,7 @@ def split_layers(schedule: Schedule, worker: Worker) -> frozenset[int]:
     return frozenset(i.layer for i in schedule.streams[worker] if isinstance(i, WeightGradAttn | WeightGradExperts))
 
 
-build_rank = RankBuilder(Disaggregated)
+build_rank: RankBuilder[Layout] = RankBuilder(Disaggregated)
 preflight = build_rank.preflight
 
 

@@ -28,71 +28,19 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any
 
 import torch.distributed as dist
 
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.jsonfile import read_json_object
-from disagmoe_ds.layout import Layout, RankRole
+from disagmoe_ds.layout import JobLayout, JobRole, Layout
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _DS_TAG = "state"  # the tag inside each role directory; DeepSpeed's own 'latest' there is not used
-DISAGGREGATED = "disaggregated"
-
-
-def role_dir(role: RankRole) -> str:
-    return f"attention_g{role.group}" if role.is_attention else f"ffn_g{role.group}_ep{role.ep_rank}"
-
-
-class RecordedLayout(Protocol):
-    """What a checkpoint needs of a job's layout. ``colocated.ColocatedLayout`` provides it; the disaggregated
-    ``Layout`` is adapted by ``recorded`` (it predates this interface)."""
-
-    mode: ClassVar[str]  # recorded in the manifest; a checkpoint loads only into a job of the same mode
-    relayout_hint: ClassVar[str]  # how to continue from a checkpoint of another layout of the same mode
-
-    @property
-    def world_size(self) -> int: ...
-
-    def role_of(self, rank: int) -> Any: ...
-
-    def manifest_layout(self) -> dict[str, int]:
-        """The layout values a resume must match."""
-        ...
-
-    def checkpoint_dir(self, role: Any) -> str:
-        """The directory (under the tag) of the DeepSpeed engine of a rank with this role."""
-        ...
-
-
-@dataclass(frozen=True)
-class _Disaggregated:
-    layout: Layout
-
-    mode: ClassVar[str] = DISAGGREGATED
-    relayout_hint: ClassVar[str] = "resume with the same layout (or convert it with `disagmoe-convert relayout`)"
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
-
-    def role_of(self, rank: int) -> RankRole:
-        return self.layout.role_of(rank)
-
-    def manifest_layout(self) -> dict[str, int]:
-        keys = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "num_layers", "num_experts")
-        return {key: getattr(self.layout, key) for key in keys}
-
-    def checkpoint_dir(self, role: RankRole) -> str:
-        return role_dir(role)
-
-
-def recorded(layout: Layout | RecordedLayout) -> RecordedLayout:
-    return _Disaggregated(layout) if isinstance(layout, Layout) else layout
+DISAGGREGATED = Layout.mode
 
 
 def model_fingerprint(config) -> str:
@@ -146,7 +94,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def save_checkpoint(
     engine,
     role,
-    layout: Layout | RecordedLayout,
+    layout: JobLayout,
     config,
     root: str | Path,
     tag: str,
@@ -165,7 +113,6 @@ def save_checkpoint(
     before they are hashed. ``frozen_excluded``: the engines leave their frozen parameters out (a LoRA run: its
     base weights come from ``--init-from`` again at a resume), recorded in the manifest.
     """
-    job = recorded(layout)
     root = Path(root)
     partial = root / f".partial-{tag}"
     if dist.get_rank() == 0:
@@ -173,7 +120,7 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     dist.barrier()
     engine.save_checkpoint(
-        str(partial / job.checkpoint_dir(role)),
+        str(partial / layout.checkpoint_dir(role)),
         tag=_DS_TAG,
         client_state=client_state,
         exclude_frozen_parameters=frozen_excluded,
@@ -182,16 +129,16 @@ def save_checkpoint(
         attach(partial)
     dist.barrier()
     files = _hash_files(partial)
-    stages = _side_stages(engine, role) if job.mode == DISAGGREGATED else None
+    stages = _side_stages(engine, role) if layout.mode == DISAGGREGATED else None
     final = root / tag
     if dist.get_rank() == 0:
         manifest = {
             "tag": tag,
-            "mode": job.mode,
-            "layout": job.manifest_layout(),
+            "mode": layout.mode,
+            "layout": layout.manifest_layout(),
             **({} if stages is None else {"zero_stage": stages}),
             "model": model_fingerprint(config),
-            "roles": sorted({job.checkpoint_dir(job.role_of(r)) for r in range(job.world_size)}),
+            "roles": sorted({layout.checkpoint_dir(layout.role_of(r)) for r in range(layout.world_size)}),
             "client_state": {k: v for k, v in client_state.items() if isinstance(v, (int, float, str))},
             "ds_config": None if ds_config is None else {k: v for k, v in ds_config.items() if k != "disagmoe"},
             **(manifest_extra or {}),
@@ -207,7 +154,7 @@ def save_checkpoint(
     return final
 
 
-def _side_stages(engine, role: RankRole) -> dict[str, int]:
+def _side_stages(engine, role: JobRole) -> dict[str, int]:
     """Each side's ZeRO stage as its engines ran (collective). The manifest records it: the optimizer state is laid
     out by it, and a side's stage may differ from the ds_config's (``"disagmoe": {"zero_stage": ...}``)."""
     every: list[Any] = [None] * dist.get_world_size()
@@ -279,21 +226,20 @@ def verify_files(root: str | Path, tag: str, *, hashes: bool = True) -> None:
     raise CheckpointError(f"checkpoint {root / tag}: {problem}; {hint}")
 
 
-def check_compatible(manifest: dict[str, Any], config, layout: Layout | RecordedLayout, where: Path) -> None:
+def check_compatible(manifest: dict[str, Any], config, layout: JobLayout, where: Path) -> None:
     """Raise unless the checkpoint at ``where`` (its ``manifest``) can load into this job: same mode, same model
     architecture, same layout."""
-    job = recorded(layout)
     saved_mode = manifest.get("mode", DISAGGREGATED)
-    if saved_mode != job.mode:
+    if saved_mode != layout.mode:
         raise CheckpointError(
-            f"checkpoint {where} was written by a {saved_mode} job, this run is {job.mode}; "
+            f"checkpoint {where} was written by a {saved_mode} job, this run is {layout.mode}; "
             f"resume it with --mode {saved_mode}"
         )
     if manifest["model"] != model_fingerprint(config):
         raise CheckpointError(f"checkpoint {where} was written for a different model architecture than this run's")
-    saved, current = manifest["layout"], job.manifest_layout()
+    saved, current = manifest["layout"], layout.manifest_layout()
     if saved != current:
-        raise CheckpointError(f"checkpoint {where} has layout {saved}, this run has {current}; {job.relayout_hint}")
+        raise CheckpointError(f"checkpoint {where} has layout {saved}, this run has {current}; {layout.relayout_hint}")
 
 
 # Manifest entry of a checkpoint that holds weights only (``disagmoe-convert hf-to-disagmoe``): its optimizer state
@@ -306,13 +252,13 @@ FROZEN_EXCLUDED = "frozen_excluded"
 
 
 def load_checkpoint(
-    engine, role, layout: Layout | RecordedLayout, config, root: str | Path, tag: str | None = None
+    engine, role, layout: JobLayout, config, root: str | Path, tag: str | None = None
 ) -> tuple[str, dict[str, Any]]:
     """Load this rank's engine state; returns ``(tag, client_state)``. Collective: every rank must call it."""
     tag = resolve_tag(root, tag)
     manifest = read_manifest(root, tag)
     check_compatible(manifest, config, layout, Path(root) / tag)
-    path = Path(root) / tag / recorded(layout).checkpoint_dir(role)
+    path = Path(root) / tag / layout.checkpoint_dir(role)
     if manifest.get(WEIGHTS_ONLY):  # HF weights converted: the run's own optimizer and scheduler start fresh
         load_path, client_state = engine.load_checkpoint(str(path), tag=_DS_TAG, load_module_only=True)
     else:

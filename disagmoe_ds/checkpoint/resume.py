@@ -30,7 +30,6 @@ from disagmoe_ds.checkpoint.manifest import (
     LATEST,
     MANIFEST,
     WEIGHTS_ONLY,
-    RecordedLayout,
     check_compatible,
     load_checkpoint,
     read_manifest,
@@ -42,7 +41,7 @@ from disagmoe_ds.config import SECTION, SIDES, DisagMoEConfig
 from disagmoe_ds.data import MicroBatchLoader, Tokenizer
 from disagmoe_ds.data.sampler import regroup
 from disagmoe_ds.errors import CheckpointError
-from disagmoe_ds.layout import Layout
+from disagmoe_ds.layout import JobLayout
 from disagmoe_ds.runtime.deepspeed_role import ds_stage
 from disagmoe_ds.runtime.rank import RankRuntime
 
@@ -153,7 +152,7 @@ def check_resume(
     root: Path,
     tag: str,
     config,
-    layout: Layout | RecordedLayout,
+    layout: JobLayout,
     *,
     num_samples: int | None,
     seed: int | None = None,

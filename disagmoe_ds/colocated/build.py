@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from disagmoe_ds.colocated.dispatch import AllToAllDispatcher, LocalDispatcher
 from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
@@ -27,6 +28,7 @@ from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
 from disagmoe_ds.config import SECTION
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
+from disagmoe_ds.layout import JobRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_experts_of
@@ -57,7 +59,7 @@ class Colocated:
             )
         check_stage(ds_config, ds_stage(ds_config), where="in a co-located job")
 
-    def zero_stage(self, role: ColocatedRole, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: JobRole, ds_config: dict[str, Any]) -> int:
         del role
         return ds_stage(ds_config)
 
@@ -80,7 +82,7 @@ class Colocated:
         model: nn.Module,
         layout: ColocatedLayout,
         groups: ProcessGroups,
-        role: ColocatedRole,
+        role: JobRole,
         *,
         device: torch.device,
         seed: int,
@@ -88,7 +90,9 @@ class Colocated:
     ) -> ColocatedModel:
         """Attention side of every layer, the expert slice of ``role``, the dispatcher. Parts cut from a meta model
         are filled from ``weights``, or else initialised from ``2 * seed`` (attention) and ``2 * seed + 1``."""
-        layers = tuple(range(model.config.num_hidden_layers))
+        assert isinstance(role, ColocatedRole)  # this mode's layout made it
+        config: PretrainedConfig = model.config
+        layers = tuple(range(config.num_hidden_layers))
         experts = layout.expert_range(role.ep_rank)
         stage = ExpertStage(model, layers, experts.start, experts.stop)
         attention = AttentionStage(model, layers, with_embedding=True, with_head=True)
@@ -102,13 +106,14 @@ class Colocated:
         if layout.ep_size == 1:
             dispatcher = LocalDispatcher(experts_per_rank=layout.experts_per_rank)
         else:
+            assert groups.expert_parallel is not None  # made for ep_size > 1
             dispatcher = AllToAllDispatcher(
                 groups.expert_parallel, ep_size=layout.ep_size, experts_per_rank=layout.experts_per_rank
             )
-        aux_coef = model.config.router_aux_loss_coef if aux_loss_enabled(model.config) else None
+        aux_coef = config.router_aux_loss_coef if aux_loss_enabled(config) else None
         return ColocatedModel(attention, moe, dispatcher, aux_coef)
 
-    def grad_scale(self, layout: ColocatedLayout, role: ColocatedRole) -> float:
+    def grad_scale(self, layout: ColocatedLayout, role: JobRole) -> float:
         del layout, role
         return 1.0  # already the mean over all W * K micro-batches (colocated.executor)
 
@@ -117,8 +122,9 @@ class Colocated:
             groups.data_parallel, attention_replicas=layout.world_size, expert_replicas=layout.expert_data_parallel
         )
 
-    def executor(self, parts: RankParts) -> ColocatedExecutor:
+    def executor(self, parts: RankParts[ColocatedLayout]) -> ColocatedExecutor:
         role = parts.role
+        assert isinstance(role, ColocatedRole)
         return ColocatedExecutor(
             engine=parts.engine,
             num_micro_batches=self.cfg.micro_batches,
@@ -131,5 +137,5 @@ class Colocated:
         )
 
 
-build_colocated_rank = RankBuilder(Colocated)
+build_colocated_rank: RankBuilder[ColocatedLayout] = RankBuilder(Colocated)
 preflight_colocated = build_colocated_rank.preflight

@@ -25,6 +25,7 @@ from disagmoe_ds.runtime import ds_patches
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, clip_by_norm, zero_grads_of_untouched
 from disagmoe_ds.runtime.step import StepResult
 from disagmoe_ds.schedule import TimelineEvent
+from disagmoe_ds.schedule.trace import Category
 
 
 class ColocatedGradNorm:
@@ -145,8 +146,9 @@ class ColocatedExecutor:
     def record_timeline(self, enabled: bool = True) -> None:
         self.timeline = [] if enabled else None
 
-    def train_batch(self, batches: list[dict[str, torch.Tensor]]) -> StepResult:
+    def train_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> StepResult:
         """One optimizer step over this rank's K micro-batches (input_ids/labels[/position_ids] each)."""
+        assert batches is not None, "every co-located rank reads its lane's data"
         if len(batches) != self.num_micro_batches:
             raise ValueError(f"{self.name}: got {len(batches)} micro-batches, it accumulates {self.num_micro_batches}")
         start = time.perf_counter()
@@ -167,7 +169,7 @@ class ColocatedExecutor:
         zero_grads_of_untouched(self.engine)  # an expert slice nobody routed to: every replica reduces the same buffers
         self.engine.step()
 
-    def _timed(self, name: str, category: str, fn: Callable[[], Any]) -> Any:
+    def _timed(self, name: str, category: Category, fn: Callable[[], Any]) -> Any:
         self.stall_watch.tick()
         t0 = time.perf_counter()
         result = fn()

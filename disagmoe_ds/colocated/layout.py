@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 from disagmoe_ds.errors import ConfigError, LayoutError
-from disagmoe_ds.layout import ExpertSlices, GroupRanks
+from disagmoe_ds.layout import ExpertSlices, GroupRanks, JobRole
 from disagmoe_ds.models.lora import LoraSettings
 
 
@@ -119,7 +119,7 @@ class ColocatedRole:
 class ColocatedLayout(ExpertSlices):
     """A validated co-located layout: W ranks, EP groups of ``ep_size`` ranks, E routed experts per MoE layer.
 
-    It also says what a checkpoint records of it (``checkpoint.manifest.RecordedLayout``): the mode, the values a
+    It also says what a checkpoint records of it (``layout.JobLayout``): the mode, the values a
     resume must match, and one DeepSpeed directory for the whole job (all ranks are one data-parallel DeepSpeed job
     whose MoE checkpointing writes each expert's file once, from its first replica).
     """
@@ -185,11 +185,11 @@ class ColocatedLayout(ExpertSlices):
                 f"launch {self.world_size} ranks or change world_size"
             )
 
-    # ----- what a checkpoint records (checkpoint.manifest.RecordedLayout) -----
+    # ----- what a checkpoint records (layout.JobLayout) -----
     def manifest_layout(self) -> dict[str, int]:
         return {"world_size": self.world_size, "ep_size": self.ep_size, "num_experts": self.num_experts}
 
-    def checkpoint_dir(self, role: ColocatedRole) -> str:
+    def checkpoint_dir(self, role: JobRole) -> str:
         del role  # one DeepSpeed job: every rank saves into the same directory
         return "colocated"
 

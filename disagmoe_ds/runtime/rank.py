@@ -19,15 +19,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
 from torch import nn
 
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.groups import ProcessGroups
 from disagmoe_ds.launch.env import process_device
+from disagmoe_ds.layout import JobLayout, JobRole
 from disagmoe_ds.models.adapters import add_adapters
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
@@ -35,6 +37,9 @@ from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
 from disagmoe_ds.models.parts import RoutingFacts, compile_stage, routing_facts
 from disagmoe_ds.models.uncut import refused_with
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, build_engine
+from disagmoe_ds.runtime.step import Executor
+
+LayoutT = TypeVar("LayoutT", bound=JobLayout)  # one mode's layout
 
 
 @dataclass
@@ -42,23 +47,23 @@ class RankRuntime:
     """Everything one rank built, in either mode; ``executor.train_batch`` runs a step. The training loop, its
     checkpoints and its balancing read these fields and never ask which mode built them."""
 
-    layout: Any  # layout.Layout or colocated.layout.ColocatedLayout
-    role: Any  # layout.RankRole or colocated.layout.ColocatedRole
-    executor: Any  # executor.AFPipeExecutor or colocated.executor.ColocatedExecutor
+    layout: JobLayout
+    role: JobRole
+    executor: Executor
     module: nn.Module
-    engine: Any
+    engine: DeepSpeedEngine
 
 
 @dataclass(frozen=True)
-class RankParts:
+class RankParts(Generic[LayoutT]):
     """What the shared steps built for this rank, handed to the mode's executor."""
 
     rank: int
-    layout: Any
-    role: Any
+    layout: LayoutT
+    role: JobRole
     groups: ProcessGroups
     module: nn.Module
-    engine: Any
+    engine: DeepSpeedEngine
     grad_norm: GradNorm
     routing: RoutingFacts
     dtype: torch.dtype
@@ -67,19 +72,25 @@ class RankParts:
     seq_len: int | None
 
 
-class RankMode(Protocol):
+class RankMode(Protocol[LayoutT]):
     """One mode's own steps of ``RankBuilder`` (made from the mode's config)."""
 
-    def layout(self, config) -> Any:
+    def layout(self, config) -> LayoutT:
         """The validated layout from the HF config alone (the preflight and the build derive it the same way)."""
         ...
 
-    def check(self, layout: Any, config, ds_config: dict[str, Any]) -> None:
+    def check(self, layout: LayoutT, config, ds_config: dict[str, Any]) -> None:
         """Refuse a layout the model or the ZeRO stage cannot run, with the fix."""
         ...
 
     def groups(
-        self, layout: Any, rank: int, *, timeout: timedelta, device: torch.device, tokens_per_micro_batch: int | None
+        self,
+        layout: LayoutT,
+        rank: int,
+        *,
+        timeout: timedelta,
+        device: torch.device,
+        tokens_per_micro_batch: int | None,
     ) -> ProcessGroups:
         """``groups.build_process_groups`` and what the mode adds (exchange communicators, DeepSpeed's registry);
         ``tokens_per_micro_batch``: a lane's B x S when known (fixed-size messages need no header)."""
@@ -88,9 +99,9 @@ class RankMode(Protocol):
     def module(
         self,
         model: nn.Module,
-        layout: Any,
+        layout: LayoutT,
         groups: ProcessGroups,
-        role: Any,
+        role: JobRole,
         *,
         device: torch.device,
         seed: int,
@@ -100,27 +111,27 @@ class RankMode(Protocol):
         ``weights``, or initialised from ``seed``)."""
         ...
 
-    def zero_stage(self, role: Any, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: JobRole, ds_config: dict[str, Any]) -> int:
         """The ZeRO stage of the rank's engine (its side's, in the disaggregated mode)."""
         ...
 
-    def grad_scale(self, layout: Any, role: Any) -> float:
+    def grad_scale(self, layout: LayoutT, role: JobRole) -> float:
         """The factor on the rank's gradients before DeepSpeed averages them over the data-parallel group."""
         ...
 
-    def grad_norm(self, layout: Any, groups: ProcessGroups) -> GradNorm:
+    def grad_norm(self, layout: LayoutT, groups: ProcessGroups) -> GradNorm:
         """The global gradient norm the rank's engine clips with (installed by the builder)."""
         ...
 
-    def executor(self, parts: RankParts) -> Any:
+    def executor(self, parts: RankParts[LayoutT]) -> Executor:
         """What runs a step: ``train_batch(batches) -> StepResult``."""
         ...
 
 
-class RankBuilder:
+class RankBuilder(Generic[LayoutT]):
     """One mode's ``build_rank`` (call it) and ``preflight``."""
 
-    def __init__(self, mode: Callable[[Any], RankMode]):
+    def __init__(self, mode: Callable[[Any], RankMode[LayoutT]]):
         self.mode = mode
 
     def __call__(
@@ -190,13 +201,13 @@ class RankBuilder:
         )
         return RankRuntime(layout, role, mode.executor(parts), module, engine)
 
-    def preflight(self, model_dir: str | Path, cfg: Any, ds_config: dict[str, Any], world_size: int) -> Any:
+    def preflight(self, model_dir: str | Path, cfg: Any, ds_config: dict[str, Any], world_size: int) -> LayoutT:
         """Validate the layout against the model config and the world size before any rank starts (no weights
         read); the layout the ranks will build."""
         return self._layout(self.mode(cfg), load_config(model_dir), ds_config, world_size)
 
     @staticmethod
-    def _layout(mode: RankMode, config, ds_config: dict[str, Any], world_size: int) -> Any:
+    def _layout(mode: RankMode[LayoutT], config, ds_config: dict[str, Any], world_size: int) -> LayoutT:
         if not any(moe_layer_pattern(config.to_dict())):
             raise UnsupportedModelError(
                 f"the {config.model_type} config has no MoE layer (every MLP is dense); DisagMoE-DS trains MoE models"
