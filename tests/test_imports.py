@@ -68,6 +68,29 @@ def test_no_cycle_between_folders() -> None:
     assert _cycle(folders) is None, " -> ".join(_cycle(folders))
 
 
+# The module map of docs/architecture.md, top first: a folder imports only folders below it, and the two modes
+# (``afpipe``, ``colocated``) are peers over the shared runtime, neither importing the other.
+LAYERS = (
+    "convert", "train", "afpipe", "colocated", "checkpoint", "parity", "runtime", "groups", "config", "planner",
+    "models", "comm", "schedule", "layout", "launch", "data", "jsonfile", "errors", "disagmoe_ds",
+)  # fmt: skip
+
+
+def test_folders_import_only_folders_below_them() -> None:
+    graph = _graph()
+    assert {_folder(m) for m in graph} == set(LAYERS), "a folder is missing from LAYERS (and from the module map)"
+    upward = sorted(
+        f"{module} -> {dep}"
+        for module, deps in graph.items()
+        for dep in deps
+        if LAYERS.index(_folder(dep)) < LAYERS.index(_folder(module))
+    )
+    assert not upward, upward
+    assert not [
+        m for m, deps in graph.items() if _folder(m) == "afpipe" and any(_folder(d) == "colocated" for d in deps)
+    ]
+
+
 def test_no_cycle_between_files() -> None:
     graph = _graph()
     # a package's __init__ re-exports its files, which import siblings through the package: not a cycle of files
