@@ -21,7 +21,7 @@ from torch import nn
 from disagmoe_ds.afpipe.build import build_rank, preflight, schedule_costs
 from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.layout import ColocatedLayout
-from disagmoe_ds.layout import Layout
+from disagmoe_ds.layout import JobLayout, Layout
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.sequence_parallel import check_sequence_parallel
 from disagmoe_ds.runtime.rank import RankRuntime
@@ -31,13 +31,16 @@ from disagmoe_ds.train.metrics import ModelFacts
 
 
 class TrainMode(Protocol):
+    """How the training loop drives one mode from the command line's ``TrainArgs``; the mode's own rank-building
+    steps are its ``runtime.rank.RankMode`` (``afpipe.build.Disaggregated``, ``colocated.build.Colocated``)."""
+
     name: ClassVar[str]
 
-    def preflight(self, args: TrainArgs, world_size: int) -> Any:
+    def preflight(self, args: TrainArgs, world_size: int) -> JobLayout:
         """Validate the layout against the model config, the world size and the ds_config; return it."""
         ...
 
-    def describe(self, args: TrainArgs, layout: Any, facts: ModelFacts) -> list[str]:
+    def describe(self, args: TrainArgs, layout: Any, facts: ModelFacts) -> list[str]:  # the mode's layout
         """The start banner's lines about the layout and the pipeline."""
         ...
 
@@ -49,7 +52,7 @@ class TrainMode(Protocol):
         ...
 
 
-class Disaggregated:
+class DisaggregatedTraining:
     name: ClassVar[str] = "disaggregated"
 
     def preflight(self, args: TrainArgs, world_size: int) -> Layout:
@@ -86,7 +89,7 @@ def _costed_on(cluster: str) -> str:
     return f"on {cluster} GPUs (schedule simulation; these CPU ranks run the same order at other speeds)"
 
 
-class Colocated:
+class ColocatedTraining:
     name: ClassVar[str] = "colocated"
 
     def preflight(self, args: TrainArgs, world_size: int) -> ColocatedLayout:
@@ -137,7 +140,7 @@ def _build(
     )
 
 
-_MODES: dict[str, TrainMode] = {mode.name: mode for mode in (Disaggregated(), Colocated())}
+_MODES: dict[str, TrainMode] = {mode.name: mode for mode in (DisaggregatedTraining(), ColocatedTraining())}
 
 
 def mode_of(args: TrainArgs) -> TrainMode:
