@@ -69,6 +69,7 @@ from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_d
 from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops
 from disagmoe_ds.train.model import check_train_model, load_train_model
 from disagmoe_ds.train.modes import mode_of
+from disagmoe_ds.train.plan import JobPlan
 from disagmoe_ds.train.progress import Progress, banner, training_state_line
 
 ROOT = Path(__file__).resolve().parent  # defaults (model, ds_config, tokenizer cache) live beside this file
@@ -96,17 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     return STOPPED_EXIT if stopped else 0
 
 
-def preflight_run(
-    args: TrainArgs, world_size: int, *, hashes: bool = True
-) -> tuple[TrainArgs, Any, Any, ResumePoint | None]:
+def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True) -> JobPlan:
     """What can be checked before any rank starts: layout vs model and world size, ZeRO rules, the weights of
     ``--init-from``, data paths and lengths, the balancing setting, and that the checkpoint to resume is intact
     (``hashes``: its files' sha256 too, not only their sizes) and belongs to this mode, model, layout, seed and
     freezing, with steps left to train.
 
     Returns:
-        The run's settings (with the freezing the checkpoint records), the model's HF config, the mode's layout,
-        and the checkpoint to resume from, if any.
+        The job's plan: the run's settings (with the freezing the checkpoint records), the model's HF config, the
+        mode's layout, and the checkpoint to resume from, if any.
     """
     config = load_config(args.model)
     layout = mode_of(args).preflight(args, world_size)
@@ -114,7 +113,7 @@ def preflight_run(
     check_data_args(args, config)
     bias_update_rate(args.bias_update_rate, config)
     if args.resume is None:
-        return args, config, layout, None
+        return JobPlan(args, config, layout, None)
     point = _check_resume(args, config, layout, num_samples=None, hashes=hashes)
     if point.step >= args.steps:
         raise ConfigError(
@@ -123,7 +122,7 @@ def preflight_run(
         )
     frozen = effective_freezing(point, args.freeze_router, args.freeze_attention)
     args = dataclasses.replace(args, freeze_router=frozen["router"], freeze_attention=frozen["attention"])
-    return args, config, layout, point
+    return JobPlan(args, config, layout, point)
 
 
 def _check_resume(args: TrainArgs, config, layout, *, num_samples: int | None, hashes: bool = True) -> ResumePoint:
@@ -135,16 +134,16 @@ def _check_resume(args: TrainArgs, config, layout, *, num_samples: int | None, h
 
 def run_local(args: TrainArgs) -> bool:
     """Fork the job's ranks here and train; True when the run stopped on request (after its save)."""
-    args, config, layout, resume = preflight_run(args, args.cfg.world_size)
-    backend = local_backend(layout.world_size)
-    data = prepare_data(args, config)  # once, here: the forked ranks inherit the samples
-    if resume is not None:
-        _check_resume(args, config, layout, num_samples=len(data.dataset), hashes=False)
+    plan = preflight_run(args, args.cfg.world_size)
+    backend = local_backend(plan.layout.world_size)
+    data = prepare_data(plan.args, plan.config)  # once, here: the forked ranks inherit the samples
+    if plan.resume is not None:
+        _check_resume(plan.args, plan.config, plan.layout, num_samples=len(data.dataset), hashes=False)
     with parent_waits_for_ranks("run_pretrain.py: stopping after this step and saving; Ctrl-C again to abort"):
         stopped = spawn_local(
             train,
-            layout.world_size,
-            args=(args, data),
+            plan.layout.world_size,
+            args=(plan, data),
             timeout_s=None,
             comm_timeout_s=args.cfg.comm_timeout_s,
             backend=backend,
@@ -156,16 +155,16 @@ def run_launched(args: TrainArgs) -> bool:
     """This process is one rank of a launcher's job; True when the run stopped on request (after its save)."""
     rank, world_size = launched_rank_and_world()
     try:
-        args, *_ = preflight_run(args, world_size, hashes=rank == 0)  # one rank reads every file
+        plan = preflight_run(args, world_size, hashes=rank == 0)  # one rank reads every file
     except DisagMoEError:
         if rank == 0:
             raise
         sys.exit(2)  # every rank found the same problem; rank 0 reports it
     share_cores()
-    init_from_env(comm_timeout_s=args.cfg.comm_timeout_s)
+    init_from_env(comm_timeout_s=plan.args.cfg.comm_timeout_s)
     key = job_key()
     try:
-        stopped = train(dist.get_rank(), args, None)
+        stopped = train(dist.get_rank(), plan, None)
     except Exception as err:  # one line from the first failing rank, every traceback in a file
         line = report_launched_failure(key, dist.get_rank(), err)
         if line is not None:
@@ -188,7 +187,7 @@ def check_or_relaunch(args: TrainArgs, ns: argparse.Namespace, argv: list[str]) 
     os.execvp(command[0], command)
 
 
-def train(rank: int, args: TrainArgs, data: TrainData | None) -> bool:
+def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     """One rank: build its engine, then run the steps. Every rank runs every step (they hold collectives).
 
     Returns:
@@ -196,14 +195,12 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> bool:
     """
     stop = StopRequest().install()
     device = rank_device()
-    config = load_config(args.model)
+    args, config, layout, resume = plan.args, plan.config, plan.layout, plan.resume
     mode = mode_of(args)
-    layout = mode.preflight(args, dist.get_world_size())
     role = layout.role_of(rank)
     reads_data = role.is_attention and role.group == 0  # the lanes of A-group 0 (every co-located rank) embed
     if reads_data and data is None:
         data = prepare_data(args, config)  # under a launcher every lane builds the same samples
-    resume = _resume_point(args, config, layout) if args.resume is not None else None
     facts = model_facts(args.model, args.seq_len)
     rate = bias_update_rate(args.bias_update_rate, config)
     if rank == 0:
@@ -213,7 +210,7 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> bool:
         print("\n".join(lines), flush=True)
 
     init = load_train_model(args)
-    runtime = mode.build(args, model=init.model, weights=init.weights, device=device)
+    runtime = mode.build(args, layout, model=init.model, weights=init.weights, device=device)
     data_lane = args.cfg.batch_lane_of(role.index)  # sequence parallelism: s lanes read one share, in slices
     loader = lane_loader(data, args, data_lane, pin_memory=device.type == "cuda") if reads_data else None
     start = restore(runtime, resume.root, resume.tag, loader, lanes=args.lanes) if resume is not None else 0
@@ -255,12 +252,6 @@ def train(rank: int, args: TrainArgs, data: TrainData | None) -> bool:
         progress.close()
         print(summary_line(args, start, step, first_loss, last, time.perf_counter() - started), flush=True)
     return step < args.steps
-
-
-def _resume_point(args: TrainArgs, config, layout) -> ResumePoint:
-    """The checkpoint this rank resumes from (the files were checked before launch)."""
-    root, tag = locate(args.resume, args.save_dir)
-    return check_resume(root, tag, config, layout, num_samples=None, hashes=False)
 
 
 def save_and_export(

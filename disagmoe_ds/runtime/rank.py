@@ -147,6 +147,7 @@ class RankBuilder(Generic[LayoutT]):
         weights: str | Path | None = None,
         seed: int = 0,
         seq_len: int | None = None,
+        layout: LayoutT | None = None,
     ) -> RankRuntime:
         """Build this rank's part of the job (collective: every rank calls it).
 
@@ -156,7 +157,8 @@ class RankBuilder(Generic[LayoutT]):
         allocates only the parts it owns, then reads their pretrained values or initialises them (from ``seed`` and
         its rank; DeepSpeed then broadcasts the replicas' first copy). ``seq_len`` gives the AF-Pipe schedule the
         planner's task costs (``afpipe.build.schedule_costs``; without it every task costs one unit); the
-        co-located mode has no schedule to cost.
+        co-located mode has no schedule to cost. ``layout``: the one the job's preflight derived from the same
+        config (``preflight``), so that the rank does not derive and check it again.
         """
         mode = self.mode(cfg)
         rank = dist.get_rank()
@@ -171,7 +173,10 @@ class RankBuilder(Generic[LayoutT]):
             # another stream than that one cannot run a backward into it (the legacy stream would wait on capture).
             torch.cuda.set_stream(torch.cuda.Stream(device))
         model, pretrained = rank_model(model_dir, dtype=dtype, model=model, weights=weights)
-        layout = self._layout(mode, model.config, ds_config, dist.get_world_size())
+        if layout is None:
+            layout = self._layout(mode, model.config, ds_config, dist.get_world_size())
+        else:
+            layout.check_world_size(dist.get_world_size())
         role = layout.role_of(rank)
         # A rank waiting longer than this for a peer fails (and the launcher ends the job) instead of hanging.
         tokens = None if seq_len is None else seq_len * micro_batch_size

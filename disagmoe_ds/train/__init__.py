@@ -5,6 +5,7 @@ flags        run_pretrain.py's flags, as --help groups them
 settings     what the flags derive from the ds_config: the layout of --mode, the ds_config with the overrides
 checks       values refused before any rank starts, each naming the flag or key to change
 modes        disaggregated or co-located: preflight, banner lines, build of one mode (a ``RankRuntime``)
+plan         the job's plan: what the preflight derived once (settings, config, layout, resume point), read by the ranks
 hostfile     DeepSpeed hostfile validation, and re-launching ``run_pretrain.py`` through ``deepspeed``
 data         tokenizer, packed pretraining or SFT samples, and each lane's resumable loader
 model        the HF model to train: fresh, or ``--init-from`` pretrained weights; freezing parts of it

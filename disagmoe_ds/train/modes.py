@@ -45,9 +45,16 @@ class TrainMode(Protocol):
         ...
 
     def build(
-        self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None
+        self,
+        args: TrainArgs,
+        layout: Any,
+        *,
+        model: nn.Module,
+        device: torch.device,
+        weights: Path | None = None,
     ) -> RankRuntime:
-        """This rank's part of the job (collective: every rank calls it), cut from ``model``; ``weights``: the HF
+        """This rank's part of the job (collective: every rank calls it) in ``layout`` (this mode's ``preflight``),
+        cut from ``model``; ``weights``: the HF
         directory whose safetensors fill the parts of a meta ``model`` (``train.model.TrainModel``)."""
         ...
 
@@ -74,9 +81,9 @@ class DisaggregatedTraining:
         ]
 
     def build(
-        self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None
+        self, args: TrainArgs, layout: Layout, *, model: nn.Module, device: torch.device, weights: Path | None = None
     ) -> RankRuntime:
-        runtime = _build(build_rank, args, model=model, device=device, weights=weights, seq_len=args.seq_len)
+        runtime = _build(build_rank, args, layout, model=model, device=device, weights=weights, seq_len=args.seq_len)
         if args.cfg.compile or args.cfg.cuda_graphs:  # compiled kernels loaded, graphs captured before any exchange
             runtime.executor.warm_up(args.seq_len, packed=True)  # packed data carries positions
         return runtime
@@ -108,9 +115,15 @@ class ColocatedTraining:
         ]
 
     def build(
-        self, args: TrainArgs, *, model: nn.Module, device: torch.device, weights: Path | None = None
+        self,
+        args: TrainArgs,
+        layout: ColocatedLayout,
+        *,
+        model: nn.Module,
+        device: torch.device,
+        weights: Path | None = None,
     ) -> RankRuntime:
-        runtime = _build(build_colocated_rank, args, model=model, device=device, weights=weights)
+        runtime = _build(build_colocated_rank, args, layout, model=model, device=device, weights=weights)
         if args.cfg.cuda_graphs:
             runtime.executor.warm_up(args.seq_len, packed=True)
         return runtime
@@ -119,6 +132,7 @@ class ColocatedTraining:
 def _build(
     builder: Callable[..., RankRuntime],
     args: TrainArgs,
+    layout: JobLayout,
     *,
     model: nn.Module,
     device: torch.device,
@@ -136,6 +150,7 @@ def _build(
         model=model,
         weights=weights,
         seed=args.seed,
+        layout=layout,
         **extra,
     )
 
