@@ -8,8 +8,8 @@ dataclass with one concept that checks its own keys: ``LayoutCounts``, ``Accumul
 ``Watchdog``, ``Exchange``, ``Kernels``, ``MemoryLevers``, ``ZeroPerSide``, ``CostModel`` and ``FineTuning``.
 ``DisagMoEConfig`` is composed of them as bases, so its fields are still exactly the section's keys (what
 ``from_ds_config``, ``dataclasses.replace`` and ``to_dict`` work on) and ``cfg.micro_batches`` is typed; a function
-that needs one concept can take that section. The co-located mode's ``ColocatedConfig`` is composed of the sections
-both modes read (``Accumulation``, ``Watchdog``, ``Kernels``, ``FineTuning``).
+that needs one concept can be typed by that section alone. The co-located mode's ``ColocatedConfig`` is composed of
+the sections both modes read (``Accumulation``, ``Watchdog``, ``Kernels``, ``FineTuning``).
 
 Also here, beside the keys they are about: each side's effective ZeRO stage (``effective_zero_stage``, the one rule
 every ZeRO check and build step goes through) and the flag table (``SECTION_FLAGS``) from which run_pretrain.py,
@@ -542,6 +542,8 @@ def add_section_flags(
             kwargs |= {"type": spec.type, "choices": spec.choices, "default": _default(key, spec, cli)}
             if spec.per_side:
                 kwargs |= {"nargs": 2, "metavar": ("A", "F")}
+            elif spec.name is not None:  # named after the flag, not the key it sets
+                kwargs["metavar"] = spec.name.removeprefix("--").replace("-", "_").upper()
         action = parser.add_argument(spec.flag(key), **kwargs)
         action.section_key = key  # type: ignore[attr-defined]
 
