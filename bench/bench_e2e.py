@@ -64,11 +64,10 @@ import torch.distributed as dist
 from torch import nn
 
 from disagmoe_ds.afpipe.build import build_rank
-from disagmoe_ds.afpipe.verify import add_lever_args, lever_settings
 from disagmoe_ds.colocated import ColocatedConfig, build_colocated_rank
 from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
 from disagmoe_ds.colocated.model import ColocatedOutput
-from disagmoe_ds.config import SECTION, DisagMoEConfig
+from disagmoe_ds.config import LEVER_KEYS, SECTION, DisagMoEConfig, add_section_flags, section_values
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_config
@@ -78,6 +77,8 @@ from disagmoe_ds.runtime.deepspeed_role import RoleMPU, role_ds_config
 from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
 
 METHODS = ("afpipe", "colocated", "autoep", "deepspeed-moe")
+# The section keys bench_e2e.py takes as flags (config.SECTION_FLAGS): AF-Pipe's layout, compile and memory levers.
+BENCH_KEYS = ("attention_gpus", "ffn_gpus", "depth", "compile", *LEVER_KEYS)
 EP_METHODS = ("colocated", "autoep", "deepspeed-moe")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PEAK_FLOPS = 989e12  # dense bf16 of an H100/H200-class GPU (MFU's denominator, also on CPU runs)
@@ -266,13 +267,9 @@ def micro_batches(a: argparse.Namespace, lanes: int) -> int:
 
 def build_afpipe(a: argparse.Namespace, device: torch.device):
     cfg = DisagMoEConfig(
-        attention_gpus=a.attention_gpus,
-        ffn_gpus=a.ffn_gpus,
-        depth=a.depth,
+        **section_values(a, BENCH_KEYS),
         micro_batches=micro_batches(a, a.attention_gpus // a.depth),
-        compile=a.compile,
         lora=lora_of(a, verify=False),
-        **lever_settings(a),
     )
     ds = {**ds_config(a), SECTION: cfg.to_dict()}
     dtype = DTYPES[a.dtype]
@@ -579,9 +576,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             print(f"    {name}: {parts} of the last step (host time)")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # probe GPUs without initialising CUDA (fork)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+def build_parser(gpus: int) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--model",
@@ -596,9 +591,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 2 per rank)")
-    p.add_argument("--attention-gpus", type=int, default=None, help="AF-Pipe M (default: half the ranks)")
-    p.add_argument("--ffn-gpus", type=int, default=None, help="AF-Pipe N (default: the other half)")
-    p.add_argument("--depth", type=int, default=1, help="AF-Pipe p")
     p.add_argument(
         "--ep-size",
         type=int,
@@ -607,13 +599,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="co-located and DeepSpeed-MoE EP sizes, each run side by side (default: all ranks); e.g. "
         "--ep-size 2 1 runs EP-2 and EP-1 (every rank holds every expert: plain data parallel)",
     )
-    add_lever_args(p)  # AF-Pipe's: --resend --selective-recompute --split-backward --offload A F --zero-stage A F
+    add_section_flags(p, BENCH_KEYS, cli="bench")  # AF-Pipe's layout, --compile and levers (config.SECTION_FLAGS)
     p.add_argument("--ds-capacity-factor", type=float, default=0.0, help="DeepSpeed-MoE capacity (0: drop none)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2))
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--compile", action="store_true", help="torch.compile the parts (afpipe, colocated)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
@@ -638,6 +629,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="write the last step of each method as a Chrome/Perfetto trace (PATH with -METHOD before the suffix) "
         "and print each rank's share of the step per category (compute, wait, send, optimizer)",
     )
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # probe GPUs without initialising CUDA (fork)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    p = build_parser(gpus)
     a = p.parse_args(argv)
     a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
     a.global_batch = a.global_batch or 2 * a.world_size * a.micro_batch_size

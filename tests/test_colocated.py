@@ -105,7 +105,7 @@ def test_bad_configs_fail_at_build_time():
         ColocatedConfig(world_size=4, ep_size=3)
     with pytest.raises(LayoutError, match=r"num_experts \(6\) must be divisible by ep_size \(4\)"):
         ColocatedConfig(world_size=4, ep_size=4).layout(num_experts=6)
-    with pytest.raises(ConfigError, match="micro_batches must be a positive number"):
+    with pytest.raises(ConfigError, match="colocated.micro_batches must be a positive int"):
         ColocatedConfig(micro_batches=0)
 
 

@@ -28,7 +28,7 @@ from disagmoe_ds.afpipe.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.comm.exchange import ExchangeComms, ffn_lanes
 from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.comm.transport import make_transport
-from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
+from disagmoe_ds.config import SECTION, DisagMoEConfig
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import JobRole, Layout, RankRole
@@ -43,7 +43,7 @@ from disagmoe_ds.models.sequence_parallel import SequenceParallel, check_sequenc
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.lora import FULL, LoRA
 from disagmoe_ds.planner.runtime_costs import runtime_costs, unit_costs
-from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm, check_stage, ds_stage
+from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm
 from disagmoe_ds.runtime.rank import RankBuilder, RankParts, RankRuntime
 from disagmoe_ds.schedule import (
     BackwardAttn,
@@ -128,7 +128,7 @@ class Disaggregated:
         return stage
 
     def zero_stage(self, role: JobRole, ds_config: dict[str, Any]) -> int:
-        return self.cfg.zero_stage_of("attention" if role.is_attention else "ffn", ds_stage(ds_config))
+        return self.cfg.zero_stage_of("attention" if role.is_attention else "ffn", ds_config)
 
     def grad_scale(self, layout: Layout, role: JobRole) -> float:
         # Expert grads sum over the tokens of all lanes; DeepSpeed averages over the edp replicas only.
@@ -299,9 +299,7 @@ def check_zero_stages(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
     trace through those hooks, and activation offload would copy the gathered parameters that autograd saved to
     host memory (neither is tested with it); DeepSpeed's own parameter and optimizer offload are not either.
     """
-    check_stage(ds_config, cfg.zero_stage_of("attention", ds_stage(ds_config)), where="on the attention side")
-    ffn = cfg.zero_stage_of("ffn", ds_stage(ds_config))
-    check_stage(ds_config, ffn, where="on the expert side", stages=ZERO_STAGES["ffn"])
+    ffn = cfg.zero_stages(ds_config)["ffn"]  # both sides' stages checked
     zero = ds_config.get("zero_optimization", {})
     if cfg.capacity_factor is not None and (ffn == 3 or zero.get("offload_optimizer")):
         raise ConfigError(
@@ -333,9 +331,8 @@ def schedule_costs(
     """The planner's per-task seconds for this job (same inputs on every rank, so the same schedule everywhere);
     unit costs when the sequence length is not known. With ``split_backward`` the weight-gradient halves are W
     tasks, except on a compiled attention side (one autograd node per part: nothing to split)."""
-    ffn_zero3 = cfg.zero_stage_of("ffn", 0) == 3  # only "zero_stage" puts a side at ZeRO-3 (the ds stage is 0-2)
     if seq_len is None:
-        return unit_costs(split_backward=cfg.split_backward, compiled=cfg.compile, ffn_zero3=ffn_zero3)
+        return unit_costs(split_backward=cfg.split_backward, compiled=cfg.compile, ffn_zero3=cfg.experts_sharded)
     return runtime_costs(
         config,
         layout,
@@ -346,7 +343,7 @@ def schedule_costs(
         resend=cfg.resend,
         split_backward=cfg.split_backward,
         compiled=cfg.compile,
-        ffn_zero_stage=3 if ffn_zero3 else None,
+        ffn_zero_stage=3 if cfg.experts_sharded else None,
         lora=_costed_lora(cfg.lora),
     )
 

@@ -16,8 +16,7 @@ from typing import Any
 
 from disagmoe_ds.afpipe import build as engine_build
 from disagmoe_ds.checkpoint.ds_state import gathered
-from disagmoe_ds.comm.transport import TRANSPORTS
-from disagmoe_ds.config import SIDES, DisagMoEConfig
+from disagmoe_ds.config import LAYOUT_KEYS, LEVER_KEYS, DisagMoEConfig, add_section_flags, section_values
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.lora import lora_of
 from disagmoe_ds.parity.compare import capture_grads, compare, hf_named
@@ -54,95 +53,31 @@ def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
     return compare(ranks, reference(args, args.cfg.batch_lanes), args)
 
 
-def parse_args(argv: list[str] | None) -> VerifyArgs:
+# The section keys disagmoe-verify takes as flags (config.SECTION_FLAGS: the same flags as run_pretrain.py's and
+# bench_e2e.py's for the same keys).
+VERIFY_KEYS = (
+    *LAYOUT_KEYS,
+    "micro_batches",
+    "activation_checkpointing",
+    "transport",
+    *LEVER_KEYS,
+    "comm_timeout_s",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="disagmoe-verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--attention-gpus", type=int, default=1, help="M: attention ranks")
-    p.add_argument("--ffn-gpus", type=int, default=1, help="N: FFN (expert) ranks")
-    p.add_argument("--depth", type=int, default=1, help="p: A-groups = F-groups (must divide the layer count)")
-    p.add_argument("--expert-data-parallel", type=int, default=1, help="replicas of each expert shard")
-    p.add_argument(
-        "--sequence-parallel", type=int, default=1, help="s: lanes holding one micro-batch in slices (Ulysses)"
-    )
-    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per lane")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute chunk activations in backward")
-    p.add_argument(
-        "--transport",
-        choices=sorted(TRANSPORTS),
-        default="auto",
-        help="exchange transport: auto (NCCL on GPUs, gloo on CPUs) or rendezvous (CPU ranks; a send completes only "
-        "once its receive has started, as on NCCL's network transport: shows deadlocks gloo hides)",
-    )
-    add_lever_args(p)
-    p.add_argument(
-        "--comm-timeout", type=float, default=300.0, help="seconds a rank may wait for a peer; stacks at half of it"
-    )
+    add_section_flags(p, VERIFY_KEYS, cli="verify")
     add_run_args(p, zero_help="ZeRO stage inside each group")
-    a = p.parse_args(argv)
-    cfg = DisagMoEConfig(
-        attention_gpus=a.attention_gpus,
-        ffn_gpus=a.ffn_gpus,
-        depth=a.depth,
-        micro_batches=a.micro_batches,
-        expert_data_parallel=a.expert_data_parallel,
-        sequence_parallel=a.sequence_parallel,
-        activation_checkpointing=a.activation_checkpointing,
-        transport=a.transport,
-        comm_timeout_s=a.comm_timeout,
-        lora=lora_of(a),
-        **lever_settings(a),
-    )
+    return p
+
+
+def parse_args(argv: list[str] | None) -> VerifyArgs:
+    a = build_parser().parse_args(argv)
+    cfg = DisagMoEConfig(**section_values(a, VERIFY_KEYS), lora=lora_of(a))
     return run_args(VerifyArgs, a, cfg)
-
-
-def add_lever_args(p: argparse.ArgumentParser) -> None:
-    """AF-Pipe's memory levers as flags (``lever_settings`` turns them into ``DisagMoEConfig`` fields); shared with
-    ``bench/bench_e2e.py``."""
-    p.add_argument("--resend", action="store_true", help="experts keep nothing between forward and backward")
-    p.add_argument("--cuda-graphs", action="store_true", help="replay the parts as CUDA graphs (GPU ranks)")
-    p.add_argument(
-        "--capacity-factor",
-        type=float,
-        help="several ep ranks: m2n messages at a fixed capacity (balanced routing times this), no headers; a step "
-        "that outgrows it runs again at a larger one",
-    )
-    p.add_argument(
-        "--selective-recompute", action="store_true", help="recompute attention blocks, SwiGLUs, experts' gate/up"
-    )
-    p.add_argument(
-        "--split-backward",
-        action="store_true",
-        help="each backward sends its input gradients first and runs its weight gradients when the rank would idle",
-    )
-    p.add_argument(
-        "--offload",
-        nargs=2,
-        type=float,
-        metavar=("A", "F"),
-        default=(0.0, 0.0),
-        help="share of each micro-batch's layers whose saved activations go to host memory, attention and FFN side",
-    )
-    p.add_argument(
-        "--zero-stage",
-        nargs=2,
-        type=int,
-        metavar=("A", "F"),
-        help="ZeRO stage of the attention and the FFN side (F may be 3: expert parameters sharded), replacing --zero",
-    )
-
-
-def lever_settings(a: argparse.Namespace) -> dict[str, Any]:
-    """The ``DisagMoEConfig`` fields of ``add_lever_args``' flags."""
-    return {
-        "resend": a.resend,
-        "cuda_graphs": a.cuda_graphs,
-        "capacity_factor": a.capacity_factor,
-        "selective_recompute": a.selective_recompute,
-        "split_backward": a.split_backward,
-        "offload": dict(zip(SIDES, a.offload, strict=True)),
-        "zero_stage": dict(zip(SIDES, a.zero_stage, strict=True)) if a.zero_stage else {},
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,12 +37,11 @@ from disagmoe_ds.checkpoint.manifest import (
     save_checkpoint,
     verify_files,
 )
-from disagmoe_ds.config import SECTION, SIDES, DisagMoEConfig
+from disagmoe_ds.config import SECTION, DisagMoEConfig, ds_stage
 from disagmoe_ds.data import MicroBatchLoader, Tokenizer
 from disagmoe_ds.data.sampler import regroup
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.layout import JobLayout
-from disagmoe_ds.runtime.deepspeed_role import ds_stage
 from disagmoe_ds.runtime.rank import RankRuntime
 
 _TAG = re.compile(r"^step(\d+)$")
@@ -202,8 +201,7 @@ def _engine_settings(ds_config: dict[str, Any]) -> tuple[int, str]:
 
 def _stages_by_side(ds_config: dict[str, Any]) -> dict[str, int]:
     """Each side's ZeRO stage under ``ds_config``: its ``"disagmoe": {"zero_stage": ...}``, else its stage."""
-    cfg = DisagMoEConfig.from_ds_config(ds_config)
-    return {side: cfg.zero_stage_of(side, ds_stage(ds_config)) for side in SIDES}
+    return DisagMoEConfig.from_ds_config(ds_config).zero_stages(ds_config)
 
 
 def _check_engine_settings(

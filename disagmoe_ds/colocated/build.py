@@ -25,15 +25,12 @@ from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
 from disagmoe_ds.colocated.groups import register_with_deepspeed
 from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout, ColocatedRole
 from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
-from disagmoe_ds.config import SECTION
-from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import JobRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_experts_of
 from disagmoe_ds.models.split import aux_loss_enabled
-from disagmoe_ds.runtime.deepspeed_role import check_stage, ds_stage
 from disagmoe_ds.runtime.rank import RankBuilder, RankParts, RankRuntime
 
 ColocatedRuntime = RankRuntime  # one runtime type for both modes; the name stays for readers of this package
@@ -52,16 +49,11 @@ class Colocated:
         del layout  # any ep_size (ExpertShard)
         if self.cfg.lora is not None:
             check_lora(config, self.cfg.lora, needs=("expert",))  # DeepSpeed's MoE engine needs an expert group
-        if ds_config.get(SECTION, {}).get("zero_stage"):
-            raise ConfigError(
-                f'"{SECTION}.zero_stage" sets a ZeRO stage per side of a disaggregated job; a co-located rank has one '
-                'engine over both kinds of parameters: set "zero_optimization.stage" (--zero) instead'
-            )
-        check_stage(ds_config, ds_stage(ds_config), where="in a co-located job")
+        self.cfg.zero_stage_of("ffn", ds_config)  # checked: one stage for both kinds of parameters
 
     def zero_stage(self, role: JobRole, ds_config: dict[str, Any]) -> int:
-        del role
-        return ds_stage(ds_config)
+        del role  # one engine over both kinds of parameters: one stage
+        return self.cfg.zero_stage_of("attention", ds_config)
 
     def groups(
         self,

@@ -19,60 +19,51 @@ ColocatedRole(index=3, ep_rank=1, edp_rank=1)
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from disagmoe_ds.config import SECTION, Accumulation, FineTuning, Kernels, Watchdog, effective_zero_stage
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.layout import ExpertSlices, GroupRanks, JobRole
-from disagmoe_ds.models.lora import LoraSettings
 
 
 @dataclass(frozen=True, kw_only=True)
-class ColocatedConfig:
-    """The co-located EP+DP run.
+class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
+    """The co-located EP+DP run: its own rank counts, and the sections both modes read (``config``'s
+    ``Accumulation``, ``Watchdog``, ``Kernels``, ``FineTuning``: micro-batches per step per rank, the communication
+    timeout, ``compile``/``cuda_graphs``, LoRA).
 
     Attributes:
         world_size: W, ranks in the job; every rank is an attention lane and an expert-parallel rank.
         ep_size: expert-parallel ranks that together hold one copy of every MoE layer's experts; divides W and the
             expert count. None: the largest such size (``gcd(W, num_experts)``), fixed by ``layout``.
-        micro_batches: micro-batches per optimizer step per rank (DeepSpeed's gradient_accumulation_steps).
-        comm_timeout_s: a rank waiting longer than this for a peer fails the job instead of hanging; a step
-            stalled for half of it prints the rank's Python stacks first (``launch.watchdog``).
-        compile: fuse the attention parts and the experts' elementwise work with ``torch.compile`` (GPU runs).
-        cuda_graphs: replay the attention parts, the head and (with one ep rank) the expert shards as CUDA graphs
-            (``models.graphs``; CUDA only).
-        lora: LoRA fine-tuning (``models.lora.LoraSettings``), as in the disaggregated mode; None: full training.
     """
 
     world_size: int = 1
     ep_size: int | None = None
-    micro_batches: int = 1
-    comm_timeout_s: float = 300.0
-    compile: bool = False
-    cuda_graphs: bool = False
-    lora: LoraSettings | None = None
 
-    def __post_init__(self) -> None:
-        if self.lora is not None:
-            object.__setattr__(self, "lora", LoraSettings.from_dict(self.lora))
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "lora":
-                continue
-            if f.name in ("compile", "cuda_graphs"):
-                if not isinstance(value, bool):
-                    raise ConfigError(f"colocated.{f.name} must be true or false, got {value!r}")
-                continue
-            if f.name == "ep_size" and value is None:
-                continue
-            allowed = (int, float) if f.name == "comm_timeout_s" else (int,)
-            if isinstance(value, bool) or not isinstance(value, allowed) or value <= 0:
-                raise ConfigError(f"colocated.{f.name} must be a positive number, got {value!r}")
+    def _named(self, key: str) -> str:
+        return f"colocated.{key}"
+
+    def _check(self) -> None:
+        self._positive("world_size", int)
+        self._positive("ep_size", int, optional=True)
         if self.ep_size is not None and self.world_size % self.ep_size:
             raise LayoutError(
                 f"ep_size ({self.ep_size}) must divide world_size ({self.world_size}): the ranks form "
                 f"world_size / ep_size expert-data-parallel replicas of the experts; pick an ep_size that divides it"
             )
+
+    def zero_stage_of(self, side: str, ds_config: dict[str, Any]) -> int:
+        """Either side's ZeRO stage: ``zero_optimization.stage``, the stage of the one engine a rank has over both
+        kinds of parameters (``config.effective_zero_stage``); a per-side stage in the section is refused."""
+        del side
+        if ds_config.get(SECTION, {}).get("zero_stage"):
+            raise ConfigError(
+                f'"{SECTION}.zero_stage" sets a ZeRO stage per side of a disaggregated job; a co-located rank has one '
+                'engine over both kinds of parameters: set "zero_optimization.stage" (--zero) instead'
+            )
+        return effective_zero_stage(ds_config)
 
     @property
     def lanes(self) -> int:

@@ -19,7 +19,7 @@ import torch
 
 from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.layout import ColocatedConfig
-from disagmoe_ds.config import SECTION
+from disagmoe_ds.config import SECTION, add_section_flags, section_values
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.lora import lora_of
 from disagmoe_ds.parity.compare import compare, full_grad
@@ -104,7 +104,7 @@ def run_colocated_verify(args: ColocatedVerifyArgs, *, timeout_s: float = 600.0)
     return compare(ranks, reference(args, args.cfg.lanes), args)
 
 
-def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m disagmoe_ds.colocated.verify",
         description=__doc__,
@@ -112,10 +112,16 @@ def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
     )
     p.add_argument("--world-size", type=int, default=2, help="W: ranks, each with attention and an expert slice")
     p.add_argument("--ep-size", type=int, default=2, help="expert-parallel ranks per copy of the experts (divides W)")
-    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step per rank")
+    add_section_flags(p, ("micro_batches",), cli="colocated_verify")
     add_run_args(p, zero_help="ZeRO stage")
-    a = p.parse_args(argv)
-    cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=a.micro_batches, lora=lora_of(a))
+    return p
+
+
+def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
+    a = build_parser().parse_args(argv)
+    cfg = ColocatedConfig(
+        world_size=a.world_size, ep_size=a.ep_size, **section_values(a, ("micro_batches",)), lora=lora_of(a)
+    )
     return run_args(ColocatedVerifyArgs, a, cfg)
 
 

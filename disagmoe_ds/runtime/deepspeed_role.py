@@ -36,7 +36,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from torch import nn
 
-from disagmoe_ds.config import SECTION
+from disagmoe_ds.config import SECTION, effective_zero_stage
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.parts import ExpertShard
 from disagmoe_ds.runtime import ds_patches
@@ -71,26 +71,11 @@ class RoleMPU:
     get_tensor_model_parallel_rank = get_model_parallel_rank
 
 
-def ds_stage(ds_config: dict[str, Any]) -> int:
-    """The ds_config's own ``zero_optimization.stage`` (each side's default)."""
-    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
-
-
-def check_stage(ds_config: dict[str, Any], stage: int, *, where: str, stages: tuple[int, ...] = (0, 1, 2)) -> None:
-    """Refuse a ZeRO stage ``where`` (``"on the attention side"``...) cannot run, with the fix."""
-    if stage not in stages:
-        hint = ' (ZeRO-3 shards the expert side only: "disagmoe": {"zero_stage": {"attention": 2, "ffn": 3}})'
-        raise ConfigError(
-            f"ZeRO stage {stage} {where} is not supported; use one of {list(stages)}{hint if stage == 3 else ''}"
-        )
-    if ds_config.get("bf16", {}).get("enabled") and stage == 0:
-        raise ConfigError(f"bf16 needs ZeRO stage >= 1 {where} in DisagMoE-DS (--zero 1, its zero_stage or fp32)")
-
-
 def role_ds_config(
     ds_config: dict[str, Any], *, micro_batches: int, micro_batch_size: int, dp_size: int, stage: int | None = None
 ) -> dict:
-    """The user's ds_config adapted to one role engine, at ZeRO ``stage`` (default: the ds_config's).
+    """The user's ds_config adapted to one role engine, at ZeRO ``stage``: its side's effective stage (the mode's
+    ``zero_stage_of``, which checked it), or None for the ds_config's own, checked here.
 
     Gradient accumulation is owned by the AF-Pipe executor (one ``step()`` per batch after many partial
     backwards), so ``managed_gradient_accumulation`` is off and the batch sizes are made consistent. At stage 3
@@ -110,16 +95,8 @@ def role_ds_config(
     optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
     if not torch.cuda.is_available() and optimizer.get("type", "").lower() in ("adam", "adamw"):
         optimizer.setdefault("params", {})["torch_adam"] = True  # FusedAdam would JIT-compile for minutes on CPU
-    if stage is None:  # the ds_config's own stage, every side's default: 0-2
-        stage = ds_stage(config)
-        if stage not in (0, 1, 2):
-            raise ConfigError(
-                f'"zero_optimization.stage" {stage} is not supported; use 0, 1 or 2 (--zero 1), and ZeRO-3 on the '
-                f'expert side only ("{SECTION}": {{"zero_stage": {{"ffn": 3}}}})'
-            )
-        if config.get("bf16", {}).get("enabled") and stage == 0:
-            raise ConfigError('bf16 needs "zero_optimization.stage" 1 or 2 in DisagMoE-DS (--zero 1, or --dtype fp32)')
-    check_stage(config, stage, where="in a role engine", stages=(0, 1, 2, 3))
+    if stage is None:  # one engine over every parameter: the ds_config's own stage
+        stage = effective_zero_stage(config)
     zero = config.setdefault("zero_optimization", {})
     zero["stage"] = stage
     if stage == 3:

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from disagmoe_ds.colocated.layout import ColocatedConfig
-from disagmoe_ds.config import SECTION, ZERO_STAGES, DisagMoEConfig
+from disagmoe_ds.config import SECTION, SIDES, DisagMoEConfig
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.runtime.deepspeed_role import ds_stage, role_ds_config
+from disagmoe_ds.runtime.deepspeed_role import role_ds_config
 
 
 def check_flag_values(ns: argparse.Namespace) -> None:
@@ -125,8 +125,7 @@ def check_engine_config(
 ) -> None:
     """What DeepSpeed would refuse inside every rank, refused here: precision and ZeRO rules (``role_ds_config``)
     and optimizer hyper-parameters out of range."""
-    sides = getattr(cfg, "zero_stage", None)  # a disaggregated job's per-side stages replace the ds_config's
-    for stage in [cfg.zero_stage_of(side, ds_stage(ds_config)) for side in ZERO_STAGES] if sides else [None]:
+    for stage in sorted({cfg.zero_stage_of(side, ds_config) for side in SIDES}):  # each side's, checked there
         role_ds_config(
             ds_config, micro_batches=cfg.micro_batches, micro_batch_size=micro_batch_size, dp_size=1, stage=stage
         )

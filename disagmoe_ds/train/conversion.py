@@ -126,8 +126,8 @@ def _check_job(job: Job) -> None:
     from disagmoe_ds.runtime.deepspeed_role import role_ds_config
 
     preflight(job.model_dir, job.cfg, job.ds_config, job.cfg.world_size)  # each side's ZeRO stage too
-    if not job.cfg.zero_stage:
-        role_ds_config(job.ds_config, micro_batches=job.cfg.micro_batches, micro_batch_size=1, dp_size=1)
+    for stage in sorted(set(job.cfg.zero_stages(job.ds_config).values())):  # what DeepSpeed would refuse
+        role_ds_config(job.ds_config, micro_batches=job.cfg.micro_batches, micro_batch_size=1, dp_size=1, stage=stage)
 
 
 def _refuse_existing(path: Path, what: str) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import deepspeed
 import torch
 
+from disagmoe_ds.config import LAYOUT_KEYS, add_section_flags, flag_of
 from disagmoe_ds.models.lora import add_lora_args
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -23,16 +24,10 @@ COLOCATED_FLAGS = {
     "ep_size": "colocated: ranks that share one copy of the experts; divides --world-size and the expert count "
     "[the largest that does]",
 }
-# --mode disaggregated only: each replaces the key of its name in the ds_config's "disagmoe" section.
-LAYOUT_FLAGS = {
-    "attention_gpus": "ranks that run the attention side (M), in total",
-    "ffn_gpus": "ranks that run the experts (N), in total",
-    "depth": "pipeline depth (p): the layers are split over this many attention groups and as many expert groups; "
-    "divides the layer count",
-    "expert_data_parallel": "copies of each expert shard within an expert group",
-    "sequence_parallel": "attention ranks that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses around "
-    "the attention core); divides the lanes of an attention group, the attention heads and --seq-len",
-}
+# Section keys as flags (config.SECTION_FLAGS), each replacing the key of its name in the ds_config's "disagmoe"
+# section: the layout's in --mode disaggregated only, micro_batches in both modes.
+LAYOUT_FLAGS = LAYOUT_KEYS
+SECTION_KEYS = (*LAYOUT_KEYS, "micro_batches")
 
 _EPILOG = """\
 Every setting not given as a flag comes from --deepspeed_config: its "disagmoe" section holds the layout (the
@@ -40,11 +35,6 @@ layout flags override its keys), the rest is DeepSpeed's own config (optimizer, 
 --lr, --zero and --dtype override those). ds_configs/ holds examples; `disagmoe-plan --write-ds-config` writes one
 for a model and a cluster.
 """
-
-
-def flag_of(name: str) -> str:
-    """The flag of an ``argparse`` destination: ``ep_size`` -> ``--ep-size``."""
-    return "--" + name.replace("_", "-")
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -121,13 +111,9 @@ def _layout(g: argparse._ArgumentGroup) -> None:
         "colocated: every GPU holds the attention layers and a slice of the experts (expert + data parallel, "
         "all-to-all dispatch): runs on one GPU, and is the baseline to compare with",
     )
-    for name, text in {**COLOCATED_FLAGS, **LAYOUT_FLAGS}.items():
+    for name, text in COLOCATED_FLAGS.items():  # the co-located layout's keys, not the section's
         g.add_argument(flag_of(name), type=int, help=text)
-    g.add_argument(
-        "--micro-batches",
-        type=int,
-        help="micro-batches per optimizer step on each data-parallel lane (DeepSpeed's gradient accumulation steps)",
-    )
+    add_section_flags(g, SECTION_KEYS, cli="run_pretrain")
 
 
 def _optimisation(g: argparse._ArgumentGroup) -> None:

@@ -14,13 +14,13 @@ from typing import Any
 from tqdm import tqdm
 
 from disagmoe_ds.checkpoint.resume import ResumePoint
+from disagmoe_ds.config import SIDES
 from disagmoe_ds.models.aux_loss import balance_per_layer
 from disagmoe_ds.models.lora import GROUPS
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.lora import LoRA, adapter_params
 from disagmoe_ds.planner.memory import rank_state_bytes
 from disagmoe_ds.planner.model import ModelSpec
-from disagmoe_ds.runtime.deepspeed_role import ds_stage
 from disagmoe_ds.train.args import TrainArgs
 from disagmoe_ds.train.data import TrainData, epoch_text
 from disagmoe_ds.train.metrics import ModelFacts, StepRecord
@@ -174,8 +174,7 @@ def training_state_line(args: TrainArgs, config, layout) -> str:
     """What the run trains and the training state per rank the planner's memory model gives it (parameters,
     gradients, optimizer state; activations come on top), beside full fine-tuning's for a LoRA run."""
     lora = args.cfg.lora
-    zero = ds_stage(args.ds_config)
-    stages = {side: getattr(args.cfg, "zero_stage_of", lambda _s, d: d)(side, zero) for side in ("attention", "ffn")}
+    stages = {side: args.cfg.zero_stage_of(side, args.ds_config) for side in SIDES}
     common = dict(precision=args.dtype, zero_stage_a=stages["attention"], zero_stage_f=stages["ffn"])
     full = rank_state_bytes(config.to_dict(), layout, **common)
     if lora is None:

@@ -5,9 +5,9 @@ value came from); ``--lr``, ``--dtype``, ``--zero`` and ``--steps`` edit its opt
 ``zero_optimization`` sections.
 
 ``--mode colocated`` replaces the disaggregated layout by a ``ColocatedConfig``: ``--world-size`` ranks (the
-launcher's world size under a launcher, else 1) and ``--ep-size``; micro-batches, the communication timeout,
-``compile`` and ``cuda_graphs`` still come from the section (or ``--micro-batches``), its attention/FFN layout
-keys are not used.
+launcher's world size under a launcher, else 1) and ``--ep-size``; the keys of the sections both modes share
+(micro-batches, the communication timeout, ``compile``, ``cuda_graphs``, LoRA) still come from the section (or
+``--micro-batches``), its attention/FFN layout keys are not used.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import argparse
 import copy
 import warnings
 from collections.abc import Iterable
+from dataclasses import fields
 from typing import Any
 
 from disagmoe_ds.colocated.layout import ColocatedConfig
-from disagmoe_ds.config import SECTION, DisagMoEConfig
+from disagmoe_ds.config import SECTION, DisagMoEConfig, flag_of, section_values
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.lora import lora_of
-from disagmoe_ds.train.flags import COLOCATED_FLAGS, DEFAULT_MICRO_BATCH_SIZE, LAYOUT_FLAGS, flag_of
+from disagmoe_ds.train.flags import COLOCATED_FLAGS, DEFAULT_MICRO_BATCH_SIZE, LAYOUT_FLAGS, SECTION_KEYS
 
 # Schedulers whose peak learning rate is a scheduler parameter, not the optimizer's lr.
 _PEAK_LR_PARAM = {"WarmupLR": "warmup_max_lr", "WarmupDecayLR": "warmup_max_lr"}
@@ -45,11 +46,11 @@ def mode_config(
     if ns.mode == "disaggregated":
         _refuse_flags(ns, COLOCATED_FLAGS, "is a --mode colocated flag; the disaggregated layout is set by the "
                       "layout flags (--attention-gpus, --ffn-gpus, --depth ...)")  # fmt: skip
-        flags = {k: getattr(ns, k) for k in (*LAYOUT_FLAGS, "micro_batches")}
+        flags = section_values(ns, SECTION_KEYS)
         return DisagMoEConfig.from_ds_config(ds_config, {**flags, "lora": lora_of(ns, verify=False)})
     _refuse_flags(ns, LAYOUT_FLAGS, "sets the disaggregated layout; --mode colocated takes --world-size and --ep-size")
     section = DisagMoEConfig.from_ds_config(
-        ds_config, {"micro_batches": ns.micro_batches, "lora": lora_of(ns, verify=False)}
+        ds_config, {**section_values(ns, ("micro_batches",)), "lora": lora_of(ns, verify=False)}
     )
     ignored = {
         "activation_checkpointing": section.activation_checkpointing,
@@ -67,14 +68,13 @@ def mode_config(
             "micro-batch at a time and keeps its activations (they are AF-Pipe's memory levers)",
             stacklevel=2,
         )
+    shared = {f.name for f in fields(ColocatedConfig)} & {
+        f.name for f in fields(DisagMoEConfig)
+    }  # both modes' sections
     return ColocatedConfig(
         world_size=ns.world_size or launched_world_size or 1,
         ep_size=ns.ep_size,
-        micro_batches=section.micro_batches,
-        comm_timeout_s=section.comm_timeout_s,
-        compile=section.compile,
-        cuda_graphs=section.cuda_graphs,
-        lora=section.lora,
+        **{key: getattr(section, key) for key in shared},
     )
 
 
