@@ -140,11 +140,9 @@ class Disaggregated:
 
     def executor(self, parts: RankParts[Layout]) -> AFPipeExecutor:
         cfg, layout, role, stage = self.cfg, parts.layout, parts.role, _stage(parts)
-        costs = schedule_costs(
+        schedule = job_schedule(
             stage.config.to_dict(), layout, cfg, seq_len=parts.seq_len, micro_batch_size=parts.micro_batch_size
         )
-        shape = PipeShape(layout.depth, layout.num_layers, parts.routing.moe_layers)
-        schedule = generate(shape, cfg.micro_batches, costs=costs, max_in_flight=cfg.max_in_flight)
         check_streams(schedule.streams)
         worker = Worker("A" if role.is_attention else "F", role.group)
         capacity = self._capacity(parts)
@@ -323,6 +321,15 @@ def check_zero_stages(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
             f"{'it' if len(chosen) == 1 else 'them'} off or use ZeRO stage 2 there "
             f'("{SECTION}": {{"zero_stage": {{"ffn": 2}}}})'
         )
+
+
+def job_schedule(
+    config: dict[str, Any], layout: Layout, cfg: DisagMoEConfig, *, seq_len: int | None, micro_batch_size: int
+) -> Schedule:
+    """The job's AF-Pipe schedule, the same on every rank: the start banner's bubble and every rank's streams."""
+    costs = schedule_costs(config, layout, cfg, seq_len=seq_len, micro_batch_size=micro_batch_size)
+    shape = PipeShape(layout.depth, layout.num_layers, moe_layer_pattern(config))
+    return generate(shape, cfg.micro_batches, costs=costs, max_in_flight=cfg.max_in_flight)
 
 
 def schedule_costs(

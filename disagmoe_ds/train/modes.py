@@ -18,14 +18,13 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from disagmoe_ds.afpipe.build import build_rank, preflight, schedule_costs
+from disagmoe_ds.afpipe.build import build_rank, job_schedule, preflight
 from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.layout import ColocatedLayout
 from disagmoe_ds.layout import JobLayout, Layout
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.sequence_parallel import check_sequence_parallel
 from disagmoe_ds.runtime.rank import RankRuntime
-from disagmoe_ds.schedule import PipeShape, generate
 from disagmoe_ds.train.args import TrainArgs
 from disagmoe_ds.train.metrics import ModelFacts
 
@@ -68,10 +67,9 @@ class DisaggregatedTraining:
         return layout
 
     def describe(self, args: TrainArgs, layout: Layout, facts: ModelFacts) -> list[str]:
-        shape = PipeShape(layout.depth, layout.num_layers, facts.moe_layers)
+        del facts
         config = load_config(args.model).to_dict()
-        costs = schedule_costs(config, layout, args.cfg, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size)
-        schedule = generate(shape, args.cfg.micro_batches, costs=costs, max_in_flight=args.cfg.max_in_flight)
+        schedule = job_schedule(config, layout, args.cfg, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size)
         bubble = sum(schedule.bubble_fraction.values()) / len(schedule.bubble_fraction)
         return [
             f"layout: {layout.describe()}",
