@@ -342,7 +342,7 @@ def test_plans_divide_and_fit_memory():
 
 
 def test_bandwidth_starved_cluster_says_disaggregation_does_not_pay():
-    from disagmoe_ds.planner.report import verdict
+    from disagmoe_ds.planner.verdict import verdict
 
     result = plan_for(mid_model(), small_cluster(nic_bw=0.5e9), 4096)
     head, reasons = verdict(result)
@@ -752,8 +752,8 @@ def test_offload_is_limited_by_pcie_bandwidth():
 
 
 def test_zero3_on_the_ffn_side_shards_parameters_and_pays_in_collectives():
-    from disagmoe_ds.planner.memory import ffn_rank_params
     from disagmoe_ds.planner.stages import zero_micro_batch_bytes
+    from disagmoe_ds.planner.training_state import ffn_rank_params
 
     spec, layout, work = _af_setup()
     z3 = replace(work, ffn_zero_stage=3)
@@ -803,13 +803,14 @@ def test_paired_overlap_hides_the_all_to_all_behind_the_other_micro_batch():
 
 
 def test_tensor_and_context_parallel_split_activations_and_dense_state():
+    from disagmoe_ds.planner.colocated_costs import Shape
     from disagmoe_ds.planner.memory import baseline_rank_memory
 
     spec = mid_model()
-    kw = {"world_size": 64, "pp": 1, "vpp": 1, "ep": 8, "chunks_alive": 1}
+    kw = {"world_size": 64, "chunks_alive": 1}
     work = Workload(4096, 1)
-    plain = baseline_rank_memory(spec, work, **kw)
-    sharded = baseline_rank_memory(spec, work, tp=2, cp=2, **kw)
+    plain = baseline_rank_memory(spec, work, Shape(pp=1, vpp=1, tp=1, cp=1, ep=8, overlap="none"), **kw)
+    sharded = baseline_rank_memory(spec, work, Shape(pp=1, vpp=1, tp=2, cp=2, ep=8, overlap="none"), **kw)
     assert sharded.activations_per_micro_batch == pytest.approx(plain.activations_per_micro_batch / 4)
     assert sharded.state < plain.state
 
@@ -939,7 +940,7 @@ def test_optimizer_step_scales_with_the_params_a_rank_steps():
 
 
 def test_af_pipe_step_waits_for_the_slower_sides_optimizer_and_co_located_adds_its_own():
-    from disagmoe_ds.planner.report import to_json
+    from disagmoe_ds.planner.plan_json import to_json
 
     spec, cluster = mid_model(), small_cluster()
     result = plan_for(spec, cluster, 4096)
