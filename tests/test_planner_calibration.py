@@ -15,12 +15,14 @@ from disagmoe_ds.planner.baseline_layout import check_layout, parse_layout
 from disagmoe_ds.planner.calibration import RUNS, TOLERANCE, predict
 from disagmoe_ds.planner.cli import main
 from disagmoe_ds.planner.cluster import Cluster, Efficiency, Rates, preset
-from disagmoe_ds.planner.colocated_costs import alltoall_s
+from disagmoe_ds.planner.colocated_costs import Shape, alltoall_s
 from disagmoe_ds.planner.gemm_efficiency import expert_efficiency, shape_rates
-from disagmoe_ds.planner.memory import Precision, Workload, baseline_rank_memory
+from disagmoe_ds.planner.memory import baseline_rank_memory
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.pipeline_split import chunk_sizes
+from disagmoe_ds.planner.training_state import Precision
 from disagmoe_ds.planner.variants import PAPER, VARIANTS
+from disagmoe_ds.planner.workload import Workload
 from tests.test_planner import mid_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,9 +65,10 @@ def test_megatron_keeps_fp32_main_grads():
     assert Precision.megatron("bf16").per_param(zero_stage=1, dp=4) == 2 + 4 + 12 / 4
     assert Precision.named("bf16").per_param(zero_stage=1, dp=4) == 2 + 2 + 12 / 4
     spec = load_model_spec(MODELS / "Qwen3-30B-A3B")
-    kw = {"world_size": 8, "pp": 1, "vpp": 1, "ep": 8, "chunks_alive": 1}
-    fp32 = baseline_rank_memory(spec, Workload(4096, 1), **kw)
-    bf16 = baseline_rank_memory(spec, Workload(4096, 1), fp32_grads=False, **kw)
+    kw = {"world_size": 8, "chunks_alive": 1}
+    shape = Shape(pp=1, vpp=1, tp=1, cp=1, ep=8, overlap="none")
+    fp32 = baseline_rank_memory(spec, Workload(4096, 1), shape, **kw)
+    bf16 = baseline_rank_memory(spec, Workload(4096, 1), replace(shape, fp32_grads=False), **kw)
     experts = 48 * 128 * spec.expert_params()
     dense = spec.total_params() - experts
     assert fp32.state - bf16.state == pytest.approx(2 * (experts / 8 + dense))  # 2 more bytes on every local param

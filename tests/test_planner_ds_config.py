@@ -1,6 +1,6 @@
 """The planner's ds_config runs in the runtime as planned: each variant the runtime runs is written into the
 "disagmoe" section and passes the runtime's own checks; each it refuses is left out, and the planner's reason
-(``report.runtime_refusal``) is the runtime's."""
+(``runtime_files.runtime_refusal``) is the runtime's."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from disagmoe_ds.afpipe.build import check_zero_stages
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.planner.memory import Workload
-from disagmoe_ds.planner.report import ds_config, runtime_refusal
+from disagmoe_ds.planner.runtime_files import ds_config, runtime_refusal
+from disagmoe_ds.planner.workload import Workload
 
 
 def _written(work: Workload, depth: int) -> dict:
@@ -82,11 +82,12 @@ def test_the_planners_refusals_are_the_runtimes(recompute, resend, split, za, zf
 
 
 def test_the_planner_knows_which_a_lane_degrees_the_runtime_runs():
-    """``report.RUNTIME_LANE_FIELDS`` names which of "sequence_parallel" and "tensor_parallel" ``DisagMoEConfig`` reads
-    (the planner cannot import it): a plan with a degree > 1 the runtime does not read gets no ds_config."""
+    """``runtime_files.RUNTIME_LANE_FIELDS`` names which of "sequence_parallel" and "tensor_parallel"
+    ``DisagMoEConfig`` reads (the planner cannot import it): a plan with a degree > 1 the runtime does not read gets
+    no ds_config."""
     from dataclasses import fields
 
-    from disagmoe_ds.planner.report import RUNTIME_LANE_FIELDS
+    from disagmoe_ds.planner.runtime_files import RUNTIME_LANE_FIELDS
 
     names = {f.name for f in fields(DisagMoEConfig)}
     assert RUNTIME_LANE_FIELDS == {"sequence_parallel", "tensor_parallel"} & names

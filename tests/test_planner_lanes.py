@@ -21,12 +21,13 @@ from disagmoe_ds.planner.attention_lanes import (
     ulysses_bytes_per_token,
     ulysses_forward_bytes,
 )
-from disagmoe_ds.planner.memory import Workload, attention_rank_memory, ffn_rank_memory
+from disagmoe_ds.planner.memory import attention_rank_memory, ffn_rank_memory
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.placement import Placement
-from disagmoe_ds.planner.report import ds_config
+from disagmoe_ds.planner.runtime_files import ds_config
 from disagmoe_ds.planner.task_costs import af_task_costs
 from disagmoe_ds.planner.variants import search_options
+from disagmoe_ds.planner.workload import Workload
 from tests.test_planner import mid_model, run_cli, small_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,17 +186,17 @@ def test_write_ds_config_writes_sequence_parallelism_and_refuses_tensor_parallel
 def test_ds_config_writes_the_lane_once_the_runtime_runs_it(monkeypatch):
     from types import SimpleNamespace
 
-    import disagmoe_ds.planner.report as report
+    import disagmoe_ds.planner.runtime_files as runtime_files
 
     candidate = SimpleNamespace(layout=LAYOUT, micro_batches=8, work=lane(2, 2))
     request = SimpleNamespace(work=Workload(4096, 1), cluster=SimpleNamespace(name="h800"))
     result = SimpleNamespace(request=request, af=SimpleNamespace(candidate=candidate, in_flight=5))
-    monkeypatch.setattr(report, "RUNTIME_LANE_FIELDS", frozenset())
+    monkeypatch.setattr(runtime_files, "RUNTIME_LANE_FIELDS", frozenset())
     with pytest.raises(ConfigError, match="--sequence-parallel 1 --tensor-parallel 1"):
         ds_config(result)
-    monkeypatch.setattr(report, "RUNTIME_LANE_FIELDS", frozenset({"sequence_parallel"}))
+    monkeypatch.setattr(runtime_files, "RUNTIME_LANE_FIELDS", frozenset({"sequence_parallel"}))
     with pytest.raises(ConfigError, match="does not run tensor parallel yet: pass --tensor-parallel 1"):
         ds_config(result)
-    monkeypatch.setattr(report, "RUNTIME_LANE_FIELDS", frozenset({"sequence_parallel", "tensor_parallel"}))
+    monkeypatch.setattr(runtime_files, "RUNTIME_LANE_FIELDS", frozenset({"sequence_parallel", "tensor_parallel"}))
     section = ds_config(result)["disagmoe"]
     assert (section["sequence_parallel"], section["tensor_parallel"]) == (2, 2)

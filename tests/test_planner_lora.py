@@ -1,5 +1,5 @@
 """LoRA fine-tuning in the planner: adapter counts (by hand and against the HF modules), the memory model's frozen
-base weights, the public ``memory.rank_state_bytes``, the compute model (frozen weights skip their weight
+base weights, the public ``rank_state.rank_state_bytes``, the compute model (frozen weights skip their weight
 gradients, the adapters' GEMMs), and the ``disagmoe-plan --lora-*`` flags end to end."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner import Cluster, Efficiency, Rates, Workload, load_model_spec, save_cluster
 from disagmoe_ds.planner.cli import main
+from disagmoe_ds.planner.colocated_costs import Shape
 from disagmoe_ds.planner.hf_config import read_model_config
 from disagmoe_ds.planner.lora import (
     LoRA,
@@ -32,15 +33,11 @@ from disagmoe_ds.planner.lora import (
     mixer_projections,
     mlp_projections,
 )
-from disagmoe_ds.planner.memory import (
-    Precision,
-    attention_rank_memory,
-    baseline_rank_memory,
-    ffn_rank_memory,
-    rank_state_bytes,
-)
+from disagmoe_ds.planner.memory import attention_rank_memory, baseline_rank_memory, ffn_rank_memory
 from disagmoe_ds.planner.optimizer_step import af_optimizer_s, optimizer_step_s
+from disagmoe_ds.planner.rank_state import rank_state_bytes
 from disagmoe_ds.planner.stages import zero_micro_batch_bytes
+from disagmoe_ds.planner.training_state import Precision
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "hf_models"
@@ -213,12 +210,13 @@ def test_the_search_prices_state_and_activations_with_the_adapters() -> None:
         attention_rank_memory(spec, layout, replace(full, recompute="full")).activations_per_micro_batch
     )
     # co-located over 2 ranks of EP 2: dense state ZeRO-1 over 2 ranks (2 + 2 + 12/2 B), 4 experts per layer alone
-    base = {"world_size": 2, "pp": 1, "vpp": 1, "ep": 2, "chunks_alive": 1, "fp32_grads": False}
+    shape = Shape(pp=1, vpp=1, tp=1, cp=1, ep=2, overlap="none", fp32_grads=False)
+    base = {"world_size": 2, "chunks_alive": 1}
     dense = sum(spec.a_side_params(i) for i in range(4)) + spec.embedding_params() + spec.head_params()
     experts = 3 * 4 * spec.expert_params()
-    assert baseline_rank_memory(spec, full, **base).state == dense * 10 + experts * 16
+    assert baseline_rank_memory(spec, full, shape, **base).state == dense * 10 + experts * 16
     lora_state = dense * 2 + (4 * 3584 + 3840) * 10 + experts * 2 + 3 * 4 * 1792 * 16
-    assert baseline_rank_memory(spec, lora, **base).state == lora_state
+    assert baseline_rank_memory(spec, lora, shape, **base).state == lora_state
 
 
 def test_only_the_adapters_sync_step_and_reduce() -> None:

@@ -22,10 +22,10 @@ from disagmoe_ds.planner.allocator import (
     best_tokens_per_s,
     shortlist,
 )
-from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.ring_sim import RingRun, cap_bound_s, run_ring
 from disagmoe_ds.planner.simulate import simulate_af
 from disagmoe_ds.planner.task_costs import af_task_costs
+from disagmoe_ds.planner.workload import Workload
 from disagmoe_ds.schedule import Costs, PipeShape, build_graph
 from disagmoe_ds.schedule.generator import _Simulation
 from tests.test_planner import mid_model, small_cluster

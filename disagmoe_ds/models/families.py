@@ -28,6 +28,7 @@ from torch import nn
 
 from disagmoe_ds.errors import UnsupportedModelError
 from disagmoe_ds.models.hyper_connections import HyperConnections
+from disagmoe_ds.models.moe_pattern import VISION_LANGUAGE
 from disagmoe_ds.models.uncut import check_uncut
 
 SharedFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
@@ -198,7 +199,7 @@ FAMILIES: dict[str, Family] = {
 }
 # config.json model_types that name a family by another model_type: Qwen3.5-MoE's Hub config is its vision-language
 # model, whose ``text_config`` (``qwen3_5_moe_text``) is the language model ``AutoModelForCausalLM`` builds.
-ALIASES = {"qwen3_5_moe": "qwen3_5_moe_text"}
+ALIASES = VISION_LANGUAGE
 
 
 def family_of(config) -> Family:
@@ -217,7 +218,9 @@ def family_of(config) -> Family:
 
 
 def is_moe_layer(layer: nn.Module) -> bool:
-    """A decoder layer is MoE iff its ``mlp`` holds routed experts (robust across dense-layer rules)."""
+    """A built decoder layer is MoE iff its ``mlp`` holds routed experts: what HF built, where
+    ``moe_pattern.moe_layer_pattern`` is the rule read from the config (a test holds the two equal for every config in
+    hf_models/)."""
     return hasattr(layer.mlp, "experts")
 
 

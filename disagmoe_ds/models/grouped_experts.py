@@ -37,27 +37,13 @@ from transformers.activations import SiLUActivation
 
 from disagmoe_ds.models import triton_swiglu
 from disagmoe_ds.models.lora import ExpertAdapters
+from disagmoe_ds.models.moe_pattern import MODEL_TYPES
 
 GatedFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]  # (gate_up_PF, w_P, act_fn) -> hidden_PI
 SumSlotsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (y_PH, slot_RK, keep_RK)
 
-GATED_FUSED_FAMILIES = (
-    "qwen2_moe",
-    "qwen3_moe",
-    "mixtral",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "deepseek_v32",
-    "glm4_moe",
-    "qwen3_next",
-    "qwen3_5_moe_text",
-    "ernie4_5_moe",
-    "hunyuan_v1_moe",
-    "dots1",
-    "minimax_m2",
-    "deepseek_v4",
-)
+# Every family of the one table but GPT-OSS, whose experts keep HF's own module (see above).
+GATED_FUSED_FAMILIES = tuple(t for t in MODEL_TYPES if t != "gpt_oss")
 
 
 def _grouped_mm(x_PD: torch.Tensor, w_eDN: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:

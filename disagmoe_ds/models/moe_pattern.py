@@ -1,7 +1,11 @@
-"""Which decoder layers route to experts, from the model config alone (pure Python: no torch, no transformers).
+"""Which families DisagMoE-DS cuts and which of their decoder layers route to experts, from the model config alone
+(pure Python: no torch, no transformers).
 
-The one rule for the runtime (``models.parts.routing_facts``, the preflights of both modes) and, being pure, for
-the planner. HF builds a layer's MLP as (hf-notes section 1):
+``MODEL_TYPES`` is the one table of the families: the runtime's adapters (``families.FAMILIES``), the expert
+kernels (``grouped_experts.GATED_FUSED_FAMILIES``) and the planner's field maps (``planner.hf_config``) are held to
+it. ``moe_layer_pattern`` is the one rule for the runtime (``models.parts.routing_facts``, the preflights of both
+modes) and the planner (``planner.hf_config``); HF's built modules agree with it (``families.is_moe_layer``, tested
+for every config in hf_models/). HF builds a layer's MLP as (hf-notes section 1):
 
     deepseek_v2, deepseek_v3, glm4_moe, dots1  MoE from layer ``first_k_dense_replace`` on (HF's defaults: 0, 3,
                               1, 0)
@@ -32,19 +36,46 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+# The families DisagMoE-DS cuts, by their language model's model_type.
+MODEL_TYPES = (
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm4_moe",
+    "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "dots1",
+    "minimax_m2",
+    "deepseek_v4",
+)
+# config.json model_type -> its text_config's: Qwen3.5-MoE's Hub config is its vision-language model's.
+VISION_LANGUAGE = {"qwen3_5_moe": "qwen3_5_moe_text"}
+
 _FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "deepseek_v32": 3, "glm4_moe": 1, "dots1": 0}
 _QWEN_SPARSE_STEP = ("qwen2_moe", "qwen3_moe", "qwen3_next")
-_VISION_LANGUAGE = {"qwen3_5_moe": "qwen3_5_moe_text"}  # config.json model_type -> its text_config's
 _HASH_LAYERS_DEFAULT = {"deepseek_v4": 3}  # HF's default_num_hash_layers
+
+
+def _first_dense(config: Mapping[str, Any]) -> int:
+    """DeepSeek-style dense first layers: ``first_k_dense_replace``, HF's family default where absent or null."""
+    value = config.get("first_k_dense_replace")
+    return _FIRST_DENSE_DEFAULT[config["model_type"]] if value is None else value
 
 
 def language_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language model's fields of a config.json dict: its ``text_config`` where the json is a vision-language
     model's (Qwen3.5-MoE's Hub config), else the dict itself."""
     model_type = config.get("model_type")
-    if model_type not in _VISION_LANGUAGE:
+    if model_type not in VISION_LANGUAGE:
         return config
-    return {"model_type": _VISION_LANGUAGE[model_type], **config.get("text_config", {})}
+    return {"model_type": VISION_LANGUAGE[model_type], **config.get("text_config", {})}
 
 
 def moe_layer_pattern(config: Mapping[str, Any]) -> tuple[bool, ...]:
@@ -55,11 +86,11 @@ def moe_layer_pattern(config: Mapping[str, Any]) -> tuple[bool, ...]:
     if model_type == "deepseek_v32" and config.get("mlp_layer_types"):
         return tuple(kind == "sparse" for kind in config["mlp_layer_types"])
     if model_type in _FIRST_DENSE_DEFAULT:
-        first_dense = config.get("first_k_dense_replace", _FIRST_DENSE_DEFAULT[model_type])
+        first_dense = _first_dense(config)
         return tuple(i >= first_dense for i in range(num_layers))
     if model_type in _QWEN_SPARSE_STEP:
         dense = set(config.get("mlp_only_layers") or ())
-        step = config.get("decoder_sparse_step", 1) or 1
+        step = config.get("decoder_sparse_step") or 1
         return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
     if model_type == "ernie4_5_moe":
         start, end = config.get("moe_layer_start_index", 1), config.get("moe_layer_end_index", -1)

@@ -19,10 +19,12 @@ from disagmoe_ds.planner.cluster import (
     preset,
     save_cluster,
 )
-from disagmoe_ds.planner.memory import Precision, RankMemory, Workload
+from disagmoe_ds.planner.memory import RankMemory
 from disagmoe_ds.planner.model import ModelSpec, WireBytes, causal_pairs, load_model_spec
 from disagmoe_ds.planner.placement import Placement
 from disagmoe_ds.planner.simulate import SimResult, megatron_order, simulate_af, simulate_baseline, write_timeline
+from disagmoe_ds.planner.training_state import Precision
+from disagmoe_ds.planner.workload import Workload
 
 __all__ = [
     "PRESETS",

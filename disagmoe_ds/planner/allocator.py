@@ -23,7 +23,7 @@ from disagmoe_ds.planner.af_simulation import Memo, bound_tokens_per_s, forms, s
 from disagmoe_ds.planner.attention_lanes import data_lanes, lane_spans
 from disagmoe_ds.planner.colocated import colocated_candidates, divisors, simulate_colocated
 from disagmoe_ds.planner.grad_sync import af_sync_s
-from disagmoe_ds.planner.memory import RankMemory, Recompute, Workload, attention_rank_memory, ffn_rank_memory
+from disagmoe_ds.planner.memory import RankMemory, attention_rank_memory, ffn_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.optimizer_step import af_optimizer_s
 from disagmoe_ds.planner.placement import placements
@@ -35,8 +35,10 @@ from disagmoe_ds.planner.plans import (
     PlanRequest,
     PlanResult,
 )
+from disagmoe_ds.planner.recompute import Recompute
 from disagmoe_ds.planner.stages import af_roofline
 from disagmoe_ds.planner.variants import dominated, memory_variants, offload_share, savings, search_options
+from disagmoe_ds.planner.workload import Workload
 
 __all__ = [  # the types live in plans.py, the candidate simulation in af_simulation.py; imported from here as before
     "PAYS_THRESHOLD",
@@ -147,7 +149,7 @@ def _fit_memory(
 def _memory(spec: ModelSpec, layout: Layout, work: Workload) -> tuple[RankMemory, RankMemory]:
     """(A rank, F rank) memory, each cached on a workload holding only what its side reads: the variants of a layout
     differ in the other side's ZeRO stage or offload share, and the F side sees an A-lane's size only (its tokens),
-    so most of them share one (``memory.py``'s functions, exactly)."""
+    so most of them share one (``memory.py``'s and ``training_state.py``'s functions, exactly)."""
     a, f = _side_works(work)
     return _attention_memory(spec, layout, a), _ffn_memory(spec, layout, f)
 

@@ -30,56 +30,36 @@ TP groups t consecutive ranks. A lane's micro-batch (T = B x S tokens) is split 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Protocol
 
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cluster import Rates
 from disagmoe_ds.planner.gemm_efficiency import MIN_ROWS_PER_RANK
-from disagmoe_ds.planner.lora import LoRA
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
 from disagmoe_ds.planner.part_times import attention_call_s
 from disagmoe_ds.planner.placement import Placement
 from disagmoe_ds.planner.tensor_parallel import kv_bytes_per_token, tp_exposed_s, tp_options
-
-
-class LaneWork(Protocol):
-    """What the lane terms read of ``memory.Workload`` (which imports this module for the lane counts)."""
-
-    seq_len: int
-    recompute: str
-    sequence_parallel: int
-    tensor_parallel: int
-
-    @property
-    def lane_size(self) -> int: ...
-
-    @property
-    def lora(self) -> LoRA: ...
-
-    @property
-    def tokens_per_micro_batch(self) -> int: ...
-
+from disagmoe_ds.planner.workload import Workload
 
 DEGREES = (1, 2, 4, 8)  # the s and t the search tries
 
 
 # ----- counts -----
-def data_lanes(layout: Layout, work: LaneWork) -> int:
+def data_lanes(layout: Layout, work: Workload) -> int:
     """d: data-parallel lanes of an A-group (how many micro-batch slots of B sequences it holds)."""
     return layout.lanes // work.lane_size
 
 
-def param_replicas(layout: Layout, work: LaneWork) -> int:
+def param_replicas(layout: Layout, work: Workload) -> int:
     """Ranks of an A-group holding the same A-side parameter shard: the d lanes x the s Ulysses ranks of each."""
     return data_lanes(layout, work) * work.sequence_parallel
 
 
-def rank_tokens(work: LaneWork) -> float:
+def rank_tokens(work: Workload) -> float:
     """Tokens one A rank holds of its lane's micro-batch."""
     return work.tokens_per_micro_batch / work.lane_size
 
 
-def rank_params(params: float, work: LaneWork) -> float:
+def rank_params(params: float, work: Workload) -> float:
     """A-side parameters on one rank of a lane holding ``params``: TP shards them all."""
     return params / work.tensor_parallel
 
@@ -130,7 +110,7 @@ def ulysses_bytes_per_token(spec: ModelSpec, s: int, t: int) -> float:
     return q + kv_bytes_per_token(spec, t) * kv_replication(spec, s, t) + out
 
 
-def ulysses_forward_bytes(spec: ModelSpec, work: LaneWork) -> float:
+def ulysses_forward_bytes(spec: ModelSpec, work: Workload) -> float:
     """Bytes one rank sends in one layer's forward all-to-alls: (s-1)/s of its T/s tokens x its bytes per token."""
     s, t = work.sequence_parallel, work.tensor_parallel
     if s == 1:
@@ -156,7 +136,7 @@ def lane_spans(layout: Layout, placement: Placement, s: int, t: int) -> tuple[bo
 
 
 def lane_bytes_per_s(
-    layout: Layout, work: LaneWork, *, placement: Placement, rates: Rates, nics: tuple[int, int]
+    layout: Layout, work: Workload, *, placement: Placement, rates: Rates, nics: tuple[int, int]
 ) -> float:
     """Bandwidth of a rank's Ulysses all-to-all: NVLink when every lane sits in one node, else its NIC share."""
     crosses, _ = lane_spans(layout, placement, work.sequence_parallel, work.tensor_parallel)
@@ -164,25 +144,17 @@ def lane_bytes_per_s(
 
 
 # ----- seconds -----
-def lane_comm_s(spec: ModelSpec, work: LaneWork, rates: Rates, *, layer: int, lane_bw: float) -> tuple[float, float]:
+def lane_comm_s(spec: ModelSpec, work: Workload, rates: Rates, *, layer: int, lane_bw: float) -> tuple[float, float]:
     """(forward, backward) exposed seconds of one layer's Ulysses all-to-alls and TP communication on one rank."""
     s, t = work.sequence_parallel, work.tensor_parallel
     sp_fwd = ulysses_forward_bytes(spec, work) / lane_bw if s > 1 else 0.0
     sp_bwd = (3 if work.recompute != "none" else 2) * sp_fwd  # recompute re-runs the attention block's forward
-    tp_fwd, tp_bwd = tp_exposed_s(
-        spec,
-        rates,
-        seq_len=work.seq_len,
-        layer=layer,
-        tp=t,
-        group_tokens=work.tokens_per_micro_batch / s,
-        tokens=rank_tokens(work),
-    )
+    tp_fwd, tp_bwd = tp_exposed_s(spec, rates, work, layer=layer, tp=t, groups=s)
     return sp_fwd + tp_fwd, sp_bwd + tp_bwd
 
 
 def lane_attention_call_s(
-    spec: ModelSpec, rates: Rates, work: LaneWork, *, layer: int, lane_bw: float
+    spec: ModelSpec, rates: Rates, work: Workload, *, layer: int, lane_bw: float
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one rank's A part of ``layer`` for its lane's micro-batch: its 1/(s t) of the
     FLOPs (``attention_call_s`` on its tokens over the whole sequence's causal pairs) plus the lane's exposed

@@ -16,8 +16,9 @@ from disagmoe_ds.planner.allocator import BaselinePlan, PlanRequest, best_baseli
 from disagmoe_ds.planner.baseline_layout import check_layout, parse_layout
 from disagmoe_ds.planner.cluster import Efficiency, preset
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
-from disagmoe_ds.planner.memory import Recompute, Workload
 from disagmoe_ds.planner.model import load_model_spec
+from disagmoe_ds.planner.recompute import Recompute
+from disagmoe_ds.planner.workload import Workload
 
 ZOO = "Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (yanring/Megatron-MoE-ModelZoo)"
 ZOO_MIXTRAL = "Megatron-MoE-ModelZoo Mixtral-8x7B (as quoted in issue 26)"

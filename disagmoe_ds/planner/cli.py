@@ -28,13 +28,15 @@ from disagmoe_ds.planner.colocated_costs import DISPATCHERS
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.inputs import check_at_least_one
 from disagmoe_ds.planner.lora import DEFAULT_TARGETS, TARGETS, LoRA, check_adapts
-from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import load_model_spec
+from disagmoe_ds.planner.plan_json import to_json
 from disagmoe_ds.planner.profile_fit import load_profile, profile_warnings, rates_from_profile
-from disagmoe_ds.planner.report import ds_config, hostfile, runtime_refusal, to_json, to_text
+from disagmoe_ds.planner.report import to_text
+from disagmoe_ds.planner.runtime_files import ds_config, hostfile, runtime_refusal
 from disagmoe_ds.planner.simulate import simulate_af, simulate_baseline, write_timeline
 from disagmoe_ds.planner.task_costs import af_task_costs
 from disagmoe_ds.planner.variants import PAPER, VARIANTS
+from disagmoe_ds.planner.workload import Workload
 
 _EPILOG = """\
 Subcommands: `disagmoe-plan profile --help` measures per-layer attention/expert times on this machine and writes
@@ -280,14 +282,8 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
         cluster=cluster,
         rates=rates,
         work=Workload(
-            args.seq_len,
-            args.micro_batch_size,
-            zero_stage=args.zero_stage,
-            precision=args.precision,
-            lora_rank=lora.rank,
-            lora_targets=lora.targets,
-            lora_train_router=lora.train_router,
-        ),
+            args.seq_len, args.micro_batch_size, zero_stage=args.zero_stage, precision=args.precision
+        ).with_lora(lora),
         global_batch=global_batch,
         recompute=args.recompute,
         granularity=cluster.gpus_per_node if args.split_granularity == "node" else 1,

@@ -43,11 +43,12 @@ from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.colocated_costs import ColocatedCosts, Shape, colocated_costs, tp_options
 from disagmoe_ds.planner.gemm_efficiency import MIN_ROWS_PER_RANK
 from disagmoe_ds.planner.grad_sync import baseline_sync_s, exposed_sync_s
-from disagmoe_ds.planner.memory import RankMemory, Workload, baseline_rank_memory
+from disagmoe_ds.planner.memory import RankMemory, baseline_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.optimizer_step import baseline_optimizer_s
 from disagmoe_ds.planner.pipeline_split import chunk_sizes
 from disagmoe_ds.planner.simulate import Op, SimResult, input_ready, megatron_order, run_in_order
+from disagmoe_ds.planner.workload import Workload
 
 OVERLAPS = ("partial", "paired")
 # The combined 1F1B all-to-all overlap (``paired``) hides this share of what it could hide, min(compute, a2a) of a
@@ -273,33 +274,12 @@ def colocated_candidates(
                 rejected["Megatron refuses the 1F1B a2a overlap here (full recompute, or PP > 1 without VPP)"] += 1
                 continue
             w = replace(work, recompute=rc)
-            mem = baseline_rank_memory(
-                spec,
-                w,
-                world_size=cluster.world_size,
-                pp=shape.pp,
-                vpp=shape.vpp,
-                ep=shape.ep,
-                chunks_alive=alive,
-                tp=shape.tp,
-                cp=shape.cp,
-                fp32_grads=shape.fp32_grads,
-            )
+            mem = baseline_rank_memory(spec, w, shape, world_size=cluster.world_size, chunks_alive=alive)
             if mem.total > rates.usable_hbm:
                 rejected[f"does not fit memory (recompute {rc})"] += 1
                 continue
             costs = colocated_costs(spec, w, shape, cluster=cluster, rates=rates, overlap=overlap)
-            sync = baseline_sync_s(
-                spec,
-                w,
-                pp=shape.pp,
-                vpp=shape.vpp,
-                ep=shape.ep,
-                cluster=cluster,
-                rates=rates,
-                tp=shape.tp,
-                fp32_grads=shape.fp32_grads,
-            )
+            sync = baseline_sync_s(spec, w, shape, cluster=cluster, rates=rates)
             optimizer = baseline_optimizer_s(spec, w, shape, world_size=cluster.world_size, rates=rates)
             out.append(ColocatedCandidate(shape, w, micro_batches, mem, costs, replicas, sync, optimizer))
             break

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagmoe_ds.planner.cluster import Cluster, Rates
-from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
 from disagmoe_ds.planner.part_times import attention_call_s, expert_call_s, head_call_s
 from disagmoe_ds.planner.pipeline_split import chunk_layers
 from disagmoe_ds.planner.simulate import BaselineChunkCosts
 from disagmoe_ds.planner.tensor_parallel import kv_bytes_per_token, tp_exposed_s, tp_options
+from disagmoe_ds.planner.workload import Workload
 
 __all__ = ["tp_options"]  # re-exported: the co-located search and --baseline-layout import it from here
 
@@ -93,15 +93,7 @@ def tp_cp_exposed_s(
     tokens = work.tokens_per_micro_batch / (t * c)
     core_flops = tokens * spec.attention_core_flops(work.seq_len, layer)
     core = rates.attention_fwd.seconds(0.0, core_flops, calls=0)
-    tp_fwd, tp_bwd = tp_exposed_s(
-        spec,
-        rates,
-        seq_len=work.seq_len,
-        layer=layer,
-        tp=t,
-        group_tokens=work.tokens_per_micro_batch / c,
-        tokens=tokens,
-    )
+    tp_fwd, tp_bwd = tp_exposed_s(spec, rates, work, layer=layer, tp=t, groups=c)
     cp_bytes = (c - 1) / c * work.tokens_per_micro_batch * kv_bytes_per_token(spec, t)
     cp_rate = rates.nvlink_bw if t * c <= cluster.gpus_per_node else rates.nic_bw_per_gpu(cluster)
     cp_s = cp_bytes / cp_rate if c > 1 else 0.0

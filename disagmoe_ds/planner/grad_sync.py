@@ -10,9 +10,11 @@ from functools import lru_cache
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import param_replicas, rank_params
 from disagmoe_ds.planner.cluster import Cluster, Rates
-from disagmoe_ds.planner.memory import Precision, Workload, baseline_stage_params, busiest_group_params
+from disagmoe_ds.planner.colocated_costs import Shape
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.placement import Placement
+from disagmoe_ds.planner.training_state import Precision, baseline_stage_params, busiest_group_params
+from disagmoe_ds.planner.workload import Workload
 
 DP_OVERLAP = 0.8  # share of the gradient sync that can hide behind backward compute (Megatron overlap_grad_reduce)
 
@@ -85,22 +87,13 @@ def _af_sync_s(
     return a, f
 
 
-def baseline_sync_s(
-    spec: ModelSpec,
-    work: Workload,
-    *,
-    pp: int,
-    vpp: int,
-    ep: int,
-    cluster: Cluster,
-    rates: Rates,
-    tp: int = 1,
-    fp32_grads: bool = True,
-) -> float:
+def baseline_sync_s(spec: ModelSpec, work: Workload, shape: Shape, *, cluster: Cluster, rates: Rates) -> float:
     """Co-located gradient sync per step on the worst stage: dense parameters (split over tp) over the stage's
     W/(pp tp) data- and context-parallel ranks, expert shards over their (W/pp)/ep replicas (strided by tp and
     ep, so they share a node only while the stride stays inside it); trained parameters only."""
-    grad = (Precision.megatron if fp32_grads else Precision.named)(work.precision).grad  # Megatron: fp32 main grads
+    pp, vpp, ep, tp = shape.pp, shape.vpp, shape.ep, shape.tp
+    precision = Precision.megatron if shape.fp32_grads else Precision.named  # Megatron: fp32 main grads
+    grad = precision(work.precision).grad
     dp, g = cluster.world_size // (pp * tp), cluster.gpus_per_node
     nic = rates.nic_bw_per_gpu(cluster)
     worst = 0.0

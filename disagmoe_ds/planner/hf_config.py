@@ -1,8 +1,9 @@
 """A Hugging Face MoE config.json read into the planner's vocabulary (pure Python; transformers is not imported).
 
-Supported ``model_type``s: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe,
-gpt_oss, qwen3_next, qwen3_5_moe (read through its ``text_config``), qwen3_5_moe_text, ernie4_5_moe, hunyuan_v1_moe,
-dots1, minimax_m2 and deepseek_v4. Field names differ per family; the
+Supported ``model_type``s: the runtime's families (``models.moe_pattern.MODEL_TYPES``: qwen2_moe, qwen3_moe,
+mixtral, olmoe, deepseek_v2/v3/v32/v4, glm4_moe, gpt_oss, qwen3_next, qwen3_5_moe_text, ernie4_5_moe,
+hunyuan_v1_moe, dots1, minimax_m2), and qwen3_5_moe, read through its ``text_config``. Which layers route is the
+runtime's rule (``moe_pattern.moe_layer_pattern``). Field names differ per family; the
 maps below resolve them into ``model_fields``, the keyword arguments of ``model.ModelSpec``, into an
 ``AttentionSpec`` and, for the hybrid Qwen3-Next / Qwen3.5 layers, a ``LinearAttentionSpec``; DeepSeek-V4's
 attention and hyper-connection streams are ``compressed_attention``'s.
@@ -15,39 +16,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
-from disagmoe_ds.models.moe_pattern import language_model_config, moe_layer_pattern, token_routed_layers
+from disagmoe_ds.models.moe_pattern import (
+    MODEL_TYPES,
+    VISION_LANGUAGE,
+    language_model_config,
+    moe_layer_pattern,
+    token_routed_layers,
+)
 from disagmoe_ds.models.uncut import check_uncut
 from disagmoe_ds.planner.compressed_attention import compressed_attention
 from disagmoe_ds.planner.inputs import read_json
 
-SUPPORTED_TYPES = (
-    "qwen2_moe",
-    "qwen3_moe",
-    "mixtral",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "deepseek_v32",
-    "glm4_moe",
-    "gpt_oss",
-    "qwen3_next",
-    "qwen3_5_moe",
-    "qwen3_5_moe_text",
-    "ernie4_5_moe",
-    "hunyuan_v1_moe",
-    "dots1",
-    "minimax_m2",
-    "deepseek_v4",
-)
+SUPPORTED_TYPES = (*MODEL_TYPES, *VISION_LANGUAGE)  # the runtime's families, one table (models.moe_pattern)
 # Qwen2-MoE's MLP layout (moe_intermediate_size, a sigmoid-gated shared expert of shared_expert_intermediate_size).
 _QWEN_SHARED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # Layers alternate Gated DeltaNet linear attention and gated (sigmoid output gate) softmax attention with qk norm.
 _HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 # DeepSeek's MLP layout (moe_intermediate_size, n_shared_experts, dense first layers); GLM-4.5 shares it with GQA.
 _DEEPSEEK_MLP = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "dots1")
-_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1, "dots1": 0}
-# Which layers route, read by the runtime's own rule (models.moe_pattern) for the families added with it.
-_PATTERN_RULE = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "qwen3_5_moe_text", "deepseek_v32", "deepseek_v4")
 
 
 @dataclass(frozen=True)
@@ -124,7 +110,7 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": _int(cfg, "vocab_size"),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "attention": _attention(cfg, model_type),
-        "moe_layers": _moe_layers(cfg, model_type, num_layers),
+        "moe_layers": _moe_layers(cfg),
         "windows": _windows(cfg, model_type, num_layers),
         **experts,
         **_linear_attention(cfg, model_type, num_layers),
@@ -254,18 +240,12 @@ def _hyper(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, A
     }
 
 
-def _moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[bool, ...]:
-    """Which layers route: DeepSeek / GLM first_k_dense_replace; Qwen mlp_only_layers and decoder_sparse_step."""
-    if model_type in _PATTERN_RULE:
-        return moe_layer_pattern(cfg)
-    if model_type in _DEEPSEEK_MLP:
-        first_dense = _int(cfg, "first_k_dense_replace", default=_FIRST_DENSE_DEFAULT[model_type])
-        return tuple(i >= first_dense for i in range(num_layers))
-    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
-        dense = set(cfg.get("mlp_only_layers") or [])
-        step = _int(cfg, "decoder_sparse_step", default=1) or 1
-        return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    return (True,) * num_layers
+def _moe_layers(cfg: dict[str, Any]) -> tuple[bool, ...]:
+    """Which layers route: the runtime's rule (``models.moe_pattern``), the integer fields it reads checked first so
+    that a bad one is a ``ConfigError`` naming it."""
+    for name in ("first_k_dense_replace", "decoder_sparse_step"):
+        _int(cfg, name, default=0)
+    return moe_layer_pattern(cfg)
 
 
 def _windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:

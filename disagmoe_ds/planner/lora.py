@@ -15,8 +15,8 @@ on a subset of three targets,
 A Linear(in -> out) gets A [r x in] and B [out x r]: r (in + out) parameters. Its backward needs the r-wide output of
 A per token (bf16: 2r bytes), which is new; its input is the tensor the base GEMM saves already (LoRA dropout 0).
 Every base weight is frozen (embedding, head, norms, and the router unless ``train_router``): it keeps its parameter
-bytes only. The adapters (and a trained router) keep the full state (``memory.Precision.per_param``): they are what
-DeepSpeed's optimizer gets.
+bytes only. The adapters (and a trained router) keep the full state (``training_state.Precision.per_param``): they
+are what DeepSpeed's optimizer gets.
 
 Compute (``GemmFlops``, priced by ``part_times.py``): a frozen weight's GEMM needs no weight gradient, so its backward
 is the input gradient alone (1x its forward, not 2x); each adapter adds 2r (in + out) FLOPs per token to the forward,

@@ -25,8 +25,9 @@ from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import param_replicas, rank_params
 from disagmoe_ds.planner.cluster import HBM_BW_H200, Efficiency, Rates
 from disagmoe_ds.planner.colocated_costs import Shape
-from disagmoe_ds.planner.memory import Workload, baseline_stage_params, busiest_group_params
 from disagmoe_ds.planner.model import ModelSpec
+from disagmoe_ds.planner.training_state import baseline_stage_params, busiest_group_params
+from disagmoe_ds.planner.workload import Workload
 
 # HBM bytes one mixed-precision Adam step moves per parameter of a rank's shard, as DeepSpeed's ZeRO-1/2 bf16
 # optimizer runs it with torch's fused AdamW and gradient clipping. Counted, per parameter:

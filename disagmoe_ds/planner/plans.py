@@ -12,12 +12,14 @@ from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.colocated import ColocatedCandidate
 from disagmoe_ds.planner.colocated_costs import Shape
 from disagmoe_ds.planner.grad_sync import exposed_sync_s
-from disagmoe_ds.planner.memory import RankMemory, Recompute, Workload
+from disagmoe_ds.planner.memory import RankMemory
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.placement import Placement
+from disagmoe_ds.planner.recompute import Recompute
 from disagmoe_ds.planner.simulate import SimResult
 from disagmoe_ds.planner.stages import AfRoofline, compute_multiplier
 from disagmoe_ds.planner.variants import VARIANTS
+from disagmoe_ds.planner.workload import Workload
 
 SIDES = ("attention", "ffn")
 PAYS_THRESHOLD = 1.05  # below this predicted speed-up, disaggregation is not worth its complexity
@@ -185,3 +187,9 @@ class PlanResult:
     @property
     def pays(self) -> bool:
         return self.af is not None and (self.speedup is None or self.speedup >= PAYS_THRESHOLD)
+
+    def mfu(self, step_s: float, tokens: int) -> float:
+        """Model FLOPs utilisation of a step of ``step_s`` seconds over ``tokens`` tokens on the whole cluster."""
+        req = self.request
+        flops = req.spec.step_flops_per_token(req.work.seq_len) * tokens
+        return flops / (step_s * req.cluster.world_size * req.cluster.peak_flops)

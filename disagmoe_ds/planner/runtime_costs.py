@@ -22,12 +22,12 @@ from typing import Any
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
 from disagmoe_ds.planner.lora import FULL, LoRA
-from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.placement import Placement
 from disagmoe_ds.planner.profile_fit import load_profile, rates_from_profile
 from disagmoe_ds.planner.simulate import schedule_costs
 from disagmoe_ds.planner.task_costs import AfTaskCosts, af_task_costs
+from disagmoe_ds.planner.workload import Workload
 from disagmoe_ds.schedule import Costs
 
 GPUS_PER_PRESET_NODE = 8
@@ -77,15 +77,8 @@ def runtime_task_costs(
     placement = Placement.contiguous(machines.nodes, machines.gpus_per_node)
     nics = placement.nic_splits(machines, layout.attention_gpus)[0]
     work = Workload(
-        seq_len,
-        micro_batch_size,
-        resend=resend,
-        split_backward=split_backward,
-        ffn_zero_stage=ffn_zero_stage,
-        lora_rank=lora.rank,
-        lora_targets=lora.targets,
-        lora_train_router=lora.train_router,
-    )
+        seq_len, micro_batch_size, resend=resend, split_backward=split_backward, ffn_zero_stage=ffn_zero_stage
+    ).with_lora(lora)
     task_costs = af_task_costs(spec, layout, work, placement=placement, rates=rates, nics=nics)
     return attention_wgrad_folded(task_costs) if compiled else task_costs
 

@@ -43,11 +43,12 @@ from disagmoe_ds.planner.attention_lanes import (
 )
 from disagmoe_ds.planner.cluster import Rates
 from disagmoe_ds.planner.lora import LoRA
-from disagmoe_ds.planner.memory import Precision, Workload, busiest_group_params
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.part_times import expert_call_s, head_call_s
 from disagmoe_ds.planner.placement import Placement
 from disagmoe_ds.planner.recompute import Recompute, expert_recompute_flops_per_assignment, recompute_flops_per_token
+from disagmoe_ds.planner.training_state import Precision, busiest_group_params
+from disagmoe_ds.planner.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -128,10 +129,7 @@ def _compute_work(work: Workload) -> Workload:
         recompute=work.recompute,
         sequence_parallel=work.sequence_parallel,
         tensor_parallel=work.tensor_parallel,
-        lora_rank=work.lora_rank,
-        lora_targets=work.lora_targets,
-        lora_train_router=work.lora_train_router,
-    )
+    ).with_lora(work.lora)
 
 
 @lru_cache(maxsize=65536)

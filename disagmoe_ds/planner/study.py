@@ -20,9 +20,9 @@ from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, best_af, best
 from disagmoe_ds.planner.attention_lanes import DEGREES
 from disagmoe_ds.planner.cluster import Efficiency, preset
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
-from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.variants import PAPER, VARIANTS
+from disagmoe_ds.planner.workload import Workload
 
 GB = 1e9
 # The grid of issue 16: (model directory under hf_models/, nodes of 8 x H800).

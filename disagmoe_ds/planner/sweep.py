@@ -26,9 +26,9 @@ from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.planner.allocator import PlanRequest, plan
 from disagmoe_ds.planner.cluster import Efficiency, preset
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
-from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.study import af_summary, baseline_summary
+from disagmoe_ds.planner.workload import Workload
 
 GB = 1e9
 BANDWIDTHS = (3.0, 6.0, 12.0, 25.0, 50.0, 100.0)  # GB/s per GPU, one way: from socket-class to 8 x 400 Gb/s per node

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import data_lanes, lane_attention_call_s, lane_bytes_per_s, rank_tokens
 from disagmoe_ds.planner.cluster import Rates
-from disagmoe_ds.planner.memory import Workload
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.part_times import (
     attention_wgrad_s,
@@ -24,6 +23,7 @@ from disagmoe_ds.planner.part_times import (
 )
 from disagmoe_ds.planner.placement import Placement
 from disagmoe_ds.planner.stages import cross_node_share
+from disagmoe_ds.planner.workload import Workload
 
 
 @dataclass(frozen=True)

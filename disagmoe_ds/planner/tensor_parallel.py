@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from disagmoe_ds.planner.cluster import Rates
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
+from disagmoe_ds.planner.workload import Workload
 
 
 def tp_options(spec: ModelSpec, gpus_per_node: int) -> list[int]:
@@ -29,12 +30,15 @@ def kv_bytes_per_token(spec: ModelSpec, tp: int) -> float:
 
 
 def tp_exposed_s(
-    spec: ModelSpec, rates: Rates, *, seq_len: int, layer: int, tp: int, group_tokens: float, tokens: float
+    spec: ModelSpec, rates: Rates, work: Workload, *, layer: int, tp: int, groups: int
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's TP all-gathers and reduce-scatters not hidden behind its GEMMs.
 
-    ``group_tokens``: the tokens the TP group holds (their hidden states are gathered and scattered);
-    ``tokens``: one rank's share of them, whose projection GEMMs the communication hides behind."""
+    ``groups``: the TP groups a micro-batch is split over (an A-lane's s Ulysses ranks, the baseline's CP ranks).
+    Each holds 1/groups of the tokens (their hidden states are gathered and scattered), a rank 1/(groups tp) of
+    them, whose projection GEMMs the communication hides behind."""
+    seq_len, group_tokens = work.seq_len, work.tokens_per_micro_batch / groups
+    tokens = work.tokens_per_micro_batch / (groups * tp)
     core_flops = tokens * spec.attention_core_flops(seq_len, layer)
     linear = rates.attention_fwd.seconds(tokens * spec.attention_side_flops(seq_len, layer) - core_flops, calls=0)
     blocks = 1 + (1 if spec.shared_intermediate or not spec.moe_layers[layer] else 0)

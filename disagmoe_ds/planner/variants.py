@@ -18,7 +18,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import replace
 
-from disagmoe_ds.planner.memory import RankMemory, Recompute, Workload
+from disagmoe_ds.planner.memory import RankMemory
+from disagmoe_ds.planner.recompute import Recompute
+from disagmoe_ds.planner.workload import Workload
 
 VARIANTS = ("selective", "resend", "offload", "split_backward", "zero2", "zero3")
 PAPER: frozenset[str] = frozenset()  # the paper's AF-Pipe: recompute none or full, one ZeRO stage

@@ -1,0 +1,96 @@
+"""The runtime's banner: the static training state of the worst rank of each kind, for a model's config.json and
+the layout a run was launched with (``train.progress``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.planner.lora import TARGETS, LoRA, check_adapts
+from disagmoe_ds.planner.model import ModelSpec
+from disagmoe_ds.planner.training_state import (
+    Precision,
+    attention_state_bytes,
+    baseline_stage_params,
+    baseline_state_bytes,
+    ffn_state_bytes,
+)
+from disagmoe_ds.planner.workload import Workload
+
+
+class ColocatedShape(Protocol):
+    """What ``rank_state_bytes`` reads of ``colocated.layout.ColocatedLayout`` (the planner imports no runtime
+    folder: colocated imports DeepSpeed and the runtime's config, which imports the planner)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def ep_size(self) -> int: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def expert_data_parallel(self) -> int: ...
+
+
+def rank_state_bytes(
+    config_dict: dict[str, Any],
+    layout: Layout | ColocatedShape,
+    *,
+    precision: str,
+    zero_stage_a: int,
+    zero_stage_f: int,
+    lora_rank: int = 0,
+    lora_targets: Sequence[str] = TARGETS,
+    lora_train_router: bool = False,
+) -> dict[str, float]:
+    """Static training-state bytes (parameters, gradients, optimizer state; no activations) of the worst rank of
+    each kind for a run of the model ``config_dict`` (a config.json dict): ``{"attention": ..., "ffn": ...}`` for a
+    disaggregated ``Layout`` (A lanes of one TP rank, sequence parallel as the layout says), ``{"colocated": ...}``
+    for a co-located layout (one DeepSpeed engine: ``zero_stage_a`` must equal ``zero_stage_f``)."""
+    spec = ModelSpec.from_config(config_dict)
+    layers = layout.num_layers if isinstance(layout, Layout) else spec.num_layers
+    if (layers, layout.num_experts) != (spec.num_layers, spec.num_experts):
+        raise ConfigError(
+            f"the layout has {layers} layers of {layout.num_experts} experts, {spec.name} "
+            f"{spec.num_layers} of {spec.num_experts}: pass the layout of this model"
+        )
+    work = Workload(  # the state depends on neither the sequence nor the micro-batch
+        1,
+        1,
+        zero_stage=zero_stage_a,
+        ffn_zero_stage=zero_stage_f,
+        precision=precision,
+        sequence_parallel=layout.sequence_parallel if isinstance(layout, Layout) else 1,
+    ).with_lora(LoRA(lora_rank, tuple(lora_targets), lora_train_router))
+    check_adapts(spec, work.lora)
+    if isinstance(layout, Layout):
+        groups = range(layout.depth)
+        return {
+            "attention": max(attention_state_bytes(spec, layout, work, g) for g in groups),
+            "ffn": max(ffn_state_bytes(spec, layout, work, g) for g in groups),
+        }
+    return {"colocated": _colocated_state_bytes(spec, layout, work)}
+
+
+def _colocated_state_bytes(spec: ModelSpec, layout: ColocatedShape, work: Workload) -> float:
+    """Every co-located rank holds the dense parameters (ZeRO over all W ranks) and E/ep experts of each MoE layer
+    (ZeRO over their W/ep replicas), with DeepSpeed's bf16 gradients."""
+    if work.zero_of("attention") != work.zero_of("ffn"):
+        raise ConfigError(
+            f"a co-located rank has one DeepSpeed engine over both kinds of parameters: zero_stage_a "
+            f"({work.zero_of('attention')}) and zero_stage_f ({work.zero_of('ffn')}) must be equal"
+        )
+    _, dense, experts = baseline_stage_params(spec, pp=1, vpp=1, ep=layout.ep_size, stage=0, lora=work.lora)
+    return baseline_state_bytes(
+        Precision.named(work.precision),
+        dense,
+        experts,
+        zero_stage=work.zero_stage,
+        dense_dp=layout.world_size,
+        expert_dp=layout.expert_data_parallel,
+    )

@@ -1,0 +1,102 @@
+"""What one step trains and how (``Workload``): sequence, micro-batch, precision, ZeRO stages, recompute, the
+AF-Pipe variant and LoRA; the key every per-rank cost and memory function of the planner is cached on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from disagmoe_ds.planner.lora import TARGETS, LoRA
+from disagmoe_ds.planner.recompute import Recompute
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step trains and how: sequence length, micro-batch per lane, precision, ZeRO stage, recompute,
+    and the AF-Pipe variants (ignored by the co-located baseline).
+
+    Args:
+        resend: the F side keeps nothing between a micro-batch's forward and its backward: the A side (which keeps
+            the tokens as its post-attention norm output) sends them again with the backward's gradient, and F
+            re-runs the expert forward from them before its backward (one more expert forward per micro-batch and
+            layer, whatever ``recompute`` is; with "full" that is the recompute F pays anyway, not a second one).
+            With p > 1 the tokens go to A_next with the residual hand-off (it sends the backward's gradient) and
+            wait there: more resid bytes and A memory (``DisagMoEConfig.resend``).
+        offload: (A, F) share of a micro-batch's kept activations moved to host memory between its forward
+            and its backward.
+        split_backward: each backward runs as an input-gradient task on the critical path and a weight-gradient
+            task that fills idle time (zero-bubble pipelining on the A/F ring).
+        attention_zero_stage, ffn_zero_stage: per-side ZeRO stage (None: ``zero_stage``).
+        sequence_parallel, tensor_parallel: s and t of an A-lane of s x t ranks (``attention_lanes.py``): DeepSpeed-
+            Ulysses over s ranks, Megatron-style TP+SP over t; the lane's micro-batch is split over its s x t ranks.
+        lora_rank, lora_targets, lora_train_router: LoRA fine-tuning (``lora.LoRA``; rank 0: full fine-tuning).
+    """
+
+    seq_len: int
+    micro_batch_size: int
+    zero_stage: int = 1
+    precision: str = "bf16"
+    recompute: Recompute = "none"
+    resend: bool = False
+    offload: tuple[float, float] = (0.0, 0.0)
+    split_backward: bool = False
+    attention_zero_stage: int | None = None
+    ffn_zero_stage: int | None = None
+    sequence_parallel: int = 1
+    tensor_parallel: int = 1
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = TARGETS
+    lora_train_router: bool = False
+
+    def __post_init__(self) -> None:
+        # validated once; the targets kept in canonical order so that equal runs hash equal
+        try:
+            lora = _lora(self.lora_rank, self.lora_targets, self.lora_train_router)
+        except TypeError:  # unhashable targets (a list): LoRA checks and normalises them
+            lora = LoRA(self.lora_rank, self.lora_targets, self.lora_train_router)
+        object.__setattr__(self, "lora_targets", lora.targets)
+
+    @property
+    def lora(self) -> LoRA:
+        return _lora(self.lora_rank, self.lora_targets, self.lora_train_router)
+
+    def with_lora(self, lora: LoRA) -> Workload:
+        """This workload training ``lora``'s adapters (``FULL``: full fine-tuning)."""
+        return replace(self, lora_rank=lora.rank, lora_targets=lora.targets, lora_train_router=lora.train_router)
+
+    @property
+    def lane_size(self) -> int:
+        """Ranks of one A-lane: s x t."""
+        return self.sequence_parallel * self.tensor_parallel
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch_size
+
+    def zero_of(self, side: str) -> int:
+        """ZeRO stage of the "attention" or "ffn" side."""
+        stage = self.attention_zero_stage if side == "attention" else self.ffn_zero_stage
+        return self.zero_stage if stage is None else stage
+
+    @property
+    def ffn_recompute(self) -> Recompute:
+        """The recompute the F side's backward pays for: with ``resend`` it re-runs the whole expert forward (the
+        compute of full recompute, charged once), otherwise the global policy."""
+        return "full" if self.resend else self.recompute
+
+    @property
+    def variant(self) -> str:
+        """Short name of the AF-Pipe variant, e.g. "recompute selective, resend, ZeRO 1/3"."""
+        parts = [f"recompute {self.recompute}"]
+        parts += ["resend"] if self.resend else []
+        a, f = self.offload
+        parts += [f"offload A {a:.0%} F {f:.0%}"] if a or f else []
+        parts += ["split backward"] if self.split_backward else []
+        parts += [f"SP {self.sequence_parallel} x TP {self.tensor_parallel}"] if self.lane_size > 1 else []
+        return ", ".join(parts + [f"ZeRO {self.zero_of('attention')}/{self.zero_of('ffn')}"])
+
+
+@lru_cache(maxsize=64, typed=True)  # typed: True is no LoRA rank, and must not hit rank 1's entry
+def _lora(rank: int, targets: tuple[str, ...], train_router: bool) -> LoRA:
+    """``Workload.lora``, validated once: the search builds and asks for hundreds of thousands of workloads."""
+    return LoRA(rank, targets, train_router)
