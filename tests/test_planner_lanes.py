@@ -5,6 +5,7 @@ Python, a few seconds)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -158,6 +159,8 @@ def test_cli_fixes_s_and_t_and_shows_them(tmp_path, capsys):
     assert plan["lanes"] * 2 * plan["depth"] == plan["attention_gpus"] and "SP 2 x TP 1" in plan["variant"]
     rc, out, _ = _cli(capsys, tmp_path, "--sequence-parallel", "1", "--tensor-parallel", "2")
     assert rc == 0 and "lanes of SP 1 x TP 2" in out
+    groups = next(line for line in out.splitlines() if line.strip().startswith("groups"))
+    assert re.search(r"lanes of SP 1 x TP 2 {2,}\d+ x EP \d+", groups), groups  # the columns stay apart
     rc, _, err = _cli(capsys, tmp_path, "--sequence-parallel", "4")  # 2048 / 4 < 1024 tokens per rank
     assert rc == 2 and err.count("\n") == 1 and "--sequence-parallel 4" in err and "tokens per rank" in err
 

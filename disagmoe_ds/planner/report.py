@@ -87,7 +87,8 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
         ("bound", ra.bound, rf.bound),
         ("memory/rank", f"{mem_a / GB:.1f} GB", f"{mem_f / GB:.1f} GB (of {usable / GB:.1f})"),
     ]
-    table = [f"  {a:<18}{b:<24}{d}" for a, b, d in rows]
+    width = max(24, 2 + max(len(b) for _, b, _ in rows))  # A-lanes of SP x TP can outgrow the column
+    table = [f"  {a:<18}{b:<{width}}{d}" for a, b, d in rows]
     return [
         "AF-Pipe plan",
         *table,
