@@ -32,7 +32,7 @@ from disagmoe_ds.convert import main as convert_main
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.models.parts import num_experts_of
+from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.parity.compare import assemble, hf_named
 from disagmoe_ds.parity.reference import TOLERANCE, VerifyArgs, load_for_verify
 from disagmoe_ds.runtime.deepspeed_role import role_ds_config

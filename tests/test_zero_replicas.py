@@ -20,9 +20,10 @@ from disagmoe_ds.colocated import ColocatedConfig
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.models import parts
+from disagmoe_ds.models import expert_shard
 from disagmoe_ds.models.loading import load_model
-from disagmoe_ds.models.parts import ExpertStage, num_experts_of
+from disagmoe_ds.models.model_facts import num_experts_of
+from disagmoe_ds.models.parts import ExpertStage
 from disagmoe_ds.parity.reference import TOLERANCE, VerifyArgs
 from tests.rank_jobs import idle_beside_busy
 
@@ -74,7 +75,7 @@ def _backward(shard, hidden: int, idx_RK: torch.Tensor) -> tuple[list[str], torc
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_backward_reaches_every_parameter_in_one_order(monkeypatch, family, path):
     if path == "hf module":
-        monkeypatch.setattr(parts, "supports_grouped", lambda *a: False)
+        monkeypatch.setattr(expert_shard, "supports_grouped", lambda *a: False)
     shard, hidden = _shard(family)
     orders = {}
     for routing, idx_RK in _routings(shard.num_local).items():
