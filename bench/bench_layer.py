@@ -67,11 +67,12 @@ import torch.nn.functional as F
 from disagmoe_ds.comm.routing import combine, count_ids, pack, plan_dispatch
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.context import build_context
+from disagmoe_ds.models.expert_shard import ExpertShard
 from disagmoe_ds.models.families import family_of, router_of
 from disagmoe_ds.models.graphs import graph_stages
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.one_layer import one_layer_model
-from disagmoe_ds.models.parts import AttentionStage, ExpertShard, ExpertStage, compile_stage
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.planner.model import load_model_spec
 

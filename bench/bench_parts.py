@@ -32,8 +32,9 @@ import torch
 from transformers import AutoConfig
 
 from disagmoe_ds.models.graphs import graph_stages
+from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.models.one_layer import one_layer_model
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
 
 MODES = ("eager", "compiled", "graphed")
 PARTS = ("attention", "head", "experts")

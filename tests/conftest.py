@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.models import parts
+from disagmoe_ds.models import expert_shard
 from disagmoe_ds.models.loading import fill_token_tables
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def tok_cache(tmp_path_factory) -> Path:
 @pytest.fixture
 def pairs_log(monkeypatch, tmp_path):
     """Every rank (forked) appends the routed pairs of each expert forward it runs to ``rank<r>.txt``."""
-    forward = parts.ExpertShard.forward
+    forward = expert_shard.ExpertShard.forward
 
     def logged(self, x_RH, local_idx_RK, w_RK, num_pairs=None, bounded=False):
         if x_RH.requires_grad and dist.is_initialized():
@@ -97,5 +97,5 @@ def pairs_log(monkeypatch, tmp_path):
                 f.write(f"{pairs}\n")
         return forward(self, x_RH, local_idx_RK, w_RK, num_pairs, bounded)
 
-    monkeypatch.setattr(parts.ExpertShard, "forward", logged)
+    monkeypatch.setattr(expert_shard.ExpertShard, "forward", logged)
     return tmp_path

@@ -23,27 +23,36 @@ from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.launch.local import free_port
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.parts import ExpertStage
+from tests.parity_cases import ColocatedJob
 
-# (family, overrides, W, ep, micro-batches, ZeRO, skew): EDP 1 and 2, ZeRO 0 and 1 at both sizes, shared experts +
-# a dense layer (qwen2-moe) and a family without (qwen3-moe), every token's first choice on one expert, top-1 routing
-# to one expert (the slices of ep rank 1 never get a token: zero-filled gradients, ZeRO partitions over EDP), and
-# ep 1 (no communication, ZeRO 2).
+# EDP 1 and 2, ZeRO 0 and 1 at both sizes, shared experts + a dense layer (qwen2-moe) and a family without
+# (qwen3-moe), every token's first choice on one expert, top-1 routing to one expert (the slices of ep rank 1 never
+# get a token: zero-filled gradients, ZeRO partitions over EDP), and ep 1 (no communication, ZeRO 2).
 CASES = [
-    ("qwen3-moe", {}, 2, 2, 2, 0, False),
-    ("qwen2-moe", {}, 2, 2, 3, 1, True),
-    ("qwen2-moe", {}, 4, 2, 2, 1, False),
-    ("qwen3-moe", {}, 4, 2, 2, 0, True),
-    ("qwen3-moe", {"num_experts_per_tok": 1}, 4, 2, 2, 1, True),
-    ("mixtral", {}, 2, 1, 2, 2, False),
-    ("qwen3-moe", {"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5}, 2, 2, 2, 0, True),
-    ("deepseek-v4", {}, 2, 2, 2, 1, True),  # hyper-connections and hash routing with the same parts
+    ColocatedJob(W=2, ep=2, K=2, zero=0),
+    ColocatedJob(family="qwen2-moe", W=2, ep=2, K=3, zero=1, skew=True),
+    ColocatedJob(family="qwen2-moe", W=4, ep=2, K=2, zero=1),
+    ColocatedJob(W=4, ep=2, K=2, zero=0, skew=True),
+    ColocatedJob(overrides={"num_experts_per_tok": 1}, W=4, ep=2, K=2, zero=1, skew=True),
+    ColocatedJob(family="mixtral", W=2, ep=1, K=2, zero=2),
+    ColocatedJob(
+        overrides={"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5},
+        label="per_layer_aux",
+        W=2,
+        ep=2,
+        K=2,
+        zero=0,
+        skew=True,
+    ),
+    ColocatedJob(family="deepseek-v4", W=2, ep=2, K=2, zero=1, skew=True),  # hyper-connections and hash routing
 ]
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-3), so global-norm clipping is active
 
 
-@pytest.mark.parametrize(("family", "overrides", "W", "ep", "K", "zero", "skew"), CASES)
-def test_colocated_equals_hf(tiny_checkpoint, family, overrides, W, ep, K, zero, skew):
-    summary = _verify(tiny_checkpoint(family, **overrides), W, ep, K, zero, skew, dtype="fp32")
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_colocated_equals_hf(tiny_checkpoint, case: ColocatedJob):
+    model = tiny_checkpoint(case.family, **case.overrides)
+    summary = _verify(model, case.W, case.ep, case.K, case.zero, case.skew, dtype="fp32")
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary
 

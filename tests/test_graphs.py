@@ -25,7 +25,7 @@ def test_layer_in_flight_counts_micro_batches_between_forward_and_backward():
 
 
 def test_structure_keys_round_trip_and_tell_shapes_apart():
-    from disagmoe_ds.models.graphs import _flatten, _unflatten
+    from disagmoe_ds.models.graphed_part import _flatten, _unflatten
 
     a, b, c = torch.zeros(2, 3), torch.ones(4, dtype=torch.long), torch.zeros(1)
     args = (a, None, (b, c), {"full_attention": None, "sliding_attention": c}, 7)
@@ -44,7 +44,7 @@ def test_structure_keys_round_trip_and_tell_shapes_apart():
 
 
 def test_a_capture_copies_in_only_what_changed_and_zeroes_an_unused_gradient_once():
-    from disagmoe_ds.models.graphs import _Capture
+    from disagmoe_ds.models.graphed_part import _Capture
 
     static = (torch.zeros(3), torch.zeros(3))
     grads = (torch.zeros(3), None, torch.zeros(3))
@@ -73,7 +73,8 @@ def test_a_capture_copies_in_only_what_changed_and_zeroes_an_unused_gradient_onc
 def _parts(family: str, compiled: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of, routing_facts
+    from disagmoe_ds.models.model_facts import num_experts_of, routing_facts
+    from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
     from tests.conftest import ROOT
 
     config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")

@@ -332,7 +332,7 @@ def test_rank_state_is_the_planners() -> None:
     the planner's memory model, which the start banner prints, gives it."""
     from disagmoe_ds.launch.testing import run_ranks
     from disagmoe_ds.models.loading import load_config
-    from disagmoe_ds.models.parts import num_experts_of
+    from disagmoe_ds.models.model_facts import num_experts_of
     from disagmoe_ds.planner.memory import rank_state_bytes
 
     lora = LoraSettings(rank=8)

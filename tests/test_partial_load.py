@@ -19,8 +19,9 @@ from torch import nn
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models import partial_load
 from disagmoe_ds.models.loading import build_meta_model, load_model
+from disagmoe_ds.models.model_facts import num_routed_experts
 from disagmoe_ds.models.partial_load import PretrainedWeights, check_pretrained, model_to_cut, place
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_routed_experts
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 from disagmoe_ds.train.model import freeze
 from tests.conftest import ROOT, TINY_FAMILIES
 from tests.runs import SHORT, records, run_pretrain

@@ -20,57 +20,57 @@ from disagmoe_ds.launch.local import free_port
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.parity.reference import VerifyArgs
 from tests.conftest import all_families_only
+from tests.parity_cases import Job
 
 # Per-layer balancing, with a coefficient large enough that the pooled loss would fail the comparison.
 PER_LAYER_AUX = {"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5}
-# (family, overrides, M, N, p, edp, micro-batches, ZeRO, skew): covers p = 1 and 2, M != N both ways, an F-group
-# of one rank, 3 FFN ranks, expert-data-parallel replicas, 1/3/8 micro-batches, ZeRO 0/1/2, shared experts and
-# a dense layer (qwen2), grouped top-k with a bias (deepseek-v3), all-tokens-to-one-expert routing, and ZeRO-2 on
-# expert shards that some micro-batches route no token to.
+# Cover p = 1 and 2, M != N both ways, an F-group of one rank, 3 FFN ranks, expert-data-parallel replicas, 1/3/8
+# micro-batches, ZeRO 0/1/2, shared experts and a dense layer (qwen2), grouped top-k with a bias (deepseek-v3),
+# all-tokens-to-one-expert routing, and ZeRO-2 on expert shards that some micro-batches route no token to.
 CASES = [
-    ("qwen3-moe", {}, 1, 1, 1, 1, 1, 0, False),
-    ("qwen3-moe", {}, 2, 2, 1, 1, 1, 0, False),
-    ("qwen2-moe", {}, 1, 2, 1, 1, 8, 1, True),
-    ("qwen3-moe", {"num_experts": 6}, 2, 3, 1, 1, 8, 0, False),
-    ("qwen2-moe", {}, 2, 2, 1, 1, 3, 1, False),
-    ("qwen3-moe", {}, 2, 1, 1, 1, 8, 2, True),
-    ("deepseek-v3", {}, 1, 2, 1, 1, 3, 0, True),
-    ("qwen2-moe", {}, 2, 2, 2, 1, 3, 2, False),
-    ("mixtral", {}, 2, 2, 2, 1, 8, 1, True),
-    ("qwen3-moe", {"num_experts": 6}, 2, 3, 1, 1, 3, 1, True),
-    ("olmoe", {}, 2, 4, 1, 2, 3, 1, False),
-    ("deepseek-v3", {}, 2, 4, 1, 2, 3, 1, True),  # replicas where some experts get no token: zero-filled grads
-    ("qwen3-moe", {}, 1, 4, 1, 1, 6, 2, False),  # ZeRO-2 backwards that reach no expert of a shard (issue 15)
-    ("qwen3-moe", {}, 1, 2, 1, 2, 3, 2, False),  # fewer lanes than replicas: a replica no lane sends to
-    ("glm4-moe", {}, 2, 2, 2, 1, 3, 1, True),  # GLM-4.5: DeepSeek-V3's router with GQA, depth 2, no headers at all
-    ("qwen3-moe", PER_LAYER_AUX, 2, 2, 2, 1, 3, 1, True),  # each layer's aux term where it runs, on both A-groups
+    Job(M=1, N=1, K=1, zero=0),
+    Job(M=2, N=2, K=1, zero=0),
+    Job(family="qwen2-moe", M=1, N=2, K=8, zero=1, skew=True),
+    Job(overrides={"num_experts": 6}, M=2, N=3, K=8, zero=0),
+    Job(family="qwen2-moe", M=2, N=2, K=3, zero=1),
+    Job(M=2, N=1, K=8, zero=2, skew=True),
+    Job(family="deepseek-v3", M=1, N=2, K=3, zero=0, skew=True),
+    Job(family="qwen2-moe", M=2, N=2, p=2, K=3, zero=2),
+    Job(family="mixtral", M=2, N=2, p=2, K=8, zero=1, skew=True),
+    Job(overrides={"num_experts": 6}, M=2, N=3, K=3, zero=1, skew=True),
+    Job(family="olmoe", M=2, N=4, edp=2, K=3, zero=1),
+    Job(family="deepseek-v3", M=2, N=4, edp=2, K=3, zero=1, skew=True),  # replicas where some experts get no token
+    Job(M=1, N=4, K=6, zero=2),  # ZeRO-2 backwards that reach no expert of a shard (issue 15)
+    Job(M=1, N=2, edp=2, K=3, zero=2),  # fewer lanes than replicas: a replica no lane sends to
+    Job(family="glm4-moe", M=2, N=2, p=2, K=3, zero=1, skew=True),  # DeepSeek-V3's router with GQA, no headers
+    # each layer's aux term where it runs, on both A-groups
+    Job(overrides=PER_LAYER_AUX, label="per_layer_aux", M=2, N=2, p=2, K=3, zero=1, skew=True),
     # Qwen3-Next / Qwen3.5-MoE: each A-group holds a linear- (Gated DeltaNet) and a full-attention layer; 2 ep ranks
-    ("qwen3.5-moe", {}, 2, 4, 2, 1, 3, 1, True),
-    all_families_only("qwen3-next", {}, 2, 4, 2, 1, 3, 2, False),  # ZeRO-2; layer 0 dense
-    all_families_only("ernie4.5-moe", {}, 2, 4, 2, 1, 3, 2, True),  # a frozen correction-bias parameter
-    all_families_only("hunyuan-v1-moe", {}, 2, 4, 2, 1, 3, 0, True),
-    all_families_only("dots1", {}, 2, 4, 2, 1, 3, 1, True),
-    all_families_only("minimax-m2", {}, 2, 4, 2, 1, 3, 2, True),  # the router takes the block's bias
+    Job(family="qwen3.5-moe", M=2, N=4, p=2, K=3, zero=1, skew=True),
+    all_families_only(Job(family="qwen3-next", M=2, N=4, p=2, K=3, zero=2)),  # ZeRO-2; layer 0 dense
+    all_families_only(Job(family="ernie4.5-moe", M=2, N=4, p=2, K=3, zero=2, skew=True)),  # frozen correction bias
+    all_families_only(Job(family="hunyuan-v1-moe", M=2, N=4, p=2, K=3, zero=0, skew=True)),
+    all_families_only(Job(family="dots1", M=2, N=4, p=2, K=3, zero=1, skew=True)),
+    all_families_only(Job(family="minimax-m2", M=2, N=4, p=2, K=3, zero=2, skew=True)),  # router takes the bias
     # DeepSeek-V3.2: sparse attention (the indexer keeps 4 of the 8 keys), its indexers frozen; 2 ep ranks, depth 2
-    ("deepseek-v32", {}, 2, 4, 2, 1, 3, 1, True),
+    Job(family="deepseek-v32", M=2, N=4, p=2, K=3, zero=1, skew=True),
     # DeepSeek-V4: hyper-connection streams and the routed sum's weights in the hand-off, hash-routed layers 0-1 (one
     # per A-group: the token ids travel to A-group 1) and learned ones 2-3; 2 ep ranks, depth 2
-    ("deepseek-v4", {}, 2, 4, 2, 1, 3, 1, False),  # unskewed: a skewed table would route every token id alike
-    all_families_only("deepseek-v4", {}, 1, 2, 1, 1, 3, 2, True),  # ZeRO-2, one A-group, every token on expert 0
+    Job(family="deepseek-v4", M=2, N=4, p=2, K=3, zero=1),  # unskewed: a skewed table would route every id alike
+    all_families_only(Job(family="deepseek-v4", M=1, N=2, K=3, zero=2, skew=True)),  # one A-group, all on expert 0
 ]
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = 0.05  # below the tiny models' gradient norms (about 0.1-1), so global-norm clipping is active
 
 
-@pytest.mark.parametrize(("family", "overrides", "M", "N", "p", "edp", "K", "zero", "skew"), CASES)
-def test_disaggregated_equals_hf(tiny_checkpoint, family, overrides, M, N, p, edp, K, zero, skew):
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_disaggregated_equals_hf(tiny_checkpoint, case: Job):
     # Under the rendezvous transport (a send completes only once its receive started, as on NCCL's network
     # transport), except the first case, which keeps gloo's own point-to-point (the transport of CPU jobs).
-    transport = "auto" if (family, M, N, K) == ("qwen3-moe", 1, 1, 1) else "rendezvous"
-    cfg = DisagMoEConfig(
-        attention_gpus=M, ffn_gpus=N, depth=p, micro_batches=K, expert_data_parallel=edp, transport=transport
-    )
-    args = VerifyArgs(str(tiny_checkpoint(family, **overrides)), cfg, zero=zero, seq_len=8, clip=CLIP, skew=skew)
+    transport = "auto" if (case.family, case.M, case.N, case.K) == ("qwen3-moe", 1, 1, 1) else "rendezvous"
+    cfg = case.config(transport=transport)
+    model = str(tiny_checkpoint(case.family, **case.overrides))
+    args = VerifyArgs(model, cfg, zero=case.zero, seq_len=8, clip=CLIP, skew=case.skew)
     summary = run_verify(args, timeout_s=240)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary
@@ -91,32 +91,24 @@ def test_sends_waiting_for_device_sizes_keep_parity_under_rendezvous(tiny_checkp
     assert run_verify(args, timeout_s=240)["pass"]
 
 
-# (family, M, N, p, edp, ZeRO, resend, capacity factor): with several ep ranks at a fixed capacity; 0.5 is below
-# what balanced routing needs, so a step outgrows it and runs again (the skewed router makes every case do so).
+# With several ep ranks at a fixed capacity; 0.5 is below what balanced routing needs, so a step outgrows it and runs
+# again (the skewed router makes every case do so).
 CAPACITY_CASES = [
-    ("qwen3-moe", 1, 2, 1, 1, 0, False, 0.5),
-    ("deepseek-v3", 2, 4, 2, 1, 1, False, 0.5),
-    ("mixtral", 2, 4, 2, 1, 2, True, 0.5),
-    ("qwen2-moe", 2, 4, 1, 2, 2, False, 1.25),  # expert replicas; a dense layer's resid
-    all_families_only("deepseek-v4", 2, 4, 2, 1, 1, True, 0.5),  # streams, weights and token ids at a capacity
+    Job(M=1, N=2, K=3, zero=0, skew=True, factor=0.5),
+    Job(family="deepseek-v3", M=2, N=4, p=2, K=3, zero=1, skew=True, factor=0.5),
+    Job(family="mixtral", M=2, N=4, p=2, K=3, zero=2, skew=True, resend=True, factor=0.5),
+    Job(family="qwen2-moe", M=2, N=4, edp=2, K=3, zero=2, skew=True, factor=1.25),  # replicas; a dense layer's resid
+    # streams, weights and token ids at a capacity
+    all_families_only(Job(family="deepseek-v4", M=2, N=4, p=2, K=3, zero=1, skew=True, resend=True, factor=0.5)),
 ]
 
 
-@pytest.mark.parametrize(("family", "M", "N", "p", "edp", "zero", "resend", "factor"), CAPACITY_CASES)
-def test_messages_at_a_capacity_equal_hf(tiny_checkpoint, family, M, N, p, edp, zero, resend, factor):
+@pytest.mark.parametrize("case", CAPACITY_CASES, ids=str)
+def test_messages_at_a_capacity_equal_hf(tiny_checkpoint, case: Job):
     """``capacity_factor``: every m2n message padded to a fixed capacity, no headers; a step that outgrows it is
     discarded (ZeRO 0-2 gradients included) and run again at a larger one: still HF's result, under rendezvous."""
-    cfg = DisagMoEConfig(
-        attention_gpus=M,
-        ffn_gpus=N,
-        depth=p,
-        micro_batches=3,
-        expert_data_parallel=edp,
-        transport="rendezvous",
-        resend=resend,
-        capacity_factor=factor,
-    )
-    args = VerifyArgs(str(tiny_checkpoint(family)), cfg, zero=zero, seq_len=8, clip=CLIP, skew=True)
+    cfg = case.config(transport="rendezvous")
+    args = VerifyArgs(str(tiny_checkpoint(case.family)), cfg, zero=case.zero, seq_len=8, clip=CLIP, skew=case.skew)
     assert run_verify(args, timeout_s=240)["pass"]
 
 

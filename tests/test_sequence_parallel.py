@@ -4,6 +4,9 @@ attention core. The contract is the usual one: every layout equals the single-pr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -16,39 +19,54 @@ from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.sequence_parallel import IGNORE_INDEX, SequenceParallel, check_sequence_parallel, slice_batch
 from disagmoe_ds.parity.reference import VerifyArgs
 from tests.conftest import ROOT, all_families_only
+from tests.parity_cases import Job
 
 CLIP = 0.05  # below the tiny models' gradient norms: clipping is active
 PER_LAYER_AUX = {"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5}
 
-# (family, overrides, M, N, p, s, micro-batch size, ZeRO, packed, resend, capacity factor): GQA with KV heads split
-# (s 2) and replicated (s 4 over 2 KV heads), MLA (DeepSeek-V3: values narrower than keys), Mixtral with two SP
-# groups per A-group, depth 2 with 2 ep ranks, packed documents (the whole sequence's block mask), ZeRO 1 and 2,
-# per-layer balancing, resend at depth 2, and messages at a capacity under skewed routing.
+
+@dataclass(frozen=True, kw_only=True)
+class SPJob(Job):
+    """A job with ``s`` lanes to an SP group, ``B`` sequences a micro-batch and, ``packed``, documents packed into
+    them (restarting positions: the whole sequence's block mask); 2 micro-batches, the skewed router."""
+
+    s: int = 2
+    B: int = 1
+    packed: bool = False
+    K: int = 2
+    skew: bool = True
+
+    def config(self, **fields: Any) -> DisagMoEConfig:
+        return super().config(sequence_parallel=self.s, **fields)
+
+    def layout_id(self) -> str:
+        return super().layout_id() + f"s{self.s}"
+
+    def run_tags(self) -> list[str]:
+        return super().run_tags() + ([f"B{self.B}"] if self.B > 1 else []) + ["packed"] * self.packed
+
+
+# GQA with KV heads split (s 2) and replicated (s 4 over 2 KV heads), MLA (DeepSeek-V3: values narrower than keys),
+# Mixtral with two SP groups per A-group, depth 2 with 2 ep ranks, packed documents (the whole sequence's block
+# mask), ZeRO 1 and 2, per-layer balancing, resend at depth 2, and messages at a capacity under skewed routing.
 CASES = [
-    ("qwen3-moe", {}, 4, 4, 2, 2, 1, 1, False, False, None),
-    ("qwen3-moe", {}, 4, 2, 1, 4, 1, 0, False, False, 1.25),
-    ("deepseek-v3", {}, 2, 2, 1, 2, 1, 2, True, False, None),
-    ("mixtral", {}, 4, 2, 1, 2, 2, 1, False, False, None),
-    ("qwen3-moe", PER_LAYER_AUX, 4, 4, 2, 2, 1, 2, True, True, None),
-    ("deepseek-v3", {}, 4, 4, 2, 2, 1, 1, False, False, None),
-    all_families_only("mixtral", {}, 4, 4, 2, 2, 2, 2, True, False, None),
+    SPJob(M=4, N=4, p=2, s=2, zero=1),
+    SPJob(M=4, N=2, s=4, zero=0, factor=1.25),
+    SPJob(family="deepseek-v3", M=2, N=2, s=2, zero=2, packed=True),
+    SPJob(family="mixtral", M=4, N=2, s=2, B=2, zero=1),
+    SPJob(overrides=PER_LAYER_AUX, label="per_layer_aux", M=4, N=4, p=2, s=2, zero=2, packed=True, resend=True),
+    SPJob(family="deepseek-v3", M=4, N=4, p=2, s=2, zero=1),
+    all_families_only(SPJob(family="mixtral", M=4, N=4, p=2, s=2, B=2, zero=2, packed=True)),
 ]
 
 
-@pytest.mark.parametrize(("family", "overrides", "M", "N", "p", "s", "B", "zero", "packed", "resend", "factor"), CASES)
-def test_sequence_parallel_equals_hf(tiny_checkpoint, family, overrides, M, N, p, s, B, zero, packed, resend, factor):
-    cfg = DisagMoEConfig(
-        attention_gpus=M,
-        ffn_gpus=N,
-        depth=p,
-        sequence_parallel=s,
-        micro_batches=2,
-        transport="rendezvous",
-        resend=resend,
-        capacity_factor=factor,
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_sequence_parallel_equals_hf(tiny_checkpoint, case: SPJob):
+    cfg = case.config(transport="rendezvous")
+    ckpt = str(tiny_checkpoint(case.family, **case.overrides))
+    args = VerifyArgs(
+        ckpt, cfg, zero=case.zero, seq_len=8, micro_batch_size=case.B, clip=CLIP, skew=case.skew, packed=case.packed
     )
-    ckpt = str(tiny_checkpoint(family, **overrides))
-    args = VerifyArgs(ckpt, cfg, zero=zero, seq_len=8, micro_batch_size=B, clip=CLIP, skew=True, packed=packed)
     summary = run_verify(args, timeout_s=240)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary

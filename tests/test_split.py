@@ -9,7 +9,7 @@ import torch
 
 from disagmoe_ds.errors import CheckpointError, LayoutError, UnsupportedModelError
 from disagmoe_ds.models.loading import load_model
-from disagmoe_ds.models.parts import num_routed_experts
+from disagmoe_ds.models.model_facts import num_routed_experts
 from disagmoe_ds.models.skew import skew_router
 from disagmoe_ds.models.split import SplitModel, hf_reference_loss
 from tests.conftest import ROOT, TINY_FAMILIES

@@ -18,7 +18,6 @@ from torch.utils.checkpoint import checkpoint
 
 from disagmoe_ds.afpipe.split_backward import backward_input, backward_weight, retained_graph_compiles
 from disagmoe_ds.afpipe.verify import run_verify
-from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.parity.reference import VerifyArgs
 from disagmoe_ds.planner.model import ModelSpec
@@ -34,6 +33,7 @@ from disagmoe_ds.schedule import (
     check_streams,
     generate,
 )
+from tests.parity_cases import Job
 
 SPLIT = Costs(a_bwd=1.0, f_bwd=1.0, head_bwd=1.0, a_wgt=1.0, f_wgt=1.0, head_wgt=1.0)  # backward halved, same work
 CLIP = 0.05  # below the tiny models' gradient norms, so global-norm clipping is active (as in test_runtime.py)
@@ -180,37 +180,31 @@ def test_input_then_weight_pass_equals_one_backward(mode):
 
 
 # ----- whole jobs against HF -----
-# (family, M, N, p, edp, micro-batches, ZeRO, skew, extra config): 2 lanes and ep 2 (expert gradients scaled by
-# 1/2 in their hooks) with activation checkpointing under ZeRO-2 (reduced in W's hooks); depth 2; expert replicas
-# under ZeRO-2 where a replica gets no token (its zero row must reach every parameter in W); a dense layer, shared
-# experts and one micro-batch with resend and activation offload on both sides.
+# 2 lanes and ep 2 (expert gradients scaled by 1/2 in their hooks) with activation checkpointing under ZeRO-2
+# (reduced in W's hooks); depth 2; expert replicas under ZeRO-2 where a replica gets no token (its zero row must
+# reach every parameter in W); a dense layer, shared experts and one micro-batch with resend and activation offload
+# on both sides.
 CASES = [
-    ("qwen3-moe", 2, 2, 1, 1, 3, 2, False, {"activation_checkpointing": True}),
-    ("mixtral", 2, 2, 2, 1, 4, 1, True, {}),
-    ("deepseek-v3", 1, 4, 1, 2, 2, 2, True, {}),
-    ("qwen2-moe", 1, 1, 1, 1, 1, 0, False, {"resend": True, "offload": {"attention": 1.0, "ffn": 1.0}}),
-    ("qwen3-moe", 1, 2, 1, 2, 3, 1, True, {"zero_stage": {"ffn": 3}}),  # F at ZeRO-3 over 2 replicas: whole there
+    Job(M=2, N=2, K=3, zero=2, extra={"activation_checkpointing": True}),
+    Job(family="mixtral", M=2, N=2, p=2, K=4, zero=1, skew=True),
+    Job(family="deepseek-v3", M=1, N=4, edp=2, K=2, zero=2, skew=True),
+    Job(
+        family="qwen2-moe", K=1, zero=0, resend=True, extra={"offload": {"attention": 1.0, "ffn": 1.0}}, label="offload"
+    ),
+    # F at ZeRO-3 over 2 replicas: whole there
+    Job(M=1, N=2, edp=2, K=3, zero=1, skew=True, extra={"zero_stage": {"ffn": 3}}, label="ffn_zero3"),
 ]
 
 
-@pytest.mark.parametrize(("family", "M", "N", "p", "edp", "K", "zero", "skew", "extra"), CASES)
-def test_split_backward_equals_hf(tiny_checkpoint, tmp_path, family, M, N, p, edp, K, zero, skew, extra):
-    cfg = DisagMoEConfig(
-        attention_gpus=M,
-        ffn_gpus=N,
-        depth=p,
-        micro_batches=K,
-        expert_data_parallel=edp,
-        transport="rendezvous",
-        split_backward=True,
-        **extra,
-    )
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_split_backward_equals_hf(tiny_checkpoint, tmp_path, case: Job):
+    cfg = case.config(transport="rendezvous", split_backward=True)
     trace = tmp_path / "trace.json"
-    model = str(tiny_checkpoint(family))
-    args = VerifyArgs(model, cfg, zero=zero, seq_len=8, clip=CLIP, skew=skew, timeline=str(trace))
+    model = str(tiny_checkpoint(case.family))
+    args = VerifyArgs(model, cfg, zero=case.zero, seq_len=8, clip=CLIP, skew=case.skew, timeline=str(trace))
     summary = run_verify(args, timeout_s=240)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary
     names = {e["name"].split("(")[0] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
-    ffn_zero3 = extra.get("zero_stage", {}).get("ffn") == 3  # its backward stays whole (afpipe.split_backward)
+    ffn_zero3 = case.extra.get("zero_stage", {}).get("ffn") == 3  # its backward stays whole (afpipe.split_backward)
     assert "WeightGradAttn" in names and ("WeightGradExperts" in names) != ffn_zero3

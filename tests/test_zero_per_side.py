@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,11 +33,12 @@ from disagmoe_ds.convert import main as convert_main
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.models.parts import num_experts_of
+from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.parity.compare import assemble, hf_named
 from disagmoe_ds.parity.reference import TOLERANCE, VerifyArgs, load_for_verify
 from disagmoe_ds.runtime.deepspeed_role import role_ds_config
 from disagmoe_ds.train.checks import check_engine_config
+from tests.parity_cases import Job
 from tests.rank_jobs import idle_beside_busy, train_saving
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,44 +71,53 @@ def _engines(log: Path, world_size: int) -> list[dict]:
     return [json.loads((log / f"engine{r}.json").read_text()) for r in range(world_size)]
 
 
-# (family, M, N, depth, edp, stages (A, F), dtype, skew, extra): A1/F2 and A0/F3 in fp32, at depth 1 and 2, the
-# GPT-OSS path (HF's experts module called by the shard: its biases too) with activation checkpointing; A1/F3 over 2
-# replicas of 2 ep ranks with one lane (gradients scaled by edp / lanes = 2, one replica's shard gets no token from
-# any lane, and skewed routing leaves ep rank 1's shard idle) with resend (the expert forward re-run in backward);
-# bf16 within its tolerance, with selective recompute (the gate/up GEMM re-run in backward).
+@dataclass(frozen=True, kw_only=True)
+class SidesJob(Job):
+    """A job with a ZeRO stage per side (``stages``: attention, FFN) and a dtype; ``zero`` is what ``VerifyArgs``
+    gets, which the per-side stages override."""
+
+    stages: tuple[int, int] = (1, 2)
+    dtype: str = "fp32"
+    zero: int = 2
+
+    def config(self, **fields: Any) -> DisagMoEConfig:
+        return super().config(zero_stage=dict(zip(("attention", "ffn"), self.stages, strict=True)), **fields)
+
+    def run_tags(self) -> list[str]:
+        tags = super().run_tags()
+        tags[1] = f"zA{self.stages[0]}F{self.stages[1]}"
+        return tags + ([self.dtype] if self.dtype != "fp32" else [])
+
+
+# A1/F2 and A0/F3 in fp32, at depth 1 and 2, the GPT-OSS path (HF's experts module called by the shard: its biases
+# too) with activation checkpointing; A1/F3 over 2 replicas of 2 ep ranks with one lane (gradients scaled by
+# edp / lanes = 2, one replica's shard gets no token from any lane, and skewed routing leaves ep rank 1's shard
+# idle) with resend (the expert forward re-run in backward); bf16 within its tolerance, with selective recompute
+# (the gate/up GEMM re-run in backward).
 CASES = [
-    ("qwen3-moe", 2, 2, 1, 1, (1, 2), "fp32", False, {}),
-    ("gpt-oss", 2, 2, 2, 1, (0, 3), "fp32", False, {"activation_checkpointing": True}),
-    ("deepseek-v3", 1, 4, 1, 2, (1, 3), "fp32", True, {"resend": True}),
-    ("qwen3-moe", 2, 2, 1, 2, (1, 3), "bf16", False, {"selective_recompute": True}),
+    SidesJob(M=2, N=2, K=3, stages=(1, 2)),
+    SidesJob(family="gpt-oss", M=2, N=2, p=2, K=3, stages=(0, 3), extra={"activation_checkpointing": True}),
+    SidesJob(family="deepseek-v3", M=1, N=4, edp=2, K=3, stages=(1, 3), skew=True, resend=True),
+    SidesJob(M=2, N=2, edp=2, K=3, stages=(1, 3), dtype="bf16", extra={"selective_recompute": True}),
 ]
 
 
-@pytest.mark.parametrize(("family", "M", "N", "p", "edp", "stages", "dtype", "skew", "extra"), CASES)
-def test_per_side_stages_equal_hf(engines_log, pairs_log, family, M, N, p, edp, stages, dtype, skew, extra):  # noqa: F811
-    cfg = DisagMoEConfig(
-        attention_gpus=M,
-        ffn_gpus=N,
-        depth=p,
-        micro_batches=3,
-        expert_data_parallel=edp,
-        transport="rendezvous",
-        zero_stage=dict(zip(("attention", "ffn"), stages, strict=True)),
-        **extra,
-    )
-    model = ROOT / "hf_models" / f"tiny-{family}"
-    args = VerifyArgs(str(model), cfg, zero=2, seq_len=8, clip=CLIP, skew=skew, dtype=dtype)  # zero: overridden
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_per_side_stages_equal_hf(engines_log, pairs_log, case: SidesJob):  # noqa: F811
+    cfg = case.config(transport="rendezvous")
+    model = ROOT / "hf_models" / f"tiny-{case.family}"
+    args = VerifyArgs(str(model), cfg, zero=case.zero, seq_len=8, clip=CLIP, skew=case.skew, dtype=case.dtype)
     summary = run_verify(args, timeout_s=240)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
-    assert summary["max_abs_diff"]["params"] <= TOLERANCE[dtype], summary  # after the optimizer steps
+    assert summary["max_abs_diff"]["params"] <= TOLERANCE[case.dtype], summary  # after the optimizer steps
     assert summary["pass"], summary
     engines = _engines(engines_log, cfg.world_size)
-    assert [e["stage"] for e in engines] == [stages[0]] * M + [stages[1]] * N
-    if stages[1] == 3:  # each FFN rank built its engine holding 1/edp of every expert tensor, nothing gathered
-        assert all(e["share_only"] and e["dp"] == edp for e in engines[M:]), engines
-    if skew:
+    assert [e["stage"] for e in engines] == [case.stages[0]] * case.M + [case.stages[1]] * case.N
+    if case.stages[1] == 3:  # each FFN rank built its engine holding 1/edp of every expert tensor, nothing gathered
+        assert all(e["share_only"] and e["dp"] == case.edp for e in engines[case.M :]), engines
+    if case.skew:
         config = load_for_verify(args).config
-        layout = Layout(M, N, config.num_hidden_layers, num_experts_of(config), expert_data_parallel=edp)
+        layout = Layout(case.M, case.N, config.num_hidden_layers, num_experts_of(config), expert_data_parallel=case.edp)
         groups = [layout.edp_group_ranks(0, e) for e in range(layout.ep_size)]
         assert idle_beside_busy(pairs_log, groups) > 0
 

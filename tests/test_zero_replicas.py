@@ -9,6 +9,7 @@ such a backward happened on one replica while its peer had tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,12 +19,13 @@ from transformers import AutoConfig
 from disagmoe_ds.afpipe.verify import run_verify
 from disagmoe_ds.colocated import ColocatedConfig
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
-from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.models import parts
+from disagmoe_ds.models import expert_shard
 from disagmoe_ds.models.loading import load_model
-from disagmoe_ds.models.parts import ExpertStage, num_experts_of
+from disagmoe_ds.models.model_facts import num_experts_of
+from disagmoe_ds.models.parts import ExpertStage
 from disagmoe_ds.parity.reference import TOLERANCE, VerifyArgs
+from tests.parity_cases import Job
 from tests.rank_jobs import idle_beside_busy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +76,7 @@ def _backward(shard, hidden: int, idx_RK: torch.Tensor) -> tuple[list[str], torc
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_backward_reaches_every_parameter_in_one_order(monkeypatch, family, path):
     if path == "hf module":
-        monkeypatch.setattr(parts, "supports_grouped", lambda *a: False)
+        monkeypatch.setattr(expert_shard, "supports_grouped", lambda *a: False)
     shard, hidden = _shard(family)
     orders = {}
     for routing, idx_RK in _routings(shard.num_local).items():
@@ -98,27 +100,38 @@ def _assert_exact(summary: dict) -> None:
     assert summary["pass"], summary
 
 
-# (family, M, N, edp, micro-batches, seq_len, skew, idle): ep 1 x edp 2 (each replica holds every expert), and
-# ep 2 x edp 2 with 2-token sequences whose first choice is expert 0, so ep rank 1's replicas often get no pair.
+@dataclass(frozen=True, kw_only=True)
+class ReplicaJob(Job):
+    """A job at ZeRO-2 over expert replicas: ``seq_len`` tokens a sequence, ``idle``: some replica's shard must get
+    no pair in a backward its peer has pairs in."""
+
+    zero: int = 2
+    seq_len: int = 8
+    idle: bool = False
+
+    def run_tags(self) -> list[str]:
+        return super().run_tags() + [f"seq{self.seq_len}"] + ["idle"] * self.idle
+
+
+# ep 1 x edp 2 (each replica holds every expert), and ep 2 x edp 2 with 2-token sequences whose first choice is
+# expert 0, so ep rank 1's replicas often get no pair.
 AF_CASES = [
-    ("qwen3-moe", 2, 2, 2, 3, 8, False, False),
-    ("qwen3-moe", 2, 4, 2, 3, 2, True, True),
+    ReplicaJob(M=2, N=2, edp=2, K=3, seq_len=8),
+    ReplicaJob(M=2, N=4, edp=2, K=3, seq_len=2, skew=True, idle=True),
 ]
 
 
-@pytest.mark.parametrize(("family", "M", "N", "edp", "K", "seq_len", "skew", "idle"), AF_CASES)
-def test_af_pipe_zero2_with_expert_replicas_equals_hf(pairs_log, family, M, N, edp, K, seq_len, skew, idle):
-    model = ROOT / "hf_models" / f"tiny-{family}"
-    cfg = DisagMoEConfig(
-        attention_gpus=M, ffn_gpus=N, micro_batches=K, expert_data_parallel=edp, transport="rendezvous"
-    )
-    args = VerifyArgs(str(model), cfg, zero=2, seq_len=seq_len, clip=CLIP, skew=skew)
+@pytest.mark.parametrize("case", AF_CASES, ids=str)
+def test_af_pipe_zero2_with_expert_replicas_equals_hf(pairs_log, case: ReplicaJob):
+    model = ROOT / "hf_models" / f"tiny-{case.family}"
+    cfg = case.config(transport="rendezvous")
+    args = VerifyArgs(str(model), cfg, zero=case.zero, seq_len=case.seq_len, clip=CLIP, skew=case.skew)
     summary = run_verify(args, timeout_s=180)
     _assert_exact(summary)
     config = _config(model)
-    layout = Layout(M, N, config.num_hidden_layers, num_experts_of(config), expert_data_parallel=edp)
+    layout = Layout(case.M, case.N, config.num_hidden_layers, num_experts_of(config), expert_data_parallel=case.edp)
     groups = [layout.edp_group_ranks(0, e) for e in range(layout.ep_size)]
-    assert (idle_beside_busy(pairs_log, groups) > 0) == idle
+    assert (idle_beside_busy(pairs_log, groups) > 0) == case.idle
 
 
 def test_colocated_zero2_with_expert_replicas_equals_hf(pairs_log):

@@ -1,4 +1,5 @@
-"""What the compute instructions do on each side: chunk forward/backward with explicit gradient hand-off.
+"""What the compute instructions do on the attention side: chunk forward/backward with explicit gradient
+hand-off.
 
 Every chunk boundary is cut: a chunk's inputs become fresh leaves and its backward is one autograd pass from the
 gradients received for its outputs (a pseudo-loss ``sum(out * grad)``, whose gradient is exactly ``grad``). So
@@ -14,7 +15,9 @@ travels back with the residual gradient and enters each MoE layer's backward. Pe
 each MoE layer's own term needs nothing from other layers: it is computed and backpropagated where the layer runs,
 and its value joins the step's loss sums there.
 
-The FFN side's runner is ``afpipe.expert_runner``'s.
+The head and the loss at layer L are ``head_lane``'s (a base of ``AttentionRunner``); what a chunk keeps from
+its forward for its backward, and the residual message's per-token fields, ``attention_chunk``'s. The FFN
+side's runner is ``afpipe.expert_runner``'s.
 
 Shape suffixes: B micro-batch size, S sequence, T = B*S, H hidden, K top-k, E experts, R/S rows.
 """
@@ -22,12 +25,13 @@ Shape suffixes: B micro-batch size, S sequence, T = B*S, H hidden, K top-k, E ex
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from disagmoe_ds.afpipe.attention_chunk import AttentionChunk, PerToken, sent
 from disagmoe_ds.afpipe.chunk_io import Outgoing, checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
+from disagmoe_ds.afpipe.head_lane import HeadLane
 from disagmoe_ds.afpipe.head_stats import HeadStats
 from disagmoe_ds.afpipe.later import Later, made
 from disagmoe_ds.afpipe.split_backward import ChunkBackward
@@ -42,66 +46,17 @@ from disagmoe_ds.comm.routing import (
     start_dispatch,
 )
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.models.aux_loss import RouterStats, balance_per_layer, router_stats, switch_loss
+from disagmoe_ds.models.aux_loss import balance_per_layer, router_stats, switch_loss
 from disagmoe_ds.models.context import LayerContext
 from disagmoe_ds.models.graphs import StageGraphs, warm_up_positions
 from disagmoe_ds.models.hyper_connections import add_routed
+from disagmoe_ds.models.model_facts import residual_shape
 from disagmoe_ds.models.moe_pattern import aux_layer_pattern
-from disagmoe_ds.models.parts import AttentionStage, residual_shape
+from disagmoe_ds.models.parts import AttentionStage
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, slice_batch
 
 
-def _sent(dispatch: PendingDispatch) -> PendingDispatch:
-    """``dispatch``, whose m2n message the mailbox has made (and so resolved): a runner that waited here for the
-    sizes while the mailbox still held earlier sends could wait for its own GPU behind a receive that needs them."""
-    if not dispatch.is_resolved:
-        raise RuntimeError("a dispatch was read before its m2n message was sent: the schedule sends m2n first")
-    return dispatch
-
-
-@dataclass
-class _Chunk:
-    """What A_fwd(l, m) keeps for A_bwd(l, m)."""
-
-    resid_leaf: torch.Tensor | None = None
-    y_leaves: list[torch.Tensor] = field(default_factory=list)
-    residual_out: torch.Tensor | None = None
-    routed_w_out: torch.Tensor | None = None  # hyper-connections: the routed sum's weights this layer handed on
-    routed_w_leaf: torch.Tensor | None = None  # ... and those it received with the residual
-    dispatch: PendingDispatch | None = None  # MoE layers: the tokens packed for the ep ranks
-    prob_sum_E: torch.Tensor | None = None
-    layer_aux: torch.Tensor | None = None  # per-layer balancing: this layer's share of the aux loss
-    scaled_loss: torch.Tensor | None = None
-    aux_grad_E: torch.Tensor | None = None
-    resent: list[Tokens] | None = None  # resend, p > 1: the previous layer's m2n messages
-
-    @property
-    def pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each ep rank's ``(x_RH, w_RK)``; read in the backward, after the m2n message went out."""
-        return _sent(self.dispatch).resolved[1] if self.dispatch is not None else []
-
-    @property
-    def messages(self) -> list[Tokens]:
-        """The m2n message of each ep rank (with resend: sent again, detached)."""
-        if self.dispatch is None:
-            return []
-        plan, pieces = self.dispatch.resolved
-        per_rank = zip(pieces, plan.local_idx_RK, plan.pairs, strict=True)
-        return [Tokens(x_RH, idx_RK, w_RK, pairs) for (x_RH, w_RK), idx_RK, pairs in per_rank]
-
-
-@dataclass(frozen=True)
-class _PerToken:
-    """What the residual hand-off carries per token besides the combine plan: the residual ([T, W]), positions, the
-    routed sum's weights ([T, C]) and token ids ([T, I]) (``comm.messages.Residual``)."""
-
-    residual_TW: torch.Tensor
-    position_ids_T: torch.Tensor
-    routed_w_TC: torch.Tensor
-    token_ids_TI: torch.Tensor
-
-
-class AttentionRunner:
+class AttentionRunner(HeadLane):
     """Attention side of one rank: embedding (A-group 0), attention parts of its layers, head and loss."""
 
     def __init__(
@@ -142,7 +97,7 @@ class AttentionRunner:
         self.aux_layers = sum(aux_layer_pattern(stage.config.to_dict()))  # MoE layers with a learned choice
         self.routed_weights = residual_shape(stage.config)[1]  # per token: hc with hyper-connections, else 0
         self.num_experts = layout.num_experts
-        self.chunks: dict[tuple[int, int], _Chunk] = {}
+        self.chunks: dict[tuple[int, int], AttentionChunk] = {}
         self.local: dict[tuple[str, int, int], Any] = {}  # hand-offs that stay on this rank (p == 1)
         self.batches: list[dict[str, torch.Tensor]] | None = None
         self.stats = HeadStats()
@@ -197,16 +152,7 @@ class AttentionRunner:
                     out = self.recompute(self.stage.part(int(layer)), h_BSH, ctx, self.config)  # as the step runs
                     outputs = [out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE, out.routed_w_BSC]
                     grad_of_inputs(outputs, [h_BSH])
-            if self.stage.head is not None:
-                S = seq_len // (1 if self.sp is None else self.sp.size)
-                h_BSH = torch.randn(self.B, S, *self.stage.residual_dims, device=device, dtype=dtype)
-                h_BSH.requires_grad_()
-                labels_BS = torch.randint(0, self.config.vocab_size, (self.B, S), device=device)
-                if self.sp is None:
-                    loss = self.stage.head(h_BSH, labels_BS)[1]
-                else:  # a slice's share, as the step calls the head
-                    loss = self.stage.head(h_BSH, None, labels_BS, labels_BS.new_tensor(labels_BS.numel()))[1]
-                grad_of_inputs([loss], [h_BSH])
+            self._warm_up_head(seq_len, device, dtype)
 
     def _warm_up_context(self, h_BSH: torch.Tensor, positions_BS: torch.Tensor | None) -> LayerContext:
         """A context as the step builds it (None: the default positions, no mask)."""
@@ -223,13 +169,13 @@ class AttentionRunner:
 
     # ----- forward -----
     def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
-        chunk = _Chunk()
+        chunk = AttentionChunk()
         if layer == 0:
             h_BSH, position_ids_BS, token_ids_BS, counts_E, probs_E = self._embed(mb)
         else:
             h_BSH, position_ids_BS, token_ids_BS, counts_E, probs_E = self._combine(layer, mb, incoming, chunk)
         if layer == self.num_layers:
-            self._head(mb, h_BSH, counts_E, probs_E, chunk)
+            self._head(self._batch(mb), h_BSH, counts_E, probs_E, chunk)
             self.chunks[(layer, mb)] = chunk
             return {}
         part = self.graphs.part(self.stage, layer)
@@ -259,7 +205,7 @@ class AttentionRunner:
                 self.need_2 = need_2 if self.need_2 is None else torch.maximum(self.need_2, need_2)
             outgoing["m2n"] = Later(chunk.dispatch, lambda: chunk.messages)
         # A_next combines from what combine needs of the plan (with p > 1 its rows per ep rank ride in the header).
-        per_token = _PerToken(
+        per_token = PerToken(
             out.residual_BSH.detach().reshape(T, -1),
             position_ids_BS.reshape(T),
             self._routed_w_TC(out.routed_w_BSC, T, out.residual_BSH),
@@ -298,13 +244,7 @@ class AttentionRunner:
             ctx = self.contexts[mb] = self.stage.context(h_BSH, given, token_ids_BS)
         return ctx
 
-    @property
-    def _share_scale(self) -> float:
-        """What this lane's share of a micro-batch's loss counts: s with sequence parallelism, whose s lanes share
-        one micro-batch while DeepSpeed averages over every lane (``models.sequence_parallel``)."""
-        return 1.0 if self.sp is None else float(self.sp.size)
-
-    def _resid_message(self, tokens: _PerToken, plan: DispatchPlan | None, counts_E, probs_E, chunk) -> Residual:
+    def _resid_message(self, tokens: PerToken, plan: DispatchPlan | None, counts_E, probs_E, chunk) -> Residual:
         if plan is None:  # dense layer: nothing to combine (-1 tells A_next's mailbox no n2m follows)
             token_idx_S, rows_P = tokens.position_ids_T.new_empty(0), (-1,) * self.layout.ep_size
         else:
@@ -348,7 +288,7 @@ class AttentionRunner:
         token_ids_BS = input_ids_BS if self.stage.token_routed else None
         return h_BSH, position_ids_BS, token_ids_BS, zeros_E, zeros_E
 
-    def _combine(self, layer: int, mb: int, incoming: dict[str, Any], chunk: _Chunk):
+    def _combine(self, layer: int, mb: int, incoming: dict[str, Any], chunk: AttentionChunk):
         resid: Residual = self._take("resid", layer - 1, mb, incoming)
         rows_P = resid.rows_P if resid.is_moe else None  # None: a dense layer, no n2m follows
         if resid.routed is not None and rows_P is not None:  # resend, p > 1: kept for n2m_grad, as m2n messages were
@@ -365,25 +305,6 @@ class AttentionRunner:
             h_BSH = add_routed(h_BSH, chunk.routed_w_leaf, combine(chunk.y_leaves, plan))
         token_ids_BS = resid.token_ids_TI.view(self.B, S) if self.stage.token_routed else None
         return h_BSH, resid.position_ids_T.view(self.B, S), token_ids_BS, resid.counts_E, resid.prob_sum_E
-
-    def _head(self, mb: int, h_BSH: torch.Tensor, counts_E: torch.Tensor, probs_E: torch.Tensor, chunk: _Chunk) -> None:
-        batch, scale = self._batch(mb), self._share_scale
-        if self.sp is None:
-            _, lm_loss = self.graphs.head_of(self.stage)(h_BSH, batch["labels"])
-        else:  # this slice's share of the micro-batch's loss (no graphs with sequence parallelism)
-            assert self.stage.head is not None
-            _, lm_loss = self.stage.head(h_BSH, None, batch["shift_labels"], batch["num_items"])
-            lm_loss = lm_loss * scale
-        loss, aux = lm_loss, torch.zeros_like(lm_loss)
-        chunk.aux_grad_E = torch.zeros_like(counts_E)
-        if self.aux_coef is not None and not self.per_layer_aux:  # per layer: each layer's term is its own
-            stats = RouterStats(counts_E, probs_E, h_BSH.shape[0] * h_BSH.shape[1] * self.aux_layers)
-            stats = stats if self.sp is None else self.sp.share_of(stats)
-            aux = switch_loss(stats) * scale  # every MoE layer's rows pooled, as HF does
-            chunk.aux_grad_E = scale * self.aux_coef * self.num_experts * stats.counts_E / stats.rows**2 / self.K
-            loss = loss + self.aux_coef * aux
-        self.stats.add(loss, lm_loss, aux)
-        chunk.scaled_loss = loss / self.K
 
     # ----- backward -----
     def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
@@ -442,5 +363,5 @@ class AttentionRunner:
             return incoming[kind]
         value = self.local.pop((kind, layer, mb))
         if isinstance(value, Later) and isinstance(value.source, PendingDispatch):  # its n2m came back: m2n went out
-            _sent(value.source)
+            sent(value.source)
         return made(value)

@@ -35,9 +35,10 @@ from disagmoe_ds.layout import JobRole, Layout, RankRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages
 from disagmoe_ds.models.lora import GROUPS, LoraSettings
+from disagmoe_ds.models.model_facts import num_experts_of, residual_shape
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_experts_of, residual_shape
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, check_sequence_parallel, install_ulysses
 from disagmoe_ds.models.split import aux_loss_enabled

@@ -28,8 +28,9 @@ from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import JobRole
 from disagmoe_ds.models.adapters import check_lora
+from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_experts_of
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.runtime.rank import RankBuilder, RankParts, RankRuntime
 

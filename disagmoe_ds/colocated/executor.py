@@ -20,7 +20,7 @@ import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 
 from disagmoe_ds.launch.watchdog import StallWatch
-from disagmoe_ds.models.parts import RoutingFacts
+from disagmoe_ds.models.model_facts import RoutingFacts
 from disagmoe_ds.runtime import ds_patches
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, clip_by_norm, zero_grads_of_untouched
 from disagmoe_ds.runtime.step import StepResult

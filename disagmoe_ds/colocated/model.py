@@ -29,10 +29,11 @@ from disagmoe_ds.colocated.dispatch import LocalDispatcher
 from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.aux_loss import RouterStats, aux_loss_from_stats, balance_per_layer, router_stats
+from disagmoe_ds.models.expert_shard import ExpertShard
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages, warm_up_positions
 from disagmoe_ds.models.hyper_connections import add_routed
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
-from disagmoe_ds.models.parts import AttentionStage, ExpertShard, ExpertStage
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 
 # DeepSpeed's MoE checkpointing finds expert ``i`` of a layer by this infix and renumbers it globally on save.
 _DS_EXPERTS = "deepspeed_moe.experts.deepspeed_experts."

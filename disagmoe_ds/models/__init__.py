@@ -6,7 +6,10 @@ families       per-family facts as data: router, shared experts, expert count, t
 uncut          families known but not cut yet (Gemma 4's text MoE), and what a cut family cannot run with yet
                (DeepSeek-V4: sequence parallelism, CUDA graphs): one line, the layers and why (no torch)
 moe_pattern    which layers route to experts, from the config alone (no torch)
-parts          the attention part and the expert shard of every layer, built from HF's own modules
+attention_part the attention part of a layer and the head, built from HF's own modules
+expert_shard   a slice of a layer's routed experts, in HF's own experts module
+parts          what one rank holds: the attention stage and the expert stage, and compiling them
+model_facts    facts of the whole model from its config: expert count, residual hand-off shape, routing
 context        a micro-batch's masks, rotary tables and token ids, as HF's model builds them
 hyper_connections  DeepSeek-V4's residual streams: enter/leave a block, the routed sum weighed per stream
 aux_loss       HF's router aux loss, split into each layer's counts and probability sums

@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.models.attention_part import AttentionPart
 from disagmoe_ds.models.lora import EXPERT_PROJECTIONS, GROUPS, A, B, LoraLinear, LoraSettings, is_adapter
+from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
-from disagmoe_ds.models.parts import AttentionPart, AttentionStage, ExpertStage, num_experts_of
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 
 
 def add_adapters(module: nn.Module, settings: LoraSettings, *, seed: int) -> None:

@@ -261,7 +261,7 @@ def mixer_attr(layer: nn.Module) -> str:
     return "linear_attn" if hasattr(layer, "linear_attn") else "self_attn"
 
 
-# Layer types the attention parts build a mask for (``parts.build_context``).
+# Layer types the attention parts build a mask for (``context.build_context``).
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "indexed_attention")
 
 

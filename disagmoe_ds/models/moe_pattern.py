@@ -3,7 +3,7 @@
 
 ``MODEL_TYPES`` is the one table of the families: the runtime's adapters (``families.FAMILIES``), the expert
 kernels (``grouped_experts.GATED_FUSED_FAMILIES``) and the planner's field maps (``planner.hf_config``) are held to
-it. ``moe_layer_pattern`` is the one rule for the runtime (``models.parts.routing_facts``, the preflights of both
+it. ``moe_layer_pattern`` is the one rule for the runtime (``models.model_facts.routing_facts``, the preflights of both
 modes) and the planner (``planner.hf_config``); HF's built modules agree with it (``families.is_moe_layer``, tested
 for every config in hf_models/). HF builds a layer's MLP as (hf-notes section 1):
 

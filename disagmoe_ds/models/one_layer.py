@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, num_routed_experts
+from disagmoe_ds.models.model_facts import num_routed_experts
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
 
 
 def one_layer_model(

@@ -40,6 +40,7 @@ from transformers.core_model_loading import (
 )
 
 from disagmoe_ds.errors import CheckpointError
+from disagmoe_ds.models.attention_part import AttentionPart
 from disagmoe_ds.models.loading import (
     build_meta_model,
     check_weights,
@@ -50,7 +51,7 @@ from disagmoe_ds.models.loading import (
     shared_parameters,
 )
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
-from disagmoe_ds.models.parts import AttentionPart, ExpertStage
+from disagmoe_ds.models.parts import ExpertStage
 
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")  # from_pretrained's order of preference
 

@@ -21,7 +21,8 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from disagmoe_ds.models.parts import AttentionStage, ExpertShard
+from disagmoe_ds.models.expert_shard import ExpertShard
+from disagmoe_ds.models.parts import AttentionStage
 
 
 def _checkpoint_module(module: nn.Module) -> None:

@@ -17,8 +17,9 @@ from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.models.aux_loss import RouterStats, aux_loss_from_stats, balance_per_layer, router_stats
 from disagmoe_ds.models.families import family_of
 from disagmoe_ds.models.hyper_connections import add_routed
+from disagmoe_ds.models.model_facts import num_routed_experts
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, num_routed_experts
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 The cut hands every layer's attention part a residual (one stream, or DeepSeek-V4's hyper-connection streams with the
 routed sum's weight per stream, ``models.hyper_connections``), adds the routed experts' sum to it as it arrives
-(``parts.AttentionOutput``; the next A-group does the add, ``afpipe.attention_runner``), and gives the attention
+(``attention_part.AttentionOutput``; the next A-group does the add, ``afpipe.attention_runner``), and gives the attention
 parts hidden states and, where a layer routes by token id (DeepSeek-V4's hash-routed layers), the token ids. How
 DeepSeek-V4's layers are cut: the attention part holds ``attn_hc``, the input norm, ``self_attn`` (sliding window,
 compressor and frozen indexer), ``ffn_hc``, the post-attention norm, the router (hash or learned) and the shared

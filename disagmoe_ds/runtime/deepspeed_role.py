@@ -38,7 +38,7 @@ from torch import nn
 
 from disagmoe_ds.config import SECTION, effective_zero_stage
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.models.parts import ExpertShard
+from disagmoe_ds.models.expert_shard import ExpertShard
 from disagmoe_ds.runtime import ds_patches
 
 

@@ -32,9 +32,10 @@ from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.layout import JobLayout, JobRole
 from disagmoe_ds.models.adapters import add_adapters
 from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.model_facts import RoutingFacts, routing_facts
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
-from disagmoe_ds.models.parts import RoutingFacts, compile_stage, routing_facts
+from disagmoe_ds.models.parts import compile_stage
 from disagmoe_ds.models.uncut import refused_with
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, build_engine
 from disagmoe_ds.runtime.step import Executor

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.models.attention_part import AttentionPart
 from disagmoe_ds.models.families import expert_bias_of, family_of
-from disagmoe_ds.models.parts import AttentionPart
 from disagmoe_ds.runtime.rank import RankRuntime
 
 DEEPSEEK_V3_RATE = 1e-3  # gamma of DeepSeek-V3 for most of its training

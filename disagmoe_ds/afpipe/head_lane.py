@@ -1,0 +1,86 @@
+"""The head lane: what the last A-group's lanes run at layer L, the head, HF's causal-LM loss and (pooled) the
+router aux loss over every MoE layer of the micro-batch, with the step's loss sums (``head_stats``).
+
+The pooled aux loss's value comes from the expert counts and probability sums the forward carried to the head; its
+gradient with respect to each layer's probability sums, ``coef * E * counts / rows**2 / K``, is what the chunk keeps
+(``aux_grad_E``) to send back with the residual gradient. The head backpropagates ``loss / K`` (K micro-batches).
+With sequence parallelism a lane computes its slice's share, counted s times (the aux gradient too).
+
+Shape suffixes: B micro-batch size, S sequence, H hidden, E experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from disagmoe_ds.afpipe.attention_chunk import AttentionChunk
+from disagmoe_ds.afpipe.chunk_io import grad_of_inputs
+from disagmoe_ds.afpipe.head_stats import HeadStats
+from disagmoe_ds.models.aux_loss import RouterStats, switch_loss
+from disagmoe_ds.models.graphs import StageGraphs
+from disagmoe_ds.models.parts import AttentionStage
+from disagmoe_ds.models.sequence_parallel import SequenceParallel
+
+
+class HeadLane:
+    """The head and the loss of ``AttentionRunner``, a base of it: the attributes below are the runner's."""
+
+    config: Any  # the model's HF config
+    stage: AttentionStage
+    graphs: StageGraphs
+    sp: SequenceParallel | None
+    stats: HeadStats
+    aux_coef: float | None
+    per_layer_aux: bool
+    aux_layers: int
+    num_experts: int
+    K: int
+    B: int
+
+    @property
+    def _share_scale(self) -> float:
+        """What this lane's share of a micro-batch's loss counts: s with sequence parallelism, whose s lanes share
+        one micro-batch while DeepSpeed averages over every lane (``models.sequence_parallel``)."""
+        return 1.0 if self.sp is None else float(self.sp.size)
+
+    def _head(
+        self,
+        batch: dict[str, torch.Tensor],
+        h_BSH: torch.Tensor,
+        counts_E: torch.Tensor,
+        probs_E: torch.Tensor,
+        chunk: AttentionChunk,
+    ) -> None:
+        scale = self._share_scale
+        if self.sp is None:
+            _, lm_loss = self.graphs.head_of(self.stage)(h_BSH, batch["labels"])
+        else:  # this slice's share of the micro-batch's loss (no graphs with sequence parallelism)
+            assert self.stage.head is not None
+            _, lm_loss = self.stage.head(h_BSH, None, batch["shift_labels"], batch["num_items"])
+            lm_loss = lm_loss * scale
+        loss, aux = lm_loss, torch.zeros_like(lm_loss)
+        chunk.aux_grad_E = torch.zeros_like(counts_E)
+        if self.aux_coef is not None and not self.per_layer_aux:  # per layer: each layer's term is its own
+            stats = RouterStats(counts_E, probs_E, h_BSH.shape[0] * h_BSH.shape[1] * self.aux_layers)
+            stats = stats if self.sp is None else self.sp.share_of(stats)
+            aux = switch_loss(stats) * scale  # every MoE layer's rows pooled, as HF does
+            chunk.aux_grad_E = scale * self.aux_coef * self.num_experts * stats.counts_E / stats.rows**2 / self.K
+            loss = loss + self.aux_coef * aux
+        self.stats.add(loss, lm_loss, aux)
+        chunk.scaled_loss = loss / self.K
+
+    def _warm_up_head(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Where this lane holds the head: its forward and backward once, as the step calls it
+        (``AttentionRunner.warm_up``)."""
+        if self.stage.head is not None:
+            S = seq_len // (1 if self.sp is None else self.sp.size)
+            h_BSH = torch.randn(self.B, S, *self.stage.residual_dims, device=device, dtype=dtype)
+            h_BSH.requires_grad_()
+            labels_BS = torch.randint(0, self.config.vocab_size, (self.B, S), device=device)
+            if self.sp is None:
+                loss = self.stage.head(h_BSH, labels_BS)[1]
+            else:  # a slice's share, as the step calls the head
+                loss = self.stage.head(h_BSH, None, labels_BS, labels_BS.new_tensor(labels_BS.numel()))[1]
+            grad_of_inputs([loss], [h_BSH])

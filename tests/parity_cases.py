@@ -1,0 +1,99 @@
+"""Parity cases by name: one frozen case per multi-process job against HF, built by keyword from the defaults below.
+
+``str(case)`` is its pytest id, the layout it runs: ``qwen3_moe-M2N4p2-K3-z1-skew`` is Qwen3-MoE disaggregated on 2
+attention and 4 FFN ranks at depth 2 (``e2``: 2 expert-data-parallel replicas), 3 micro-batches, ZeRO-1, the skewed
+router; then the switches on and what the case changes in the model or the job (``label``, where a short name says
+it better). ``ColocatedJob``: the co-located mode's (``W4ep2``). Modules with knobs of their own extend ``Job``
+(``test_sequence_parallel.SPJob``...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagmoe_ds.config import DisagMoEConfig
+
+
+def tag(name: str, value: Any) -> str:
+    """One setting in an id: its name for a switch that is on, else ``name=value`` without spaces or quotes."""
+    if value is True:
+        return name
+    return f"{name}={value}".replace(" ", "").replace("'", "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """What every parity job has, whichever the mode.
+
+    Attributes:
+        family: ``hf_models/tiny-<family>``.
+        overrides: fields of the tiny model's config set before it is written (``tiny_checkpoint``).
+        K, zero, skew: micro-batches, ZeRO stage, the skewed router (``disagmoe-verify --skew``).
+        extra: further fields of the job's config.
+        label: what the id says of ``overrides`` and ``extra`` (empty: each written out).
+    """
+
+    family: str = "qwen3-moe"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    K: int = 3
+    zero: int = 1
+    skew: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+    def layout_id(self) -> str:
+        raise NotImplementedError
+
+    def run_tags(self) -> list[str]:
+        return [f"K{self.K}", f"z{self.zero}"] + ["skew"] * self.skew
+
+    def __str__(self) -> str:
+        named = [self.label] if self.label else [tag(k, v) for k, v in {**self.overrides, **self.extra}.items()]
+        return "-".join([self.family.replace("-", "_"), self.layout_id(), *self.run_tags(), *named])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job(Case):
+    """A disaggregated job: ``M`` attention ranks, ``N`` FFN ranks, depth ``p``, ``edp`` expert-data-parallel
+    replicas; ``resend`` and ``factor`` (``capacity_factor``, None: exact message sizes) of its ``"disagmoe"``
+    section, ``extra`` the rest of it."""
+
+    M: int = 1
+    N: int = 1
+    p: int = 1
+    edp: int = 1
+    resend: bool = False
+    factor: float | None = None
+
+    def config(self, **fields: Any) -> DisagMoEConfig:
+        """The job's ``"disagmoe"`` section, with ``fields`` (the transport, the switches a test adds)."""
+        return DisagMoEConfig(
+            attention_gpus=self.M,
+            ffn_gpus=self.N,
+            depth=self.p,
+            micro_batches=self.K,
+            expert_data_parallel=self.edp,
+            resend=self.resend,
+            capacity_factor=self.factor,
+            **self.extra,
+            **fields,
+        )
+
+    def layout_id(self) -> str:
+        return f"M{self.M}N{self.N}p{self.p}" + (f"e{self.edp}" if self.edp > 1 else "")
+
+    def run_tags(self) -> list[str]:
+        tags = super().run_tags() + ["resend"] * self.resend
+        return tags + ([f"cap{self.factor}"] if self.factor is not None else [])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColocatedJob(Case):
+    """A co-located EP+DP job: ``W`` ranks, expert parallelism ``ep``."""
+
+    W: int = 2
+    ep: int = 2
+
+    def layout_id(self) -> str:
+        return f"W{self.W}ep{self.ep}"
