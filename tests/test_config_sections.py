@@ -15,10 +15,10 @@ from disagmoe_ds.config import (
     FineTuning,
     Kernels,
     LayoutCounts,
-    Section,
     Watchdog,
     effective_zero_stage,
 )
+from disagmoe_ds.config.sections import Section
 from disagmoe_ds.errors import ConfigError
 
 SECTIONS = [cls for cls in DisagMoEConfig.__mro__[1:] if issubclass(cls, Section) and cls is not Section]

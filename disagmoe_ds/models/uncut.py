@@ -2,12 +2,12 @@
 
 The cut hands every layer's attention part a residual (one stream, or DeepSeek-V4's hyper-connection streams with the
 routed sum's weight per stream, ``models.hyper_connections``), adds the routed experts' sum to it as it arrives
-(``attention_part.AttentionOutput``; the next A-group does the add, ``afpipe.attention_runner``), and gives the attention
-parts hidden states and, where a layer routes by token id (DeepSeek-V4's hash-routed layers), the token ids. How
-DeepSeek-V4's layers are cut: the attention part holds ``attn_hc``, the input norm, ``self_attn`` (sliding window,
-compressor and frozen indexer), ``ffn_hc``, the post-attention norm, the router (hash or learned) and the shared
-expert, and hands on ``comb^T @ streams + post * shared`` with ``post``; A_next adds ``post * routed``. One
-issue-29 family needs more (HF 5.24's modules):
+(``attention_part.AttentionOutput``; the next A-group does the add, ``afpipe.attention_runner``), and gives the
+attention parts hidden states and, where a layer routes by token id (DeepSeek-V4's hash-routed layers), the token ids.
+How DeepSeek-V4's layers are cut: the attention part holds ``attn_hc``, the input norm, ``self_attn`` (sliding window,
+compressor and frozen indexer), ``ffn_hc``, the post-attention norm, the router (hash or learned) and the shared expert,
+and hands on ``comb^T @ streams + post * shared`` with ``post``; A_next adds ``post * routed``. One issue-29 family
+needs more (HF 5.24's modules):
 
     gemma4_text   (and the Hub's ``gemma4``, through its ``text_config``) the experts sit beside a dense MLP and their
                   sum is normalised (``post_feedforward_layernorm_2``), added to the MLP's, normalised again

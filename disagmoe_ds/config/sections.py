@@ -1,48 +1,30 @@
-"""Our own knobs: the ``"disagmoe"`` section of a DeepSpeed config, parsed once and validated at the entry point.
-
-The rest of the ds_config stays DeepSpeed's. Command-line overrides (``--attention-gpus`` ...) replace section
-values before validation, so a bad value fails with the same message wherever it came from.
-
-The section is flat JSON (the keys users write), but each key belongs to one typed section below, a small frozen
-dataclass with one concept that checks its own keys: ``LayoutCounts``, ``Accumulation``, ``Pipeline``,
-``Watchdog``, ``Exchange``, ``Kernels``, ``MemoryLevers``, ``ZeroPerSide``, ``CostModel`` and ``FineTuning``.
-``DisagMoEConfig`` is composed of them as bases, so its fields are still exactly the section's keys (what
-``from_ds_config``, ``dataclasses.replace`` and ``to_dict`` work on) and ``cfg.micro_batches`` is typed; a function
-that needs one concept can be typed by that section alone. The co-located mode's ``ColocatedConfig`` is composed of
-the sections both modes read (``Accumulation``, ``Watchdog``, ``Kernels``, ``FineTuning``).
-
-Also here, beside the keys they are about: each side's effective ZeRO stage (``effective_zero_stage``, the one rule
-every ZeRO check and build step goes through) and the flag table (``SECTION_FLAGS``) from which run_pretrain.py,
-disagmoe-verify, the co-located verify and bench_e2e.py make their flags for section keys (``add_section_flags``).
-
->>> cfg = DisagMoEConfig.from_ds_config({"disagmoe": {"attention_gpus": 2, "ffn_gpus": 2}}, {"micro_batches": 4})
->>> cfg.attention_gpus, cfg.micro_batches, cfg.world_size
-(2, 4, 4)
->>> cfg.zero_stage_of("ffn", {"zero_optimization": {"stage": 1}})  # no per-side stage: the ds_config's
-1
-"""
+"""The typed sections of the ``"disagmoe"`` section: each a small frozen dataclass with one concept that checks its
+own keys, and the one rule for each side's effective ZeRO stage (``effective_zero_stage``)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.jsonfile import read_json_object
 from disagmoe_ds.layout import Layout, RankCounts
 from disagmoe_ds.models.lora import LoraSettings
 from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
+
+
 SIDES = ("attention", "ffn")  # the keys of the per-side settings (offload, zero_stage)
+
+
 # ZeRO-3 (parameters sharded) on the expert side only, and only by its per-side stage: "zero_optimization.stage" is
 # every side's default and the stage of one engine over both kinds of parameters (co-located, DeepSpeed-MoE).
 ZERO_STAGES = {"attention": (0, 1, 2), "ffn": (0, 1, 2, 3)}
+
+
 DS_STAGES = (0, 1, 2)
 
 
@@ -318,50 +300,6 @@ class FineTuning(Section):
             object.__setattr__(self, "lora", LoraSettings.from_dict(self.lora))
 
 
-# Bases in reverse of the order their keys are listed in (dataclasses collect fields from the last base first).
-@dataclass(frozen=True, kw_only=True)
-class DisagMoEConfig(
-    FineTuning, CostModel, ZeroPerSide, MemoryLevers, Kernels, Exchange, Watchdog, Pipeline, Accumulation, LayoutCounts
-):
-    """The disaggregated layout and pipeline settings: the ``"disagmoe"`` section, its keys grouped by the typed
-    sections it is composed of (their docstrings describe the keys)."""
-
-    def _check(self) -> None:
-        if self.cuda_graphs:
-            _check_graphable(self)
-
-    @classmethod
-    def from_ds_config(cls, ds_config: dict[str, Any], overrides: dict[str, Any] | None = None) -> DisagMoEConfig:
-        section = dict(ds_config.get(SECTION, {}))
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ConfigError(f'unknown key(s) in "{SECTION}": {", ".join(unknown)}; known: {", ".join(sorted(known))}')
-        section.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        return cls(**section)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _check_graphable(cfg: DisagMoEConfig) -> None:
-    """Refuse what cannot run inside a captured graph: recomputation and offload move or rebuild a part's saved
-    tensors, and the split backward runs a part's backward in two halves, where a graph replays it whole."""
-    refused = {
-        "activation_checkpointing": cfg.activation_checkpointing,
-        "selective_recompute": cfg.selective_recompute,
-        "offload": any(cfg.offload_share(side) > 0 for side in SIDES),
-        "split_backward": cfg.split_backward,
-        "sequence_parallel": cfg.sequence_parallel > 1,  # the head takes the slice's shifted labels
-    }
-    chosen = [f'"{SECTION}.{name}"' for name, on in refused.items() if on]
-    if chosen:
-        raise ConfigError(
-            f'"{SECTION}.cuda_graphs" does not work with {", ".join(chosen)}: a graph replays a part\'s forward and '
-            "backward whole, with its activations in a pool of its own; turn one of them off"
-        )
-
-
 def _check_per_side(key: str, value: Any, example: str, problem: Callable[[str, Any], str | None]) -> None:
     """A per-side object (``{"attention": ..., "ffn": ...}``): its type, its keys and each side's value (``problem``
     says what is wrong with one, or None)."""
@@ -420,157 +358,3 @@ def effective_zero_stage(ds_config: dict[str, Any], side: str | None = None, sid
             f'bf16 needs "zero_optimization.stage" 1 or 2{on_side} in DisagMoE-DS (--zero 1, or --dtype fp32)'
         )
     return stage
-
-
-# ----- the flag table -----
-@dataclass(frozen=True)
-class Flag:
-    """How one section key is given on a command line, whichever CLI declares it (``add_section_flags``).
-
-    Attributes:
-        help: what the key does, in every CLI's ``--help``.
-        type: argparse's ``type``; None for a switch (``store_true``).
-        name: the flag where it is not the key's (``flag_of``).
-        per_side: two values, the attention side's then the FFN side's, for a ``{"attention": a, "ffn": f}`` key.
-        choices: the values argparse accepts.
-        defaults: the default of a CLI that deliberately differs from the section's (``cli -> value``).
-        notes: what such a default means where the value does not say it (``cli -> text``, shown in ``--help``).
-    """
-
-    help: str
-    type: Callable[[str], Any] | None = int
-    name: str | None = None
-    per_side: bool = False
-    choices: tuple[Any, ...] | None = None
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-    notes: Mapping[str, str] = field(default_factory=dict)
-
-    def flag(self, key: str) -> str:
-        return self.name or flag_of(key)
-
-
-# The CLIs that make flags from this table; "run_pretrain" overrides a ds_config, so its flags default to None (the
-# ds_config's value), the others build a config from the flags alone and default to the section's default.
-CLIS = ("run_pretrain", "verify", "colocated_verify", "bench")
-SECTION_FLAGS: dict[str, Flag] = {
-    "attention_gpus": Flag(
-        "ranks that run the attention side (M), in total", notes={"bench": "half the ranks"}, defaults={"bench": None}
-    ),
-    "ffn_gpus": Flag(
-        "ranks that run the experts (N), in total", notes={"bench": "the other ranks"}, defaults={"bench": None}
-    ),
-    "depth": Flag(
-        "pipeline depth (p): the layers are split over this many attention groups and as many expert groups; "
-        "divides the layer count"
-    ),
-    "expert_data_parallel": Flag("copies of each expert shard within an expert group"),
-    "sequence_parallel": Flag(
-        "attention ranks that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses around the attention "
-        "core); divides the lanes of an attention group, the attention heads and --seq-len"
-    ),
-    "micro_batches": Flag(
-        "micro-batches per optimizer step on each data-parallel lane (DeepSpeed's gradient accumulation steps)",
-        defaults={"verify": 2, "colocated_verify": 2},  # one micro-batch would not test accumulation
-    ),
-    "activation_checkpointing": Flag("recompute chunk activations in backward", type=None),
-    "transport": Flag(
-        "exchange transport: auto (NCCL on GPUs, gloo on CPUs) or rendezvous (CPU ranks; a send completes only once "
-        "its receive has started, as on NCCL's network transport: shows deadlocks gloo hides)",
-        type=str,
-        choices=tuple(sorted(TRANSPORTS)),
-    ),
-    "comm_timeout_s": Flag(
-        "seconds a rank may wait for a peer; stacks at half of it", type=float, name="--comm-timeout"
-    ),
-    "compile": Flag("torch.compile the parts", type=None),
-    # AF-Pipe's memory levers (LEVER_KEYS)
-    "resend": Flag("experts keep nothing between forward and backward", type=None),
-    "cuda_graphs": Flag("replay the parts as CUDA graphs (GPU ranks)", type=None),
-    "capacity_factor": Flag(
-        "several ep ranks: m2n messages at a fixed capacity (balanced routing times this), no headers; a step that "
-        "outgrows it runs again at a larger one",
-        type=float,
-    ),
-    "selective_recompute": Flag("recompute attention blocks, SwiGLUs, experts' gate/up", type=None),
-    "split_backward": Flag(
-        "each backward sends its input gradients first and runs its weight gradients when the rank would idle",
-        type=None,
-    ),
-    "offload": Flag(
-        "share of each micro-batch's layers whose saved activations go to host memory, attention and FFN side",
-        type=float,
-        per_side=True,
-    ),
-    "zero_stage": Flag(
-        "ZeRO stage of the attention and the FFN side (F may be 3: expert parameters sharded), replacing --zero",
-        per_side=True,
-    ),
-}
-LAYOUT_KEYS = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "sequence_parallel")
-LEVER_KEYS = (
-    "resend",
-    "cuda_graphs",
-    "capacity_factor",
-    "selective_recompute",
-    "split_backward",
-    "offload",
-    "zero_stage",
-)
-_SECTION_DEFAULTS = {f.name: f.default for f in fields(DisagMoEConfig)}
-
-
-def flag_of(name: str) -> str:
-    """The flag of an ``argparse`` destination: ``ep_size`` -> ``--ep-size``."""
-    return "--" + name.replace("_", "-")
-
-
-def add_section_flags(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup, keys: tuple[str, ...], *, cli: str
-) -> None:
-    """``keys``' flags from ``SECTION_FLAGS`` as ``cli`` (one of ``CLIS``) has them; each action's destination is
-    its key and its ``section_key`` attribute names it (tests check every CLI's against the table)."""
-    if cli not in CLIS:
-        raise ValueError(f"unknown CLI {cli!r}; one of {CLIS}")
-    for key in keys:
-        spec = SECTION_FLAGS[key]
-        kwargs: dict[str, Any] = {"dest": key, "help": spec.help}
-        if cli in spec.notes:
-            kwargs["help"] += f" (default: {spec.notes[cli]})"
-        if spec.type is None:  # a switch turns a key on; left out, run_pretrain.py keeps the ds_config's value
-            kwargs |= {"action": "store_true", "default": None if cli == "run_pretrain" else False}
-        else:
-            kwargs |= {"type": spec.type, "choices": spec.choices, "default": _default(key, spec, cli)}
-            if spec.per_side:
-                kwargs |= {"nargs": 2, "metavar": ("A", "F")}
-            elif spec.name is not None:  # named after the flag, not the key it sets
-                kwargs["metavar"] = spec.name.removeprefix("--").replace("-", "_").upper()
-        action = parser.add_argument(spec.flag(key), **kwargs)
-        action.section_key = key  # type: ignore[attr-defined]
-
-
-def _default(key: str, spec: Flag, cli: str) -> Any:
-    if cli in spec.defaults:
-        return spec.defaults[cli]
-    if cli == "run_pretrain":
-        return None
-    default = _SECTION_DEFAULTS[key]
-    return None if spec.per_side else default  # a per-side key left out: the section's empty object
-
-
-def section_values(ns: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
-    """The section keys ``add_section_flags`` parsed into ``ns``, as the section holds them (a pair of per-side values
-    becomes ``{"attention": a, "ffn": f}``); a flag not given and without a default is left out."""
-    values = {}
-    for key in keys:
-        value = getattr(ns, key)
-        if value is None:
-            continue
-        values[key] = dict(zip(SIDES, value, strict=True)) if SECTION_FLAGS[key].per_side else value
-    return values
-
-
-def load_ds_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
-    """A DeepSpeed config as a dict, from a JSON file or an in-memory dict (copied)."""
-    if isinstance(path_or_dict, dict):
-        return json.loads(json.dumps(path_or_dict))
-    return read_json_object(path_or_dict, what="DeepSpeed config", fix="see ds_configs/ for examples")
