@@ -28,24 +28,6 @@ from disagmoe_ds.errors import LayoutError
 Role = Literal["attention", "ffn"]
 
 
-class JobRole(Protocol):
-    """What one rank does, as the training loop, the checkpoints and the verifies read it in either mode
-    (``RankRole``, ``colocated.layout.ColocatedRole``): a rank with ``is_attention and group == 0`` reads lane
-    ``index``'s data."""
-
-    @property
-    def is_attention(self) -> bool: ...
-
-    @property
-    def group(self) -> int: ...
-
-    @property
-    def index(self) -> int: ...
-
-    @property
-    def edp_rank(self) -> int: ...
-
-
 class JobLayout(Protocol):
     """Either mode's layout (``Layout``, ``colocated.layout.ColocatedLayout``): what the shared runtime, the process
     groups and the checkpoints read of it."""
@@ -56,7 +38,7 @@ class JobLayout(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def role_of(self, rank: int) -> JobRole: ...
+    def role_of(self, rank: int) -> RankRole: ...
 
     def check_world_size(self, world_size: int) -> None: ...
 
@@ -68,14 +50,16 @@ class JobLayout(Protocol):
         """The layout values a resume must match."""
         ...
 
-    def checkpoint_dir(self, role: JobRole) -> str:
+    def checkpoint_dir(self, role: RankRole) -> str:
         """The directory (under a checkpoint's tag) of the DeepSpeed engine of a rank with this role."""
         ...
 
 
 @dataclass(frozen=True)
 class RankRole:
-    """What one global rank does. ``index`` is the lane (attention) or the rank inside the F-group."""
+    """What one global rank does, in either mode. ``index`` is the lane (attention) or the rank inside the F-group; a
+    co-located rank is lane ``index`` of the one attention group, holding expert slice ``ep_rank`` of replica
+    ``edp_rank`` as well."""
 
     role: Role
     group: int
@@ -303,12 +287,9 @@ class Layout(RankCounts, ExpertSlices):
         keys = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "num_layers", "num_experts")
         return {key: getattr(self, key) for key in keys}
 
-    def checkpoint_dir(self, role: JobRole) -> str:
+    def checkpoint_dir(self, role: RankRole) -> str:
         """One directory per engine group: an A-group's lanes, an F-group's replicas of one expert shard."""
-        if role.is_attention:
-            return f"attention_g{role.group}"
-        assert isinstance(role, RankRole)
-        return f"ffn_g{role.group}_ep{role.ep_rank}"
+        return f"attention_g{role.group}" if role.is_attention else f"ffn_g{role.group}_ep{role.ep_rank}"
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:

@@ -31,7 +31,7 @@ from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import SECTION, DisagMoEConfig
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
-from disagmoe_ds.layout import JobRole, Layout, RankRole
+from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages
 from disagmoe_ds.models.lora import GROUPS, LoraSettings
@@ -104,13 +104,12 @@ class Disaggregated:
         model: nn.Module,
         layout: Layout,
         groups: ProcessGroups,
-        role: JobRole,
+        role: RankRole,
         *,
         device: torch.device,
         seed: int,
         weights: PretrainedWeights | None,
     ) -> nn.Module:
-        assert isinstance(role, RankRole)  # this mode's layout made it
         layers = layout.layers_of_group(role.group)
         stage: AttentionStage | ExpertStage
         if role.is_attention:
@@ -128,10 +127,10 @@ class Disaggregated:
             apply_selective_recompute(stage)
         return stage
 
-    def zero_stage(self, role: JobRole, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
         return self.cfg.zero_stage_of("attention" if role.is_attention else "ffn", ds_config)
 
-    def grad_scale(self, layout: Layout, role: JobRole) -> float:
+    def grad_scale(self, layout: Layout, role: RankRole) -> float:
         # Expert grads sum over the tokens of all lanes; DeepSpeed averages over the edp replicas only.
         return 1.0 if role.is_attention else layout.expert_data_parallel / layout.lanes
 
@@ -274,7 +273,7 @@ def _exchange(parts: RankParts[Layout]) -> ExchangeComms:
     return parts.groups.exchange
 
 
-def sequence_parallel_of(groups: ProcessGroups, role: JobRole) -> SequenceParallel | None:
+def sequence_parallel_of(groups: ProcessGroups, role: RankRole) -> SequenceParallel | None:
     """An attention rank's place in its SP group (None without sequence parallelism)."""
     if groups.sequence_parallel is None:
         return None

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.jsonfile import read_json_object
-from disagmoe_ds.layout import JobLayout, JobRole, Layout
+from disagmoe_ds.layout import JobLayout, Layout, RankRole
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -154,7 +154,7 @@ def save_checkpoint(
     return final
 
 
-def _side_stages(engine, role: JobRole) -> dict[str, int]:
+def _side_stages(engine, role: RankRole) -> dict[str, int]:
     """Each side's ZeRO stage as its engines ran (collective). The manifest records it: the optimizer state is laid
     out by it, and a side's stage may differ from the ds_config's (``"disagmoe": {"zero_stage": ...}``)."""
     every: list[Any] = [None] * dist.get_world_size()

@@ -23,10 +23,10 @@ from transformers import PretrainedConfig
 from disagmoe_ds.colocated.dispatch import AllToAllDispatcher, LocalDispatcher
 from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
 from disagmoe_ds.colocated.groups import register_with_deepspeed
-from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout, ColocatedRole
+from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout
 from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
-from disagmoe_ds.layout import JobRole
+from disagmoe_ds.layout import RankRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
@@ -52,7 +52,7 @@ class Colocated:
             check_lora(config, self.cfg.lora, needs=("expert",))  # DeepSpeed's MoE engine needs an expert group
         self.cfg.zero_stage_of("ffn", ds_config)  # checked: one stage for both kinds of parameters
 
-    def zero_stage(self, role: JobRole, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
         del role  # one engine over both kinds of parameters: one stage
         return self.cfg.zero_stage_of("attention", ds_config)
 
@@ -75,7 +75,7 @@ class Colocated:
         model: nn.Module,
         layout: ColocatedLayout,
         groups: ProcessGroups,
-        role: JobRole,
+        role: RankRole,
         *,
         device: torch.device,
         seed: int,
@@ -83,7 +83,6 @@ class Colocated:
     ) -> ColocatedModel:
         """Attention side of every layer, the expert slice of ``role``, the dispatcher. Parts cut from a meta model
         are filled from ``weights``, or else initialised from ``2 * seed`` (attention) and ``2 * seed + 1``."""
-        assert isinstance(role, ColocatedRole)  # this mode's layout made it
         config: PretrainedConfig = model.config
         layers = tuple(range(config.num_hidden_layers))
         experts = layout.expert_range(role.ep_rank)
@@ -106,7 +105,7 @@ class Colocated:
         aux_coef = config.router_aux_loss_coef if aux_loss_enabled(config) else None
         return ColocatedModel(attention, moe, dispatcher, aux_coef)
 
-    def grad_scale(self, layout: ColocatedLayout, role: JobRole) -> float:
+    def grad_scale(self, layout: ColocatedLayout, role: RankRole) -> float:
         del layout, role
         return 1.0  # already the mean over all W * K micro-batches (colocated.executor)
 
@@ -117,7 +116,6 @@ class Colocated:
 
     def executor(self, parts: RankParts[ColocatedLayout]) -> ColocatedExecutor:
         role = parts.role
-        assert isinstance(role, ColocatedRole)
         return ColocatedExecutor(
             engine=parts.engine,
             num_micro_batches=self.cfg.micro_batches,

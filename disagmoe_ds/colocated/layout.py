@@ -9,7 +9,7 @@ expert-parallel (EP) group is a run of ``ep_size`` consecutive ranks and the ran
 >>> lay.ep_group_ranks(1), lay.edp_group_ranks(1), lay.expert_range(lay.ep_rank(3))
 ((2, 3), (1, 3), range(4, 8))
 >>> lay.role_of(3)
-ColocatedRole(index=3, ep_rank=1, edp_rank=1)
+RankRole(role='attention', group=0, index=3, ep_rank=1, edp_rank=1)
 >>> lay.group_ranks().expert_parallel, lay.group_ranks().expert_data_parallel
 (((0, 1), (2, 3)), ((0, 2), (1, 3)))
 >>> ColocatedConfig(world_size=6).layout(num_experts=8).ep_size  # default: the largest that divides both
@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from disagmoe_ds.config import SECTION, Accumulation, FineTuning, Kernels, Watchdog, effective_zero_stage
 from disagmoe_ds.errors import ConfigError, LayoutError
-from disagmoe_ds.layout import ExpertSlices, GroupRanks, JobRole
+from disagmoe_ds.layout import ExpertSlices, GroupRanks, RankRole
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,25 +87,6 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class ColocatedRole:
-    """What one co-located rank does, named as ``layout.RankRole`` names it for the training loop: every rank is
-    lane ``index`` of the one attention group (so it reads data and holds the embedding) and holds expert slice
-    ``ep_rank`` of replica ``edp_rank``."""
-
-    index: int
-    ep_rank: int
-    edp_rank: int
-
-    @property
-    def is_attention(self) -> bool:
-        return True
-
-    @property
-    def group(self) -> int:
-        return 0
-
-
 @dataclass(frozen=True, kw_only=True)
 class ColocatedLayout(ExpertSlices):
     """A validated co-located layout: W ranks, EP groups of ``ep_size`` ranks, E routed experts per MoE layer.
@@ -164,10 +145,12 @@ class ColocatedLayout(ExpertSlices):
             expert_data_parallel=tuple(self.edp_group_ranks(e) for e in range(self.ep_size)),
         )
 
-    def role_of(self, rank: int) -> ColocatedRole:
+    def role_of(self, rank: int) -> RankRole:
+        """Every co-located rank is lane ``rank`` of the one attention group (it reads data and holds the embedding)
+        and holds expert slice ``ep_rank`` of replica ``edp_rank``."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside the co-located layout's world of {self.world_size} ranks")
-        return ColocatedRole(index=rank, ep_rank=self.ep_rank(rank), edp_rank=self.edp_rank(rank))
+        return RankRole("attention", group=0, index=rank, ep_rank=self.ep_rank(rank), edp_rank=self.edp_rank(rank))
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
@@ -180,7 +163,7 @@ class ColocatedLayout(ExpertSlices):
     def manifest_layout(self) -> dict[str, int]:
         return {"world_size": self.world_size, "ep_size": self.ep_size, "num_experts": self.num_experts}
 
-    def checkpoint_dir(self, role: JobRole) -> str:
+    def checkpoint_dir(self, role: RankRole) -> str:
         del role  # one DeepSpeed job: every rank saves into the same directory
         return "colocated"
 

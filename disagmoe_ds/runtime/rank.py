@@ -29,7 +29,7 @@ from torch import nn
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.groups import ProcessGroups
 from disagmoe_ds.launch.env import process_device
-from disagmoe_ds.layout import JobLayout, JobRole
+from disagmoe_ds.layout import JobLayout, RankRole
 from disagmoe_ds.models.adapters import add_adapters
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.model_facts import RoutingFacts, routing_facts
@@ -49,7 +49,7 @@ class RankRuntime:
     checkpoints and its balancing read these fields and never ask which mode built them."""
 
     layout: JobLayout
-    role: JobRole
+    role: RankRole
     executor: Executor
     module: nn.Module
     engine: DeepSpeedEngine
@@ -61,7 +61,7 @@ class RankParts(Generic[LayoutT]):
 
     rank: int
     layout: LayoutT
-    role: JobRole
+    role: RankRole
     groups: ProcessGroups
     module: nn.Module
     engine: DeepSpeedEngine
@@ -102,7 +102,7 @@ class RankMode(Protocol[LayoutT]):
         model: nn.Module,
         layout: LayoutT,
         groups: ProcessGroups,
-        role: JobRole,
+        role: RankRole,
         *,
         device: torch.device,
         seed: int,
@@ -112,11 +112,11 @@ class RankMode(Protocol[LayoutT]):
         ``weights``, or initialised from ``seed``)."""
         ...
 
-    def zero_stage(self, role: JobRole, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
         """The ZeRO stage of the rank's engine (its side's, in the disaggregated mode)."""
         ...
 
-    def grad_scale(self, layout: LayoutT, role: JobRole) -> float:
+    def grad_scale(self, layout: LayoutT, role: RankRole) -> float:
         """The factor on the rank's gradients before DeepSpeed averages them over the data-parallel group."""
         ...
 
