@@ -209,6 +209,7 @@ def test_an_expert_runner_captures_its_shards_again_at_a_grown_capacity():
     the captures are recorded, not made)."""
     from types import SimpleNamespace
 
+    from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
     from disagmoe_ds.afpipe.expert_runner import ExpertRunner
     from disagmoe_ds.comm.routing import Capacity
     from disagmoe_ds.models.graphs import StageGraphs
@@ -220,10 +221,8 @@ def test_an_expert_runner_captures_its_shards_again_at_a_grown_capacity():
     captured: list[dict] = []
     capacity = Capacity.initial(tokens=64, top_k=2, ep_size=2, experts_per_rank=4, factor=1.25)
     graphs = Recorded(shards={0: object()})
-    runner = ExpertRunner(
-        SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(), top_k=2, weight_dtype=torch.float32,
-        graphs=graphs, capacity=capacity, lanes=2,
-    )  # fmt: skip
+    settings = ChunkSettings(top_k=2, graphs=graphs, capacity=capacity)
+    runner = ExpertRunner(SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(), settings, lanes=2)
     runner.capacity = capacity  # unchanged: nothing to capture again
     grown = capacity.grown(60, 100)
     runner.capacity = grown

@@ -31,13 +31,13 @@ import torch
 
 from disagmoe_ds.afpipe.attention_chunk import AttentionChunk, PerToken, sent
 from disagmoe_ds.afpipe.chunk_io import Outgoing, checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
+from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
 from disagmoe_ds.afpipe.head_lane import HeadLane
 from disagmoe_ds.afpipe.head_stats import HeadStats
 from disagmoe_ds.afpipe.later import Later, made
 from disagmoe_ds.afpipe.split_backward import ChunkBackward
 from disagmoe_ds.comm.messages import ExpertOutGrad, Residual, ResidualGrad, Tokens
 from disagmoe_ds.comm.routing import (
-    Capacity,
     CombinePlan,
     DispatchPlan,
     PendingDispatch,
@@ -64,32 +64,28 @@ class AttentionRunner(HeadLane):
         engine,
         stage: AttentionStage,
         layout: Layout,
+        settings: ChunkSettings,
         *,
         moe_layers: tuple[bool, ...],
-        top_k: int,
         num_micro_batches: int,
         micro_batch_size: int,
         aux_coef: float | None,
-        weight_dtype: torch.dtype = torch.float32,
-        activation_checkpointing: bool = False,
-        resend: bool = False,
-        split_layers: frozenset[int] = frozenset(),
-        graphs: StageGraphs | None = None,
-        capacity: Capacity | None = None,
         sp: SequenceParallel | None = None,
     ):
-        self.engine, self.stage, self.layout, self.resend = engine, stage, layout, resend
+        self.engine, self.stage, self.layout, self.resend = engine, stage, layout, settings.resend
         self.sp = sp  # sequence parallelism: this lane holds a slice of every micro-batch (None: the whole)
-        self.capacity = capacity  # m2n messages padded to it (None: exact sizes, sent with headers)
+        self.capacity = settings.capacity  # m2n messages padded to it (None: exact sizes, sent with headers)
         self.need_2: torch.Tensor | None = None  # the most rows and pairs one m2n message wanted this step
-        self.graphs = graphs or StageGraphs()  # the parts replayed as CUDA graphs (none: every part as it is)
-        self.weight_dtype = weight_dtype  # the router weights' (resend at p > 1 sends them with the residual)
-        self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
-        self.recompute = checkpointed if activation_checkpointing else run
+        self.graphs = settings.graphs or StageGraphs()  # the parts replayed as CUDA graphs (none: as they are)
+        self.weight_dtype = settings.weight_dtype  # the router weights' (resend at p > 1 sends them with the residual)
+        self.backward_pass = ChunkBackward(
+            engine, settings.split_layers
+        )  # split backward: B here, W in ``weight_grad``
+        self.recompute = checkpointed if settings.activation_checkpointing else run
         self.config = stage.config
         self.moe_layers = moe_layers
         self.num_layers = len(moe_layers)
-        self.top_k = top_k
+        self.top_k = settings.top_k
         self.K = num_micro_batches
         self.B = micro_batch_size
         self.aux_coef = aux_coef  # None: the family/config has no aux loss

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from disagmoe_ds.afpipe.attention_runner import AttentionRunner
+from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
 from disagmoe_ds.afpipe.executor import AFPipeExecutor
 from disagmoe_ds.afpipe.expert_runner import ExpertRunner
 from disagmoe_ds.afpipe.instructions import AFPipeSchedule
@@ -229,34 +230,26 @@ class Disaggregated:
         capacity: Capacity | None,
     ) -> AttentionRunner | ExpertRunner:
         cfg, stage, routing = self.cfg, _stage(parts), parts.routing
+        settings = ChunkSettings(
+            routing.top_k,
+            routing.weight_dtype,
+            cfg.activation_checkpointing,
+            cfg.resend,
+            split_layers,
+            graphs,
+            capacity,
+        )
         if isinstance(stage, ExpertStage):
-            return ExpertRunner(
-                parts.engine,
-                stage,
-                top_k=routing.top_k,
-                weight_dtype=routing.weight_dtype,
-                activation_checkpointing=cfg.activation_checkpointing,
-                resend=cfg.resend,
-                split_layers=split_layers,
-                graphs=graphs,
-                capacity=capacity,
-                lanes=len(ffn_lanes(parts.layout, parts.rank)),
-            )
+            return ExpertRunner(parts.engine, stage, settings, lanes=len(ffn_lanes(parts.layout, parts.rank)))
         return AttentionRunner(
             parts.engine,
             stage,
             parts.layout,
+            settings,
             moe_layers=routing.moe_layers,
-            top_k=routing.top_k,
             num_micro_batches=cfg.micro_batches,
             micro_batch_size=parts.micro_batch_size,
             aux_coef=stage.config.router_aux_loss_coef if aux_loss_enabled(stage.config) else None,
-            weight_dtype=routing.weight_dtype,
-            activation_checkpointing=cfg.activation_checkpointing,
-            resend=cfg.resend,
-            split_layers=split_layers,
-            graphs=graphs,
-            capacity=capacity,
             sp=sequence_parallel_of(parts.groups, parts.role),
         )
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from disagmoe_ds.afpipe.chunk_io import Outgoing, checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
+from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
 from disagmoe_ds.afpipe.split_backward import ChunkBackward, retained_graph_compiles
 from disagmoe_ds.comm.exchange import LaneRows
 from disagmoe_ds.comm.messages import ExpertOut, ExpertOutGrad, TokenGrads, Tokens
@@ -55,26 +56,21 @@ class ExpertRunner:
         self,
         engine,
         stage: ExpertStage,
+        settings: ChunkSettings,
         *,
-        top_k: int,
-        weight_dtype: torch.dtype,
-        activation_checkpointing: bool = False,
-        resend: bool = False,
-        split_layers: frozenset[int] = frozenset(),
-        graphs: StageGraphs | None = None,
-        capacity: Capacity | None = None,
         lanes: int = 1,
     ):
-        """``capacity``, ``lanes``: the fixed size of each of the ``lanes`` messages a step's micro-batch brings (None:
-        sizes vary); the graphed shards and the warm-up run at their sum."""
-        self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, top_k, weight_dtype
-        self.graphs = graphs or StageGraphs()  # the shards replayed as CUDA graphs (at the capacity's rows)
-        self._capacity, self.lanes = capacity, lanes
-        self.resend = resend
+        """``settings.capacity``, ``lanes``: the fixed size of each of the ``lanes`` messages a step's micro-batch
+        brings (None: sizes vary); the graphed shards and the warm-up run at their sum."""
+        self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, settings.top_k, settings.weight_dtype
+        self.graphs = settings.graphs or StageGraphs()  # the shards replayed as CUDA graphs (at the capacity's rows)
+        self._capacity, self.lanes = settings.capacity, lanes
+        self.resend = settings.resend
+        split_layers = settings.split_layers
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
         # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
         self.compiling = retained_graph_compiles if split_layers else nullcontext
-        self.recompute = checkpointed if activation_checkpointing else run
+        self.recompute = checkpointed if settings.activation_checkpointing else run
         self.chunks: dict[tuple[int, int], _ExpertChunk] = {}
 
     def start_step(self, batches) -> None:
