@@ -14,7 +14,7 @@ The steps and their order are ``runtime.rank.RankBuilder``'s, shared with the di
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -83,7 +83,7 @@ class Colocated:
     ) -> ColocatedModel:
         """Attention side of every layer, the expert slice of ``role``, the dispatcher. Parts cut from a meta model
         are filled from ``weights``, or else initialised from ``2 * seed`` (attention) and ``2 * seed + 1``."""
-        config: PretrainedConfig = model.config
+        config = cast(PretrainedConfig, model.config)
         layers = tuple(range(config.num_hidden_layers))
         experts = layout.expert_range(role.ep_rank)
         stage = ExpertStage(model, layers, experts.start, experts.stop)

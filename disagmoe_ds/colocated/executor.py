@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
 from deepspeed.moe.utils import is_moe_param
 
 from disagmoe_ds.launch.watchdog import StallWatch
@@ -44,9 +46,9 @@ class ColocatedGradNorm:
         self.attention_replicas = attention_replicas
         self.expert_replicas = expert_replicas
         self._own_norm: float | None = None
-        self._engine = None
+        self._engine: DeepSpeedEngine | None = None
 
-    def install(self, engine) -> None:
+    def install(self, engine: DeepSpeedEngine) -> None:
         self._engine = engine
         if not engine.zero_optimization():
             ds_patches.replace_fp32_clipping(engine, lambda: self._clip_fp32(engine))
@@ -54,6 +56,7 @@ class ColocatedGradNorm:
     @property
     def last_norm(self) -> float | None:
         """The norm of the last step (None with ZeRO 0 and clipping off: nothing computed it)."""
+        assert self._engine is not None, "installed when the engine is built"
         if not self._engine.zero_optimization():
             return self._own_norm
         norm = self._engine.get_global_grad_norm()
@@ -135,6 +138,7 @@ class ColocatedExecutor:
     def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
         """Capture the CUDA graphs of the rank's parts (``cuda_graphs`` jobs), before the first step; ``packed``: the
         batches carry position ids (the contexts they give are captured too)."""
+        assert self.routing is not None, "the builder passes the model's routing facts"
         self.engine.module.capture_graphs(
             batch=self.micro_batch_size,
             seq_len=seq_len,
@@ -155,8 +159,8 @@ class ColocatedExecutor:
         self.runner.start_step()
         try:
             for mb, batch in enumerate(batches):
-                out = self._timed(f"forward {mb}", "compute", lambda b=batch: self.runner.forward(b))
-                self._timed(f"backward {mb}", "compute", lambda o=out: self.runner.backward(o))
+                out = self._timed(f"forward {mb}", "compute", partial(self.runner.forward, batch))
+                self._timed(f"backward {mb}", "compute", partial(self.runner.backward, out))
             self._timed("step", "optimizer", self._step)
         finally:
             self.stall_watch.stop()

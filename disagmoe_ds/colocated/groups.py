@@ -39,7 +39,10 @@ def register_with_deepspeed(groups: ProcessGroups, layout: ColocatedLayout) -> N
     )
 
 
-def _register(registry: dict, ranks_registry: dict, name: str, group: dist.ProcessGroup, ranks: tuple[int, ...]):
+def _register(
+    registry: dict, ranks_registry: dict, name: str, group: dist.ProcessGroup | None, ranks: tuple[int, ...]
+) -> None:
+    assert group is not None, "a co-located layout makes both expert groups"
     # A name already registered (an earlier engine in this process) is replaced only if it covers the same ranks;
     # anything else would pair our expert parameters with another layout's groups.
     if name in ranks_registry and tuple(ranks_registry[name]) != ranks:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from deepspeed.moe.layer import MoE
@@ -59,9 +60,9 @@ class ExpertStageMoE(MoE):
         self.expert_group_name = group_name
         self.use_residual = False
         self.enable_expert_tensor_parallelism = False
-        for param in stage.parameters():
-            param.allreduce = False
-            param.group_name = group_name
+        for param in stage.parameters():  # DeepSpeed-MoE's marks: reduced over the expert-data-parallel group
+            param.allreduce = False  # type: ignore[attr-defined]
+            param.group_name = group_name  # type: ignore[attr-defined]
         self.register_state_dict_post_hook(_split_experts)
         self.register_load_state_dict_pre_hook(_stack_experts)
 
@@ -171,7 +172,7 @@ class ColocatedModel(nn.Module):
                 continue
             load_LE[layer] = count_ids(out.topk_idx_TK, num_experts)
             if out.router_logits_TE is not None:  # a learned choice (not a token-routed layer)
-                stats.append(router_stats(out.router_logits_TE, part.router.top_k))
+                stats.append(router_stats(out.router_logits_TE, cast(int, part.router.top_k)))
             routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
             shard = self.graphs.shard(self.experts.stage, layer)
             y_RH = shard(*routed.shard_args)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.layout import ColocatedConfig
+from disagmoe_ds.colocated.model import ColocatedModel
 from disagmoe_ds.config import SECTION, add_section_flags, section_values
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.lora import lora_of
@@ -34,7 +35,7 @@ Named = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the s
 class ColocatedVerifyArgs(VerifyArgs):
     """``VerifyArgs`` with the co-located config in place of the disaggregated layout."""
 
-    cfg: ColocatedConfig
+    cfg: ColocatedConfig  # type: ignore[assignment]  # the mode's own config: what the shared harness reads of it
 
     def ds_config(self) -> dict[str, Any]:
         config = super().ds_config()
@@ -86,7 +87,7 @@ def _zero_group_index(optimizer, inner) -> int | None:
 
 def _written(runtime: RankRuntime, tensors: dict[str, torch.Tensor]) -> Named:
     """One copy of every parameter: attention side from rank 0, expert slices from the first replica."""
-    hf_names = runtime.module.hf_names()
+    hf_names = cast(ColocatedModel, runtime.module).hf_names()
     role = runtime.role
     out = {}
     for name, value in tensors.items():

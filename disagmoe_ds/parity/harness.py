@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -117,15 +117,18 @@ def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
 
 
-def run_args(cls: type[VerifyArgs], a: argparse.Namespace, cfg: Any) -> VerifyArgs:
+Args = TypeVar("Args", bound=VerifyArgs)  # a mode's verify arguments
+
+
+def run_args(cls: type[Args], a: argparse.Namespace, cfg: Any) -> Args:
     """``cls`` (``VerifyArgs`` or a subclass) from ``add_run_args``'s flags and the mode's config."""
     return cls(cfg=cfg, **{f.name: getattr(a, f.name) for f in fields(VerifyArgs) if f.name != "cfg"})
 
 
 def cli(
     argv: list[str] | None,
-    parse: Callable[[list[str] | None], VerifyArgs],
-    run_local: Callable[[VerifyArgs], dict[str, Any]],
+    parse: Callable[[list[str] | None], Args],
+    run_local: Callable[[Args], dict[str, Any]],
     *,
     prog: str,
     **launched: Any,
