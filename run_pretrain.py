@@ -204,7 +204,7 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     facts = model_facts(args.model, args.seq_len)
     rate = bias_update_rate(args.bias_update_rate, config)
     if rank == 0:
-        layout_lines = mode.describe(args, layout, facts)
+        layout_lines = mode.describe(args, layout, config)
         layout_lines.append(training_state_line(args, config, layout))
         lines = banner(args, config, layout_lines=layout_lines, facts=facts, data=data, bias_rate=rate, resume=resume)
         print("\n".join(lines), flush=True)

@@ -93,7 +93,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def save_checkpoint(
     engine,
-    role,
+    role: RankRole,
     layout: JobLayout,
     config,
     root: str | Path,
@@ -252,7 +252,7 @@ FROZEN_EXCLUDED = "frozen_excluded"
 
 
 def load_checkpoint(
-    engine, role, layout: JobLayout, config, root: str | Path, tag: str | None = None
+    engine, role: RankRole, layout: JobLayout, config, root: str | Path, tag: str | None = None
 ) -> tuple[str, dict[str, Any]]:
     """Load this rank's engine state; returns ``(tag, client_state)``. Collective: every rank must call it."""
     tag = resolve_tag(root, tag)

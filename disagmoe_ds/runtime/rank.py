@@ -1,7 +1,8 @@
 """Build one rank of either mode, in a fixed order on every rank (collective steps run on all of them).
 
-    1. the rank's model (``partial_load.rank_model``; a meta model allocates nothing) and the layout, derived from
-       the model config alone as the preflight derives it, checked against the world size, the model and ZeRO;
+    1. the rank's model (``partial_load.rank_model``; a meta model allocates nothing) and the layout: the one the
+       job's preflight derived, or else derived from the model config alone as the preflight does, checked against
+       the world size, the model and ZeRO;
     2. the job's process groups (``groups.build_process_groups``);
     3. the rank's module cut from the model, its parts placed on the device (pretrained values, or initialised
        from the seed and the rank) and, with ``compile``, compiled (``parts.compile_stage``);
@@ -175,7 +176,7 @@ class RankBuilder(Generic[LayoutT]):
             torch.cuda.set_stream(torch.cuda.Stream(device))
         model, pretrained = rank_model(model_dir, dtype=dtype, model=model, weights=weights)
         if layout is None:
-            layout = self._layout(mode, model.config, ds_config, dist.get_world_size())
+            layout = self._layout(mode, cfg, model.config, ds_config, dist.get_world_size())
         else:
             layout.check_world_size(dist.get_world_size())
         role = layout.role_of(rank)
@@ -210,10 +211,10 @@ class RankBuilder(Generic[LayoutT]):
     def preflight(self, model_dir: str | Path, cfg: Any, ds_config: dict[str, Any], world_size: int) -> LayoutT:
         """Validate the layout against the model config and the world size before any rank starts (no weights
         read); the layout the ranks will build."""
-        return self._layout(self.mode(cfg), load_config(model_dir), ds_config, world_size)
+        return self._layout(self.mode(cfg), cfg, load_config(model_dir), ds_config, world_size)
 
     @staticmethod
-    def _layout(mode: RankMode[LayoutT], config, ds_config: dict[str, Any], world_size: int) -> LayoutT:
+    def _layout(mode: RankMode[LayoutT], cfg: Any, config, ds_config: dict[str, Any], world_size: int) -> LayoutT:
         if not any(moe_layer_pattern(config.to_dict())):
             raise UnsupportedModelError(
                 f"the {config.model_type} config has no MoE layer (every MLP is dense); DisagMoE-DS trains MoE models"
@@ -222,6 +223,6 @@ class RankBuilder(Generic[LayoutT]):
         layout.check_world_size(world_size)
         mode.check(layout, config, ds_config)
         why = refused_with(config.to_dict(), "cuda_graphs")
-        if why is not None and getattr(getattr(mode, "cfg", None), "cuda_graphs", False):
+        if why is not None and cfg.cuda_graphs:
             raise ConfigError(f'"cuda_graphs" does not work with the {config.model_type} model yet: {why}; turn it off')
         return layout

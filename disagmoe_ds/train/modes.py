@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from disagmoe_ds.afpipe.build import build_rank, job_schedule, preflight
 from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
@@ -26,7 +27,6 @@ from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.sequence_parallel import check_sequence_parallel
 from disagmoe_ds.runtime.rank import RankRuntime
 from disagmoe_ds.train.args import TrainArgs
-from disagmoe_ds.train.metrics import ModelFacts
 
 
 class TrainMode(Protocol):
@@ -39,8 +39,8 @@ class TrainMode(Protocol):
         """Validate the layout against the model config, the world size and the ds_config; return it."""
         ...
 
-    def describe(self, args: TrainArgs, layout: Any, facts: ModelFacts) -> list[str]:  # the mode's layout
-        """The start banner's lines about the layout and the pipeline."""
+    def describe(self, args: TrainArgs, layout: Any, config: PretrainedConfig) -> list[str]:
+        """The start banner's lines about ``layout`` (this mode's) and the pipeline; ``config``: the model's."""
         ...
 
     def build(
@@ -53,8 +53,8 @@ class TrainMode(Protocol):
         weights: Path | None = None,
     ) -> RankRuntime:
         """This rank's part of the job (collective: every rank calls it) in ``layout`` (this mode's ``preflight``),
-        cut from ``model``; ``weights``: the HF
-        directory whose safetensors fill the parts of a meta ``model`` (``train.model.TrainModel``)."""
+        cut from ``model``; ``weights``: the HF directory whose safetensors fill the parts of a meta ``model``
+        (``train.model.TrainModel``)."""
         ...
 
 
@@ -66,10 +66,10 @@ class DisaggregatedTraining:
         check_sequence_parallel(load_config(args.model), layout.sequence_parallel, args.seq_len)
         return layout
 
-    def describe(self, args: TrainArgs, layout: Layout, facts: ModelFacts) -> list[str]:
-        del facts
-        config = load_config(args.model).to_dict()
-        schedule = job_schedule(config, layout, args.cfg, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size)
+    def describe(self, args: TrainArgs, layout: Layout, config: PretrainedConfig) -> list[str]:
+        schedule = job_schedule(
+            config.to_dict(), layout, args.cfg, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size
+        )
         bubble = sum(schedule.bubble_fraction.values()) / len(schedule.bubble_fraction)
         return [
             f"layout: {layout.describe()}",
@@ -100,8 +100,8 @@ class ColocatedTraining:
     def preflight(self, args: TrainArgs, world_size: int) -> ColocatedLayout:
         return preflight_colocated(args.model, args.cfg, args.ds_config, world_size)
 
-    def describe(self, args: TrainArgs, layout: ColocatedLayout, facts: ModelFacts) -> list[str]:
-        del facts
+    def describe(self, args: TrainArgs, layout: ColocatedLayout, config: PretrainedConfig) -> list[str]:
+        del config
         if layout.ep_size > 1:
             exchange = f"dispatch and combine all-to-alls over {layout.ep_size} ranks on the critical path"
         else:
