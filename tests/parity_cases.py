@@ -9,6 +9,7 @@ it better). ``ColocatedJob``: the co-located mode's (``W4ep2``). Modules with kn
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ def tag(name: str, value: Any) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Case:
+class Case(ABC):
     """What every parity job has, whichever the mode.
 
     Attributes:
@@ -42,8 +43,9 @@ class Case:
     extra: dict[str, Any] = field(default_factory=dict)
     label: str = ""
 
+    @abstractmethod
     def layout_id(self) -> str:
-        raise NotImplementedError
+        """The layout part of the case's id (each kind of job names its own)."""
 
     def run_tags(self) -> list[str]:
         return [f"K{self.K}", f"z{self.zero}"] + ["skew"] * self.skew
