@@ -108,7 +108,7 @@ def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True) -> J
         mode's layout, and the checkpoint to resume from, if any.
     """
     config = load_config(args.model)
-    layout = mode_of(args).preflight(args, world_size)
+    layout = mode_of(args).preflight(args, config, world_size)
     check_train_model(args)
     check_data_args(args, config)
     bias_update_rate(args.bias_update_rate, config)

@@ -20,12 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from torch import nn
+from transformers import PretrainedConfig
 
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.groups import ProcessGroups
@@ -176,7 +177,7 @@ class RankBuilder(Generic[LayoutT]):
             torch.cuda.set_stream(torch.cuda.Stream(device))
         model, pretrained = rank_model(model_dir, dtype=dtype, model=model, weights=weights)
         if layout is None:
-            layout = self._layout(mode, cfg, model.config, ds_config, dist.get_world_size())
+            layout = self.layout_for(cast(PretrainedConfig, model.config), cfg, ds_config, dist.get_world_size())
         else:
             layout.check_world_size(dist.get_world_size())
         role = layout.role_of(rank)
@@ -211,10 +212,11 @@ class RankBuilder(Generic[LayoutT]):
     def preflight(self, model_dir: str | Path, cfg: Any, ds_config: dict[str, Any], world_size: int) -> LayoutT:
         """Validate the layout against the model config and the world size before any rank starts (no weights
         read); the layout the ranks will build."""
-        return self._layout(self.mode(cfg), cfg, load_config(model_dir), ds_config, world_size)
+        return self.layout_for(load_config(model_dir), cfg, ds_config, world_size)
 
-    @staticmethod
-    def _layout(mode: RankMode[LayoutT], cfg: Any, config, ds_config: dict[str, Any], world_size: int) -> LayoutT:
+    def layout_for(self, config: PretrainedConfig, cfg: Any, ds_config: dict[str, Any], world_size: int) -> LayoutT:
+        """``preflight`` for a model config already loaded (the job plan's)."""
+        mode = self.mode(cfg)
         if not any(moe_layer_pattern(config.to_dict())):
             raise UnsupportedModelError(
                 f"the {config.model_type} config has no MoE layer (every MLP is dense); DisagMoE-DS trains MoE models"

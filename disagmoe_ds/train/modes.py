@@ -19,11 +19,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from disagmoe_ds.afpipe.build import build_rank, job_schedule, preflight
-from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
+from disagmoe_ds.afpipe.build import build_rank, job_schedule
+from disagmoe_ds.colocated.build import build_colocated_rank
 from disagmoe_ds.colocated.layout import ColocatedLayout
 from disagmoe_ds.layout import JobLayout, Layout
-from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.sequence_parallel import check_sequence_parallel
 from disagmoe_ds.runtime.rank import RankRuntime
 from disagmoe_ds.train.args import TrainArgs
@@ -35,8 +34,8 @@ class TrainMode(Protocol):
 
     name: ClassVar[str]
 
-    def preflight(self, args: TrainArgs, world_size: int) -> JobLayout:
-        """Validate the layout against the model config, the world size and the ds_config; return it."""
+    def preflight(self, args: TrainArgs, config: PretrainedConfig, world_size: int) -> JobLayout:
+        """Validate the layout against the model's ``config``, the world size and the ds_config; return it."""
         ...
 
     def describe(self, args: TrainArgs, layout: Any, config: PretrainedConfig) -> list[str]:
@@ -61,9 +60,9 @@ class TrainMode(Protocol):
 class DisaggregatedTraining:
     name: ClassVar[str] = "disaggregated"
 
-    def preflight(self, args: TrainArgs, world_size: int) -> Layout:
-        layout = preflight(args.model, args.cfg, args.ds_config, world_size)
-        check_sequence_parallel(load_config(args.model), layout.sequence_parallel, args.seq_len)
+    def preflight(self, args: TrainArgs, config: PretrainedConfig, world_size: int) -> Layout:
+        layout = build_rank.layout_for(config, args.cfg, args.ds_config, world_size)
+        check_sequence_parallel(config, layout.sequence_parallel, args.seq_len)
         return layout
 
     def describe(self, args: TrainArgs, layout: Layout, config: PretrainedConfig) -> list[str]:
@@ -97,8 +96,8 @@ def _costed_on(cluster: str) -> str:
 class ColocatedTraining:
     name: ClassVar[str] = "colocated"
 
-    def preflight(self, args: TrainArgs, world_size: int) -> ColocatedLayout:
-        return preflight_colocated(args.model, args.cfg, args.ds_config, world_size)
+    def preflight(self, args: TrainArgs, config: PretrainedConfig, world_size: int) -> ColocatedLayout:
+        return build_colocated_rank.layout_for(config, args.cfg, args.ds_config, world_size)
 
     def describe(self, args: TrainArgs, layout: ColocatedLayout, config: PretrainedConfig) -> list[str]:
         del config
