@@ -8,11 +8,14 @@ No other code creates a group; DeepSpeed is shown the co-located expert groups b
 (``colocated.groups.register_with_deepspeed``).
 
     axis                  disaggregated                        co-located
-    data_parallel         lanes of an A-group, or the          all W ranks (attention side)
-                          replicas of an expert shard
+    data_parallel         lanes of an A-group (of one TP       all W ranks (attention side)
+                          rank), or the replicas of an
+                          expert shard
     expert_parallel       -                                    ep_size ranks: one copy of the experts, all-to-all
     expert_data_parallel  -                                    W / ep_size ranks: replicas of an expert slice
     sequence_parallel     s consecutive lanes (one sequence)   -
+    tensor_parallel       t consecutive lanes (one sequence,   -
+                          the attention heads in shards)
     exchange              one communicator per (kind, group)   -
 """
 
@@ -43,6 +46,8 @@ class ProcessGroups:
     exchange: ExchangeComms | None = None
     sequence_parallel: dist.ProcessGroup | None = None
     sequence_parallel_ranks: tuple[int, ...] = ()
+    tensor_parallel: dist.ProcessGroup | None = None
+    tensor_parallel_ranks: tuple[int, ...] = ()
 
     @property
     def data_parallel_size(self) -> int:
@@ -71,10 +76,13 @@ def build_process_groups(
     expert_parallel = _create(plan.expert_parallel, rank, timeout)
     expert_data_parallel = _create(plan.expert_data_parallel, rank, timeout)
     sequence_parallel = _create(plan.sequence_parallel, rank, timeout)
+    tensor_parallel = _create(plan.tensor_parallel, rank, timeout)
     exchange = None
     if transport is not None:
         exchange = build_exchange_comms(layout, transport, device=device, headerless=headerless)
-    return ProcessGroups(*data_parallel, *expert_parallel, *expert_data_parallel, exchange, *sequence_parallel)
+    return ProcessGroups(
+        *data_parallel, *expert_parallel, *expert_data_parallel, exchange, *sequence_parallel, *tensor_parallel
+    )
 
 
 def _create(

@@ -83,22 +83,26 @@ class GroupRanks:
         expert_data_parallel: ranks holding the same expert slice beside parameters of other replication (DeepSpeed's
             expert-data-parallel group).
         sequence_parallel: lanes that hold one micro-batch's sequence in slices (the Ulysses all-to-alls).
+        tensor_parallel: lanes that hold one micro-batch's sequence in slices and the attention heads in shards.
     """
 
     data_parallel: tuple[tuple[int, ...], ...]
     expert_parallel: tuple[tuple[int, ...], ...] = ()
     expert_data_parallel: tuple[tuple[int, ...], ...] = ()
     sequence_parallel: tuple[tuple[int, ...], ...] = ()
+    tensor_parallel: tuple[tuple[int, ...], ...] = ()
 
 
 class RankCounts:
-    """``world_size`` and ``lanes`` of what has ``attention_gpus``, ``ffn_gpus``, ``depth`` and ``sequence_parallel``:
-    a ``Layout``, and the ``config.DisagMoEConfig`` that names one before the model is known."""
+    """``world_size`` and ``lanes`` of what has ``attention_gpus``, ``ffn_gpus``, ``depth``, ``sequence_parallel``
+    and ``tensor_parallel``: a ``Layout``, and the ``config.DisagMoEConfig`` that names one before the model is
+    known."""
 
     attention_gpus: int
     ffn_gpus: int
     depth: int
     sequence_parallel: int
+    tensor_parallel: int
 
     @property
     def world_size(self) -> int:
@@ -110,14 +114,18 @@ class RankCounts:
         return self.attention_gpus // self.depth
 
     @property
+    def lane_slices(self) -> int:
+        """Consecutive lanes that hold one micro-batch, each a slice of its sequence: s x t (one of them is 1)."""
+        return self.sequence_parallel * self.tensor_parallel
+
+    @property
     def batch_lanes(self) -> int:
-        """How many distinct micro-batches an A-group trains at once: d / s (s lanes share one with sequence
-        parallelism, each holding a slice)."""
-        return self.lanes // self.sequence_parallel
+        """How many distinct micro-batches an A-group trains at once: d / (s t)."""
+        return self.lanes // self.lane_slices
 
     def batch_lane_of(self, lane: int) -> int:
         """Which of them lane ``lane`` holds (a slice of)."""
-        return lane // self.sequence_parallel
+        return lane // self.lane_slices
 
 
 class ExpertSlices:
@@ -157,7 +165,9 @@ class Layout(RankCounts, ExpertSlices):
         num_layers: L, decoder layers of the model.
         num_experts: E, routed experts per MoE layer.
         expert_data_parallel: replicas of each expert shard inside an F-group.
-        sequence_parallel: s, consecutive lanes of an A-group holding one micro-batch's sequence in slices.
+        sequence_parallel: s, consecutive lanes of an A-group holding one micro-batch's sequence in slices (Ulysses).
+        tensor_parallel: t, consecutive lanes of an A-group holding one micro-batch's sequence in slices and the
+            attention heads in shards (Megatron-style tensor parallel with sequence parallel); not with s > 1.
     """
 
     attention_gpus: int
@@ -167,10 +177,11 @@ class Layout(RankCounts, ExpertSlices):
     depth: int = 1
     expert_data_parallel: int = 1
     sequence_parallel: int = 1
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         names = ("attention_gpus", "ffn_gpus", "num_layers", "num_experts", "depth", "expert_data_parallel")
-        for name in (*names, "sequence_parallel"):
+        for name in (*names, "sequence_parallel", "tensor_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
@@ -190,11 +201,17 @@ class Layout(RankCounts, ExpertSlices):
                 f"num_hidden_layers ({self.num_layers}) must be divisible by depth ({p}): group g owns layers "
                 f"g, g+p, ...; pick a depth that divides {self.num_layers}"
             )
-        if self.lanes % self.sequence_parallel:
+        if self.sequence_parallel > 1 and self.tensor_parallel > 1:
             raise LayoutError(
-                f"lanes per A-group ({self.lanes}) must be divisible by sequence_parallel ({self.sequence_parallel}): "
-                f"s lanes hold one micro-batch; use attention_gpus = depth x a multiple of {self.sequence_parallel}"
+                f"sequence_parallel {self.sequence_parallel} with tensor_parallel {self.tensor_parallel}: an A-lane is "
+                "either Ulysses or tensor parallel for now; set one of them to 1"
             )
+        for name, degree in (("sequence_parallel", self.sequence_parallel), ("tensor_parallel", self.tensor_parallel)):
+            if self.lanes % degree:
+                raise LayoutError(
+                    f"lanes per A-group ({self.lanes}) must be divisible by {name} ({degree}): that many lanes hold "
+                    f"one micro-batch; use attention_gpus = depth x a multiple of {degree}"
+                )
         if self.ffn_ranks_per_group % self.expert_data_parallel:
             raise LayoutError(
                 f"FFN ranks per group ({self.ffn_ranks_per_group}) must be divisible by expert_data_parallel "
@@ -270,14 +287,23 @@ class Layout(RankCounts, ExpertSlices):
         )
 
     def group_ranks(self) -> GroupRanks:
-        """Data parallel: the lanes of every A-group, then the replicas of every expert shard (an FFN engine holds
-        nothing but its shard, so its replicas are its data-parallel group); with s > 1 the SP groups (s consecutive
-        lanes). The exchanges' communicators are ``comm.exchange``'s."""
+        """Data parallel: the lanes of every A-group (with t > 1 the lanes of each TP rank: they hold the same shards),
+        then the replicas of every expert shard (an FFN engine holds nothing but its shard, so its replicas are its
+        data-parallel group); with s > 1 the SP groups, with t > 1 the TP groups (consecutive lanes). The
+        exchanges' communicators are ``comm.exchange``'s."""
         lanes = [self.attention_ranks(g) for g in range(self.depth)]
         replicas = [self.edp_group_ranks(g, e) for g in range(self.depth) for e in range(self.ep_size)]
-        s = self.sequence_parallel
-        slices = [ranks[i : i + s] for ranks in lanes for i in range(0, len(ranks), s)] if s > 1 else []
-        return GroupRanks(data_parallel=(*lanes, *replicas), sequence_parallel=tuple(slices))
+        s, t = self.sequence_parallel, self.tensor_parallel
+        shards = [ranks[r::t] for ranks in lanes for r in range(t)]
+        return GroupRanks(
+            data_parallel=(*shards, *replicas),
+            sequence_parallel=_runs(lanes, s),
+            tensor_parallel=_runs(lanes, t),
+        )
+
+    def tp_rank_of(self, role: RankRole) -> int:
+        """Which attention-head shard an attention rank holds (0 without tensor parallelism)."""
+        return role.index % self.tensor_parallel
 
     # ----- what a checkpoint records (JobLayout) -----
     mode: ClassVar[str] = "disaggregated"
@@ -285,11 +311,15 @@ class Layout(RankCounts, ExpertSlices):
 
     def manifest_layout(self) -> dict[str, int]:
         keys = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "num_layers", "num_experts")
-        return {key: getattr(self, key) for key in keys}
+        tp = {"tensor_parallel": self.tensor_parallel} if self.tensor_parallel > 1 else {}  # shards' shapes differ
+        return {**{key: getattr(self, key) for key in keys}, **tp}
 
     def checkpoint_dir(self, role: RankRole) -> str:
-        """One directory per engine group: an A-group's lanes, an F-group's replicas of one expert shard."""
-        return f"attention_g{role.group}" if role.is_attention else f"ffn_g{role.group}_ep{role.ep_rank}"
+        """One directory per engine group: an A-group's lanes (of one TP rank), an F-group's replicas of one expert
+        shard."""
+        if not role.is_attention:
+            return f"ffn_g{role.group}_ep{role.ep_rank}"
+        return f"attention_g{role.group}" + (f"_tp{self.tp_rank_of(role)}" if self.tensor_parallel > 1 else "")
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
@@ -301,8 +331,14 @@ class Layout(RankCounts, ExpertSlices):
     def describe(self) -> str:
         return (
             f"M={self.attention_gpus} attention ranks ({self.depth} A-groups x {self.lanes} lanes"
-            f"{f', SP {self.sequence_parallel}' if self.sequence_parallel > 1 else ''}), "
+            f"{f', SP {self.sequence_parallel}' if self.sequence_parallel > 1 else ''}"
+            f"{f', TP {self.tensor_parallel}' if self.tensor_parallel > 1 else ''}), "
             f"N={self.ffn_gpus} FFN ranks ({self.depth} F-groups x EP {self.ep_size} x EDP "
             f"{self.expert_data_parallel}), {self.layers_per_group} layers per group, "
             f"{self.experts_per_rank} experts per FFN rank"
         )
+
+
+def _runs(lanes: list[tuple[int, ...]], size: int) -> tuple[tuple[int, ...], ...]:
+    """Every A-group's lanes in runs of ``size`` consecutive ranks (none for size 1)."""
+    return tuple(ranks[i : i + size] for ranks in lanes for i in range(0, len(ranks), size)) if size > 1 else ()

@@ -43,6 +43,13 @@ from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, check_sequence_parallel, install_ulysses
 from disagmoe_ds.models.split import aux_loss_enabled
+from disagmoe_ds.models.tensor_parallel import (
+    TensorParallel,
+    TensorParallelGrads,
+    broadcast_from_first,
+    check_tensor_parallel,
+    shard_attention,
+)
 from disagmoe_ds.planner.lora import FULL, LoRA
 from disagmoe_ds.planner.runtime_costs import runtime_costs, unit_costs
 from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm
@@ -76,6 +83,9 @@ class Disaggregated:
     def check(self, layout: Layout, config, ds_config: dict[str, Any]) -> None:
         check_zero_stages(self.cfg, ds_config)  # with expert replicas too (ExpertShard)
         check_sequence_parallel(config, layout.sequence_parallel)
+        check_tensor_parallel(config, layout.tensor_parallel)
+        if layout.tensor_parallel > 1:
+            self._check_tensor_parallel_levers(ds_config)
         if self.cfg.lora is not None:
             check_lora(config, self.cfg.lora, needs=("attention", "expert"))
         moe = moe_layer_pattern(config.to_dict())
@@ -85,6 +95,24 @@ class Disaggregated:
                     f"F-group {g} would own no MoE layer (layers {layout.layers_of_group(g)} are dense); "
                     "choose a depth whose groups all contain an MoE layer"
                 )
+
+    def _check_tensor_parallel_levers(self, ds_config: dict[str, Any]) -> None:
+        """What tensor parallelism does not work beside yet (one line naming it)."""
+        stage, zero = self.cfg.zero_stage_of("attention", ds_config), ds_config.get("zero_optimization", {})
+        refused = {
+            f"ZeRO stage {stage} on the attention side (use 1 or 2)": stage not in (1, 2),
+            "lora": self.cfg.lora is not None,
+            "compile": self.cfg.compile,
+            "selective_recompute": self.cfg.selective_recompute,
+            'offload {"attention": > 0}': self.cfg.offload_share("attention") > 0,
+            "zero_optimization.offload_optimizer": bool(zero.get("offload_optimizer")),
+        }
+        chosen = [name for name, on in refused.items() if on]
+        if chosen:
+            raise ConfigError(
+                f'"{SECTION}.tensor_parallel" {self.cfg.tensor_parallel} does not work with {", ".join(chosen)} yet; '
+                "change that or use sequence_parallel for the attention side"
+            )
 
     def groups(
         self, layout: Layout, rank: int, *, timeout: timedelta, device: torch.device, tokens_per_micro_batch: int | None
@@ -117,13 +145,12 @@ class Disaggregated:
             stage = AttentionStage(
                 model, layers, with_embedding=role.group == 0, with_head=role.group == layout.head_group
             )
-            sp = sequence_parallel_of(groups, role)
-            if sp is not None:
-                install_ulysses([stage.part(layer).mixer for layer in layers], sp)
         else:
             experts = layout.expert_range(role.ep_rank)
             stage = ExpertStage(model, layers, experts.start, experts.stop)
         place(stage, model, device, seed=seed, weights=weights)
+        if isinstance(stage, AttentionStage):
+            _split_attention(stage, groups, role)
         if self.cfg.selective_recompute:
             apply_selective_recompute(stage)
         return stage
@@ -132,12 +159,16 @@ class Disaggregated:
         return self.cfg.zero_stage_of("attention" if role.is_attention else "ffn", ds_config)
 
     def grad_scale(self, layout: Layout, role: RankRole) -> float:
-        # Expert grads sum over the tokens of all lanes; DeepSpeed averages over the edp replicas only.
-        return 1.0 if role.is_attention else layout.expert_data_parallel / layout.lanes
+        # Expert grads sum over the tokens of all lanes; DeepSpeed averages over the edp replicas only. With TP the
+        # loss shares count t times (as with SP) and DeepSpeed averages an attention rank's over d / t replicas.
+        return 1.0 / layout.tensor_parallel if role.is_attention else layout.expert_data_parallel / layout.lanes
 
     def grad_norm(self, layout: Layout, groups: ProcessGroups) -> GlobalGradNorm:
-        del layout
-        return GlobalGradNorm(groups.data_parallel_size)  # a norm domain: the replicas of this rank's parameters
+        # A norm domain: the replicas of this rank's parameters (with TP: the whole A-group's lanes for the
+        # replicated ones, those of the rank's TP rank for the head shards).
+        if groups.tensor_parallel is None:
+            return GlobalGradNorm(groups.data_parallel_size)
+        return GlobalGradNorm(layout.lanes, shard_domain=groups.data_parallel_size)
 
     def executor(self, parts: RankParts[Layout]) -> AFPipeExecutor:
         cfg, layout, role, stage = self.cfg, parts.layout, parts.role, _stage(parts)
@@ -170,7 +201,17 @@ class Disaggregated:
             name=f"rank {parts.rank} {worker} {'lane' if role.is_attention else 'ffn'} {role.index}",
             comm_timeout_s=cfg.comm_timeout_s,
             offloader=self._offloader(parts, schedule, worker),
+            before_step=self._tensor_parallel_grads(parts),
         )
+
+    @staticmethod
+    def _tensor_parallel_grads(parts: RankParts[Layout]):
+        """With TP: the replicated gradients' sum over the TP group, once per step (ZeRO-2: in each backward)."""
+        sp = sequence_parallel_of(parts.groups, parts.role) if parts.role.is_attention else None
+        if not isinstance(sp, TensorParallel):
+            return None
+        per_backward = parts.engine.zero_optimization_stage() == 2
+        return TensorParallelGrads(parts.module, sp, per_backward=per_backward).reduce
 
     def _offloader(self, parts: RankParts[Layout], schedule: Schedule, worker: Worker) -> ActivationOffloader | None:
         """The side's offload share of this rank's chunk layers (None: nothing offloaded), prefetching in the order
@@ -198,7 +239,7 @@ class Disaggregated:
             return None
         assert parts.seq_len is not None, "fixed message sizes need the sequence length the ranks were built with"
         return Capacity.initial(
-            tokens=parts.seq_len * parts.micro_batch_size // parts.layout.sequence_parallel,  # a lane's slice
+            tokens=parts.seq_len * parts.micro_batch_size // parts.layout.lane_slices,  # a lane's slice
             top_k=parts.routing.top_k,
             ep_size=parts.layout.ep_size,
             experts_per_rank=parts.layout.experts_per_rank,
@@ -266,8 +307,25 @@ def _exchange(parts: RankParts[Layout]) -> ExchangeComms:
     return parts.groups.exchange
 
 
+def _split_attention(stage: AttentionStage, groups: ProcessGroups, role: RankRole) -> None:
+    """An attention stage on lanes that share micro-batches: Ulysses around its attention cores (SP), or its
+    attention modules cut to the rank's heads from one full copy (TP)."""
+    sp = sequence_parallel_of(groups, role)
+    mixers = [stage.part(int(layer)).mixer for layer in stage.layers]
+    if isinstance(sp, TensorParallel):
+        broadcast_from_first(stage, sp, groups.tensor_parallel_ranks[0])
+        for mixer in mixers:
+            shard_attention(mixer, sp)
+    elif sp is not None:
+        install_ulysses(mixers, sp)
+
+
 def sequence_parallel_of(groups: ProcessGroups, role: RankRole) -> SequenceParallel | None:
-    """An attention rank's place in its SP group (None without sequence parallelism)."""
+    """An attention rank's place in the lanes that hold its micro-batch in slices: its SP group, or its TP group
+    (``TensorParallel``); None when it holds the whole."""
+    if groups.tensor_parallel is not None:
+        size = len(groups.tensor_parallel_ranks)
+        return TensorParallel(groups.tensor_parallel, size, role.index % size)
     if groups.sequence_parallel is None:
         return None
     size = len(groups.sequence_parallel_ranks)

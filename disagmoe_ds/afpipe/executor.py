@@ -64,8 +64,10 @@ class AFPipeExecutor:
         name: str,
         comm_timeout_s: float | None = None,
         offloader: ActivationOffloader | None = None,
+        before_step: Callable[[], None] | None = None,
     ):
         self.engine = engine
+        self.before_step = before_step  # after the step's backwards, before DeepSpeed reduces (tensor parallel sums)
         self.offloader = offloader  # saved activations of chosen chunks to host memory (``"offload"``)
         self.runner = runner
         self.mailbox = mailbox
@@ -202,6 +204,8 @@ class AFPipeExecutor:
         self.mailbox.flush()
         self._check_capacity()
         zero_grads_of_untouched(self.engine)
+        if self.before_step is not None:
+            self.before_step()
 
     def _exec_optimizer_step(self) -> None:
         self.engine.step()

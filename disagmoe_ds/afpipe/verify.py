@@ -40,7 +40,9 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
         args,
         lambda step: make_batches(args, vocab, step, args.cfg.batch_lane_of(role.index)) if feeds else None,
     )
-    writer = role.index == 0 if role.is_attention else role.edp_rank == 0  # one copy of every parameter
+    # One copy of every parameter: the first lane of each TP rank (it leaves out what the first one has), the first
+    # replica of an expert shard.
+    writer = role.index < runtime.layout.tensor_parallel if role.is_attention else role.edp_rank == 0
     with gathered(runtime.engine, runtime.module):  # ZeRO-3: every replica gathers, the writer keeps them
         params = hf_named(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()}) if writer else {}
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads if writer else []}

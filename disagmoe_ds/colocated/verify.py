@@ -23,7 +23,7 @@ from disagmoe_ds.colocated.model import ColocatedModel
 from disagmoe_ds.config import SECTION, add_section_flags, section_values
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.lora import lora_of
-from disagmoe_ds.parity.compare import compare, full_grad
+from disagmoe_ds.parity.compare import capture_grads, compare
 from disagmoe_ds.parity.harness import add_run_args, build_for_verify, cli, run_args, train_steps
 from disagmoe_ds.parity.reference import VerifyArgs, make_batches, reference
 from disagmoe_ds.runtime.rank import RankRuntime
@@ -46,43 +46,11 @@ class ColocatedVerifyArgs(VerifyArgs):
 def rank_main(rank: int, args: ColocatedVerifyArgs) -> dict[str, Any]:
     """One rank: build, train, return losses, grad norms, and its share of the parameters and gradients."""
     runtime = build_for_verify(build_colocated_rank, args)
-    grads = capture_grads(runtime)
+    grads = capture_grads(runtime, _written)
     vocab = runtime.module.config.vocab_size
     losses, norms = train_steps(runtime, args, lambda step: make_batches(args, vocab, step, lane=rank))
     params = _written(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()})
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads}
-
-
-def capture_grads(runtime: RankRuntime) -> list[Named]:
-    """Record, at every step, the reduced and clipped gradients the optimizer applies (this rank's share).
-
-    ZeRO steps its torch optimizer once per parameter group (dense, then the MoE group), each time with only that
-    group's fp32 gradient in place, so each call records the parameters of its own group.
-    """
-    optimizer = runtime.engine.optimizer
-    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps a torch optimizer
-    captured: list[Named] = []
-
-    def hook(*_):
-        group = _zero_group_index(optimizer, inner)
-        if group in (None, 0):
-            captured.append({})
-        mine = None if group is None else {id(p) for p in optimizer.bit16_groups[group]}
-        named = {n: p for n, p in runtime.module.named_parameters() if mine is None or id(p) in mine}
-        grads = {n: full_grad(optimizer, p) for n, p in named.items()}
-        captured[-1].update(_written(runtime, {n: g for n, g in grads.items() if g is not None}))
-
-    inner.register_step_pre_hook(hook)
-    return captured
-
-
-def _zero_group_index(optimizer, inner) -> int | None:
-    """The parameter group ZeRO is stepping (it narrows ``inner.param_groups`` to it); None without ZeRO."""
-    partitions = getattr(optimizer, "single_partition_of_fp32_groups", None)
-    if partitions is None:
-        return None
-    stepped = inner.param_groups[0]["params"][0]
-    return next(i for i, partition in enumerate(partitions) if partition is stepped)
 
 
 def _written(runtime: RankRuntime, tensors: dict[str, torch.Tensor]) -> Named:

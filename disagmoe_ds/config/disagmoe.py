@@ -61,6 +61,7 @@ def _check_graphable(cfg: DisagMoEConfig) -> None:
         "offload": any(cfg.offload_share(side) > 0 for side in SIDES),
         "split_backward": cfg.split_backward,
         "sequence_parallel": cfg.sequence_parallel > 1,  # the head takes the slice's shifted labels
+        "tensor_parallel": cfg.tensor_parallel > 1,
     }
     chosen = [f'"{SECTION}.{name}"' for name, on in refused.items() if on]
     if chosen:

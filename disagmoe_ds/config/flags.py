@@ -61,6 +61,11 @@ SECTION_FLAGS: dict[str, Flag] = {
         "attention ranks that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses around the attention "
         "core); divides the lanes of an attention group, the attention heads and --seq-len"
     ),
+    "tensor_parallel": Flag(
+        "attention ranks that hold one micro-batch's sequence in slices and each attention module's heads in shards "
+        "(tensor parallel with sequence parallel); divides the lanes of an attention group, the query and KV heads "
+        "and --seq-len; not with --sequence-parallel"
+    ),
     "micro_batches": Flag(
         "micro-batches per optimizer step on each data-parallel lane (DeepSpeed's gradient accumulation steps)",
         defaults={"verify": 2, "colocated_verify": 2},  # one micro-batch would not test accumulation
@@ -101,7 +106,7 @@ SECTION_FLAGS: dict[str, Flag] = {
 }
 
 
-LAYOUT_KEYS = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "sequence_parallel")
+LAYOUT_KEYS = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "sequence_parallel", "tensor_parallel")
 
 
 LEVER_KEYS = (

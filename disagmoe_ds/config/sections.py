@@ -70,6 +70,9 @@ class LayoutCounts(Section, RankCounts):
         sequence_parallel: s, ranks of an A-group that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses
             around the attention core, ``models.sequence_parallel``); s consecutive lanes form one SP group, so an
             A-group's lanes / s groups train distinct micro-batches.
+        tensor_parallel: t, ranks of an A-group that hold one micro-batch's sequence in slices and every attention
+            module's heads in shards (Megatron-style tensor parallel with sequence parallel,
+            ``models.tensor_parallel``): t consecutive lanes form one TP group; not together with sequence_parallel.
     """
 
     attention_gpus: int = 1
@@ -77,9 +80,17 @@ class LayoutCounts(Section, RankCounts):
     depth: int = 1
     expert_data_parallel: int = 1
     sequence_parallel: int = 1
+    tensor_parallel: int = 1
 
     def _check(self) -> None:
-        for key in ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "sequence_parallel"):
+        for key in (
+            "attention_gpus",
+            "ffn_gpus",
+            "depth",
+            "expert_data_parallel",
+            "sequence_parallel",
+            "tensor_parallel",
+        ):
             self._positive(key, int)
 
     def layout(self, *, num_layers: int, num_experts: int) -> Layout:
@@ -91,6 +102,7 @@ class LayoutCounts(Section, RankCounts):
             depth=self.depth,
             expert_data_parallel=self.expert_data_parallel,
             sequence_parallel=self.sequence_parallel,
+            tensor_parallel=self.tensor_parallel,
         )
 
 

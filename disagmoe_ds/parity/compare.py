@@ -3,29 +3,52 @@ ZeRO's partitions), the parameters after every step, the losses and the global g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
+from disagmoe_ds.models.tensor_parallel import shard_of
 from disagmoe_ds.parity.reference import (
     TOLERANCE,
     VerifyArgs,
 )
 
 
-def capture_grads(runtime) -> list[dict[str, tuple[int, torch.Tensor]]]:
-    """Record, at every step, the gradients the optimizer is about to apply (reduced and clipped), by HF name."""
+def capture_grads(runtime, named: Callable[[Any, dict[str, torch.Tensor]], dict[str, tuple]] | None = None):
+    """Record, at every step, the reduced and clipped gradients the optimizer applies, by HF name (``named``: this
+    rank's share of them under HF names; default ``hf_named``).
+
+    ZeRO steps its torch optimizer once per parameter group (a co-located rank's dense and MoE groups, an attention
+    rank's replicated parameters and head shards), each time with only that group's fp32 gradient in place, so each
+    call records the parameters of its own group.
+    """
+    to_hf = named or hf_named
     optimizer = runtime.engine.optimizer
     inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps a torch optimizer
-    captured: list[dict[str, tuple[int, torch.Tensor]]] = []
+    captured: list[dict[str, tuple]] = []
 
     def hook(*_):
-        named = {n: full_grad(optimizer, p) for n, p in runtime.module.named_parameters()}
-        captured.append(hf_named(runtime, {n: g for n, g in named.items() if g is not None}))
+        group = _zero_group_index(optimizer, inner)
+        if group in (None, 0):
+            captured.append({})
+        mine = None if group is None else {id(p) for p in optimizer.bit16_groups[group]}
+        params = {n: p for n, p in runtime.module.named_parameters() if mine is None or id(p) in mine}
+        grads = {n: full_grad(optimizer, p) for n, p in params.items()}
+        captured[-1].update(to_hf(runtime, {n: g for n, g in grads.items() if g is not None}))
 
     inner.register_step_pre_hook(hook)
     return captured
+
+
+def _zero_group_index(optimizer, inner) -> int | None:
+    """The parameter group ZeRO is stepping (it narrows ``inner.param_groups`` to it); None without ZeRO 1/2."""
+    partitions = getattr(optimizer, "single_partition_of_fp32_groups", None)
+    if partitions is None:
+        return None
+    stepped = inner.param_groups[0]["params"][0]
+    return next(i for i, partition in enumerate(partitions) if partition is stepped)
 
 
 def full_grad(optimizer, param: torch.Tensor) -> torch.Tensor | None:
@@ -48,20 +71,34 @@ def full_grad(optimizer, param: torch.Tensor) -> torch.Tensor | None:
     return full.view_as(param)
 
 
-def hf_named(runtime, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, torch.Tensor]]:
-    """This rank's tensors under HF names; expert slices carry their first expert id (to reassemble them)."""
-    if runtime.role.is_attention:
-        return {attention_name_to_hf(n): (0, t.float().clone()) for n, t in tensors.items()}
-    return {expert_name_to_hf(n): (runtime.module.first_expert, t.float().clone()) for n, t in tensors.items()}
+def hf_named(runtime, tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """This rank's tensors under HF names, each ``(first, tensor)``: expert slices carry their first expert id (to
+    reassemble them), attention-head shards (tensor parallel) are ``(rank, tensor, dim)``, and the TP ranks but the
+    first leave out what they replicate."""
+    if not runtime.role.is_attention:
+        return {expert_name_to_hf(n): (runtime.module.first_expert, t.float().clone()) for n, t in tensors.items()}
+    shards = {n: shard_of(p) for n, p in runtime.module.named_parameters()}
+    first_tp = runtime.role.index % getattr(runtime.layout, "tensor_parallel", 1) == 0  # co-located: no TP
+    named: dict[str, tuple] = {}
+    for n, t in tensors.items():
+        shard = shards.get(n)
+        if shard is not None:
+            named[attention_name_to_hf(n)] = (shard.rank, t.float().clone(), shard.dim)
+        elif first_tp:
+            named[attention_name_to_hf(n)] = (0, t.float().clone())
+    return named
 
 
-def assemble(pieces_by_rank: list[dict[str, tuple[int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """Join the ranks' tensors into HF's: expert slices concatenated in expert order."""
-    merged: dict[str, list[tuple[int, torch.Tensor]]] = {}
+def assemble(pieces_by_rank: list[dict[str, tuple]]) -> dict[str, torch.Tensor]:
+    """Join the ranks' tensors into HF's: expert slices concatenated in expert order, head shards in rank order."""
+    merged: dict[str, list[tuple]] = {}
     for pieces in pieces_by_rank:
-        for name, (first, value) in pieces.items():
-            merged.setdefault(name, []).append((first, value))
-    return {n: torch.cat([v for _, v in sorted(p, key=lambda x: x[0])]) for n, p in merged.items()}
+        for name, piece in pieces.items():
+            merged.setdefault(name, []).append(piece)
+    return {
+        n: torch.cat([piece[1] for piece in sorted(p, key=lambda x: x[0])], dim=p[0][2] if len(p[0]) == 3 else 0)
+        for n, p in merged.items()
+    }
 
 
 def _max_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:

@@ -39,6 +39,7 @@ from torch import nn
 from disagmoe_ds.config import SECTION, effective_zero_stage
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.expert_shard import ExpertShard
+from disagmoe_ds.models.tensor_parallel import shard_of
 from disagmoe_ds.runtime import ds_patches
 
 
@@ -132,24 +133,37 @@ class GlobalGradNorm:
 
     Every rank of a *norm domain* (the ranks that hold the same role norm: the lanes of an A-group, or the
     replicas of an expert shard) contributes ``norm**2 / domain_size`` to one world all-reduce, so every unique
-    parameter is counted exactly once.
+    parameter is counted exactly once. ``shard_domain``: an attention rank with tensor parallelism, whose engine's
+    second parameter group holds its head shards (``tensor_parallel_groups``), replicated over fewer ranks (the
+    lanes of its TP rank) than the first group; ZeRO 1/2's norm of each group then counts with its own domain.
     """
 
-    def __init__(self, domain_size: int):
+    def __init__(self, domain_size: int, shard_domain: int | None = None):
         self.domain_size = domain_size
+        self.shard_domain = shard_domain
         self.last_norm: float | None = None
 
     def combine(self, role_norm: torch.Tensor) -> torch.Tensor:
-        total = (role_norm.detach().double() ** 2 / self.domain_size).reshape(1)
+        return self._combined([role_norm], [self.domain_size])
+
+    def combine_groups(self, group_norms: list[torch.Tensor]) -> torch.Tensor:
+        assert self.shard_domain is not None and len(group_norms) == 2, "replicated and sharded groups"
+        return self._combined(group_norms, [self.domain_size, self.shard_domain])
+
+    def _combined(self, norms: list[torch.Tensor], domains: list[int]) -> torch.Tensor:
+        total = sum(n.detach().double().reshape(1).to(norms[0].device) ** 2 / d for n, d in zip(norms, domains))
+        assert isinstance(total, torch.Tensor)
         dist.all_reduce(total)
-        norm = total.sqrt().to(role_norm.dtype).reshape(role_norm.shape)
+        norm = total.sqrt().to(norms[0].dtype).reshape(norms[0].shape)
         self.last_norm = norm.item()
         return norm
 
     def install(self, engine) -> None:
         """Route the engine's clipping norm through ``combine`` (ZeRO optimizer, or the fp32 engine path)."""
         stage = engine.zero_optimization_stage()
-        if stage in (1, 2):
+        if stage in (1, 2) and self.shard_domain is not None:
+            ds_patches.combine_zero_group_norms(engine.optimizer, self.combine_groups)
+        elif stage in (1, 2):
             ds_patches.combine_zero_norm(engine.optimizer, self.combine)
         elif stage == 3:
             ds_patches.combine_zero3_norm(engine.optimizer, self.combine)
@@ -236,6 +250,17 @@ def _scheduler_start_unlogged() -> Iterator[None]:
         ds_logger.removeFilter(keep)
 
 
+def tensor_parallel_groups(module: nn.Module) -> list[Any]:
+    """The trained parameters for ``deepspeed.initialize``: one list, or with attention heads in shards
+    (``models.tensor_parallel``) two groups, the replicated parameters then the shards (their norms count over
+    different replicas: ``GlobalGradNorm``)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    shards = [p for p in params if shard_of(p) is not None]
+    if not shards:
+        return params
+    return [{"params": [p for p in params if shard_of(p) is None]}, {"params": shards}]
+
+
 def build_engine(
     module: nn.Module,
     ds_config: dict[str, Any],
@@ -269,7 +294,7 @@ def build_engine(
     barriers = ds_patches.barriers_within(data_parallel_group) if stage3 else nullcontext()
     with barriers, _scheduler_start_unlogged():
         engine, *_ = deepspeed.initialize(
-            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config, mpu=mpu
+            model=module, model_parameters=tensor_parallel_groups(module), config=config, mpu=mpu
         )
     if engine.zero_optimization_stage() == 2:
         ds_patches.allow_backward_without_gradients(engine.optimizer)

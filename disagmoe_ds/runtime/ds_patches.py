@@ -33,6 +33,11 @@ INTERNALS: dict[str, tuple[str, ...]] = {
         "contiguous_gradients",
     ),
     "combine_zero_norm": ("scaled_global_norm",),  # ZeRO-1/2 optimizer
+    "combine_zero_group_norms": (  # ZeRO-1/2 optimizer
+        "scaled_global_norm",
+        "get_grad_norm_direct",
+        "complete_grad_norm_calculation_for_cpu_offload",
+    ),
     "combine_zero3_norm": ("_get_norm_groups",),  # ZeRO-3 optimizer
     "replace_fp32_clipping": ("clip_fp32_gradients",),  # engine without a ZeRO optimizer
     "step_as_overflow": ("check_grad_overflow", "check_overflow", "overflow", "step"),  # ZeRO-1/2 optimizer
@@ -84,6 +89,32 @@ def combine_zero_norm(optimizer: Any, combine: Callable[[torch.Tensor], torch.Te
     require(optimizer, "combine_zero_norm")
     own = optimizer.scaled_global_norm
     optimizer.scaled_global_norm = lambda *a, **k: combine(own(*a, **k))
+
+
+def combine_zero_group_norms(optimizer: Any, combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
+    """ZeRO-1/2: DeepSpeed clips with ``combine`` of the norms it computed for each parameter group, in group order
+    (recorded as ``scaled_global_norm`` computes them; its own combination is dropped)."""
+    require(optimizer, "combine_zero_group_norms")
+    own = optimizer.scaled_global_norm
+    recorded: list[torch.Tensor] = []
+
+    def recording(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def record(*args, **kwargs) -> torch.Tensor:
+            norm = method(*args, **kwargs)
+            recorded.append(norm)
+            return norm
+
+        return record
+
+    for name in ("get_grad_norm_direct", "complete_grad_norm_calculation_for_cpu_offload"):
+        setattr(optimizer, name, recording(getattr(optimizer, name)))
+
+    def scaled_global_norm(*args, **kwargs) -> torch.Tensor:
+        recorded.clear()
+        own(*args, **kwargs)
+        return combine(list(recorded))
+
+    optimizer.scaled_global_norm = scaled_global_norm
 
 
 def combine_zero3_norm(optimizer: Any, combine: Callable[[torch.Tensor], torch.Tensor]) -> None:

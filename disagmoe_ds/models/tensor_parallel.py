@@ -1,0 +1,248 @@
+"""Tensor parallelism inside an A-lane (Megatron-style, with sequence parallelism): t ranks hold one micro-batch's
+sequence in slices, as ``models.sequence_parallel``'s ranks do, and every attention module's heads in shards.
+
+Legend: B micro-batch size, S the whole sequence, S_l = S / t one rank's slice, H hidden, t the TP degree.
+
+Outside the attention modules a TP rank is an SP rank: the norms, router, shared experts, its exchange with the
+experts, the residual hand-off and the head run on its own slice, with ``SequenceParallel``'s slicing, loss shares
+and router statistics. Around each attention module the normed slices are all-gathered into the whole sequence
+(backward: reduce-scattered); the module runs HF's own forward with its query, key and value projections (MLA:
+``q_b_proj``/``q_proj`` and ``kv_b_proj``) cut to the rank's heads, its per-head parameters (GPT-OSS's sinks) to
+theirs and its output projection to their columns; the partial outputs are reduce-scattered back to slices
+(backward: all-gathered) and the output projection's bias is added once, on the slice. MLA's low-rank input
+projections and per-head-dim q/k norms stay whole. The rotary embeddings and masks are the whole sequence's.
+
+Gradients. A shard's gradient is whole on its rank (the gather brings every token to it); its replicas are the lanes
+of the same TP rank, which form an attention rank's DeepSpeed data-parallel group. A replicated parameter's gradient
+covers the rank's slice (or, inside attention, its heads), so the TP group sums them (``TensorParallelGrads``) before
+DeepSpeed averages over the replicas. The loss shares are scaled by t as with sequence parallelism (the experts'
+gradients sum over every lane), and the attention side's gradients by 1/t (DeepSpeed averages over d / t replicas).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from disagmoe_ds.errors import LayoutError
+from disagmoe_ds.models.context import LayerContext, build_context
+from disagmoe_ds.models.families import family_of
+from disagmoe_ds.models.sequence_parallel import SequenceParallel
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")  # output rows by head: cut along dim 0
+ROW = "o_proj"  # input columns by head: cut along dim 1
+PER_HEAD = ("sinks",)  # one value per query head
+SUPPORTED = (  # families whose attention is one softmax attention module of the names above
+    "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "dots1",
+    "ernie4_5_moe", "hunyuan_v1_moe",
+)  # fmt: skip
+REFUSED = {
+    "olmoe": "its q_norm and k_norm normalise all heads together (a TP rank holds only its own)",
+    "minimax_m2": "its q_norm and k_norm normalise all heads together (a TP rank holds only its own)",
+    "qwen3_next": "its Gated DeltaNet layers are not head-sharded attention modules",
+    "qwen3_5_moe": "its Gated DeltaNet layers are not head-sharded attention modules",
+    "deepseek_v32": "its lightning indexer scores every key with all heads outside the attention module",
+}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The mark on a sharded parameter: part ``rank`` of ``size`` equal parts of HF's tensor along ``dim``."""
+
+    dim: int
+    rank: int
+    size: int
+
+
+def shard_of(param: torch.Tensor) -> Shard | None:
+    """The shard a parameter is (None: whole, replicated over the TP group)."""
+    return getattr(param, "disagmoe_tp", None)
+
+
+class TensorParallel(SequenceParallel):
+    """This rank's place in its TP group: slice ``rank`` of every micro-batch and shard ``rank`` of every attention
+    module's heads."""
+
+    def gather(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """The whole sequence from every rank's slice (backward: this slice's part of the summed gradients)."""
+        return _Gather.apply(x_BSH, self)
+
+    def scatter(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the sum of every rank's partial [B, S, H] (backward: the gradient gathered)."""
+        return _Scatter.apply(x_BSH, self)
+
+    def context(self, stage, h_BSH: torch.Tensor, positions_BS: torch.Tensor, full_positions_BS) -> LayerContext:
+        """The whole sequence's context (the attention modules see every position); ``positions_BS``: the slice's,
+        ``full_positions_BS`` the whole micro-batch's (None: the default ones)."""
+        B, S_l, H = h_BSH.shape
+        whole_BSH = h_BSH.new_empty(B, S_l * self.size, 1).expand(-1, -1, H)  # shape, dtype, device only
+        if full_positions_BS is None:
+            full_positions_BS = torch.arange(S_l * self.size, device=h_BSH.device).expand(B, -1)
+        del positions_BS
+        return build_context(stage.config, stage.rotary_emb, whole_BSH, full_positions_BS)
+
+    def _gathered(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x_BSH) for _ in range(self.size)]
+        dist.all_gather(parts, x_BSH.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+    def _scattered(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        chunks = [c.contiguous() for c in x_BSH.chunk(self.size, dim=1)]
+        if dist.get_backend(self.group) == "gloo":  # gloo has no reduce-scatter
+            whole = x_BSH.contiguous().clone()
+            dist.all_reduce(whole, group=self.group)
+            return whole.chunk(self.size, dim=1)[self.rank].contiguous()
+        out = torch.empty_like(chunks[self.rank])
+        dist.reduce_scatter(out, chunks, group=self.group)
+        return out
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BSH: torch.Tensor, tp: TensorParallel) -> torch.Tensor:  # type: ignore[override]
+        ctx.tp = tp
+        return tp._gathered(x_BSH)
+
+    @staticmethod
+    def backward(ctx, grad_BSH: torch.Tensor):  # type: ignore[override]
+        return ctx.tp._scattered(grad_BSH), None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BSH: torch.Tensor, tp: TensorParallel) -> torch.Tensor:  # type: ignore[override]
+        ctx.tp = tp
+        return tp._scattered(x_BSH)
+
+    @staticmethod
+    def backward(ctx, grad_BSH: torch.Tensor):  # type: ignore[override]
+        return ctx.tp._gathered(grad_BSH), None
+
+
+def check_tensor_parallel(config, size: int, seq_len: int | None = None) -> None:
+    """Refuse, before launch, what a TP degree of ``size`` cannot split (one line naming the reason)."""
+    if size == 1:
+        return
+    model_type = family_of(config).model_type
+    if model_type in REFUSED or model_type not in SUPPORTED:
+        why = REFUSED.get(model_type, "its attention modules are not among those the runtime shards by heads")
+        raise LayoutError(f"tensor_parallel {size}: {model_type} is not supported: {why}")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if model_type.startswith("deepseek"):
+        kv_heads = heads  # MLA: every head has its own keys and values (kv_b_proj)
+    for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if count % size:
+            raise LayoutError(f"tensor_parallel {size} must divide {name} ({count}): each rank takes 1/t of them")
+    if seq_len is not None and seq_len % size:
+        raise LayoutError(f"tensor_parallel {size} must divide the sequence length ({seq_len})")
+
+
+def shard_attention(attn: nn.Module, tp: TensorParallel) -> None:
+    """Cut HF attention module ``attn`` to ``tp.rank``'s heads in place (parameters keep HF's names) and make it
+    take slices and give slices: gather before, reduce-scatter and the output bias after."""
+    for name in COLUMN:
+        linear = getattr(attn, name, None)
+        if linear is not None:
+            _cut(linear, "weight", 0, tp)
+            if linear.bias is not None:
+                _cut(linear, "bias", 0, tp)
+            linear.out_features //= tp.size
+    for name in PER_HEAD:
+        if isinstance(getattr(attn, name, None), nn.Parameter):
+            _cut(attn, name, 0, tp)
+    out = getattr(attn, ROW)
+    _cut(out, "weight", 1, tp)
+    out.in_features //= tp.size
+    setattr(attn, ROW, _NoBias(out))
+    attn.register_forward_pre_hook(_gather_input(tp), with_kwargs=True)
+    attn.register_forward_hook(_scatter_output(tp, getattr(attn, ROW)))
+
+
+def _cut(module: nn.Module, name: str, dim: int, tp: TensorParallel) -> None:
+    whole = getattr(module, name)
+    if whole.shape[dim] % tp.size:
+        raise LayoutError(f"tensor_parallel {tp.size} does not divide {name} of shape {tuple(whole.shape)}")
+    part = nn.Parameter(whole.detach().chunk(tp.size, dim)[tp.rank].clone(), requires_grad=whole.requires_grad)
+    part.disagmoe_tp = Shard(dim, tp.rank, tp.size)  # type: ignore[attr-defined]
+    setattr(module, name, part)
+
+
+class _NoBias(nn.Linear):
+    """An output projection cut to its input columns: the partial product only (its bias is added after the sum)."""
+
+    def __init__(self, linear: nn.Linear):  # the same parameters, under the same names
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def _gather_input(tp: TensorParallel):
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        del module
+        assert not args, "the attention part calls HF's attention with keywords"
+        return args, {**kwargs, "hidden_states": tp.gather(kwargs["hidden_states"])}
+
+    return hook
+
+
+def _scatter_output(tp: TensorParallel, out: nn.Linear):
+    def hook(module: nn.Module, args: tuple, output):
+        del module, args
+        attn_BSH, *rest = output
+        attn_BSH = tp.scatter(attn_BSH)
+        if out.bias is not None:
+            attn_BSH = attn_BSH + out.bias
+        return (attn_BSH, *rest)
+
+    return hook
+
+
+def broadcast_from_first(module: nn.Module, tp: TensorParallel, first_rank: int) -> None:
+    """Make every TP rank's copy of ``module`` equal to the group's first rank's (global rank ``first_rank``), before
+    the attention modules are cut: replicas initialised from their own seeds, shards cut from one whole tensor."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=first_rank, group=tp.group)
+
+
+class TensorParallelGrads:
+    """Sums the replicated parameters' gradients of an attention rank over its TP group, before DeepSpeed averages
+    them over the rank's replicas: per backward (``per_backward``: ZeRO-2 reduces and frees the gradients inside
+    each backward), else once per step (``reduce``, before ``step()``)."""
+
+    def __init__(self, module: nn.Module, tp: TensorParallel, *, per_backward: bool):
+        self.tp = tp
+        self.params = [p for p in module.parameters() if p.requires_grad and shard_of(p) is None]
+        self.per_backward = per_backward
+        if per_backward:
+            for param in self.params:
+                param.register_hook(self._summed)
+
+    def _summed(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=self.tp.group)
+        return grad
+
+    def reduce(self) -> None:
+        """The step's accumulated gradients summed over the group, in one all-reduce per dtype."""
+        if self.per_backward:
+            return
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for param in self.params:
+            if param.grad is None:  # every rank sums the same tensors
+                param.grad = torch.zeros_like(param)
+            by_dtype.setdefault(param.grad.dtype, []).append(param)
+        for params in by_dtype.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+            dist.all_reduce(flat, group=self.tp.group)
+            for param, summed in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                param.grad.copy_(summed.view_as(param))  # type: ignore[union-attr]
