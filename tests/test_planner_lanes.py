@@ -165,25 +165,29 @@ def test_cli_fixes_s_and_t_and_shows_them(tmp_path, capsys):
     assert rc == 2 and err.count("\n") == 1 and "--sequence-parallel 4" in err and "tokens per rank" in err
 
 
-def test_write_ds_config_writes_sequence_parallelism_and_refuses_tensor_parallelism(tmp_path, capsys):
-    """The runtime runs SP lanes: the written config names the degree and loads as the runtime's section; it does
-    not run TP yet, so a TP plan is refused in one line naming the flag that gives one it runs."""
+def test_write_ds_config_writes_the_lane_degree_the_runtime_runs(tmp_path, capsys):
+    """The runtime runs SP lanes and TP lanes: the written config names the degree and loads as the runtime's
+    section; an SP x TP lane, which it does not run yet, is refused in one line naming the flags that give one it
+    runs."""
     from disagmoe_ds.config import DisagMoEConfig
 
     ds = tmp_path / "ds.json"
-    rc, _, _ = _cli(
-        capsys, tmp_path, "--sequence-parallel", "2", "--tensor-parallel", "1", "--write-ds-config", str(ds)
-    )
-    section = json.loads(ds.read_text())["disagmoe"]
-    assert rc == 0 and section["sequence_parallel"] == 2
-    cfg = DisagMoEConfig.from_ds_config(json.loads(ds.read_text()))
-    assert cfg.lanes % cfg.sequence_parallel == 0 and cfg.batch_lanes == cfg.lanes // 2
-    ds.unlink()
-    rc, _, err = _cli(
-        capsys, tmp_path, "--sequence-parallel", "1", "--tensor-parallel", "2", "--write-ds-config", str(ds)
-    )
-    assert rc == 2 and not ds.exists() and err.count("\n") == 1
-    assert "does not run tensor parallel yet: pass --tensor-parallel 1" in err
+    for s, t in ((2, 1), (1, 2)):
+        rc, _, err = _cli(
+            capsys, tmp_path, "--sequence-parallel", str(s), "--tensor-parallel", str(t), "--write-ds-config", str(ds)
+        )
+        assert rc == 0, err
+        config = json.loads(ds.read_text())
+        section = config["disagmoe"]
+        assert section.get("sequence_parallel", 1) == s and section.get("tensor_parallel", 1) == t
+        cfg = DisagMoEConfig.from_ds_config(config)
+        assert cfg.lanes % (s * t) == 0 and cfg.batch_lanes == cfg.lanes // 2
+        assert cfg.zero_stage_of("attention", config) in (1, 2) if t > 1 else True
+        ds.unlink()
+    both = ("--sequence-parallel", "2", "--tensor-parallel", "2", "--seq-len", "8192")  # 1024 tokens per rank
+    rc, _, err = _cli(capsys, tmp_path, *both, "--write-ds-config", str(ds))
+    assert rc == 2 and not ds.exists() and err.count("\n") == 1, err
+    assert "SP 2 x TP 2 lanes" in err and "--sequence-parallel 1 or --tensor-parallel 1" in err
 
 
 def test_ds_config_writes_the_lane_once_the_runtime_runs_it(monkeypatch):
@@ -201,5 +205,8 @@ def test_ds_config_writes_the_lane_once_the_runtime_runs_it(monkeypatch):
     with pytest.raises(ConfigError, match="does not run tensor parallel yet: pass --tensor-parallel 1"):
         ds_config(result)
     monkeypatch.setattr(runtime_files, "RUNTIME_LANE_FIELDS", frozenset({"sequence_parallel", "tensor_parallel"}))
+    with pytest.raises(ConfigError, match="SP 2 x TP 2 lanes"):  # both at once: not yet
+        ds_config(result)
+    result.af.candidate.work = lane(1, 2)
     section = ds_config(result)["disagmoe"]
-    assert (section["sequence_parallel"], section["tensor_parallel"]) == (2, 2)
+    assert section["tensor_parallel"] == 2 and "sequence_parallel" not in section

@@ -12,7 +12,27 @@ from disagmoe_ds.planner.workload import Workload
 
 # Which of "sequence_parallel" and "tensor_parallel" (an A-lane of s x t ranks) the runtime's ``DisagMoEConfig``
 # reads. It cannot be imported here (it imports torch); tests/test_planner_ds_config.py holds this to its fields.
-RUNTIME_LANE_FIELDS: frozenset[str] = frozenset({"sequence_parallel"})
+RUNTIME_LANE_FIELDS: frozenset[str] = frozenset({"sequence_parallel", "tensor_parallel"})
+
+
+def lane_refusal(work: Workload) -> str | None:
+    """What of the A-lane of ``work`` the runtime does not run yet (None: it runs it); held to
+    ``afpipe.build.Disaggregated``'s checks by tests/test_planner_ds_config.py."""
+    s, t = work.sequence_parallel, work.tensor_parallel
+    if s > 1 and t > 1:
+        return f"SP {s} x TP {t} lanes (it runs one at a time): pass --sequence-parallel 1 or --tensor-parallel 1"
+    if t == 1:
+        return None
+    levers = {
+        f"ZeRO {work.zero_of('attention')} on the attention side": work.zero_of("attention") not in (1, 2),
+        "selective recompute": work.recompute == "selective",
+        "attention offload": work.offload[0] > 0,
+        "LoRA": work.lora.enabled,
+    }
+    chosen = [name for name, on in levers.items() if on]
+    if chosen:
+        return f"TP {t} lanes with {', '.join(chosen)}: pass --tensor-parallel 1 or a variant without it"
+    return None
 
 
 def runtime_refusal(work: Workload) -> str | None:
@@ -45,6 +65,9 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
             f"{' or '.join(n.replace('_', ' ') for n in not_run)} yet: pass "
             f"{' '.join('--' + n.replace('_', '-') + ' 1' for n in not_run)} for a plan it runs"
         )
+    why = lane_refusal(w)
+    if why is not None:
+        raise ConfigError(f"the runtime does not run the plan's {why}")
     section = {
         "attention_gpus": c.layout.attention_gpus,
         "ffn_gpus": c.layout.ffn_gpus,
