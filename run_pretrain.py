@@ -211,7 +211,7 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
 
     init = load_train_model(args)
     runtime = mode.build(args, layout, model=init.model, weights=init.weights, device=device)
-    data_lane = args.cfg.batch_lane_of(role.index)  # sequence parallelism: s lanes read one share, in slices
+    data_lane = args.cfg.batch_lane_of(role.index)  # SP or TP: s (t) lanes read one share, in slices
     loader = lane_loader(data, args, data_lane, pin_memory=device.type == "cuda") if reads_data else None
     start = restore(runtime, resume.root, resume.tag, loader, lanes=args.lanes) if resume is not None else 0
     peak = peak_tflops(device, args.peak_tflops)

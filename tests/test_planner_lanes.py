@@ -182,7 +182,6 @@ def test_write_ds_config_writes_the_lane_degree_the_runtime_runs(tmp_path, capsy
         assert section.get("sequence_parallel", 1) == s and section.get("tensor_parallel", 1) == t
         cfg = DisagMoEConfig.from_ds_config(config)
         assert cfg.lanes % (s * t) == 0 and cfg.batch_lanes == cfg.lanes // 2
-        assert cfg.zero_stage_of("attention", config) in (1, 2) if t > 1 else True
         ds.unlink()
     both = ("--sequence-parallel", "2", "--tensor-parallel", "2", "--seq-len", "8192")  # 1024 tokens per rank
     rc, _, err = _cli(capsys, tmp_path, *both, "--write-ds-config", str(ds))

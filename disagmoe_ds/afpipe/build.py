@@ -100,7 +100,8 @@ class Disaggregated:
         """What tensor parallelism does not work beside yet (one line naming it)."""
         stage, zero = self.cfg.zero_stage_of("attention", ds_config), ds_config.get("zero_optimization", {})
         refused = {
-            f"ZeRO stage {stage} on the attention side (use 1 or 2)": stage not in (1, 2),
+            f"ZeRO stage {stage} on the attention side (use 0-2)": stage == 3,
+            "bf16 at ZeRO stage 0 (use 1 or 2)": stage == 0 and bool(ds_config.get("bf16", {}).get("enabled")),
             "lora": self.cfg.lora is not None,
             "compile": self.cfg.compile,
             "selective_recompute": self.cfg.selective_recompute,

@@ -31,9 +31,12 @@ from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import ExpertStage
+from disagmoe_ds.models.tensor_parallel import Shard, shard_of
 
 Weights = Literal["module", "master"]  # what an HF export holds / what a re-layout carries
-Pieces = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the rows it holds, tensor)
+# HF name -> (first expert of the rows it holds, tensor), or for an attention-head shard (tensor parallel)
+# (its TP rank, tensor, the dim it is cut along)
+Pieces = dict[str, tuple]
 
 
 @dataclass
@@ -55,12 +58,18 @@ class TrainState:
 
 
 def join_pieces(pieces_by_rank: list[Pieces]) -> dict[str, torch.Tensor]:
-    """Full HF tensors: attention tensors as they are, expert slices concatenated by first expert id."""
-    merged: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    """Full HF tensors: attention tensors as they are, expert slices concatenated by first expert id, head shards
+    by TP rank along their dim."""
+    merged: dict[str, list[tuple]] = {}
     for pieces in pieces_by_rank:
         for name, piece in pieces.items():
             merged.setdefault(name, []).append(piece)
-    return {name: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for name, parts in merged.items()}
+    return {name: _joined(parts) for name, parts in merged.items()}
+
+
+def _joined(parts: list[tuple]) -> torch.Tensor:
+    dim = parts[0][2] if len(parts[0]) == 3 else 0
+    return torch.cat([piece[1] for piece in sorted(parts, key=lambda piece: piece[0])], dim=dim)
 
 
 def one_scalar_set(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -95,28 +104,46 @@ def rank_share(rt, weights: Weights) -> dict[str, Any]:
             trained = {n: p for n, p in named.items() if p.requires_grad}  # frozen ones have no optimizer state
             moments = {k: {n: _full_state(engine, p, k) for n, p in trained.items()} for k in moment_keys}
             params = {n: _full_state(engine, p, None) for n, p in named.items()}
-        if part.writer:  # only now: every rank of a data-parallel group takes part in _full_state's collectives
-            share["params"].update(part.pieces(params))
-            share["buffers"].update(part.pieces({n: b.clone() for n, b in buffers.items()}))
-            for k, values in moments.items():
-                share["moments"][k].update(part.pieces(values))
+        # Only now: every rank of a data-parallel group takes part in _full_state's collectives.
+        share["params"].update(part.pieces(params))
+        share["buffers"].update(part.pieces({n: b.clone() for n, b in buffers.items()}))
+        for k, values in moments.items():
+            share["moments"][k].update(part.pieces(values))
     return share
 
 
 @dataclass(frozen=True)
 class _Part:
-    """A module of a rank whose tensors are whole HF tensors (attention side) or rows of them (expert slice)."""
+    """A module of a rank whose tensors are whole HF tensors (attention side; with tensor parallelism its attention
+    modules' head shards), or rows of them (expert slice)."""
 
     module: nn.Module
     to_hf: Callable[[str], str]  # its tensor names -> HF in-memory names
     experts: range | None  # the rows it holds of HF's fused expert tensors (dim 0); None: whole tensors
-    writer: bool  # this rank's copy is the one read (one copy of every tensor in the job)
+    writer: bool  # this rank's copy of its whole tensors is the one read (one copy of every tensor in the job)
+    shard_writer: bool = False  # this rank's copy of its head shards is the one read (one per TP rank)
+    shards: dict[str, Shard] = field(default_factory=dict)  # by module name: the parameters that are head shards
 
     def pieces(self, tensors: dict[str, torch.Tensor]) -> Pieces:
         first = 0 if self.experts is None else self.experts.start
-        return {self.to_hf(n): (first, t) for n, t in tensors.items()}
+        pieces: Pieces = {}
+        for name, tensor in tensors.items():
+            shard = self.shards.get(name)
+            if shard is not None and self.shard_writer:
+                pieces[self.to_hf(name)] = (shard.rank, tensor, shard.dim)
+            elif shard is None and self.writer:
+                pieces[self.to_hf(name)] = (first, tensor)
+        return pieces
 
-    def rows(self, full: torch.Tensor) -> torch.Tensor:
+    @property
+    def reads(self) -> bool:
+        return self.writer or (self.shard_writer and bool(self.shards))
+
+    def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """What this part holds of HF's whole tensor ``full`` (module name ``name``)."""
+        shard = self.shards.get(name)
+        if shard is not None:
+            return full.chunk(shard.size, shard.dim)[shard.rank]
         return full if self.experts is None else full[self.experts.start : self.experts.stop]
 
 
@@ -126,7 +153,9 @@ def _parts(rt) -> list[_Part]:
     role = rt.role
     if isinstance(rt.layout, Layout):
         if role.is_attention:
-            return [_Part(rt.module, attention_name_to_hf, None, role.index == 0)]
+            shards = {n: shard for n, p in rt.module.named_parameters() if (shard := shard_of(p)) is not None}
+            t = rt.layout.tensor_parallel  # lanes 0..t-1: one of each TP rank
+            return [_Part(rt.module, attention_name_to_hf, None, role.index == 0, role.index < t, shards)]
         return [_expert_part(rt.module, writer=role.edp_rank == 0)]
     attention = _Part(rt.module.attention, attention_name_to_hf, None, role.index == 0)
     return [attention, _expert_part(rt.module.experts.stage, writer=role.edp_rank == 0)]
@@ -134,7 +163,7 @@ def _parts(rt) -> list[_Part]:
 
 def holds_read_copy(rt) -> bool:
     """Whether this rank's copy of some tensor is the one read (its share is not empty)."""
-    return any(part.writer for part in _parts(rt))
+    return any(part.reads for part in _parts(rt))
 
 
 def _expert_part(stage: ExpertStage, *, writer: bool) -> _Part:
@@ -291,13 +320,13 @@ def set_rank_state(rt, state: TrainState) -> None:
     for part in _parts(rt):
         for name, param in part.module.named_parameters():
             hf_name = part.to_hf(name)
-            _set_full(engine, param, part.rows(state.params[hf_name]), None)
+            _set_full(engine, param, part.local(name, state.params[hf_name]), None)
             for key, values in state.moments.items():
                 if param.requires_grad:
-                    _set_full(engine, param, part.rows(values[hf_name]), key)
+                    _set_full(engine, param, part.local(name, values[hf_name]), key)
         with torch.no_grad():
             for name, buf in persistent_buffers(part.module):
-                buf.copy_(part.rows(state.buffers[part.to_hf(name)]))
+                buf.copy_(part.local(name, state.buffers[part.to_hf(name)]))
     for group in engine.optimizer.param_groups:
         group.update(state.hyper)
     if engine.lr_scheduler is not None and state.scheduler is not None:

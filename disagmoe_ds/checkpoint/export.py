@@ -28,7 +28,9 @@ from disagmoe_ds.runtime.rank import RankRuntime
 
 
 def _to_cpu(pieces: dict[str, Any]) -> dict[str, Any]:
-    return {kind: {n: (first, t.cpu()) for n, (first, t) in named.items()} for kind, named in pieces.items()}
+    return {
+        kind: {n: (first, t.cpu(), *dim) for n, (first, t, *dim) in named.items()} for kind, named in pieces.items()
+    }
 
 
 def write_model(

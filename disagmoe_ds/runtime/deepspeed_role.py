@@ -171,9 +171,16 @@ class GlobalGradNorm:
             ds_patches.replace_fp32_clipping(engine, lambda: self._clip_fp32(engine))
 
     def _clip_fp32(self, engine) -> None:
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        role_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        clip_by_norm(grads, self.combine(role_norm), engine.gradient_clipping())
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        groups = [[g for p, g in zip(params, grads) if (shard_of(p) is not None) == sharded] for sharded in (0, 1)]
+        norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in group])) if group
+                 else grads[0].new_zeros(()) for group in groups]  # fmt: skip
+        if self.shard_domain is None:
+            norm = self.combine(norms[0])
+        else:
+            norm = self.combine_groups(norms)
+        clip_by_norm(grads, norm, engine.gradient_clipping())
 
 
 def clip_by_norm(grads: Iterable[torch.Tensor], norm: torch.Tensor | float, max_norm: float) -> None:

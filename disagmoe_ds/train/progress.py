@@ -161,8 +161,9 @@ def _write_scalars(writer: Any, rec: StepRecord) -> None:
 
 
 def _lanes_text(args: TrainArgs) -> str:
-    """The lanes that read distinct data (with sequence parallelism, each holds its micro-batches in slices)."""
-    s = getattr(args.cfg, "sequence_parallel", 1)
+    """The lanes that read distinct data (with sequence or tensor parallelism, each holds its micro-batches in
+    slices)."""
+    s = getattr(args.cfg, "lane_slices", 1)
     return (
         f"{args.lanes} lanes"
         if s == 1
