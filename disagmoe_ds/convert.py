@@ -29,12 +29,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from disagmoe_ds.config import SIDES, DisagMoEConfig, load_ds_config
+from disagmoe_ds.config import LAYOUT_KEYS, SIDES, DisagMoEConfig, add_section_flags, load_ds_config
 from disagmoe_ds.errors import DisagMoEError
 from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe, relayout
 from disagmoe_ds.train.conversion_jobs import Job, open_checkpoint, resolve_ds_config
 
-_LAYOUT = "the layout that --attention-gpus, --ffn-gpus, --depth and --expert-data-parallel give"
+_LAYOUT = "the layout that --attention-gpus, --ffn-gpus, --depth, --expert-data-parallel and the lane flags give"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,25 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_layout_args(p: argparse.ArgumentParser, *, ds_config_help: str) -> None:
-    p.add_argument("--attention-gpus", type=int, required=True, help="M: ranks that run the attention side")
-    p.add_argument("--ffn-gpus", type=int, required=True, help="N: ranks that run the experts")
-    p.add_argument(
-        "--depth",
-        type=int,
-        default=1,
-        help="pipeline depth: the layers are split over this many attention groups and as many expert groups "
-        "(default 1)",
-    )
-    p.add_argument("--expert-data-parallel", type=int, default=1, help="copies of each expert shard (default 1)")
+    add_section_flags(p, (*LAYOUT_KEYS, "zero_stage"), cli="convert", required=("attention_gpus", "ffn_gpus"))
     p.add_argument("--zero", type=int, choices=(0, 1, 2), help="ZeRO stage; overrides --ds-config")
-    p.add_argument(
-        "--zero-stage",
-        type=int,
-        nargs=2,
-        metavar=("ATTENTION", "FFN"),
-        help='ZeRO stage of each side, as the ds_config\'s "disagmoe": {"zero_stage": ...} (the expert side may '
-        "use 3); a relayout keeps the source's unless this or --zero is given",
-    )
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="training precision; overrides --ds-config")
     p.add_argument("--ds-config", help=ds_config_help)
 
@@ -118,13 +101,7 @@ def _layout_cfg(a: argparse.Namespace, source_stages: dict[str, int] | None = No
         stages = dict(zip(SIDES, a.zero_stage, strict=True))
     else:
         stages = {} if a.zero is not None else dict(source_stages or {})
-    return DisagMoEConfig(
-        attention_gpus=a.attention_gpus,
-        ffn_gpus=a.ffn_gpus,
-        depth=a.depth,
-        expert_data_parallel=a.expert_data_parallel,
-        zero_stage=stages,
-    )
+    return DisagMoEConfig(**{key: getattr(a, key) for key in LAYOUT_KEYS}, zero_stage=stages)
 
 
 def _run(a: argparse.Namespace) -> Path:

@@ -1,6 +1,7 @@
-"""A section key is declared once as a flag: run_pretrain.py's, disagmoe-verify's, the co-located verify's and
-bench_e2e.py's flags for ``"disagmoe"`` keys are made from ``config.SECTION_FLAGS``, so the same key has the same
-flag, type and meaning everywhere; only a CLI's default may differ, where the table says so."""
+"""A section key is declared once as a flag: run_pretrain.py's, disagmoe-verify's, the co-located verify's,
+disagmoe-convert's and bench_e2e.py's flags for ``"disagmoe"`` keys are made from ``config.SECTION_FLAGS``, so the
+same key has the same flag, type and meaning everywhere; only a CLI's default may differ, where the table says so
+(or a flag a CLI requires has none)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ PARSERS = {  # the CLIs that make their section flags from the table, by the nam
     ),
     "verify": verify.build_parser,
     "colocated_verify": colocated_verify.build_parser,
+    "convert": convert_parser,
     "bench": lambda: _bench().build_parser(gpus=0),
 }
 
@@ -76,6 +78,7 @@ def test_every_section_flag_comes_from_the_table(cli):
         spec = SECTION_FLAGS[key]
         assert action.option_strings == [spec.flag(key)] and action.help.startswith(spec.help)
         expected = spec.defaults.get(cli, None if cli == "run_pretrain" or spec.per_side else _default(key))
+        expected = None if action.required else expected
         assert action.default == (False if spec.type is None and cli != "run_pretrain" else expected), (cli, key)
 
 
@@ -97,13 +100,11 @@ def test_the_same_key_means_the_same_in_every_cli():
     assert set(CLIS) == set(PARSERS)
 
 
-def test_disagmoe_convert_declares_its_layout_flags_by_hand_with_the_same_types():
-    """disagmoe-convert's layout flags (a relayout's target, required there) are not made from the table yet; they
-    still take the same types and shapes."""
-    for key, action in _section_actions(convert_parser()).items():
-        spec = SECTION_FLAGS[key]
-        assert action.option_strings == [spec.flag(key)] and action.type is spec.type, key
-        assert action.nargs == (2 if spec.per_side else None), key
+def test_disagmoe_convert_requires_the_relayout_target_ranks():
+    """disagmoe-convert's layout flags come from the table too; a relayout's target rank counts have no default."""
+    actions = _section_actions(convert_parser())
+    assert all(actions[key].required for key in ("attention_gpus", "ffn_gpus"))
+    assert not actions["depth"].required and actions["depth"].default == 1
 
 
 def test_the_flags_give_the_sections_values():

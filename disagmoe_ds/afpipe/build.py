@@ -100,8 +100,7 @@ class Disaggregated:
         """What tensor parallelism does not work beside yet (one line naming it)."""
         stage, zero = self.cfg.zero_stage_of("attention", ds_config), ds_config.get("zero_optimization", {})
         refused = {
-            f"ZeRO stage {stage} on the attention side (use 0-2)": stage == 3,
-            "bf16 at ZeRO stage 0 (use 1 or 2)": stage == 0 and bool(ds_config.get("bf16", {}).get("enabled")),
+            "ZeRO stage 3 on the attention side": stage == 3,
             "lora": self.cfg.lora is not None,
             "compile": self.cfg.compile,
             "selective_recompute": self.cfg.selective_recompute,

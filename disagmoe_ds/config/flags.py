@@ -1,5 +1,6 @@
 """The flag table: one entry per section key that a command line sets (``SECTION_FLAGS``), from which
-run_pretrain.py, disagmoe-verify, the co-located verify and bench_e2e.py make their flags (``add_section_flags``)."""
+run_pretrain.py, disagmoe-verify, the co-located verify, disagmoe-convert and bench_e2e.py make their flags
+(``add_section_flags``)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class Flag:
 
 # The CLIs that make flags from this table; "run_pretrain" overrides a ds_config, so its flags default to None (the
 # ds_config's value), the others build a config from the flags alone and default to the section's default.
-CLIS = ("run_pretrain", "verify", "colocated_verify", "bench")
+CLIS = ("run_pretrain", "verify", "colocated_verify", "convert", "bench")
 
 
 SECTION_FLAGS: dict[str, Flag] = {
@@ -102,6 +103,7 @@ SECTION_FLAGS: dict[str, Flag] = {
     "zero_stage": Flag(
         "ZeRO stage of the attention and the FFN side (F may be 3: expert parameters sharded), replacing --zero",
         per_side=True,
+        notes={"convert": "a relayout keeps the source's unless this or --zero is given"},
     ),
 }
 
@@ -129,10 +131,15 @@ def flag_of(name: str) -> str:
 
 
 def add_section_flags(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup, keys: tuple[str, ...], *, cli: str
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    keys: tuple[str, ...],
+    *,
+    cli: str,
+    required: tuple[str, ...] = (),
 ) -> None:
-    """``keys``' flags from ``SECTION_FLAGS`` as ``cli`` (one of ``CLIS``) has them; each action's destination is
-    its key and its ``section_key`` attribute names it (tests check every CLI's against the table)."""
+    """``keys``' flags from ``SECTION_FLAGS`` as ``cli`` (one of ``CLIS``) has them, those of ``required`` without a
+    default; each action's destination is its key and its ``section_key`` attribute names it (tests check every
+    CLI's against the table)."""
     if cli not in CLIS:
         raise ValueError(f"unknown CLI {cli!r}; one of {CLIS}")
     for key in keys:
@@ -148,6 +155,8 @@ def add_section_flags(
                 kwargs |= {"nargs": 2, "metavar": ("A", "F")}
             elif spec.name is not None:  # named after the flag, not the key it sets
                 kwargs["metavar"] = spec.name.removeprefix("--").replace("-", "_").upper()
+        if key in required:
+            kwargs |= {"required": True, "default": None}
         action = parser.add_argument(spec.flag(key), **kwargs)
         action.section_key = key  # type: ignore[attr-defined]
 

@@ -24,8 +24,7 @@ def lane_refusal(work: Workload) -> str | None:
     if t == 1:
         return None
     levers = {
-        f"ZeRO {work.zero_of('attention')} on the attention side": work.zero_of("attention") == 3
-        or (work.zero_of("attention") == 0 and work.precision == "bf16"),
+        "ZeRO 3 on the attention side": work.zero_of("attention") == 3,
         "selective recompute": work.recompute == "selective",
         "attention offload": work.offload[0] > 0,
         "LoRA": work.lora.enabled,

@@ -150,7 +150,7 @@ def _recorded_cfg(mode: str, saved: dict[str, int], path: Path) -> DisagMoEConfi
     """The config that rebuilds the layout a manifest records (its ``manifest_layout`` values)."""
     if mode == DISAGGREGATED:
         keys = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel")
-        return DisagMoEConfig(**{key: saved[key] for key in keys})
+        return DisagMoEConfig(**{key: saved[key] for key in keys}, tensor_parallel=saved.get("tensor_parallel", 1))
     from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout  # imports DeepSpeed (seconds)
 
     if mode != ColocatedLayout.mode:

@@ -1,0 +1,184 @@
+"""Tensor parallelism inside an A-lane (issue 28): t lanes hold one micro-batch in slices and every attention
+module's heads in shards (all-gather before, reduce-scatter after). The contract is the usual one: every layout equals
+the single-process HF model on the same batches (loss, grad norm, every gradient and parameter after two steps),
+under the rendezvous transport; checkpoints resume exactly, export and re-lay out to the same HF tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from disagmoe_ds.afpipe.verify import run_verify
+from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.errors import ConfigError, LayoutError
+from disagmoe_ds.layout import Layout
+from disagmoe_ds.models.tensor_parallel import check_tensor_parallel
+from disagmoe_ds.parity.reference import VerifyArgs
+from tests.conftest import ROOT, all_families_only
+from tests.parity_cases import Job
+
+CLIP = 0.05  # below the tiny models' gradient norms: clipping is active
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPJob(Job):
+    """A job with ``t`` lanes to a TP group, ``B`` sequences a micro-batch and, ``packed``, documents packed into
+    them; 2 micro-batches, the skewed router."""
+
+    t: int = 2
+    B: int = 1
+    packed: bool = False
+    K: int = 2
+    skew: bool = True
+
+    def config(self, **fields: Any) -> DisagMoEConfig:
+        return super().config(tensor_parallel=self.t, **fields)
+
+    def layout_id(self) -> str:
+        return super().layout_id() + f"t{self.t}"
+
+    def run_tags(self) -> list[str]:
+        return super().run_tags() + ([f"B{self.B}"] if self.B > 1 else []) + ["packed"] * self.packed
+
+
+# GQA (KV heads split), 2 ep ranks, ZeRO 2 (the replicated gradients summed inside each backward); depth 2 at ZeRO 1;
+# MLA (DeepSeek-V3: q_b/kv_b cut, the low-rank projections whole) with packed documents; Mixtral with two TP groups
+# per A-group at ZeRO 0 (the fp32 clipping path); GPT-OSS's sinks and projection biases; Qwen2-MoE's q/k/v biases.
+CASES = [
+    TPJob(M=2, N=2, zero=2),
+    TPJob(M=4, N=4, p=2, zero=1, resend=True),
+    TPJob(family="deepseek-v3", M=2, N=2, zero=2, packed=True),
+    TPJob(family="mixtral", M=4, N=2, B=2, zero=0),
+    TPJob(family="gpt-oss", M=2, N=1, zero=1),
+    all_families_only(TPJob(family="qwen2-moe", M=2, N=2, zero=2)),
+    all_families_only(TPJob(family="deepseek-v3", M=4, N=4, p=2, zero=1)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_tensor_parallel_equals_hf(tiny_checkpoint, case: TPJob):
+    cfg = case.config(transport="rendezvous")
+    ckpt = str(tiny_checkpoint(case.family, **case.overrides))
+    args = VerifyArgs(
+        ckpt, cfg, zero=case.zero, seq_len=8, micro_batch_size=case.B, clip=CLIP, skew=case.skew, packed=case.packed
+    )
+    summary = run_verify(args, timeout_s=240)
+    assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
+    assert summary["pass"], summary
+
+
+def _sharded_shapes(rank: int) -> dict[str, tuple[int, ...]]:
+    """The attention parameters' shapes on TP rank ``rank`` of 2 after the cut, and that its attention module's
+    output on the slices equals the whole sequence's through the uncut module."""
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from disagmoe_ds.models.parts import AttentionStage
+    from disagmoe_ds.models.tensor_parallel import TensorParallel, shard_attention
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = AutoConfig.from_pretrained(ROOT / "hf_models" / "tiny-gpt-oss")  # sinks, biases on q, k, v and o
+    torch.manual_seed(0)
+    stage = AttentionStage(AutoModelForCausalLM.from_config(config), (0,), with_embedding=False, with_head=False)
+    part, B, S = stage.part(0), 2, 8
+    h_BSH = torch.randn(B, S, config.hidden_size)
+    want = part(h_BSH, stage.context(h_BSH, None), config).residual_BSH
+    tp = TensorParallel(dist.group.WORLD, 2, rank)
+    shard_attention(part.mixer, tp)
+    h_slice = tp.slice_of(h_BSH)
+    got = part(h_slice, tp.context(stage, h_slice, tp.slice_of(torch.arange(S).expand(B, S)), None), config)
+    assert torch.allclose(got.residual_BSH, tp.slice_of(want), atol=1e-6)
+    return {n: tuple(p.shape) for n, p in part.mixer.named_parameters()}
+
+
+def test_each_rank_holds_its_heads_and_the_slices_equal_the_whole():
+    from disagmoe_ds.launch.testing import run_ranks
+
+    config = AutoConfig.from_pretrained(ROOT / "hf_models" / "tiny-gpt-oss")
+    hidden, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
+    for shapes in run_ranks(_sharded_shapes, 2):
+        assert shapes["q_proj.weight"] == (heads * head_dim // 2, hidden)
+        assert shapes["k_proj.bias"] == (config.num_key_value_heads * head_dim // 2,)
+        assert shapes["o_proj.weight"] == (hidden, heads * head_dim // 2) and shapes["o_proj.bias"] == (hidden,)
+        assert shapes["sinks"] == (heads // 2,)
+
+
+def test_layouts_models_and_levers_tensor_parallelism_cannot_run_are_refused():
+    lay = Layout(attention_gpus=4, ffn_gpus=2, num_layers=2, num_experts=8, tensor_parallel=2)
+    groups = lay.group_ranks()
+    assert groups.tensor_parallel == ((0, 1), (2, 3)) and groups.data_parallel[:2] == ((0, 2), (1, 3))
+    assert lay.batch_lanes == 2 and lay.checkpoint_dir(lay.role_of(3)) == "attention_g0_tp1"
+    assert lay.manifest_layout()["tensor_parallel"] == 2
+    assert "tensor_parallel" not in Layout(attention_gpus=2, ffn_gpus=2, num_layers=2, num_experts=8).manifest_layout()
+    with pytest.raises(LayoutError, match="divisible by tensor_parallel"):
+        Layout(attention_gpus=3, ffn_gpus=1, num_layers=2, num_experts=8, tensor_parallel=2)
+    with pytest.raises(LayoutError, match="either Ulysses or tensor parallel"):
+        Layout(attention_gpus=4, ffn_gpus=1, num_layers=2, num_experts=8, tensor_parallel=2, sequence_parallel=2)
+    qwen = AutoConfig.from_pretrained(ROOT / "hf_models" / "tiny-qwen3-moe")  # 4 heads, 2 KV heads
+    check_tensor_parallel(qwen, 2)
+    with pytest.raises(LayoutError, match=r"must divide num_key_value_heads \(2\)"):
+        check_tensor_parallel(qwen, 4)
+    with pytest.raises(LayoutError, match="sequence length"):
+        check_tensor_parallel(qwen, 2, seq_len=9)
+    for family, reason in [("olmoe", "normalise all heads together"), ("qwen3-next", "Gated DeltaNet")]:
+        with pytest.raises(LayoutError, match=reason):
+            check_tensor_parallel(AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}"), 2)
+    from disagmoe_ds.afpipe.build import preflight
+
+    model = ROOT / "hf_models" / "tiny-qwen3-moe"
+    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=1, tensor_parallel=2)
+    preflight(model, cfg, {"zero_optimization": {"stage": 0}}, 3)  # fp32 at ZeRO 0: runs
+    with pytest.raises(ConfigError, match="selective_recompute"):
+        preflight(model, DisagMoEConfig(attention_gpus=2, ffn_gpus=1, tensor_parallel=2, selective_recompute=True),
+                  {}, 3)  # fmt: skip
+
+
+def test_pretraining_with_tensor_parallelism_resumes_exactly_exports_and_relays_out(tok_cache, tmp_path):
+    """The README job's model on 2 TP lanes and 2 expert ranks: the run resumed at step 2 repeats steps 3-4 bit for
+    bit; its HF export loads with ``from_pretrained``, and a re-layout to one attention rank and back to TP 2 exports
+    the same tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from disagmoe_ds import convert
+    from tests.runs import pretrain, records, same
+
+    argv = ("--attention-gpus", 2, "--ffn-gpus", 2, "--tensor-parallel", 2, "--micro-batches", 2, "--steps", 4)
+    full, resumed, ck, export = (tmp_path / name for name in ("full.jsonl", "resumed.jsonl", "ck", "hf"))
+    assert (
+        pretrain(tok_cache, *argv, "--save-dir", ck, "--save-every", 2, "--metrics-file", full, "--export-hf", export)
+        == 0
+    )
+    assert pretrain(tok_cache, *argv, "--resume", ck / "step2", "--metrics-file", resumed) == 0
+    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
+    assert torch.isfinite(AutoModelForCausalLM.from_pretrained(export)(torch.arange(8).view(1, 8)).logits).all()
+    model = str(ROOT / "hf_models" / "tiny-qwen3-moe-lm")
+    plain, back, again = tmp_path / "plain", tmp_path / "back", tmp_path / "again"
+    assert convert.main(["relayout", "--ckpt", str(ck), "--model", model, "--out", str(plain),
+                         "--attention-gpus", "1", "--ffn-gpus", "2"]) == 0  # fmt: skip
+    assert convert.main(["relayout", "--ckpt", str(plain), "--model", model, "--out", str(back),
+                         "--attention-gpus", "2", "--ffn-gpus", "1", "--tensor-parallel", "2"]) == 0  # fmt: skip
+    assert convert.main(["disagmoe-to-hf", "--ckpt", str(back), "--model", model, "--out", str(again)]) == 0
+    ours, theirs = (load_file(next(d.glob("*.safetensors"))) for d in (export, again))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seq-len", 33], r"tensor_parallel 2 must divide the sequence length \(33\)"),
+        (["--model", ROOT / "hf_models" / "tiny-olmoe"], r"olmoe is not supported: its q_norm and k_norm"),
+        (["--sequence-parallel", 2, "--attention-gpus", 4], r"either Ulysses or tensor parallel"),
+    ],
+    ids=["sequence", "olmoe", "with_sp"],
+)
+def test_run_pretrain_refuses_what_it_cannot_shard_before_launch(tok_cache, capfd, argv, message):
+    from tests.runs import assert_refused_before_launch
+
+    layout = ["--attention-gpus", 2, "--ffn-gpus", 1, "--tensor-parallel", 2]
+    assert_refused_before_launch(tok_cache, capfd, [*layout, *argv], message)
