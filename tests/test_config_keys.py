@@ -15,7 +15,7 @@ from disagmoe_ds.models.lora import LoraSettings
 KEYS = {
     DisagMoEConfig: {
         "attention_gpus", "ffn_gpus", "depth", "micro_batches", "expert_data_parallel", "sequence_parallel",
-        "max_in_flight", "comm_timeout_s", "compile", "cuda_graphs", "activation_checkpointing",
+        "tensor_parallel", "max_in_flight", "comm_timeout_s", "compile", "cuda_graphs", "activation_checkpointing",
         "selective_recompute", "comm_stream", "transport", "capacity_factor", "resend", "offload", "split_backward",
         "zero_stage", "cluster", "profile", "lora",
     },

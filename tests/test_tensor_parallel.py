@@ -47,14 +47,15 @@ class TPJob(Job):
 
 # GQA (KV heads split), 2 ep ranks, ZeRO 2 (the replicated gradients summed inside each backward); depth 2 at ZeRO 1;
 # MLA (DeepSeek-V3: q_b/kv_b cut, the low-rank projections whole) with packed documents; Mixtral with two TP groups
-# per A-group at ZeRO 0 (the fp32 clipping path); GPT-OSS's sinks and projection biases; Qwen2-MoE's q/k/v biases.
+# per A-group at ZeRO 0 (the fp32 clipping path); GPT-OSS's sinks and projection biases; Qwen2-MoE's q/k/v biases
+# and its shared expert (a gated MLP cut by columns, beside its whole sigmoid gate).
 CASES = [
     TPJob(M=2, N=2, zero=2),
     TPJob(M=4, N=4, p=2, zero=1, resend=True),
     TPJob(family="deepseek-v3", M=2, N=2, zero=2, packed=True),
     TPJob(family="mixtral", M=4, N=2, B=2, zero=0),
     TPJob(family="gpt-oss", M=2, N=1, zero=1),
-    all_families_only(TPJob(family="qwen2-moe", M=2, N=2, zero=2)),
+    TPJob(family="qwen2-moe", M=2, N=2, zero=2),
     all_families_only(TPJob(family="deepseek-v3", M=4, N=4, p=2, zero=1)),
 ]
 
@@ -71,41 +72,55 @@ def test_tensor_parallel_equals_hf(tiny_checkpoint, case: TPJob):
     assert summary["pass"], summary
 
 
-def _sharded_shapes(rank: int) -> dict[str, tuple[int, ...]]:
-    """The attention parameters' shapes on TP rank ``rank`` of 2 after the cut, and that its attention module's
-    output on the slices equals the whole sequence's through the uncut module."""
+def _sharded_shapes(rank: int, family: str) -> dict[str, tuple[int, ...]]:
+    """The shapes of layer 0's attention part on TP rank ``rank`` of 2 after the cut, whose output on the slices
+    equals the uncut part's on the whole sequence (and whose input gradient is the uncut one's slice)."""
     import deepspeed
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from disagmoe_ds.models.parts import AttentionStage
-    from disagmoe_ds.models.tensor_parallel import TensorParallel, shard_attention
+    from disagmoe_ds.models.tensor_parallel import TensorParallel, glu_blocks, shard_attention, shard_mlp
 
     deepspeed.init_distributed(dist_backend="gloo")
-    config = AutoConfig.from_pretrained(ROOT / "hf_models" / "tiny-gpt-oss")  # sinks, biases on q, k, v and o
+    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
     torch.manual_seed(0)
     stage = AttentionStage(AutoModelForCausalLM.from_config(config), (0,), with_embedding=False, with_head=False)
     part, B, S = stage.part(0), 2, 8
-    h_BSH = torch.randn(B, S, config.hidden_size)
+    h_BSH = torch.randn(B, S, config.hidden_size, requires_grad=True)
     want = part(h_BSH, stage.context(h_BSH, None), config).residual_BSH
+    g_BSH = torch.randn_like(want)
+    (want * g_BSH).sum().backward()
     tp = TensorParallel(dist.group.WORLD, 2, rank)
     shard_attention(part.mixer, tp)
-    h_slice = tp.slice_of(h_BSH)
-    got = part(h_slice, tp.context(stage, h_slice, tp.slice_of(torch.arange(S).expand(B, S)), None), config)
-    assert torch.allclose(got.residual_BSH, tp.slice_of(want), atol=1e-6)
-    return {n: tuple(p.shape) for n, p in part.mixer.named_parameters()}
+    for mlp in glu_blocks(part.mlp):
+        shard_mlp(mlp, tp)
+    h_slice = tp.slice_of(h_BSH.detach()).requires_grad_()
+    ctx = tp.context(stage, h_slice, tp.slice_of(torch.arange(S).expand(B, S)), None)
+    got = part(h_slice, ctx, config).residual_BSH
+    (got * tp.slice_of(g_BSH)).sum().backward()
+    assert torch.allclose(got, tp.slice_of(want), atol=1e-6)
+    assert torch.allclose(h_slice.grad, tp.slice_of(h_BSH.grad), atol=1e-6)
+    return {n: tuple(p.shape) for n, p in part.named_parameters()}
 
 
-def test_each_rank_holds_its_heads_and_the_slices_equal_the_whole():
+def test_each_rank_holds_its_heads_and_mlp_columns_and_the_slices_equal_the_whole():
+    """GPT-OSS (sinks, biases on q, k, v and o) and Qwen3-MoE's dense layer 0 (a gated MLP cut by columns)."""
     from disagmoe_ds.launch.testing import run_ranks
 
-    config = AutoConfig.from_pretrained(ROOT / "hf_models" / "tiny-gpt-oss")
-    hidden, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
-    for shapes in run_ranks(_sharded_shapes, 2):
-        assert shapes["q_proj.weight"] == (heads * head_dim // 2, hidden)
-        assert shapes["k_proj.bias"] == (config.num_key_value_heads * head_dim // 2,)
-        assert shapes["o_proj.weight"] == (hidden, heads * head_dim // 2) and shapes["o_proj.bias"] == (hidden,)
-        assert shapes["sinks"] == (heads // 2,)
+    for family in ("gpt-oss", "qwen3-moe"):
+        config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        for shapes in run_ranks(_sharded_shapes, 2, args=(family,)):
+            assert shapes["self_attn.q_proj.weight"] == (heads * head_dim // 2, hidden)
+            assert shapes["self_attn.o_proj.weight"] == (hidden, heads * head_dim // 2)
+            if family == "gpt-oss":
+                assert shapes["self_attn.k_proj.bias"] == (config.num_key_value_heads * head_dim // 2,)
+                assert shapes["self_attn.o_proj.bias"] == (hidden,) and shapes["self_attn.sinks"] == (heads // 2,)
+            else:
+                assert shapes["mlp.gate_proj.weight"] == (config.intermediate_size // 2, hidden)
+                assert shapes["mlp.down_proj.weight"] == (hidden, config.intermediate_size // 2)
 
 
 def test_layouts_models_and_levers_tensor_parallelism_cannot_run_are_refused():

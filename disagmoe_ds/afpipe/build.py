@@ -48,7 +48,9 @@ from disagmoe_ds.models.tensor_parallel import (
     TensorParallelGrads,
     broadcast_from_first,
     check_tensor_parallel,
+    glu_blocks,
     shard_attention,
+    shard_mlp,
 )
 from disagmoe_ds.planner.lora import FULL, LoRA
 from disagmoe_ds.planner.runtime_costs import runtime_costs, unit_costs
@@ -309,13 +311,16 @@ def _exchange(parts: RankParts[Layout]) -> ExchangeComms:
 
 def _split_attention(stage: AttentionStage, groups: ProcessGroups, role: RankRole) -> None:
     """An attention stage on lanes that share micro-batches: Ulysses around its attention cores (SP), or its
-    attention modules cut to the rank's heads from one full copy (TP)."""
+    attention modules and gated MLPs cut to the rank's part from one full copy (TP)."""
     sp = sequence_parallel_of(groups, role)
-    mixers = [stage.part(int(layer)).mixer for layer in stage.layers]
+    parts = [stage.part(int(layer)) for layer in stage.layers]
+    mixers = [part.mixer for part in parts]
     if isinstance(sp, TensorParallel):
         broadcast_from_first(stage, sp, groups.tensor_parallel_ranks[0])
-        for mixer in mixers:
-            shard_attention(mixer, sp)
+        for part in parts:
+            shard_attention(part.mixer, sp)
+            for mlp in glu_blocks(part.mlp):
+                shard_mlp(mlp, sp)
     elif sp is not None:
         install_ulysses(mixers, sp)
 

@@ -60,7 +60,7 @@ class AttentionPart(nn.Module):
         self.input_layernorm = layer.input_layernorm
         setattr(self, self.mixer_attr, getattr(layer, self.mixer_attr))
         self.post_attention_layernorm = layer.post_attention_layernorm
-        self.mlp = _without_experts(layer.mlp) if self.is_moe else layer.mlp
+        self.mlp: nn.Module = _without_experts(layer.mlp) if self.is_moe else layer.mlp
         self.hyper = family.hyper
         if self.hyper is not None:  # the two HyperConnection modules, under HF's names
             for attr in (self.hyper.around_mixer, self.hyper.around_mlp):

@@ -1,16 +1,18 @@
 """Tensor parallelism inside an A-lane (Megatron-style, with sequence parallelism): t ranks hold one micro-batch's
-sequence in slices, as ``models.sequence_parallel``'s ranks do, and every attention module's heads in shards.
+sequence in slices, as ``models.sequence_parallel``'s ranks do, every attention module's heads in shards and every
+dense or shared-expert MLP's intermediate columns in shards.
 
 Legend: B micro-batch size, S the whole sequence, S_l = S / t one rank's slice, H hidden, t the TP degree.
 
-Outside the attention modules a TP rank is an SP rank: the norms, router, shared experts, its exchange with the
-experts, the residual hand-off and the head run on its own slice, with ``SequenceParallel``'s slicing, loss shares
-and router statistics. Around each attention module the normed slices are all-gathered into the whole sequence
-(backward: reduce-scattered); the module runs HF's own forward with its query, key and value projections (MLA:
-``q_b_proj``/``q_proj`` and ``kv_b_proj``) cut to the rank's heads, its per-head parameters (GPT-OSS's sinks) to
-theirs and its output projection to their columns; the partial outputs are reduce-scattered back to slices
-(backward: all-gathered) and the output projection's bias is added once, on the slice. MLA's low-rank input
-projections and per-head-dim q/k norms stay whole. The rotary embeddings and masks are the whole sequence's.
+Outside these blocks a TP rank is an SP rank: the norms, router, its exchange with the experts, the residual hand-off
+and the head run on its own slice, with ``SequenceParallel``'s slicing, loss shares and router statistics. Around
+each block the normed slices are all-gathered into the whole sequence (backward: reduce-scattered); the block runs
+HF's own forward with its input projections cut to the rank's part (attention: query, key and value, MLA's
+``q_b_proj``/``q_proj`` and ``kv_b_proj``, by head, with the per-head sinks of GPT-OSS; MLP: gate and up by
+intermediate column) and its output projection to the matching input columns; the partial outputs are
+reduce-scattered back to slices (backward: all-gathered) and the output projection's bias is added once, on the
+slice. MLA's low-rank input projections and per-head-dim q/k norms stay whole. The rotary embeddings and masks are
+the whole sequence's. The embedding, head and routers stay whole on every rank.
 
 Gradients. A shard's gradient is whole on its rank (the gather brings every token to it); its replicas are the lanes
 of the same TP rank, which form an attention rank's DeepSpeed data-parallel group. A replicated parameter's gradient
@@ -37,6 +39,8 @@ from disagmoe_ds.models.sequence_parallel import SequenceParallel
 COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")  # output rows by head: cut along dim 0
 ROW = "o_proj"  # input columns by head: cut along dim 1
 PER_HEAD = ("sinks",)  # one value per query head
+GLU_COLUMN = ("gate_proj", "up_proj")  # a gated MLP's intermediate columns: cut along dim 0
+GLU_ROW = "down_proj"  # its input columns: cut along dim 1
 SUPPORTED = (  # families whose attention is one softmax attention module of the names above
     "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "dots1",
     "ernie4_5_moe", "hunyuan_v1_moe",
@@ -68,13 +72,15 @@ class TensorParallel(SequenceParallel):
     """This rank's place in its TP group: slice ``rank`` of every micro-batch and shard ``rank`` of every attention
     module's heads."""
 
-    def gather(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        """The whole sequence from every rank's slice (backward: this slice's part of the summed gradients)."""
-        return _Gather.apply(x_BSH, self)
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` (1: the whole sequence from the slices; a token-wise block
+        may take any order of tokens); backward: this rank's part of the summed gradients."""
+        return _Gather.apply(x, self, dim)
 
-    def scatter(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the sum of every rank's partial [B, S, H] (backward: the gradient gathered)."""
-        return _Scatter.apply(x_BSH, self)
+    def scatter(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part along ``dim`` of the sum of every rank's partial ``x`` (backward: the gradient
+        gathered)."""
+        return _Scatter.apply(x, self, dim)
 
     def context(self, stage, h_BSH: torch.Tensor, positions_BS: torch.Tensor, full_positions_BS) -> LayerContext:
         """The whole sequence's context (the attention modules see every position); ``positions_BS``: the slice's,
@@ -86,17 +92,17 @@ class TensorParallel(SequenceParallel):
         del positions_BS
         return build_context(stage.config, stage.rotary_emb, whole_BSH, full_positions_BS)
 
-    def _gathered(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(x_BSH) for _ in range(self.size)]
-        dist.all_gather(parts, x_BSH.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)
+    def _gathered(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
 
-    def _scattered(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        chunks = [c.contiguous() for c in x_BSH.chunk(self.size, dim=1)]
+    def _scattered(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         if dist.get_backend(self.group) == "gloo":  # gloo has no reduce-scatter
-            whole = x_BSH.contiguous().clone()
+            whole = x.contiguous().clone()
             dist.all_reduce(whole, group=self.group)
-            return whole.chunk(self.size, dim=1)[self.rank].contiguous()
+            return whole.chunk(self.size, dim=dim)[self.rank].contiguous()
+        chunks = [c.contiguous() for c in x.chunk(self.size, dim=dim)]
         out = torch.empty_like(chunks[self.rank])
         dist.reduce_scatter(out, chunks, group=self.group)
         return out
@@ -104,24 +110,24 @@ class TensorParallel(SequenceParallel):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_BSH: torch.Tensor, tp: TensorParallel) -> torch.Tensor:  # type: ignore[override]
-        ctx.tp = tp
-        return tp._gathered(x_BSH)
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.tp, ctx.dim = tp, dim
+        return tp._gathered(x, dim)
 
     @staticmethod
-    def backward(ctx, grad_BSH: torch.Tensor):  # type: ignore[override]
-        return ctx.tp._scattered(grad_BSH), None
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return ctx.tp._scattered(grad, ctx.dim), None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_BSH: torch.Tensor, tp: TensorParallel) -> torch.Tensor:  # type: ignore[override]
-        ctx.tp = tp
-        return tp._scattered(x_BSH)
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.tp, ctx.dim = tp, dim
+        return tp._scattered(x, dim)
 
     @staticmethod
-    def backward(ctx, grad_BSH: torch.Tensor):  # type: ignore[override]
-        return ctx.tp._gathered(grad_BSH), None
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return ctx.tp._gathered(grad, ctx.dim), None, None
 
 
 def check_tensor_parallel(config, size: int, seq_len: int | None = None) -> None:
@@ -146,22 +152,38 @@ def check_tensor_parallel(config, size: int, seq_len: int | None = None) -> None
 def shard_attention(attn: nn.Module, tp: TensorParallel) -> None:
     """Cut HF attention module ``attn`` to ``tp.rank``'s heads in place (parameters keep HF's names) and make it
     take slices and give slices: gather before, reduce-scatter and the output bias after."""
-    for name in COLUMN:
-        linear = getattr(attn, name, None)
+    for name in PER_HEAD:
+        if isinstance(getattr(attn, name, None), nn.Parameter):
+            _cut(attn, name, 0, tp)
+    _shard_block(attn, tp, COLUMN, ROW)
+
+
+def glu_blocks(mlp: nn.Module) -> list[nn.Module]:
+    """The gated MLPs (``gate_proj``, ``up_proj``, ``down_proj``) an attention part runs: its dense MLP itself, or
+    the shared experts of its MoE block."""
+    candidates = [mlp, *mlp.children()]
+    return [m for m in candidates if all(isinstance(getattr(m, n, None), nn.Linear) for n in (*GLU_COLUMN, GLU_ROW))]
+
+
+def shard_mlp(mlp: nn.Module, tp: TensorParallel) -> None:
+    """Cut a gated MLP to ``tp.rank``'s intermediate columns in place, taking and giving slices as attention does."""
+    _shard_block(mlp, tp, GLU_COLUMN, GLU_ROW)
+
+
+def _shard_block(block: nn.Module, tp: TensorParallel, column: tuple[str, ...], row: str) -> None:
+    for name in column:
+        linear = getattr(block, name, None)
         if linear is not None:
             _cut(linear, "weight", 0, tp)
             if linear.bias is not None:
                 _cut(linear, "bias", 0, tp)
             linear.out_features //= tp.size
-    for name in PER_HEAD:
-        if isinstance(getattr(attn, name, None), nn.Parameter):
-            _cut(attn, name, 0, tp)
-    out = getattr(attn, ROW)
+    out = getattr(block, row)
     _cut(out, "weight", 1, tp)
     out.in_features //= tp.size
-    setattr(attn, ROW, _NoBias(out))
-    attn.register_forward_pre_hook(_gather_input(tp), with_kwargs=True)
-    attn.register_forward_hook(_scatter_output(tp, getattr(attn, ROW)))
+    setattr(block, row, _NoBias(out))
+    block.register_forward_pre_hook(_gather_input(tp), with_kwargs=True)
+    block.register_forward_hook(_scatter_output(tp, getattr(block, row)))
 
 
 def _cut(module: nn.Module, name: str, dim: int, tp: TensorParallel) -> None:
@@ -188,8 +210,9 @@ class _NoBias(nn.Linear):
 def _gather_input(tp: TensorParallel):
     def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         del module
-        assert not args, "the attention part calls HF's attention with keywords"
-        return args, {**kwargs, "hidden_states": tp.gather(kwargs["hidden_states"])}
+        if args:  # an MLP, token by token: its tokens ([T, H] or [B, S, H]) in rank order
+            return (tp.gather(args[0], dim=0), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": tp.gather(kwargs["hidden_states"])}  # attention: keywords
 
     return hook
 
@@ -197,11 +220,12 @@ def _gather_input(tp: TensorParallel):
 def _scatter_output(tp: TensorParallel, out: nn.Linear):
     def hook(module: nn.Module, args: tuple, output):
         del module, args
-        attn_BSH, *rest = output
-        attn_BSH = tp.scatter(attn_BSH)
+        attention = isinstance(output, tuple)  # (output, weights); an MLP gives its output alone
+        partial_BSH, *rest = output if attention else (output,)
+        out_BSH = tp.scatter(partial_BSH, dim=1 if attention else 0)
         if out.bias is not None:
-            attn_BSH = attn_BSH + out.bias
-        return (attn_BSH, *rest)
+            out_BSH = out_BSH + out.bias
+        return (out_BSH, *rest) if attention else out_BSH
 
     return hook
 
