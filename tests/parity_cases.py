@@ -91,6 +91,44 @@ class Job(Case):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LaneJob(Job):
+    """A job whose lanes hold each micro-batch in slices: ``s`` to an SP group (Ulysses) or ``t`` to a TP group;
+    ``B`` sequences a micro-batch and, ``packed``, documents packed into them (restarting positions: the whole
+    sequence's block mask); 2 micro-batches, the skewed router."""
+
+    s: int = 1
+    t: int = 1
+    B: int = 1
+    packed: bool = False
+    K: int = 2
+    skew: bool = True
+
+    def config(self, **fields: Any) -> DisagMoEConfig:
+        return super().config(sequence_parallel=self.s, tensor_parallel=self.t, **fields)
+
+    def layout_id(self) -> str:
+        return super().layout_id() + (f"s{self.s}" if self.s > 1 else "") + (f"t{self.t}" if self.t > 1 else "")
+
+    def run_tags(self) -> list[str]:
+        return super().run_tags() + ([f"B{self.B}"] if self.B > 1 else []) + ["packed"] * self.packed
+
+    def verify(self, tiny_checkpoint, clip: float) -> None:
+        """Run it against HF under the rendezvous transport with clipping at ``clip`` (active: below every
+        reference gradient norm); fails on any difference over the tolerance."""
+        from disagmoe_ds.afpipe.verify import run_verify
+        from disagmoe_ds.parity.reference import VerifyArgs
+
+        ckpt = str(tiny_checkpoint(self.family, **self.overrides))
+        args = VerifyArgs(
+            ckpt, self.config(transport="rendezvous"), zero=self.zero, seq_len=8, micro_batch_size=self.B, clip=clip,
+            skew=self.skew, packed=self.packed,
+        )  # fmt: skip
+        summary = run_verify(args, timeout_s=240)
+        assert all(n > clip for n in summary["reference_grad_norms"]), "clipping must be active in this test"
+        assert summary["pass"], summary
+
+
+@dataclass(frozen=True, kw_only=True)
 class ColocatedJob(Case):
     """A co-located EP+DP job: ``W`` ranks, expert parallelism ``ep``."""
 

@@ -5,44 +5,24 @@ under the rendezvous transport; checkpoints resume exactly, export and re-lay ou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 from transformers import AutoConfig
 
-from disagmoe_ds.afpipe.verify import run_verify
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.tensor_parallel import check_tensor_parallel
-from disagmoe_ds.parity.reference import VerifyArgs
 from tests.conftest import ROOT, all_families_only
-from tests.parity_cases import Job
+from tests.parity_cases import LaneJob
 
 CLIP = 0.05  # below the tiny models' gradient norms: clipping is active
 
 
-@dataclass(frozen=True, kw_only=True)
-class TPJob(Job):
-    """A job with ``t`` lanes to a TP group, ``B`` sequences a micro-batch and, ``packed``, documents packed into
-    them; 2 micro-batches, the skewed router."""
-
-    t: int = 2
-    B: int = 1
-    packed: bool = False
-    K: int = 2
-    skew: bool = True
-
-    def config(self, **fields: Any) -> DisagMoEConfig:
-        return super().config(tensor_parallel=self.t, **fields)
-
-    def layout_id(self) -> str:
-        return super().layout_id() + f"t{self.t}"
-
-    def run_tags(self) -> list[str]:
-        return super().run_tags() + ([f"B{self.B}"] if self.B > 1 else []) + ["packed"] * self.packed
+def TPJob(**fields: Any) -> LaneJob:  # noqa: N802 (a case type, as the other parity cases)
+    return LaneJob(t=2, **fields)
 
 
 # GQA (KV heads split), 2 ep ranks, ZeRO 2 (the replicated gradients summed inside each backward); depth 2 at ZeRO 1;
@@ -61,15 +41,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_tensor_parallel_equals_hf(tiny_checkpoint, case: TPJob):
-    cfg = case.config(transport="rendezvous")
-    ckpt = str(tiny_checkpoint(case.family, **case.overrides))
-    args = VerifyArgs(
-        ckpt, cfg, zero=case.zero, seq_len=8, micro_batch_size=case.B, clip=CLIP, skew=case.skew, packed=case.packed
-    )
-    summary = run_verify(args, timeout_s=240)
-    assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
-    assert summary["pass"], summary
+def test_tensor_parallel_equals_hf(tiny_checkpoint, case: LaneJob):
+    case.verify(tiny_checkpoint, CLIP)
 
 
 def _sharded_shapes(rank: int, family: str) -> dict[str, tuple[int, ...]]:
@@ -181,6 +154,31 @@ def test_pretraining_with_tensor_parallelism_resumes_exactly_exports_and_relays_
     assert convert.main(["disagmoe-to-hf", "--ckpt", str(back), "--model", model, "--out", str(again)]) == 0
     ours, theirs = (load_file(next(d.glob("*.safetensors"))) for d in (export, again))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_fine_tuning_with_tensor_parallelism_resumes_exactly_and_exports(tok_cache, tmp_path):
+    """SFT from DeepSeek-V3 (MLA) weights on 2 TP lanes at depth 2: each rank cuts its shards from the HF weights
+    of a meta model; resumed at step 2, steps 3-4 repeat bit for bit, and the export loads with
+    ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    from disagmoe_ds.data import bundled_corpus, train_or_load_tokenizer
+    from tests.conftest import write_tiny_checkpoint
+    from tests.runs import pretrain, records, same, write_sft_jsonl
+
+    hf_dir = write_tiny_checkpoint("deepseek-v3", tmp_path / "hf", seed=1, vocab_size=512)
+    train_or_load_tokenizer(bundled_corpus(), 512, tok_cache).save_hf(hf_dir)  # the model's own tokenizer
+    write_sft_jsonl(tmp_path / "sft.jsonl", n=40)
+    argv = ("--init-from", hf_dir, "--sft", "--data", tmp_path / "sft.jsonl", "--attention-gpus", 4, "--ffn-gpus", 2)
+    argv += ("--depth", 2, "--tensor-parallel", 2, "--micro-batches", 2, "--steps", 4)
+    full, resumed, ck, export = (tmp_path / name for name in ("full.jsonl", "resumed.jsonl", "ck", "export"))
+    assert (
+        pretrain(tok_cache, *argv, "--save-dir", ck, "--save-every", 2, "--metrics-file", full, "--export-hf", export)
+        == 0
+    )
+    assert pretrain(tok_cache, *argv, "--resume", ck / "step2", "--metrics-file", resumed) == 0
+    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
+    assert torch.isfinite(AutoModelForCausalLM.from_pretrained(export)(torch.arange(8).view(1, 8)).logits).all()
 
 
 @pytest.mark.parametrize(

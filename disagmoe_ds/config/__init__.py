@@ -4,7 +4,8 @@ The rest of the ds_config stays DeepSpeed's. Command-line overrides (``--attenti
 values before validation, so a bad value fails with the same message wherever it came from.
 
 The section is flat JSON (the keys users write), but each key belongs to one typed section below, a small frozen
-dataclass with one concept that checks its own keys: ``LayoutCounts``, ``Accumulation``, ``Pipeline``,
+dataclass with one concept that checks its own keys: ``LayoutCounts`` (with ``LaneSlices``), ``Accumulation``,
+``Pipeline``,
 ``Watchdog``, ``Exchange``, ``Kernels``, ``MemoryLevers``, ``ZeroPerSide``, ``CostModel`` and ``FineTuning``.
 ``DisagMoEConfig`` is composed of them as bases, so its fields are still exactly the section's keys (what
 ``from_ds_config``, ``dataclasses.replace`` and ``to_dict`` work on) and ``cfg.micro_batches`` is typed; a function

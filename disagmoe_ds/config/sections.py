@@ -59,38 +59,45 @@ class Section:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LayoutCounts(Section, RankCounts):
-    """How many ranks do what (``world_size`` and ``lanes`` as ``layout.RankCounts`` derives them).
+class LaneSlices(Section):
+    """How many lanes of an A-group hold one micro-batch in slices, and how (one of the two is 1).
+
+    Attributes:
+        sequence_parallel: s, ranks of an A-group that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses
+            around the attention core, ``models.sequence_parallel``); s consecutive lanes form one SP group, so an
+            A-group's lanes / s groups train distinct micro-batches.
+        tensor_parallel: t, ranks of an A-group that hold one micro-batch's sequence in slices and every attention
+            module's heads and gated MLP's columns in shards (Megatron-style tensor parallel with sequence parallel,
+            ``models.tensor_parallel``): t consecutive lanes form one TP group.
+    """
+
+    sequence_parallel: int = 1
+    tensor_parallel: int = 1
+
+    def _check(self) -> None:
+        for key in ("sequence_parallel", "tensor_parallel"):
+            self._positive(key, int)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutCounts(LaneSlices, RankCounts):
+    """How many ranks do what (``world_size`` and ``lanes`` as ``layout.RankCounts`` derives them), and the
+    lanes' slicing (``LaneSlices``).
 
     Attributes:
         attention_gpus: M, attention ranks in total.
         ffn_gpus: N, FFN (expert) ranks in total.
         depth: p, A-groups (= F-groups); group g owns layers g, g+p, ...
         expert_data_parallel: replicas of each expert shard inside an F-group.
-        sequence_parallel: s, ranks of an A-group that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses
-            around the attention core, ``models.sequence_parallel``); s consecutive lanes form one SP group, so an
-            A-group's lanes / s groups train distinct micro-batches.
-        tensor_parallel: t, ranks of an A-group that hold one micro-batch's sequence in slices and every attention
-            module's heads in shards (Megatron-style tensor parallel with sequence parallel,
-            ``models.tensor_parallel``): t consecutive lanes form one TP group; not together with sequence_parallel.
     """
 
     attention_gpus: int = 1
     ffn_gpus: int = 1
     depth: int = 1
     expert_data_parallel: int = 1
-    sequence_parallel: int = 1
-    tensor_parallel: int = 1
 
     def _check(self) -> None:
-        for key in (
-            "attention_gpus",
-            "ffn_gpus",
-            "depth",
-            "expert_data_parallel",
-            "sequence_parallel",
-            "tensor_parallel",
-        ):
+        for key in ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel"):
             self._positive(key, int)
 
     def layout(self, *, num_layers: int, num_experts: int) -> Layout:

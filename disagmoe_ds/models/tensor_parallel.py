@@ -23,7 +23,9 @@ gradients sum over every lane), and the attention side's gradients by 1/t (DeepS
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -75,12 +77,12 @@ class TensorParallel(SequenceParallel):
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim`` (1: the whole sequence from the slices; a token-wise block
         may take any order of tokens); backward: this rank's part of the summed gradients."""
-        return _Gather.apply(x, self, dim)
+        return _Pair.apply(x, partial(self._gathered, dim=dim), partial(self._scattered, dim=dim))
 
     def scatter(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's part along ``dim`` of the sum of every rank's partial ``x`` (backward: the gradient
         gathered)."""
-        return _Scatter.apply(x, self, dim)
+        return _Pair.apply(x, partial(self._scattered, dim=dim), partial(self._gathered, dim=dim))
 
     def context(self, stage, h_BSH: torch.Tensor, positions_BS: torch.Tensor, full_positions_BS) -> LayerContext:
         """The whole sequence's context (the attention modules see every position); ``positions_BS``: the slice's,
@@ -108,26 +110,17 @@ class TensorParallel(SequenceParallel):
         return out
 
 
-class _Gather(torch.autograd.Function):
+class _Pair(torch.autograd.Function):
+    """``there`` in the forward, ``back`` (its adjoint: gather <-> reduce-scatter) in the backward."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.tp, ctx.dim = tp, dim
-        return tp._gathered(x, dim)
+    def forward(ctx, x: torch.Tensor, there: Callable, back: Callable) -> torch.Tensor:  # type: ignore[override]
+        ctx.back = back
+        return there(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return ctx.tp._scattered(grad, ctx.dim), None, None
-
-
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.tp, ctx.dim = tp, dim
-        return tp._scattered(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return ctx.tp._gathered(grad, ctx.dim), None, None
+        return ctx.back(grad), None, None
 
 
 def check_tensor_parallel(config, size: int, seq_len: int | None = None) -> None:

@@ -59,7 +59,7 @@ def full_grad(optimizer, param: torch.Tensor) -> torch.Tensor | None:
         group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
         grad = optimizer.fp32_partitioned_groups_flat[group].grad.narrow(0, offset, numel)
         return optimizer._fp32_state_allgather(param, grad)
-    mapping = getattr(param, "_hp_mapping", "plain")
+    mapping: Any = getattr(param, "_hp_mapping", "plain")  # DeepSpeed's ZeRO-1/2 fragment address
     if mapping == "plain":
         return param.grad
     full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
@@ -67,7 +67,7 @@ def full_grad(optimizer, param: torch.Tensor) -> torch.Tensor | None:
         flat = optimizer.single_partition_of_fp32_groups[mapping.param_group_index].grad
         hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
         full.narrow(0, lp.start, lp.numel).copy_(flat.narrow(0, hp.start, hp.numel))
-    torch.distributed.all_reduce(full, group=param._dp_group)
+    torch.distributed.all_reduce(full, group=param._dp_group)  # type: ignore[attr-defined]  # DeepSpeed sets it
     return full.view_as(param)
 
 

@@ -74,7 +74,7 @@ def run_launched(
     init_from_env(comm_timeout_s=args.cfg.comm_timeout_s)
     preflight_fn(args.model, args.cfg, args.ds_config(), dist.get_world_size())
     result = rank_fn(dist.get_rank(), args)
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(_to_cpu(result), gathered, dst=0)
     summary = compare(gathered, reference(args, args.cfg.batch_lanes), args) if gathered is not None else None
     # Tear the groups down together, once rank 0 has its summary: a rank that exits first and leaves its many

@@ -94,8 +94,8 @@ def reference(args: VerifyArgs, lanes: int) -> dict[str, Any]:
 
         model = peft_format.peft_model(model, lora, peft_format.initial_adapters(model, lora, seed=args.seed))
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, eps=ADAM_EPS)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0, eps=ADAM_EPS)
     losses, norms, grads = [], [], []
     vocab = model.config.vocab_size
     for step in range(args.steps):
@@ -114,7 +114,7 @@ def reference(args: VerifyArgs, lanes: int) -> dict[str, Any]:
                 (loss / count).backward()
                 total += loss.item() / count
         losses.append(total)
-        norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(trained, args.clip if args.clip > 0 else float("inf"))
         norms.append(norm.item())
         grads.append(
             _ours(
