@@ -5,8 +5,9 @@
 #   e2e       AF-Pipe against co-located EP-all and EP-1 (the strongest co-located run on few GPUs) on the balanced
 #             model, compiled from cold caches, with timelines
 #   profile   the planner's part profile (eager and compiled parts) on GPU 0, for predicting the e2e rows
-#   variants  on NCCL against HF: the mailbox's late sends (bench/verify_late_sends.py) and the memory levers
-#             (split backward at ZeRO 1 and 2, selective recompute, ZeRO-3 on the expert side)
+#   variants  on NCCL against HF: the mailbox's late sends (bench/verify_late_sends.py), the memory levers
+#             (split backward at ZeRO 1 and 2, selective recompute, ZeRO-3 on the expert side) and, from 3 GPUs,
+#             SP and TP lanes of 2 ranks
 #   levers    each memory lever's AF-Pipe step beside plain AF-Pipe on the balanced model, compiled, with timelines
 # TRANSPORT: nvlink (NCCL's default between GPUs of one host), iblike (NCCL_P2P_DISABLE=1: NCCL's shared-memory
 # transport through host memory, meant to sit near a cluster's 25-50 GB/s per GPU across nodes; IBLIKE_ENV replaces
@@ -104,6 +105,12 @@ variants)
           "--attention-gpus $H --ffn-gpus $H --model hf_models/tiny-deepseek-v3 --selective-recompute --zero 1 --skew"
           "--attention-gpus 1 --ffn-gpus $((G - 1)) --expert-data-parallel $edp --model hf_models/tiny-qwen3-moe \
            --zero-stage 1 3 --skew")
+  if [ "$G" -ge 3 ]; then  # A-lanes of 2 ranks (2 attention GPUs and at least one expert GPU)
+    levers+=("--attention-gpus 2 --ffn-gpus $((G - 2)) --model hf_models/tiny-qwen3-moe --sequence-parallel 2 --zero 2"
+             "--attention-gpus 2 --ffn-gpus $((G - 2)) --model hf_models/tiny-qwen3-moe --tensor-parallel 2 --zero 2"
+             "--attention-gpus 2 --ffn-gpus $((G - 2)) --model hf_models/tiny-deepseek-v3 --tensor-parallel 2 \
+              --zero 1 --dtype bf16")
+  fi
   for lever in "${levers[@]}"; do
     # shellcheck disable=SC2086
     step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.afpipe.verify --json --micro-batches 3 $lever

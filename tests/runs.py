@@ -53,6 +53,33 @@ def same(a: list[dict], b: list[dict]) -> bool:
     return [{k: r[k] for k in COMPARED} for r in a] == [{k: r[k] for k in COMPARED} for r in b]
 
 
+def assert_resumes_exactly_and_exports(tok_cache: Path, tmp_path: Path, *argv: object) -> None:
+    """``run_pretrain.py argv`` for 4 steps, saved every 2 (``tmp_path/ck``) with an HF export (``tmp_path/hf``);
+    resumed at step 2 it repeats steps 3-4 bit for bit, and the export loads with ``from_pretrained`` and gives
+    finite logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    full, resumed, ck, export = (tmp_path / name for name in ("full.jsonl", "resumed.jsonl", "ck", "hf"))
+    saving = ("--save-dir", ck, "--save-every", 2, "--metrics-file", full, "--export-hf", export)
+    assert pretrain(tok_cache, *argv, "--steps", 4, *saving) == 0
+    assert pretrain(tok_cache, *argv, "--steps", 4, "--resume", ck / "step2", "--metrics-file", resumed) == 0
+    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
+    assert torch.isfinite(AutoModelForCausalLM.from_pretrained(export)(torch.arange(8).view(1, 8)).logits).all()
+
+
+def sft_from_deepseek_v3(tok_cache: Path, tmp_path: Path) -> tuple[object, ...]:
+    """run_pretrain.py's flags for SFT from tiny DeepSeek-V3 (MLA) weights with its own tokenizer, on 40 bundled
+    prompt/response pairs (written under ``tmp_path``)."""
+    from disagmoe_ds.data import bundled_corpus, train_or_load_tokenizer
+    from tests.conftest import write_tiny_checkpoint
+
+    hf_dir = write_tiny_checkpoint("deepseek-v3", tmp_path / "hf-init", seed=1, vocab_size=512)
+    train_or_load_tokenizer(bundled_corpus(), 512, tok_cache).save_hf(hf_dir)  # the model's own tokenizer
+    write_sft_jsonl(tmp_path / "sft.jsonl", n=40)
+    return ("--init-from", hf_dir, "--sft", "--data", tmp_path / "sft.jsonl")
+
+
 def run_script(*argv: object, launcher: tuple[str, ...] = (sys.executable,)) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [*launcher, str(ROOT / "run_pretrain.py"), *map(str, argv)]

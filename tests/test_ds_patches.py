@@ -19,8 +19,8 @@ from tests.conftest import ROOT
 
 # Which patches apply to an engine of each ZeRO stage, and to which of its objects.
 ON_OPTIMIZER = {
-    1: ("combine_zero_norm", "step_as_overflow"),
-    2: ("combine_zero_norm", "step_as_overflow", "allow_backward_without_gradients"),
+    1: ("combine_zero_norm", "combine_zero_group_norms", "step_as_overflow"),
+    2: ("combine_zero_norm", "combine_zero_group_norms", "step_as_overflow", "allow_backward_without_gradients"),
     3: ("combine_zero3_norm", "accumulate_across_backwards"),
 }
 

@@ -141,46 +141,20 @@ def test_layouts_and_models_sequence_parallelism_cannot_split_are_refused():
 
 
 def test_pretraining_with_sequence_parallelism_resumes_exactly_and_exports(tok_cache, tmp_path):
-    """The README job's model on 2 SP lanes and 2 expert ranks: every step saved, the run resumed at step 2 repeats
-    steps 3-4 bit for bit, and the HF export loads with ``from_pretrained``."""
-    from transformers import AutoModelForCausalLM
+    """The README job's model on 2 SP lanes and 2 expert ranks (``runs.assert_resumes_exactly_and_exports``)."""
+    from tests.runs import assert_resumes_exactly_and_exports
 
-    from tests.runs import pretrain, records, same
-
-    argv = ("--attention-gpus", 2, "--ffn-gpus", 2, "--sequence-parallel", 2, "--micro-batches", 2, "--steps", 4)
-    full, resumed, ck, export = (tmp_path / name for name in ("full.jsonl", "resumed.jsonl", "ck", "hf"))
-    assert (
-        pretrain(tok_cache, *argv, "--save-dir", ck, "--save-every", 2, "--metrics-file", full, "--export-hf", export)
-        == 0
-    )
-    assert pretrain(tok_cache, *argv, "--resume", ck / "step2", "--metrics-file", resumed) == 0
-    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
-    model = AutoModelForCausalLM.from_pretrained(export)
-    assert torch.isfinite(model(torch.arange(8).view(1, 8)).logits).all()
+    argv = ("--attention-gpus", 2, "--ffn-gpus", 2, "--sequence-parallel", 2, "--micro-batches", 2)
+    assert_resumes_exactly_and_exports(tok_cache, tmp_path, *argv)
 
 
 def test_fine_tuning_with_sequence_parallelism_resumes_exactly_and_exports(tok_cache, tmp_path):
     """SFT from DeepSeek-V3 (MLA) weights on 2 SP lanes at depth 2 (packed prompt/response pairs: the slices' block
-    masks): resumed at step 2, steps 3-4 repeat bit for bit, and the export loads with ``from_pretrained``."""
-    from transformers import AutoModelForCausalLM
+    masks; ``runs.assert_resumes_exactly_and_exports``)."""
+    from tests.runs import assert_resumes_exactly_and_exports, sft_from_deepseek_v3
 
-    from disagmoe_ds.data import bundled_corpus, train_or_load_tokenizer
-    from tests.conftest import write_tiny_checkpoint
-    from tests.runs import pretrain, records, same, write_sft_jsonl
-
-    hf_dir = write_tiny_checkpoint("deepseek-v3", tmp_path / "hf", seed=1, vocab_size=512)
-    train_or_load_tokenizer(bundled_corpus(), 512, tok_cache).save_hf(hf_dir)  # the model's own tokenizer
-    write_sft_jsonl(tmp_path / "sft.jsonl", n=40)
-    argv = ("--init-from", hf_dir, "--sft", "--data", tmp_path / "sft.jsonl", "--attention-gpus", 4, "--ffn-gpus", 2)
-    argv += ("--depth", 2, "--sequence-parallel", 2, "--micro-batches", 2, "--steps", 4)
-    full, resumed, ck, export = (tmp_path / name for name in ("full.jsonl", "resumed.jsonl", "ck", "export"))
-    assert (
-        pretrain(tok_cache, *argv, "--save-dir", ck, "--save-every", 2, "--metrics-file", full, "--export-hf", export)
-        == 0
-    )
-    assert pretrain(tok_cache, *argv, "--resume", ck / "step2", "--metrics-file", resumed) == 0
-    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
-    assert torch.isfinite(AutoModelForCausalLM.from_pretrained(export)(torch.arange(8).view(1, 8)).logits).all()
+    argv = (*sft_from_deepseek_v3(tok_cache, tmp_path), "--attention-gpus", 4, "--ffn-gpus", 2, "--depth", 2)
+    assert_resumes_exactly_and_exports(tok_cache, tmp_path, *argv, "--sequence-parallel", 2, "--micro-batches", 2)
 
 
 @pytest.mark.parametrize(

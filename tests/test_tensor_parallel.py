@@ -127,58 +127,33 @@ def test_layouts_models_and_levers_tensor_parallelism_cannot_run_are_refused():
 
 
 def test_pretraining_with_tensor_parallelism_resumes_exactly_exports_and_relays_out(tok_cache, tmp_path):
-    """The README job's model on 2 TP lanes and 2 expert ranks: the run resumed at step 2 repeats steps 3-4 bit for
-    bit; its HF export loads with ``from_pretrained``, and a re-layout to one attention rank and back to TP 2 exports
-    the same tensors."""
+    """The README job's model on 2 TP lanes and 2 expert ranks (``runs.assert_resumes_exactly_and_exports``); a
+    re-layout to one attention rank and back to TP 2 exports the same tensors as the run."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from disagmoe_ds import convert
-    from tests.runs import pretrain, records, same
+    from tests.runs import assert_resumes_exactly_and_exports
 
-    argv = ("--attention-gpus", 2, "--ffn-gpus", 2, "--tensor-parallel", 2, "--micro-batches", 2, "--steps", 4)
-    full, resumed, ck, export = (tmp_path / name for name in ("full.jsonl", "resumed.jsonl", "ck", "hf"))
-    assert (
-        pretrain(tok_cache, *argv, "--save-dir", ck, "--save-every", 2, "--metrics-file", full, "--export-hf", export)
-        == 0
-    )
-    assert pretrain(tok_cache, *argv, "--resume", ck / "step2", "--metrics-file", resumed) == 0
-    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
-    assert torch.isfinite(AutoModelForCausalLM.from_pretrained(export)(torch.arange(8).view(1, 8)).logits).all()
+    argv = ("--attention-gpus", 2, "--ffn-gpus", 2, "--tensor-parallel", 2, "--micro-batches", 2)
+    assert_resumes_exactly_and_exports(tok_cache, tmp_path, *argv)
     model = str(ROOT / "hf_models" / "tiny-qwen3-moe-lm")
-    plain, back, again = tmp_path / "plain", tmp_path / "back", tmp_path / "again"
+    ck, plain, back, again = (tmp_path / name for name in ("ck", "plain", "back", "again"))
     assert convert.main(["relayout", "--ckpt", str(ck), "--model", model, "--out", str(plain),
                          "--attention-gpus", "1", "--ffn-gpus", "2"]) == 0  # fmt: skip
     assert convert.main(["relayout", "--ckpt", str(plain), "--model", model, "--out", str(back),
                          "--attention-gpus", "2", "--ffn-gpus", "1", "--tensor-parallel", "2"]) == 0  # fmt: skip
     assert convert.main(["disagmoe-to-hf", "--ckpt", str(back), "--model", model, "--out", str(again)]) == 0
-    ours, theirs = (load_file(next(d.glob("*.safetensors"))) for d in (export, again))
+    ours, theirs = (load_file(next(d.glob("*.safetensors"))) for d in (tmp_path / "hf", again))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_fine_tuning_with_tensor_parallelism_resumes_exactly_and_exports(tok_cache, tmp_path):
     """SFT from DeepSeek-V3 (MLA) weights on 2 TP lanes at depth 2: each rank cuts its shards from the HF weights
-    of a meta model; resumed at step 2, steps 3-4 repeat bit for bit, and the export loads with
-    ``from_pretrained``."""
-    from transformers import AutoModelForCausalLM
+    of a meta model (``runs.assert_resumes_exactly_and_exports``)."""
+    from tests.runs import assert_resumes_exactly_and_exports, sft_from_deepseek_v3
 
-    from disagmoe_ds.data import bundled_corpus, train_or_load_tokenizer
-    from tests.conftest import write_tiny_checkpoint
-    from tests.runs import pretrain, records, same, write_sft_jsonl
-
-    hf_dir = write_tiny_checkpoint("deepseek-v3", tmp_path / "hf", seed=1, vocab_size=512)
-    train_or_load_tokenizer(bundled_corpus(), 512, tok_cache).save_hf(hf_dir)  # the model's own tokenizer
-    write_sft_jsonl(tmp_path / "sft.jsonl", n=40)
-    argv = ("--init-from", hf_dir, "--sft", "--data", tmp_path / "sft.jsonl", "--attention-gpus", 4, "--ffn-gpus", 2)
-    argv += ("--depth", 2, "--tensor-parallel", 2, "--micro-batches", 2, "--steps", 4)
-    full, resumed, ck, export = (tmp_path / name for name in ("full.jsonl", "resumed.jsonl", "ck", "export"))
-    assert (
-        pretrain(tok_cache, *argv, "--save-dir", ck, "--save-every", 2, "--metrics-file", full, "--export-hf", export)
-        == 0
-    )
-    assert pretrain(tok_cache, *argv, "--resume", ck / "step2", "--metrics-file", resumed) == 0
-    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
-    assert torch.isfinite(AutoModelForCausalLM.from_pretrained(export)(torch.arange(8).view(1, 8)).logits).all()
+    argv = (*sft_from_deepseek_v3(tok_cache, tmp_path), "--attention-gpus", 4, "--ffn-gpus", 2, "--depth", 2)
+    assert_resumes_exactly_and_exports(tok_cache, tmp_path, *argv, "--tensor-parallel", 2, "--micro-batches", 2)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ own keys, and the one rule for each side's effective ZeRO stage (``effective_zer
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -101,16 +101,8 @@ class LayoutCounts(LaneSlices, RankCounts):
             self._positive(key, int)
 
     def layout(self, *, num_layers: int, num_experts: int) -> Layout:
-        return Layout(
-            attention_gpus=self.attention_gpus,
-            ffn_gpus=self.ffn_gpus,
-            num_layers=num_layers,
-            num_experts=num_experts,
-            depth=self.depth,
-            expert_data_parallel=self.expert_data_parallel,
-            sequence_parallel=self.sequence_parallel,
-            tensor_parallel=self.tensor_parallel,
-        )
+        counts = {f.name: getattr(self, f.name) for f in fields(LayoutCounts)}  # with the lanes' slicing
+        return Layout(num_layers=num_layers, num_experts=num_experts, **counts)
 
 
 @dataclass(frozen=True, kw_only=True)

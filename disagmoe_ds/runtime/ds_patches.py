@@ -106,8 +106,9 @@ def combine_zero_group_norms(optimizer: Any, combine: Callable[[list[torch.Tenso
 
         return record
 
-    for name in ("get_grad_norm_direct", "complete_grad_norm_calculation_for_cpu_offload"):
-        setattr(optimizer, name, recording(getattr(optimizer, name)))
+    optimizer.get_grad_norm_direct = recording(optimizer.get_grad_norm_direct)
+    offloaded = optimizer.complete_grad_norm_calculation_for_cpu_offload
+    optimizer.complete_grad_norm_calculation_for_cpu_offload = recording(offloaded)
 
     def scaled_global_norm(*args, **kwargs) -> torch.Tensor:
         recorded.clear()
