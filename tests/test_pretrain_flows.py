@@ -206,6 +206,8 @@ README_ELSEWHERE = {
     "python run_pretrain.py --mode colocated --model hf_models/Qwen3-30B-A3B --data /data/corpus --seq-len 4096",
     "deepspeed --num_gpus 8 run_pretrain.py --deepspeed_config ds_configs/1node-8gpu-bf16.json --sequence-parallel 2 "
     "--model hf_models/Qwen3-30B-A3B --data /data/corpus --seq-len 32768",
+    "deepspeed --num_gpus 8 run_pretrain.py --deepspeed_config ds_configs/1node-8gpu-bf16.json --tensor-parallel 2 "
+    "--model hf_models/Qwen3-30B-A3B --data /data/corpus --seq-len 32768",
 }
 
 

@@ -28,7 +28,9 @@ def TPJob(**fields: Any) -> LaneJob:  # noqa: N802 (a case type, as the other pa
 # GQA (KV heads split), 2 ep ranks, ZeRO 2 (the replicated gradients summed inside each backward); depth 2 at ZeRO 1;
 # MLA (DeepSeek-V3: q_b/kv_b cut, the low-rank projections whole) with packed documents; Mixtral with two TP groups
 # per A-group at ZeRO 0 (the fp32 clipping path); GPT-OSS's sinks and projection biases; Qwen2-MoE's q/k/v biases
-# and its shared expert (a gated MLP cut by columns, beside its whole sigmoid gate).
+# and its shared expert (a gated MLP cut by columns, beside its whole sigmoid gate); the split backward with selective
+# recompute (the gathers re-run in the backward, the sums in the deferred weight pass); full recompute with attention
+# offload and messages at a capacity.
 CASES = [
     TPJob(M=2, N=2, zero=2),
     TPJob(M=4, N=4, p=2, zero=1, resend=True),
@@ -36,6 +38,15 @@ CASES = [
     TPJob(family="mixtral", M=4, N=2, B=2, zero=0),
     TPJob(family="gpt-oss", M=2, N=1, zero=1),
     TPJob(family="qwen2-moe", M=2, N=2, zero=2),
+    TPJob(M=2, N=2, zero=2, extra={"split_backward": True, "selective_recompute": True}, label="split_selective"),
+    TPJob(
+        M=2,
+        N=2,
+        zero=1,
+        factor=1.25,
+        extra={"activation_checkpointing": True, "offload": {"attention": 0.5}},
+        label="ckpt_offload",
+    ),  # fmt: skip
     all_families_only(TPJob(family="deepseek-v3", M=4, N=4, p=2, zero=1)),
 ]
 
@@ -43,6 +54,24 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_tensor_parallel_equals_hf(tiny_checkpoint, case: LaneJob):
     case.verify(tiny_checkpoint, CLIP)
+
+
+def test_compiled_parts_warmed_up_on_slices_equal_hf(tiny_checkpoint, monkeypatch):
+    """``compile`` with TP lanes: the parts compiled through the gather and reduce-scatter hooks, warmed up before
+    the first step as compiled jobs are (every part on a slice, the collectives matched across the TP group), and
+    the job still equals HF exactly."""
+    from disagmoe_ds.afpipe import build
+
+    original = build.build_rank
+
+    def build_and_warm(*args, **kwargs):
+        runtime = original(*args, **kwargs)
+        runtime.executor.warm_up(seq_len=8, packed=True)
+        assert all(p.grad is None for p in runtime.module.parameters()), "warm-up touched a gradient"
+        return runtime
+
+    monkeypatch.setattr(build, "build_rank", build_and_warm)
+    TPJob(M=2, N=1, zero=1, extra={"compile": True}, label="compile").verify(tiny_checkpoint, CLIP)
 
 
 def _sharded_shapes(rank: int, family: str) -> dict[str, tuple[int, ...]]:
@@ -121,9 +150,8 @@ def test_layouts_models_and_levers_tensor_parallelism_cannot_run_are_refused():
     model = ROOT / "hf_models" / "tiny-qwen3-moe"
     cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=1, tensor_parallel=2)
     preflight(model, cfg, {"zero_optimization": {"stage": 0}}, 3)  # fp32 at ZeRO 0: runs
-    with pytest.raises(ConfigError, match="selective_recompute"):
-        preflight(model, DisagMoEConfig(attention_gpus=2, ffn_gpus=1, tensor_parallel=2, selective_recompute=True),
-                  {}, 3)  # fmt: skip
+    with pytest.raises(ConfigError, match="offload_optimizer"):
+        preflight(model, cfg, {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, 3)
 
 
 def test_pretraining_with_tensor_parallelism_resumes_exactly_exports_and_relays_out(tok_cache, tmp_path):

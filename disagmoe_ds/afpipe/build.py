@@ -104,9 +104,6 @@ class Disaggregated:
         refused = {
             "ZeRO stage 3 on the attention side": stage == 3,
             "lora": self.cfg.lora is not None,
-            "compile": self.cfg.compile,
-            "selective_recompute": self.cfg.selective_recompute,
-            'offload {"attention": > 0}': self.cfg.offload_share("attention") > 0,
             "zero_optimization.offload_optimizer": bool(zero.get("offload_optimizer")),
         }
         chosen = [name for name, on in refused.items() if on]

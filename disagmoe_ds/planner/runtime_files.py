@@ -25,13 +25,11 @@ def lane_refusal(work: Workload) -> str | None:
         return None
     levers = {
         "ZeRO 3 on the attention side": work.zero_of("attention") == 3,
-        "selective recompute": work.recompute == "selective",
-        "attention offload": work.offload[0] > 0,
         "LoRA": work.lora.enabled,
     }
     chosen = [name for name, on in levers.items() if on]
     if chosen:
-        return f"TP {t} lanes with {', '.join(chosen)}: pass --tensor-parallel 1 or a variant without it"
+        return f"TP {t} lanes with {' and '.join(chosen)}: pass --tensor-parallel 1 or a variant without it"
     return None
 
 
