@@ -71,8 +71,8 @@ def shard_of(param: torch.Tensor) -> Shard | None:
 
 
 class TensorParallel(SequenceParallel):
-    """This rank's place in its TP group: slice ``rank`` of every micro-batch and shard ``rank`` of every attention
-    module's heads."""
+    """This rank's place in its TP group: slice ``rank`` of every micro-batch, shard ``rank`` of every attention
+    module's heads and of every gated MLP's intermediate columns."""
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim`` (1: the whole sequence from the slices; a token-wise block
