@@ -78,7 +78,7 @@ from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
 
 METHODS = ("afpipe", "colocated", "autoep", "deepspeed-moe")
 # The section keys bench_e2e.py takes as flags (config.SECTION_FLAGS): AF-Pipe's layout, compile and memory levers.
-BENCH_KEYS = ("attention_gpus", "ffn_gpus", "depth", "compile", *LEVER_KEYS)
+BENCH_KEYS = ("attention_gpus", "ffn_gpus", "depth", "sequence_parallel", "tensor_parallel", "compile", *LEVER_KEYS)
 EP_METHODS = ("colocated", "autoep", "deepspeed-moe")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PEAK_FLOPS = 989e12  # dense bf16 of an H100/H200-class GPU (MFU's denominator, also on CPU runs)
@@ -268,7 +268,8 @@ def micro_batches(a: argparse.Namespace, lanes: int) -> int:
 def build_afpipe(a: argparse.Namespace, device: torch.device):
     cfg = DisagMoEConfig(
         **section_values(a, BENCH_KEYS),
-        micro_batches=micro_batches(a, a.attention_gpus // a.depth),
+        # SP or TP lanes: s (t) of them train one micro-batch in slices
+        micro_batches=micro_batches(a, a.attention_gpus // a.depth // (a.sequence_parallel * a.tensor_parallel)),
         lora=lora_of(a, verify=False),
     )
     ds = {**ds_config(a), SECTION: cfg.to_dict()}
