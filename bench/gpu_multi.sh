@@ -9,6 +9,7 @@
 #             (split backward at ZeRO 1 and 2, selective recompute, ZeRO-3 on the expert side) and, from 3 GPUs,
 #             SP and TP lanes of 2 ranks
 #   levers    each memory lever's AF-Pipe step beside plain AF-Pipe on the balanced model, compiled, with timelines
+#   lanes     plain, SP 2 and TP 2 A-lanes at a long sequence (LANES_SEQ), step time and peak memory (4+ GPUs)
 # TRANSPORT: nvlink (NCCL's default between GPUs of one host), iblike (NCCL_P2P_DISABLE=1: NCCL's shared-memory
 # transport through host memory, meant to sit near a cluster's 25-50 GB/s per GPU across nodes; IBLIKE_ENV replaces
 # it, e.g. IBLIKE_ENV="NCCL_MAX_NCHANNELS=2" for NVLink on fewer channels) or socket (NCCL_P2P_DISABLE=1
@@ -18,10 +19,10 @@
 # exchange and e2e, <part>-<transport>.json and timeline-<transport>-<method>.json; profile-{eager,compiled}.json.
 # E2E_DEPTH: AF-Pipe's depth p in the e2e part (default 1; the planner's choice for the GPU count and transport:
 # `disagmoe-plan --model ... --cluster ...` prints it).
-# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers [nvlink|iblike|socket] [E2E_MODEL]
+# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers|lanes [nvlink|iblike|socket] [E2E_MODEL]
 #        [GLOBAL_BATCH] [E2E_DEPTH]
 set -u
-PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers [nvlink|iblike|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]}
+PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers|lanes [nvlink|iblike|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]}
 TRANSPORT=${2:-nvlink}
 MODEL=${3:-hf_models/Qwen3-30B-A3B-balanced}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -87,6 +88,18 @@ e2e)
     --global-batch "$BATCH" --warmup 2 --steps 4 --methods afpipe colocated --ep-size "$G" 1 --depth "$DEPTH" \
     --compile --json "$OUT/e2e-$TRANSPORT.json" --timeline "$OUT/timeline-$TRANSPORT.json"
   ;;
+lanes)
+  # AF-Pipe's A-lanes at a long sequence: plain lanes, Ulysses SP 2 and TP 2 (from 4 GPUs: 2 attention ranks a lane),
+  # step time and peak memory side by side (the e2e rows' model; LANES_SEQ tokens a sequence, default 16384)
+  export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+  for lane in "" "--sequence-parallel 2" "--tensor-parallel 2"; do
+    name=$(echo "${lane:-plain}" | tr -d ' -' | sed 's/parallel//')
+    # shellcheck disable=SC2086
+    step 400 python bench/bench_e2e.py --model "$MODEL" --layers 0 --world-size "$G" --seq-len "${LANES_SEQ:-16384}" \
+      --global-batch "$H" --warmup 2 --steps 4 --methods afpipe --attention-gpus "$H" --ffn-gpus "$H" $lane \
+      --compile --json "$OUT/lanes-$name-$TRANSPORT.json"
+  done
+  ;;
 profile)
   for parts in eager compiled; do
     factory=disagmoe_ds.models.one_layer:$([ $parts = eager ] && echo disagmoe_parts || echo compiled_disagmoe_parts)
@@ -126,6 +139,6 @@ levers)
       --json "$OUT/levers-$name-$TRANSPORT.json" --timeline "$OUT/timeline-$TRANSPORT-$name.json"
   done
   ;;
-*) echo "PART must be check, exchange, e2e, profile, variants or levers" >&2; exit 2 ;;
+*) echo "PART must be check, exchange, e2e, profile, variants, levers or lanes" >&2; exit 2 ;;
 esac
 grep -E '^###|^link:|"pass"|tokens/s|GB/s|^  rank|^    rank|Error|error:' "$LOG" | cut -c1-300
