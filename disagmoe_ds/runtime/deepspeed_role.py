@@ -172,15 +172,17 @@ class GlobalGradNorm:
 
     def _clip_fp32(self, engine) -> None:
         params = [p for p in engine.module.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        groups = [[g for p, g in zip(params, grads) if (shard_of(p) is not None) == sharded] for sharded in (0, 1)]
-        norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in group])) if group
-                 else grads[0].new_zeros(()) for group in groups]  # fmt: skip
-        if self.shard_domain is None:
-            norm = self.combine(norms[0])
-        else:
-            norm = self.combine_groups(norms)
-        clip_by_norm(grads, norm, engine.gradient_clipping())
+        by_kind = [[p.grad for p in params if (shard_of(p) is not None) is sharded] for sharded in (False, True)]
+        norms = [_norm(grads, like=params[0].grad) for grads in by_kind]  # whole parameters, then head shards
+        norm = self.combine(norms[0]) if self.shard_domain is None else self.combine_groups(norms)
+        clip_by_norm([p.grad for p in params], norm, engine.gradient_clipping())
+
+
+def _norm(grads: list, *, like) -> torch.Tensor:
+    """The L2 norm of ``grads`` together (0 for none)."""
+    if not grads:
+        return like.new_zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
 def clip_by_norm(grads: Iterable[torch.Tensor], norm: torch.Tensor | float, max_norm: float) -> None:
