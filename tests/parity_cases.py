@@ -137,3 +137,41 @@ class ColocatedJob(Case):
 
     def layout_id(self) -> str:
         return f"W{self.W}ep{self.ep}"
+
+
+def warm_each_rank_up(monkeypatch, seq_len: int = 8) -> None:
+    """Make every rank a verify builds run its kernel warm-up (``executor.warm_up``, as compiled jobs do before the
+    first step) right after the build, and check it left no gradient behind."""
+    from disagmoe_ds.afpipe import build
+
+    original = build.build_rank
+
+    def build_and_warm(*args, **kwargs):
+        runtime = original(*args, **kwargs)
+        runtime.executor.warm_up(seq_len=seq_len, packed=True)
+        assert all(p.grad is None for p in runtime.module.parameters()), "warm-up touched a gradient"
+        return runtime
+
+    monkeypatch.setattr(build, "build_rank", build_and_warm)
+
+
+def whole_layer_zero(family: str, B: int = 2, S: int = 8):
+    """On a gloo rank: layer 0's attention part of ``hf_models/tiny-<family>`` (seed 0) run forward and backward on
+    a random whole sequence. Returns (config, stage, part, h_BSH with its gradient, output, output gradient)."""
+    import deepspeed
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from disagmoe_ds.models.parts import AttentionStage
+    from tests.conftest import ROOT
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
+    torch.manual_seed(0)
+    stage = AttentionStage(AutoModelForCausalLM.from_config(config), (0,), with_embedding=False, with_head=False)
+    part = stage.part(0)
+    h_BSH = torch.randn(B, S, config.hidden_size, requires_grad=True)
+    out_BSH = part(h_BSH, stage.context(h_BSH, None), config).residual_BSH
+    g_BSH = torch.randn_like(out_BSH)
+    (out_BSH * g_BSH).sum().backward()
+    return config, stage, part, h_BSH, out_BSH, g_BSH

@@ -18,7 +18,7 @@ from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.sequence_parallel import IGNORE_INDEX, SequenceParallel, check_sequence_parallel, slice_batch
 from disagmoe_ds.parity.reference import VerifyArgs
 from tests.conftest import ROOT, all_families_only
-from tests.parity_cases import LaneJob
+from tests.parity_cases import LaneJob, warm_each_rank_up, whole_layer_zero
 
 CLIP = 0.05  # below the tiny models' gradient norms: clipping is active
 PER_LAYER_AUX = {"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5}
@@ -50,39 +50,19 @@ def test_sequence_parallel_equals_hf(tiny_checkpoint, case: LaneJob):
 def test_the_kernel_warm_up_runs_on_slices_and_leaves_no_trace(tiny_checkpoint, monkeypatch):
     """``warm_up`` (compiled jobs) on SP lanes: every part on a slice, the Ulysses all-to-alls matched across the
     group, the head as a share; the job still equals HF exactly."""
-    from disagmoe_ds.afpipe import build
-
-    original = build.build_rank
-
-    def build_and_warm(*args, **kwargs):
-        runtime = original(*args, **kwargs)
-        runtime.executor.warm_up(seq_len=8, packed=True)
-        assert all(p.grad is None for p in runtime.module.parameters()), "warm-up touched a gradient"
-        return runtime
-
-    monkeypatch.setattr(build, "build_rank", build_and_warm)
+    warm_each_rank_up(monkeypatch)
     cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=1, sequence_parallel=2, micro_batches=2, transport="rendezvous")
     assert run_verify(VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, seq_len=8, clip=CLIP), timeout_s=240)["pass"]
 
 
 def _slice_attention(rank: int, family: str) -> tuple[float, float, float]:
     """One attention part on a rank's slice with Ulysses against the same part on the whole sequence."""
-    import deepspeed
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
-    from disagmoe_ds.models.parts import AttentionStage
     from disagmoe_ds.models.sequence_parallel import install_ulysses
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
-    torch.manual_seed(0)
-    stage = AttentionStage(AutoModelForCausalLM.from_config(config), (0,), with_embedding=False, with_head=False)
-    part, B, S = stage.part(0), 2, 8
-    h_BSH = torch.randn(B, S, config.hidden_size, requires_grad=True)
-    out = part(h_BSH, stage.context(h_BSH, None), config).residual_BSH
-    g_BSH = torch.randn_like(out)
-    (out * g_BSH).sum().backward()
+    config, stage, part, h_BSH, out, g_BSH = whole_layer_zero(family)
+    B, S = h_BSH.shape[:2]
     want = [p.grad.clone() for p in part.parameters() if p.grad is not None]
     part.zero_grad(set_to_none=True)
     sp = SequenceParallel(dist.group.WORLD, 2, rank)

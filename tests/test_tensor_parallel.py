@@ -16,7 +16,7 @@ from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.tensor_parallel import check_tensor_parallel
 from tests.conftest import ROOT, all_families_only
-from tests.parity_cases import LaneJob
+from tests.parity_cases import LaneJob, warm_each_rank_up, whole_layer_zero
 
 CLIP = 0.05  # below the tiny models' gradient norms: clipping is active
 
@@ -60,39 +60,19 @@ def test_compiled_parts_warmed_up_on_slices_equal_hf(tiny_checkpoint, monkeypatc
     """``compile`` with TP lanes: the parts compiled through the gather and reduce-scatter hooks, warmed up before
     the first step as compiled jobs are (every part on a slice, the collectives matched across the TP group), and
     the job still equals HF exactly."""
-    from disagmoe_ds.afpipe import build
-
-    original = build.build_rank
-
-    def build_and_warm(*args, **kwargs):
-        runtime = original(*args, **kwargs)
-        runtime.executor.warm_up(seq_len=8, packed=True)
-        assert all(p.grad is None for p in runtime.module.parameters()), "warm-up touched a gradient"
-        return runtime
-
-    monkeypatch.setattr(build, "build_rank", build_and_warm)
+    warm_each_rank_up(monkeypatch)
     TPJob(M=2, N=1, zero=1, extra={"compile": True}, label="compile").verify(tiny_checkpoint, CLIP)
 
 
 def _sharded_shapes(rank: int, family: str) -> dict[str, tuple[int, ...]]:
     """The shapes of layer 0's attention part on TP rank ``rank`` of 2 after the cut, whose output on the slices
     equals the uncut part's on the whole sequence (and whose input gradient is the uncut one's slice)."""
-    import deepspeed
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
-    from disagmoe_ds.models.parts import AttentionStage
     from disagmoe_ds.models.tensor_parallel import TensorParallel, glu_blocks, shard_attention, shard_mlp
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
-    torch.manual_seed(0)
-    stage = AttentionStage(AutoModelForCausalLM.from_config(config), (0,), with_embedding=False, with_head=False)
-    part, B, S = stage.part(0), 2, 8
-    h_BSH = torch.randn(B, S, config.hidden_size, requires_grad=True)
-    want = part(h_BSH, stage.context(h_BSH, None), config).residual_BSH
-    g_BSH = torch.randn_like(want)
-    (want * g_BSH).sum().backward()
+    config, stage, part, h_BSH, want, g_BSH = whole_layer_zero(family)
+    B, S = h_BSH.shape[:2]
     tp = TensorParallel(dist.group.WORLD, 2, rank)
     shard_attention(part.mixer, tp)
     for mlp in glu_blocks(part.mlp):
