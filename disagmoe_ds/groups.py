@@ -13,9 +13,12 @@ No other code creates a group; DeepSpeed is shown the co-located expert groups b
                           expert shard
     expert_parallel       -                                    ep_size ranks: one copy of the experts, all-to-all
     expert_data_parallel  -                                    W / ep_size ranks: replicas of an expert slice
-    sequence_parallel     s consecutive lanes (one sequence)   -
+    sequence_parallel     s lanes (one sequence; with TP the   -
+                          lanes of one TP rank)
     tensor_parallel       t consecutive lanes (one sequence,   -
                           the attention heads in shards)
+    lane_slices           with SP and TP: the s x t lanes of   -
+                          one micro-batch
     exchange              one communicator per (kind, group)   -
 """
 
@@ -48,6 +51,8 @@ class ProcessGroups:
     sequence_parallel_ranks: tuple[int, ...] = ()
     tensor_parallel: dist.ProcessGroup | None = None
     tensor_parallel_ranks: tuple[int, ...] = ()
+    lane_slices: dist.ProcessGroup | None = None
+    lane_slices_ranks: tuple[int, ...] = ()
 
     @property
     def data_parallel_size(self) -> int:
@@ -77,11 +82,18 @@ def build_process_groups(
     expert_data_parallel = _create(plan.expert_data_parallel, rank, timeout)
     sequence_parallel = _create(plan.sequence_parallel, rank, timeout)
     tensor_parallel = _create(plan.tensor_parallel, rank, timeout)
+    lane_slices = _create(plan.lane_slices, rank, timeout)
     exchange = None
     if transport is not None:
         exchange = build_exchange_comms(layout, transport, device=device, headerless=headerless)
     return ProcessGroups(
-        *data_parallel, *expert_parallel, *expert_data_parallel, exchange, *sequence_parallel, *tensor_parallel
+        *data_parallel,
+        *expert_parallel,
+        *expert_data_parallel,
+        exchange,
+        *sequence_parallel,
+        *tensor_parallel,
+        *lane_slices,
     )
 
 

@@ -84,6 +84,7 @@ class GroupRanks:
             expert-data-parallel group).
         sequence_parallel: lanes that hold one micro-batch's sequence in slices (the Ulysses all-to-alls).
         tensor_parallel: lanes that hold one micro-batch's sequence in slices and the attention heads in shards.
+        lane_slices: with both, the s x t lanes of one micro-batch (its slices, loss shares and router counts).
     """
 
     data_parallel: tuple[tuple[int, ...], ...]
@@ -91,6 +92,7 @@ class GroupRanks:
     expert_data_parallel: tuple[tuple[int, ...], ...] = ()
     sequence_parallel: tuple[tuple[int, ...], ...] = ()
     tensor_parallel: tuple[tuple[int, ...], ...] = ()
+    lane_slices: tuple[tuple[int, ...], ...] = ()
 
 
 class RankCounts:
@@ -167,7 +169,8 @@ class Layout(RankCounts, ExpertSlices):
         expert_data_parallel: replicas of each expert shard inside an F-group.
         sequence_parallel: s, consecutive lanes of an A-group holding one micro-batch's sequence in slices (Ulysses).
         tensor_parallel: t, consecutive lanes of an A-group holding one micro-batch's sequence in slices and the
-            attention heads in shards (Megatron-style tensor parallel with sequence parallel); not with s > 1.
+            attention heads in shards (Megatron-style tensor parallel with sequence parallel). With both, s x t
+            consecutive lanes hold a micro-batch: s TP groups of t, the lanes of one TP rank across them an SP group.
     """
 
     attention_gpus: int
@@ -201,17 +204,13 @@ class Layout(RankCounts, ExpertSlices):
                 f"num_hidden_layers ({self.num_layers}) must be divisible by depth ({p}): group g owns layers "
                 f"g, g+p, ...; pick a depth that divides {self.num_layers}"
             )
-        if self.sequence_parallel > 1 and self.tensor_parallel > 1:
+        if self.lanes % self.lane_slices:
+            degrees = (("sequence_parallel", self.sequence_parallel), ("tensor_parallel", self.tensor_parallel))
+            named = " x ".join(f"{name} ({degree})" for name, degree in degrees if degree > 1)
             raise LayoutError(
-                f"sequence_parallel {self.sequence_parallel} with tensor_parallel {self.tensor_parallel}: an A-lane is "
-                "either Ulysses or tensor parallel for now; set one of them to 1"
+                f"lanes per A-group ({self.lanes}) must be divisible by {named}: that many lanes hold one micro-batch; "
+                f"use attention_gpus = depth x a multiple of {self.lane_slices}"
             )
-        for name, degree in (("sequence_parallel", self.sequence_parallel), ("tensor_parallel", self.tensor_parallel)):
-            if self.lanes % degree:
-                raise LayoutError(
-                    f"lanes per A-group ({self.lanes}) must be divisible by {name} ({degree}): that many lanes hold "
-                    f"one micro-batch; use attention_gpus = depth x a multiple of {degree}"
-                )
         if self.ffn_ranks_per_group % self.expert_data_parallel:
             raise LayoutError(
                 f"FFN ranks per group ({self.ffn_ranks_per_group}) must be divisible by expert_data_parallel "
@@ -295,10 +294,12 @@ class Layout(RankCounts, ExpertSlices):
         replicas = [self.edp_group_ranks(g, e) for g in range(self.depth) for e in range(self.ep_size)]
         s, t = self.sequence_parallel, self.tensor_parallel
         shards = [ranks[r::t] for ranks in lanes for r in range(t)]
+        batch = _runs(lanes, s * t)  # the lanes of one micro-batch
         return GroupRanks(
             data_parallel=(*shards, *replicas),
-            sequence_parallel=_runs(lanes, s),
+            sequence_parallel=tuple(run[r::t] for run in batch for r in range(t)) if s > 1 else (),
             tensor_parallel=_runs(lanes, t),
+            lane_slices=batch if s > 1 and t > 1 else (),
         )
 
     def tp_rank_of(self, role: RankRole) -> int:

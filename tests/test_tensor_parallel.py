@@ -48,6 +48,11 @@ CASES = [
         label="ckpt_offload",
     ),  # fmt: skip
     all_families_only(TPJob(family="deepseek-v3", M=4, N=4, p=2, zero=1)),
+    # SP x TP lanes (Ulysses over a TP rank's heads): GQA with the TP rank's one KV head replicated, MLA packed at
+    # ZeRO 2, Mixtral with two lanes of 4 at ZeRO 0.
+    TPJob(s=2, M=4, N=2, zero=1),
+    TPJob(family="deepseek-v3", s=2, M=4, N=2, zero=2, packed=True),
+    all_families_only(TPJob(family="mixtral", s=2, M=8, N=1, zero=0)),
 ]
 
 
@@ -69,11 +74,12 @@ def _sharded_shapes(rank: int, family: str) -> dict[str, tuple[int, ...]]:
     equals the uncut part's on the whole sequence (and whose input gradient is the uncut one's slice)."""
     import torch.distributed as dist
 
+    from disagmoe_ds.models.sequence_parallel import SequenceParallel
     from disagmoe_ds.models.tensor_parallel import TensorParallel, glu_blocks, shard_attention, shard_mlp
 
     config, stage, part, h_BSH, want, g_BSH = whole_layer_zero(family)
     B, S = h_BSH.shape[:2]
-    tp = TensorParallel(dist.group.WORLD, 2, rank)
+    tp = TensorParallel(dist.group.WORLD, 2, rank, SequenceParallel(dist.group.WORLD, 2, rank))
     shard_attention(part.mixer, tp)
     for mlp in glu_blocks(part.mlp):
         shard_mlp(mlp, tp)
@@ -114,8 +120,16 @@ def test_layouts_models_and_levers_tensor_parallelism_cannot_run_are_refused():
     assert "tensor_parallel" not in Layout(attention_gpus=2, ffn_gpus=2, num_layers=2, num_experts=8).manifest_layout()
     with pytest.raises(LayoutError, match="divisible by tensor_parallel"):
         Layout(attention_gpus=3, ffn_gpus=1, num_layers=2, num_experts=8, tensor_parallel=2)
-    with pytest.raises(LayoutError, match="either Ulysses or tensor parallel"):
-        Layout(attention_gpus=4, ffn_gpus=1, num_layers=2, num_experts=8, tensor_parallel=2, sequence_parallel=2)
+    both = Layout(attention_gpus=8, ffn_gpus=1, num_layers=2, num_experts=8, tensor_parallel=2, sequence_parallel=2)
+    ranks = both.group_ranks()  # 2 lanes of 4: 2 TP groups each, the lanes of one TP rank an SP group
+    assert ranks.tensor_parallel == ((0, 1), (2, 3), (4, 5), (6, 7)) and ranks.lane_slices == (
+        (0, 1, 2, 3),
+        (4, 5, 6, 7),
+    )
+    assert ranks.sequence_parallel == ((0, 2), (1, 3), (4, 6), (5, 7)) and both.batch_lanes == 2
+    assert ranks.data_parallel[:2] == ((0, 2, 4, 6), (1, 3, 5, 7))  # the replicas of each TP rank's shards
+    with pytest.raises(LayoutError, match=r"divisible by sequence_parallel \(2\) x tensor_parallel \(2\)"):
+        Layout(attention_gpus=2, ffn_gpus=1, num_layers=2, num_experts=8, tensor_parallel=2, sequence_parallel=2)
     qwen = AutoConfig.from_pretrained(ROOT / "hf_models" / "tiny-qwen3-moe")  # 4 heads, 2 KV heads
     check_tensor_parallel(qwen, 2)
     with pytest.raises(LayoutError, match=r"must divide num_key_value_heads \(2\)"):
@@ -169,9 +183,10 @@ def test_fine_tuning_with_tensor_parallelism_resumes_exactly_and_exports(tok_cac
     [
         (["--seq-len", 33], r"tensor_parallel 2 must divide the sequence length \(33\)"),
         (["--model", ROOT / "hf_models" / "tiny-olmoe"], r"olmoe is not supported: its q_norm and k_norm"),
-        (["--sequence-parallel", 2, "--attention-gpus", 4], r"either Ulysses or tensor parallel"),
+        (["--sequence-parallel", 2], r"sequence_parallel \(2\) x tensor_parallel \(2\)"),
+        (["--sequence-parallel", 4, "--attention-gpus", 8], r"sequence_parallel 4 must divide the 2 query heads"),
     ],
-    ids=["sequence", "olmoe", "with_sp"],
+    ids=["sequence", "olmoe", "with_sp", "sp_heads"],
 )
 def test_run_pretrain_refuses_what_it_cannot_shard_before_launch(tok_cache, capfd, argv, message):
     from tests.runs import assert_refused_before_launch

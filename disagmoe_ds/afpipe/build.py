@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from disagmoe_ds.afpipe.attention_runner import AttentionRunner
@@ -41,13 +42,13 @@ from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
 from disagmoe_ds.models.recompute import apply_selective_recompute
-from disagmoe_ds.models.sequence_parallel import SequenceParallel, check_sequence_parallel, install_ulysses
+from disagmoe_ds.models.sequence_parallel import SequenceParallel, install_ulysses
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.models.tensor_parallel import (
     TensorParallel,
     TensorParallelGrads,
     broadcast_from_first,
-    check_tensor_parallel,
+    check_lane,
     glu_blocks,
     shard_attention,
     shard_mlp,
@@ -84,8 +85,7 @@ class Disaggregated:
 
     def check(self, layout: Layout, config, ds_config: dict[str, Any]) -> None:
         check_zero_stages(self.cfg, ds_config)  # with expert replicas too (ExpertShard)
-        check_sequence_parallel(config, layout.sequence_parallel)
-        check_tensor_parallel(config, layout.tensor_parallel)
+        check_lane(config, layout.sequence_parallel, layout.tensor_parallel)
         if layout.tensor_parallel > 1:
             self._check_tensor_parallel_levers(ds_config)
         if self.cfg.lora is not None:
@@ -309,25 +309,30 @@ def _exchange(parts: RankParts[Layout]) -> ExchangeComms:
 def _split_attention(stage: AttentionStage, groups: ProcessGroups, role: RankRole) -> None:
     """An attention stage on lanes that share micro-batches: Ulysses around its attention cores (SP), or its
     attention modules and gated MLPs cut to the rank's part from one full copy (TP)."""
-    sp = sequence_parallel_of(groups, role)
+    lane = sequence_parallel_of(groups, role)
     parts = [stage.part(int(layer)) for layer in stage.layers]
-    mixers = [part.mixer for part in parts]
-    if isinstance(sp, TensorParallel):
-        broadcast_from_first(stage, sp, groups.tensor_parallel_ranks[0])
+    if isinstance(lane, TensorParallel):
+        broadcast_from_first(stage, lane, groups.tensor_parallel_ranks[0])
         for part in parts:
-            shard_attention(part.mixer, sp)
+            shard_attention(part.mixer, lane)
             for mlp in glu_blocks(part.mlp):
-                shard_mlp(mlp, sp)
-    elif sp is not None:
-        install_ulysses(mixers, sp)
+                shard_mlp(mlp, lane)
+    if groups.sequence_parallel is not None:  # Ulysses around the cores (of the TP rank's heads, with TP)
+        size = len(groups.sequence_parallel_ranks)
+        install_ulysses([part.mixer for part in parts], SequenceParallel(groups.sequence_parallel, size,
+                        groups.sequence_parallel_ranks.index(dist.get_rank())))  # fmt: skip
 
 
 def sequence_parallel_of(groups: ProcessGroups, role: RankRole) -> SequenceParallel | None:
     """An attention rank's place in the lanes that hold its micro-batch in slices: its SP group, or its TP group
     (``TensorParallel``); None when it holds the whole."""
     if groups.tensor_parallel is not None:
-        size = len(groups.tensor_parallel_ranks)
-        return TensorParallel(groups.tensor_parallel, size, role.index % size)
+        t = len(groups.tensor_parallel_ranks)
+        shards = SequenceParallel(groups.tensor_parallel, t, role.index % t)
+        if groups.lane_slices is None:  # TP alone: the TP group holds the micro-batch
+            return TensorParallel(groups.tensor_parallel, t, role.index % t, shards)
+        size = len(groups.lane_slices_ranks)
+        return TensorParallel(groups.lane_slices, size, role.index % size, shards)
     if groups.sequence_parallel is None:
         return None
     size = len(groups.sequence_parallel_ranks)

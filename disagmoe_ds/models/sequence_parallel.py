@@ -58,9 +58,24 @@ class SequenceParallel:
 
     def gather_sequence(self, t_BS: torch.Tensor) -> torch.Tensor:
         """The whole micro-batch's [B, S] from every rank's slice (no gradient: positions)."""
-        parts = [torch.empty_like(t_BS) for _ in range(self.size)]
-        dist.all_gather(parts, t_BS.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)
+        return self.gather_along(t_BS, dim=1)
+
+    def gather_along(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order (no gradient)."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter_along(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part along ``dim`` of the sum of every rank's ``x`` (no gradient)."""
+        if dist.get_backend(self.group) == "gloo":  # gloo has no reduce-scatter
+            whole = x.contiguous().clone()
+            dist.all_reduce(whole, group=self.group)
+            return whole.chunk(self.size, dim=dim)[self.rank].contiguous()
+        chunks = [c.contiguous() for c in x.chunk(self.size, dim=dim)]
+        out = torch.empty_like(chunks[self.rank])
+        dist.reduce_scatter(out, chunks, group=self.group)
+        return out
 
     def share_of(self, stats: RouterStats) -> RouterStats:
         """This rank's share of a micro-batch's router statistics: the group's expert counts, its own probability

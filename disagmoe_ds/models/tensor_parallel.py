@@ -14,6 +14,11 @@ reduce-scattered back to slices (backward: all-gathered) and the output projecti
 slice. MLA's low-rank input projections and per-head-dim q/k norms stay whole. The rotary embeddings and masks are
 the whole sequence's. The embedding, head and routers stay whole on every rank.
 
+With Ulysses too (an A-lane of s x t ranks: s TP groups of t consecutive lanes, the lanes of one TP rank across them
+an SP group), a rank's slice is S / (s t) tokens, its TP group's gather is its SP rank's S / s tokens, and Ulysses
+trades those for all S positions of the TP rank's heads / s around the core (``sequence_parallel``); the rotary
+embeddings are then of the S / s positions.
+
 Gradients. A shard's gradient is whole on its rank (the gather brings every token to it); its replicas are the lanes
 of the same TP rank, which form an attention rank's DeepSpeed data-parallel group. A replicated parameter's gradient
 covers the rank's slice (or, inside attention, its heads), so the TP group sums them (``TensorParallelGrads``) before
@@ -36,7 +41,7 @@ from torch import nn
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.models.context import LayerContext, build_context
 from disagmoe_ds.models.families import family_of
-from disagmoe_ds.models.sequence_parallel import SequenceParallel
+from disagmoe_ds.models.sequence_parallel import SequenceParallel, check_sequence_parallel
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")  # output rows by head: cut along dim 0
 ROW = "o_proj"  # input columns by head: cut along dim 1
@@ -70,9 +75,14 @@ def shard_of(param: torch.Tensor) -> Shard | None:
     return getattr(param, "disagmoe_tp", None)
 
 
+@dataclass(frozen=True)
 class TensorParallel(SequenceParallel):
-    """This rank's place in its TP group: slice ``rank`` of every micro-batch, shard ``rank`` of every attention
-    module's heads and of every gated MLP's intermediate columns."""
+    """This rank's place in the lanes of its micro-batch (``group``, ``size``, ``rank``: its slice, as a
+    ``SequenceParallel``) and in its TP group (``shards``: shard ``shards.rank`` of every attention module's heads
+    and every gated MLP's intermediate columns). Without Ulysses both are the TP group; with it (s x t lanes a
+    micro-batch) a TP group's t slices are consecutive, so its gather is the SP rank's part of the sequence."""
+
+    shards: SequenceParallel
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim`` (1: the whole sequence from the slices; a token-wise block
@@ -85,29 +95,21 @@ class TensorParallel(SequenceParallel):
         return _Pair.apply(x, partial(self._scattered, dim=dim), partial(self._gathered, dim=dim))
 
     def context(self, stage, h_BSH: torch.Tensor, positions_BS: torch.Tensor, full_positions_BS) -> LayerContext:
-        """The whole sequence's context (the attention modules see every position); ``positions_BS``: the slice's,
-        ``full_positions_BS`` the whole micro-batch's (None: the default ones)."""
+        """What the attention modules see: the rotary embeddings of the TP group's part of the sequence (all of it
+        without Ulysses) and the whole sequence's masks; ``positions_BS``: the slice's, ``full_positions_BS`` the
+        whole micro-batch's (None: the default ones)."""
         B, S_l, H = h_BSH.shape
-        whole_BSH = h_BSH.new_empty(B, S_l * self.size, 1).expand(-1, -1, H)  # shape, dtype, device only
-        if full_positions_BS is None:
-            full_positions_BS = torch.arange(S_l * self.size, device=h_BSH.device).expand(B, -1)
-        del positions_BS
-        return build_context(stage.config, stage.rotary_emb, whole_BSH, full_positions_BS)
+        positions_BS = self.shards.gather_along(positions_BS, dim=1)
+        part_BSH = h_BSH.new_empty(B, positions_BS.shape[1], 1).expand(-1, -1, H)  # shape, dtype, device only
+        whole_BSH = h_BSH.new_empty(B, S_l * self.size, 1).expand(-1, -1, H)
+        masks = build_context(stage.config, stage.rotary_emb, whole_BSH, full_positions_BS).masks
+        return LayerContext(positions_BS, stage.rotary_emb(part_BSH, positions_BS), masks)
 
     def _gathered(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        return self.shards.gather_along(x, dim)
 
     def _scattered(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        if dist.get_backend(self.group) == "gloo":  # gloo has no reduce-scatter
-            whole = x.contiguous().clone()
-            dist.all_reduce(whole, group=self.group)
-            return whole.chunk(self.size, dim=dim)[self.rank].contiguous()
-        chunks = [c.contiguous() for c in x.chunk(self.size, dim=dim)]
-        out = torch.empty_like(chunks[self.rank])
-        dist.reduce_scatter(out, chunks, group=self.group)
-        return out
+        return self.shards.reduce_scatter_along(x, dim)
 
 
 class _Pair(torch.autograd.Function):
@@ -142,8 +144,28 @@ def check_tensor_parallel(config, size: int, seq_len: int | None = None) -> None
         raise LayoutError(f"tensor_parallel {size} must divide the sequence length ({seq_len})")
 
 
+def check_lane(config, sp: int, tp: int, seq_len: int | None = None) -> None:
+    """Refuse, before launch, an A-lane of SP ``sp`` x TP ``tp`` ranks the model cannot split: each degree's own
+    rules, and with both, Ulysses over a TP rank's heads (``sequence_parallel.check_sequence_parallel``'s rules on
+    1/tp of them) and slices of S / (sp tp) tokens."""
+    check_sequence_parallel(config, sp, seq_len)
+    check_tensor_parallel(config, tp, seq_len)
+    if sp == 1 or tp == 1:
+        return
+    heads = config.num_attention_heads // tp
+    kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp
+    if heads % sp:
+        raise LayoutError(f"sequence_parallel {sp} must divide the {heads} query heads of a tensor_parallel {tp} rank")
+    if not family_of(config).model_type.startswith("deepseek") and kv_heads % sp and sp % kv_heads:
+        raise LayoutError(
+            f"sequence_parallel {sp} and the {kv_heads} KV heads of a tensor_parallel {tp} rank must divide one another"
+        )
+    if seq_len is not None and seq_len % (sp * tp):
+        raise LayoutError(f"sequence_parallel x tensor_parallel ({sp * tp}) must divide the sequence length {seq_len}")
+
+
 def shard_attention(attn: nn.Module, tp: TensorParallel) -> None:
-    """Cut HF attention module ``attn`` to ``tp.rank``'s heads in place (parameters keep HF's names) and make it
+    """Cut HF attention module ``attn`` to ``tp.shards.rank``'s heads in place (parameters keep HF's names) and make it
     take slices and give slices: gather before, reduce-scatter and the output bias after."""
     for name in PER_HEAD:
         if isinstance(getattr(attn, name, None), nn.Parameter):
@@ -159,7 +181,8 @@ def glu_blocks(mlp: nn.Module) -> list[nn.Module]:
 
 
 def shard_mlp(mlp: nn.Module, tp: TensorParallel) -> None:
-    """Cut a gated MLP to ``tp.rank``'s intermediate columns in place, taking and giving slices as attention does."""
+    """Cut a gated MLP to ``tp.shards.rank``'s intermediate columns in place, taking and giving slices as attention
+    does."""
     _shard_block(mlp, tp, GLU_COLUMN, GLU_ROW)
 
 
@@ -170,10 +193,10 @@ def _shard_block(block: nn.Module, tp: TensorParallel, column: tuple[str, ...], 
             _cut(linear, "weight", 0, tp)
             if linear.bias is not None:
                 _cut(linear, "bias", 0, tp)
-            linear.out_features //= tp.size
+            linear.out_features //= tp.shards.size
     out = getattr(block, row)
     _cut(out, "weight", 1, tp)
-    out.in_features //= tp.size
+    out.in_features //= tp.shards.size
     setattr(block, row, _NoBias(out))
     block.register_forward_pre_hook(_gather_input(tp), with_kwargs=True)
     block.register_forward_hook(_scatter_output(tp, getattr(block, row)))
@@ -181,10 +204,12 @@ def _shard_block(block: nn.Module, tp: TensorParallel, column: tuple[str, ...], 
 
 def _cut(module: nn.Module, name: str, dim: int, tp: TensorParallel) -> None:
     whole = getattr(module, name)
-    if whole.shape[dim] % tp.size:
-        raise LayoutError(f"tensor_parallel {tp.size} does not divide {name} of shape {tuple(whole.shape)}")
-    part = nn.Parameter(whole.detach().chunk(tp.size, dim)[tp.rank].clone(), requires_grad=whole.requires_grad)
-    part.disagmoe_tp = Shard(dim, tp.rank, tp.size)  # type: ignore[attr-defined]
+    if whole.shape[dim] % tp.shards.size:
+        raise LayoutError(f"tensor_parallel {tp.shards.size} does not divide {name} of shape {tuple(whole.shape)}")
+    part = nn.Parameter(
+        whole.detach().chunk(tp.shards.size, dim)[tp.shards.rank].clone(), requires_grad=whole.requires_grad
+    )
+    part.disagmoe_tp = Shard(dim, tp.shards.rank, tp.shards.size)  # type: ignore[attr-defined]
     setattr(module, name, part)
 
 
@@ -228,7 +253,7 @@ def broadcast_from_first(module: nn.Module, tp: TensorParallel, first_rank: int)
     the attention modules are cut: replicas initialised from their own seeds, shards cut from one whole tensor."""
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=first_rank, group=tp.group)
+            dist.broadcast(tensor.data, src=first_rank, group=tp.shards.group)
 
 
 class TensorParallelGrads:
@@ -246,7 +271,7 @@ class TensorParallelGrads:
 
     def _summed(self, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
-        dist.all_reduce(grad, group=self.tp.group)
+        dist.all_reduce(grad, group=self.tp.shards.group)
         return grad
 
     def reduce(self) -> None:
@@ -260,6 +285,6 @@ class TensorParallelGrads:
             by_dtype.setdefault(param.grad.dtype, []).append(param)
         for params in by_dtype.values():
             flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-            dist.all_reduce(flat, group=self.tp.group)
+            dist.all_reduce(flat, group=self.tp.shards.group)
             for param, summed in zip(params, flat.split([p.numel() for p in params]), strict=True):
                 param.grad.copy_(summed.view_as(param))  # type: ignore[union-attr]

@@ -16,11 +16,9 @@ RUNTIME_LANE_FIELDS: frozenset[str] = frozenset({"sequence_parallel", "tensor_pa
 
 
 def lane_refusal(work: Workload) -> str | None:
-    """What of the A-lane of ``work`` the runtime does not run yet (None: it runs it); held to
-    ``afpipe.build.Disaggregated``'s checks by tests/test_planner_ds_config.py."""
-    s, t = work.sequence_parallel, work.tensor_parallel
-    if s > 1 and t > 1:
-        return f"SP {s} x TP {t} lanes (it runs one at a time): pass --sequence-parallel 1 or --tensor-parallel 1"
+    """What of the A-lane of ``work`` the runtime does not run yet (None: it runs it): the levers
+    ``afpipe.build.Disaggregated`` refuses beside tensor parallelism (the planner cannot import it)."""
+    t = work.tensor_parallel
     if t == 1:
         return None
     levers = {

@@ -23,8 +23,7 @@ from disagmoe_ds.afpipe.build import build_rank, job_schedule
 from disagmoe_ds.colocated.build import build_colocated_rank
 from disagmoe_ds.colocated.layout import ColocatedLayout
 from disagmoe_ds.layout import JobLayout, Layout
-from disagmoe_ds.models.sequence_parallel import check_sequence_parallel
-from disagmoe_ds.models.tensor_parallel import check_tensor_parallel
+from disagmoe_ds.models.tensor_parallel import check_lane
 from disagmoe_ds.runtime.rank import RankRuntime
 from disagmoe_ds.train.args import TrainArgs
 
@@ -63,8 +62,7 @@ class DisaggregatedTraining:
 
     def preflight(self, args: TrainArgs, config: PretrainedConfig, world_size: int) -> Layout:
         layout = build_rank.layout_for(config, args.cfg, args.ds_config, world_size)
-        check_sequence_parallel(config, layout.sequence_parallel, args.seq_len)
-        check_tensor_parallel(config, layout.tensor_parallel, args.seq_len)
+        check_lane(config, layout.sequence_parallel, layout.tensor_parallel, args.seq_len)
         return layout
 
     def describe(self, args: TrainArgs, layout: Layout, config: PretrainedConfig) -> list[str]:
