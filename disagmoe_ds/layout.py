@@ -117,7 +117,7 @@ class RankCounts:
 
     @property
     def lane_slices(self) -> int:
-        """Consecutive lanes that hold one micro-batch, each a slice of its sequence: s x t (one of them is 1)."""
+        """Consecutive lanes that hold one micro-batch, each a slice of its sequence: s x t."""
         return self.sequence_parallel * self.tensor_parallel
 
     @property

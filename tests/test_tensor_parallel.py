@@ -169,6 +169,14 @@ def test_pretraining_with_tensor_parallelism_resumes_exactly_exports_and_relays_
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+def test_pretraining_on_sp_x_tp_lanes_resumes_exactly_and_exports(tok_cache, tmp_path):
+    """One micro-batch on 4 lanes (SP 2 x TP 2) beside 2 expert ranks (``runs.assert_resumes_exactly_and_exports``)."""
+    from tests.runs import assert_resumes_exactly_and_exports
+
+    argv = ("--attention-gpus", 4, "--ffn-gpus", 2, "--sequence-parallel", 2, "--tensor-parallel", 2)
+    assert_resumes_exactly_and_exports(tok_cache, tmp_path, *argv, "--micro-batches", 2)
+
+
 def test_fine_tuning_with_tensor_parallelism_resumes_exactly_and_exports(tok_cache, tmp_path):
     """SFT from DeepSeek-V3 (MLA) weights on 2 TP lanes at depth 2: each rank cuts its shards from the HF weights
     of a meta model (``runs.assert_resumes_exactly_and_exports``)."""

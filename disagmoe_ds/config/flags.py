@@ -65,7 +65,7 @@ SECTION_FLAGS: dict[str, Flag] = {
     "tensor_parallel": Flag(
         "attention ranks that hold one micro-batch's sequence in slices and each attention module's heads in shards "
         "(tensor parallel with sequence parallel); divides the lanes of an attention group, the query and KV heads "
-        "and --seq-len; not with --sequence-parallel"
+        "and --seq-len; with --sequence-parallel s, s x t ranks hold a micro-batch (Ulysses over a TP rank's heads)"
     ),
     "micro_batches": Flag(
         "micro-batches per optimizer step on each data-parallel lane (DeepSpeed's gradient accumulation steps)",

@@ -60,7 +60,7 @@ class Section:
 
 @dataclass(frozen=True, kw_only=True)
 class LaneSlices(Section):
-    """How many lanes of an A-group hold one micro-batch in slices, and how (one of the two is 1).
+    """How many lanes of an A-group hold one micro-batch in slices, and how: s x t of them (s TP groups of t).
 
     Attributes:
         sequence_parallel: s, ranks of an A-group that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses
