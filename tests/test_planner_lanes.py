@@ -203,10 +203,8 @@ def test_ds_config_writes_the_lane_once_the_runtime_runs_it(monkeypatch):
     with pytest.raises(ConfigError, match="does not run tensor parallel yet: pass --tensor-parallel 1"):
         ds_config(result)
     monkeypatch.setattr(runtime_files, "RUNTIME_LANE_FIELDS", frozenset({"sequence_parallel", "tensor_parallel"}))
-    assert (ds_config(result)["disagmoe"]["sequence_parallel"], ds_config(result)["disagmoe"]["tensor_parallel"]) == (
-        2,
-        2,
-    )
+    section = ds_config(result)["disagmoe"]
+    assert (section["sequence_parallel"], section["tensor_parallel"]) == (2, 2)
     result.af.candidate.work = lane(1, 2)
     section = ds_config(result)["disagmoe"]
     assert section["tensor_parallel"] == 2 and "sequence_parallel" not in section

@@ -149,7 +149,7 @@ class Disaggregated:
             stage = ExpertStage(model, layers, experts.start, experts.stop)
         place(stage, model, device, seed=seed, weights=weights)
         if isinstance(stage, AttentionStage):
-            _split_attention(stage, groups, role)
+            _split_attention(stage, groups)
         if self.cfg.selective_recompute:
             apply_selective_recompute(stage)
         return stage
@@ -205,12 +205,14 @@ class Disaggregated:
 
     @staticmethod
     def _tensor_parallel_grads(parts: RankParts[Layout]):
-        """With TP: the replicated gradients' sum over the TP group, once per step (ZeRO-2: in each backward)."""
-        sp = sequence_parallel_of(parts.groups, parts.role) if parts.role.is_attention else None
-        if not isinstance(sp, TensorParallel):
+        """With TP: the replicated gradients' sum over the TP group, once per step (ZeRO-2: in each backward, by the
+        hooks it installs, and nothing before the step)."""
+        lane = sequence_parallel_of(parts.groups) if parts.role.is_attention else None
+        if not isinstance(lane, TensorParallel):
             return None
         per_backward = parts.engine.zero_optimization_stage() == 2
-        return TensorParallelGrads(parts.module, sp, per_backward=per_backward).reduce
+        grads = TensorParallelGrads(parts.module, lane, per_backward=per_backward)
+        return None if per_backward else grads.reduce
 
     def _offloader(self, parts: RankParts[Layout], schedule: Schedule, worker: Worker) -> ActivationOffloader | None:
         """The side's offload share of this rank's chunk layers (None: nothing offloaded), prefetching in the order
@@ -290,7 +292,7 @@ class Disaggregated:
             num_micro_batches=cfg.micro_batches,
             micro_batch_size=parts.micro_batch_size,
             aux_coef=stage.config.router_aux_loss_coef if aux_loss_enabled(stage.config) else None,
-            sp=sequence_parallel_of(parts.groups, parts.role),
+            sp=sequence_parallel_of(parts.groups),
         )
 
 
@@ -306,10 +308,10 @@ def _exchange(parts: RankParts[Layout]) -> ExchangeComms:
     return parts.groups.exchange
 
 
-def _split_attention(stage: AttentionStage, groups: ProcessGroups, role: RankRole) -> None:
-    """An attention stage on lanes that share micro-batches: Ulysses around its attention cores (SP), or its
-    attention modules and gated MLPs cut to the rank's part from one full copy (TP)."""
-    lane = sequence_parallel_of(groups, role)
+def _split_attention(stage: AttentionStage, groups: ProcessGroups) -> None:
+    """An attention stage on lanes that share micro-batches: its attention modules and gated MLPs cut to the rank's
+    part from one full copy (TP), Ulysses around its attention cores (SP), or both."""
+    lane = sequence_parallel_of(groups)
     parts = [stage.part(int(layer)) for layer in stage.layers]
     if isinstance(lane, TensorParallel):
         broadcast_from_first(stage, lane, groups.tensor_parallel_ranks[0])
@@ -318,25 +320,26 @@ def _split_attention(stage: AttentionStage, groups: ProcessGroups, role: RankRol
             for mlp in glu_blocks(part.mlp):
                 shard_mlp(mlp, lane)
     if groups.sequence_parallel is not None:  # Ulysses around the cores (of the TP rank's heads, with TP)
-        size = len(groups.sequence_parallel_ranks)
-        install_ulysses([part.mixer for part in parts], SequenceParallel(groups.sequence_parallel, size,
-                        groups.sequence_parallel_ranks.index(dist.get_rank())))  # fmt: skip
+        install_ulysses(
+            [part.mixer for part in parts], _place(groups.sequence_parallel, groups.sequence_parallel_ranks)
+        )
 
 
-def sequence_parallel_of(groups: ProcessGroups, role: RankRole) -> SequenceParallel | None:
+def sequence_parallel_of(groups: ProcessGroups) -> SequenceParallel | None:
     """An attention rank's place in the lanes that hold its micro-batch in slices: its SP group, or its TP group
-    (``TensorParallel``); None when it holds the whole."""
+    (``TensorParallel``, over all s x t lanes of the micro-batch with Ulysses too); None when it holds the whole."""
     if groups.tensor_parallel is not None:
-        t = len(groups.tensor_parallel_ranks)
-        shards = SequenceParallel(groups.tensor_parallel, t, role.index % t)
-        if groups.lane_slices is None:  # TP alone: the TP group holds the micro-batch
-            return TensorParallel(groups.tensor_parallel, t, role.index % t, shards)
-        size = len(groups.lane_slices_ranks)
-        return TensorParallel(groups.lane_slices, size, role.index % size, shards)
+        shards = _place(groups.tensor_parallel, groups.tensor_parallel_ranks)
+        lane = shards if groups.lane_slices is None else _place(groups.lane_slices, groups.lane_slices_ranks)
+        return TensorParallel(lane.group, lane.size, lane.rank, shards)
     if groups.sequence_parallel is None:
         return None
-    size = len(groups.sequence_parallel_ranks)
-    return SequenceParallel(groups.sequence_parallel, size, role.index % size)
+    return _place(groups.sequence_parallel, groups.sequence_parallel_ranks)
+
+
+def _place(group: dist.ProcessGroup, ranks: tuple[int, ...]) -> SequenceParallel:
+    """This rank's place in ``group`` (its global ``ranks``, increasing)."""
+    return SequenceParallel(group, len(ranks), ranks.index(dist.get_rank()))
 
 
 def split_layers(schedule: Schedule, worker: Worker) -> frozenset[int]:

@@ -64,8 +64,8 @@ class LaneSlices(Section):
 
     Attributes:
         sequence_parallel: s, ranks of an A-group that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses
-            around the attention core, ``models.sequence_parallel``); s consecutive lanes form one SP group, so an
-            A-group's lanes / s groups train distinct micro-batches.
+            around the attention core, ``models.sequence_parallel``); s lanes form one SP group (consecutive ones
+            without tensor parallelism), so an A-group's lanes / (s t) groups train distinct micro-batches.
         tensor_parallel: t, ranks of an A-group that hold one micro-batch's sequence in slices and every attention
             module's heads and gated MLP's columns in shards (Megatron-style tensor parallel with sequence parallel,
             ``models.tensor_parallel``): t consecutive lanes form one TP group.

@@ -87,12 +87,16 @@ class TensorParallel(SequenceParallel):
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim`` (1: the whole sequence from the slices; a token-wise block
         may take any order of tokens); backward: this rank's part of the summed gradients."""
-        return _Pair.apply(x, partial(self._gathered, dim=dim), partial(self._scattered, dim=dim))
+        return _Pair.apply(
+            x, partial(self.shards.gather_along, dim=dim), partial(self.shards.reduce_scatter_along, dim=dim)
+        )
 
     def scatter(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's part along ``dim`` of the sum of every rank's partial ``x`` (backward: the gradient
         gathered)."""
-        return _Pair.apply(x, partial(self._scattered, dim=dim), partial(self._gathered, dim=dim))
+        return _Pair.apply(
+            x, partial(self.shards.reduce_scatter_along, dim=dim), partial(self.shards.gather_along, dim=dim)
+        )
 
     def context(self, stage, h_BSH: torch.Tensor, positions_BS: torch.Tensor, full_positions_BS) -> LayerContext:
         """What the attention modules see: the rotary embeddings of the TP group's part of the sequence (all of it
@@ -104,12 +108,6 @@ class TensorParallel(SequenceParallel):
         whole_BSH = h_BSH.new_empty(B, S_l * self.size, 1).expand(-1, -1, H)
         masks = build_context(stage.config, stage.rotary_emb, whole_BSH, full_positions_BS).masks
         return LayerContext(positions_BS, stage.rotary_emb(part_BSH, positions_BS), masks)
-
-    def _gathered(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return self.shards.gather_along(x, dim)
-
-    def _scattered(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return self.shards.reduce_scatter_along(x, dim)
 
 
 class _Pair(torch.autograd.Function):
@@ -259,12 +257,11 @@ def broadcast_from_first(module: nn.Module, tp: TensorParallel, first_rank: int)
 class TensorParallelGrads:
     """Sums the replicated parameters' gradients of an attention rank over its TP group, before DeepSpeed averages
     them over the rank's replicas: per backward (``per_backward``: ZeRO-2 reduces and frees the gradients inside
-    each backward), else once per step (``reduce``, before ``step()``)."""
+    each backward), else once per step (``reduce``, before ``step()``; the caller's)."""
 
     def __init__(self, module: nn.Module, tp: TensorParallel, *, per_backward: bool):
         self.tp = tp
         self.params = [p for p in module.parameters() if p.requires_grad and shard_of(p) is None]
-        self.per_backward = per_backward
         if per_backward:
             for param in self.params:
                 param.register_hook(self._summed)
@@ -276,8 +273,6 @@ class TensorParallelGrads:
 
     def reduce(self) -> None:
         """The step's accumulated gradients summed over the group, in one all-reduce per dtype."""
-        if self.per_backward:
-            return
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for param in self.params:
             if param.grad is None:  # every rank sums the same tensors
