@@ -104,6 +104,22 @@ def test_tied_embeddings_come_from_the_one_tensor_saved(tiny_checkpoint) -> None
     assert torch.equal(head_only.head.lm_head.weight, load_model(path).model.embed_tokens.weight)
 
 
+def test_fresh_token_routed_layers_get_the_generated_models_tables() -> None:
+    """A freshly initialised DeepSeek-V4 attention stage (both modes place one) holds the same per-layer token tables
+    as a generated whole model, not HF's all-zero init (every token to expert 0): K distinct experts per token, every
+    expert used."""
+    path = ROOT / "hf_models" / "tiny-deepseek-v4"
+    model = build_meta_model(path)
+    attention = cut(model)["attention"]
+    place(attention, model, CPU, seed=3)
+    expected = load_model(path).state_dict()
+    tables = {name: t for name, t in attention.state_dict().items() if name.endswith("tid2eid")}
+    assert len(tables) == 2  # the config's two hash_moe layers
+    for name, table_VK in tables.items():
+        assert torch.equal(table_VK, expected[f"model.{name}"]), name
+        assert (table_VK[:, 0] != table_VK[:, 1]).all()
+        assert torch.bincount(table_VK.flatten(), minlength=8).min() > 0
+
 def test_frozen_parameters_stay_frozen_when_their_part_is_allocated(tiny_checkpoint) -> None:
     path = tiny_checkpoint("qwen2-moe")
     model = build_meta_model(path)

@@ -252,7 +252,11 @@ def token_table_of(family: Family, block: nn.Module) -> torch.Tensor | None:
     if family.token_table is None:
         return None
     owner_path, _, name = family.token_table.rpartition(".")
-    return getattr(block.get_submodule(owner_path), name, None)
+    try:
+        owner = block.get_submodule(owner_path)
+    except AttributeError:  # a dense layer's MLP
+        return None
+    return getattr(owner, name, None)
 
 
 def mixer_attr(layer: nn.Module) -> str:

@@ -171,7 +171,8 @@ def fill_token_tables(layers, config) -> None:
         return
     items = layers.items() if hasattr(layers, "items") else enumerate(layers)
     for index, layer in items:
-        table = token_table_of(family, layer.mlp) if is_moe_layer(layer) else None
+        # Not ``is_moe_layer``: an attention part's MLP keeps the router but not the experts it tests for.
+        table = token_table_of(family, layer.mlp)
         if table is not None:
             with torch.no_grad():
                 table.copy_(token_table(config, int(index)))
