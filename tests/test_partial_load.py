@@ -120,6 +120,7 @@ def test_fresh_token_routed_layers_get_the_generated_models_tables() -> None:
         assert (table_VK[:, 0] != table_VK[:, 1]).all()
         assert torch.bincount(table_VK.flatten(), minlength=8).min() > 0
 
+
 def test_frozen_parameters_stay_frozen_when_their_part_is_allocated(tiny_checkpoint) -> None:
     path = tiny_checkpoint("qwen2-moe")
     model = build_meta_model(path)

@@ -89,7 +89,7 @@ def save(
         ds_config=ds_config,
         manifest_extra=extra,
         frozen_excluded=frozen.get("lora") is not None,  # a LoRA run's base weights are --init-from's
-        attach=None if tokenizer is None else lambda tag_dir: tokenizer.save_hf(tag_dir / TOKENIZER_DIR),
+        attach=None if tokenizer is None else lambda tag_dir: tokenizer.save(tag_dir / TOKENIZER_DIR),
     )
     if dist.get_rank() == 0 and keep_last:
         prune(root, keep_last)  # every rank has finished this save (save_checkpoint ends in a barrier)

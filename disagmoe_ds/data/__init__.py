@@ -32,6 +32,7 @@ from disagmoe_ds.data.sft import (
 )
 from disagmoe_ds.data.sources import Record, iter_records, load_documents, resolve_files
 from disagmoe_ds.data.tokenizer import (
+    BYTE_FALLBACK_MIN,
     HFTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
@@ -42,6 +43,7 @@ from disagmoe_ds.data.tokenizer import (
 
 __all__ = [
     "BUNDLED_CORPUS",
+    "BYTE_FALLBACK_MIN",
     "IGNORE_INDEX",
     "CorpusStats",
     "DataError",

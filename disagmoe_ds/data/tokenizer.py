@@ -2,11 +2,14 @@
 
 Both kinds expose the same small interface (``Tokenizer``) so packing and SFT code never ask which one they hold.
 The SentencePiece model keeps text exactly (identity normalisation, whitespace kept, "\\n" a piece of its own,
-byte fallback for unseen characters), so ``decode(encode(text)) == text`` for any text.
+byte fallback for unseen characters), so ``decode(encode(text)) == text`` for any text. Below ``BYTE_FALLBACK_MIN``
+ids the 256 byte pieces would crowd out the corpus's own (SentencePiece refuses them outright under about 350): such
+a vocabulary is trained without them, and characters it never saw become ``<unk>``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -23,6 +26,7 @@ from disagmoe_ds.data.sources import is_hub_spec, load_documents, resolve_files
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 # Bump when the training options below change, so that cached models trained the old way are not reused.
 _TRAINING_VERSION = 1
+BYTE_FALLBACK_MIN = 512  # the smallest vocabulary trained with byte pieces by default
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
 
 Message = Mapping[str, str]
@@ -45,7 +49,11 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> list[int]: ...
+    @property
+    def hf_problem(self) -> str | None: ...
+    def auto_class_problem(self, config_path: str | os.PathLike) -> str | None: ...
     def save_hf(self, out: str | os.PathLike) -> None: ...
+    def save(self, out: str | os.PathLike) -> None: ...
 
 
 # Texts on which an HF conversion of a SentencePiece model must encode exactly like SentencePiece (with every piece).
@@ -99,25 +107,65 @@ class SentencePieceTokenizer:
     def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> list[int]:
         raise DataError(f"SentencePiece tokenizer {self.model_path} has no chat template; SFT uses plain text")
 
-    def save_hf(self, out: str | os.PathLike) -> None:
-        """Write this model as an HF tokenizer (``AutoTokenizer.from_pretrained(out)`` encodes the same ids), plus
-        the .model file itself; refuses a model whose conversion would not encode exactly like SentencePiece."""
+    @functools.cached_property
+    def hf_problem(self) -> str | None:
+        """Why this model has no exact HF tokenizer (a text the conversion encodes differently), or None."""
         hf = _hf_from_sentencepiece(self._sp)
         probes = [*_CONVERSION_PROBES, *(self._sp.decode([i]) for i in range(self.vocab_size))]
         wrong = next((t for t in probes if hf.encode(t, add_special_tokens=False) != self.encode(t)), None)
-        if wrong is not None:
-            raise DataError(
-                f"SentencePiece model {self.model_path} cannot be converted to an HF tokenizer exactly (it encodes "
-                f"{wrong!r} differently); pass --tokenizer an HF tokenizer directory to export with one"
-            )
-        hf.save_pretrained(str(out))
+        if wrong is None:
+            return None
+        return (
+            f"SentencePiece model {self.model_path} cannot be converted to an HF tokenizer exactly (it encodes "
+            f"{wrong!r} differently)"
+        )
+
+    def auto_class_problem(self, config_path: str | os.PathLike) -> str | None:
+        """Why ``AutoTokenizer`` would misread this tokenizer beside the model's ``config_path`` (config.json), or
+        None: for some model types (Qwen3.5's, ERNIE-4.5's, MiniMax-M2's) transformers ignores the saved class
+        and builds the family's own byte-level pipeline from the vocabulary."""
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        if self.hf_problem is not None:
+            return None  # save_hf refuses it anyway
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_hf(tmp)
+            shutil.copy2(config_path, Path(tmp) / "config.json")
+            auto = AutoTokenizer.from_pretrained(tmp)
+        if all(auto.encode(t, add_special_tokens=False) == self.encode(t) for t in _CONVERSION_PROBES):
+            return None
+        return (
+            f"AutoTokenizer reads it beside this config as {type(auto).__name__}, which encodes differently: load "
+            f"an export's tokenizer with PreTrainedTokenizerFast.from_pretrained(DIR)"
+        )
+
+    def save_hf(self, out: str | os.PathLike) -> None:
+        """Write this model as an HF tokenizer (``AutoTokenizer.from_pretrained(out)`` encodes the same ids), plus
+        the .model file itself; refuses a model whose conversion would not encode exactly like SentencePiece."""
+        problem = self.hf_problem
+        if problem is not None:
+            raise DataError(f"{problem}; pass --tokenizer an HF tokenizer directory to export with one")
+        _hf_from_sentencepiece(self._sp).save_pretrained(str(out))
+        shutil.copy2(self.model_path, Path(out) / "tokenizer.model")
+
+    def save(self, out: str | os.PathLike) -> None:
+        """What a checkpoint keeps: the HF form (``save_hf``) where it is exact, else the .model file alone, which
+        ``--tokenizer`` and ``disagmoe-convert --tokenizer`` read as well; never fails on the conversion."""
+        if self.hf_problem is None:
+            self.save_hf(out)
+            return
+        Path(out).mkdir(parents=True, exist_ok=True)
         shutil.copy2(self.model_path, Path(out) / "tokenizer.model")
 
 
 def _hf_from_sentencepiece(sp: spm.SentencePieceProcessor) -> Any:
     """A ``PreTrainedTokenizerFast`` for a BPE model trained by ``train_or_load_tokenizer`` (dummy prefix, spaces as
-    pieces' prefix, digits split, byte fallback, "\\n" a piece of its own). Without protobuf: vocabulary and merges
-    are read through the processor (a piece's merges are its splits into two pieces, in the order of its id)."""
+    pieces' prefix, digits split, byte fallback if it has byte pieces, "\\n" a piece of its own). Without protobuf:
+    vocabulary and merges are read through the processor (a piece's merges are its splits into two pieces, in the
+    order of its id). Split digits need no pre-tokenizer of their own: no merge joins two digits, and one would keep
+    HF from fusing a run of unknown ones into one ``<unk>`` as SentencePiece does."""
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -130,13 +178,12 @@ def _hf_from_sentencepiece(sp: spm.SentencePieceProcessor) -> Any:
         splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
         merges += [(i, vocab[a], vocab[b], a, b) for a, b in splits]
     unk = sp.id_to_piece(sp.unk_id())
+    byte_fallback = any(sp.is_byte(i) for i in range(sp.get_piece_size()))
     model = models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in sorted(merges)], unk_token=unk, fuse_unk=True,
-                       byte_fallback=True)  # fmt: skip
+                       byte_fallback=byte_fallback)  # fmt: skip
     rust = RustTokenizer(model)
     rust.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    rust.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split("\u2581", "merged_with_next"), pre_tokenizers.Digits(individual_digits=True)]
-    )
+    rust.pre_tokenizer = pre_tokenizers.Split("\u2581", "merged_with_next")
     strip = decoders.Strip(" ", 1, 0)
     rust.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), strip])
     specials = {"unk_token": sp.unk_id(), "bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "pad_token": sp.pad_id()}
@@ -193,7 +240,7 @@ def _train(lines: list[str], options: Mapping[str, Any], seed: int, target: Path
             reason = str(err).strip().splitlines()[-1]
             raise DataError(
                 f"SentencePiece cannot train vocab_size={options['vocab_size']} on this corpus ({reason}); "
-                f"change vocab_size (or set byte_fallback=False for vocabularies under ~350)"
+                f"pass a larger --vocab-size (and model vocab_size)"
             ) from err
     os.replace(tmp, target)
 
@@ -204,7 +251,7 @@ def train_or_load_tokenizer(
     cache_dir: str | os.PathLike,
     *,
     model_type: str = "bpe",
-    byte_fallback: bool = True,
+    byte_fallback: bool | None = None,
     text_field: str = "text",
     limit: int | None = None,
     seed: int = 0,
@@ -217,7 +264,8 @@ def train_or_load_tokenizer(
         vocab_size: number of token ids, special and byte pieces included.
         cache_dir: where trained models are kept, keyed by (corpus bytes, vocab_size, every option below).
         model_type: "bpe" or "unigram".
-        byte_fallback: encode unseen characters as bytes (needs 256 ids), so no text maps to <unk>.
+        byte_fallback: encode unseen characters as bytes (needs 256 ids), so no text maps to <unk>; None: when
+            ``vocab_size >= BYTE_FALLBACK_MIN``.
         text_field: the document field of .jsonl/.parquet rows.
         limit: train on the first ``limit`` documents of each path (fast tests).
         seed: SentencePiece's random seed; with the corpus it fixes the model.
@@ -228,6 +276,8 @@ def train_or_load_tokenizer(
         if is_hub_spec(spec):
             raise DataError(f"tokenizer corpus {spec} must be local files; hub datasets cannot be hashed for the cache")
     files = [path for spec in corpus_paths for path in resolve_files(spec)]
+    if byte_fallback is None:
+        byte_fallback = vocab_size >= BYTE_FALLBACK_MIN
     options = _training_options(vocab_size, model_type, byte_fallback)
     extra = {"text_field": text_field, "limit": limit, "seed": seed}
     target = _cache_path(files, options, extra, Path(cache_dir))
@@ -284,8 +334,18 @@ class HFTokenizer:
             [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
 
+    @property
+    def hf_problem(self) -> str | None:
+        return None
+
+    def auto_class_problem(self, config_path: str | os.PathLike) -> str | None:
+        return None  # the model's own tokenizer, read as transformers reads it
+
     def save_hf(self, out: str | os.PathLike) -> None:
         self._tok.save_pretrained(str(out))
+
+    def save(self, out: str | os.PathLike) -> None:
+        self.save_hf(out)
 
 
 def load_hf_tokenizer(model_dir: str | os.PathLike) -> HFTokenizer:

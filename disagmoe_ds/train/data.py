@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disagmoe_ds.data import (
+    BYTE_FALLBACK_MIN,
     DataError,
     MicroBatchLoader,
     PackedDataset,
@@ -64,7 +65,17 @@ def load_tokenizer(args: TrainArgs, model_config) -> tuple[Tokenizer, str]:
     """The tokenizer (see ``--tokenizer``) and a one-line description; its ids must fit the model's vocab."""
     tokenizer, what = _pick_tokenizer(args, model_config)
     check_vocab(tokenizer.vocab_size, model_config.vocab_size)
-    return tokenizer, f"{what}, {tokenizer.vocab_size} ids (model vocab_size {model_config.vocab_size})"
+    exports = [
+        flag for flag, out in (("--export-hf", args.export_hf), ("--export-hf-merged", args.export_hf_merged)) if out
+    ]
+    if exports and tokenizer.hf_problem is not None:  # found now, not after the last step
+        raise DataError(
+            f"{exports[0]} writes an HF tokenizer and {tokenizer.hf_problem}: pass --tokenizer an HF tokenizer "
+            f"directory, or drop {exports[0]} (checkpoints keep the .model file)"
+        )
+    what = f"{what}, {tokenizer.vocab_size} ids (model vocab_size {model_config.vocab_size})"
+    misread = tokenizer.auto_class_problem(args.model / "config.json") if exports else None
+    return tokenizer, what if misread is None else f"{what}; note: {misread}"
 
 
 def _pick_tokenizer(args: TrainArgs, model_config) -> tuple[Tokenizer, str]:
@@ -84,7 +95,10 @@ def _pick_tokenizer(args: TrainArgs, model_config) -> tuple[Tokenizer, str]:
         )
     vocab_size = args.vocab_size or model_config.vocab_size
     tokenizer = train_or_load_tokenizer(data_spec(args), vocab_size, args.tokenizer_cache, text_field=args.text_field)
-    return tokenizer, f"SentencePiece trained on {data_spec(args)} ({tokenizer.model_path})"
+    what = f"SentencePiece trained on {data_spec(args)} ({tokenizer.model_path})"
+    if vocab_size < BYTE_FALLBACK_MIN:
+        what += f", no byte pieces (under {BYTE_FALLBACK_MIN} ids; characters it never saw become <unk>)"
+    return tokenizer, what
 
 
 def prepare_data(args: TrainArgs, model_config) -> TrainData:

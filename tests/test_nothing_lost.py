@@ -1,0 +1,47 @@
+"""Nothing a run trained is lost after training, and what would lose it is refused before launch (issue 45).
+
+Each case is the command a user ran: its exit code, its one line, and the checkpoint it leaves (intact, resumable).
+"""
+
+from __future__ import annotations
+
+from disagmoe_ds.data import SentencePieceTokenizer, bundled_corpus, train_or_load_tokenizer
+from tests.runs import ROOT, assert_refused_before_launch, pretrain, records
+
+
+def test_a_128_id_model_trains_on_the_bundled_corpus_and_exports_its_tokenizer(tok_cache, tmp_path, capfd) -> None:
+    """A vocabulary too small for SentencePiece's 256 byte pieces is trained without them; its HF form (in the
+    checkpoint and the export) encodes exactly as SentencePiece does, unknown characters included."""
+    from transformers import PreTrainedTokenizerFast
+
+    ck, export = tmp_path / "ck", tmp_path / "hf"
+    model = ROOT / "hf_models" / "tiny-qwen3.5-moe"  # vocab_size 128
+    assert pretrain(tok_cache, "--model", model, "--steps", 2, "--save-dir", ck, "--export-hf", export) == 0
+    text = "Mr. Darcy\tpaid 1,234 \u00e9cus \u2014 \U0001f600 at 3.14 p.m.\n"
+    for saved in (ck / "step2" / "tokenizer", export):
+        sp = SentencePieceTokenizer(saved / "tokenizer.model")  # the run's, saved beside its HF form
+        assert sp.vocab_size == 128 and sp.encode(text).count(0) >= 3  # no byte pieces: <unk>s
+        # AutoTokenizer builds Qwen3.5's own byte-level tokenizer beside its config.json (the banner says so)
+        assert PreTrainedTokenizerFast.from_pretrained(saved).encode(text, add_special_tokens=False) == sp.encode(text)
+    banner = capfd.readouterr().out
+    assert (
+        "no byte pieces" in banner and "note: AutoTokenizer reads it beside this config as Qwen3_5Tokenizer" in banner
+    )
+
+
+def test_a_tokenizer_without_an_hf_form_is_refused_before_launch_only_when_exporting(
+    tok_cache, tmp_path, capfd
+) -> None:
+    """A SentencePiece model the HF conversion cannot reproduce (a unigram one): ``--export-hf`` is refused before
+    any rank starts; without it the run trains and every checkpoint keeps the .model file."""
+    unigram = train_or_load_tokenizer(bundled_corpus(), 128, tmp_path / "tok", model_type="unigram").model_path
+    model = ROOT / "hf_models" / "tiny-qwen3-moe"
+    argv = ["--model", model, "--tokenizer", unigram, "--steps", 2, "--save-dir", tmp_path / "ck"]
+    message = r"--export-hf writes an HF tokenizer and SentencePiece model .* cannot be converted .* pass --tokenizer"
+    assert_refused_before_launch(tok_cache, capfd, [*argv, "--export-hf", tmp_path / "hf"], message)
+    assert not (tmp_path / "ck").exists()
+    assert pretrain(tok_cache, *argv, "--metrics-file", tmp_path / "m.jsonl") == 0
+    saved = tmp_path / "ck" / "step2" / "tokenizer" / "tokenizer.model"
+    assert saved.read_bytes() == unigram.read_bytes()
+    assert [r["step"] for r in records(tmp_path / "m.jsonl")] == [1, 2]
+    assert not list((tmp_path / "ck").glob(".partial-*"))
