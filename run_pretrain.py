@@ -109,7 +109,7 @@ def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True) -> J
     """
     config = load_config(args.model)
     layout = mode_of(args).preflight(args, config, world_size)
-    check_train_model(args)
+    check_train_model(args, config)
     check_data_args(args, config)
     bias_update_rate(args.bias_update_rate, config)
     if args.resume is None:

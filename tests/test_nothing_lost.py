@@ -45,3 +45,23 @@ def test_a_tokenizer_without_an_hf_form_is_refused_before_launch_only_when_expor
     assert saved.read_bytes() == unigram.read_bytes()
     assert [r["step"] for r in records(tmp_path / "m.jsonl")] == [1, 2]
     assert not list((tmp_path / "ck").glob(".partial-*"))
+
+
+def test_lora_adapters_peft_cannot_load_are_refused_before_launch(tok_cache, tmp_path, capfd) -> None:
+    """DeepSeek-V4's attention holds compressor ``gate_proj``s that PEFT would move onto the fused experts: a LoRA
+    run exporting an adapter directory is refused before launch (it used to train, save, then fail); without the
+    export, or with targets that leave them out, it is not."""
+    from tests.conftest import write_tiny_checkpoint
+
+    hf_dir = write_tiny_checkpoint("deepseek-v4", tmp_path / "hf", seed=1, vocab_size=512)
+    argv = ["--init-from", hf_dir, "--lora-rank", 4, "--steps", 1, "--attention-gpus", 1, "--ffn-gpus", 1]
+    message = r"PEFT cannot load adapters on model\.layers\.1\.self_attn\.compressor\.gate_proj .*--export-hf-merged"
+    assert_refused_before_launch(tok_cache, capfd, [*argv, "--export-hf", tmp_path / "adapter"], message)
+    targets = ("--lora-targets", "q_a_proj,q_b_proj,kv_proj,o_b_proj,experts")
+    assert pretrain(tok_cache, *argv, *targets, "--export-hf", tmp_path / "adapter") == 0
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_lora_on_a_fresh_init_is_refused_before_launch(tok_cache, capfd) -> None:
+    message = r"LoRA trains adapters over pretrained weights, and .* fresh init .* pass --init-from HF_DIR"
+    assert_refused_before_launch(tok_cache, capfd, ["--lora-rank", 8], message)

@@ -115,24 +115,9 @@ def check_lora(config, settings: LoraSettings, *, needs: tuple[str, ...] = ()) -
     """Refuse targets that name nothing in the model (before any rank starts; the model is built on the meta
     device), and targets that leave one of the sides in ``needs`` (``attention``, ``expert``) nothing to train: its
     DeepSpeed engine needs parameters to train (the attention side trains the routers with ``train_router``)."""
-    from transformers import AutoModelForCausalLM
-
-    from disagmoe_ds.models.families import family_of, is_moe_layer, mixer_attr
-
-    family = family_of(config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    seen: set[str] = set()
-    attention = False
-    for layer in model.model.layers:
-        moe = is_moe_layer(layer)
-        skip = [getattr(layer.mlp, family.router_attr)] if moe else []
-        mlp = nn.ModuleDict({k: m for k, m in layer.mlp.named_children() if k != "experts"}) if moe else layer.mlp
-        for group, root in (("attention", getattr(layer, mixer_attr(layer))), ("mlp", mlp)):
-            for name, _ in _linears(root, skip=skip[0] if skip else None):
-                leaf = name.rpartition(".")[2]
-                seen.add(leaf)
-                attention |= settings.adapts(group, leaf)
+    linears = _attention_side_linears(config)
+    seen = {leaf for _, _, leaf in linears}
+    attention = any(settings.adapts(group, leaf) for _, group, leaf in linears)
     unknown = [t for t in settings.targets if t not in GROUPS and t not in seen]
     if unknown:
         raise ConfigError(
@@ -147,3 +132,33 @@ def check_lora(config, settings: LoraSettings, *, needs: tuple[str, ...] = ()) -
             f'"disagmoe.lora.targets" {list(settings.targets)} leave the {idle[0]} side nothing to train, and its '
             f"DeepSpeed engines need parameters to train; {fix} (--lora-targets, --lora-train-router)"
         )
+
+
+def check_adapter_export(config, settings: LoraSettings) -> None:
+    """Before launch, what ``peft_format.write_adapter`` would refuse after training: adapters PEFT cannot load."""
+    from disagmoe_ds.models.peft_format import check_loadable
+
+    check_loadable(config, [f"{name}.{A}" for name, group, leaf in _attention_side_linears(config)
+                            if settings.adapts(group, leaf)])  # fmt: skip
+
+
+def _attention_side_linears(config) -> list[tuple[str, str, str]]:
+    """``(HF module name, group, leaf name)`` of every ``nn.Linear`` an attention-side adapter could wrap, read off a
+    meta model: the token mixer's (group ``attention``) and the dense or shared MLPs' (``mlp``), routers excluded."""
+    from transformers import AutoModelForCausalLM
+
+    from disagmoe_ds.models.families import family_of, is_moe_layer, mixer_attr
+
+    family = family_of(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    found = []
+    for i, layer in enumerate(model.model.layers):
+        moe = is_moe_layer(layer)
+        skip = getattr(layer.mlp, family.router_attr) if moe else None
+        mlp = nn.ModuleDict({k: m for k, m in layer.mlp.named_children() if k != "experts"}) if moe else layer.mlp
+        for group, prefix, root in (("attention", mixer_attr(layer), getattr(layer, mixer_attr(layer))),
+                                    ("mlp", "mlp", mlp)):  # fmt: skip
+            found += [(f"model.layers.{i}.{prefix}.{name}", group, name.rpartition(".")[2])
+                      for name, _ in _linears(root, skip=skip)]  # fmt: skip
+    return found

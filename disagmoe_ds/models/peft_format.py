@@ -126,13 +126,7 @@ def write_adapter(
     ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), out)`` loads it."""
     from disagmoe_ds.models.hf_writer import add_tokenizer, replace_dir
 
-    renamed = v4_renamed(config, tensors)
-    if renamed:
-        raise ConfigError(
-            f"PEFT cannot load adapters on {renamed[0]} ({len(renamed)} such modules): for {config.model_type} it "
-            "takes gate_proj/up_proj/down_proj targets for transformers-4 expert projections and moves them to the "
-            "fused experts. Export the merged model instead (--export-hf-merged), or train without the mlp target"
-        )
+    check_loadable(config, tensors)
     routers = router_modules(config, tensors) if settings.train_router else []
     adapters = {n: t for n, t in tensors.items() if is_adapter(n) or any(n.startswith(r + ".") for r in routers)}
     partial = out.with_name(f".partial-{out.name}")
@@ -214,6 +208,18 @@ def _no_v4_renames() -> Iterator[None]:
         yield
     finally:
         conversion.convert_peft_config_for_transformers = kept
+
+
+def check_loadable(config, names: Any) -> None:
+    """Refuse adapters (tensor names) that PEFT would not load as adapted (``v4_renamed``), naming the way out."""
+    renamed = v4_renamed(config, names)
+    if renamed:
+        raise ConfigError(
+            f"PEFT cannot load adapters on {renamed[0]} ({len(renamed)} such modules): for {config.model_type} it "
+            "takes gate_proj/up_proj/down_proj targets for transformers-4 expert projections and moves them to the "
+            "fused experts. Export the merged model instead (--export-hf-merged), or leave those modules out of "
+            "--lora-targets (name the projections to adapt)"
+        )
 
 
 def v4_renamed(config, names: Any) -> list[str]:

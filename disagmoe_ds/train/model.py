@@ -17,6 +17,8 @@ from pathlib import Path
 
 from torch import nn
 
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.models.adapters import check_adapter_export
 from disagmoe_ds.models.families import family_of, is_moe_layer, mixer_attr, router_of
 from disagmoe_ds.models.loading import build_meta_model
 from disagmoe_ds.models.partial_load import check_pretrained, model_to_cut
@@ -54,10 +56,22 @@ def load_train_model(args: TrainArgs) -> TrainModel:
     return TrainModel(model, weights, freeze(model, router=args.freeze_router, attention=args.freeze_attention))
 
 
-def check_train_model(args: TrainArgs) -> None:
-    """Before any rank starts: with ``--init-from``, the directory holds weights and every tensor of the model."""
+def check_train_model(args: TrainArgs, config) -> None:
+    """Before any rank starts: with ``--init-from``, the directory holds weights and every tensor of the model; LoRA
+    adapts pretrained weights, and an adapter directory it exports is one PEFT loads."""
     if args.pretrained:
         check_pretrained(args.model, dtype=args.torch_dtype)
+    lora = args.cfg.lora
+    if lora is None:
+        return
+    if not args.pretrained:
+        raise ConfigError(
+            f"LoRA trains adapters over pretrained weights, and {args.model} is trained from a fresh init (its "
+            f"adapters would have no base to load onto): pass --init-from HF_DIR, or drop --lora-rank to train "
+            f"every weight"
+        )
+    if args.export_hf is not None:
+        check_adapter_export(config, lora)
 
 
 def freeze(model: nn.Module, *, router: bool, attention: bool) -> Frozen:
