@@ -216,7 +216,7 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     start = restore(runtime, resume.root, resume.tag, loader, lanes=args.lanes) if resume is not None else 0
     peak = peak_tflops(device, args.peak_tflops)
     throughput = Throughput(args.tokens_per_step, facts.flops_per_token, layout.world_size, peak)
-    progress = Progress(args, start_step=start) if rank == 0 else None
+    progress = Progress(args, start_step=start, monitor=runtime.engine.monitor) if rank == 0 else None
     timeline_step = min(start + 1, args.steps - 1)  # the run's second step: the first pays one-off costs
 
     tokenizer = data.tok if data is not None else None

@@ -23,6 +23,7 @@ from disagmoe_ds.train.checks import (
     check_ds_config_keys,
     check_engine_config,
     check_flag_values,
+    check_monitors,
     check_outputs,
     check_resume_flags,
     check_tensorboard,
@@ -120,6 +121,7 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
     check_ds_config_keys(ds_config)
     check_resume_flags(ns.resume, ns.save_dir)
     check_tensorboard(ns.tensorboard)
+    check_monitors(ds_config)
     check_outputs(ns)
     if ns.export_hf_merged is not None and cfg.lora is None:
         raise ConfigError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import inspect
 import tempfile
 import warnings
@@ -102,6 +103,26 @@ def check_tensorboard(log_dir: Path | None) -> None:
             f"--tensorboard {log_dir} needs the tensorboard package, which is not installed; "
             f"pip install tensorboard (or drop --tensorboard; --metrics-file writes the same records as JSON lines)"
         ) from None
+
+
+# DeepSpeed's monitor sections and the package each one imports on rank 0 when its engine is built.
+_MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml", "csv_monitor": None}
+
+
+def check_monitors(ds_config: dict[str, Any]) -> None:
+    """Every monitor the ds_config enables can start: its package imports (DeepSpeed would fail inside the ranks,
+    after their start-up) and its output folder can be written."""
+    for section, package in _MONITOR_PACKAGES.items():
+        settings = ds_config.get(section)
+        if not isinstance(settings, dict) or not settings.get("enabled", False):
+            continue
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f'ds_config "{section}" is enabled but the {package} package is not installed: pip install '
+                f'{package.replace("_", "-")}, or set "{section}": {{"enabled": false}}'
+            )
+        if settings.get("output_path"):
+            _check_writable(f'ds_config "{section}.output_path"', Path(settings["output_path"]), directory=True)
 
 
 def check_batch_keys(ds_config: dict[str, Any], cfg: DisagMoEConfig | ColocatedConfig, micro_batch_size: int) -> None:

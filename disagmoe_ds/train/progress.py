@@ -94,7 +94,9 @@ def summary_fields(rec: StepRecord) -> dict[str, str]:
 class Progress:
     """Rank 0's sinks for step records. ``close()`` flushes and closes everything."""
 
-    def __init__(self, args: TrainArgs, *, start_step: int) -> None:
+    def __init__(self, args: TrainArgs, *, start_step: int, monitor: Any = None) -> None:
+        """``monitor``: DeepSpeed's ``MonitorMaster`` of rank 0's engine (the ds_config's tensorboard, wandb,
+        csv_monitor and comet sections), which gets every step's scalars too."""
         self.log_every = args.log_every
         self.bar = tqdm(
             total=args.steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not sys.stderr.isatty()
@@ -102,8 +104,10 @@ class Progress:
         self.jsonl = None
         if args.metrics_file is not None:
             args.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+            _drop_records_after(args.metrics_file, start_step)  # a resumed run logs those steps again
             self.jsonl = args.metrics_file.open("a")
         self.tensorboard = _tensorboard_writer(args.tensorboard)
+        self.monitor = monitor if monitor is not None and monitor.enabled else None
 
     def print(self, text: str) -> None:
         """A message that does not break the bar."""
@@ -123,8 +127,12 @@ class Progress:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(rec.to_json()) + "\n")
             self.jsonl.flush()  # a killed run keeps every finished step
+        values = {tag: value for tag, value in scalars(rec).items() if value is not None}
         if self.tensorboard is not None:
-            _write_scalars(self.tensorboard, rec)
+            for tag, value in values.items():
+                self.tensorboard.add_scalar(tag, value, rec.step)
+        if self.monitor is not None:
+            self.monitor.write_events([(tag, value, rec.step) for tag, value in values.items()])
 
     def close(self) -> None:
         self.bar.close()
@@ -142,7 +150,26 @@ def _tensorboard_writer(log_dir: Path | None) -> Any:
     return SummaryWriter(log_dir=str(log_dir))
 
 
-def _write_scalars(writer: Any, rec: StepRecord) -> None:
+def _drop_records_after(path: Path, step: int) -> None:
+    """Keep the metrics file's records up to ``step`` (a run resumed there repeats the later ones)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if (_step_of(line) or step + 1) <= step]
+    if len(kept) != len(lines):
+        path.write_text("".join(kept))
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a metrics record, or None for a line a killed run left half-written."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def scalars(rec: StepRecord) -> dict[str, float | None]:
+    """A step's values under the tags TensorBoard and DeepSpeed's monitors show them."""
     values = {
         "train/loss": rec.loss,
         "train/lm_loss": rec.lm_loss,
@@ -155,9 +182,7 @@ def _write_scalars(writer: Any, rec: StepRecord) -> None:
         "balance/max_imbalance": rec.max_imbalance,
     }
     values.update({f"balance/imbalance_layer{i}": v for i, v in enumerate(rec.expert_imbalance)})
-    for tag, value in values.items():
-        if value is not None:
-            writer.add_scalar(tag, value, rec.step)
+    return values
 
 
 def _lanes_text(args: TrainArgs) -> str:

@@ -1,0 +1,44 @@
+"""Experiment tracking: every step's scalars reach the monitors the ds_config enables (DeepSpeed's ``monitor``
+sections), each monitor is checked before launch, and a resumed run's metrics file reads as one run."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from tests.runs import ROOT, assert_refused_before_launch, pretrain, records
+
+
+def _ds_config(tmp_path, **sections) -> str:
+    ds = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**ds, **sections}))
+    return str(path)
+
+
+def test_a_csv_monitor_records_the_loss_of_every_step(tok_cache, tmp_path) -> None:
+    ds = _ds_config(tmp_path, csv_monitor={"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"})
+    metrics = tmp_path / "m.jsonl"
+    assert pretrain(tok_cache, "--deepspeed_config", ds, "--steps", 3, "--metrics-file", metrics) == 0
+    logged = {r["step"]: r for r in records(metrics)}
+    for name, field in (("train_loss", "loss"), ("train_grad_norm", "grad_norm"), ("perf_tokens_per_s", None)):
+        with (tmp_path / "csv" / "run" / f"{name}.csv").open() as handle:
+            rows = list(csv.reader(handle))[1:]
+        assert [int(step) for step, _ in rows] == [1, 2, 3]
+        if field is not None:
+            assert [float(v) for _, v in rows] == [logged[s][field] for s in (1, 2, 3)]
+
+
+def test_a_monitor_whose_package_is_missing_is_refused_before_launch(tok_cache, tmp_path, capfd) -> None:
+    ds = _ds_config(tmp_path, comet={"enabled": True})
+    message = r'ds_config "comet" is enabled but the comet_ml package is not installed: pip install comet-ml'
+    assert_refused_before_launch(tok_cache, capfd, ["--deepspeed_config", ds], message)
+
+
+def test_a_resumed_runs_metrics_file_holds_each_step_once(tok_cache, tmp_path) -> None:
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    assert pretrain(tok_cache, "--steps", 3, "--save-dir", ck, "--save-every", 1, "--metrics-file", metrics) == 0
+    with metrics.open("a") as handle:
+        handle.write('{"step": 4, "lo')  # a killed run's half-written line
+    assert pretrain(tok_cache, "--steps", 3, "--resume", ck / "step1", "--metrics-file", metrics) == 0
+    assert [r["step"] for r in records(metrics)] == [1, 2, 3]
