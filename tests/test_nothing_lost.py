@@ -5,8 +5,24 @@ Each case is the command a user ran: its exit code, its one line, and the checkp
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+import psutil
+
 from disagmoe_ds.data import SentencePieceTokenizer, bundled_corpus, train_or_load_tokenizer
-from tests.runs import ROOT, assert_refused_before_launch, pretrain, records
+from tests.runs import (
+    ROOT,
+    STOP_BOUND_S,
+    assert_refused_before_launch,
+    assert_saved_at_the_stopped_step,
+    kill_session,
+    pretrain,
+    records,
+    start_job,
+    wait_for_steps,
+)
 
 
 def test_a_128_id_model_trains_on_the_bundled_corpus_and_exports_its_tokenizer(tok_cache, tmp_path, capfd) -> None:
@@ -65,3 +81,19 @@ def test_lora_adapters_peft_cannot_load_are_refused_before_launch(tok_cache, tmp
 def test_lora_on_a_fresh_init_is_refused_before_launch(tok_cache, capfd) -> None:
     message = r"LoRA trains adapters over pretrained weights, and .* fresh init .* pass --init-from HF_DIR"
     assert_refused_before_launch(tok_cache, capfd, ["--lora-rank", 8], message)
+
+
+def test_kill_9_of_the_parent_stops_its_ranks_with_a_checkpoint(tok_cache, tmp_path) -> None:
+    """No launcher: SIGKILL of the process that forked the ranks (it can pass nothing on) leaves them orphaned; they
+    notice after their step, save it and exit, instead of training to the end with nobody reading their output."""
+    proc = start_job([sys.executable], tmp_path, tok_cache)
+    try:
+        wait_for_steps(proc, tmp_path, 2)
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _, alive = psutil.wait_procs(ranks, timeout=STOP_BOUND_S)
+        assert not alive, alive
+    finally:
+        kill_session(proc)
+    assert_saved_at_the_stopped_step(tmp_path)

@@ -39,22 +39,20 @@ STOPPED_EXIT = 130  # 128 + SIGINT: what a shell reports for an interrupted comm
 
 
 class LauncherWatch:
-    """Under the ``deepspeed`` launcher: whether the ``deepspeed`` command that started this node's launcher died.
+    """Whether the process that started this rank died (``kill -9`` of it leaves the rank orphaned, re-parented).
 
-    The rank's parent is DeepSpeed's per-node launcher (``deepspeed.launcher.launch``); its parent is the
-    ``deepspeed`` command (or pdsh's remote shell). When that process dies, the per-node launcher is re-parented,
-    which changes its parent PID: one read of /proc per step, no PID-reuse race, no zombie confusion.
+    Under ``deepspeed`` the rank's parent is DeepSpeed's per-node launcher (``deepspeed.launcher.launch``), which
+    outlives a killed ``deepspeed`` command (or pdsh's remote shell): the watch is on the launcher's parent. Under
+    any other start (this script's forked ranks, torchrun, mpirun) it is on the rank's own parent. A re-parented
+    process's parent PID changes: one read per step, no PID-reuse race, no zombie confusion.
     """
 
     def __init__(self, launcher: str | None) -> None:
-        self._expected: int | None = None
-        if launcher == "deepspeed":
-            self._expected = _parent_of(os.getppid())
+        self._read = (lambda: _parent_of(os.getppid())) if launcher == "deepspeed" else os.getppid
+        self._expected = self._read()
 
     def gone(self) -> bool:
-        if self._expected is None:
-            return False
-        return _parent_of(os.getppid()) != self._expected
+        return self._read() != self._expected
 
 
 def _parent_of(pid: int) -> int | None:
