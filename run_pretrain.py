@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from disagmoe_ds.checkpoint.export import export_hf
@@ -71,6 +72,7 @@ from disagmoe_ds.train.model import check_train_model, load_train_model
 from disagmoe_ds.train.modes import mode_of
 from disagmoe_ds.train.plan import JobPlan
 from disagmoe_ds.train.progress import Progress, banner, training_state_line
+from disagmoe_ds.train.resources import check_resources
 
 ROOT = Path(__file__).resolve().parent  # defaults (model, ds_config, tokenizer cache) live beside this file
 
@@ -97,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     return STOPPED_EXIT if stopped else 0
 
 
-def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True) -> JobPlan:
+def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True, local: bool = False) -> JobPlan:
     """What can be checked before any rank starts: layout vs model and world size, ZeRO rules, the weights of
-    ``--init-from``, data paths and lengths, the balancing setting, and that the checkpoint to resume is intact
+    ``--init-from``, data paths and lengths, the balancing setting, host memory (``local``: the ranks are CPU
+    processes of this machine) and disk space for a checkpoint, and that the checkpoint to resume is intact
     (``hashes``: its files' sha256 too, not only their sizes) and belongs to this mode, model, layout, seed and
     freezing, with steps left to train.
 
@@ -112,6 +115,7 @@ def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True) -> J
     check_train_model(args, config)
     check_data_args(args, config)
     bias_update_rate(args.bias_update_rate, config)
+    check_resources(args, config, layout, cpu_ranks_here=local and not torch.cuda.is_available())
     if args.resume is None:
         return JobPlan(args, config, layout, None)
     point = _check_resume(args, config, layout, num_samples=None, hashes=hashes)
@@ -134,7 +138,7 @@ def _check_resume(args: TrainArgs, config, layout, *, num_samples: int | None, h
 
 def run_local(args: TrainArgs) -> bool:
     """Fork the job's ranks here and train; True when the run stopped on request (after its save)."""
-    plan = preflight_run(args, args.cfg.world_size)
+    plan = preflight_run(args, args.cfg.world_size, local=True)
     backend = local_backend(plan.layout.world_size)
     data = prepare_data(plan.args, plan.config)  # once, here: the forked ranks inherit the samples
     if plan.resume is not None:

@@ -6,10 +6,12 @@ Each case is the command a user ran: its exit code, its one line, and the checkp
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 
 import psutil
+import pytest
 
 from disagmoe_ds.data import SentencePieceTokenizer, bundled_corpus, train_or_load_tokenizer
 from tests.runs import (
@@ -20,6 +22,7 @@ from tests.runs import (
     kill_session,
     pretrain,
     records,
+    same,
     start_job,
     wait_for_steps,
 )
@@ -97,3 +100,59 @@ def test_kill_9_of_the_parent_stops_its_ranks_with_a_checkpoint(tok_cache, tmp_p
     finally:
         kill_session(proc)
     assert_saved_at_the_stopped_step(tmp_path)
+
+
+def test_a_save_that_runs_out_of_disk_names_it_and_keeps_the_last_checkpoint(
+    tok_cache, tmp_path, capfd, monkeypatch
+) -> None:
+    """torch.save reports a full disk as "[enforce fail at inline_container.cc:...] unexpected pos"; the save of
+    step 4 failing that way is one line about space, its partial directory is gone, and step 2 resumes."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    save = DeepSpeedEngine.save_checkpoint
+
+    def short_of_space(self, save_dir, *args, **kwargs):
+        if ".partial-step4" in str(save_dir):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4480 vs 4374")
+        return save(self, save_dir, *args, **kwargs)
+
+    monkeypatch.setattr(DeepSpeedEngine, "save_checkpoint", short_of_space)  # the forked ranks inherit it
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    argv = ["--steps", 4, "--save-dir", ck, "--save-every", 2]
+    assert pretrain(tok_cache, *argv, "--metrics-file", metrics) == 1
+    err = capfd.readouterr().err
+    assert re.search(
+        r"saving checkpoint .*step4 failed: no space left on the device \(.* MiB free now\); free "
+        r"space or pick another --save-dir; the last complete checkpoint, .*step2, is intact",
+        err,
+    ), err
+    assert (ck / "latest").read_text() == "step2" and not list(ck.glob(".partial-*"))
+    monkeypatch.setattr(DeepSpeedEngine, "save_checkpoint", save)
+    assert pretrain(tok_cache, *argv, "--resume", "--metrics-file", tmp_path / "resumed.jsonl") == 0
+    assert same(records(tmp_path / "resumed.jsonl"), records(metrics)[2:4])
+
+
+@pytest.mark.parametrize(
+    ("short", "message"),
+    [
+        (
+            "disk",
+            r"--save-dir .*ck: a checkpoint of this run takes about 0\.0 GiB \(planner\) and its disk has 0\.0 GiB",
+        ),
+        ("memory", r"the 4 CPU ranks' training state alone is 0\.0 GiB \(planner\) and this machine has 0\.0 GiB"),
+    ],
+)
+def test_a_run_this_machine_cannot_hold_is_refused_before_launch(
+    tok_cache, tmp_path, capfd, monkeypatch, short, message
+) -> None:
+    """Host memory of CPU ranks and disk space for a checkpoint, from the planner's training state (the machine is
+    made 1 KiB small, as if Qwen3-30B-A3B's 478 GiB were asked of it)."""
+    import shutil
+    from collections import namedtuple
+
+    if short == "disk":
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1024))
+    else:
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: namedtuple("Memory", "available")(1024))
+    assert_refused_before_launch(tok_cache, capfd, ["--save-dir", tmp_path / "ck"], message)

@@ -22,6 +22,7 @@ older checkpoint whose files are intact.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -119,14 +120,17 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    engine.save_checkpoint(
-        str(partial / layout.checkpoint_dir(role)),
-        tag=_DS_TAG,
-        client_state=client_state,
-        exclude_frozen_parameters=frozen_excluded,
-    )
-    if dist.get_rank() == 0 and attach is not None:
-        attach(partial)
+    try:
+        engine.save_checkpoint(
+            str(partial / layout.checkpoint_dir(role)),
+            tag=_DS_TAG,
+            client_state=client_state,
+            exclude_frozen_parameters=frozen_excluded,
+        )
+        if dist.get_rank() == 0 and attach is not None:
+            attach(partial)
+    except (OSError, RuntimeError) as err:
+        raise _save_failed(root, tag, err) from err
     dist.barrier()
     files = _hash_files(partial)
     stages = _side_stages(engine, role) if layout.mode == DISAGGREGATED else None
@@ -152,6 +156,23 @@ def save_checkpoint(
         _write_atomic(root / LATEST, tag)
     dist.barrier()
     return final
+
+
+def _save_failed(root: Path, tag: str, err: BaseException) -> CheckpointError:
+    """The one line for a save that failed (``torch.save`` reports a full disk as "unexpected pos"); its partial
+    directory is removed, to give the space back, and the newest complete checkpoint is named."""
+    shutil.rmtree(root / f".partial-{tag}", ignore_errors=True)
+    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "unexpected pos" in str(err)
+    free = shutil.disk_usage(root).free / 2**20
+    reason = f"no space left on the device ({free:,.0f} MiB free now)" if full else str(err).strip().splitlines()[0]
+    latest = root / LATEST
+    kept = (
+        f"the last complete checkpoint, {root / latest.read_text().strip()}, is intact: resume from it"
+        if latest.is_file()
+        else "no earlier checkpoint exists"
+    )
+    fix = "free space or pick another --save-dir" if full else "fix the cause"
+    return CheckpointError(f"saving checkpoint {root / tag} failed: {reason}; {fix}; {kept}")
 
 
 def _side_stages(engine, role: RankRole) -> dict[str, int]:

@@ -14,16 +14,15 @@ from typing import Any
 from tqdm import tqdm
 
 from disagmoe_ds.checkpoint.resume import ResumePoint
-from disagmoe_ds.config import SIDES
 from disagmoe_ds.models.aux_loss import balance_per_layer
 from disagmoe_ds.models.lora import GROUPS
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.lora import LoRA, adapter_params
-from disagmoe_ds.planner.memory import rank_state_bytes
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.train.args import TrainArgs
 from disagmoe_ds.train.data import TrainData, epoch_text
 from disagmoe_ds.train.metrics import ModelFacts, StepRecord
+from disagmoe_ds.train.resources import planned_state
 
 
 def banner(
@@ -200,9 +199,7 @@ def training_state_line(args: TrainArgs, config, layout) -> str:
     """What the run trains and the training state per rank the planner's memory model gives it (parameters,
     gradients, optimizer state; activations come on top), beside full fine-tuning's for a LoRA run."""
     lora = args.cfg.lora
-    stages = {side: args.cfg.zero_stage_of(side, args.ds_config) for side in SIDES}
-    common = dict(precision=args.dtype, zero_stage_a=stages["attention"], zero_stage_f=stages["ffn"])
-    full = rank_state_bytes(config.to_dict(), layout, **common)
+    full = planned_state(args, config, layout, full=True)
     if lora is None:
         return "training state per rank (planner): " + _gib(full) + "; every weight trains"
     what = f"LoRA r={lora.rank}, alpha {lora.rank if lora.alpha is None else lora.alpha:g} on {', '.join(lora.targets)}"
@@ -211,11 +208,10 @@ def training_state_line(args: TrainArgs, config, layout) -> str:
         return f"{what}; every base weight frozen"
     spec = ModelSpec.from_config(config.to_dict())
     adapters = adapter_params(spec, LoRA(lora.rank, lora.targets, lora.train_router))
-    ours = rank_state_bytes(config.to_dict(), layout, **common, lora_rank=lora.rank, lora_targets=lora.targets,
-                            lora_train_router=lora.train_router)  # fmt: skip
     return (
         f"{what}: {adapters / 1e6:.2f}M adapter parameters train ({adapters / spec.total_params():.2%}), the base "
-        f"weights are frozen; training state per rank (planner): {_gib(ours)} (full fine-tuning: {_gib(full)})"
+        f"weights are frozen; training state per rank (planner): {_gib(planned_state(args, config, layout))} (full "
+        f"fine-tuning: {_gib(full)})"
     )
 
 
