@@ -156,3 +156,20 @@ def test_a_run_this_machine_cannot_hold_is_refused_before_launch(
     else:
         monkeypatch.setattr(psutil, "virtual_memory", lambda: namedtuple("Memory", "available")(1024))
     assert_refused_before_launch(tok_cache, capfd, ["--save-dir", tmp_path / "ck"], message)
+
+
+def test_a_rank_killed_under_deepspeed_is_named_as_the_root_cause(tok_cache, tmp_path) -> None:
+    """``kill -9`` of rank 3 under ``deepspeed``: the line names rank 3, not the peer whose collective then failed
+    with "Connection reset by peer"."""
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", "29519"]
+    proc = start_job(launcher, tmp_path, tok_cache)
+    try:
+        wait_for_steps(proc, tmp_path, 2)
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        victim = next(p for p in ranks if p.environ().get("RANK") == "3")
+        victim.kill()
+        assert proc.wait(timeout=STOP_BOUND_S) != 0
+    finally:
+        kill_session(proc)
+    lines = [line for line in (tmp_path / "err").read_text().splitlines() if line.startswith("run_pretrain.py:")]
+    assert len(lines) == 1 and "rank 3 ended without a Python error (killed by a signal" in lines[0], lines
