@@ -265,7 +265,7 @@ def save_and_export(
     if args.save_dir is not None:
         frozen = {"router": args.freeze_router, "attention": args.freeze_attention, "lora": _lora_record(args)}
         path = save(runtime, args.save_dir, step, loader, keep_last=args.keep_last, seed=args.seed, frozen=frozen,
-                    tokenizer=tokenizer, ds_config=args.ds_config)  # fmt: skip
+                    tokenizer=tokenizer, ds_config=args.ds_config, tokens_per_step=args.tokens_per_step)  # fmt: skip
         if progress is not None:
             progress.print(f"saved {path} (step {step})")
     lora = args.cfg.lora

@@ -12,7 +12,7 @@
 examples:
     disagmoe-convert hf-to-disagmoe --model HF_DIR --out CKPT --attention-gpus 2 --ffn-gpus 2 [--zero 1]
     disagmoe-convert disagmoe-to-hf --ckpt CKPT --model HF_DIR --out OUT_DIR
-    disagmoe-convert relayout --ckpt CKPT --model HF_DIR --out CKPT_1x3 --attention-gpus 1 --ffn-gpus 3
+    disagmoe-convert relayout --ckpt CKPT --model HF_DIR --out CKPT_1x4 --attention-gpus 1 --ffn-gpus 4
     disagmoe-convert relayout --ckpt CKPT --model HF_DIR --out CKPT_Z3 --attention-gpus 2 --ffn-gpus 2 \\
         --expert-data-parallel 2 --zero-stage 1 3
 

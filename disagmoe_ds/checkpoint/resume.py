@@ -64,6 +64,7 @@ def save(
     frozen: dict[str, bool],
     tokenizer: Tokenizer | None = None,
     ds_config: dict[str, Any] | None = None,
+    tokens_per_step: int | None = None,
 ) -> Path:
     """Save the job at ``step`` (with the ds_config, for conversions). Collective: every rank calls it.
 
@@ -75,6 +76,8 @@ def save(
     loader_states = {str(lane): state for lane, state in filter(None, gathered)}
     num_samples = next(iter(loader_states.values()))["sampler"]["num_samples"]
     client_state = {"step": step, "seed": seed, "num_samples": num_samples, "loader_states": loader_states}
+    if tokens_per_step is not None:  # a resume under another layout says when its batch differs
+        client_state["tokens_per_step"] = tokens_per_step
     extra: dict[str, Any] = {"frozen": frozen, "data": {"loader_states": loader_states}}
     if tokenizer is not None:
         extra["tokenizer"] = TOKENIZER_DIR
@@ -131,6 +134,7 @@ class ResumePoint:
     frozen: dict[str, Any] | None  # None: not recorded (checkpoints written before freezing was recorded)
     has_data_position: bool  # False: the run starts at the beginning of the data
     weights_only: bool = False  # converted HF weights: the run's optimizer and LR scheduler start fresh
+    tokens_per_step: int | None = None  # what the checkpointed run trained on per step (None: not recorded)
 
     @property
     def path(self) -> Path:
@@ -192,7 +196,8 @@ def check_resume(
     recorded = manifest.get("frozen")
     if recorded is not None and frozen is not None:
         _check_freezing(where, recorded, frozen)
-    return ResumePoint(root, tag, int(state["step"]), recorded, has_data, bool(manifest.get(WEIGHTS_ONLY)))
+    tokens = state.get("tokens_per_step")
+    return ResumePoint(root, tag, int(state["step"]), recorded, has_data, bool(manifest.get(WEIGHTS_ONLY)), tokens)
 
 
 def _engine_settings(ds_config: dict[str, Any]) -> tuple[int, str]:

@@ -118,7 +118,7 @@ def _fit(example: TokenizedExample, seq_len: int, max_positions: int | None, tru
         limit = f"seq_len {seq_len}" + ("" if max_positions is None else f", model max positions {max_positions}")
         raise DataError(
             f"SFT example {example.where} has {len(example.input_ids)} tokens, more than fit ({limit}); "
-            f"shorten or drop it, or set truncate=True"
+            f"shorten or drop it, or pass --sft-truncate to cut it to its first {seq_len} tokens"
         )
     return TokenizedExample(example.input_ids[:seq_len], example.labels[:seq_len], example.where)
 

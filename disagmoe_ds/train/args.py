@@ -49,6 +49,7 @@ class TrainArgs:
     text_field: str
     sft: bool
     sft_fields: tuple[str, str, str]  # the prompt, response and messages fields of SFT rows
+    sft_truncate: bool  # cut over-long SFT examples to seq_len instead of refusing them
     tokenizer: str  # "auto", "sentencepiece", or a path (HF tokenizer directory or SentencePiece .model)
     vocab_size: int | None  # SentencePiece vocabulary to train; None: the model's vocab_size
     tokenizer_cache: Path

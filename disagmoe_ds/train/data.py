@@ -91,7 +91,8 @@ def _pick_tokenizer(args: TrainArgs, model_config) -> tuple[Tokenizer, str]:
     if args.sft:
         raise DataError(
             f"--sft needs the tokenizer the model was trained with, and {args.model} has none: pass --tokenizer "
-            f"PATH (an HF tokenizer directory, or the SentencePiece .model the pretraining run names under 'data:')"
+            f"PATH (an HF tokenizer directory, or the SentencePiece .model the pretraining run's 'tokenizer:' line "
+            f"names)"
         )
     vocab_size = args.vocab_size or model_config.vocab_size
     tokenizer = train_or_load_tokenizer(data_spec(args), vocab_size, args.tokenizer_cache, text_field=args.text_field)
@@ -110,9 +111,20 @@ def prepare_data(args: TrainArgs, model_config) -> TrainData:
         prompt, response, messages = args.sft_fields
         examples = load_sft_examples(args.data, prompt_field=prompt, response_field=response, messages_field=messages)
         dataset = build_sft_dataset(
-            examples, tokenizer, seq_len=args.seq_len, max_positions=max_positions, seed=args.seed
+            examples,
+            tokenizer,
+            seq_len=args.seq_len,
+            max_positions=max_positions,
+            seed=args.seed,
+            truncate=args.sft_truncate,
         )
         summary = f"{len(examples)} SFT examples from {args.data}, loss on responses only"
+        multi_turn = sum(len(example.messages) > 2 for example in examples)
+        if multi_turn and not tokenizer.has_chat_template:
+            summary += (
+                f" ({multi_turn} multi-turn: without a chat template each is plain text, its earlier turns joined "
+                f"without roles as the prompt, the loss on its last assistant turn)"
+            )
     else:
         dataset, stats = build_pretrain_dataset(
             data_spec(args),

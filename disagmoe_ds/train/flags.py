@@ -165,6 +165,11 @@ def _fine_tuning(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--prompt-field", default="prompt", help="--sft: field of the prompt in prompt/response rows")
     g.add_argument("--response-field", default="response", help="--sft: field of the response")
     g.add_argument("--messages-field", default="messages", help="--sft: field of the chat list in messages rows")
+    g.add_argument(
+        "--sft-truncate",
+        action="store_true",
+        help="--sft: cut an example longer than --seq-len to its first --seq-len tokens (default: refuse it)",
+    )
     kept = "(recorded in checkpoints: a resume keeps it)"
     g.add_argument("--freeze-router", action="store_true", help=f"keep every MoE router's weights fixed {kept}")
     g.add_argument(

@@ -72,7 +72,13 @@ def checkpoint_line(args: TrainArgs, resume: ResumePoint | None) -> str:
         saves += f"; HF export to {args.export_hf} with every save"
     if resume is None:
         return saves
-    return saves + f"; resuming from {resume.path} at step {resume.step}, {resume.describe_data()}"
+    line = saves + f"; resuming from {resume.path} at step {resume.step}, {resume.describe_data()}"
+    if resume.tokens_per_step not in (None, args.tokens_per_step):
+        line += (
+            f"; note: it trained on {resume.tokens_per_step:,} tokens per step and this layout takes "
+            f"{args.tokens_per_step:,} (--micro-batches or --micro-batch-size set it)"
+        )
+    return line
 
 
 def _fmt(value: float | None, spec: str) -> str:
