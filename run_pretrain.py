@@ -57,6 +57,7 @@ from disagmoe_ds.data.loader import to_device
 from disagmoe_ds.errors import ConfigError, DisagMoEError
 from disagmoe_ds.launch import RankFailedError, detect_launcher, init_from_env, spawn_local
 from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.plot import write_loss_plot
 from disagmoe_ds.runtime.rank import RankRuntime
 from disagmoe_ds.runtime.step import StepResult
 from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
@@ -255,6 +256,8 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     if progress is not None:
         progress.close()
         print(summary_line(args, start, step, first_loss, last, time.perf_counter() - started), flush=True)
+        if args.metrics_file is not None and step > start:
+            print(f"loss plot: {write_loss_plot(args.metrics_file)}", flush=True)
     return step < args.steps
 
 

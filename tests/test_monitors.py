@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from xml.etree import ElementTree
 
 from tests.runs import ROOT, assert_refused_before_launch, pretrain, records
 
@@ -21,6 +22,7 @@ def test_a_csv_monitor_records_the_loss_of_every_step(tok_cache, tmp_path) -> No
     metrics = tmp_path / "m.jsonl"
     assert pretrain(tok_cache, "--deepspeed_config", ds, "--steps", 3, "--metrics-file", metrics) == 0
     logged = {r["step"]: r for r in records(metrics)}
+    assert ElementTree.parse(metrics.with_suffix(".svg")).getroot().tag.endswith("svg")  # the loss plot
     for name, field in (("train_loss", "loss"), ("train_grad_norm", "grad_norm"), ("perf_tokens_per_s", None)):
         with (tmp_path / "csv" / "run" / f"{name}.csv").open() as handle:
             rows = list(csv.reader(handle))[1:]
@@ -42,3 +44,19 @@ def test_a_resumed_runs_metrics_file_holds_each_step_once(tok_cache, tmp_path) -
         handle.write('{"step": 4, "lo')  # a killed run's half-written line
     assert pretrain(tok_cache, "--steps", 3, "--resume", ck / "step1", "--metrics-file", metrics) == 0
     assert [r["step"] for r in records(metrics)] == [1, 2, 3]
+
+
+def test_the_loss_plot_draws_training_and_eval_loss(tmp_path) -> None:
+    from disagmoe_ds.plot import main
+
+    metrics = tmp_path / "m.jsonl"
+    rows = [
+        {"step": s, "loss": 6.0 - s / 10} | ({"eval_loss": 6.1 - s / 10} if s % 5 == 0 else {}) for s in range(1, 21)
+    ]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 21, "lo')
+    assert main([str(metrics)]) == 0
+    svg = ElementTree.parse(tmp_path / "m.svg").getroot()
+    paths = [e for e in svg.iter() if e.tag.endswith("path") and e.get("stroke") != "black"]
+    assert [p.get("d").count("L") for p in paths] == [19, 3]  # 20 training points, 4 evaluations
+    assert "training loss (last 4.000)" in ElementTree.tostring(svg, encoding="unicode")
+    assert main([str(tmp_path / "missing.jsonl")]) == 2
