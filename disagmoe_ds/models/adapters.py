@@ -115,7 +115,7 @@ def check_lora(config, settings: LoraSettings, *, needs: tuple[str, ...] = ()) -
     """Refuse targets that name nothing in the model (before any rank starts; the model is built on the meta
     device), and targets that leave one of the sides in ``needs`` (``attention``, ``expert``) nothing to train: its
     DeepSpeed engine needs parameters to train (the attention side trains the routers with ``train_router``)."""
-    linears = _attention_side_linears(config)
+    linears = attention_side_linears(config)
     seen = {leaf for _, _, leaf in linears}
     attention = any(settings.adapts(group, leaf) for _, group, leaf in linears)
     unknown = [t for t in settings.targets if t not in GROUPS and t not in seen]
@@ -134,15 +134,7 @@ def check_lora(config, settings: LoraSettings, *, needs: tuple[str, ...] = ()) -
         )
 
 
-def check_adapter_export(config, settings: LoraSettings) -> None:
-    """Before launch, what ``peft_format.write_adapter`` would refuse after training: adapters PEFT cannot load."""
-    from disagmoe_ds.models.peft_format import check_loadable
-
-    check_loadable(config, [f"{name}.{A}" for name, group, leaf in _attention_side_linears(config)
-                            if settings.adapts(group, leaf)])  # fmt: skip
-
-
-def _attention_side_linears(config) -> list[tuple[str, str, str]]:
+def attention_side_linears(config) -> list[tuple[str, str, str]]:
     """``(HF module name, group, leaf name)`` of every ``nn.Linear`` an attention-side adapter could wrap, read off a
     meta model: the token mixer's (group ``attention``) and the dense or shared MLPs' (``mlp``), routers excluded."""
     from transformers import AutoModelForCausalLM

@@ -210,6 +210,14 @@ def _no_v4_renames() -> Iterator[None]:
         conversion.convert_peft_config_for_transformers = kept
 
 
+def check_adapter_export(config, settings: LoraSettings) -> None:
+    """Before launch, what ``write_adapter`` would refuse after training: adapters PEFT cannot load."""
+    from disagmoe_ds.models.adapters import attention_side_linears
+
+    adapted = [name for name, group, leaf in attention_side_linears(config) if settings.adapts(group, leaf)]
+    check_loadable(config, [f"{name}.{A}" for name in adapted])
+
+
 def check_loadable(config, names: Any) -> None:
     """Refuse adapters (tensor names) that PEFT would not load as adapted (``v4_renamed``), naming the way out."""
     renamed = v4_renamed(config, names)

@@ -18,10 +18,10 @@ from pathlib import Path
 from torch import nn
 
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.models.adapters import check_adapter_export
 from disagmoe_ds.models.families import family_of, is_moe_layer, mixer_attr, router_of
 from disagmoe_ds.models.loading import build_meta_model
 from disagmoe_ds.models.partial_load import check_pretrained, model_to_cut
+from disagmoe_ds.models.peft_format import check_adapter_export
 from disagmoe_ds.train.args import TrainArgs
 
 
