@@ -144,3 +144,34 @@ def test_sft_fields_are_flags_and_the_missing_field_error_names_them(tmp_path: P
     data = prepare_data(_args(tmp_path, *argv, "--prompt-field", "question", "--response-field", "answer"),
                         load_config(MODEL))  # fmt: skip
     assert "8 SFT examples" in data.summary
+
+
+def test_a_saved_dataset_folder_is_data(tmp_path: Path) -> None:
+    """``Dataset.save_to_disk`` and ``DatasetDict.save_to_disk`` folders read like .jsonl rows (a DatasetDict's
+    train split; SFT rows too)."""
+    import datasets
+
+    rows = {"text": [f"Chapter {i}. It was a fine day in the village of Meryton." for i in range(6)]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
+    split = datasets.Dataset.from_dict({"text": ["held out"]})
+    datasets.DatasetDict(train=datasets.Dataset.from_dict(rows), test=split).save_to_disk(str(tmp_path / "dd"))
+    tokenizer = train_or_load_tokenizer(bundled_corpus(), 512, tmp_path / "tok").model_path
+    for folder in ("ds", "dd"):
+        args = _args(tmp_path, "--data", str(tmp_path / folder), "--tokenizer", str(tokenizer), "--seq-len", "16")
+        assert ": 6 documents" in prepare_data(args, load_config(MODEL)).summary
+    pairs = {"prompt": ["Who?"] * 4, "response": ["Emma."] * 4}
+    datasets.Dataset.from_dict(pairs).save_to_disk(str(tmp_path / "sft"))
+    args = _args(tmp_path, "--sft", "--data", str(tmp_path / "sft"), "--tokenizer", str(tokenizer), "--seq-len", "16")
+    assert len(prepare_data(args, load_config(MODEL)).dataset) >= 1
+
+
+def test_txt_files_as_whole_documents(tmp_path: Path) -> None:
+    corpus = tmp_path / "books"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"book{i}.txt").write_text(f"Book {i}, part one.\n\nBook {i}, part two.\n")
+    tokenizer = train_or_load_tokenizer(bundled_corpus(), 512, tmp_path / "tok").model_path
+    argv = ["--data", str(corpus), "--tokenizer", str(tokenizer), "--seq-len", "16"]
+    assert ": 6 documents" in prepare_data(_args(tmp_path, *argv), load_config(MODEL)).summary
+    whole = prepare_data(_args(tmp_path, *argv, "--txt-documents", "file"), load_config(MODEL))
+    assert ": 3 documents" in whole.summary

@@ -26,7 +26,7 @@ import torch
 
 from disagmoe_ds.data.corpus import CorpusStats, corpus_stats
 from disagmoe_ds.data.errors import DataError
-from disagmoe_ds.data.sources import load_documents
+from disagmoe_ds.data.sources import TxtUnit, load_documents
 from disagmoe_ds.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100  # torch.nn.CrossEntropyLoss's default ignore_index, which HF losses use
@@ -136,6 +136,7 @@ def build_pretrain_dataset(
     max_positions: int | None = None,
     seed: int | None = 0,
     text_field: str = "text",
+    txt_unit: TxtUnit = "block",
     limit: int | None = None,
 ) -> tuple[PackedDataset, CorpusStats]:
     """Loads, tokenises and packs a pretraining source; the stats are for the run log.
@@ -144,7 +145,7 @@ def build_pretrain_dataset(
     on the sampler's seed to read disjoint shares.
     """
     check_seq_len(seq_len, max_positions)
-    documents = load_documents(spec, text_field=text_field, limit=limit)
+    documents = load_documents(spec, text_field=text_field, txt_unit=txt_unit, limit=limit)
     token_ids = tokenizer.encode_batch(documents)
     dataset = pack_documents(token_ids, seq_len=seq_len, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id, seed=seed)
     return dataset, corpus_stats(documents, token_ids)

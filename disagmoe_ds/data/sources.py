@@ -5,6 +5,8 @@ A source ``spec`` is one of:
     file.jsonl / file.jsonl.gz    one JSON object per line; the document is its ``text_field``
     file.parquet                  one record per row (read with pyarrow)
     a directory                   every file of the kinds above in it, sorted by name; other files are ignored
+    a saved ``datasets`` folder   what ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` wrote (the split
+                                  ``split`` of a DatasetDict)
     hf:owner/name or owner/name   a hub dataset through ``datasets.load_dataset`` (needs network)
 
 ``datasets`` and ``pyarrow`` are imported only when such a source is read: the GPU machine has neither.
@@ -58,9 +60,17 @@ def is_hub_spec(spec: str | os.PathLike) -> bool:
     return not path.exists() and not path.suffix and not text.startswith((".", "/", "~"))
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by ``datasets``' ``save_to_disk`` (a Dataset's state, or a DatasetDict's split list)."""
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
 def resolve_files(spec: str | os.PathLike) -> list[Path]:
-    """The local files a spec names, in reading order (a directory's files sorted by name)."""
+    """The local files a spec names, in reading order (a directory's files sorted by name; every file of a saved
+    dataset, which the tokenizer cache hashes)."""
     path = Path(spec)
+    if path.is_dir() and is_saved_dataset(path):
+        return sorted(p for p in path.rglob("*") if p.is_file())
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and _format_of(p) is not None)
         if not files:
@@ -124,10 +134,25 @@ def _hub_records(name: str, split: str) -> Iterator[Record]:
         yield Record(f"hub dataset {name} row {row_no}", fields)
 
 
+def _saved_records(path: Path, split: str) -> Iterator[Record]:
+    import datasets  # lazy: absent on the GPU machine; a saved dataset was written with it
+
+    rows = datasets.load_from_disk(str(path))
+    if isinstance(rows, datasets.DatasetDict):
+        if split not in rows:
+            raise DataError(f"saved dataset {path} has no split {split!r} (splits: {', '.join(rows)})")
+        rows = rows[split]
+    for row_no, fields in enumerate(rows):
+        yield Record(f"{path} row {row_no}", fields)
+
+
 def iter_records(spec: str | os.PathLike, *, split: str = "train") -> Iterator[Record]:
-    """Rows with named fields from a .jsonl/.parquet file, a directory of them, or a hub dataset."""
+    """Rows with named fields from a .jsonl/.parquet file, a directory of them, a saved dataset or a hub dataset."""
     if is_hub_spec(spec):
         yield from _hub_records(str(spec).removeprefix(HUB_PREFIX), split)
+        return
+    if Path(spec).is_dir() and is_saved_dataset(Path(spec)):
+        yield from _saved_records(Path(spec), split)
         return
     for path in resolve_files(spec):
         fmt = _format_of(path)
@@ -154,7 +179,7 @@ def _txt_documents(path: Path, unit: TxtUnit) -> Iterator[str]:
 
 
 def _raw_documents(spec: str | os.PathLike, text_field: str, txt_unit: TxtUnit, split: str) -> Iterator[str]:
-    if is_hub_spec(spec):
+    if is_hub_spec(spec) or (Path(spec).is_dir() and is_saved_dataset(Path(spec))):
         yield from (text_of(rec, text_field) for rec in iter_records(spec, split=split))
         return
     for path in resolve_files(spec):

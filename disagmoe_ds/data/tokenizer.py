@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import sentencepiece as spm
 
 from disagmoe_ds.data.errors import DataError
-from disagmoe_ds.data.sources import is_hub_spec, load_documents, resolve_files
+from disagmoe_ds.data.sources import TxtUnit, is_hub_spec, load_documents, resolve_files
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 # Bump when the training options below change, so that cached models trained the old way are not reused.
@@ -253,6 +253,7 @@ def train_or_load_tokenizer(
     model_type: str = "bpe",
     byte_fallback: bool | None = None,
     text_field: str = "text",
+    txt_unit: TxtUnit = "block",
     limit: int | None = None,
     seed: int = 0,
 ) -> SentencePieceTokenizer:
@@ -267,6 +268,7 @@ def train_or_load_tokenizer(
         byte_fallback: encode unseen characters as bytes (needs 256 ids), so no text maps to <unk>; None: when
             ``vocab_size >= BYTE_FALLBACK_MIN``.
         text_field: the document field of .jsonl/.parquet rows.
+        txt_unit: .txt documents are blank-line-separated blocks ("block") or whole files ("file").
         limit: train on the first ``limit`` documents of each path (fast tests).
         seed: SentencePiece's random seed; with the corpus it fixes the model.
     """
@@ -279,10 +281,19 @@ def train_or_load_tokenizer(
     if byte_fallback is None:
         byte_fallback = vocab_size >= BYTE_FALLBACK_MIN
     options = _training_options(vocab_size, model_type, byte_fallback)
-    extra = {"text_field": text_field, "limit": limit, "seed": seed}
+    extra = {
+        "text_field": text_field,
+        "limit": limit,
+        "seed": seed,
+        **({"txt_unit": txt_unit} if txt_unit != "block" else {}),  # the default keeps the keys it always had
+    }
     target = _cache_path(files, options, extra, Path(cache_dir))
     if not target.exists():
-        docs = [doc for spec in corpus_paths for doc in load_documents(spec, text_field=text_field, limit=limit)]
+        docs = [
+            doc
+            for spec in corpus_paths
+            for doc in load_documents(spec, text_field=text_field, txt_unit=txt_unit, limit=limit)
+        ]
         lines = [line for doc in docs for line in doc.split("\n") if line.strip()]
         target.parent.mkdir(parents=True, exist_ok=True)
         _train(lines, options, seed, target)

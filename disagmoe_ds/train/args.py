@@ -47,6 +47,7 @@ class TrainArgs:
     cfg: DisagMoEConfig | ColocatedConfig  # the layout of ``mode``
     data: str
     text_field: str
+    txt_documents: str  # "block" or "file": what one document of a .txt file is
     sft: bool
     sft_fields: tuple[str, str, str]  # the prompt, response and messages fields of SFT rows
     sft_truncate: bool  # cut over-long SFT examples to seq_len instead of refusing them

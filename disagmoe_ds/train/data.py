@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from disagmoe_ds.data import (
     BYTE_FALLBACK_MIN,
@@ -29,7 +30,7 @@ from disagmoe_ds.data import (
     resolve_files,
     train_or_load_tokenizer,
 )
-from disagmoe_ds.data.sources import is_hub_spec
+from disagmoe_ds.data.sources import TxtUnit, is_hub_spec
 from disagmoe_ds.train.args import TrainArgs
 
 # Files whose presence means a model directory carries its own HF tokenizer.
@@ -95,7 +96,13 @@ def _pick_tokenizer(args: TrainArgs, model_config) -> tuple[Tokenizer, str]:
             f"names)"
         )
     vocab_size = args.vocab_size or model_config.vocab_size
-    tokenizer = train_or_load_tokenizer(data_spec(args), vocab_size, args.tokenizer_cache, text_field=args.text_field)
+    tokenizer = train_or_load_tokenizer(
+        data_spec(args),
+        vocab_size,
+        args.tokenizer_cache,
+        text_field=args.text_field,
+        txt_unit=cast(TxtUnit, args.txt_documents),
+    )
     what = f"SentencePiece trained on {data_spec(args)} ({tokenizer.model_path})"
     if vocab_size < BYTE_FALLBACK_MIN:
         what += f", no byte pieces (under {BYTE_FALLBACK_MIN} ids; characters it never saw become <unk>)"
@@ -133,6 +140,7 @@ def prepare_data(args: TrainArgs, model_config) -> TrainData:
             max_positions=max_positions,
             seed=args.seed,
             text_field=args.text_field,
+            txt_unit=cast(TxtUnit, args.txt_documents),
         )
         summary = f"{data_spec(args)}: {stats}"
     if len(dataset) < args.lanes:

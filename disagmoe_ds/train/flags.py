@@ -86,6 +86,12 @@ def _model_and_data(g: argparse._ArgumentGroup, default_model: Path, default_cac
     )
     g.add_argument("--text-field", default="text", help="field holding the document in .jsonl/.parquet/hub rows")
     g.add_argument(
+        "--txt-documents",
+        choices=("block", "file"),
+        default="block",
+        help=".txt data: each blank-line-separated block is a document (block), or each whole file is (file)",
+    )
+    g.add_argument(
         "--tokenizer",
         default="auto",
         help="'auto': the model directory's HF tokenizer when it has one, else a SentencePiece model trained on "
