@@ -65,3 +65,15 @@ def test_a_resume_under_a_layout_of_another_batch_says_so(tok_cache, tmp_path, c
     assert pretrain(tok_cache, "--steps", 2, "--resume", ck / "step1", "--micro-batches", 2) == 0
     out = capfd.readouterr().out
     assert "note: it trained on 1,024 tokens per step and this layout takes 512" in out, out
+
+
+def test_a_zero1_run_with_an_export_prints_nothing_a_user_cannot_act_on(tok_cache, tmp_path, capfd) -> None:
+    """No third-party line per rank (DeepSpeed's warm-up warning, torch's deprecation of DeepSpeed's call),
+    no progress bar in a log, and the banner's lines agree (a frozen router is not "every weight")."""
+    argv = ["--zero", 1, "--steps", 2, "--save-dir", tmp_path / "ck", "--export-hf", tmp_path / "hf"]
+    assert pretrain(tok_cache, *argv, "--freeze-router") == 0
+    out, err = capfd.readouterr()
+    noise = ("is less than warmup_num_steps", "all_gather_into_tensor", "Writing model shards", "Traceback")
+    assert not [n for n in noise if n in out + err], (out + err)[-3000:]
+    assert "every weight but the frozen routers trains" in out
+    assert "schedule: the warm-up (10 steps) is longer than the run (2)" in out

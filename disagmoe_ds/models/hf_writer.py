@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +55,27 @@ def write_hf(
     _load_into(model, tensors, model_dir)
     partial = out.with_name(f".partial-{out.name}")
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
+    with _bars_only_on_a_terminal():
+        model.save_pretrained(partial)
     copy_into(present_files(model_dir, CARRIED_FILES), partial)
     add_tokenizer(partial, tokenizer_dir=tokenizer_dir, tokenizer=tokenizer)
     replace_dir(partial, out)
     return out
+
+
+@contextmanager
+def _bars_only_on_a_terminal() -> Iterator[None]:
+    """transformers draws a progress bar per save; in a log file (stderr not a terminal) it is only noise."""
+    from transformers.utils import logging as hf_logging
+
+    if sys.stderr.isatty() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def add_tokenizer(dest: Path, *, tokenizer_dir: Path | None, tokenizer: Any) -> None:

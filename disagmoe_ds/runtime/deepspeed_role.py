@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
@@ -246,10 +247,12 @@ def gather_read_parameters(module: nn.Module) -> None:
 @contextmanager
 def _scheduler_start_unlogged() -> Iterator[None]:
     """DeepSpeed's warm-up schedulers read their own rate while they are built and warn that they have not started
-    (once per rank: a line nobody can act on); other messages pass."""
+    (once per rank: a line nobody can act on), and that a warm-up is longer than the run (the banner says that
+    once); other messages pass."""
 
     def keep(record: logging.LogRecord) -> bool:
-        return "scheduler before it has started" not in record.getMessage()
+        message = record.getMessage()
+        return "scheduler before it has started" not in message and "is less than warmup_num_steps" not in message
 
     ds_logger = logging.getLogger("DeepSpeed")
     ds_logger.addFilter(keep)
@@ -297,6 +300,8 @@ def build_engine(
         stage=zero_stage,
     )
     scale_gradients(module, grad_scale)
+    # DeepSpeed's ZeRO gathers call it under its old name; torch then warns once per rank about DeepSpeed's code.
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.all_gather_into_tensor` is deprecated")
     stage3 = config["zero_optimization"]["stage"] == 3
     if stage3:
         gather_read_parameters(module)

@@ -57,8 +57,18 @@ def banner(
         f"tokenizer: {data.tokenizer}",
         f"balancing: {aux}; {bias}; imb = the busiest expert's load over the mean, worst MoE layer (1.0 is even; "
         "healthy below about 1.5; experts / top-k when every token picks the same experts)",
+        *_short_run_note(args),
         checkpoint_line(args, resume),
     ]
+
+
+def _short_run_note(args: TrainArgs) -> list[str]:
+    """Said once here, instead of DeepSpeed's warning from every rank: a warm-up longer than the run."""
+    warmup = args.ds_config.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0)
+    if not isinstance(warmup, int) or warmup <= args.steps:
+        return []
+    return [f"schedule: the warm-up ({warmup} steps) is longer than the run ({args.steps}): the learning rate never "
+            f"reaches its peak (set scheduler.params.warmup_num_steps in the ds_config)"]  # fmt: skip
 
 
 def checkpoint_line(args: TrainArgs, resume: ResumePoint | None) -> str:
@@ -207,7 +217,11 @@ def training_state_line(args: TrainArgs, config, layout) -> str:
     lora = args.cfg.lora
     full = planned_state(args, config, layout, full=True)
     if lora is None:
-        return "training state per rank (planner): " + _gib(full) + "; every weight trains"
+        frozen = [
+            name for name, on in (("routers", args.freeze_router), ("self-attention", args.freeze_attention)) if on
+        ]
+        trains = f"every weight but the frozen {' and '.join(frozen)} trains" if frozen else "every weight trains"
+        return "training state per rank (planner): " + _gib(full) + "; " + trains
     what = f"LoRA r={lora.rank}, alpha {lora.rank if lora.alpha is None else lora.alpha:g} on {', '.join(lora.targets)}"
     what += " + routers" if lora.train_router else ""
     if not set(lora.targets) <= set(GROUPS):  # projection names: the planner counts groups only
