@@ -39,5 +39,5 @@ def test_partial_save_is_ignored(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         resolve_tag(tmp_path)
     (tmp_path / "latest").write_text("step9")
-    with pytest.raises(CheckpointError, match="incomplete or missing"):
+    with pytest.raises(CheckpointError, match="step9: it does not exist; no older intact checkpoint"):
         resolve_tag(tmp_path)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -173,3 +175,40 @@ def test_a_rank_killed_under_deepspeed_is_named_as_the_root_cause(tok_cache, tmp
         kill_session(proc)
     lines = [line for line in (tmp_path / "err").read_text().splitlines() if line.startswith("run_pretrain.py:")]
     assert len(lines) == 1 and "rank 3 ended without a Python error (killed by a signal" in lines[0], lines
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tok_cache, tmp_path_factory):
+    """A default run saved at steps 2 and 4 (``latest`` is step4)."""
+    root = tmp_path_factory.mktemp("two") / "ck"
+    assert pretrain(tok_cache, "--steps", 4, "--save-dir", root, "--save-every", 2) == 0
+    return root
+
+
+def _largest_file(tag: Path) -> Path:
+    return max((p for p in tag.rglob("*") if p.is_file() and p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+
+
+DAMAGES = {  # how step4 (or the root's latest) is damaged, and the intact checkpoint the line names
+    "file truncated": (lambda tag: _largest_file(tag).write_bytes(_largest_file(tag).read_bytes()[:100]), "step2"),
+    "file changed": (lambda tag: _largest_file(tag).write_bytes(bytes(_largest_file(tag).stat().st_size)), "step2"),
+    "file missing": (lambda tag: _largest_file(tag).unlink(), "step2"),
+    "manifest missing": (lambda tag: (tag / "manifest.json").unlink(), "step2"),
+    "manifest truncated": (lambda tag: (tag / "manifest.json").write_bytes(b'{"tag": "st'), "step2"),
+    "manifest not an object": (lambda tag: (tag / "manifest.json").write_text("[1, 2]"), "step2"),
+    "manifest not text": (lambda tag: (tag / "manifest.json").write_bytes(b"\xff\xfe{}"), "step2"),
+    "tag folder gone": (lambda tag: shutil.rmtree(tag), "step2"),
+    "latest not text": (lambda tag: (tag.parent / "latest").write_bytes(b"\xff\xfe\x00"), "step4"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_every_way_a_checkpoint_can_be_damaged_is_one_line_naming_the_last_intact_one(
+    two_checkpoints, tok_cache, tmp_path, capfd, damage
+) -> None:
+    root = tmp_path / "ck"
+    shutil.copytree(two_checkpoints, root)
+    damage_it, intact = DAMAGES[damage]
+    damage_it(root / "step4")
+    message = rf"checkpoint {root}.*; resume from {root / intact} \(--resume {root / intact}\)"
+    assert_refused_before_launch(tok_cache, capfd, ["--steps", 6, "--save-dir", root, "--resume"], message)

@@ -35,7 +35,6 @@ from typing import Any
 import torch.distributed as dist
 
 from disagmoe_ds.errors import CheckpointError
-from disagmoe_ds.jsonfile import read_json_object
 from disagmoe_ds.layout import JobLayout, Layout, RankRole
 
 MANIFEST = "manifest.json"
@@ -190,15 +189,47 @@ def resolve_tag(root: str | Path, tag: str | None = None) -> str:
         latest = root / LATEST
         if not latest.is_file():
             raise CheckpointError(f"no checkpoint in {root}: {latest} does not exist")
-        tag = latest.read_text().strip()
-    if not (root / tag / MANIFEST).is_file():
-        raise CheckpointError(f"checkpoint {root / tag} is incomplete or missing (no {MANIFEST})")
+        try:
+            tag = latest.read_text(encoding="utf-8").strip()
+        except UnicodeDecodeError:
+            raise damaged(root, None, f"its {LATEST} file is not a tag name") from None
+    if not (root / tag).is_dir():
+        raise damaged(root, tag, "it does not exist")
     return tag
 
 
+# What every manifest this code writes holds (older ones may lack "files": they list no checksums).
+_REQUIRED = ("tag", "layout", "model", "client_state")
+
+
 def read_manifest(root: str | Path, tag: str) -> dict[str, Any]:
-    fix = "the checkpoint is damaged; resume from another one (--resume ROOT/TAG)"
-    return read_json_object(Path(root) / tag / MANIFEST, what="checkpoint manifest", fix=fix, error=CheckpointError)
+    manifest, problem = _manifest_of(Path(root) / tag)
+    if manifest is None:
+        raise damaged(Path(root), tag, problem)
+    return manifest
+
+
+def _manifest_of(tag_dir: Path) -> tuple[dict[str, Any] | None, str]:
+    """The checkpoint's manifest, or None and what is wrong with it."""
+    path = tag_dir / MANIFEST
+    if not path.is_file():
+        return None, f"it has no {MANIFEST} (a save that did not finish, or a deleted file)"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:  # not JSON, or not UTF-8
+        return None, f"its {MANIFEST} is not valid JSON (truncated or overwritten)"
+    missing = [key for key in _REQUIRED if not isinstance(manifest, dict) or key not in manifest]
+    if missing:
+        return None, f"its {MANIFEST} lacks {', '.join(missing)}"
+    return manifest, ""
+
+
+def damaged(root: Path, tag: str | None, problem: str) -> CheckpointError:
+    """The one line for a damaged checkpoint (``tag`` None: the root's ``latest``), naming the newest intact one
+    older than it."""
+    good = previous_intact(root, tag)
+    hint = f"resume from {root / good} (--resume {root / good})" if good else f"no older intact checkpoint is in {root}"
+    return CheckpointError(f"checkpoint {root if tag is None else root / tag}: {problem}; {hint}")
 
 
 def _file_problem(where: Path, files: Mapping[str, Any], *, hashes: bool) -> str | None:
@@ -220,13 +251,14 @@ def _step_of(tag: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def previous_intact(root: Path, tag: str) -> str | None:
-    """The newest complete checkpoint older than ``tag`` in ``root`` whose files are intact, or None."""
-    step = _step_of(tag)
-    older = [(s, d.name) for d in root.iterdir() if (s := _step_of(d.name)) is not None and (d / MANIFEST).is_file()]
+def previous_intact(root: Path, tag: str | None) -> str | None:
+    """The newest complete checkpoint older than ``tag`` (any, for None) in ``root`` whose files are intact, or
+    None."""
+    step = None if tag is None else _step_of(tag)
+    older = [(s, d.name) for d in root.iterdir() if (s := _step_of(d.name)) is not None and d.is_dir()]
     for _, name in sorted((s, n) for s, n in older if step is None or s < step)[::-1]:
-        manifest = read_manifest(root, name)
-        if _file_problem(root / name, manifest.get("files", {}), hashes=True) is None:
+        manifest, _ = _manifest_of(root / name)
+        if manifest is not None and _file_problem(root / name, manifest.get("files", {}), hashes=True) is None:
             return name
     return None
 
@@ -236,15 +268,8 @@ def verify_files(root: str | Path, tag: str, *, hashes: bool = True) -> None:
     recorded size (and, with ``hashes``, sha256). Manifests written before checksums existed list no files."""
     root = Path(root)
     problem = _file_problem(root / tag, read_manifest(root, tag).get("files", {}), hashes=hashes)
-    if problem is None:
-        return
-    good = previous_intact(root, tag)
-    hint = (
-        f"resume from {root / good} (--resume {root / good})"
-        if good
-        else "no older intact checkpoint is in " + str(root)
-    )
-    raise CheckpointError(f"checkpoint {root / tag}: {problem}; {hint}")
+    if problem is not None:
+        raise damaged(root, tag, problem)
 
 
 def check_compatible(manifest: dict[str, Any], config, layout: JobLayout, where: Path) -> None:
