@@ -97,8 +97,6 @@ def test_the_planner_knows_which_a_lane_degrees_the_runtime_runs():
     """``runtime_files.RUNTIME_LANE_FIELDS`` names which of "sequence_parallel" and "tensor_parallel"
     ``DisagMoEConfig`` reads (the planner cannot import it): a plan with a degree > 1 the runtime does not read gets
     no ds_config."""
-    from dataclasses import fields
-
     from disagmoe_ds.planner.runtime_files import RUNTIME_LANE_FIELDS
 
     names = {f.name for f in fields(DisagMoEConfig)}
@@ -109,6 +107,7 @@ def test_the_planner_knows_which_a_lane_degrees_the_runtime_runs():
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "hf_models"
 Q30 = str(MODELS / "Qwen3-30B-A3B")
+DS16_2_NODES = (str(MODELS / "DeepSeek-MoE-16B"), "--seq-len", "4096", "--nodes", "2")
 # The training settings a ds_config needs beside the batch keys, none of which run_pretrain.py derives.
 TRAINING_KEYS = {"train_micro_batch_size_per_gpu", "bf16", "zero_optimization", "optimizer", "scheduler"}
 
@@ -158,26 +157,10 @@ def test_the_training_settings_are_the_shipped_configs():
     ("flags", "mode", "nodes"),
     [
         ((Q30, "--seq-len", "4096", "--nodes", "1"), "disaggregated", 1),
-        ((str(MODELS / "DeepSeek-MoE-16B"), "--seq-len", "4096", "--nodes", "2"), "disaggregated", 2),
+        (DS16_2_NODES, "disaggregated", 2),
         # the verdict's co-located layout is one the runtime runs: the files are for it
-        (
-            (
-                str(MODELS / "DeepSeek-MoE-16B"),
-                "--seq-len",
-                "4096",
-                "--nodes",
-                "2",
-                "--baseline-layout",
-                "tp=1,pp=1,vpp=1,ep=8,cp=1",
-            ),
-            "colocated",
-            2,
-        ),  # fmt: skip
-        (
-            (str(MODELS / "DeepSeek-MoE-16B"), "--seq-len", "4096", "--nodes", "2", "--write-mode", "colocated"),
-            "colocated",
-            2,
-        ),
+        ((*DS16_2_NODES, "--baseline-layout", "tp=1,pp=1,vpp=1,ep=8,cp=1"), "colocated", 2),
+        ((*DS16_2_NODES, "--write-mode", "colocated"), "colocated", 2),
     ],
     ids=["1-node", "2-nodes", "2-nodes-ep-verdict", "2-nodes-write-colocated"],
 )
@@ -223,8 +206,8 @@ def test_a_lora_plan_passes_run_pretrains_preflight(tmp_path, capsys, tiny_check
 
 
 def test_spread_placements_are_not_written(tmp_path, capsys):
-    flags = ["--model", str(MODELS / "DeepSeek-MoE-16B"), "--seq-len", "4096", "--nodes", "2", "--placement", "spread"]
-    rc = main([*flags, "--write-mode", "disaggregated", "--write-hostfile", str(tmp_path / "hosts")])
+    rc = main(["--model", *DS16_2_NODES, "--placement", "spread", "--write-mode", "disaggregated",
+               "--write-hostfile", str(tmp_path / "hosts")])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--placement contiguous" in err, err
 
