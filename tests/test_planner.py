@@ -384,6 +384,8 @@ def test_cli_json_and_written_files(tmp_path, capsys):
         "--cluster",
         str(cluster),
         "--json",
+        "--write-mode",
+        "disaggregated",
         "--write-ds-config",
         str(ds),
         "--write-hostfile",

@@ -149,7 +149,8 @@ def _cli(capsys, tmp_path, *extra: str) -> tuple[int, str, str]:
     cluster = tmp_path / "cluster.json"
     save_cluster(small_cluster(), cluster)
     model = str(ROOT / "hf_models" / "tiny-qwen3-moe")  # 4 heads, 2 KV heads
-    return run_cli(capsys, "--model", model, "--seq-len", "2048", "--cluster", str(cluster), *extra)
+    flags = ("--model", model, "--seq-len", "2048", "--cluster", str(cluster), "--write-mode", "disaggregated")
+    return run_cli(capsys, *flags, *extra)
 
 
 def test_cli_fixes_s_and_t_and_shows_them(tmp_path, capsys):

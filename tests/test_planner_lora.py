@@ -279,6 +279,7 @@ def _plan(capsys, tmp_path: Path, *flags: str) -> tuple[int, str, str]:
     save_cluster(_cluster(), cluster)
     args = ["--model", str(MODELS / "tiny-qwen3-moe"), "--seq-len", "256", "--micro-batch-size", "2"]
     args += ["--cluster", str(cluster), "--sequence-parallel", "1", "--tensor-parallel", "1", "--variants", "paper"]
+    args += ["--write-mode", "disaggregated"]  # the AF-Pipe plan's files, whatever the verdict
     rc = main([*args, *flags])
     out, err = capsys.readouterr()
     return rc, out, err

@@ -151,3 +151,21 @@ def test_a_ds_config_key_unlike_any_deepspeed_reads_is_warned_about() -> None:
         check_ds_config_keys({"my_notes": "run 7", "zero_optimization": {"stage": 1}})
     with pytest.raises(ConfigError, match=r'"scheduler.type" \'Cosine\' is not a DeepSpeed scheduler; one of'):
         check_ds_config_keys({"scheduler": {"type": "Cosine"}})
+
+
+def test_a_colocated_section_runs_co_located(tmp_path) -> None:
+    """``"disagmoe": {"colocated": ...}`` (what disagmoe-plan writes for a co-located plan) sets the mode, the world
+    size and the EP size; the flags override it, and --mode disaggregated contradicts it."""
+    section = {"colocated": {"world_size": 4, "ep_size": 2}, "micro_batches": 3}
+    args, _ = _parse(ds_config={"disagmoe": section}, tmp_path=tmp_path)
+    assert args.mode == "colocated" and (args.cfg.world_size, args.cfg.ep_size, args.cfg.micro_batches) == (4, 2, 3)
+    args, _ = _parse("--world-size", "2", "--ep-size", "1", ds_config={"disagmoe": section}, tmp_path=tmp_path)
+    assert (args.cfg.world_size, args.cfg.ep_size) == (2, 1)
+    refused = [
+        ((("--mode", "disaggregated"), section), r'--mode disaggregated, but the ds_config\'s "disagmoe.colocated"'),
+        (((), {"colocated": {"ep": 2}}), r'unknown key\(s\) in "disagmoe.colocated": ep; known: world_size, ep_size'),
+        (((), {"colocated": {"world_size": 0}}), r"colocated.world_size must be a positive int, got 0"),
+    ]
+    for (argv, bad), message in refused:
+        with pytest.raises(ConfigError, match=message):
+            _parse(*argv, ds_config={"disagmoe": bad}, tmp_path=tmp_path)

@@ -12,6 +12,7 @@ from disagmoe_ds.config.sections import (
     SECTION,
     SIDES,
     Accumulation,
+    Colocation,
     CostModel,
     Exchange,
     FineTuning,
@@ -29,7 +30,17 @@ from disagmoe_ds.jsonfile import read_json_object
 # Bases in reverse of the order their keys are listed in (dataclasses collect fields from the last base first).
 @dataclass(frozen=True, kw_only=True)
 class DisagMoEConfig(
-    FineTuning, CostModel, ZeroPerSide, MemoryLevers, Kernels, Exchange, Watchdog, Pipeline, Accumulation, LayoutCounts
+    Colocation,
+    FineTuning,
+    CostModel,
+    ZeroPerSide,
+    MemoryLevers,
+    Kernels,
+    Exchange,
+    Watchdog,
+    Pipeline,
+    Accumulation,
+    LayoutCounts,
 ):
     """The disaggregated layout and pipeline settings: the ``"disagmoe"`` section, its keys grouped by the typed
     sections it is composed of (their docstrings describe the keys)."""

@@ -22,6 +22,7 @@ from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.af_simulation import Memo, bound_tokens_per_s, forms, simulate_candidate
 from disagmoe_ds.planner.attention_lanes import data_lanes, lane_spans
 from disagmoe_ds.planner.colocated import colocated_candidates, divisors, simulate_colocated
+from disagmoe_ds.planner.colocated_costs import Shape
 from disagmoe_ds.planner.grad_sync import af_sync_s
 from disagmoe_ds.planner.memory import RankMemory, attention_rank_memory, ffn_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
@@ -49,6 +50,7 @@ __all__ = [  # the types live in plans.py, the candidate simulation in af_simula
     "PlanResult",
     "best_af",
     "best_baseline",
+    "best_runnable_colocated",
     "plan",
     "simulate_candidate",
 ]
@@ -314,6 +316,16 @@ def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
     ranked = sorted(candidates, key=lambda c: c.estimate_s / c.tokens)[: req.simulate_top]
     plans = [BaselinePlan(c, simulate_colocated(c.costs, shape=c.shape, micro_batches=c.micro_batches)) for c in ranked]
     return (max(plans, key=lambda p: p.tokens_per_s) if plans else None), rejected
+
+
+def best_runnable_colocated(req: PlanRequest) -> BaselinePlan | None:
+    """The fastest co-located configuration DisagMoE-DS's co-located mode runs (``run_pretrain.py --mode
+    colocated``): EP x DP under ZeRO, one micro-batch at a time with its activations kept, a plain all-to-all; no
+    PP, TP, CP or recompute. None: none fits."""
+    eps = [e for e in divisors(req.spec.num_experts) if req.cluster.world_size % e == 0]
+    shapes = [Shape(pp=1, vpp=1, tp=1, cp=1, ep=e, overlap="partial", dispatcher="alltoall") for e in eps]
+    plans = [best_baseline(replace(req, baseline_layout=s, baseline_recompute="none"))[0] for s in shapes]
+    return max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s, default=None)
 
 
 def plan(req: PlanRequest) -> PlanResult:

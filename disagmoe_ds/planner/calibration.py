@@ -16,6 +16,7 @@ from disagmoe_ds.planner.allocator import BaselinePlan, PlanRequest, best_baseli
 from disagmoe_ds.planner.baseline_layout import check_layout, parse_layout
 from disagmoe_ds.planner.cluster import Efficiency, preset
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
+from disagmoe_ds.planner.inputs import description
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.recompute import Recompute
 from disagmoe_ds.planner.workload import Workload
@@ -307,7 +308,7 @@ def table_rows(models: Path) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """``disagmoe-plan calibrate``: the calibration table (Markdown)."""
-    p = argparse.ArgumentParser(prog="disagmoe-plan calibrate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="disagmoe-plan calibrate", description=description(__doc__))
     p.add_argument("--hf-models", default="hf_models", help="directory holding the model config directories")
     args = p.parse_args(argv)
     for row in table_rows(Path(args.hf_models)):

@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from disagmoe_ds.errors import ConfigError, DisagMoEError
-from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, plan
+from disagmoe_ds.planner.allocator import AfPlan, BaselinePlan, PlanRequest, PlanResult, plan
 from disagmoe_ds.planner.attention_lanes import DEGREES, lane_refusal
 from disagmoe_ds.planner.baseline_layout import check_layout, parse_layout
 from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
@@ -32,7 +32,13 @@ from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.plan_json import to_json
 from disagmoe_ds.planner.profile_fit import load_profile, profile_warnings, rates_from_profile
 from disagmoe_ds.planner.report import to_text
-from disagmoe_ds.planner.runtime_files import ds_config, hostfile, runtime_refusal
+from disagmoe_ds.planner.runtime_files import (
+    WRITE_MODES,
+    hostfile,
+    launch_choice,
+    runtime_refusal,
+    written_ds_config,
+)
 from disagmoe_ds.planner.simulate import simulate_af, simulate_baseline, write_timeline
 from disagmoe_ds.planner.task_costs import af_task_costs
 from disagmoe_ds.planner.variants import PAPER, VARIANTS
@@ -92,9 +98,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument(
-        "--write-ds-config", metavar="PATH", help='write a ds_config JSON with the plan\'s "disagmoe" section'
+        "--write-ds-config",
+        metavar="PATH",
+        help="write the ds_config that `run_pretrain.py --deepspeed_config PATH` runs as it is, for the system "
+        '--write-mode picks: its "disagmoe" section, and the shipped configs\' optimizer and schedule (the planner '
+        "has no flags for them): AdamW at lr 3e-4 (run_pretrain.py --lr sets it), 2,000 linear warm-up steps, then "
+        'cosine decay to 0.1 x lr at run_pretrain.py\'s --steps (docs/planner.md, "Outputs")',
     )
-    p.add_argument("--write-hostfile", metavar="PATH", help="write a DeepSpeed hostfile, attention ranks first")
+    p.add_argument(
+        "--write-hostfile",
+        metavar="PATH",
+        help="write the DeepSpeed hostfile for the same system: the launcher numbers ranks node by node in its "
+        "order, which places them (AF-Pipe: attention ranks first)",
+    )
+    p.add_argument(
+        "--write-mode",
+        default="auto",
+        choices=WRITE_MODES,
+        help="which system the written files run: auto, the verdict's where DisagMoE-DS runs it, else (a co-located "
+        "layout with PP, TP, CP or recompute, which its EP x DP co-located mode lacks) the faster of the AF-Pipe plan "
+        "and the best co-located layout it runs, said in one line; disaggregated, the AF-Pipe plan; colocated, the "
+        "best co-located layout it runs (default: auto)",
+    )
     p.add_argument(
         "--timeline",
         metavar="PATH",
@@ -115,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=("auto", "contiguous", "spread"),
         help="contiguous: attention nodes first (plain hostfile); spread: both sides on every node with a "
-        "per-node NIC split; auto: try both",
+        "per-node NIC split, which no DeepSpeed or torchrun launch gives (planned, not launched); auto: try both, "
+        "or contiguous alone with --write-ds-config or --write-hostfile",
     )
     p.add_argument(
         "--split-granularity",
@@ -287,7 +313,7 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
         global_batch=global_batch,
         recompute=args.recompute,
         granularity=cluster.gpus_per_node if args.split_granularity == "node" else 1,
-        placement=args.placement,
+        placement="contiguous" if args.placement == "auto" and _writes_launch(args) else args.placement,
         baseline_overlap=args.baseline_overlap,
         baseline_ep=args.baseline_ep,
         baseline=args.baseline,
@@ -305,27 +331,39 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
     return req, warnings
 
 
+def _writes_launch(args: argparse.Namespace) -> bool:
+    return bool(args.write_ds_config or args.write_hostfile)
+
+
 def _write_outputs(args: argparse.Namespace, result: PlanResult) -> list[str]:
     notes = []
-    if (args.write_ds_config or args.write_hostfile or args.timeline) and result.af is None:
-        raise DisagMoEError("no AF-Pipe plan fits, so there is no ds_config, hostfile or timeline to write")
-    if args.write_ds_config:
-        cluster = str(Path(args.cluster).resolve()) if Path(args.cluster).is_file() else args.cluster
-        text = json.dumps(ds_config(result, cluster=cluster), indent=2) + "\n"
-        Path(args.write_ds_config).write_text(text, encoding="utf-8")
-        notes.append(f"wrote ds_config {args.write_ds_config}")
-        candidate = result.af.candidate if result.af is not None else None
-        refusal = runtime_refusal(candidate.work) if candidate is not None else None
-        if refusal is not None:
-            notes.append(
-                f"note: the plan's variant ({candidate.work.variant}) is simulated only: the runtime does not run "
-                f"{refusal} yet, so the ds_config carries the layout alone (plan with --variants paper to match)"
-            )
-    if args.write_hostfile:
-        Path(args.write_hostfile).write_text(hostfile(result), encoding="utf-8")
-        notes.append(f"wrote hostfile {args.write_hostfile}")
+    if args.timeline and result.af is None:
+        raise DisagMoEError("no AF-Pipe plan fits, so there is no timeline to draw")
+    if _writes_launch(args):
+        chosen, why = launch_choice(result, args.write_mode)
+        notes += [f"note: {why}"] if why else []
+        if args.write_ds_config:
+            notes += _write_ds_config(args, result, chosen)
+        if args.write_hostfile:
+            Path(args.write_hostfile).write_text(hostfile(result, chosen), encoding="utf-8")
+            notes.append(f"wrote hostfile {args.write_hostfile}")
     if args.timeline:
         notes += _write_timelines(result, Path(args.timeline))
+    return notes
+
+
+def _write_ds_config(args: argparse.Namespace, result: PlanResult, chosen: AfPlan | BaselinePlan) -> list[str]:
+    cluster = str(Path(args.cluster).resolve()) if Path(args.cluster).is_file() else args.cluster
+    text = json.dumps(written_ds_config(result, chosen, cluster=cluster), indent=2) + "\n"
+    Path(args.write_ds_config).write_text(text, encoding="utf-8")
+    notes = [f"wrote ds_config {args.write_ds_config} ({'AF-Pipe' if isinstance(chosen, AfPlan) else 'co-located'})"]
+    work = chosen.candidate.work
+    refusal = runtime_refusal(work) if isinstance(chosen, AfPlan) else None
+    if refusal is not None:
+        notes.append(
+            f"note: the plan's variant ({work.variant}) is simulated only: the runtime does not run "
+            f"{refusal} yet, so the ds_config carries the layout alone (plan with --variants paper to match)"
+        )
     return notes
 
 

@@ -31,3 +31,9 @@ def check_at_least_one(counts: Mapping[str, int | None]) -> None:
     for flag, value in counts.items():
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
+
+
+def description(doc: str | None) -> str:
+    """A subcommand's ``--help`` description: its module docstring's first paragraph whole (argparse re-wraps it),
+    not its first line, which stops mid-sentence."""
+    return " ".join((doc or "").split("\n\n")[0].split())

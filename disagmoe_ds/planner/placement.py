@@ -75,7 +75,8 @@ class Placement:
             return "contiguous (attention nodes first; DeepSpeed hostfile order)"
         return (
             f"spread ({self.attention_per_node} attention + {self.gpus_per_node - self.attention_per_node} FFN GPUs "
-            f"on every node; needs the launcher-rank -> layout-rank map, see docs/planner.md)"
+            f"on every node; planned, not launched: DeepSpeed and torchrun place ranks contiguously, see "
+            "docs/planner.md)"
         )
 
 

@@ -1,18 +1,38 @@
-"""What the runtime launches a plan from: a ds_config whose "disagmoe" section ``run_pretrain.py`` reads, and a
-DeepSpeed hostfile whose order places the ranks; and what of a plan's variant the runtime refuses."""
+"""What the runtime launches a plan from: a ds_config that ``run_pretrain.py --deepspeed_config FILE`` runs as it
+is, and a DeepSpeed hostfile whose order places the ranks; which plan they are for (``launch_choice``: the AF-Pipe
+plan, or a co-located one the runtime runs); and what of a plan's variant the runtime refuses."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import RankRole
-from disagmoe_ds.planner.plans import PlanResult
+from disagmoe_ds.planner.allocator import best_runnable_colocated
+from disagmoe_ds.planner.colocated import ColocatedCandidate
+from disagmoe_ds.planner.plans import AfPlan, BaselinePlan, PlanRequest, PlanResult
+from disagmoe_ds.planner.verdict import baseline_name
 from disagmoe_ds.planner.workload import Workload
 
 # Which of "sequence_parallel" and "tensor_parallel" (an A-lane of s x t ranks) the runtime's ``DisagMoEConfig``
 # reads. It cannot be imported here (it imports torch); tests/test_planner_ds_config.py holds this to its fields.
 RUNTIME_LANE_FIELDS: frozenset[str] = frozenset({"sequence_parallel", "tensor_parallel"})
+
+# The optimizer and schedule of the shipped GPU configs (ds_configs/1node-8gpu-bf16.json; a test holds them equal),
+# as the planner has no flags for them: AdamW at peak lr 3e-4 (run_pretrain.py's --lr sets it), 2,000 linear
+# warm-up steps, then a cosine decay to 0.1 x lr at run_pretrain.py's --steps (it fills total_num_steps).
+TRAINING: dict[str, Any] = {
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "scheduler": {
+        "type": "WarmupCosineLR",
+        "params": {"warmup_num_steps": 2000, "warmup_min_ratio": 0.0, "warmup_type": "linear", "cos_min_ratio": 0.1},
+    },
+    "gradient_clipping": 1.0,
+}
+
+# --write-mode: which system the written files run (``launch_choice``).
+WRITE_MODES = ("auto", "disaggregated", "colocated")
 
 
 def lane_refusal(work: Workload) -> str | None:
@@ -40,10 +60,86 @@ def runtime_refusal(work: Workload) -> str | None:
     return None
 
 
+def colocated_refusal(candidate: ColocatedCandidate) -> str | None:
+    """What of a co-located configuration the runtime's co-located mode does not run (None: it runs it): that mode
+    is EP x DP under ZeRO, one micro-batch at a time with its activations kept."""
+    s = candidate.shape
+    missing = [f"{name} {degree}" for name, degree in (("PP", s.pp), ("TP", s.tp), ("CP", s.cp)) if degree > 1]
+    if candidate.work.recompute != "none":
+        missing.append(f"{candidate.work.recompute} recompute")
+    return ", ".join(missing) or None
+
+
+def launch_choice(result: PlanResult, mode: str = "auto") -> tuple[AfPlan | BaselinePlan, str | None]:
+    """The plan the files are written for under ``--write-mode mode``, and the line that says why where it is not
+    the verdict's. ``auto``: the verdict's system; where that is a co-located layout the runtime does not run
+    (``colocated_refusal``), the faster of the AF-Pipe plan and the best co-located layout it runs.
+    ``disaggregated``: the AF-Pipe plan. ``colocated``: the verdict's co-located layout where the runtime runs it,
+    else the best one it runs."""
+    af, base = result.af, result.baseline
+    if mode == "disaggregated" or (mode == "auto" and (result.pays or base is None)):
+        if af is None:
+            raise ConfigError("no AF-Pipe plan fits, so there is no disaggregated ds_config or hostfile to write")
+        return _launchable(af), None
+    if base is not None and colocated_refusal(base.candidate) is None:
+        return base, None
+    runnable = best_runnable_colocated(result.request)
+    faster = af if runnable is None or (af is not None and af.tokens_per_s > runnable.tokens_per_s) else runnable
+    chosen = runnable if mode == "colocated" else faster
+    if chosen is None:
+        nor = "" if mode == "colocated" else " (nor an AF-Pipe plan)"
+        raise ConfigError(f"no co-located EP x DP layout the runtime runs fits memory{nor}: there is no ds_config or "
+                          "hostfile to write")  # fmt: skip
+    other = af if chosen is runnable else runnable
+    return _launchable(chosen), None if base is None else _not_run_line(base, chosen, other)
+
+
+def _launchable(chosen: AfPlan | BaselinePlan) -> AfPlan | BaselinePlan:
+    """``chosen``, refused where a launch cannot place its ranks: DeepSpeed and torchrun number them node by node in
+    hostfile order and the runtime's layout rank is that number, so a spread AF-Pipe placement is not launched."""
+    if isinstance(chosen, AfPlan) and chosen.candidate.placement.kind == "spread":
+        raise ConfigError(
+            "the plan's placement is spread (both sides on every node), which no DeepSpeed or torchrun launch gives: "
+            "they number ranks node by node and the runtime's layout rank is that number; plan with --placement "
+            "contiguous (or auto, which means contiguous when writing files)"
+        )
+    return chosen
+
+
+def _not_run_line(base: BaselinePlan, chosen: AfPlan | BaselinePlan, other: AfPlan | BaselinePlan | None) -> str:
+    """One line: the verdict's co-located layout does not run here, what was written instead and the alternative."""
+    if other is None:
+        beside = "no co-located layout it runs fits" if isinstance(chosen, AfPlan) else "no AF-Pipe plan fits"
+    else:
+        name = _name(other) if isinstance(other, AfPlan) else f"the best co-located layout it runs, {_ep(other)}"
+        beside = f"{name}: {other.step_time_s:.4g} s"
+    return (
+        f"the verdict's co-located layout ({baseline_name(base)}: {base.step_time_s:.4g} s/step) needs "
+        f"{colocated_refusal(base.candidate)}, which DisagMoE-DS does not run (its co-located mode is EP x DP under "
+        f"ZeRO); the files are for {_name(chosen)} instead: {chosen.step_time_s:.4g} s/step predicted ({beside})"
+    )
+
+
+def _name(chosen: AfPlan | BaselinePlan) -> str:
+    return "the AF-Pipe plan" if isinstance(chosen, AfPlan) else f"co-located {_ep(chosen)}"
+
+
+def _ep(base: BaselinePlan) -> str:
+    ep = base.candidate.shape.ep
+    return f"EP {ep} x EDP {base.candidate.replicas // ep}"
+
+
+def written_ds_config(result: PlanResult, chosen: AfPlan | BaselinePlan, cluster: str | None = None) -> dict[str, Any]:
+    """The ds_config of ``chosen`` (``launch_choice``)."""
+    if isinstance(chosen, AfPlan):
+        return ds_config(result, cluster)
+    return colocated_ds_config(result.request, chosen)
+
+
 def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
-    """A ds_config whose "disagmoe" section ``run_pretrain.py`` reads as it is: the layout, the in-flight cap, the
-    cluster (preset or JSON path) the runtime's schedule costs assume and, where the runtime runs it
-    (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing), resend, split backward,
+    """A ds_config for the AF-Pipe plan whose "disagmoe" section ``run_pretrain.py`` reads as it is: the layout, the
+    in-flight cap, the cluster (preset or JSON path) the runtime's schedule costs assume and, where the runtime runs
+    it (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing), resend, split backward,
     the offload shares and each side's ZeRO stage. A plan with A-lanes of s x t > 1 ranks raises ``ConfigError``
     while the runtime does not run them (``RUNTIME_LANE_FIELDS``); the degrees it runs go into the section. A LoRA
     plan writes ``"lora": {"rank", "targets"}`` (and ``"train_router": true`` where the plan trains the routers).
@@ -83,23 +179,53 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
             "zero_stage": {"attention": w.zero_of("attention"), "ffn": w.zero_of("ffn")},
         }
     section |= {name: degree for name, degree in degrees.items() if degree > 1}
-    if w.lora.enabled:  # the runtime's LoRA section; alpha and dropout stay the runtime's defaults
-        lora: dict[str, Any] = {"rank": w.lora.rank, "targets": list(w.lora.targets)}
-        section["lora"] = lora | ({"train_router": True} if w.lora.train_router else {})
-    return {
-        "train_micro_batch_size_per_gpu": req.work.micro_batch_size,
-        "gradient_accumulation_steps": c.micro_batches,
-        "bf16": {"enabled": req.work.precision == "bf16"},
-        "zero_optimization": {"stage": req.work.zero_stage},
-        "disagmoe": section,
+    return _engine_keys(req.work) | {"disagmoe": section | _lora(w)}
+
+
+def colocated_ds_config(req: PlanRequest, base: BaselinePlan) -> dict[str, Any]:
+    """A ds_config for a co-located layout the runtime runs (``colocated_refusal`` None): its "disagmoe" section's
+    ``"colocated"`` makes ``run_pretrain.py`` run co-located on the cluster's ranks at the layout's EP size."""
+    c = base.candidate
+    assert colocated_refusal(c) is None, colocated_refusal(c)
+    placed = {"world_size": req.cluster.world_size, "ep_size": c.shape.ep}
+    return _engine_keys(req.work) | {
+        "disagmoe": {"colocated": placed, "micro_batches": c.micro_batches} | _lora(c.work)
     }
 
 
-def hostfile(result: PlanResult) -> str:
-    """DeepSpeed hostfile, one line per node in launch order: the nodes holding attention ranks come first."""
-    req, af = result.request, result.af
-    assert af is not None
-    c, cl = af.candidate, req.cluster
+def _engine_keys(work: Workload) -> dict[str, Any]:
+    """DeepSpeed's keys: the micro-batch, precision, ZeRO stage and the shipped training settings (``TRAINING``).
+    Not the batch keys (``gradient_accumulation_steps``, ``train_batch_size``): ``run_pretrain.py`` derives them
+    from the section's ``micro_batches``, which ``--micro-batches`` overrides."""
+    return {
+        "train_micro_batch_size_per_gpu": work.micro_batch_size,
+        "bf16": {"enabled": work.precision == "bf16"},
+        "zero_optimization": {"stage": work.zero_stage},
+        **copy.deepcopy(TRAINING),
+    }
+
+
+def _lora(work: Workload) -> dict[str, Any]:
+    """The runtime's LoRA section of a LoRA plan (alpha and dropout stay the runtime's defaults), else nothing."""
+    if not work.lora.enabled:
+        return {}
+    lora: dict[str, Any] = {"rank": work.lora.rank, "targets": list(work.lora.targets)}
+    return {"lora": lora | ({"train_router": True} if work.lora.train_router else {})}
+
+
+def hostfile(result: PlanResult, chosen: AfPlan | BaselinePlan | None = None) -> str:
+    """DeepSpeed hostfile, one line per node in launch order, for ``chosen`` (default: the AF-Pipe plan). The
+    launcher numbers ranks node by node in this order, and the runtime's layout rank is that number: for AF-Pipe
+    the nodes holding attention ranks come first (a contiguous placement)."""
+    cl = result.request.cluster
+    chosen = chosen or result.af
+    assert chosen is not None
+    if isinstance(chosen, BaselinePlan):
+        ep = chosen.candidate.shape.ep
+        lines = [f"# disagmoe-plan: {_name(chosen)}: every rank holds the attention side and 1/{ep} of the "
+                 f"experts; an EP group is {ep} consecutive ranks"]  # fmt: skip
+        return "\n".join(lines + [f"{cl.host(node)} slots={cl.gpus_per_node}" for node in range(cl.nodes)]) + "\n"
+    c = chosen.candidate
     m = c.layout.attention_gpus
     lines = [f"# disagmoe-plan: {c.layout.describe()}", f"# placement: {c.placement.describe(m)}"]
     for node in range(cl.nodes):

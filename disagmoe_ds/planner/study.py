@@ -1,4 +1,4 @@
-"""``disagmoe-plan --study``: best AF-Pipe variant against the strongest co-located baseline over a grid of
+"""``disagmoe-plan study``: best AF-Pipe variant against the strongest co-located baseline over a grid of
 models, cluster sizes and sequence lengths, as a Markdown table with the numbers behind each result
 (pure Python). ``--ablate`` adds, per cell, the paper's AF-Pipe and each variant switched on alone.
 
@@ -20,6 +20,7 @@ from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, best_af, best
 from disagmoe_ds.planner.attention_lanes import DEGREES
 from disagmoe_ds.planner.cluster import Efficiency, preset
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
+from disagmoe_ds.planner.inputs import description
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.variants import PAPER, VARIANTS
 from disagmoe_ds.planner.workload import Workload
@@ -175,7 +176,7 @@ def ablation_rows(cells: list[Cell], models: Path) -> Iterator[str]:
 
 def main(argv: list[str]) -> int:
     """``disagmoe-plan study``: print the tables (Markdown) for docs/planner.md."""
-    p = argparse.ArgumentParser(prog="disagmoe-plan study", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="disagmoe-plan study", description=description(__doc__))
     p.add_argument("--hf-models", default="hf_models", help="directory holding the model config directories")
     p.add_argument("--models", default="", help="comma-separated subset of the grid's models (default: all)")
     p.add_argument("--seq-len", default=",".join(map(str, SEQ_LENS)), help="comma-separated sequence lengths")

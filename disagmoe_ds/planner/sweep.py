@@ -26,6 +26,7 @@ from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.planner.allocator import PlanRequest, plan
 from disagmoe_ds.planner.cluster import Efficiency, preset
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
+from disagmoe_ds.planner.inputs import description
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.study import af_summary, baseline_summary
 from disagmoe_ds.planner.workload import Workload
@@ -137,7 +138,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="disagmoe-plan sweep", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="disagmoe-plan sweep", description=description(__doc__))
     p.add_argument("--model", action="append", required=True, help="model directory, optionally DIR:NODES (repeat)")
     p.add_argument("--nodes", default="16", help="comma-separated node counts for models given without :NODES")
     p.add_argument("--seq-len", default=",".join(map(str, SEQ_LENS)), help="comma-separated sequence lengths")

@@ -30,7 +30,7 @@ from disagmoe_ds.train.checks import (
 )
 from disagmoe_ds.train.flags import DTYPES, build_parser
 from disagmoe_ds.train.job import launched_rank_and_world
-from disagmoe_ds.train.settings import apply_overrides, dtype_name, micro_batch_size, mode_config
+from disagmoe_ds.train.settings import apply_overrides, dtype_name, micro_batch_size, mode_config, run_mode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +114,8 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
     """Apply the flags to the ds_config and check the values no other layer checks."""
     check_flag_values(ns)
     ds_config = load_ds_config(ns.deepspeed_config)
-    cfg = mode_config(ns, ds_config, launched_world_size)
+    mode = run_mode(ns.mode, ds_config)
+    cfg = mode_config(ns, mode, ds_config, launched_world_size)
     batch = micro_batch_size(ns.micro_batch_size, ds_config)
     dtype = dtype_name(ns.dtype, ds_config)
     ds_config = apply_overrides(ds_config, lr=ns.lr, dtype=dtype, steps=ns.steps, zero=ns.zero)
@@ -134,6 +135,7 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
         "model": ns.init_from or ns.model or default_model,
         "pretrained": ns.init_from is not None,
         "ds_config": ds_config,
+        "mode": mode,
         "cfg": cfg,
         "data": ns.data or "",
         "sft_fields": (ns.prompt_field, ns.response_field, ns.messages_field),

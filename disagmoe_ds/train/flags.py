@@ -20,9 +20,10 @@ MODES = ("disaggregated", "colocated")
 DEFAULT_MICRO_BATCH_SIZE = 4
 # --mode colocated only: the job's ranks and how they share the experts.
 COLOCATED_FLAGS = {
-    "world_size": "colocated: ranks in the job [the launcher's world size, else 1]",
+    "world_size": "colocated: ranks in the job [the ds_config's disagmoe.colocated.world_size, else the launcher's "
+    "world size, else 1]",
     "ep_size": "colocated: ranks that share one copy of the experts; divides --world-size and the expert count "
-    "[the largest that does]",
+    "[disagmoe.colocated.ep_size, else the largest that does]",
 }
 # Section keys as flags (config.SECTION_FLAGS), each replacing the key of its name in the ds_config's "disagmoe"
 # section: the layout's in --mode disaggregated only, micro_batches in both modes.
@@ -112,10 +113,10 @@ def _layout(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--mode",
         choices=MODES,
-        default="disaggregated",
         help="disaggregated: attention and experts on disjoint GPUs, pipelined against each other (AF-Pipe); "
         "colocated: every GPU holds the attention layers and a slice of the experts (expert + data parallel, "
-        "all-to-all dispatch): runs on one GPU, and is the baseline to compare with",
+        "all-to-all dispatch): runs on one GPU, and is the baseline to compare with [colocated where the "
+        'ds_config\'s "disagmoe" section holds "colocated", else disaggregated]',
     )
     for name, text in COLOCATED_FLAGS.items():  # the co-located layout's keys, not the section's
         g.add_argument(flag_of(name), type=int, help=text)

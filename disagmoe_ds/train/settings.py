@@ -4,8 +4,9 @@ The layout flags replace keys of the ds_config's ``"disagmoe"`` section (validat
 value came from); ``--lr``, ``--dtype``, ``--zero`` and ``--steps`` edit its optimizer, scheduler, ``bf16`` and
 ``zero_optimization`` sections.
 
-``--mode colocated`` replaces the disaggregated layout by a ``ColocatedConfig``: ``--world-size`` ranks (the
-launcher's world size under a launcher, else 1) and ``--ep-size``; the keys of the sections both modes share
+``--mode colocated`` (or a section holding ``"colocated"``, ``run_mode``) replaces the disaggregated layout by a
+``ColocatedConfig``: ``--world-size`` ranks (else the section's ``colocated.world_size``, the launcher's world size
+under a launcher, 1) and ``--ep-size`` (else ``colocated.ep_size``); the keys of the sections both modes share
 (micro-batches, the communication timeout, ``compile``, ``cuda_graphs``, LoRA) still come from the section (or
 ``--micro-batches``), its attention/FFN layout keys are not used.
 """
@@ -39,11 +40,23 @@ def dtype_name(flag: str | None, ds_config: dict[str, Any]) -> str:
     return flag or ("bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32")
 
 
+def run_mode(flag: str | None, ds_config: dict[str, Any]) -> str:
+    """``--mode``, else the ds_config's: co-located where its section holds ``"colocated"`` (as the planner writes
+    for a co-located plan), else disaggregated."""
+    colocated = ds_config.get(SECTION, {}).get("colocated") is not None
+    if flag == "disaggregated" and colocated:
+        raise ConfigError(
+            f'--mode disaggregated, but the ds_config\'s "{SECTION}.colocated" is for a co-located run; drop the flag '
+            "or use a ds_config with a disaggregated layout"
+        )
+    return flag or ("colocated" if colocated else "disaggregated")
+
+
 def mode_config(
-    ns: argparse.Namespace, ds_config: dict[str, Any], launched_world_size: int | None
+    ns: argparse.Namespace, mode: str, ds_config: dict[str, Any], launched_world_size: int | None
 ) -> DisagMoEConfig | ColocatedConfig:
-    """The layout of ``--mode``; each mode's flags are refused in the other mode."""
-    if ns.mode == "disaggregated":
+    """The layout of ``mode`` (``run_mode``); each mode's flags are refused in the other mode."""
+    if mode == "disaggregated":
         _refuse_flags(ns, COLOCATED_FLAGS, "is a --mode colocated flag; the disaggregated layout is set by the "
                       "layout flags (--attention-gpus, --ffn-gpus, --depth ...)")  # fmt: skip
         flags = section_values(ns, SECTION_KEYS)
@@ -71,11 +84,17 @@ def mode_config(
     shared = {f.name for f in fields(ColocatedConfig)} & {
         f.name for f in fields(DisagMoEConfig)
     }  # both modes' sections
+    placed = section.colocated or {}
     return ColocatedConfig(
-        world_size=ns.world_size or launched_world_size or 1,
-        ep_size=ns.ep_size,
+        world_size=_first(ns.world_size, placed.get("world_size"), launched_world_size, 1),
+        ep_size=_first(ns.ep_size, placed.get("ep_size")),
         **{key: getattr(section, key) for key in shared},
     )
+
+
+def _first(*values: Any) -> Any:
+    """The first value given (not None): a flag, then the ds_config's, then a default."""
+    return next((v for v in values if v is not None), None)
 
 
 def _refuse_flags(ns: argparse.Namespace, names: Iterable[str], why: str) -> None:
