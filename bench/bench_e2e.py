@@ -71,7 +71,7 @@ from disagmoe_ds.config import LEVER_KEYS, SECTION, DisagMoEConfig, add_section_
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_config
-from disagmoe_ds.models.lora import add_lora_args, lora_of
+from disagmoe_ds.models.lora_settings import add_lora_args, lora_of
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.runtime.deepspeed_role import RoleMPU, role_ds_config
 from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline

@@ -31,8 +31,6 @@ from pathlib import Path
 
 from disagmoe_ds.config import LAYOUT_KEYS, SIDES, DisagMoEConfig, add_section_flags, load_ds_config
 from disagmoe_ds.errors import DisagMoEError
-from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe, relayout
-from disagmoe_ds.train.conversion_jobs import Job, open_checkpoint, resolve_ds_config
 
 _LAYOUT = "the layout that --attention-gpus, --ffn-gpus, --depth, --expert-data-parallel and the lane flags give"
 
@@ -105,6 +103,10 @@ def _layout_cfg(a: argparse.Namespace, source_stages: dict[str, int] | None = No
 
 
 def _run(a: argparse.Namespace) -> Path:
+    # Imported once the command line is read: --help loads neither torch nor DeepSpeed.
+    from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe, relayout
+    from disagmoe_ds.train.conversion_jobs import Job, open_checkpoint, resolve_ds_config
+
     ds_file = load_ds_config(a.ds_config) if a.ds_config else None
     if a.command == "hf-to-disagmoe":
         frozen = {"router": a.freeze_router, "attention": a.freeze_attention}

@@ -10,7 +10,7 @@ import pytest
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.models.lora import LoraSettings
+from disagmoe_ds.models.lora_settings import LoraSettings
 
 KEYS = {
     DisagMoEConfig: {

@@ -91,3 +91,10 @@ def test_the_ds_configs_stage_is_zero_to_two_for_every_side():
         DisagMoEConfig(zero_stage={"ffn": 0}).zero_stage_of("ffn", _ds(1, bf16=True))
     with pytest.raises(ConfigError, match=r"co-located rank has one engine"):
         ColocatedConfig().zero_stage_of("ffn", {**_ds(1), config.SECTION: {"zero_stage": {"ffn": 2}}})
+
+
+def test_the_transport_names_are_the_transports() -> None:
+    from disagmoe_ds.comm.transport import TRANSPORTS
+    from disagmoe_ds.config.sections import TRANSPORT_NAMES
+
+    assert set(TRANSPORT_NAMES) == set(TRANSPORTS)

@@ -19,7 +19,8 @@ from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models import peft_format
 from disagmoe_ds.models.adapters import add_adapters
 from disagmoe_ds.models.loading import load_model
-from disagmoe_ds.models.lora import LoraLinear, LoraSettings, is_adapter
+from disagmoe_ds.models.lora import LoraLinear, is_adapter
+from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.models.split import SplitModel
 from disagmoe_ds.parity.reference import VerifyArgs
 from tests.conftest import ROOT, all_families_only
@@ -289,7 +290,7 @@ def test_colocated_lora_needs_expert_adapters() -> None:
 
 
 def test_lora_section_round_trips_and_refuses_bad_values() -> None:
-    from disagmoe_ds.models import lora
+    from disagmoe_ds.models import lora_settings as lora
     from disagmoe_ds.planner import lora as planned
 
     assert (lora.GROUPS, lora.DEFAULT_TARGETS) == (planned.TARGETS, planned.DEFAULT_TARGETS)  # one meaning, two homes

@@ -29,8 +29,9 @@ FLAGS = frozenset(
         "--keep-last", "--resume", "--metrics-file", "--tensorboard", "--timeline", "--log-every", "--peak-tflops",
         "--hostfile", "--launcher-args", "--check-hostfile", "--local_rank", "--mode", "--world-size", "--ep-size",
         "--zero", "--export-hf", "--prompt-field", "--response-field", "--messages-field", "--export-hf-merged",
-        "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--lora-train-router",
-        # deepspeed.add_config_arguments
+        "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--lora-train-router", "--sft-truncate",
+        "--txt-documents",
+        # deepspeed.add_config_arguments' names
         "--deepspeed", "--deepspeed_config", "--deepscale", "--deepscale_config",
     }
 )  # fmt: skip

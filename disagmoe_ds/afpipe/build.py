@@ -36,7 +36,7 @@ from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages
-from disagmoe_ds.models.lora import GROUPS, LoraSettings
+from disagmoe_ds.models.lora_settings import GROUPS, LoraSettings
 from disagmoe_ds.models.model_facts import num_experts_of, residual_shape
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place

@@ -18,7 +18,7 @@ from disagmoe_ds.afpipe import build as engine_build
 from disagmoe_ds.checkpoint.ds_state import gathered
 from disagmoe_ds.config import LAYOUT_KEYS, LEVER_KEYS, DisagMoEConfig, add_section_flags, section_values
 from disagmoe_ds.launch.local import spawn_local
-from disagmoe_ds.models.lora import lora_of
+from disagmoe_ds.models.lora_settings import lora_of
 from disagmoe_ds.parity.compare import capture_grads, compare, hf_named
 from disagmoe_ds.parity.harness import add_run_args, build_for_verify, cli, run_args, train_steps
 from disagmoe_ds.parity.reference import (

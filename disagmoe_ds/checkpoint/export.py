@@ -23,7 +23,7 @@ from disagmoe_ds.data import Tokenizer
 from disagmoe_ds.models import peft_format
 from disagmoe_ds.models.hf_writer import write_hf
 from disagmoe_ds.models.loading import load_config
-from disagmoe_ds.models.lora import LoraSettings
+from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.runtime.rank import RankRuntime
 
 

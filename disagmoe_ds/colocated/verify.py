@@ -22,7 +22,7 @@ from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.colocated.model import ColocatedModel
 from disagmoe_ds.config import SECTION, add_section_flags, section_values
 from disagmoe_ds.launch.local import spawn_local
-from disagmoe_ds.models.lora import lora_of
+from disagmoe_ds.models.lora_settings import lora_of
 from disagmoe_ds.parity.compare import capture_grads, compare
 from disagmoe_ds.parity.harness import add_run_args, build_for_verify, cli, run_args, train_steps
 from disagmoe_ds.parity.reference import VerifyArgs, make_batches, reference

@@ -9,9 +9,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.config.disagmoe import DisagMoEConfig
-from disagmoe_ds.config.sections import SIDES
+from disagmoe_ds.config.sections import SIDES, TRANSPORT_NAMES
 
 
 # ----- the flag table -----
@@ -76,7 +75,7 @@ SECTION_FLAGS: dict[str, Flag] = {
         "exchange transport: auto (NCCL on GPUs, gloo on CPUs) or rendezvous (CPU ranks; a send completes only once "
         "its receive has started, as on NCCL's network transport: shows deadlocks gloo hides)",
         type=str,
-        choices=tuple(sorted(TRANSPORTS)),
+        choices=TRANSPORT_NAMES,
     ),
     "comm_timeout_s": Flag(
         "seconds a rank may wait for a peer; stacks at half of it", type=float, name="--comm-timeout"

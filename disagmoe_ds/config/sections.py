@@ -8,15 +8,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from disagmoe_ds.comm.transport import TRANSPORTS
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout, RankCounts
-from disagmoe_ds.models.lora import LoraSettings
+from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
-
-
+# The keys of comm.transport.TRANSPORTS (a test holds them equal): named here so that reading a config loads no torch.
+TRANSPORT_NAMES = ("auto", "rendezvous")
 SIDES = ("attention", "ffn")  # the keys of the per-side settings (offload, zero_stage)
 
 
@@ -177,8 +176,10 @@ class Exchange(Section):
 
     def _check(self) -> None:
         self._switches("comm_stream")
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"{self._named('transport')} must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport not in TRANSPORT_NAMES:
+            raise ConfigError(
+                f"{self._named('transport')} must be one of {list(TRANSPORT_NAMES)}, got {self.transport!r}"
+            )
         self._positive("capacity_factor", float, optional=True)
 
 
@@ -324,8 +325,8 @@ class FineTuning(Section):
     """What trains (both modes).
 
     Attributes:
-        lora: LoRA fine-tuning (``models.lora.LoraSettings``: rank, alpha, dropout, targets, train_router): adapters
-            on both sides, every base weight frozen; None: every parameter trains.
+        lora: LoRA fine-tuning (``models.lora_settings.LoraSettings``: rank, alpha, dropout, targets, train_router):
+            adapters on both sides, every base weight frozen; None: every parameter trains.
     """
 
     lora: LoraSettings | None = None

@@ -16,7 +16,8 @@ from torch import nn
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.attention_part import AttentionPart
-from disagmoe_ds.models.lora import EXPERT_PROJECTIONS, GROUPS, A, B, LoraLinear, LoraSettings, is_adapter
+from disagmoe_ds.models.lora import LoraLinear, is_adapter
+from disagmoe_ds.models.lora_settings import EXPERT_PROJECTIONS, GROUPS, A, B, LoraSettings
 from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage

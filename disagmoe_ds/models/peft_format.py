@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.models.lora import EXPERT_PROJECTIONS, A, B, LoraSettings, expert_delta, is_adapter
+from disagmoe_ds.models.lora import expert_delta, is_adapter
+from disagmoe_ds.models.lora_settings import EXPERT_PROJECTIONS, A, B, LoraSettings
 
 PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"

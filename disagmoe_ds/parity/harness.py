@@ -16,7 +16,7 @@ import torch.distributed as dist
 from disagmoe_ds.data.loader import to_device
 from disagmoe_ds.errors import DisagMoEError
 from disagmoe_ds.launch.env import detect_launcher, init_from_env
-from disagmoe_ds.models.lora import add_lora_args
+from disagmoe_ds.models.lora_settings import add_lora_args
 from disagmoe_ds.parity.compare import compare
 from disagmoe_ds.parity.reference import (
     DTYPES,

@@ -10,7 +10,7 @@ import torch
 
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.models.loading import load_model
-from disagmoe_ds.models.lora import LoraSettings
+from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.models.skew import skew_router
 from disagmoe_ds.models.split import hf_reference_loss
 

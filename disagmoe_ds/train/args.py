@@ -28,9 +28,11 @@ from disagmoe_ds.train.checks import (
     check_resume_flags,
     check_tensorboard,
 )
-from disagmoe_ds.train.flags import DTYPES, build_parser
+from disagmoe_ds.train.flags import build_parser
 from disagmoe_ds.train.job import launched_rank_and_world
 from disagmoe_ds.train.settings import apply_overrides, dtype_name, micro_batch_size, mode_config, run_mode
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """The flags of ``run_pretrain.py``, in the groups ``--help`` shows them; ``train.args`` turns them into ``TrainArgs``.
 
-DeepSpeed's conventions come first: ``--deepspeed_config`` (from ``deepspeed.add_config_arguments``) names the
+DeepSpeed's conventions come first: ``--deepspeed_config`` (as ``deepspeed.add_config_arguments`` names it) names the
 ds_config and ``--local_rank`` (appended by the ``deepspeed`` launcher) is accepted.
 """
 
@@ -9,13 +9,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import deepspeed
-import torch
-
 from disagmoe_ds.config import LAYOUT_KEYS, add_section_flags, flag_of
-from disagmoe_ds.models.lora import add_lora_args
+from disagmoe_ds.models.lora_settings import add_lora_args
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = ("bf16", "fp32")  # --dtype (train.args maps them to torch dtypes)
 MODES = ("disaggregated", "colocated")
 DEFAULT_MICRO_BATCH_SIZE = 4
 # --mode colocated only: the job's ranks and how they share the experts.
@@ -61,9 +58,17 @@ def build_parser(
     _checkpoints(p.add_argument_group("checkpoints"))
     _output(p.add_argument_group("output"))
     _launch(p.add_argument_group("launch"))
-    deepspeed.add_config_arguments(p)
-    p.set_defaults(deepspeed_config=str(default_ds_config))
+    _deepspeed(p.add_argument_group("DeepSpeed"), default_ds_config)
     return p
+
+
+def _deepspeed(g: argparse._ArgumentGroup, default_ds_config: Path) -> None:
+    """``deepspeed.add_config_arguments``' flags, made here: building the parser (and so ``--help``) loads neither
+    DeepSpeed nor torch."""
+    g.add_argument("--deepspeed_config", default=str(default_ds_config), help="the DeepSpeed JSON config")
+    g.add_argument("--deepspeed", action="store_true", help="accepted, as DeepSpeed scripts take it; no effect")
+    g.add_argument("--deepscale", action="store_true", help=argparse.SUPPRESS)  # DeepSpeed's deprecated names
+    g.add_argument("--deepscale_config", help=argparse.SUPPRESS)
 
 
 def _model_and_data(g: argparse._ArgumentGroup, default_model: Path, default_cache: Path) -> None:
@@ -150,7 +155,7 @@ def _optimisation(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--dtype",
-        choices=sorted(DTYPES),
+        choices=sorted(PRECISIONS),
         help="parameter dtype; bf16 sets bf16.enabled [bf16 when the ds_config enables it, else fp32]",
     )
     g.add_argument("--seed", type=int, default=0, help="model initialisation, data order and per-step RNG")

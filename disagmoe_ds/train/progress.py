@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from disagmoe_ds.checkpoint.resume import ResumePoint
 from disagmoe_ds.models.aux_loss import balance_per_layer
-from disagmoe_ds.models.lora import GROUPS
+from disagmoe_ds.models.lora_settings import GROUPS
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.lora import LoRA, adapter_params
 from disagmoe_ds.planner.model import ModelSpec

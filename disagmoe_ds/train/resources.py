@@ -13,7 +13,7 @@ import psutil
 from disagmoe_ds.config import SIDES
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import JobLayout
-from disagmoe_ds.models.lora import GROUPS
+from disagmoe_ds.models.lora_settings import GROUPS
 from disagmoe_ds.planner.memory import rank_state_bytes
 from disagmoe_ds.train.args import TrainArgs
 

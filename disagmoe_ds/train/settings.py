@@ -23,7 +23,7 @@ from typing import Any
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION, DisagMoEConfig, flag_of, section_values
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.models.lora import lora_of
+from disagmoe_ds.models.lora_settings import lora_of
 from disagmoe_ds.train.flags import COLOCATED_FLAGS, DEFAULT_MICRO_BATCH_SIZE, LAYOUT_FLAGS, SECTION_KEYS
 
 # Schedulers whose peak learning rate is a scheduler parameter, not the optimizer's lr.
