@@ -30,6 +30,10 @@
         --save-dir runs/ft --export-hf runs/ft-hf
     python run_pretrain.py --init-from HF_DIR --sft --data chat.jsonl --steps 800 --save-dir runs/ft --resume
 
+    # The loss on held-out data every 100 steps (2% of --data's samples, never trained on), and once for a model.
+    python run_pretrain.py --init-from HF_DIR --sft --data chat.jsonl --eval-split 0.02 --eval-every 100
+    python run_pretrain.py --init-from runs/ft-hf --sft --data chat.jsonl --eval-split 0.02 --eval-only
+
 Everything is checked (layout against the world size, data, checkpoint) before any rank starts; a mistake is one
 line that says what to change.
 """
@@ -63,7 +67,8 @@ from disagmoe_ds.runtime.step import StepResult
 from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
 from disagmoe_ds.train.args import TrainArgs, parse_args
 from disagmoe_ds.train.balance import bias_update_rate, expert_load, imbalance, update_expert_bias
-from disagmoe_ds.train.data import TrainData, check_data_args, lane_loader, prepare_data
+from disagmoe_ds.train.data import TrainData, check_data_args, eval_batches, lane_loader, prepare_data
+from disagmoe_ds.train.evaluation import EvalLoss, Evaluator, is_eval_step, weights_of
 from disagmoe_ds.train.failures import job_key, report_launched_failure, report_rank_failure
 from disagmoe_ds.train.hostfile import check_hostfile, deepspeed_command, describe, filters_slots, strip_launch_flags
 from disagmoe_ds.train.interrupt import STOPPED_EXIT, StopRequest, parent_waits_for_ranks
@@ -120,7 +125,7 @@ def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True, loca
     if args.resume is None:
         return JobPlan(args, config, layout, None)
     point = _check_resume(args, config, layout, num_samples=None, hashes=hashes)
-    if point.step >= args.steps:
+    if point.step >= args.steps and not args.eval_only:
         raise ConfigError(
             f"checkpoint {point.path} is at step {point.step} and --steps is {args.steps}: nothing left to train; "
             f"pass --steps above {point.step} (the run's total, not the steps to add)"
@@ -142,7 +147,7 @@ def run_local(args: TrainArgs) -> bool:
     plan = preflight_run(args, args.cfg.world_size, local=True)
     backend = local_backend(plan.layout.world_size)
     data = prepare_data(plan.args, plan.config)  # once, here: the forked ranks inherit the samples
-    if plan.resume is not None:
+    if plan.resume is not None and data.dataset is not None and not args.eval_only:  # it trains on the same samples
         _check_resume(plan.args, plan.config, plan.layout, num_samples=len(data.dataset), hashes=False)
     with parent_waits_for_ranks("run_pretrain.py: stopping after this step and saving; Ctrl-C again to abort"):
         stopped = spawn_local(
@@ -217,15 +222,23 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     init = load_train_model(args)
     runtime = mode.build(args, layout, model=init.model, weights=init.weights, device=device)
     data_lane = args.cfg.batch_lane_of(role.index)  # SP or TP: s (t) lanes read one share, in slices
-    loader = lane_loader(data, args, data_lane, pin_memory=device.type == "cuda") if reads_data else None
+    trains = reads_data and not args.eval_only
+    loader = lane_loader(data, args, data_lane, pin_memory=device.type == "cuda") if trains else None
     start = restore(runtime, resume.root, resume.tag, loader, lanes=args.lanes) if resume is not None else 0
+    evaluator = None
+    if args.evaluates:  # collective
+        evaluator = Evaluator(runtime, eval_batches(data, args, data_lane) if reads_data else None, device)
+    progress = Progress(args, start_step=start, monitor=runtime.engine.monitor) if rank == 0 else None
+    if evaluator is not None and args.eval_only:
+        evaluate_only(evaluator, start, progress, weights_of(args, resume))
+        return False
     peak = peak_tflops(device, args.peak_tflops)
     throughput = Throughput(args.tokens_per_step, facts.flops_per_token, layout.world_size, peak)
-    progress = Progress(args, start_step=start, monitor=runtime.engine.monitor) if rank == 0 else None
     timeline_step = min(start + 1, args.steps - 1)  # the run's second step: the first pays one-off costs
 
     tokenizer = data.tok if data is not None else None
     first_loss = last = None
+    evaluated: tuple[int, EvalLoss] | None = None  # the last evaluation, after which step
     started = time.perf_counter()
     step = start
     while step < args.steps:
@@ -238,9 +251,13 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
         update_expert_bias(runtime, load_LE, rate)  # DeepSeek-V3 auxiliary-loss-free balancing (0: off)
         step += 1
         first_loss, last = result.loss if first_loss is None else first_loss, result
+        seconds = time.perf_counter() - tic  # the step's, without its evaluation
+        evaluation = evaluator() if evaluator is not None and is_eval_step(args, step) else None  # collective
+        evaluated = (step, evaluation) if evaluation is not None else evaluated
         if progress is not None:
-            seconds = time.perf_counter() - tic
-            progress.step(throughput.record(step, result, lr=lr, seconds=seconds, imbalance=imbalance(load_LE)))
+            record = throughput.record(step, result, lr=lr, seconds=seconds, imbalance=imbalance(load_LE),
+                                       eval_loss=evaluation.loss if evaluation is not None else None)  # fmt: skip
+            progress.step(record)
         stopping = stop.agreed(device)  # collective: every rank leaves after the same step
         periodic = args.save_every and step % args.save_every == 0
         if stopping or periodic or step == args.steps:
@@ -255,10 +272,21 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
         loader.close()
     if progress is not None:
         progress.close()
-        print(summary_line(args, start, step, first_loss, last, time.perf_counter() - started), flush=True)
+        seconds = time.perf_counter() - started
+        print(summary_line(args, start, step, first_loss, last, seconds, evaluated), flush=True)
         if args.metrics_file is not None and step > start:
             print(f"loss plot: {write_loss_plot(args.metrics_file)}", flush=True)
     return step < args.steps
+
+
+def evaluate_only(evaluator: Evaluator, step: int, progress: Progress | None, weights: str) -> None:
+    """``--eval-only``: one evaluation of the loaded ``weights`` (those of ``step``), printed and recorded.
+    Collective."""
+    result = evaluator()
+    if progress is not None:
+        progress.evaluation(step, result.loss)
+        progress.close()
+        print(f"done: {result}, weights of {weights}", flush=True)
 
 
 def save_and_export(
@@ -290,12 +318,21 @@ def _lora_record(args: TrainArgs) -> dict[str, Any] | None:
 
 
 def summary_line(
-    args: TrainArgs, start: int, step: int, first_loss: float | None, last: StepResult | None, seconds: float
+    args: TrainArgs,
+    start: int,
+    step: int,
+    first_loss: float | None,
+    last: StepResult | None,
+    seconds: float,
+    evaluated: tuple[int, EvalLoss] | None = None,
 ) -> str:
-    """One line at the end of the run: steps, time, tokens, the loss from first to last step, what was written."""
+    """One line at the end of the run: steps, time, tokens, the loss from first to last step, the last evaluation,
+    what was written."""
     steps = step - start
     tokens = steps * args.tokens_per_step
     loss = f"loss {first_loss:.4f} -> {last.loss:.4f}" if last is not None else "no step run"
+    if evaluated is not None:
+        loss += f"; {evaluated[1]} after step {evaluated[0]}"
     written = [f"checkpoint {args.save_dir / f'step{step}'}"] if args.save_dir is not None else []
     written += [f"HF {'model' if args.cfg.lora is None else 'adapter'} {args.export_hf}"] if args.export_hf else []
     written += [f"merged HF model {args.export_hf_merged}"] if args.export_hf_merged is not None else []

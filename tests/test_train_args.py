@@ -30,7 +30,7 @@ FLAGS = frozenset(
         "--hostfile", "--launcher-args", "--check-hostfile", "--local_rank", "--mode", "--world-size", "--ep-size",
         "--zero", "--export-hf", "--prompt-field", "--response-field", "--messages-field", "--export-hf-merged",
         "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--lora-train-router", "--sft-truncate",
-        "--txt-documents",
+        "--txt-documents", "--eval-data", "--eval-split", "--eval-every", "--eval-steps", "--eval-only",
         # deepspeed.add_config_arguments' names
         "--deepspeed", "--deepspeed_config", "--deepscale", "--deepscale_config",
     }

@@ -54,6 +54,7 @@ from disagmoe_ds.models.model_facts import residual_shape
 from disagmoe_ds.models.moe_pattern import aux_layer_pattern
 from disagmoe_ds.models.parts import AttentionStage
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, slice_batch
+from disagmoe_ds.runtime.step import evaluating
 
 
 class AttentionRunner(HeadLane):
@@ -123,12 +124,13 @@ class AttentionRunner(HeadLane):
             counts_LE[layer] = counts_E
         return counts_LE
 
-    def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
+    def warm_up(self, seq_len: int, *, packed: bool = False, evaluates: bool = False) -> None:
         """Compile and load every compiled kernel of the attention parts and the head (forward and backward) now.
 
         Loading a kernel can synchronise the whole GPU; inside a step it would wait for receives posted ahead,
         whose senders may wait for this rank. So compiled jobs run this once, before any exchange. ``packed``: the
-        batches carry position ids that may restart (packed documents), whose block mask is a graph of its own.
+        batches carry position ids that may restart (packed documents), whose block mask is a graph of its own;
+        ``evaluates``: the forwards of an evaluation (no autograd, eval mode) are graphs of their own too.
         """
         device, dtype = self.engine.device, next(self.stage.parameters()).dtype
         if self.graphs.attention:  # capturing runs (so compiles) every part and the head first
@@ -145,10 +147,14 @@ class AttentionRunner(HeadLane):
                         h_BSH = self.sp.slice_of(h_BSH)
                     h_BSH.requires_grad_()
                     ctx = self._warm_up_context(h_BSH, positions_BS)
-                    out = self.recompute(self.stage.part(int(layer)), h_BSH, ctx, self.config)  # as the step runs
+                    part = self.stage.part(int(layer))
+                    out = self.recompute(part, h_BSH, ctx, self.config)  # as the step runs
                     outputs = [out.residual_BSH, out.x_TH, out.topk_w_TK, out.router_logits_TE, out.routed_w_BSC]
                     grad_of_inputs(outputs, [h_BSH])
-            self._warm_up_head(seq_len, device, dtype)
+                    if evaluates:
+                        with evaluating(self.stage):
+                            self.recompute(part, h_BSH, ctx, self.config)
+            self._warm_up_head(seq_len, device, dtype, evaluates=evaluates)
 
     def _warm_up_context(self, h_BSH: torch.Tensor, positions_BS: torch.Tensor | None) -> LayerContext:
         """A context as the step builds it (None: the default positions, no mask)."""
@@ -346,6 +352,10 @@ class AttentionRunner(HeadLane):
     def weight_grad(self, layer: int, mb: int) -> None:
         """Split backward: the parameter gradients ``backward`` deferred for this chunk."""
         self.backward_pass.weight_grad((layer, mb))
+
+    def drop_chunk(self, layer: int, mb: int) -> None:
+        """Forget what ``forward`` kept for a backward (an evaluation runs none)."""
+        del self.chunks[(layer, mb)]
 
     # ----- residual hand-off: a message when p > 1, a local value when p == 1 -----
     def _hand_off(self, kind: str, layer: int, mb: int, payload, outgoing: Outgoing) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -25,7 +25,7 @@ from disagmoe_ds.afpipe.offload import ActivationOffloader
 from disagmoe_ds.comm.routing import Capacity, pads
 from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, discard_gradients, zero_grads_of_untouched
-from disagmoe_ds.runtime.step import StepResult
+from disagmoe_ds.runtime.step import EvalResult, StepResult, evaluating
 from disagmoe_ds.schedule import Task, TimelineEvent
 from disagmoe_ds.schedule.tasks import TaskKind
 from disagmoe_ds.schedule.trace import Category
@@ -79,12 +79,14 @@ class AFPipeExecutor:
         self.reruns = 0  # steps run again at a larger exchange capacity, in all
         self._incoming: dict[Task, dict[str, Any]] = defaultdict(dict)  # by the task that reads them, then kind
         self._outgoing: dict[Key, Any] = {}  # made by a compute, not sent yet
+        self._evaluating = False  # inside ``eval_batch``: forwards alone, nothing kept for a backward
 
-    def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
+    def warm_up(self, seq_len: int, *, packed: bool = False, evaluates: bool = False) -> None:
         """Compile and load this rank's compiled kernels before the first step (``compile`` jobs): a kernel loaded
         inside a step can synchronise the GPU behind a receive posted ahead, whose sender waits for this rank.
-        ``packed``: the batches carry position ids that may restart (the block-mask graphs too)."""
-        self.runner.warm_up(seq_len, packed=packed)
+        ``packed``: the batches carry position ids that may restart (the block-mask graphs too); ``evaluates``:
+        ``eval_batch``'s forwards without autograd too."""
+        self.runner.warm_up(seq_len, packed=packed, evaluates=evaluates)
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
 
@@ -101,7 +103,7 @@ class AFPipeExecutor:
         reruns = 0
         while True:
             try:
-                self._run_stream(batches)
+                self._run_stream(batches, self.schedule.steps())
                 break
             except _Outgrown as outgrown:
                 discard_gradients(self.engine)
@@ -113,10 +115,43 @@ class AFPipeExecutor:
         self.reruns += reruns
         return replace(self._result(time.perf_counter() - start), reruns=reruns)
 
-    def _run_stream(self, batches: list[dict[str, torch.Tensor]] | None) -> None:
+    def eval_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> EvalResult:
+        """HF's LM loss of ``batches`` (as ``train_batch`` takes them), changing nothing a step reads: the step's
+        forwards alone (``AFPipeSchedule.forward_steps``), without autograd or activation offload, the module in eval
+        mode, each chunk dropped after its forward. A batch whose messages outgrew the exchange capacity runs again at
+        the one it needed, and the step's capacity is restored after."""
+        capacity = self.mailbox.capacity
+        while True:
+            try:
+                self._run_forwards(batches)
+                break
+            except _Outgrown as outgrown:
+                self._set_capacity(outgrown.capacity)
+        if capacity is not None and self.mailbox.capacity != capacity:  # only a fixed capacity grows
+            self._set_capacity(capacity)
+        stats = getattr(self.runner, "stats", None)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
+        if stats is not None and stats.token_sums is not None:
+            sums += stats.token_sums
+        dist.all_reduce(sums)  # only the head lanes contribute
+        return EvalResult(sums[0].item(), int(sums[1].item()))
+
+    def _run_forwards(self, batches: list[dict[str, torch.Tensor]] | None) -> None:
+        self._evaluating = True
+        try:
+            with evaluating(self.engine.module):
+                self._run_stream(batches, self.schedule.forward_steps())
+            self.mailbox.flush(backward=False)
+            self._check_capacity()
+        finally:
+            self._evaluating = False
+
+    def _run_stream(
+        self, batches: list[dict[str, torch.Tensor]] | None, steps: Iterator[list[ds_schedule.PipeInstruction]]
+    ) -> None:
         self.runner.start_step(batches)
         try:
-            for step in self.schedule.steps():
+            for step in steps:
                 for cmd in step:
                     self.stall_watch.tick()
                     self._execute(cmd)
@@ -171,12 +206,14 @@ class AFPipeExecutor:
         incoming = self._incoming.pop(Task(kind, layer, micro_batch), {})
         with self._offloading(kind, layer, micro_batch):
             outgoing = fn(layer, micro_batch, incoming)
+        if self._evaluating:  # no backward follows
+            self.runner.drop_chunk(layer, micro_batch)
         for msg_kind, payload in outgoing.items():
             self._outgoing[(msg_kind, layer, micro_batch)] = payload
         self.mailbox.pump()  # headers that came in while computing: post their payload receives now
 
     def _offloading(self, kind: str, layer: int, micro_batch: int):
-        if self.offloader is None:
+        if self.offloader is None or self._evaluating:  # without autograd nothing is saved
             return nullcontext()
         phase = self.offloader.forward if kind.endswith("fwd") else self.offloader.backward
         return phase((layer, micro_batch))

@@ -20,6 +20,7 @@ from disagmoe_ds.comm.messages import ExpertOut, ExpertOutGrad, TokenGrads, Toke
 from disagmoe_ds.comm.routing import Capacity, pads
 from disagmoe_ds.models.graphs import StageGraphs
 from disagmoe_ds.models.parts import ExpertStage
+from disagmoe_ds.runtime.step import evaluating
 
 
 def warm_up_cases(seq_len: int) -> list[tuple[int, str]]:
@@ -87,9 +88,9 @@ class ExpertRunner:
         if grown and self.graphs.shards:
             self._capture_shards()
 
-    def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
+    def warm_up(self, seq_len: int, *, packed: bool = False, evaluates: bool = False) -> None:
         with self.compiling():
-            self._warm_up(seq_len, packed=packed)
+            self._warm_up(seq_len, packed=packed, evaluates=evaluates)
         if self.graphs.shards:
             self._capture_shards()
 
@@ -101,12 +102,13 @@ class ExpertRunner:
             pair_bound=bound if pads(self.capacity) else None,
         )  # fmt: skip
 
-    def _warm_up(self, seq_len: int, *, packed: bool = False) -> None:
+    def _warm_up(self, seq_len: int, *, packed: bool = False, evaluates: bool = False) -> None:
         """Compile and load every compiled kernel of the expert shards now (see ``AttentionRunner.warm_up``).
 
         Row and pair counts change every micro-batch: after two sizes the compiled graphs are dynamic in them, but a
         count of 1 gets graphs of its own, and so do messages whose ids all live here (no sentinel, as with one ep
-        rank): ``_warm_up_cases`` covers each combination.
+        rank): ``_warm_up_cases`` covers each combination. Without autograd (resend, ``evaluates``) the forward's
+        graphs are others.
         """
         del packed  # the experts see rows, not documents
         device, dtype, hidden = self.engine.device, next(self.stage.parameters()).dtype, self.stage.config.hidden_size
@@ -120,6 +122,9 @@ class ExpertRunner:
                     pairs = bound or int((idx_RK < shard.num_local).sum())
                     if self.resend:  # its forward runs without autograd: graphs of their own
                         with torch.no_grad():
+                            shard(x_RH, idx_RK, w_RK, pairs, bool(bound))
+                    if evaluates:  # an evaluation's forward: without autograd, in eval mode
+                        with evaluating(shard):
                             shard(x_RH, idx_RK, w_RK, pairs, bool(bound))
                     grad_of_inputs([self.recompute(shard, x_RH, idx_RK, w_RK, pairs, bool(bound))], [x_RH, w_RK])
 
@@ -159,6 +164,10 @@ class ExpertRunner:
     def weight_grad(self, layer: int, mb: int) -> None:
         """Split backward: the expert weight gradients ``backward`` deferred for this chunk."""
         self.backward_pass.weight_grad((layer, mb))
+
+    def drop_chunk(self, layer: int, mb: int) -> None:
+        """Forget what ``forward`` kept for a backward (an evaluation runs none)."""
+        del self.chunks[(layer, mb)]
 
     def _backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
         chunk = self.chunks.pop((layer, mb))

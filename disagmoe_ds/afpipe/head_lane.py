@@ -18,10 +18,12 @@ import torch
 from disagmoe_ds.afpipe.attention_chunk import AttentionChunk
 from disagmoe_ds.afpipe.chunk_io import grad_of_inputs
 from disagmoe_ds.afpipe.head_stats import HeadStats
+from disagmoe_ds.data.packing import IGNORE_INDEX, labelled_tokens
 from disagmoe_ds.models.aux_loss import RouterStats, switch_loss
 from disagmoe_ds.models.graphs import StageGraphs
 from disagmoe_ds.models.parts import AttentionStage
 from disagmoe_ds.models.sequence_parallel import SequenceParallel
+from disagmoe_ds.runtime.step import evaluating, summed_lm_loss
 
 
 class HeadLane:
@@ -56,9 +58,12 @@ class HeadLane:
         scale = self._share_scale
         if self.sp is None:
             _, lm_loss = self.graphs.head_of(self.stage)(h_BSH, batch["labels"])
+            token_sums = summed_lm_loss(lm_loss, labelled_tokens(batch["labels"]))
         else:  # this slice's share of the micro-batch's loss (no graphs with sequence parallelism)
             assert self.stage.head is not None
             _, lm_loss = self.stage.head(h_BSH, None, batch["shift_labels"], batch["num_items"])
+            own = (batch["shift_labels"] != IGNORE_INDEX).sum()
+            token_sums = summed_lm_loss(lm_loss, batch["num_items"], own)  # the slice's sum, its tokens
             lm_loss = lm_loss * scale
         loss, aux = lm_loss, torch.zeros_like(lm_loss)
         chunk.aux_grad_E = torch.zeros_like(counts_E)
@@ -68,19 +73,25 @@ class HeadLane:
             aux = switch_loss(stats) * scale  # every MoE layer's rows pooled, as HF does
             chunk.aux_grad_E = scale * self.aux_coef * self.num_experts * stats.counts_E / stats.rows**2 / self.K
             loss = loss + self.aux_coef * aux
-        self.stats.add(loss, lm_loss, aux)
+        self.stats.add(loss, lm_loss, aux, token_sums)
         chunk.scaled_loss = loss / self.K
 
-    def _warm_up_head(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Where this lane holds the head: its forward and backward once, as the step calls it
-        (``AttentionRunner.warm_up``)."""
+    def _warm_up_head(self, seq_len: int, device: torch.device, dtype: torch.dtype, *, evaluates: bool) -> None:
+        """Where this lane holds the head: its forward and backward once, as the step calls it, and with
+        ``evaluates`` its forward as an evaluation does (``AttentionRunner.warm_up``)."""
         if self.stage.head is not None:
             S = seq_len // (1 if self.sp is None else self.sp.size)
             h_BSH = torch.randn(self.B, S, *self.stage.residual_dims, device=device, dtype=dtype)
             h_BSH.requires_grad_()
             labels_BS = torch.randint(0, self.config.vocab_size, (self.B, S), device=device)
-            if self.sp is None:
-                loss = self.stage.head(h_BSH, labels_BS)[1]
-            else:  # a slice's share, as the step calls the head
-                loss = self.stage.head(h_BSH, None, labels_BS, labels_BS.new_tensor(labels_BS.numel()))[1]
-            grad_of_inputs([loss], [h_BSH])
+            grad_of_inputs([self._head_loss(h_BSH, labels_BS)], [h_BSH])
+            if evaluates:
+                with evaluating(self.stage):
+                    self._head_loss(h_BSH, labels_BS)
+
+    def _head_loss(self, h_BSH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """The head's loss as the step calls it (with slices: a slice's share)."""
+        assert self.stage.head is not None
+        if self.sp is None:
+            return self.stage.head(h_BSH, labels_BS)[1]
+        return self.stage.head(h_BSH, None, labels_BS, labels_BS.new_tensor(labels_BS.numel()))[1]

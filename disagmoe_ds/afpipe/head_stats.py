@@ -14,10 +14,12 @@ class HeadStats:
 
     sums: torch.Tensor | None = None  # float64 [loss, lm_loss, aux_loss]
     micro_batches: int = 0
+    token_sums: torch.Tensor | None = None  # float64 [LM loss summed over labelled tokens, their count] (evaluation)
 
-    def add(self, loss: torch.Tensor, lm_loss: torch.Tensor, aux_loss: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, lm_loss: torch.Tensor, aux_loss: torch.Tensor, token_sums: torch.Tensor) -> None:
         self._add(torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]))
         self.micro_batches += 1
+        self.token_sums = token_sums if self.token_sums is None else self.token_sums + token_sums
 
     def add_layer_aux(self, coef: float, aux_loss: torch.Tensor) -> None:
         """One MoE layer's own aux loss of one micro-batch (per-layer balancing), on the rank that runs the layer."""

@@ -84,10 +84,16 @@ class AFPipeSchedule(ds_schedule.PipeSchedule):
         workers = sorted(schedule.streams)
         super().__init__(schedule.graph.num_micro_batches, len(workers), workers.index(worker))
         self._stream = schedule.streams[worker]
+        self._forwards = af.forward_stream(self._stream)
         self._max_in_flight = schedule.max_in_flight
 
     def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:
         for instruction in self._stream:
+            yield [lower(instruction)]
+
+    def forward_steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:
+        """The step's forwards alone, an evaluation's (``schedule.forward_stream``)."""
+        for instruction in self._forwards:
             yield [lower(instruction)]
 
     def num_pipe_buffers(self) -> int:

@@ -205,11 +205,14 @@ class Mailbox:
             size_waits=self._size_waits,
         )
 
-    def flush(self) -> None:
-        """Wait until every send has left (end of step: buffers may be freed)."""
+    def flush(self, *, backward: bool = True) -> None:
+        """Wait until every send has left (end of step: buffers may be freed). ``backward=False``: the step ran its
+        forwards alone (an evaluation), so the gradients' sizes its sends and headers told are never wanted."""
         self._drain(block=True, step_end=True)
         for fan_out in self._out.values():
             fan_out.wait_all()
+        if not backward:
+            self._known = {key: sizes for key, sizes in self._known.items() if not key[0].endswith("_grad")}
         stale = [key for inbox in self._in.values() for key, _ in inbox.pending]
         if stale or self._known:
             raise ChannelError(f"end of step with messages expected but never waited: {stale or list(self._known)}")

@@ -184,7 +184,7 @@ def check_resume(
     if has_data and num_samples is not None and state.get("num_samples") != num_samples:
         raise CheckpointError(
             f"checkpoint {where} was trained on {state.get('num_samples')} samples, this run's data gives "
-            f"{num_samples}; resume with the same --data, --seq-len, --seed and tokenizer"
+            f"{num_samples}; resume with the same --data, --eval-split, --seq-len, --seed and tokenizer"
         )
     if ds_config is not None and manifest.get("ds_config") is not None:
         _check_engine_settings(where, manifest["ds_config"], ds_config, manifest.get("zero_stage"))

@@ -21,11 +21,12 @@ import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from deepspeed.moe.utils import is_moe_param
 
+from disagmoe_ds.data.packing import labelled_tokens
 from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.models.model_facts import RoutingFacts
 from disagmoe_ds.runtime import ds_patches
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, clip_by_norm, zero_grads_of_untouched
-from disagmoe_ds.runtime.step import StepResult
+from disagmoe_ds.runtime.step import EvalResult, StepResult, evaluating, summed_lm_loss
 from disagmoe_ds.schedule import TimelineEvent
 from disagmoe_ds.schedule.trace import Category
 
@@ -135,9 +136,11 @@ class ColocatedExecutor:
         self.timeline: list[TimelineEvent] | None = None
         self.stall_watch = StallWatch.before_timeout(comm_timeout_s)  # stacks if a micro-batch or the step stalls
 
-    def warm_up(self, seq_len: int, *, packed: bool = False) -> None:
+    def warm_up(self, seq_len: int, *, packed: bool = False, evaluates: bool = False) -> None:
         """Capture the CUDA graphs of the rank's parts (``cuda_graphs`` jobs), before the first step; ``packed``: the
-        batches carry position ids (the contexts they give are captured too)."""
+        batches carry position ids (the contexts they give are captured too). ``evaluates``: nothing more (no
+        receive is posted ahead here, so a kernel compiled inside an evaluation waits for nobody)."""
+        del evaluates
         assert self.routing is not None, "the builder passes the model's routing facts"
         self.engine.module.capture_graphs(
             batch=self.micro_batch_size,
@@ -168,6 +171,21 @@ class ColocatedExecutor:
         dist.all_reduce(sums, group=self.group)
         loss, lm, aux, count = sums.tolist()
         return StepResult(loss / count, lm / count, aux / count, self.grad_norm.last_norm, time.perf_counter() - start)
+
+    def eval_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> EvalResult:
+        """HF's LM loss of this rank's micro-batches (as ``train_batch`` takes them) summed over their labelled tokens,
+        over all ranks: forwards alone, without autograd, the module in eval mode; the step's sums untouched."""
+        assert batches is not None, "every co-located rank reads its lane's data"
+        sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
+        try:
+            with evaluating(self.engine.module):
+                for mb, batch in enumerate(batches):
+                    out = self._timed(f"eval {mb}", "compute", partial(self.engine, **batch))
+                    sums += summed_lm_loss(out.lm_loss, labelled_tokens(batch["labels"]))
+        finally:
+            self.stall_watch.stop()
+        dist.all_reduce(sums, group=self.group)
+        return EvalResult(sums[0].item(), int(sums[1].item()))
 
     def _step(self) -> None:
         zero_grads_of_untouched(self.engine)  # an expert slice nobody routed to: every replica reduces the same buffers

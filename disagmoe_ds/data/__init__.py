@@ -14,12 +14,14 @@ Pretraining, one lane of d::
 
 from disagmoe_ds.data.corpus import BUNDLED_CORPUS, CorpusStats, bundled_corpus, corpus_stats
 from disagmoe_ds.data.errors import DataError
+from disagmoe_ds.data.held_out import HeldOutBatches, hold_out
 from disagmoe_ds.data.loader import MicroBatchLoader, collate
 from disagmoe_ds.data.packing import (
     IGNORE_INDEX,
     PackedDataset,
     build_pretrain_dataset,
     check_seq_len,
+    labelled_tokens,
     pack_documents,
 )
 from disagmoe_ds.data.sampler import ShardedSampler
@@ -48,6 +50,7 @@ __all__ = [
     "CorpusStats",
     "DataError",
     "HFTokenizer",
+    "HeldOutBatches",
     "MicroBatchLoader",
     "PackedDataset",
     "Record",
@@ -63,7 +66,9 @@ __all__ = [
     "check_vocab",
     "collate",
     "corpus_stats",
+    "hold_out",
     "iter_records",
+    "labelled_tokens",
     "load_documents",
     "load_hf_tokenizer",
     "load_sft_examples",

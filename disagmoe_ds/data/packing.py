@@ -59,11 +59,20 @@ class PackedDataset:
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {key: getattr(self, key)[index].long() for key in SAMPLE_KEYS}
 
+    def select(self, indices: torch.Tensor) -> PackedDataset:
+        """The samples at ``indices``, in that order."""
+        return PackedDataset(self.input_ids[indices], self.labels[indices], self.position_ids[indices])
+
     @classmethod
     def from_rows(cls, rows: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> PackedDataset:
         """Builds the dataset from (input_ids, labels, position_ids) rows of equal length."""
         columns = [torch.tensor([row[k] for row in rows], dtype=torch.int32) for k in range(3)]
         return cls(*columns)
+
+
+def labelled_tokens(labels_BS: torch.Tensor) -> torch.Tensor:
+    """The tokens HF's causal-LM loss of ``labels_BS`` averages over (it shifts them by one), as a 0-dim tensor."""
+    return (labels_BS[..., 1:] != IGNORE_INDEX).sum()
 
 
 def check_seq_len(seq_len: int, max_positions: int | None) -> None:

@@ -25,7 +25,7 @@ from disagmoe_ds.schedule.instructions import (
     WeightGradAttn,
     WeightGradExperts,
 )
-from disagmoe_ds.schedule.streams import build_streams, layer_in_flight
+from disagmoe_ds.schedule.streams import build_streams, forward_stream, layer_in_flight
 from disagmoe_ds.schedule.tasks import Channel, Message, PipeShape, ScheduleError, Task, TaskGraph, Worker, build_graph
 from disagmoe_ds.schedule.trace import TimelineEvent, to_chrome_trace, write_chrome_trace
 
@@ -58,6 +58,7 @@ __all__ = [
     "build_streams",
     "check_streams",
     "default_max_in_flight",
+    "forward_stream",
     "generate",
     "layer_in_flight",
     "render",

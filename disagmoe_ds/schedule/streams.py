@@ -60,6 +60,24 @@ def _stream(
     return (*stream, ins.ReduceGrads(), ins.OptimizerStep())
 
 
+_FORWARD_MESSAGES = ("m2n", "n2m", "resid")
+
+
+def forward_stream(stream: tuple[ins.Instruction, ...]) -> tuple[ins.Instruction, ...]:
+    """``stream`` with its forwards alone (an evaluation): the forward computes and their messages, in the same order.
+
+    Every worker drops the backward messages at both ends and keeps its own order, so what the full streams ran
+    before an instruction is still before it, less what was dropped: the forward streams of deadlock-free streams
+    are deadlock-free (``check_streams`` accepts them; tests check it over layouts).
+    """
+    return tuple(
+        instruction
+        for instruction in stream
+        if isinstance(instruction, ins.ForwardAttn | ins.ForwardExperts)
+        or (isinstance(instruction, ins.CommInstruction) and instruction.message.kind in _FORWARD_MESSAGES)
+    )
+
+
 def layer_in_flight(stream: tuple[ins.Instruction, ...]) -> dict[int, int]:
     """The most micro-batches of each chunk layer in ``stream`` whose forward has run and backward has not, at once:
     how many copies of the layer's activations the worker holds at its peak (``models.graphs`` slots).

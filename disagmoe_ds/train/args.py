@@ -22,6 +22,7 @@ from disagmoe_ds.train.checks import (
     check_batch_keys,
     check_ds_config_keys,
     check_engine_config,
+    check_eval_flags,
     check_flag_values,
     check_monitors,
     check_outputs,
@@ -70,6 +71,11 @@ class TrainArgs:
     save_every: int
     keep_last: int
     resume: str | None  # None: fresh start; "": the newest checkpoint in save_dir; else a checkpoint path
+    eval_data: str | None  # held-out data, prepared as ``data`` is
+    eval_split: float  # the fraction of ``data``'s samples held out instead (0: none)
+    eval_every: int  # evaluate every N steps and after the last (0: after the last only, when there is held-out data)
+    eval_steps: int | None  # evaluation batches per evaluation (None: the whole held-out set)
+    eval_only: bool  # evaluate the initial (--init-from) or resumed weights once, train nothing
     metrics_file: Path | None
     tensorboard: Path | None
     timeline: Path | None
@@ -79,6 +85,11 @@ class TrainArgs:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def evaluates(self) -> bool:
+        """The run has held-out data, so it evaluates (``train.evaluation``)."""
+        return self.eval_data is not None or self.eval_split > 0
 
     @property
     def lanes(self) -> int:
@@ -128,6 +139,7 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
     check_tensorboard(ns.tensorboard)
     check_monitors(ds_config)
     check_outputs(ns)
+    check_eval_flags(ns, cfg)
     if ns.export_hf_merged is not None and cfg.lora is None:
         raise ConfigError(
             "--export-hf-merged writes a LoRA run's model with its adapters merged; pass --lora-rank (or set "
@@ -143,6 +155,8 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
         "sft_fields": (ns.prompt_field, ns.response_field, ns.messages_field),
         "micro_batch_size": batch,
         "dtype": dtype,
+        "eval_split": ns.eval_split or 0.0,
+        "eval_every": ns.eval_every or 0,
     }
     # Every other field is the value of the flag of the same name.
     as_given = {f.name: getattr(ns, f.name) for f in fields(TrainArgs) if f.name not in derived}

@@ -48,6 +48,35 @@ def check_flag_values(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--bias-update-rate must be >= 0, got {ns.bias_update_rate}")
 
 
+def check_eval_flags(ns: argparse.Namespace, cfg: DisagMoEConfig | ColocatedConfig) -> None:
+    """The evaluation flags: held-out data for what is asked, --eval-only's weights and what it would write."""
+    if ns.eval_split is not None and not 0 < ns.eval_split < 1:
+        raise ConfigError(f"--eval-split must be a fraction between 0 and 1, got {ns.eval_split}")
+    for flag, value in {"--eval-every": ns.eval_every, "--eval-steps": ns.eval_steps}.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    if ns.eval_data is not None and ns.eval_split is not None:
+        raise ConfigError("--eval-data and --eval-split both give the held-out data; pass one of them")
+    held_out = ns.eval_data is not None or ns.eval_split is not None
+    asked = [flag for flag, value in (("--eval-every", ns.eval_every), ("--eval-steps", ns.eval_steps),
+                                      ("--eval-only", ns.eval_only)) if value]  # fmt: skip
+    if asked and not held_out:
+        raise ConfigError(
+            f"{asked[0]} needs held-out data: pass --eval-data PATH, or --eval-split F to hold out that fraction of "
+            f"--data's samples"
+        )
+    if held_out and cfg.cuda_graphs:
+        raise ConfigError('an evaluation with "cuda_graphs" is not supported yet; drop --cuda-graphs or the eval flags')
+    if ns.eval_only:
+        if ns.init_from is None and ns.resume is None:
+            raise ConfigError("--eval-only evaluates the weights of --init-from HF_DIR or --resume CKPT; pass one")
+        outputs = {"--export-hf": ns.export_hf, "--export-hf-merged": ns.export_hf_merged, "--timeline": ns.timeline,
+                   "--save-every": ns.save_every}  # fmt: skip
+        written = [flag for flag, value in outputs.items() if value]
+        if written:
+            raise ConfigError(f"--eval-only writes nothing but --metrics-file and --tensorboard; drop {written[0]}")
+
+
 def check_resume_flags(resume: str | None, save_dir: Path | None) -> None:
     if resume == "" and save_dir is None:
         raise ConfigError("--resume without a checkpoint path needs --save-dir (the run's checkpoint root)")

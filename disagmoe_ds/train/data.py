@@ -1,9 +1,11 @@
-"""The run's training samples: which tokenizer, which dataset, and each lane's resumable loader.
+"""The run's training and held-out samples: which tokenizer, which datasets, and each lane's resumable loader.
 
 Only the lanes of A-group 0 read data (they hold the embedding; in co-located mode every rank is such a lane);
 lane j of d reads lane j's share of every epoch (``ShardedSampler``), so the d lanes together see each sample once
-per epoch. Without a launcher the parent process builds the dataset once and the forked ranks inherit it; under a
-launcher each lane builds it (deterministically: the same samples on every lane).
+per epoch. Without a launcher the parent process builds the datasets once and the forked ranks inherit them; under
+a launcher each lane builds them (deterministically: the same samples on every lane). The held-out samples of the
+evaluation loss are ``--eval-data``'s, tokenised and packed as ``--data``'s, or the ``--eval-split`` fraction of
+``--data``'s samples (``data.held_out``), which the run then never trains on.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import cast
 from disagmoe_ds.data import (
     BYTE_FALLBACK_MIN,
     DataError,
+    HeldOutBatches,
     MicroBatchLoader,
     PackedDataset,
     SentencePieceTokenizer,
@@ -25,6 +28,8 @@ from disagmoe_ds.data import (
     bundled_corpus,
     check_seq_len,
     check_vocab,
+    hold_out,
+    labelled_tokens,
     load_hf_tokenizer,
     load_sft_examples,
     resolve_files,
@@ -41,10 +46,12 @@ _HF_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.m
 class TrainData:
     """The packed samples every lane draws from, and how they were made (for the start banner)."""
 
-    dataset: PackedDataset
+    dataset: PackedDataset | None  # None: --eval-only on --eval-data (no training sample is needed)
     tokenizer: str
     summary: str
     tok: Tokenizer  # saved with every checkpoint and --export-hf
+    held_out: PackedDataset | None = None  # the evaluation loss's samples (--eval-data, --eval-split)
+    held_out_summary: str = ""
 
 
 def data_spec(args: TrainArgs) -> str:
@@ -56,8 +63,9 @@ def check_data_args(args: TrainArgs, model_config) -> None:
     check_seq_len(args.seq_len, getattr(model_config, "max_position_embeddings", None))
     if args.sft and not args.data:
         raise DataError("--sft needs --data: a .jsonl/.parquet file of prompt/response or messages rows")
-    if not is_hub_spec(data_spec(args)):
-        resolve_files(data_spec(args))
+    for spec in (data_spec(args), args.eval_data):
+        if spec is not None and not is_hub_spec(spec):
+            resolve_files(spec)
     if args.vocab_size is not None:
         check_vocab(args.vocab_size, model_config.vocab_size)
 
@@ -110,13 +118,43 @@ def _pick_tokenizer(args: TrainArgs, model_config) -> tuple[Tokenizer, str]:
 
 
 def prepare_data(args: TrainArgs, model_config) -> TrainData:
-    """Tokenize and pack the whole source (pretraining documents, or SFT examples with the prompt masked)."""
+    """Tokenize and pack the training source (pretraining documents, or SFT examples with the prompt masked) and the
+    held-out samples; ``--eval-only`` on ``--eval-data`` packs that alone."""
     check_data_args(args, model_config)
     tokenizer, what = load_tokenizer(args, model_config)
+    held_out, held_summary = None, ""
+    if args.eval_data is not None:
+        held_out, source = _pack(args.eval_data, args, tokenizer, model_config)
+        held_summary = f"{source}; {_samples(held_out, args)}"
+    if args.eval_only and held_out is not None:  # no training sample needed
+        return TrainData(None, what, "", tokenizer, _checked_held_out(held_out, args), held_summary)
+    dataset, summary = _pack(data_spec(args), args, tokenizer, model_config)
+    split = ""
+    if args.eval_split:
+        held_summary = f"of the {_samples(dataset, args)} from {data_spec(args)}"
+        dataset, held_out = hold_out(dataset, args.eval_split, seed=args.seed)
+        held_summary = f"{len(held_out):,} {held_summary} (--eval-split {args.eval_split:g}, never trained on)"
+        split = f" to train on and {len(held_out):,} held out"
+    if len(dataset) < args.lanes:
+        raise DataError(
+            f"{data_spec(args)} gives {_samples(dataset, args)}{split}, fewer than the {args.lanes} lanes that read "
+            f"it; use more data or a shorter --seq-len"
+        )
+    held_out = _checked_held_out(held_out, args) if held_out is not None else None
+    summary = f"{summary}; {_samples(dataset, args)}{split}"
+    return TrainData(dataset, what, summary, tokenizer, held_out, held_summary)
+
+
+def _samples(dataset: PackedDataset, args: TrainArgs) -> str:
+    return f"{len(dataset):,} samples of {args.seq_len} tokens"
+
+
+def _pack(spec: str, args: TrainArgs, tokenizer: Tokenizer, model_config) -> tuple[PackedDataset, str]:
+    """``spec``'s samples as the run trains on them (SFT: examples with the prompt masked), and where they are from."""
     max_positions = getattr(model_config, "max_position_embeddings", None)
     if args.sft:
         prompt, response, messages = args.sft_fields
-        examples = load_sft_examples(args.data, prompt_field=prompt, response_field=response, messages_field=messages)
+        examples = load_sft_examples(spec, prompt_field=prompt, response_field=response, messages_field=messages)
         dataset = build_sft_dataset(
             examples,
             tokenizer,
@@ -125,34 +163,49 @@ def prepare_data(args: TrainArgs, model_config) -> TrainData:
             seed=args.seed,
             truncate=args.sft_truncate,
         )
-        summary = f"{len(examples)} SFT examples from {args.data}, loss on responses only"
+        summary = f"{len(examples)} SFT examples from {spec}, loss on responses only"
         multi_turn = sum(len(example.messages) > 2 for example in examples)
         if multi_turn and not tokenizer.has_chat_template:
             summary += (
                 f" ({multi_turn} multi-turn: without a chat template each is plain text, its earlier turns joined "
                 f"without roles as the prompt, the loss on its last assistant turn)"
             )
-    else:
-        dataset, stats = build_pretrain_dataset(
-            data_spec(args),
-            tokenizer,
-            seq_len=args.seq_len,
-            max_positions=max_positions,
-            seed=args.seed,
-            text_field=args.text_field,
-            txt_unit=cast(TxtUnit, args.txt_documents),
-        )
-        summary = f"{data_spec(args)}: {stats}"
-    if len(dataset) < args.lanes:
-        raise DataError(
-            f"{data_spec(args)} gives {len(dataset)} samples of {args.seq_len} tokens, fewer than the {args.lanes} "
-            f"lanes that read it; use more data or a shorter --seq-len"
-        )
-    return TrainData(dataset, what, f"{summary}; {len(dataset):,} samples of {args.seq_len} tokens", tokenizer)
+        return dataset, summary
+    dataset, stats = build_pretrain_dataset(
+        spec,
+        tokenizer,
+        seq_len=args.seq_len,
+        max_positions=max_positions,
+        seed=args.seed,
+        text_field=args.text_field,
+        txt_unit=cast(TxtUnit, args.txt_documents),
+    )
+    return dataset, f"{spec}: {stats}"
+
+
+def _checked_held_out(held_out: PackedDataset, args: TrainArgs) -> PackedDataset:
+    if not labelled_tokens(held_out.labels):
+        source = args.eval_data or f"--eval-split {args.eval_split:g} of {data_spec(args)}"
+        raise DataError(f"the held-out samples ({source}) have no token to compute a loss on; use other data")
+    return held_out
+
+
+def eval_batches(data: TrainData, args: TrainArgs, lane: int) -> HeldOutBatches:
+    """Lane ``lane``'s micro-batches of every evaluation (``--eval-steps`` batches of one step's shape, or all)."""
+    assert data.held_out is not None, "only a run with held-out data evaluates"
+    return HeldOutBatches(
+        data.held_out,
+        lanes=args.lanes,
+        lane=lane,
+        micro_batches=args.cfg.micro_batches,
+        micro_batch_size=args.micro_batch_size,
+        limit=args.eval_steps,
+    )
 
 
 def lane_loader(data: TrainData, args: TrainArgs, lane: int, *, pin_memory: bool) -> MicroBatchLoader:
     """Lane ``lane``'s steps of micro-batches, prefetched by a background thread."""
+    assert data.dataset is not None, "a run that trains has training samples"
     sampler = ShardedSampler(len(data.dataset), num_lanes=args.lanes, lane=lane, seed=args.seed)
     return MicroBatchLoader(
         data.dataset,
@@ -165,6 +218,7 @@ def lane_loader(data: TrainData, args: TrainArgs, lane: int, *, pin_memory: bool
 
 def steps_per_epoch(data: TrainData, args: TrainArgs) -> int:
     """Steps until every lane has read its share once (each lane reads N // d samples per epoch)."""
+    assert data.dataset is not None, "a run that trains has training samples"
     return (len(data.dataset) // args.lanes) // (args.cfg.micro_batches * args.micro_batch_size)
 
 
@@ -174,6 +228,7 @@ def epoch_text(data: TrainData, args: TrainArgs) -> str:
     if steps >= 1:
         return f"one epoch = {steps:,} steps"
     per_step = args.cfg.micro_batches * args.micro_batch_size
+    assert data.dataset is not None  # steps_per_epoch checked it
     return (
         f"one epoch = {len(data.dataset) // args.lanes:,} samples per lane, fewer than the {per_step} a step reads: "
         f"every step repeats samples"

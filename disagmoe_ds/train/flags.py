@@ -56,6 +56,7 @@ def build_parser(
     _fine_tuning(p.add_argument_group("fine-tuning"))
     add_lora_args(p, verify=False)
     _checkpoints(p.add_argument_group("checkpoints"))
+    _evaluation(p.add_argument_group("evaluation (the LM loss on held-out data)"))
     _output(p.add_argument_group("output"))
     _launch(p.add_argument_group("launch"))
     _deepspeed(p.add_argument_group("DeepSpeed"), default_ds_config)
@@ -216,6 +217,42 @@ def _checkpoints(g: argparse._ArgumentGroup) -> None:
         metavar="CKPT",
         help="continue a run exactly: alone, from the newest complete checkpoint in --save-dir; or from CKPT (a "
         "checkpoint root or ROOT/TAG)",
+    )
+
+
+def _evaluation(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--eval-data",
+        metavar="PATH",
+        help="held-out data, in any form --data takes (with --sft: SFT rows, prompts masked), tokenised and packed as "
+        "the training data; without --eval-every, evaluated after the last step",
+    )
+    g.add_argument(
+        "--eval-split",
+        type=float,
+        metavar="F",
+        help="hold out this fraction of --data's samples (chosen by --seed; never trained on, so a resume needs the "
+        "same F) instead of --eval-data [none: every sample trains]",
+    )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        help="evaluate every N steps and after the last (needs --eval-data or --eval-split): the mean LM loss over "
+        "the held-out tokens, beside the training loss in the log, --metrics-file (eval_loss) and --tensorboard",
+    )
+    g.add_argument(
+        "--eval-steps",
+        type=int,
+        metavar="K",
+        help="evaluate the first K held-out batches of one step's size (lanes x micro-batches x micro-batch size "
+        "sequences), the same ones every time [all of them]",
+    )
+    g.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="evaluate the weights of --init-from or --resume once, print the loss and exit: no training, nothing "
+        "written but --metrics-file and --tensorboard",
     )
 
 

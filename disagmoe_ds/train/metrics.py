@@ -74,6 +74,7 @@ class StepRecord:
     tflops_per_gpu: float
     mfu: float | None
     expert_imbalance: list[float | None]  # per layer, max load / mean load; None for dense layers
+    eval_loss: float | None = None  # after this step, on held-out data (``train.evaluation``); None: not evaluated
 
     @property
     def max_imbalance(self) -> float | None:
@@ -81,7 +82,11 @@ class StepRecord:
         return max(values) if values else None
 
     def to_json(self) -> dict:
-        return {**asdict(self), "max_imbalance": self.max_imbalance}
+        """The JSON line: every field, ``eval_loss`` on the evaluation steps only."""
+        record = {**asdict(self), "max_imbalance": self.max_imbalance}
+        if self.eval_loss is None:
+            del record["eval_loss"]
+        return record
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,14 @@ class Throughput:
     peak_tflops: float | None
 
     def record(
-        self, step: int, result: StepResult, *, lr: float, seconds: float, imbalance: list[float | None]
+        self,
+        step: int,
+        result: StepResult,
+        *,
+        lr: float,
+        seconds: float,
+        imbalance: list[float | None],
+        eval_loss: float | None = None,
     ) -> StepRecord:
         tflops = self.tokens_per_step * self.flops_per_token / seconds / self.world_size / 1e12
         return StepRecord(
@@ -110,4 +122,5 @@ class Throughput:
             tflops_per_gpu=tflops,
             mfu=tflops / self.peak_tflops if self.peak_tflops else None,
             expert_imbalance=imbalance,
+            eval_loss=eval_loss,
         )

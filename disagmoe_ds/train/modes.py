@@ -82,7 +82,7 @@ class DisaggregatedTraining:
     ) -> RankRuntime:
         runtime = _build(build_rank, args, layout, model=model, device=device, weights=weights, seq_len=args.seq_len)
         if args.cfg.compile or args.cfg.cuda_graphs:  # compiled kernels loaded, graphs captured before any exchange
-            runtime.executor.warm_up(args.seq_len, packed=True)  # packed data carries positions
+            runtime.executor.warm_up(args.seq_len, packed=True, evaluates=args.evaluates)  # packed data: positions
         return runtime
 
 

@@ -1,7 +1,8 @@
 """What rank 0 shows and writes: the start banner, a progress bar (or log lines), JSON lines, TensorBoard.
 
-On a terminal a tqdm bar carries loss, aux loss, tokens/s, TFLOP/s per GPU, MFU and the worst layer's expert
-imbalance; without one (a log file, CI) the same fields go to one plain line every ``--log-every`` steps.
+On a terminal a tqdm bar carries loss, the last evaluation loss, aux loss, tokens/s, TFLOP/s per GPU, MFU and the
+worst layer's expert imbalance; without one (a log file, CI) the same fields go to one plain line every
+``--log-every`` steps and after every evaluation.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from disagmoe_ds.planner.lora import LoRA, adapter_params
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.train.args import TrainArgs
 from disagmoe_ds.train.data import TrainData, epoch_text
+from disagmoe_ds.train.evaluation import describe, weights_of
 from disagmoe_ds.train.metrics import ModelFacts, StepRecord
 from disagmoe_ds.train.resources import planned_state
 
@@ -53,7 +55,8 @@ def banner(
         f"tokens per step: {args.tokens_per_step:,} = {_lanes_text(args)} x {args.cfg.micro_batches} micro-batches x "
         f"{args.micro_batch_size} sequences x {args.seq_len} tokens; "
         f"{facts.flops_per_token * args.tokens_per_step / 1e9:,.2f} model GFLOP per step",
-        f"data: {data.summary}; {epoch_text(data, args)}",
+        *([f"data: {data.summary}; {epoch_text(data, args)}"] if not args.eval_only else []),
+        *([describe(args, data)] if args.evaluates else []),
         f"tokenizer: {data.tokenizer}",
         f"balancing: {aux}; {bias}; imb = the busiest expert's load over the mean, worst MoE layer (1.0 is even; "
         "healthy below about 1.5; experts / top-k when every token picks the same experts)",
@@ -72,6 +75,8 @@ def _short_run_note(args: TrainArgs) -> list[str]:
 
 
 def checkpoint_line(args: TrainArgs, resume: ResumePoint | None) -> str:
+    if args.eval_only:
+        return f"checkpoints: none written (--eval-only); evaluating the weights of {weights_of(args, resume)}"
     if args.save_dir is None:
         saves = "checkpoints: off (--save-dir DIR saves at the end, on Ctrl-C and every --save-every steps)"
     else:
@@ -95,9 +100,11 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def summary_fields(rec: StepRecord) -> dict[str, str]:
+def summary_fields(rec: StepRecord, eval_loss: float | None = None) -> dict[str, str]:
+    """The bar's (or log line's) fields; ``eval_loss``: the last evaluation's, shown beside the loss."""
     return {
         "loss": _fmt(rec.loss, ".4f"),
+        **({"eval": _fmt(eval_loss, ".4f")} if eval_loss is not None else {}),
         "aux": _fmt(rec.aux_loss, ".3f"),
         "tok/s": _fmt(rec.tokens_per_s, ",.0f"),
         "TFLOP/s/gpu": _fmt(rec.tflops_per_gpu, ".3g"),
@@ -114,15 +121,21 @@ class Progress:
         csv_monitor and comet sections), which gets every step's scalars too."""
         self.log_every = args.log_every
         self.bar = tqdm(
-            total=args.steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not sys.stderr.isatty()
+            total=args.steps,
+            initial=start_step,
+            unit="step",
+            dynamic_ncols=True,
+            disable=args.eval_only or not sys.stderr.isatty(),
         )
         self.jsonl = None
         if args.metrics_file is not None:
             args.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-            _drop_records_after(args.metrics_file, start_step)  # a resumed run logs those steps again
+            if not args.eval_only:
+                _drop_records_after(args.metrics_file, start_step)  # a resumed run logs those steps again
             self.jsonl = args.metrics_file.open("a")
         self.tensorboard = _tensorboard_writer(args.tensorboard)
         self.monitor = monitor if monitor is not None and monitor.enabled else None
+        self.eval_loss: float | None = None  # the last evaluation's, shown on every later step
 
     def print(self, text: str) -> None:
         """A message that does not break the bar."""
@@ -132,22 +145,34 @@ class Progress:
             self.bar.write(text)
 
     def step(self, rec: StepRecord) -> None:
-        fields = summary_fields(rec)
+        self.eval_loss = rec.eval_loss if rec.eval_loss is not None else self.eval_loss
+        fields = summary_fields(rec, self.eval_loss)
         if self.bar.disable:
-            if rec.step % self.log_every == 0 or rec.step == self.bar.total:
+            if rec.step % self.log_every == 0 or rec.step == self.bar.total or rec.eval_loss is not None:
                 self.print(f"step {rec.step}/{self.bar.total} " + " ".join(f"{k} {v}" for k, v in fields.items()))
         else:
             self.bar.set_postfix(fields, refresh=False)
             self.bar.update(1)
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps(rec.to_json()) + "\n")
-            self.jsonl.flush()  # a killed run keeps every finished step
+        self._write(rec.to_json())
         values = {tag: value for tag, value in scalars(rec).items() if value is not None}
         if self.tensorboard is not None:
             for tag, value in values.items():
                 self.tensorboard.add_scalar(tag, value, rec.step)
         if self.monitor is not None:
             self.monitor.write_events([(tag, value, rec.step) for tag, value in values.items()])
+
+    def evaluation(self, step: int, eval_loss: float) -> None:
+        """An evaluation outside training (``--eval-only``): its own JSON line and TensorBoard point."""
+        self._write({"step": step, "eval_loss": eval_loss})
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar(_EVAL_TAG, eval_loss, step)
+        if self.monitor is not None:
+            self.monitor.write_events([(_EVAL_TAG, eval_loss, step)])
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()  # a killed run keeps every finished step
 
     def close(self) -> None:
         self.bar.close()
@@ -183,6 +208,9 @@ def _step_of(line: str) -> int | None:
         return None
 
 
+_EVAL_TAG = "eval/lm_loss"
+
+
 def scalars(rec: StepRecord) -> dict[str, float | None]:
     """A step's values under the tags TensorBoard and DeepSpeed's monitors show them."""
     values = {
@@ -195,6 +223,7 @@ def scalars(rec: StepRecord) -> dict[str, float | None]:
         "perf/tflops_per_gpu": rec.tflops_per_gpu,
         "perf/mfu": rec.mfu,
         "balance/max_imbalance": rec.max_imbalance,
+        _EVAL_TAG: rec.eval_loss,
     }
     values.update({f"balance/imbalance_layer{i}": v for i, v in enumerate(rec.expert_imbalance)})
     return values
