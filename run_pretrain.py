@@ -30,8 +30,8 @@
         --save-dir runs/ft --export-hf runs/ft-hf
     python run_pretrain.py --init-from HF_DIR --sft --data chat.jsonl --steps 800 --save-dir runs/ft --resume
 
-Everything is checked (layout against the world size, data, checkpoint) before any rank starts; a mistake is one
-line that says what to change.
+Everything is checked (layout against the world size, data, checkpoint) before any rank starts, or under a
+launcher by each rank after its imports, before it builds anything; a mistake is one line that says what to change.
 """
 
 # main(): parse the command line -> preflight (layout, data, checkpoint; no rank started, nothing allocated)
