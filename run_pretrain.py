@@ -34,8 +34,8 @@
     python run_pretrain.py --init-from HF_DIR --sft --data chat.jsonl --eval-split 0.02 --eval-every 100
     python run_pretrain.py --init-from runs/ft-hf --sft --data chat.jsonl --eval-split 0.02 --eval-only
 
-Everything is checked (layout against the world size, data, checkpoint) before any rank starts; a mistake is one
-line that says what to change.
+Everything is checked (layout against the world size, data, checkpoint) before any rank starts, or under a
+launcher by each rank after its imports, before it builds anything; a mistake is one line that says what to change.
 """
 
 # main(): parse the command line -> preflight (layout, data, checkpoint; no rank started, nothing allocated)

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="disagmoe-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
     to_ds = sub.add_parser(
         "hf-to-disagmoe",
         help="HF directory -> step 0 of a DisagMoE checkpoint of a layout",
@@ -47,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     to_ds.add_argument("--model", required=True, help="HF model directory with weights (written by save_pretrained)")
     to_ds.add_argument("--out", required=True, help="checkpoint root to write (tag step0)")
-    _add_layout_args(to_ds, ds_config_help="DeepSpeed config JSON (optimizer, scheduler, ZeRO, precision)")
+    _add_layout_args(
+        to_ds,
+        ds_config_help="DeepSpeed config JSON (optimizer, scheduler, ZeRO, precision)",
+        zero_stage_default="both sides at --zero's stage, else at the --ds-config's zero_optimization.stage, else 0",
+        zero_help="ZeRO stage of both sides; overrides the --ds-config's zero_optimization.stage",
+    )
     for part in ("router", "attention"):
         to_ds.add_argument(
             f"--freeze-{part}", action="store_true", help=f"for a run that resumes it with --freeze-{part}"
@@ -82,13 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
         re,
         ds_config_help="DeepSpeed config JSON for the new layout (default: the source's); also used to read a "
         "source that records none",
+        zero_stage_default="the source's per-side stages; with --zero, or for a source without them, both sides at "
+        "zero_optimization.stage",
+        zero_help="ZeRO stage of both sides, in place of the source's per-side stages; overrides the --ds-config's "
+        "zero_optimization.stage",
     )
     return p
 
 
-def _add_layout_args(p: argparse.ArgumentParser, *, ds_config_help: str) -> None:
-    add_section_flags(p, (*LAYOUT_KEYS, "zero_stage"), cli="convert", required=("attention_gpus", "ffn_gpus"))
-    p.add_argument("--zero", type=int, choices=(0, 1, 2), help="ZeRO stage; overrides --ds-config")
+def _add_layout_args(
+    p: argparse.ArgumentParser, *, ds_config_help: str, zero_stage_default: str, zero_help: str
+) -> None:
+    add_section_flags(
+        p,
+        (*LAYOUT_KEYS, "zero_stage"),
+        cli="convert",
+        required=("attention_gpus", "ffn_gpus"),
+        notes={"zero_stage": zero_stage_default},
+    )
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), help=zero_help)
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="training precision; overrides --ds-config")
     p.add_argument("--ds-config", help=ds_config_help)
 

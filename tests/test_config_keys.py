@@ -1,8 +1,9 @@
 """The ``"disagmoe"`` section of a ds_config is an interface, like the command line: a key is added or removed on
-purpose, with these lists (the flags are frozen in test_train_args)."""
+purpose, with these lists (the flags are frozen in test_train_args), and documented in ds_configs/README.md."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 
 import pytest
@@ -11,6 +12,7 @@ from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.lora_settings import LoraSettings
+from tests.conftest import ROOT
 
 KEYS = {
     DisagMoEConfig: {
@@ -34,3 +36,20 @@ def test_an_unknown_key_names_every_known_one():
         DisagMoEConfig.from_ds_config({"disagmoe": {"attention_gpu": 2}})
     assert 'unknown key(s) in "disagmoe": attention_gpu; known: ' in str(err.value)
     assert all(key in str(err.value) for key in KEYS[DisagMoEConfig])
+
+
+def _documented(heading: str) -> set[str]:
+    """The keys in the first column of the tables under ``heading`` in ds_configs/README.md (up to the next heading)."""
+    text = (ROOT / "ds_configs" / "README.md").read_text()
+    start = next(m.end() for m in re.finditer(r"^#+ (.*)$", text, flags=re.M) if m.group(1).startswith(heading))
+    end = next((m.start() for m in re.finditer(r"^#", text[start:], flags=re.M)), len(text) - start) + start
+    return set(re.findall(r"^\| `(\w+)` \|", text[start:end], flags=re.M))
+
+
+DOCUMENTED = {DisagMoEConfig: '`"disagmoe"`', LoraSettings: '`"lora"`', ColocatedConfig: "Co-located mode"}
+
+
+@pytest.mark.parametrize("section", KEYS, ids=lambda cls: cls.__name__)
+def test_every_section_key_is_documented(section):
+    """ds_configs/README.md has a row for every key of each section, under that section's heading."""
+    assert _documented(DOCUMENTED[section]) == KEYS[section]

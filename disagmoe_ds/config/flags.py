@@ -102,7 +102,6 @@ SECTION_FLAGS: dict[str, Flag] = {
     "zero_stage": Flag(
         "ZeRO stage of the attention and the FFN side (F may be 3: expert parameters sharded), replacing --zero",
         per_side=True,
-        notes={"convert": "a relayout keeps the source's unless this or --zero is given"},
     ),
 }
 
@@ -135,17 +134,20 @@ def add_section_flags(
     *,
     cli: str,
     required: tuple[str, ...] = (),
+    notes: Mapping[str, str] | None = None,
 ) -> None:
     """``keys``' flags from ``SECTION_FLAGS`` as ``cli`` (one of ``CLIS``) has them, those of ``required`` without a
     default; each action's destination is its key and its ``section_key`` attribute names it (tests check every
-    CLI's against the table)."""
+    CLI's against the table). ``notes``: what a key's default means in this parser, where it differs from the
+    table's note for ``cli`` (a subcommand's own)."""
     if cli not in CLIS:
         raise ValueError(f"unknown CLI {cli!r}; one of {CLIS}")
     for key in keys:
         spec = SECTION_FLAGS[key]
         kwargs: dict[str, Any] = {"dest": key, "help": spec.help}
-        if cli in spec.notes:
-            kwargs["help"] += f" (default: {spec.notes[cli]})"
+        note = (notes or {}).get(key, spec.notes.get(cli))
+        if note is not None:
+            kwargs["help"] += f" (default: {note})"
         if spec.type is None:  # a switch turns a key on; left out, run_pretrain.py keeps the ds_config's value
             kwargs |= {"action": "store_true", "default": None if cli == "run_pretrain" else False}
         else:

@@ -1,7 +1,7 @@
 """The adaptive worker allocator (paper section 6): choose M:N, the NIC split, depth p, expert-DP and the
 micro-batches, and compare with the best co-located EP+DP interleaved-1F1B configuration (pure Python).
 
-Search (paper-notes.md section 6, "recommended re-implementation"): enumerate every attention/FFN split
+Search (the DisagMoE paper's allocator, re-implemented): enumerate every attention/FFN split
 M + N = W, every depth p dividing L, every expert-DP that the ``Layout`` accepts, both placements and every
 NIC split they allow (``placement.py``). Reject what does not divide or does not fit memory; rank the rest
 by the roofline bottleneck T* = max(T_a, T_f) (paper section 4.3) plus the exposed gradient sync and the optimizer

@@ -138,7 +138,7 @@ class Cluster:
 
 def _h800(nodes: int) -> Cluster:
     # H800 SXM: 989 TFLOP/s dense bf16, 80 GB (81559 MiB reported), NVLink 400 GB/s total (200 one way),
-    # 8 x ConnectX-7 400 Gb/s per node (the paper's testbed, paper-notes.md section 9.1).
+    # 8 x ConnectX-7 400 Gb/s per node (the DisagMoE paper's testbed).
     return Cluster("h800", nodes, 8, 989e12, 81559 * _MIB, 200e9, 8, 50e9, hbm_bw=HBM_BW_H100)
 
 

@@ -59,7 +59,7 @@ def alltoall_s(
     """One dispatch (or combine) of one micro-batch on one rank; the EP group fills whole nodes.
 
     ``alltoall`` (Megatron's all-to-all token dispatcher): each of the B*s tokens is sent top_k times, no
-    de-duplication; (ep-1)/ep of the copies leave the GPU (paper-notes.md section 4: V = (EP-1)/EP * N * k), the
+    de-duplication; (ep-1)/ep of the copies leave the GPU (V = (ep-1)/ep * B*s * top_k copies), the
     share (ep - g)/ep of them through the node's NICs (g GPUs per node), the rest over NVLink.
 
     ``deepep`` (DeepEP / HybridEP internode kernels): a token crosses the network once per destination node, to the

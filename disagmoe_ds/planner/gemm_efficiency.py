@@ -9,8 +9,8 @@ model's own parts and replaces all of this), the planner times each kind of work
 * the routed experts' grouped GEMMs with the permutation, activation and un-permutation around them, by expert
   width (the GEMMs' inner dimension I): ``EXPERT_PATH``, interpolated in log2(I) and flat outside the table.
 
-Sources (Hopper, bf16; the H200 numbers are this project's, docs/performance.md sections 1 and 11 and
-shared/platform-notes.md, the H100 ones Megatron-Core's published runs, docs/planner.md section 8):
+Sources (Hopper, bf16; the H200 numbers are this project's measurements, docs/performance.md sections 1 and 11
+among them, the H100 ones Megatron-Core's published runs, docs/planner.md section 8):
 
 * cuBLAS reaches 794 of 989 TFLOP/s on an 8192^3 matmul; model-sized projections (4K-16K rows after sequence
   parallel, 2-8K columns) and their backward run at 60-65% on the H200 profiles: 0.62.

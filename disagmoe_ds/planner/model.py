@@ -22,7 +22,7 @@ hyper-connections add their projections and stream mixes to every layer's A side
 their streams to the residual hand-off (hc x H per token, plus the routed sum's hc weights and, where some layer
 routes by token id, the token ids) and to what a layer keeps.
 
-The split follows the runtime (DESIGN.md section 3): the A side holds norms, attention, router, shared
+The split follows the runtime (``docs/architecture.md``): the A side holds norms, attention, router, shared
 experts, dense MLP layers, embedding and LM head; the F side holds the routed experts only.
 
 >>> spec = ModelSpec.from_config({"model_type": "mixtral", "hidden_size": 8, "num_hidden_layers": 2,
@@ -312,7 +312,7 @@ class ModelSpec:
         return ep_size * (1.0 - miss)
 
     def wire_bytes_per_token(self, ep_size: int) -> WireBytes:
-        """Bytes per token and MoE layer on each AF-Pipe channel (DESIGN.md section 4)."""
+        """Bytes per token and MoE layer on each AF-Pipe channel (``WireBytes``)."""
         h, k = ACT_BYTES * self.hidden_size, self.top_k
         ranks = self.distinct_ranks_per_token(ep_size)
         hc = self.hc_streams  # the residual's streams, and with them the routed sum's weight per stream

@@ -7,7 +7,7 @@ Two placements of the ``Layout`` ranks (attention ranks [0, M), FFN ranks [M, W)
   This is what a DeepSpeed hostfile produces by itself (launcher rank = node * slots + local rank).
 * spread: every node holds a = M/nodes attention GPUs and f = N/nodes FFN GPUs and splits its NICs
   n_a + n_f (any 1..n-1, GPUs reach the other NICs of the node through NVLink, NCCL's PXN). This is the
-  paper's free NIC split (M_a + M_f = all NICs, paper-notes.md section 6). The runtime must map the
+  DisagMoE paper's free NIC split (M_a + M_f = all NICs). The runtime must map the
   launcher rank (node, local) to the layout rank: node * a + local if local < a, else
   M + node * f + (local - a).
 

@@ -2,7 +2,7 @@
 per-call part times it sums are in ``part_times.py``, the simulator's per-task costs in ``task_costs.py``, the
 gradient sync in ``grad_sync.py``.
 
-Roofline of one training step (paper-notes.md section 5.3, with per-side NIC pools M_a + M_f = NICs):
+Roofline of one training step (the DisagMoE paper's, with per-side NIC pools M_a + M_f = NICs):
 
     T_a = max(C_a / (M * P_a), V_a / (M_a * B)),    T_f = max(C_f / (N * P_f), V_f / (M_f * B))
 

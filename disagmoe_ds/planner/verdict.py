@@ -1,6 +1,6 @@
 """Whether disaggregation pays, in one line, and the reasons behind it.
 
-The reasoning follows the paper's roofline (paper-notes.md section 5.2): a side's arithmetic intensity
+The reasoning follows the DisagMoE paper's roofline: a side's arithmetic intensity
 I = FLOPs / NIC bytes against its turning point I_hat = (GPUs x FLOP/s) / (NICs x bytes/s); I > I_hat means
 compute-bound. Disaggregation pays when the co-located baseline loses more to exposed all-to-all and
 bubbles than AF-Pipe loses to imbalance, bubbles and its own transfers.
