@@ -228,7 +228,7 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     evaluator = None
     if args.evaluates:  # collective
         evaluator = Evaluator(runtime, eval_batches(data, args, data_lane) if reads_data else None, device)
-    progress = Progress(args, start_step=start, monitor=runtime.engine.monitor) if rank == 0 else None
+    progress = Progress(args, start_step=start) if rank == 0 else None
     if evaluator is not None and args.eval_only:
         evaluate_only(evaluator, start, progress, weights_of(args, resume))
         return False

@@ -73,6 +73,9 @@ class RoleMPU:
     get_tensor_model_parallel_rank = get_model_parallel_rank
 
 
+MONITOR_SECTIONS = ("tensorboard", "wandb", "csv_monitor", "comet")  # DeepSpeed's monitors
+
+
 def role_ds_config(
     ds_config: dict[str, Any], *, micro_batches: int, micro_batch_size: int, dp_size: int, stage: int | None = None
 ) -> dict:
@@ -82,10 +85,12 @@ def role_ds_config(
     Gradient accumulation is owned by the AF-Pipe executor (one ``step()`` per batch after many partial
     backwards), so ``managed_gradient_accumulation`` is off and the batch sizes are made consistent. At stage 3
     every parameter is sharded (DeepSpeed keeps parameters under 1e5 elements whole by default; the ones an expert
-    shard has are its biases) unless the ds_config says otherwise.
+    shard has are its biases) unless the ds_config says otherwise. The monitor sections are the job's (rank 0
+    writes every step's scalars there, ``train.progress``): an engine of its own would log on another x axis.
     """
     config = copy.deepcopy(ds_config)
-    config.pop(SECTION, None)
+    for section in (SECTION, *MONITOR_SECTIONS):
+        config.pop(section, None)
     if config.get("fp16", {}).get("enabled"):
         raise ConfigError('"fp16" is not supported by DisagMoE-DS; use "bf16": {"enabled": true} or fp32')
     config["train_micro_batch_size_per_gpu"] = micro_batch_size

@@ -116,9 +116,7 @@ def summary_fields(rec: StepRecord, eval_loss: float | None = None) -> dict[str,
 class Progress:
     """Rank 0's sinks for step records. ``close()`` flushes and closes everything."""
 
-    def __init__(self, args: TrainArgs, *, start_step: int, monitor: Any = None) -> None:
-        """``monitor``: DeepSpeed's ``MonitorMaster`` of rank 0's engine (the ds_config's tensorboard, wandb,
-        csv_monitor and comet sections), which gets every step's scalars too."""
+    def __init__(self, args: TrainArgs, *, start_step: int) -> None:
         self.log_every = args.log_every
         self.bar = tqdm(
             total=args.steps,
@@ -134,7 +132,7 @@ class Progress:
                 _drop_records_after(args.metrics_file, start_step)  # a resumed run logs those steps again
             self.jsonl = args.metrics_file.open("a")
         self.tensorboard = _tensorboard_writer(args.tensorboard)
-        self.monitor = monitor if monitor is not None and monitor.enabled else None
+        self.monitor = _monitor(args.ds_config)
         self.eval_loss: float | None = None  # the last evaluation's, shown on every later step
 
     def print(self, text: str) -> None:
@@ -180,6 +178,16 @@ class Progress:
             self.jsonl.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def _monitor(ds_config: dict[str, Any]) -> Any:
+    """DeepSpeed's ``MonitorMaster`` of the ds_config's monitor sections (tensorboard, wandb, csv_monitor, comet), or
+    None when none is enabled: every step's scalars go there, by step (the role engines log nothing there)."""
+    from deepspeed.monitor.config import get_monitor_config
+    from deepspeed.monitor.monitor import MonitorMaster
+
+    monitor = MonitorMaster(get_monitor_config(ds_config))
+    return monitor if monitor.enabled else None
 
 
 def _tensorboard_writer(log_dir: Path | None) -> Any:
