@@ -27,6 +27,7 @@ from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.models.split import hf_reference_loss
 from disagmoe_ds.parity.reference import DTYPES, VerifyArgs, load_for_verify, make_batches
+from disagmoe_ds.train import run as job
 from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe, relayout
 from disagmoe_ds.train.conversion_jobs import Job, open_checkpoint
 from tests.conftest import all_families_only
@@ -241,7 +242,7 @@ def colocated_run(tmp_path_factory, tok_cache) -> Callable[..., ColocatedRun]:
                 "--ep-size", ep_size, "--deepspeed_config", out / "ds.json", "--dtype", dtype, "--steps", 2,
                 "--save-dir", out / "ck"]  # fmt: skip
         with pytest.MonkeyPatch.context() as patch:  # the forked ranks inherit it
-            patch.setattr(run_pretrain, "save", _recording_save(run_pretrain.save, out))
+            patch.setattr(job, "save", _recording_save(job.save, out))
             assert run_pretrain.main([str(a) for a in argv]) == 0
         ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
         slices: dict[str, list[tuple[int, torch.Tensor]]] = {}

@@ -24,9 +24,10 @@ from disagmoe_ds.planner.cli import main
 from disagmoe_ds.planner.cluster import Cluster, save_cluster
 from disagmoe_ds.planner.runtime_files import TRAINING, ds_config, runtime_refusal
 from disagmoe_ds.planner.workload import Workload
+from disagmoe_ds.train import run as job
 from disagmoe_ds.train.args import TrainArgs, parse_args
 from disagmoe_ds.train.checks import _deepspeed_keys
-from tests.runs import pretrain, records, run_pretrain
+from tests.runs import pretrain, records
 
 
 def _written(work: Workload, depth: int) -> dict:
@@ -136,7 +137,7 @@ def _preflight(ds: Path, *flags: object) -> TrainArgs:
         warnings.simplefilter("always")
         args, _ = parse_args(argv, root=ROOT, description="")
     assert not [w for w in caught if "ignored" in str(w.message)], [str(w.message) for w in caught]
-    run_pretrain.preflight_run(args, args.cfg.world_size)
+    job.preflight_run(args, args.cfg.world_size)
     return args
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagmoe_ds.train import run as job
 from tests.conftest import all_families_only, write_tiny_checkpoint
 from tests.runs import (
     ROOT,
@@ -33,7 +34,6 @@ from tests.runs import (
     kill_session,
     pretrain,
     records,
-    run_pretrain,
     run_script,
     same,
     sigint_the_launcher_alone,
@@ -355,7 +355,7 @@ def test_a_failure_inside_a_rank_is_one_line_naming_the_root_cause_and_the_log(t
     log file, which holds every failed rank's traceback."""
     import torch.distributed as dist
 
-    step, calls = run_pretrain.run_step, []  # each forked rank counts its own calls
+    step, calls = job.run_step, []  # each forked rank counts its own calls
 
     def fail_in_rank_1_at_step_2(runtime, batches, *, timeline):
         calls.append(1)
@@ -363,7 +363,7 @@ def test_a_failure_inside_a_rank_is_one_line_naming_the_root_cause_and_the_log(t
             raise RuntimeError("injected failure in rank 1")
         return step(runtime, batches, timeline=timeline)
 
-    monkeypatch.setattr(run_pretrain, "run_step", fail_in_rank_1_at_step_2)  # the forked ranks inherit it
+    monkeypatch.setattr(job, "run_step", fail_in_rank_1_at_step_2)  # the forked ranks inherit it
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the log goes ($TMPDIR, read once)
     capfd.readouterr()
     assert pretrain(tok_cache, "--steps", 4) == 1

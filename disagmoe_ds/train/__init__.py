@@ -1,9 +1,12 @@
 """The pieces of the training job that ``run_pretrain.py`` strings together, one concept per module.
 
+run          the job once its command line is read: preflight, the ranks (here or a launcher's), the loop
 args         command line -> ``TrainArgs`` (the ds_config with its overrides applied, the layout of --mode)
-flags        run_pretrain.py's flags, as --help groups them
+flags        run_pretrain.py's flags, as --help groups them (torch-free: --help answers at once)
 settings     what the flags derive from the ds_config: the layout of --mode, the ds_config with the overrides
 checks       values refused before any rank starts, each naming the flag or key to change
+resources    host memory and disk space the run needs, from the planner's training state
+evaluation   the evaluation loss on held-out batches
 modes        disaggregated or co-located: preflight, banner lines, build of one mode (a ``RankRuntime``)
 plan         the job's plan: what the preflight derived once (settings, config, layout, resume point), read by the ranks
 hostfile     DeepSpeed hostfile validation, and re-launching ``run_pretrain.py`` through ``deepspeed``

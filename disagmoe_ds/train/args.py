@@ -29,7 +29,7 @@ from disagmoe_ds.train.checks import (
     check_resume_flags,
     check_tensorboard,
 )
-from disagmoe_ds.train.flags import build_parser
+from disagmoe_ds.train.flags import default_model, read_command_line
 from disagmoe_ds.train.job import launched_rank_and_world
 from disagmoe_ds.train.settings import apply_overrides, dtype_name, micro_batch_size, mode_config, run_mode
 
@@ -106,21 +106,19 @@ class TrainArgs:
         return self.sequences_per_step * self.seq_len
 
 
-def parse_args(argv: list[str] | None, *, root: Path, description: str) -> tuple[TrainArgs, argparse.Namespace]:
-    """The run's settings; the namespace keeps the launch flags (hostfile checks) for ``run_pretrain.main``.
+def parse_args(argv: list[str], *, root: Path, description: str) -> tuple[TrainArgs, argparse.Namespace]:
+    """The run's settings; the namespace keeps the launch flags (hostfile checks).
 
     ``root``: the directory whose hf_models/, ds_configs/ and .cache/ hold the defaults.
     """
-    default_model = root / "hf_models" / "tiny-qwen3-moe-lm"
-    parser = build_parser(
-        description=description,
-        default_model=default_model,
-        default_ds_config=root / "ds_configs" / "tiny-cpu.json",
-        default_cache=root / ".cache" / "tokenizers",
-    )
-    ns = parser.parse_args(argv)
+    ns = read_command_line(argv, root=root, description=description)
+    return resolve_command_line(ns, root=root), ns
+
+
+def resolve_command_line(ns: argparse.Namespace, *, root: Path) -> TrainArgs:
+    """The run's settings from the flags ``read_command_line`` read (under a launcher, its world size)."""
     launched_world_size = launched_rank_and_world()[1] if detect_launcher() is not None else None
-    return resolve(ns, default_model=default_model, launched_world_size=launched_world_size), ns
+    return resolve(ns, default_model=default_model(root), launched_world_size=launched_world_size)
 
 
 def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size: int | None = None) -> TrainArgs:

@@ -44,6 +44,24 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{action.help} (default: %(default)s)"
 
 
+def default_model(root: Path) -> Path:
+    """The embedded default model (``root``: the directory of run_pretrain.py)."""
+    return root / "hf_models" / "tiny-qwen3-moe-lm"
+
+
+def read_command_line(argv: list[str], *, root: Path, description: str) -> argparse.Namespace:
+    """The flags as given (``train.args.resolve_command_line`` derives the run's settings from them); ``--help`` and
+    a malformed flag end here, before anything loads torch. ``root``: where hf_models/, ds_configs/ and .cache/ hold
+    the defaults."""
+    parser = build_parser(
+        description=description,
+        default_model=default_model(root),
+        default_ds_config=root / "ds_configs" / "tiny-cpu.json",
+        default_cache=root / ".cache" / "tokenizers",
+    )
+    return parser.parse_args(argv)
+
+
 def build_parser(
     *, description: str, default_model: Path, default_ds_config: Path, default_cache: Path
 ) -> argparse.ArgumentParser:
