@@ -115,7 +115,7 @@ class LaneJob(Job):
     def verify(self, tiny_checkpoint, clip: float) -> None:
         """Run it against HF under the rendezvous transport with clipping at ``clip`` (active: below every
         reference gradient norm); fails on any difference over the tolerance."""
-        from disagmoe_ds.afpipe.verify import run_verify
+        from disagmoe_ds.afpipe.verify_run import run_verify
         from disagmoe_ds.parity.reference import VerifyArgs
 
         ckpt = str(tiny_checkpoint(self.family, **self.overrides))

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from disagmoe_ds import convert
-from disagmoe_ds.afpipe.verify import run_verify
+from disagmoe_ds.afpipe.verify_run import run_verify
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.config import DisagMoEConfig

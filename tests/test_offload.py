@@ -11,7 +11,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from disagmoe_ds.afpipe.offload import ActivationOffloader, offloaded_layers
-from disagmoe_ds.afpipe.verify import parse_args, run_verify
+from disagmoe_ds.afpipe.verify import parse_args
+from disagmoe_ds.afpipe.verify_run import run_verify
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.parity.reference import VerifyArgs

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disagmoe_ds.afpipe.verify import run_verify
+from disagmoe_ds.afpipe.verify_run import run_verify
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.launch.local import free_port
 from disagmoe_ds.launch.testing import run_ranks

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from disagmoe_ds.afpipe.verify import run_verify
+from disagmoe_ds.afpipe.verify_run import run_verify
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models import grouped_experts

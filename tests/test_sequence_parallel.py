@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from disagmoe_ds.afpipe.verify import run_verify
+from disagmoe_ds.afpipe.verify_run import run_verify
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.launch.testing import run_ranks

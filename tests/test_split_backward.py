@@ -17,7 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from disagmoe_ds.afpipe.split_backward import backward_input, backward_weight, retained_graph_compiles
-from disagmoe_ds.afpipe.verify import run_verify
+from disagmoe_ds.afpipe.verify_run import run_verify
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.parity.reference import VerifyArgs
 from disagmoe_ds.planner.model import ModelSpec

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from disagmoe_ds.afpipe import build as engine_build
-from disagmoe_ds.afpipe.verify import run_verify
+from disagmoe_ds.afpipe.verify_run import run_verify
 from disagmoe_ds.checkpoint.ds_state import gathered
 from disagmoe_ds.checkpoint.export import export_hf
 from disagmoe_ds.checkpoint.resume import check_resume

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from disagmoe_ds.afpipe.verify import run_verify
+from disagmoe_ds.afpipe.verify_run import run_verify
 from disagmoe_ds.colocated import ColocatedConfig
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.layout import Layout

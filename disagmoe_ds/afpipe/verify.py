@@ -12,47 +12,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
-from disagmoe_ds.afpipe import build as engine_build
-from disagmoe_ds.checkpoint.ds_state import gathered
 from disagmoe_ds.config import LAYOUT_KEYS, LEVER_KEYS, DisagMoEConfig, add_section_flags, section_values
-from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.lora_settings import lora_of
-from disagmoe_ds.parity.compare import capture_grads, compare, hf_named
-from disagmoe_ds.parity.harness import add_run_args, build_for_verify, cli, run_args, train_steps
-from disagmoe_ds.parity.reference import (
-    VerifyArgs,
-    make_batches,
-    reference,
-)
+from disagmoe_ds.parity.run_flags import add_run_args
 
-
-def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
-    """One rank: build, train ``steps`` steps, return losses, grad norms and its parameters under HF names."""
-    runtime = build_for_verify(engine_build.build_rank, args)  # looked up per call: tests wrap it
-    role = runtime.role
-    feeds = role.is_attention and role.group == 0  # A-group 0 embeds; the head reads labels there too
-    vocab = runtime.module.config.vocab_size if feeds else 0
-    grads = capture_grads(runtime)
-    losses, norms = train_steps(
-        runtime,
-        args,
-        lambda step: make_batches(args, vocab, step, args.cfg.batch_lane_of(role.index)) if feeds else None,
-    )
-    # One copy of every parameter: the first lane of each TP rank (it leaves out what the first one has), the first
-    # replica of an expert shard.
-    writer = role.index < runtime.layout.tensor_parallel if role.is_attention else role.edp_rank == 0
-    with gathered(runtime.engine, runtime.module):  # ZeRO-3: every replica gathers, the writer keeps them
-        params = hf_named(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()}) if writer else {}
-    return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads if writer else []}
-
-
-def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Start the ranks on this machine (CPU, gloo), then compare with the reference."""
-    engine_build.preflight(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
-    ranks = spawn_local(rank_main, args.cfg.world_size, args=(args,), timeout_s=timeout_s)
-    return compare(ranks, reference(args, args.cfg.batch_lanes), args)
+if TYPE_CHECKING:
+    from disagmoe_ds.parity.reference import VerifyArgs
 
 
 # The section keys disagmoe-verify takes as flags (config.SECTION_FLAGS: the same flags as run_pretrain.py's and
@@ -77,12 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> VerifyArgs:
+    from disagmoe_ds.parity.harness import run_args
+    from disagmoe_ds.parity.reference import VerifyArgs
+
     a = build_parser().parse_args(argv)
     cfg = DisagMoEConfig(**section_values(a, VERIFY_KEYS), lora=lora_of(a))
     return run_args(VerifyArgs, a, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
+    build_parser().parse_args(argv)  # --help and a malformed flag answer here, before the imports below load torch
+    from disagmoe_ds.afpipe import build as engine_build
+    from disagmoe_ds.afpipe.verify_run import rank_main, run_verify
+    from disagmoe_ds.parity.harness import cli
+
     return cli(
         argv, parse_args, run_verify, prog="disagmoe-verify", rank_fn=rank_main, preflight_fn=engine_build.preflight
     )

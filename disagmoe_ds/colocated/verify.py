@@ -24,8 +24,9 @@ from disagmoe_ds.config import SECTION, add_section_flags, section_values
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.lora_settings import lora_of
 from disagmoe_ds.parity.compare import capture_grads, compare
-from disagmoe_ds.parity.harness import add_run_args, build_for_verify, cli, run_args, train_steps
+from disagmoe_ds.parity.harness import build_for_verify, cli, run_args, train_steps
 from disagmoe_ds.parity.reference import VerifyArgs, make_batches, reference
+from disagmoe_ds.parity.run_flags import add_run_args
 from disagmoe_ds.runtime.rank import RankRuntime
 
 Named = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the slice, value)

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from disagmoe_ds.data.loader import to_device
 from disagmoe_ds.errors import DisagMoEError
 from disagmoe_ds.launch.env import detect_launcher, init_from_env
-from disagmoe_ds.models.lora_settings import add_lora_args
 from disagmoe_ds.parity.compare import compare
 from disagmoe_ds.parity.reference import (
     DTYPES,
@@ -93,33 +92,6 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_cpu(v) for v in value)
     return value
-
-
-def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
-    """The flags both verifies share: model, batches, optimizer, routing, outputs (the layout flags are each mode's)."""
-    p.add_argument("--model", default="hf_models/tiny-qwen3-moe", help="HF model directory or config-only directory")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help=zero_help)
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps")
-    p.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="fp32",
-        help="dtype of the ranks and of the HF reference; bf16 is compared at a tolerance of 5e-2, fp32 at 1e-5",
-    )  # fmt: skip
-    p.add_argument("--seq-len", type=int, default=16, help="tokens per sequence of the random batches")
-    p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of the ranks and the reference")
-    p.add_argument(
-        "--seed", type=int, default=0, help="seeds the batches, a config-only model's weights and the LoRA adapters"
-    )
-    p.add_argument(
-        "--skew", action="store_true",
-        help="every token of the i-th MoE layer picks expert i first: the worst imbalance, another expert per layer",
-    )  # fmt: skip
-    p.add_argument("--packed", action="store_true", help="two documents per sequence (position ids restart)")
-    p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
-    p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
-    add_lora_args(p)
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
 
 
 Args = TypeVar("Args", bound=VerifyArgs)  # a mode's verify arguments
