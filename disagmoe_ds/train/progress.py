@@ -186,8 +186,8 @@ def _monitor(ds_config: dict[str, Any]) -> Any:
     from deepspeed.monitor.config import get_monitor_config
     from deepspeed.monitor.monitor import MonitorMaster
 
-    monitor = MonitorMaster(get_monitor_config(ds_config))
-    return monitor if monitor.enabled else None
+    config = get_monitor_config(ds_config)
+    return MonitorMaster(config) if config.enabled else None  # built only then: it asks DeepSpeed's process group
 
 
 def _tensorboard_writer(log_dir: Path | None) -> Any:
