@@ -271,10 +271,10 @@ def test_colocated_mode_warns_that_it_ignores_the_memory_levers():
     )
     vars(ns).update(dict.fromkeys(LAYOUT_FLAGS))
     with pytest.warns(UserWarning, match='"disagmoe.offload" is ignored in co-located mode'):
-        mode_config(ns, {"disagmoe": {"offload": {"attention": 0.5}}}, None)
+        mode_config(ns, "colocated", {"disagmoe": {"offload": {"attention": 0.5}}}, None)
     levers = {"selective_recompute": True, "resend": True, "split_backward": True}
     with pytest.warns(UserWarning, match='"disagmoe.selective_recompute", .*"disagmoe.split_backward" are ignored'):
-        mode_config(ns, {"disagmoe": levers}, None)
+        mode_config(ns, "colocated", {"disagmoe": levers}, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        mode_config(ns, {"disagmoe": {"compile": True}}, None)  # what co-located uses: no warning
+        mode_config(ns, "colocated", {"disagmoe": {"compile": True}}, None)  # what co-located uses: no warning

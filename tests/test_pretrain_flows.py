@@ -199,6 +199,10 @@ README_CPU = {
 README_ELSEWHERE = {
     # test_pretrain's default_run (the embedded default as a subprocess, 6 steps of 32 tokens)
     "tools/bootstrap.sh && .venv/bin/python run_pretrain.py",
+    # the evaluation and tracking flags, run by tests/test_eval_loss.py and tests/test_monitors.py on smaller data
+    "python run_pretrain.py --init-from runs/tiny-hf --sft --data chat.jsonl --eval-split 0.02 --eval-every 50 "
+    "--steps 500",
+    "python run_pretrain.py --steps 200 --metrics-file runs/tiny/metrics.jsonl --eval-split 0.02 --eval-every 50",
     # GPUs, multi-node hostfiles, a 30B model and /data/corpus
     "deepspeed --num_gpus 8 run_pretrain.py --deepspeed_config ds_configs/1node-8gpu-bf16.json --model "
     "hf_models/Qwen3-30B-A3B --data /data/corpus --seq-len 4096 --save-dir runs/q30 --save-every 500",
