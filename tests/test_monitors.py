@@ -17,18 +17,25 @@ def _ds_config(tmp_path, **sections) -> str:
     return str(path)
 
 
-def test_a_csv_monitor_records_the_loss_of_every_step(tok_cache, tmp_path) -> None:
+def _csv_rows(folder, name: str) -> list[tuple[int, float]]:
+    with (folder / f"{name}.csv").open() as handle:
+        return [(int(step), float(value)) for step, value in list(csv.reader(handle))[1:]]
+
+
+def test_a_csv_monitor_records_the_loss_and_eval_loss_of_every_step(tok_cache, tmp_path) -> None:
     ds = _ds_config(tmp_path, csv_monitor={"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"})
     metrics = tmp_path / "m.jsonl"
-    assert pretrain(tok_cache, "--deepspeed_config", ds, "--steps", 3, "--metrics-file", metrics) == 0
-    logged = {r["step"]: r for r in records(metrics)}
+    evaluate = ("--eval-split", 0.002, "--eval-steps", 1, "--eval-every", 2)
+    assert pretrain(tok_cache, "--deepspeed_config", ds, "--steps", 3, "--metrics-file", metrics, *evaluate) == 0
+    logged = {r["step"]: r for r in records(metrics) if "loss" in r}
+    evaluated = [(r["step"], r["eval_loss"]) for r in records(metrics) if "eval_loss" in r]
     assert ElementTree.parse(metrics.with_suffix(".svg")).getroot().tag.endswith("svg")  # the loss plot
-    for name, field in (("train_loss", "loss"), ("train_grad_norm", "grad_norm"), ("perf_tokens_per_s", None)):
-        with (tmp_path / "csv" / "run" / f"{name}.csv").open() as handle:
-            rows = list(csv.reader(handle))[1:]
-        assert [int(step) for step, _ in rows] == [1, 2, 3]
-        if field is not None:
-            assert [float(v) for _, v in rows] == [logged[s][field] for s in (1, 2, 3)]
+    folder = tmp_path / "csv" / "run"
+    for name, field in (("train_loss", "loss"), ("train_grad_norm", "grad_norm")):
+        assert _csv_rows(folder, name) == [(s, logged[s][field]) for s in (1, 2, 3)]
+    assert [step for step, _ in _csv_rows(folder, "perf_tokens_per_s")] == [1, 2, 3]
+    assert [step for step, _ in evaluated] == [2, 3]  # every 2 steps and at the end
+    assert _csv_rows(folder, "eval_lm_loss") == evaluated
 
 
 def test_a_monitor_whose_package_is_missing_is_refused_before_launch(tok_cache, tmp_path, capfd) -> None:
