@@ -41,7 +41,7 @@ from disagmoe_ds.models.graphs import StageGraphs, graph_stages
 from disagmoe_ds.models.model_facts import num_experts_of, residual_shape
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, install_ulysses
 from disagmoe_ds.models.split import aux_loss_enabled
@@ -55,7 +55,7 @@ from disagmoe_ds.models.tensor_parallel import (
     shard_mlp,
 )
 from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm
-from disagmoe_ds.runtime.rank import RankBuilder, RankParts, RankRuntime
+from disagmoe_ds.runtime.rank import RankBuilder, RankParts
 from disagmoe_ds.schedule import (
     BackwardAttn,
     BackwardExperts,
@@ -71,7 +71,7 @@ from disagmoe_ds.schedule import (
     unit_costs,
 )
 
-__all__ = ["Disaggregated", "RankRuntime", "build_rank", "compile_stage", "job_schedule", "preflight"]
+__all__ = ["Disaggregated", "build_rank", "job_schedule", "preflight"]
 
 
 class Disaggregated:
