@@ -73,6 +73,7 @@ from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.lora_settings import add_lora_args, lora_of
 from disagmoe_ds.planner.model import ModelSpec
+from disagmoe_ds.planner.runtime_costs import job_costs
 from disagmoe_ds.runtime.deepspeed_role import RoleMPU, role_ds_config
 from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
 
@@ -274,6 +275,10 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
     )
     ds = {**ds_config(a), SECTION: cfg.to_dict()}
     dtype = DTYPES[a.dtype]
+    model = make_model(a, device)
+    # The schedule's task costs, as a training job's plan computes them before its ranks start.
+    layout = build_rank.layout_for(model.config, cfg, ds, dist.get_world_size())
+    costs = job_costs(model.config.to_dict(), layout, cfg, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size)
     runtime = build_rank(
         a.model,
         ds,
@@ -281,8 +286,10 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
         micro_batch_size=a.micro_batch_size,
         dtype=dtype,
         device=device,
-        model=make_model(a, device),
+        model=model,
         seq_len=a.seq_len,
+        layout=layout,
+        schedule_costs=costs,
     )
     if a.compile or a.cuda_graphs:  # every compiled kernel loaded, every graph captured before the first exchange
         runtime.executor.warm_up(a.seq_len)

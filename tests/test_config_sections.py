@@ -98,3 +98,10 @@ def test_the_transport_names_are_the_transports() -> None:
     from disagmoe_ds.config.sections import TRANSPORT_NAMES
 
     assert set(TRANSPORT_NAMES) == set(TRANSPORTS)
+
+
+def test_the_cluster_preset_names_are_the_planners() -> None:
+    from disagmoe_ds.config.sections import CLUSTER_PRESETS
+    from disagmoe_ds.planner.cluster import PRESETS
+
+    assert CLUSTER_PRESETS == tuple(PRESETS)

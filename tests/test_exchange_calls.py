@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from disagmoe_ds.afpipe.build import build_rank
+from disagmoe_ds.afpipe.verify_run import verify_costs
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.parity.harness import build_for_verify, train_steps
@@ -21,7 +22,7 @@ from disagmoe_ds.parity.reference import VerifyArgs, make_batches
 
 
 def _stats(rank: int, args: VerifyArgs):
-    runtime = build_for_verify(build_rank, args)
+    runtime = build_for_verify(build_rank, args, schedule_costs=verify_costs(args))
     role = runtime.role
     feeds = role.is_attention and role.group == 0
     vocab = runtime.module.config.vocab_size

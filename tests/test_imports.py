@@ -31,7 +31,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _folder(module: str) -> str:
-    """``disagmoe_ds.afpipe.build`` -> ``engine``; a top-level file is its own folder (``verify``)."""
+    """``disagmoe_ds.afpipe.build`` -> ``afpipe``; a top-level file is its own folder (``layout``)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 

@@ -311,11 +311,12 @@ def test_lora_section_round_trips_and_refuses_bad_values() -> None:
 
 def _state_bytes(rank: int, args: VerifyArgs) -> dict[str, float]:
     """One rank's parameters, gradients and optimizer state after a step, in bytes, by side."""
-    from disagmoe_ds.afpipe import build as engine_build
+    from disagmoe_ds.afpipe.build import build_rank
+    from disagmoe_ds.afpipe.verify_run import verify_costs
     from disagmoe_ds.parity.harness import build_for_verify, train_steps
     from disagmoe_ds.parity.reference import make_batches
 
-    runtime = build_for_verify(engine_build.build_rank, args)
+    runtime = build_for_verify(build_rank, args, schedule_costs=verify_costs(args))
     role = runtime.role
     vocab = runtime.module.config.vocab_size
     feeds = role.is_attention and role.group == 0

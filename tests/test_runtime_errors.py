@@ -12,6 +12,7 @@ import pytest
 from disagmoe_ds.afpipe.build import build_rank, preflight
 from disagmoe_ds.afpipe.expert_runner import ExpertRunner
 from disagmoe_ds.afpipe.verify import main
+from disagmoe_ds.afpipe.verify_run import verify_costs
 from disagmoe_ds.comm.channel import ChannelError
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import ConfigError, LayoutError
@@ -88,7 +89,13 @@ def test_silent_peer_times_out(tiny_checkpoint, capfd):
 
 def _trains_a_shorter_batch(rank: int, args: VerifyArgs) -> str:
     rt = build_rank(
-        args.model, args.ds_config(), args.cfg, micro_batch_size=1, model=load_for_verify(args), seq_len=args.seq_len
+        args.model,
+        args.ds_config(),
+        args.cfg,
+        micro_batch_size=1,
+        model=load_for_verify(args),
+        seq_len=args.seq_len,
+        schedule_costs=verify_costs(args),
     )
     if not rt.role.is_attention:
         return "not trained"

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from disagmoe_ds.afpipe import build as engine_build
+from disagmoe_ds.afpipe import build
 from disagmoe_ds.afpipe.verify_run import run_verify
 from disagmoe_ds.checkpoint.ds_state import gathered
 from disagmoe_ds.checkpoint.export import export_hf
@@ -49,10 +49,10 @@ CLIP = 0.05  # below the tiny models' gradient norms, so global-norm clipping is
 def engines_log(monkeypatch, tmp_path):
     """Every rank (forked) writes its side, its engine's ZeRO stage and whether it holds only its 1/dp share of
     each parameter (ZeRO-3's partition, nothing gathered) right after the build to ``engine<r>.json``."""
-    build = engine_build.build_rank
+    original = build.build_rank
 
     def logged(*args, **kwargs):
-        rt = build(*args, **kwargs)
+        rt = original(*args, **kwargs)
         dp = dist.get_world_size(rt.engine.optimizer.dp_process_group) if rt.engine.zero_optimization() else 1
         params = list(rt.module.parameters())
         share_only = all(
@@ -63,7 +63,7 @@ def engines_log(monkeypatch, tmp_path):
         (tmp_path / f"engine{dist.get_rank()}.json").write_text(json.dumps(entry))
         return rt
 
-    monkeypatch.setattr(engine_build, "build_rank", logged)
+    monkeypatch.setattr(build, "build_rank", logged)
     return tmp_path
 
 
@@ -136,9 +136,7 @@ CKPT_CFG = DisagMoEConfig(
 def _train(rank: int, args: VerifyArgs, ckpt: str, export: str, mode: str) -> dict:
     """'full': 3 steps, saving after step 1, then an HF export; 'resume': load that checkpoint, run steps 2-3. Returns
     the losses and the trained parameters by HF name (gathered; one copy of each)."""
-    rt = engine_build.build_rank(
-        args.model, args.ds_config(), args.cfg, micro_batch_size=1, model=load_for_verify(args)
-    )
+    rt = build.build_rank(args.model, args.ds_config(), args.cfg, micro_batch_size=1, model=load_for_verify(args))
     losses = train_saving(rt, args, ckpt, mode, save_after=1, ds_config=args.ds_config())
     if mode == "full":
         export_hf(rt, Path(args.model), Path(export), dtype=torch.float32, tokenizer=None)
@@ -215,7 +213,7 @@ def test_refused_combinations_name_the_fix():
 
     def preflight(ds_config: dict, **fields) -> None:
         cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=2, expert_data_parallel=2, **fields)
-        engine_build.preflight(model, cfg, {**ds_config, SECTION: cfg.to_dict()}, cfg.world_size)
+        build.preflight(model, cfg, {**ds_config, SECTION: cfg.to_dict()}, cfg.world_size)
 
     refused = [
         (_ds(3), {}, r'"zero_optimization.stage" 3 is not supported; .*"ffn": 3'),

@@ -8,7 +8,9 @@ The steps and their order are ``runtime.rank.RankBuilder``'s, shared with the co
              communicators (``comm.exchange``) over the configured transport;
     module   the rank's role stage cut from the HF model (``AttentionStage`` or ``ExpertStage``);
     engine   expert gradients scaled by ``edp / d``, the norm made global over role domains (``GlobalGradNorm``);
-    executor the AF-Pipe schedule of its worker, mailbox and runner (``AFPipeExecutor``).
+    executor the AF-Pipe schedule of its worker, mailbox and runner (``AFPipeExecutor``); the schedule is generated
+             from task costs the rank receives as data (``RankBuilder``'s ``schedule_costs``), so nothing here
+             imports the planner.
 """
 
 from __future__ import annotations
@@ -36,11 +38,10 @@ from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages
-from disagmoe_ds.models.lora_settings import GROUPS, LoraSettings
 from disagmoe_ds.models.model_facts import num_experts_of, residual_shape
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, install_ulysses
 from disagmoe_ds.models.split import aux_loss_enabled
@@ -53,10 +54,8 @@ from disagmoe_ds.models.tensor_parallel import (
     shard_attention,
     shard_mlp,
 )
-from disagmoe_ds.planner.lora import FULL, LoRA
-from disagmoe_ds.planner.runtime_costs import runtime_costs, unit_costs
 from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm
-from disagmoe_ds.runtime.rank import RankBuilder, RankParts, RankRuntime
+from disagmoe_ds.runtime.rank import RankBuilder, RankParts
 from disagmoe_ds.schedule import (
     BackwardAttn,
     BackwardExperts,
@@ -69,9 +68,10 @@ from disagmoe_ds.schedule import (
     check_streams,
     generate,
     layer_in_flight,
+    unit_costs,
 )
 
-__all__ = ["Disaggregated", "RankRuntime", "build_rank", "compile_stage", "preflight", "schedule_costs"]
+__all__ = ["Disaggregated", "build_rank", "job_schedule", "preflight"]
 
 
 class Disaggregated:
@@ -171,9 +171,7 @@ class Disaggregated:
 
     def executor(self, parts: RankParts[Layout]) -> AFPipeExecutor:
         cfg, layout, role, stage = self.cfg, parts.layout, parts.role, _stage(parts)
-        schedule = job_schedule(
-            stage.config.to_dict(), layout, cfg, seq_len=parts.seq_len, micro_batch_size=parts.micro_batch_size
-        )
+        schedule = job_schedule(stage.config.to_dict(), layout, cfg, parts.schedule_costs)
         check_streams(schedule.streams)
         worker = Worker("A" if role.is_attention else "F", role.group)
         capacity = self._capacity(parts)
@@ -384,42 +382,11 @@ def check_zero_stages(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
         )
 
 
-def job_schedule(
-    config: dict[str, Any], layout: Layout, cfg: DisagMoEConfig, *, seq_len: int | None, micro_batch_size: int
-) -> Schedule:
-    """The job's AF-Pipe schedule, the same on every rank: the start banner's bubble and every rank's streams."""
-    costs = schedule_costs(config, layout, cfg, seq_len=seq_len, micro_batch_size=micro_batch_size)
+def job_schedule(config: dict[str, Any], layout: Layout, cfg: DisagMoEConfig, costs: Costs | None) -> Schedule:
+    """The job's AF-Pipe schedule, the same on every rank: the start banner's bubble and every rank's streams.
+    ``costs``: its task costs, computed before the ranks start (``planner.runtime_costs.job_costs``), so every rank
+    generates it from the same data; without them every task costs one unit (split as ``cfg``'s backward is)."""
+    if costs is None:
+        costs = unit_costs(split_backward=cfg.split_backward, compiled=cfg.compile, ffn_zero3=cfg.experts_sharded)
     shape = PipeShape(layout.depth, layout.num_layers, moe_layer_pattern(config))
     return generate(shape, cfg.micro_batches, costs=costs, max_in_flight=cfg.max_in_flight)
-
-
-def schedule_costs(
-    config: dict[str, Any], layout: Layout, cfg: DisagMoEConfig, *, seq_len: int | None, micro_batch_size: int
-) -> Costs:
-    """The planner's per-task seconds for this job (same inputs on every rank, so the same schedule everywhere);
-    unit costs when the sequence length is not known. With ``split_backward`` the weight-gradient halves are W
-    tasks, except on a compiled attention side (one autograd node per part: nothing to split)."""
-    if seq_len is None:
-        return unit_costs(split_backward=cfg.split_backward, compiled=cfg.compile, ffn_zero3=cfg.experts_sharded)
-    return runtime_costs(
-        config,
-        layout,
-        seq_len=seq_len,
-        micro_batch_size=micro_batch_size,
-        cluster=cfg.cluster,
-        profile=cfg.profile,
-        resend=cfg.resend,
-        split_backward=cfg.split_backward,
-        compiled=cfg.compile,
-        ffn_zero_stage=3 if cfg.experts_sharded else None,
-        lora=_costed_lora(cfg.lora),
-    )
-
-
-def _costed_lora(lora: LoraSettings | None) -> LoRA:
-    """The planner's view of the run's LoRA: it costs target groups, so projection names (``q_proj``) count as the
-    attention group they sit in (a slight over-estimate, for the schedule's task costs only)."""
-    if lora is None:
-        return FULL
-    groups = {t if t in GROUPS else "attention" for t in lora.targets}
-    return LoRA(lora.rank, tuple(groups), lora.train_router)

@@ -54,13 +54,11 @@ def parse_args(argv: list[str] | None) -> VerifyArgs:
 
 def main(argv: list[str] | None = None) -> int:
     build_parser().parse_args(argv)  # --help and a malformed flag answer here, before the imports below load torch
-    from disagmoe_ds.afpipe import build as engine_build
+    from disagmoe_ds.afpipe.build import preflight
     from disagmoe_ds.afpipe.verify_run import rank_main, run_verify
     from disagmoe_ds.parity.harness import cli
 
-    return cli(
-        argv, parse_args, run_verify, prog="disagmoe-verify", rank_fn=rank_main, preflight_fn=engine_build.preflight
-    )
+    return cli(argv, parse_args, run_verify, prog="disagmoe-verify", rank_fn=rank_main, preflight_fn=preflight)
 
 
 if __name__ == "__main__":

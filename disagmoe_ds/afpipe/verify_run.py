@@ -1,21 +1,36 @@
 """disagmoe-verify's work once its command line is read (``afpipe.verify``): every rank trains a few steps
-disaggregated, and the result is compared with the single-process HF model."""
+disaggregated, and the result is compared with the single-process HF model.
+
+A verify run has no job plan: each rank costs its schedule's tasks itself (``planner.runtime_costs.job_costs``, from
+the same inputs on every rank) and hands them to the build, as a training job's plan does.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from disagmoe_ds.afpipe import build as engine_build
+from disagmoe_ds.afpipe import build
 from disagmoe_ds.checkpoint.ds_state import gathered
 from disagmoe_ds.launch.local import spawn_local
+from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.parity.compare import capture_grads, compare, hf_named
 from disagmoe_ds.parity.harness import build_for_verify, train_steps
 from disagmoe_ds.parity.reference import VerifyArgs, make_batches, reference
+from disagmoe_ds.planner.runtime_costs import job_costs
+from disagmoe_ds.schedule import Costs
+
+
+def verify_costs(args: VerifyArgs) -> Costs:
+    """The task costs of the verify run's schedule: the planner's for its model, layout and sequence length."""
+    layout = build.preflight(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
+    config = load_config(args.model)
+    return job_costs(config.to_dict(), layout, args.cfg, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size)
 
 
 def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     """One rank: build, train ``steps`` steps, return losses, grad norms and its parameters under HF names."""
-    runtime = build_for_verify(engine_build.build_rank, args)  # looked up per call: tests wrap it
+    # build.build_rank is looked up per call: tests wrap it
+    runtime = build_for_verify(build.build_rank, args, schedule_costs=verify_costs(args))
     role = runtime.role
     feeds = role.is_attention and role.group == 0  # A-group 0 embeds; the head reads labels there too
     vocab = runtime.module.config.vocab_size if feeds else 0
@@ -35,6 +50,6 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
 
 def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
     """Start the ranks on this machine (CPU, gloo), then compare with the reference."""
-    engine_build.preflight(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
+    build.preflight(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
     ranks = spawn_local(rank_main, args.cfg.world_size, args=(args,), timeout_s=timeout_s)
     return compare(ranks, reference(args, args.cfg.batch_lanes), args)

@@ -5,7 +5,7 @@ path for one-GPU runs, over the same model parts as the disaggregated runtime. `
 runtime whose ``executor.train_batch(batches)`` gives the same ``StepResult`` as the AF-Pipe executor.
 """
 
-from disagmoe_ds.colocated.build import ColocatedRuntime, build_colocated_rank, preflight_colocated
+from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
 from disagmoe_ds.colocated.dispatch import AllToAllDispatcher, DispatchMetadata, LocalDispatcher
 from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout
 
@@ -13,7 +13,6 @@ __all__ = [
     "AllToAllDispatcher",
     "ColocatedConfig",
     "ColocatedLayout",
-    "ColocatedRuntime",
     "DispatchMetadata",
     "LocalDispatcher",
     "build_colocated_rank",

@@ -32,9 +32,7 @@ from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 from disagmoe_ds.models.split import aux_loss_enabled
-from disagmoe_ds.runtime.rank import RankBuilder, RankParts, RankRuntime
-
-ColocatedRuntime = RankRuntime  # one runtime type for both modes; the name stays for readers of this package
+from disagmoe_ds.runtime.rank import RankBuilder, RankParts
 
 
 class Colocated:

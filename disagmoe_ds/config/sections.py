@@ -11,11 +11,12 @@ from typing import Any
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout, RankCounts
 from disagmoe_ds.models.lora_settings import LoraSettings
-from disagmoe_ds.planner.cluster import PRESETS
 
 SECTION = "disagmoe"
 # The keys of comm.transport.TRANSPORTS (a test holds them equal): named here so that reading a config loads no torch.
 TRANSPORT_NAMES = ("auto", "rendezvous")
+# The keys of planner.cluster.PRESETS (a test holds them equal): named here so that reading a config loads no planner.
+CLUSTER_PRESETS = ("h800", "h100", "h200")
 SIDES = ("attention", "ffn")  # the keys of the per-side settings (offload, zero_stage)
 
 
@@ -285,10 +286,10 @@ class CostModel(Section):
     profile: str | None = None
 
     def _check(self) -> None:
-        if self.cluster not in PRESETS and not Path(self.cluster).is_file():
+        if self.cluster not in CLUSTER_PRESETS and not Path(self.cluster).is_file():
             raise ConfigError(
-                f"{self._named('cluster')} must be one of the presets {sorted(PRESETS)} or a cluster JSON file; "
-                f"{self.cluster!r} is neither"
+                f"{self._named('cluster')} must be one of the presets {sorted(CLUSTER_PRESETS)} or a cluster JSON "
+                f"file; {self.cluster!r} is neither"
             )
         if self.profile is not None and not Path(self.profile).is_file():
             raise ConfigError(

@@ -26,9 +26,9 @@ from disagmoe_ds.parity.reference import (
 from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
 
 
-def build_for_verify(build: Callable[..., Any], args: VerifyArgs):
-    """``build`` (either mode's rank builder, ``runtime.rank.RankBuilder``) on the verify run's model and shapes;
-    with ``cuda_graphs``, the graphs captured."""
+def build_for_verify(build: Callable[..., Any], args: VerifyArgs, **extra: Any):
+    """``build`` (either mode's rank builder, ``runtime.rank.RankBuilder``) on the verify run's model and shapes
+    (``extra``: one mode's own arguments); with ``cuda_graphs``, the graphs captured."""
     runtime = build(
         args.model,
         args.ds_config(),
@@ -38,6 +38,7 @@ def build_for_verify(build: Callable[..., Any], args: VerifyArgs):
         model=load_for_verify(args),
         seed=args.seed,
         seq_len=args.seq_len,
+        **extra,
     )
     if args.cfg.cuda_graphs:
         runtime.executor.warm_up(args.seq_len, packed=args.packed)

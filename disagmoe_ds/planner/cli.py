@@ -17,10 +17,9 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 
 from disagmoe_ds.errors import ConfigError, DisagMoEError
-from disagmoe_ds.planner.allocator import AfPlan, BaselinePlan, PlanRequest, PlanResult, plan
+from disagmoe_ds.planner.allocator import PlanRequest, plan
 from disagmoe_ds.planner.attention_lanes import DEGREES, lane_refusal
 from disagmoe_ds.planner.baseline_layout import check_layout, parse_layout
 from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
@@ -30,17 +29,10 @@ from disagmoe_ds.planner.inputs import check_at_least_one
 from disagmoe_ds.planner.lora import DEFAULT_TARGETS, TARGETS, LoRA, check_adapts
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.plan_json import to_json
+from disagmoe_ds.planner.plan_outputs import write_outputs, writes_launch
 from disagmoe_ds.planner.profile_fit import load_profile, profile_warnings, rates_from_profile
 from disagmoe_ds.planner.report import to_text
-from disagmoe_ds.planner.runtime_files import (
-    WRITE_MODES,
-    hostfile,
-    launch_choice,
-    runtime_refusal,
-    written_ds_config,
-)
-from disagmoe_ds.planner.simulate import simulate_af, simulate_baseline, write_timeline
-from disagmoe_ds.planner.task_costs import af_task_costs
+from disagmoe_ds.planner.runtime_files import WRITE_MODES
 from disagmoe_ds.planner.variants import PAPER, VARIANTS
 from disagmoe_ds.planner.workload import Workload
 
@@ -313,7 +305,7 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
         global_batch=global_batch,
         recompute=args.recompute,
         granularity=cluster.gpus_per_node if args.split_granularity == "node" else 1,
-        placement="contiguous" if args.placement == "auto" and _writes_launch(args) else args.placement,
+        placement="contiguous" if args.placement == "auto" and writes_launch(args) else args.placement,
         baseline_overlap=args.baseline_overlap,
         baseline_ep=args.baseline_ep,
         baseline=args.baseline,
@@ -329,67 +321,6 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
         why = lane_refusal(spec, s, t, tokens=req.work.tokens_per_micro_batch, gpus_per_node=cluster.gpus_per_node)
         raise DisagMoEError(f"--sequence-parallel {s} --tensor-parallel {t}: {why}; pick another or leave it searched")
     return req, warnings
-
-
-def _writes_launch(args: argparse.Namespace) -> bool:
-    return bool(args.write_ds_config or args.write_hostfile)
-
-
-def _write_outputs(args: argparse.Namespace, result: PlanResult) -> list[str]:
-    notes = []
-    if args.timeline and result.af is None:
-        raise DisagMoEError("no AF-Pipe plan fits, so there is no timeline to draw")
-    if _writes_launch(args):
-        chosen, why = launch_choice(result, args.write_mode)
-        notes += [f"note: {why}"] if why else []
-        if args.write_ds_config:
-            notes += _write_ds_config(args, result, chosen)
-        if args.write_hostfile:
-            Path(args.write_hostfile).write_text(hostfile(result, chosen), encoding="utf-8")
-            notes.append(f"wrote hostfile {args.write_hostfile}")
-    if args.timeline:
-        notes += _write_timelines(result, Path(args.timeline))
-    return notes
-
-
-def _write_ds_config(args: argparse.Namespace, result: PlanResult, chosen: AfPlan | BaselinePlan) -> list[str]:
-    cluster = str(Path(args.cluster).resolve()) if Path(args.cluster).is_file() else args.cluster
-    text = json.dumps(written_ds_config(result, chosen, cluster=cluster), indent=2) + "\n"
-    Path(args.write_ds_config).write_text(text, encoding="utf-8")
-    notes = [f"wrote ds_config {args.write_ds_config} ({'AF-Pipe' if isinstance(chosen, AfPlan) else 'co-located'})"]
-    work = chosen.candidate.work
-    refusal = runtime_refusal(work) if isinstance(chosen, AfPlan) else None
-    if refusal is not None:
-        notes.append(
-            f"note: the plan's variant ({work.variant}) is simulated only: the runtime does not run "
-            f"{refusal} yet, so the ds_config carries the layout alone (plan with --variants paper to match)"
-        )
-    return notes
-
-
-def _write_timelines(result: PlanResult, path: Path) -> list[str]:
-    req, af = result.request, result.af
-    assert af is not None
-    c = af.candidate
-    costs = af_task_costs(req.spec, c.layout, c.work, placement=c.placement, rates=req.rates, nics=c.nics)
-    sim = simulate_af(
-        req.spec, c.layout, costs, micro_batches=c.micro_batches, max_in_flight=af.in_flight, exposed_comm=False
-    )
-    lay = c.layout
-    title = (
-        f"AF-Pipe {req.spec.name} seq {req.work.seq_len}: M={lay.attention_gpus} N={lay.ffn_gpus} p={lay.depth}, "
-        f"{c.micro_batches} micro-batches, {af.in_flight} in flight"
-    )
-    write_timeline(sim.events, path, title=title)
-    notes = [f"wrote AF-Pipe timeline {path}"]
-    if result.baseline is not None:
-        b = result.baseline.candidate
-        base_path = path.with_name(f"{path.stem}-baseline{path.suffix}")
-        base = simulate_baseline(b.costs, pp=b.shape.pp, vpp=b.shape.vpp, micro_batches=b.micro_batches)
-        drawn = " (drawn as plain 1F1B, without the fused pairs)" if b.shape.overlap == "paired" else ""
-        write_timeline(base.events, base_path, title=f"co-located {req.spec.name}: {b.shape.describe()}{drawn}")
-        notes.append(f"wrote baseline timeline {base_path}")
-    return notes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -414,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         req, warnings = _request(args)
         result = plan(req)
-        notes = _write_outputs(args, result)
+        notes = write_outputs(args, result)
     except DisagMoEError as err:
         print(f"disagmoe-plan: error: {err}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """The schedule's task costs for a job the runtime builds: the same per-task seconds the planner simulates.
 
-Every rank derives them from the same inputs (model config, layout, sequence length, cluster, profile), so all
-workers generate the same schedule without communicating, and a resumed job gets the same order again.
+They come from the job's inputs alone (model config, layout, sequence length, cluster, profile): the job's preflight
+computes them (``job_costs``) before any rank starts and every rank generates its schedule from them, so all workers
+run the same schedule without communicating, and a resumed job gets the same order again.
 
 >>> from disagmoe_ds.layout import Layout
 >>> config = {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from disagmoe_ds.layout import Layout
+from disagmoe_ds.models.lora_settings import GROUPS, LoraSettings
 from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
 from disagmoe_ds.planner.lora import FULL, LoRA
 from disagmoe_ds.planner.model import ModelSpec
@@ -28,9 +30,64 @@ from disagmoe_ds.planner.profile_fit import load_profile, rates_from_profile
 from disagmoe_ds.planner.simulate import schedule_costs
 from disagmoe_ds.planner.task_costs import AfTaskCosts, af_task_costs
 from disagmoe_ds.planner.workload import Workload
-from disagmoe_ds.schedule import Costs
+from disagmoe_ds.schedule import Costs, unit_costs
 
 GPUS_PER_PRESET_NODE = 8
+
+
+class CostedSettings(Protocol):
+    """What of a job's settings its schedule's task costs depend on (``config.DisagMoEConfig`` has them all)."""
+
+    @property
+    def cluster(self) -> str: ...
+    @property
+    def profile(self) -> str | None: ...
+    @property
+    def resend(self) -> bool: ...
+    @property
+    def split_backward(self) -> bool: ...
+    @property
+    def compile(self) -> bool: ...
+    @property
+    def experts_sharded(self) -> bool: ...
+    @property
+    def lora(self) -> LoraSettings | None: ...
+
+
+def job_costs(
+    config: dict[str, Any], layout: Layout, settings: CostedSettings, *, seq_len: int | None, micro_batch_size: int
+) -> Costs:
+    """The task costs a disaggregated job's AF-Pipe schedule is generated from: the planner's per-task seconds for
+    this model, layout, sequence length and ``settings`` (``DisagMoEConfig``), computed before the ranks start (the
+    job plan's) and handed to them as data; unit costs when the sequence length is not known. With
+    ``split_backward`` the weight-gradient halves are W tasks, except on a compiled attention side (one autograd node
+    per part: nothing to split)."""
+    if seq_len is None:
+        return unit_costs(
+            split_backward=settings.split_backward, compiled=settings.compile, ffn_zero3=settings.experts_sharded
+        )
+    return runtime_costs(
+        config,
+        layout,
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        cluster=settings.cluster,
+        profile=settings.profile,
+        resend=settings.resend,
+        split_backward=settings.split_backward,
+        compiled=settings.compile,
+        ffn_zero_stage=3 if settings.experts_sharded else None,
+        lora=_costed_lora(settings.lora),
+    )
+
+
+def _costed_lora(lora: LoraSettings | None) -> LoRA:
+    """The planner's view of the run's LoRA: it costs target groups, so projection names (``q_proj``) count as the
+    attention group they sit in (a slight over-estimate, for the schedule's task costs only)."""
+    if lora is None:
+        return FULL
+    groups = {t if t in GROUPS else "attention" for t in lora.targets}
+    return LoRA(lora.rank, tuple(groups), lora.train_router)
 
 
 def runtime_costs(config: dict[str, Any], layout: Layout, **kwargs: Any) -> Costs:
@@ -81,17 +138,6 @@ def runtime_task_costs(
     ).with_lora(lora)
     task_costs = af_task_costs(spec, layout, work, placement=placement, rates=rates, nics=nics)
     return attention_wgrad_folded(task_costs) if compiled else task_costs
-
-
-def unit_costs(*, split_backward: bool = False, compiled: bool = False, ffn_zero3: bool = False) -> Costs:
-    """``Costs()`` (forward 1, backward 2, transfers 0.5) for a job whose sequence length is not known; with a
-    split backward, half of each backward is its W task (all of it stays in B on a compiled attention side, and on
-    an expert side at ZeRO-3)."""
-    if not split_backward:
-        return Costs()
-    a_bwd, a_wgt = (2.0, 0.0) if compiled else (1.0, 1.0)
-    f_bwd, f_wgt = (2.0, 0.0) if ffn_zero3 else (1.0, 1.0)
-    return Costs(a_bwd=a_bwd, head_bwd=a_bwd, f_bwd=f_bwd, a_wgt=a_wgt, head_wgt=a_wgt, f_wgt=f_wgt)
 
 
 def attention_wgrad_folded(task_costs: AfTaskCosts) -> AfTaskCosts:

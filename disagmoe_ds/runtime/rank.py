@@ -41,6 +41,7 @@ from disagmoe_ds.models.parts import compile_stage
 from disagmoe_ds.models.uncut import refused_with
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, build_engine
 from disagmoe_ds.runtime.step import Executor
+from disagmoe_ds.schedule import Costs
 
 LayoutT = TypeVar("LayoutT", bound=JobLayout)  # one mode's layout
 
@@ -73,6 +74,7 @@ class RankParts(Generic[LayoutT]):
     device: torch.device
     micro_batch_size: int
     seq_len: int | None
+    schedule_costs: Costs | None
 
 
 class RankMode(Protocol[LayoutT]):
@@ -151,6 +153,7 @@ class RankBuilder(Generic[LayoutT]):
         seed: int = 0,
         seq_len: int | None = None,
         layout: LayoutT | None = None,
+        schedule_costs: Costs | None = None,
     ) -> RankRuntime:
         """Build this rank's part of the job (collective: every rank calls it).
 
@@ -158,10 +161,12 @@ class RankBuilder(Generic[LayoutT]):
         fill the parts cut from a meta ``model`` (``--init-from``). Without ``model``, ``model_dir``'s own weights
         fill them (``partial_load.model_to_cut``). A model on the meta device is never materialised whole: each rank
         allocates only the parts it owns, then reads their pretrained values or initialises them (from ``seed`` and
-        its rank; DeepSpeed then broadcasts the replicas' first copy). ``seq_len`` gives the AF-Pipe schedule the
-        planner's task costs (``afpipe.build.schedule_costs``; without it every task costs one unit); the
-        co-located mode has no schedule to cost. ``layout``: the one the job's preflight derived from the same
-        config (``preflight``), so that the rank does not derive and check it again.
+        its rank; DeepSpeed then broadcasts the replicas' first copy). ``seq_len``: the length of every micro-batch
+        when known (fixed-size messages). ``layout``: the one the job's preflight derived from the same config
+        (``preflight``), so that the rank does not derive and check it again. ``schedule_costs``: the task costs the
+        AF-Pipe schedule is generated from, computed before the ranks start (the job plan's, or
+        ``planner.runtime_costs.job_costs``); without them every task costs one unit. The co-located mode has no
+        schedule to cost.
         """
         mode = self.mode(cfg)
         rank = dist.get_rank()
@@ -205,7 +210,19 @@ class RankBuilder(Generic[LayoutT]):
         grad_norm = mode.grad_norm(layout, groups)
         grad_norm.install(engine)
         parts = RankParts(  # in field order
-            rank, layout, role, groups, module, engine, grad_norm, routing, dtype, device, micro_batch_size, seq_len
+            rank,
+            layout,
+            role,
+            groups,
+            module,
+            engine,
+            grad_norm,
+            routing,
+            dtype,
+            device,
+            micro_batch_size,
+            seq_len,
+            schedule_costs,
         )
         return RankRuntime(layout, role, mode.executor(parts), module, engine)
 

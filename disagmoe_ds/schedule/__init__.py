@@ -8,7 +8,7 @@ F0: F0.0 B0.0
 """
 
 from disagmoe_ds.schedule.checker import check_streams, render
-from disagmoe_ds.schedule.generator import Costs, Schedule, default_max_in_flight, generate
+from disagmoe_ds.schedule.generator import Costs, Schedule, default_max_in_flight, generate, unit_costs
 from disagmoe_ds.schedule.instructions import (
     BackwardAttn,
     BackwardExperts,
@@ -63,5 +63,6 @@ __all__ = [
     "layer_in_flight",
     "render",
     "to_chrome_trace",
+    "unit_costs",
     "write_chrome_trace",
 ]

@@ -95,6 +95,17 @@ class Costs:
         return self.overrides.get((message.kind, message.src.layer), getattr(self, message.kind))
 
 
+def unit_costs(*, split_backward: bool = False, compiled: bool = False, ffn_zero3: bool = False) -> Costs:
+    """``Costs()`` (forward 1, backward 2, transfers 0.5) for a job whose task costs are not known; with a split
+    backward, half of each backward is its W task (all of it stays in B on a compiled attention side, and on an
+    expert side at ZeRO-3)."""
+    if not split_backward:
+        return Costs()
+    a_bwd, a_wgt = (2.0, 0.0) if compiled else (1.0, 1.0)
+    f_bwd, f_wgt = (2.0, 0.0) if ffn_zero3 else (1.0, 1.0)
+    return Costs(a_bwd=a_bwd, head_bwd=a_bwd, f_bwd=f_bwd, a_wgt=a_wgt, head_wgt=a_wgt, f_wgt=f_wgt)
+
+
 @dataclass(frozen=True, eq=False)
 class Schedule:
     """The instruction ``streams`` the engine runs, and the predicted (start, end) seconds they came from."""

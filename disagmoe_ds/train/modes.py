@@ -4,9 +4,10 @@ disaggregated  attention and experts on disjoint ranks, the AF-Pipe schedule (``
 colocated      every rank holds the whole attention side and a slice of the experts: EP+DP with all-to-all
                dispatch (``colocated.build_colocated_rank``); the one-GPU path and the baseline
 
-``--mode`` picks one ``TrainMode`` once (``mode_of``); it validates the layout before any rank starts, gives the
-banner its layout lines and builds a rank. What it builds is a ``runtime.rank.RankRuntime``: the loop, the
-checkpoints and the expert balancing read nothing else, and never ask which mode built it.
+``--mode`` picks one ``TrainMode`` once (``mode_of``); before any rank starts it validates the layout and costs
+the tasks of its schedule (the job plan holds both), then it gives the banner its layout lines and builds a rank.
+What it builds is a ``runtime.rank.RankRuntime``: the loop, the checkpoints and the expert balancing read nothing
+else, and never ask which mode built it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from disagmoe_ds.colocated.build import build_colocated_rank
 from disagmoe_ds.colocated.layout import ColocatedLayout
 from disagmoe_ds.layout import JobLayout, Layout
 from disagmoe_ds.models.tensor_parallel import check_lane
+from disagmoe_ds.planner.runtime_costs import job_costs
 from disagmoe_ds.runtime.rank import RankRuntime
+from disagmoe_ds.schedule import Costs
 from disagmoe_ds.train.args import TrainArgs
 
 
@@ -38,8 +41,16 @@ class TrainMode(Protocol):
         """Validate the layout against the model's ``config``, the world size and the ds_config; return it."""
         ...
 
-    def describe(self, args: TrainArgs, layout: Any, config: PretrainedConfig) -> list[str]:
-        """The start banner's lines about ``layout`` (this mode's) and the pipeline; ``config``: the model's."""
+    def schedule_costs(self, args: TrainArgs, config: PretrainedConfig, layout: Any) -> Costs | None:
+        """The task costs the mode's schedule is generated from, for ``layout`` (this mode's ``preflight``): computed
+        once, before any rank starts, and handed to the ranks as data; None: the mode has no schedule to cost."""
+        ...
+
+    def describe(
+        self, args: TrainArgs, layout: Any, config: PretrainedConfig, schedule_costs: Costs | None
+    ) -> list[str]:
+        """The start banner's lines about ``layout`` (this mode's) and the pipeline; ``config``: the model's;
+        ``schedule_costs``: this mode's ``schedule_costs``."""
         ...
 
     def build(
@@ -47,13 +58,14 @@ class TrainMode(Protocol):
         args: TrainArgs,
         layout: Any,
         *,
+        schedule_costs: Costs | None,
         model: nn.Module,
         device: torch.device,
         weights: Path | None = None,
     ) -> RankRuntime:
         """This rank's part of the job (collective: every rank calls it) in ``layout`` (this mode's ``preflight``),
-        cut from ``model``; ``weights``: the HF directory whose safetensors fill the parts of a meta ``model``
-        (``train.model.TrainModel``)."""
+        its schedule generated from ``schedule_costs`` (this mode's), cut from ``model``; ``weights``: the HF
+        directory whose safetensors fill the parts of a meta ``model`` (``train.model.TrainModel``)."""
         ...
 
 
@@ -65,10 +77,15 @@ class DisaggregatedTraining:
         check_lane(config, layout.sequence_parallel, layout.tensor_parallel, args.seq_len)
         return layout
 
-    def describe(self, args: TrainArgs, layout: Layout, config: PretrainedConfig) -> list[str]:
-        schedule = job_schedule(
+    def schedule_costs(self, args: TrainArgs, config: PretrainedConfig, layout: Layout) -> Costs:
+        return job_costs(
             config.to_dict(), layout, args.cfg, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size
         )
+
+    def describe(
+        self, args: TrainArgs, layout: Layout, config: PretrainedConfig, schedule_costs: Costs | None
+    ) -> list[str]:
+        schedule = job_schedule(config.to_dict(), layout, args.cfg, schedule_costs)
         bubble = sum(schedule.bubble_fraction.values()) / len(schedule.bubble_fraction)
         return [
             f"layout: {layout.describe()}",
@@ -78,9 +95,25 @@ class DisaggregatedTraining:
         ]
 
     def build(
-        self, args: TrainArgs, layout: Layout, *, model: nn.Module, device: torch.device, weights: Path | None = None
+        self,
+        args: TrainArgs,
+        layout: Layout,
+        *,
+        schedule_costs: Costs | None,
+        model: nn.Module,
+        device: torch.device,
+        weights: Path | None = None,
     ) -> RankRuntime:
-        runtime = _build(build_rank, args, layout, model=model, device=device, weights=weights, seq_len=args.seq_len)
+        runtime = _build(
+            build_rank,
+            args,
+            layout,
+            model=model,
+            device=device,
+            weights=weights,
+            seq_len=args.seq_len,
+            schedule_costs=schedule_costs,
+        )
         if args.cfg.compile or args.cfg.cuda_graphs:  # compiled kernels loaded, graphs captured before any exchange
             runtime.executor.warm_up(args.seq_len, packed=True, evaluates=args.evaluates)  # packed data: positions
         return runtime
@@ -99,8 +132,13 @@ class ColocatedTraining:
     def preflight(self, args: TrainArgs, config: PretrainedConfig, world_size: int) -> ColocatedLayout:
         return build_colocated_rank.layout_for(config, args.cfg, args.ds_config, world_size)
 
-    def describe(self, args: TrainArgs, layout: ColocatedLayout, config: PretrainedConfig) -> list[str]:
-        del config
+    def schedule_costs(self, args: TrainArgs, config: PretrainedConfig, layout: ColocatedLayout) -> None:
+        return None  # one micro-batch at a time, forward then backward: nothing to schedule
+
+    def describe(
+        self, args: TrainArgs, layout: ColocatedLayout, config: PretrainedConfig, schedule_costs: Costs | None
+    ) -> list[str]:
+        del config, schedule_costs
         if layout.ep_size > 1:
             exchange = f"dispatch and combine all-to-alls over {layout.ep_size} ranks on the critical path"
         else:
@@ -116,10 +154,12 @@ class ColocatedTraining:
         args: TrainArgs,
         layout: ColocatedLayout,
         *,
+        schedule_costs: Costs | None,
         model: nn.Module,
         device: torch.device,
         weights: Path | None = None,
     ) -> RankRuntime:
+        del schedule_costs  # none: no schedule
         runtime = _build(build_colocated_rank, args, layout, model=model, device=device, weights=weights)
         if args.cfg.cuda_graphs:
             runtime.executor.warm_up(args.seq_len, packed=True)

@@ -7,6 +7,7 @@ from typing import Any
 
 from disagmoe_ds.checkpoint.resume import ResumePoint
 from disagmoe_ds.layout import JobLayout
+from disagmoe_ds.schedule import Costs
 from disagmoe_ds.train.args import TrainArgs
 
 
@@ -18,4 +19,5 @@ class JobPlan:
     args: TrainArgs  # with the freezing the resumed checkpoint records
     config: Any  # the model's HF config
     layout: JobLayout
+    schedule_costs: Costs | None  # the task costs the AF-Pipe schedule is generated from (None: co-located)
     resume: ResumePoint | None

@@ -77,16 +77,19 @@ def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True, loca
 
     Returns:
         The job's plan: the run's settings (with the freezing the checkpoint records), the model's HF config, the
-        mode's layout, and the checkpoint to resume from, if any.
+        mode's layout, the task costs of its schedule (the disaggregated mode's), and the checkpoint to resume
+        from, if any.
     """
     config = load_config(args.model)
-    layout = mode_of(args).preflight(args, config, world_size)
+    mode = mode_of(args)
+    layout = mode.preflight(args, config, world_size)
+    costs = mode.schedule_costs(args, config, layout)
     check_train_model(args, config)
     check_data_args(args, config)
     bias_update_rate(args.bias_update_rate, config)
     check_resources(args, config, layout, cpu_ranks_here=local and not torch.cuda.is_available())
     if args.resume is None:
-        return JobPlan(args, config, layout, None)
+        return JobPlan(args, config, layout, costs, None)
     point = _check_resume(args, config, layout, num_samples=None, hashes=hashes)
     if point.step >= args.steps and not args.eval_only:
         raise ConfigError(
@@ -95,7 +98,7 @@ def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True, loca
         )
     frozen = effective_freezing(point, args.freeze_router, args.freeze_attention)
     args = dataclasses.replace(args, freeze_router=frozen["router"], freeze_attention=frozen["attention"])
-    return JobPlan(args, config, layout, point)
+    return JobPlan(args, config, layout, costs, point)
 
 
 def _check_resume(args: TrainArgs, config, layout, *, num_samples: int | None, hashes: bool = True) -> ResumePoint:
@@ -177,13 +180,15 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     facts = model_facts(args.model, args.seq_len)
     rate = bias_update_rate(args.bias_update_rate, config)
     if rank == 0:
-        layout_lines = mode.describe(args, layout, config)
+        layout_lines = mode.describe(args, layout, config, plan.schedule_costs)
         layout_lines.append(training_state_line(args, config, layout))
         lines = banner(args, config, layout_lines=layout_lines, facts=facts, data=data, bias_rate=rate, resume=resume)
         print("\n".join(lines), flush=True)
 
     init = load_train_model(args)
-    runtime = mode.build(args, layout, model=init.model, weights=init.weights, device=device)
+    runtime = mode.build(
+        args, layout, schedule_costs=plan.schedule_costs, model=init.model, weights=init.weights, device=device
+    )
     data_lane = args.cfg.batch_lane_of(role.index)  # SP or TP: s (t) lanes read one share, in slices
     trains = reads_data and not args.eval_only
     loader = lane_loader(data, args, data_lane, pin_memory=device.type == "cuda") if trains else None
