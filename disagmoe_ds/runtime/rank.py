@@ -28,6 +28,8 @@ from deepspeed import DeepSpeedEngine
 from torch import nn
 from transformers import PretrainedConfig
 
+from disagmoe_ds.capabilities.rules import check
+from disagmoe_ds.config.levers import job_of
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.groups import ProcessGroups
 from disagmoe_ds.launch.env import process_device
@@ -38,7 +40,6 @@ from disagmoe_ds.models.model_facts import RoutingFacts, routing_facts
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
 from disagmoe_ds.models.parts import compile_stage
-from disagmoe_ds.models.uncut import refused_with
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, build_engine
 from disagmoe_ds.runtime.step import Executor
 from disagmoe_ds.schedule import Costs
@@ -240,8 +241,6 @@ class RankBuilder(Generic[LayoutT]):
             )
         layout = mode.layout(config)
         layout.check_world_size(world_size)
+        check(job_of(config.model_type, cfg, ds_config))  # every lever beside the others and the family, once
         mode.check(layout, config, ds_config)
-        why = refused_with(config.to_dict(), "cuda_graphs")
-        if why is not None and cfg.cuda_graphs:
-            raise ConfigError(f'"cuda_graphs" does not work with the {config.model_type} model yet: {why}; turn it off')
         return layout
