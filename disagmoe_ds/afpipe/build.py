@@ -336,5 +336,3 @@ def split_layers(schedule: Schedule, worker: Worker) -> frozenset[int]:
 
 build_rank: RankBuilder[Layout] = RankBuilder(Disaggregated)
 preflight = build_rank.preflight
-
-

@@ -3,13 +3,21 @@ config and its ds_config."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from disagmoe_ds.capabilities.rules import Job
-from disagmoe_ds.config.sections import SIDES, Section
+from disagmoe_ds.config.sections import SIDES
 
 
-def job_of(model_type: str | None, cfg: Section, ds_config: dict[str, Any] | None = None, **more: float | None) -> Job:
+class LeverConfig(Protocol):
+    """What ``job_of`` needs of either mode's config: its ZeRO stage per side (its levers are read by name)."""
+
+    def zero_stage_of(self, side: str, ds_config: dict[str, Any]) -> int: ...
+
+
+def job_of(
+    model_type: str | None, cfg: LeverConfig, ds_config: dict[str, Any] | None = None, **more: float | None
+) -> Job:
     """The job of ``cfg`` (a ``DisagMoEConfig`` or a ``ColocatedConfig``: a lever its mode has no key for is off) on
     the family ``model_type`` (None: not known where it is checked); with ``ds_config``, its ZeRO stages (each side's
     checked on the way) and DeepSpeed's offloads; ``more``: levers of the command line (an evaluation, a rate)."""
