@@ -15,18 +15,19 @@ The steps and their order are ``runtime.rank.RankBuilder``'s, shared with the co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PretrainedConfig
 
 from disagmoe_ds.afpipe.attention_runner import AttentionRunner
 from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
 from disagmoe_ds.afpipe.executor import AFPipeExecutor
 from disagmoe_ds.afpipe.expert_runner import ExpertRunner
-from disagmoe_ds.afpipe.instructions import AFPipeSchedule
 from disagmoe_ds.afpipe.mailbox import Mailbox
 from disagmoe_ds.afpipe.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.comm.exchange import ExchangeComms, ffn_lanes
@@ -68,6 +69,7 @@ from disagmoe_ds.schedule import (
     check_streams,
     generate,
     layer_in_flight,
+    size_sources,
     unit_costs,
 )
 
@@ -80,10 +82,10 @@ class Disaggregated:
     def __init__(self, cfg: DisagMoEConfig):
         self.cfg = cfg
 
-    def layout(self, config) -> Layout:
+    def layout(self, config: PretrainedConfig) -> Layout:
         return self.cfg.layout(num_layers=config.num_hidden_layers, num_experts=num_experts_of(config))
 
-    def check(self, layout: Layout, config, ds_config: dict[str, Any]) -> None:
+    def check(self, layout: Layout, config: PretrainedConfig, ds_config: dict[str, Any]) -> None:
         check_zero_stages(self.cfg, ds_config)  # with expert replicas too (ExpertShard)
         check_lane(config, layout.sequence_parallel, layout.tensor_parallel)
         if layout.tensor_parallel > 1:
@@ -177,6 +179,8 @@ class Disaggregated:
         capacity = self._capacity(parts)
         mailbox = Mailbox(
             _exchange(parts),
+            worker=worker,
+            size_sources=size_sources(schedule.graph),
             hidden=stage.config.hidden_size,
             top_k=parts.routing.top_k,
             dtype=parts.dtype,
@@ -193,7 +197,7 @@ class Disaggregated:
             engine=parts.engine,
             runner=self._runner(parts, split_layers=split_layers(schedule, worker), graphs=graphs, capacity=capacity),
             mailbox=mailbox,
-            schedule=AFPipeSchedule(schedule, worker),
+            stream=schedule.streams[worker],
             grad_norm=parts.grad_norm,
             name=f"rank {parts.rank} {worker} {'lane' if role.is_attention else 'ffn'} {role.index}",
             comm_timeout_s=cfg.comm_timeout_s,
@@ -202,7 +206,7 @@ class Disaggregated:
         )
 
     @staticmethod
-    def _tensor_parallel_grads(parts: RankParts[Layout]):
+    def _tensor_parallel_grads(parts: RankParts[Layout]) -> Callable[[], None] | None:
         """With TP: the replicated gradients' sum over the TP group, once per step (ZeRO-2: in each backward, by the
         hooks it installs, and nothing before the step)."""
         lane = sequence_parallel_of(parts.groups) if parts.role.is_attention else None
@@ -345,7 +349,7 @@ def split_layers(schedule: Schedule, worker: Worker) -> frozenset[int]:
     return frozenset(i.layer for i in schedule.streams[worker] if isinstance(i, WeightGradAttn | WeightGradExperts))
 
 
-build_rank: RankBuilder[Layout] = RankBuilder(Disaggregated)
+build_rank: RankBuilder[Layout, DisagMoEConfig] = RankBuilder(Disaggregated)
 preflight = build_rank.preflight
 
 

@@ -46,6 +46,16 @@ from disagmoe_ds.schedule import Costs
 LayoutT = TypeVar("LayoutT", bound=JobLayout)  # one mode's layout
 
 
+class ModeConfig(Protocol):
+    """What the builder reads of a mode's config (``DisagMoEConfig``, ``ColocatedConfig``) itself."""
+
+    @property
+    def cuda_graphs(self) -> bool: ...
+
+
+ConfigT = TypeVar("ConfigT", bound=ModeConfig)  # one mode's config
+
+
 @dataclass
 class RankRuntime:
     """Everything one rank built, in either mode; ``executor.train_batch`` runs a step. The training loop, its
@@ -80,11 +90,11 @@ class RankParts(Generic[LayoutT]):
 class RankMode(Protocol[LayoutT]):
     """One mode's own steps of ``RankBuilder`` (made from the mode's config)."""
 
-    def layout(self, config) -> LayoutT:
+    def layout(self, config: PretrainedConfig) -> LayoutT:
         """The validated layout from the HF config alone (the preflight and the build derive it the same way)."""
         ...
 
-    def check(self, layout: LayoutT, config, ds_config: dict[str, Any]) -> None:
+    def check(self, layout: LayoutT, config: PretrainedConfig, ds_config: dict[str, Any]) -> None:
         """Refuse a layout the model or the ZeRO stage cannot run, with the fix."""
         ...
 
@@ -133,17 +143,17 @@ class RankMode(Protocol[LayoutT]):
         ...
 
 
-class RankBuilder(Generic[LayoutT]):
+class RankBuilder(Generic[LayoutT, ConfigT]):
     """One mode's ``build_rank`` (call it) and ``preflight``."""
 
-    def __init__(self, mode: Callable[[Any], RankMode[LayoutT]]):
+    def __init__(self, mode: Callable[[ConfigT], RankMode[LayoutT]]):
         self.mode = mode
 
     def __call__(
         self,
         model_dir: str | Path,
         ds_config: dict[str, Any],
-        cfg: Any,
+        cfg: ConfigT,
         *,
         micro_batch_size: int,
         dtype: torch.dtype = torch.float32,
@@ -226,12 +236,14 @@ class RankBuilder(Generic[LayoutT]):
         )
         return RankRuntime(layout, role, mode.executor(parts), module, engine)
 
-    def preflight(self, model_dir: str | Path, cfg: Any, ds_config: dict[str, Any], world_size: int) -> LayoutT:
+    def preflight(self, model_dir: str | Path, cfg: ConfigT, ds_config: dict[str, Any], world_size: int) -> LayoutT:
         """Validate the layout against the model config and the world size before any rank starts (no weights
         read); the layout the ranks will build."""
         return self.layout_for(load_config(model_dir), cfg, ds_config, world_size)
 
-    def layout_for(self, config: PretrainedConfig, cfg: Any, ds_config: dict[str, Any], world_size: int) -> LayoutT:
+    def layout_for(
+        self, config: PretrainedConfig, cfg: ConfigT, ds_config: dict[str, Any], world_size: int
+    ) -> LayoutT:
         """``preflight`` for a model config already loaded (the job plan's)."""
         mode = self.mode(cfg)
         if not any(moe_layer_pattern(config.to_dict())):

@@ -30,13 +30,10 @@ from dataclasses import dataclass, field, fields
 from disagmoe_ds.schedule.checker import render
 from disagmoe_ds.schedule.instructions import Instruction
 from disagmoe_ds.schedule.streams import build_streams
-from disagmoe_ds.schedule.tasks import Message, PipeShape, ScheduleError, Task, TaskGraph, Worker, build_graph
+from disagmoe_ds.schedule.tasks import Kind, PipeShape, ScheduleError, Task, TaskGraph, Transfer, Worker, build_graph
 from disagmoe_ds.schedule.trace import TimelineEvent
 
-_KINDS = (
-    *("A_fwd", "A_bwd", "F_fwd", "F_bwd", "A_wgt", "F_wgt"),
-    *("m2n", "n2m", "resid", "m2n_grad", "n2m_grad", "resid_grad"),
-)
+_KINDS = ("A_fwd", "A_bwd", "F_fwd", "F_bwd", "A_wgt", "F_wgt", *(kind.value for kind in Kind))
 _WGRAD_OF = {"A_bwd": "A_wgt", "F_bwd": "F_wgt"}
 
 
@@ -91,7 +88,7 @@ class Costs:
         wgrad = Task(kind, task.layer, task.micro_batch)  # type: ignore[arg-type]
         return wgrad if self.compute_s(wgrad, num_layers) > 0 else None
 
-    def transfer_s(self, message: Message) -> float:
+    def transfer_s(self, message: Transfer) -> float:
         return self.overrides.get((message.kind, message.src.layer), getattr(self, message.kind))
 
 
@@ -113,7 +110,7 @@ class Schedule:
     graph: TaskGraph
     max_in_flight: int
     compute: dict[Task, tuple[float, float]]
-    transfers: dict[Message, tuple[float, float]]
+    transfers: dict[Transfer, tuple[float, float]]
     streams: dict[Worker, tuple[Instruction, ...]]
 
     @property
@@ -209,9 +206,9 @@ class _Simulation:
         self.left.update((self.worker_of(w), w.micro_batch) for w in self.wgrad.values())  # in flight until W too
         self.order: dict[Worker, list[Task]] = {w: [] for w in graph.tasks}
         self.compute: dict[Task, tuple[float, float]] = {}
-        self.transfers: dict[Message, tuple[float, float]] = {}
+        self.transfers: dict[Transfer, tuple[float, float]] = {}
         self.link_free: dict[object, float] = defaultdict(float)
-        self.events: list[tuple[float, int, Task | Message]] = []
+        self.events: list[tuple[float, int, Task | Transfer]] = []
 
     def run(self) -> tuple[dict[Worker, tuple[Task, ...]], dict[Task, tuple[float, float]], dict]:
         now, idle = 0.0, set(self.graph.tasks)
@@ -274,7 +271,7 @@ class _Simulation:
         if not self.missing[task]:
             self.ready[self.worker_of(task)].add(task)
 
-    def _push(self, time: float, item: Task | Message) -> None:
+    def _push(self, time: float, item: Task | Transfer) -> None:
         heapq.heappush(self.events, (time, len(self.compute) + len(self.transfers), item))
 
     def _stall_report(self, now: float) -> str:
