@@ -28,6 +28,7 @@ from disagmoe_ds.afpipe.attention_runner import AttentionRunner
 from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
 from disagmoe_ds.afpipe.executor import AFPipeExecutor
 from disagmoe_ds.afpipe.expert_runner import ExpertRunner
+from disagmoe_ds.afpipe.job_schedule import job_schedule, schedule_lines
 from disagmoe_ds.afpipe.mailbox import Mailbox
 from disagmoe_ds.afpipe.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.comm.exchange import ExchangeComms, ffn_lanes
@@ -57,23 +58,21 @@ from disagmoe_ds.models.tensor_parallel import (
 )
 from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm
 from disagmoe_ds.runtime.rank import RankBuilder, RankParts
+from disagmoe_ds.runtime.step import Executor
 from disagmoe_ds.schedule import (
     BackwardAttn,
     BackwardExperts,
     Costs,
-    PipeShape,
     Schedule,
     WeightGradAttn,
     WeightGradExperts,
     Worker,
     check_streams,
-    generate,
     layer_in_flight,
     size_sources,
-    unit_costs,
 )
 
-__all__ = ["Disaggregated", "build_rank", "job_schedule", "preflight"]
+__all__ = ["Disaggregated", "build_rank", "preflight"]
 
 
 class Disaggregated:
@@ -85,9 +84,11 @@ class Disaggregated:
     def layout(self, config: PretrainedConfig) -> Layout:
         return self.cfg.layout(num_layers=config.num_hidden_layers, num_experts=num_experts_of(config))
 
-    def check(self, layout: Layout, config: PretrainedConfig, ds_config: dict[str, Any]) -> None:
+    def check(
+        self, layout: Layout, config: PretrainedConfig, ds_config: dict[str, Any], *, seq_len: int | None
+    ) -> None:
         check_zero_stages(self.cfg, ds_config)  # with expert replicas too (ExpertShard)
-        check_lane(config, layout.sequence_parallel, layout.tensor_parallel)
+        check_lane(config, layout.sequence_parallel, layout.tensor_parallel, seq_len)
         if layout.tensor_parallel > 1:
             self._check_tensor_parallel_levers(ds_config)
         if self.cfg.lora is not None:
@@ -99,6 +100,13 @@ class Disaggregated:
                     f"F-group {g} would own no MoE layer (layers {layout.layers_of_group(g)} are dense); "
                     "choose a depth whose groups all contain an MoE layer"
                 )
+
+    def describe(self, layout: Layout, config, schedule_costs: Costs | None) -> list[str]:
+        return schedule_lines(config.to_dict(), layout, self.cfg, schedule_costs)
+
+    def warm_up(self, executor: Executor, seq_len: int, *, evaluates: bool) -> None:
+        if self.cfg.compile or self.cfg.cuda_graphs:  # kernels loaded, graphs captured before any exchange
+            executor.warm_up(seq_len, packed=True, evaluates=evaluates)  # packed data: positions may restart
 
     def _check_tensor_parallel_levers(self, ds_config: dict[str, Any]) -> None:
         """What tensor parallelism does not work beside yet (one line naming it)."""
@@ -384,13 +392,3 @@ def check_zero_stages(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
             f"{'it' if len(chosen) == 1 else 'them'} off or use ZeRO stage 2 there "
             f'("{SECTION}": {{"zero_stage": {{"ffn": 2}}}})'
         )
-
-
-def job_schedule(config: dict[str, Any], layout: Layout, cfg: DisagMoEConfig, costs: Costs | None) -> Schedule:
-    """The job's AF-Pipe schedule, the same on every rank: the start banner's bubble and every rank's streams.
-    ``costs``: its task costs, computed before the ranks start (``planner.runtime_costs.job_costs``), so every rank
-    generates it from the same data; without them every task costs one unit (split as ``cfg``'s backward is)."""
-    if costs is None:
-        costs = unit_costs(split_backward=cfg.split_backward, compiled=cfg.compile, ffn_zero3=cfg.experts_sharded)
-    shape = PipeShape(layout.depth, layout.num_layers, moe_layer_pattern(config))
-    return generate(shape, cfg.micro_batches, costs=costs, max_in_flight=cfg.max_in_flight)
