@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from disagmoe_ds.schedule import (
+    SELF_SIZED,
     ComputeInstruction,
     Costs,
-    SELF_SIZED,
     ForwardAttn,
     Kind,
     PipeShape,

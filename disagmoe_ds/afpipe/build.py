@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +36,7 @@ from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import SECTION, DisagMoEConfig
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
+from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages
@@ -84,9 +84,7 @@ class Disaggregated:
     def layout(self, config: PretrainedConfig) -> Layout:
         return self.cfg.layout(num_layers=config.num_hidden_layers, num_experts=num_experts_of(config))
 
-    def check(
-        self, layout: Layout, config: PretrainedConfig, ds_config: dict[str, Any], *, seq_len: int | None
-    ) -> None:
+    def check(self, layout: Layout, config: PretrainedConfig, ds_config: JsonObject, *, seq_len: int | None) -> None:
         check_zero_stages(self.cfg, ds_config)  # with expert replicas too (ExpertShard)
         check_lane(config, layout.sequence_parallel, layout.tensor_parallel, seq_len)
         if layout.tensor_parallel > 1:
@@ -101,14 +99,14 @@ class Disaggregated:
                     "choose a depth whose groups all contain an MoE layer"
                 )
 
-    def describe(self, layout: Layout, config, schedule_costs: Costs | None) -> list[str]:
+    def describe(self, layout: Layout, config: PretrainedConfig, schedule_costs: Costs | None) -> list[str]:
         return schedule_lines(config.to_dict(), layout, self.cfg, schedule_costs)
 
     def warm_up(self, executor: Executor, seq_len: int, *, evaluates: bool) -> None:
         if self.cfg.compile or self.cfg.cuda_graphs:  # kernels loaded, graphs captured before any exchange
             executor.warm_up(seq_len, packed=True, evaluates=evaluates)  # packed data: positions may restart
 
-    def _check_tensor_parallel_levers(self, ds_config: dict[str, Any]) -> None:
+    def _check_tensor_parallel_levers(self, ds_config: JsonObject) -> None:
         """What tensor parallelism does not work beside yet (one line naming it)."""
         stage, zero = self.cfg.zero_stage_of("attention", ds_config), ds_config.get("zero_optimization", {})
         refused = {
@@ -164,7 +162,7 @@ class Disaggregated:
             apply_selective_recompute(stage)
         return stage
 
-    def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: RankRole, ds_config: JsonObject) -> int:
         return self.cfg.zero_stage_of("attention" if role.is_attention else "ffn", ds_config)
 
     def grad_scale(self, layout: Layout, role: RankRole) -> float:
@@ -361,7 +359,7 @@ build_rank: RankBuilder[Layout, DisagMoEConfig] = RankBuilder(Disaggregated)
 preflight = build_rank.preflight
 
 
-def check_zero_stages(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
+def check_zero_stages(cfg: DisagMoEConfig, ds_config: JsonObject) -> None:
     """Refuse a side's ZeRO stage its engines cannot run, and what does not work beside ZeRO-3 on the expert side.
 
     ZeRO-3 gathers an expert shard's parameters in module hooks around each forward and backward: ``compile`` would

@@ -294,11 +294,13 @@ class AFPipeExecutor:
         )
 
 
-I = TypeVar("I", bound=Instruction)
+InstructionT = TypeVar("InstructionT", bound=Instruction)
 _Handler = Callable[[AFPipeExecutor, Instruction], None]
 
 
-def _handles(instruction: type[I], handler: Callable[[AFPipeExecutor, I], None]) -> tuple[type[Instruction], _Handler]:
+def _handles(
+    instruction: type[InstructionT], handler: Callable[[AFPipeExecutor, InstructionT], None]
+) -> tuple[type[Instruction], _Handler]:
     """One entry of the map: ``handler`` takes exactly the instructions of type ``instruction``, which ``_execute``
     looks up by the instruction's type, so the narrowing cast is safe."""
     return instruction, cast(_Handler, handler)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 from deepspeed import DeepSpeedEngine
-from torch import nn
 
 from disagmoe_ds.afpipe.chunk_io import checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
 from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
@@ -22,7 +21,8 @@ from disagmoe_ds.afpipe.split_backward import ChunkBackward, retained_graph_comp
 from disagmoe_ds.comm.exchange import LaneRows
 from disagmoe_ds.comm.messages import ExpertOut, ExpertOutGrad, TokenGrads, Tokens
 from disagmoe_ds.comm.routing import Capacity, pads
-from disagmoe_ds.models.graphs import StageGraphs
+from disagmoe_ds.models.expert_shard import ExpertShard
+from disagmoe_ds.models.graphs import GraphedShard, StageGraphs
 from disagmoe_ds.models.parts import ExpertStage
 from disagmoe_ds.runtime.step import evaluating
 
@@ -74,7 +74,7 @@ class ExpertRunner:
         split_layers = settings.split_layers
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
         # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
-        self.compiling: Callable[[], AbstractContextManager[None]] = (
+        self.compiling: Callable[[], AbstractContextManager[object]] = (
             retained_graph_compiles if split_layers else nullcontext
         )
         self.recompute = checkpointed if settings.activation_checkpointing else run
@@ -178,7 +178,7 @@ class ExpertRunner:
         with self.compiling():
             return Outbox(m2n_grad=self._backward(layer, mb, inbox.n2m_grad[0]))
 
-    def _shard(self, layer: int) -> nn.Module:
+    def _shard(self, layer: int) -> ExpertShard | GraphedShard:
         return self.graphs.shard(self.stage, layer)
 
     def weight_grad(self, layer: int, mb: int) -> None:

@@ -116,6 +116,9 @@ class HeadLane:
     def _head_loss(self, h_BSH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """The head's loss as the step calls it (with slices: a slice's share)."""
         assert self.stage.head is not None
+        loss: torch.Tensor  # (a module's call is untyped in torch)
         if self.sp is None:
-            return self.stage.head(h_BSH, labels_BS)[1]
-        return self.stage.head(h_BSH, None, labels_BS, labels_BS.new_tensor(labels_BS.numel()))[1]
+            _, loss = self.stage.head(h_BSH, labels_BS)
+        else:
+            _, loss = self.stage.head(h_BSH, None, labels_BS, labels_BS.new_tensor(labels_BS.numel()))
+        return loss

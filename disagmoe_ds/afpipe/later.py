@@ -25,4 +25,3 @@ class Later(Generic[T]):
 
     def ready(self) -> bool:
         return self.source is None or self.source.ready()
-

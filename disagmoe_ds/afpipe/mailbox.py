@@ -35,7 +35,7 @@ import torch
 
 from disagmoe_ds.afpipe.later import Later
 from disagmoe_ds.afpipe.runner import Received, Sendable
-from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn, FanOut
+from disagmoe_ds.comm.channel import Arrival, ChannelError, CommStream, FanIn
 from disagmoe_ds.comm.exchange import MESSAGE_TYPES, ExchangeComms, LaneRows, exchange_specs, static_sizes
 from disagmoe_ds.comm.messages import Dims, Message, Tokens
 from disagmoe_ds.comm.routing import Capacity, pads

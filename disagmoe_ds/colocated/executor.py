@@ -168,7 +168,12 @@ class ColocatedExecutor:
         loss, lm, aux, count = sums.tolist()
         seconds = time.perf_counter() - start
         return StepResult(
-            loss / count, lm / count, aux / count, self.grad_norm.last_norm, seconds, expert_counts_LE=self.runner.load_LE
+            loss / count,
+            lm / count,
+            aux / count,
+            self.grad_norm.last_norm,
+            seconds,
+            expert_counts_LE=self.runner.load_LE,
         )
 
     def eval_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> EvalResult:

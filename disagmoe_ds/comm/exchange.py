@@ -51,7 +51,6 @@ from disagmoe_ds.comm.transport import Comm, Transport, new_host_group
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.schedule import Kind  # the schedule's transfer kinds are the exchange's
 
-
 A_TO_F = (Kind.M2N, Kind.N2M_GRAD)
 A_TO_A = (Kind.RESID, Kind.RESID_GRAD)
 # The F-group an A lane of group g talks to is g + offset; the A-group an F rank of group g talks to is g - offset.

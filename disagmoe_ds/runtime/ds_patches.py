@@ -96,7 +96,9 @@ def combine_zero_norm(optimizer: DeepSpeedZeroOptimizer, combine: Callable[[torc
     optimizer.scaled_global_norm = lambda *a, **k: combine(own(*a, **k))
 
 
-def combine_zero_group_norms(optimizer: DeepSpeedZeroOptimizer, combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
+def combine_zero_group_norms(
+    optimizer: DeepSpeedZeroOptimizer, combine: Callable[[list[torch.Tensor]], torch.Tensor]
+) -> None:
     """ZeRO-1/2: DeepSpeed clips with ``combine`` of the norms it computed for each parameter group, in group order
     (recorded as ``scaled_global_norm`` computes them; its own combination is dropped)."""
     require(optimizer, "combine_zero_group_norms")
@@ -123,7 +125,9 @@ def combine_zero_group_norms(optimizer: DeepSpeedZeroOptimizer, combine: Callabl
     optimizer.scaled_global_norm = scaled_global_norm
 
 
-def combine_zero3_norm(optimizer: DeepSpeedZeroOptimizer_Stage3, combine: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def combine_zero3_norm(
+    optimizer: DeepSpeedZeroOptimizer_Stage3, combine: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
     """ZeRO-3: ``step()`` clips with the L2 combination of the group norms; it gets ``combine`` of it instead."""
     require(optimizer, "combine_zero3_norm")
     own = optimizer._get_norm_groups

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -30,10 +30,12 @@ from transformers import PretrainedConfig
 
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.groups import ProcessGroups
+from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.layout import JobLayout, RankRole
 from disagmoe_ds.models.adapters import add_adapters
 from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.models.model_facts import RoutingFacts, routing_facts
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
@@ -47,10 +49,23 @@ LayoutT = TypeVar("LayoutT", bound=JobLayout)  # one mode's layout
 
 
 class ModeConfig(Protocol):
-    """What the builder reads of a mode's config (``DisagMoEConfig``, ``ColocatedConfig``) itself."""
+    """What the builder reads of a mode's config (``DisagMoEConfig``, ``ColocatedConfig``) itself: the sections both
+    modes share (``config.sections``' ``Accumulation``, ``Watchdog``, ``Kernels``, ``FineTuning``)."""
+
+    @property
+    def micro_batches(self) -> int: ...
+
+    @property
+    def comm_timeout_s(self) -> float: ...
+
+    @property
+    def compile(self) -> bool: ...
 
     @property
     def cuda_graphs(self) -> bool: ...
+
+    @property
+    def lora(self) -> LoraSettings | None: ...
 
 
 ConfigT = TypeVar("ConfigT", bound=ModeConfig)  # one mode's config
@@ -94,9 +109,7 @@ class RankMode(Protocol[LayoutT]):
         """The validated layout from the HF config alone (the preflight and the build derive it the same way)."""
         ...
 
-    def check(
-        self, layout: LayoutT, config: PretrainedConfig, ds_config: dict[str, Any], *, seq_len: int | None
-    ) -> None:
+    def check(self, layout: LayoutT, config: PretrainedConfig, ds_config: JsonObject, *, seq_len: int | None) -> None:
         """Refuse a layout the model, the ZeRO stage or the sequence length (when known) cannot run, with the fix."""
         ...
 
@@ -137,7 +150,7 @@ class RankMode(Protocol[LayoutT]):
         ``weights``, or initialised from ``seed``)."""
         ...
 
-    def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: RankRole, ds_config: JsonObject) -> int:
         """The ZeRO stage of the rank's engine (its side's, in the disaggregated mode)."""
         ...
 
@@ -164,7 +177,7 @@ class RankBuilder(Generic[LayoutT, ConfigT]):
     def __call__(
         self,
         model_dir: str | Path,
-        ds_config: dict[str, Any],
+        ds_config: JsonObject,
         cfg: ConfigT,
         *,
         micro_batch_size: int,
@@ -253,7 +266,7 @@ class RankBuilder(Generic[LayoutT, ConfigT]):
         self,
         model: str | Path | PretrainedConfig,
         cfg: ConfigT,
-        ds_config: dict[str, Any],
+        ds_config: JsonObject,
         world_size: int,
         *,
         seq_len: int | None = None,
@@ -275,10 +288,12 @@ class RankBuilder(Generic[LayoutT, ConfigT]):
             raise ConfigError(f'"cuda_graphs" does not work with the {config.model_type} model yet: {why}; turn it off')
         return layout
 
-    def describe(self, cfg: Any, layout: LayoutT, config: PretrainedConfig, schedule_costs: Costs | None) -> list[str]:
+    def describe(
+        self, cfg: ConfigT, layout: LayoutT, config: PretrainedConfig, schedule_costs: Costs | None
+    ) -> list[str]:
         """The start banner's lines about ``layout`` (this mode's ``preflight``) and the pipeline."""
         return self.mode(cfg).describe(layout, config, schedule_costs)
 
-    def warm_up(self, runtime: RankRuntime, cfg: Any, seq_len: int, *, evaluates: bool = False) -> None:
+    def warm_up(self, runtime: RankRuntime, cfg: ConfigT, seq_len: int, *, evaluates: bool = False) -> None:
         """Before the first step (every rank): what the mode must not do inside one (``RankMode.warm_up``)."""
         self.mode(cfg).warm_up(runtime.executor, seq_len, evaluates=evaluates)

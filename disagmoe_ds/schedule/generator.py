@@ -30,11 +30,21 @@ from dataclasses import dataclass, field, fields
 from disagmoe_ds.schedule.checker import render
 from disagmoe_ds.schedule.instructions import Instruction
 from disagmoe_ds.schedule.streams import build_streams
-from disagmoe_ds.schedule.tasks import Kind, PipeShape, ScheduleError, Task, TaskGraph, Transfer, Worker, build_graph
+from disagmoe_ds.schedule.tasks import (
+    Kind,
+    PipeShape,
+    ScheduleError,
+    Task,
+    TaskGraph,
+    TaskKind,
+    Transfer,
+    Worker,
+    build_graph,
+)
 from disagmoe_ds.schedule.trace import TimelineEvent
 
 _KINDS = ("A_fwd", "A_bwd", "F_fwd", "F_bwd", "A_wgt", "F_wgt", *(kind.value for kind in Kind))
-_WGRAD_OF = {"A_bwd": "A_wgt", "F_bwd": "F_wgt"}
+_WGRAD_OF: Mapping[TaskKind, TaskKind] = {"A_bwd": "A_wgt", "F_bwd": "F_wgt"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,18 +88,34 @@ class Costs:
             return self.overrides[task.kind, task.layer]
         if task.layer == num_layers:
             return self.head_fwd if task.is_forward else self.head_wgt if task.is_weight_grad else self.head_bwd
-        return getattr(self, task.kind.lower())
+        per_kind: dict[TaskKind, float] = {
+            "A_fwd": self.a_fwd,
+            "A_bwd": self.a_bwd,
+            "F_fwd": self.f_fwd,
+            "F_bwd": self.f_bwd,
+            "A_wgt": self.a_wgt,
+            "F_wgt": self.f_wgt,
+        }
+        return per_kind[task.kind]
 
     def weight_grad_of(self, task: Task, num_layers: int) -> Task | None:
         """The W task a backward ``task`` defers (split backward), None where its W costs nothing."""
         kind = _WGRAD_OF.get(task.kind)
         if kind is None:
             return None
-        wgrad = Task(kind, task.layer, task.micro_batch)  # type: ignore[arg-type]
+        wgrad = Task(kind, task.layer, task.micro_batch)
         return wgrad if self.compute_s(wgrad, num_layers) > 0 else None
 
     def transfer_s(self, message: Transfer) -> float:
-        return self.overrides.get((message.kind, message.src.layer), getattr(self, message.kind))
+        per_kind = {
+            Kind.M2N: self.m2n,
+            Kind.N2M: self.n2m,
+            Kind.RESID: self.resid,
+            Kind.M2N_GRAD: self.m2n_grad,
+            Kind.N2M_GRAD: self.n2m_grad,
+            Kind.RESID_GRAD: self.resid_grad,
+        }
+        return self.overrides.get((message.kind, message.src.layer), per_kind[message.kind])
 
 
 def unit_costs(*, split_backward: bool = False, compiled: bool = False, ffn_zero3: bool = False) -> Costs:
@@ -210,7 +236,9 @@ class _Simulation:
         self.link_free: dict[object, float] = defaultdict(float)
         self.events: list[tuple[float, int, Task | Transfer]] = []
 
-    def run(self) -> tuple[dict[Worker, tuple[Task, ...]], dict[Task, tuple[float, float]], dict]:
+    def run(
+        self,
+    ) -> tuple[dict[Worker, tuple[Task, ...]], dict[Task, tuple[float, float]], dict[Transfer, tuple[float, float]]]:
         now, idle = 0.0, set(self.graph.tasks)
         while True:
             for worker in sorted(idle):
