@@ -1,0 +1,61 @@
+"""Differentiable FP8 projections: a linear layer's ``x W^T`` and the experts' grouped ``x_g W_g^T``, each of their
+three GEMMs in FP8 (``gemm``), everything else (inputs, weights, gradients) in the caller's dtype."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from disagmoe_ds.fp8.gemm import grouped_weight_grad, scaled_grouped_mm, scaled_mm
+from disagmoe_ds.fp8.quantize import quantize
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with its GEMMs in FP8 (``x`` [..., K], ``weight`` [N, K])."""
+    y = _Linear.apply(x, weight)
+    return y if bias is None else y + bias
+
+
+def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)`` with its GEMMs in FP8: row group i of ``x`` [P, K]
+    times ``weight[i]^T`` (``weight`` [e, N, K], the HF layout of fused expert projections)."""
+    return _GroupedLinear.apply(x, weight, offsets)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x_MK = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x_MK, weight)
+        ctx.shape = x.shape
+        y_MN = scaled_mm(quantize(x_MK, -1), quantize(weight, -1), x.dtype)
+        return y_MN.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x_MK, weight = ctx.saved_tensors
+        dy_MN = dy.reshape(-1, dy.shape[-1])
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = scaled_mm(quantize(dy_MN, -1), quantize(weight.t(), -1), dy.dtype).view(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            dw = scaled_mm(quantize(dy_MN.t(), -1), quantize(x_MK.t(), -1), weight.dtype)
+        return dx, dw
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, offsets)
+        return scaled_grouped_mm(quantize(x, -1), quantize(weight, -1), offsets, x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight, offsets = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = scaled_grouped_mm(quantize(dy, -1), quantize(weight.transpose(1, 2), -1), offsets, dy.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = grouped_weight_grad(dy, x, offsets).to(weight.dtype)
+        return dx, dw, None
