@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from disagmoe_ds.capabilities.uncut import check_uncut
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.jsonfile import read_json_object
 from disagmoe_ds.models.families import (
@@ -19,7 +20,6 @@ from disagmoe_ds.models.families import (
     is_moe_layer,
     token_table_of,
 )
-from disagmoe_ds.models.uncut import check_uncut
 
 WEIGHT_FILES = (
     "model.safetensors",

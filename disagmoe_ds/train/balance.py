@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.capabilities.rules import Job, check
 from disagmoe_ds.models.attention_part import AttentionPart
 from disagmoe_ds.models.families import expert_bias_of, family_of
 from disagmoe_ds.runtime.rank import RankRuntime
@@ -29,11 +29,7 @@ def bias_update_rate(requested: float | None, config) -> float:
     bias_path = family_of(config).expert_bias_path
     if requested is None:
         return DEEPSEEK_V3_RATE if bias_path else 0.0
-    if requested > 0 and bias_path is None:
-        raise ConfigError(
-            f"--bias-update-rate {requested}: model_type {config.model_type!r} has no router correction bias "
-            f"(only DeepSeek-V3 style routers do); balance it with its aux loss (router_aux_loss_coef) or pass 0"
-        )
+    check(Job.of(config.model_type, bias_update_rate=requested))  # a rate needs a router correction bias
     return requested
 
 

@@ -38,7 +38,7 @@ from disagmoe_ds.train.interrupt import STOPPED_EXIT, StopRequest, parent_waits_
 from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
 from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops
 from disagmoe_ds.train.model import check_train_model, load_train_model
-from disagmoe_ds.train.modes import mode_of
+from disagmoe_ds.train.modes import build, mode_of, schedule_costs
 from disagmoe_ds.train.plan import JobPlan
 from disagmoe_ds.train.progress import Progress, banner, training_state_line
 from disagmoe_ds.train.resources import check_resources
@@ -82,8 +82,8 @@ def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True, loca
     """
     config = load_config(args.model)
     mode = mode_of(args)
-    layout = mode.preflight(args, config, world_size)
-    costs = mode.schedule_costs(args, config, layout)
+    layout = mode.preflight(config, args.cfg, args.ds_config, world_size, seq_len=args.seq_len)
+    costs = schedule_costs(args, config, layout)
     check_train_model(args, config)
     check_data_args(args, config)
     bias_update_rate(args.bias_update_rate, config)
@@ -180,13 +180,13 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     facts = model_facts(args.model, args.seq_len)
     rate = bias_update_rate(args.bias_update_rate, config)
     if rank == 0:
-        layout_lines = mode.describe(args, layout, config, plan.schedule_costs)
+        layout_lines = mode.describe(args.cfg, layout, config, plan.schedule_costs)
         layout_lines.append(training_state_line(args, config, layout))
         lines = banner(args, config, layout_lines=layout_lines, facts=facts, data=data, bias_rate=rate, resume=resume)
         print("\n".join(lines), flush=True)
 
     init = load_train_model(args)
-    runtime = mode.build(
+    runtime = build(
         args, layout, schedule_costs=plan.schedule_costs, model=init.model, weights=init.weights, device=device
     )
     data_lane = args.cfg.batch_lane_of(role.index)  # SP or TP: s (t) lanes read one share, in slices
