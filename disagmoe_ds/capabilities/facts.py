@@ -210,7 +210,10 @@ FACTS: dict[str, FamilyFacts] = {
             experts="gpt_oss",
             sinks=True,
             windows="even",
-            not_with=(("sequence_parallel", "its attention sinks are per head and not split with the heads"),),
+            not_with=(
+                ("sequence_parallel", "its attention sinks are per head and not split with the heads"),
+                ("fp8", "its experts run HF's own module (transposed, interleaved, biased), not the FP8 grouped GEMMs"),
+            ),
         ),
         # Qwen3-Next and Qwen3.5-MoE: Qwen2-MoE's softmax router and sigmoid-gated shared expert; layers alternate
         # Gated DeltaNet linear attention (``linear_attn``) and gated softmax attention (``self_attn``).
