@@ -305,6 +305,7 @@ FACTS: dict[str, FamilyFacts] = {
                     "scores every compressed key, outside the attention function that Ulysses splits",
                 ),
                 ("tensor_parallel", "its attention modules are not among those the runtime shards by heads"),
+                ("fp8", "its grouped output projection (o_a_proj) computes with a forward of its own, not in FP8"),
             ),
         ),
     )

@@ -25,6 +25,7 @@ from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
 
 _PARTS = "_fp8_lora_parts"  # a merged LoRA weight's (base, update), kept on the tensor and its views
 _VIEWS = (torch.Tensor.__getitem__, torch.Tensor.transpose)
+_PEFT_ADAPTERS = ("lora_A", "lora_B")  # PEFT's ModuleDicts of adapter Linears: they stay in high precision
 _GROUPED = (F.grouped_mm, torch._grouped_mm)  # the wrapper does not dispatch to modes itself: its op does
 
 
@@ -75,13 +76,14 @@ def compute_experts_in_fp8(experts: nn.Module) -> None:
 
 
 def to_fp8_reference(model: nn.Module, router_attr: str) -> nn.Module:
-    """``model`` (an HF causal LM; ``router_attr``: its family's router attribute) with every decoder layer's
-    projections in FP8 as the lever puts the ranks' parts (``fp8.modules.convert_linears``: not the router, not the
-    LM head) and its experts modules' GEMMs under ``Fp8Experts``. In place; convert before PEFT wraps it, so that
-    its adapters stay in high precision."""
+    """``model`` (an HF causal LM, or PEFT's base model of one; ``router_attr``: its family's router attribute) with
+    every decoder layer's projections in FP8 as the lever puts the ranks' (``fp8.modules.convert_linears``: not the
+    router, not the LM head, not PEFT's adapters) and its experts modules' GEMMs under ``Fp8Experts``. In place."""
     for layer in model.model.layers:
         experts = getattr(layer.mlp, "experts", None)
-        skip = [] if experts is None else [experts, getattr(layer.mlp, router_attr)]
+        skip = [m for name, m in layer.named_modules() if name.rsplit(".", 1)[-1] in _PEFT_ADAPTERS]
+        if experts is not None:
+            skip += [experts, getattr(layer.mlp, router_attr)]
         convert_linears(layer, skip=skip)
         if experts is not None:
             compute_experts_in_fp8(experts)
