@@ -3,11 +3,12 @@ converted as the lever converts the ranks' parts (``to_fp8_reference``): the sin
 tests hold both modes to, and the path an expert shard takes where it calls HF's module (``ExpertShard.forward_hf``).
 
 The experts' GEMMs are intercepted inside their forward by a ``TorchFunctionMode``: ``F.grouped_mm`` (transformers'
-``grouped_mm`` experts implementation, as ``torch._grouped_mm``) and ``F.linear`` (its ``eager`` one, a GEMM per expert) become
-``fp8_grouped_mm`` / ``fp8_linear``, the same rowwise recipe with per-expert scales as the ranks' grouped GEMMs; the
-routing, the activation and the routing weight (applied after the down projection, as the FP8 ranks apply it)
-stay HF's. Under PEFT's ``target_parameters`` the experts see ``W + s * lhs @ rhs`` (one ``torch.baddbmm``): the mode
-keeps the two terms apart, the base ``W`` in FP8 and the update in high precision, as the ranks compute adapters.
+``grouped_mm`` experts implementation, seen as ``torch._grouped_mm``) and ``F.linear`` (its ``eager`` one, a GEMM per
+expert) become ``fp8_grouped_mm`` / ``fp8_linear``, the same rowwise recipe with per-expert scales as the ranks'
+grouped GEMMs; the routing, the activation and the routing weight (applied after the down projection, as the FP8 ranks
+apply it) stay HF's. Under PEFT's ``target_parameters`` the experts see ``W + s * lhs @ rhs`` (one
+``torch.baddbmm``): the mode keeps the two terms apart, the base ``W`` in FP8 and the update in high precision, as the
+ranks compute adapters.
 """
 
 from __future__ import annotations
