@@ -25,8 +25,11 @@ from disagmoe_ds.fp8.quantize import Quantized, cast, dequantize, scale_of
 
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b^T`` for ``a`` [M, K] scaled per row and ``b`` [N, K] scaled per row: [M, N] in ``out_dtype``."""
-    a_data, b_data = a.data.contiguous(), b.data.contiguous()  # row-major a, column-major b^T
-    return torch._scaled_mm(a_data, b_data.t(), scale_a=a.scale, scale_b=b.scale.t(), out_dtype=out_dtype)
+    if a.data.is_cuda:
+        a_data, b_data = a.data.contiguous(), b.data.contiguous()  # row-major a, column-major b^T
+        return torch._scaled_mm(a_data, b_data.t(), scale_a=a.scale, scale_b=b.scale.t(), out_dtype=out_dtype)
+    # torch's CPU kernel takes per-tensor scales only before torch 2.13
+    return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
 
 
 def scaled_grouped_mm(a: Quantized, b: Quantized, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -39,8 +39,10 @@ def _wanted(ctx: Any, i: int) -> bool:
     """Whether the running backward pass needs the gradient of input ``i`` (see the module docstring)."""
     if not ctx.needs_input_grad[i]:
         return False
+    if torch.compiler.is_compiling():
+        return True
     node = ctx.next_functions[i][0]
-    if torch.compiler.is_compiling() or node is None or type(node).__name__ == "AccumulateGrad":
+    if node is None or type(node).__name__ == "AccumulateGrad":
         return True
     return torch._C._will_engine_execute_node(node)
 
