@@ -15,18 +15,18 @@ The steps and their order are ``runtime.rank.RankBuilder``'s, shared with the co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PretrainedConfig
 
 from disagmoe_ds.afpipe.attention_runner import AttentionRunner
 from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
 from disagmoe_ds.afpipe.executor import AFPipeExecutor
 from disagmoe_ds.afpipe.expert_runner import ExpertRunner
-from disagmoe_ds.afpipe.instructions import AFPipeSchedule
 from disagmoe_ds.afpipe.job_schedule import job_schedule, schedule_lines
 from disagmoe_ds.afpipe.mailbox import Mailbox
 from disagmoe_ds.afpipe.offload import ActivationOffloader, offloaded_layers
@@ -36,6 +36,7 @@ from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
+from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages
@@ -68,6 +69,7 @@ from disagmoe_ds.schedule import (
     Worker,
     check_streams,
     layer_in_flight,
+    size_sources,
 )
 
 __all__ = ["Disaggregated", "build_rank", "preflight"]
@@ -79,10 +81,10 @@ class Disaggregated:
     def __init__(self, cfg: DisagMoEConfig):
         self.cfg = cfg
 
-    def layout(self, config) -> Layout:
+    def layout(self, config: PretrainedConfig) -> Layout:
         return self.cfg.layout(num_layers=config.num_hidden_layers, num_experts=num_experts_of(config))
 
-    def check(self, layout: Layout, config, ds_config: dict[str, Any], *, seq_len: int | None) -> None:
+    def check(self, layout: Layout, config: PretrainedConfig, ds_config: JsonObject, *, seq_len: int | None) -> None:
         del ds_config  # the levers it turns on: the preflight's capabilities table (runtime.rank)
         check_lane(config, layout.sequence_parallel, layout.tensor_parallel, seq_len)
         if self.cfg.lora is not None:
@@ -95,7 +97,7 @@ class Disaggregated:
                     "choose a depth whose groups all contain an MoE layer"
                 )
 
-    def describe(self, layout: Layout, config, schedule_costs: Costs | None) -> list[str]:
+    def describe(self, layout: Layout, config: PretrainedConfig, schedule_costs: Costs | None) -> list[str]:
         return schedule_lines(config.to_dict(), layout, self.cfg, schedule_costs)
 
     def warm_up(self, executor: Executor, seq_len: int, *, evaluates: bool) -> None:
@@ -143,7 +145,7 @@ class Disaggregated:
             apply_selective_recompute(stage)
         return stage
 
-    def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: RankRole, ds_config: JsonObject) -> int:
         return self.cfg.zero_stage_of("attention" if role.is_attention else "ffn", ds_config)
 
     def grad_scale(self, layout: Layout, role: RankRole) -> float:
@@ -166,6 +168,8 @@ class Disaggregated:
         capacity = self._capacity(parts)
         mailbox = Mailbox(
             _exchange(parts),
+            worker=worker,
+            size_sources=size_sources(schedule.graph),
             hidden=stage.config.hidden_size,
             top_k=parts.routing.top_k,
             dtype=parts.dtype,
@@ -182,7 +186,7 @@ class Disaggregated:
             engine=parts.engine,
             runner=self._runner(parts, split_layers=split_layers(schedule, worker), graphs=graphs, capacity=capacity),
             mailbox=mailbox,
-            schedule=AFPipeSchedule(schedule, worker),
+            stream=schedule.streams[worker],
             grad_norm=parts.grad_norm,
             name=f"rank {parts.rank} {worker} {'lane' if role.is_attention else 'ffn'} {role.index}",
             comm_timeout_s=cfg.comm_timeout_s,
@@ -191,7 +195,7 @@ class Disaggregated:
         )
 
     @staticmethod
-    def _tensor_parallel_grads(parts: RankParts[Layout]):
+    def _tensor_parallel_grads(parts: RankParts[Layout]) -> Callable[[], None] | None:
         """With TP: the replicated gradients' sum over the TP group, once per step (ZeRO-2: in each backward, by the
         hooks it installs, and nothing before the step)."""
         lane = sequence_parallel_of(parts.groups) if parts.role.is_attention else None
@@ -334,5 +338,5 @@ def split_layers(schedule: Schedule, worker: Worker) -> frozenset[int]:
     return frozenset(i.layer for i in schedule.streams[worker] if isinstance(i, WeightGradAttn | WeightGradExperts))
 
 
-build_rank: RankBuilder[Layout] = RankBuilder(Disaggregated)
+build_rank: RankBuilder[Layout, DisagMoEConfig] = RankBuilder(Disaggregated)
 preflight = build_rank.preflight

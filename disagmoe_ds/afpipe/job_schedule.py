@@ -3,17 +3,16 @@ the start banner's lines about the pipeline."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.schedule import Costs, PipeShape, Schedule, generate, unit_costs
 
 
-def job_schedule(config: dict[str, Any], layout: Layout, cfg: DisagMoEConfig, costs: Costs | None) -> Schedule:
+def job_schedule(config: JsonObject, layout: Layout, cfg: DisagMoEConfig, costs: Costs | None) -> Schedule:
     """The job's AF-Pipe schedule, the same on every rank: the start banner's bubble and every rank's streams.
     ``costs``: its task costs, computed before the ranks start (``planner.runtime_costs.job_costs``), so every rank
     generates it from the same data; without them every task costs one unit (split as ``cfg``'s backward is)."""
@@ -23,7 +22,7 @@ def job_schedule(config: dict[str, Any], layout: Layout, cfg: DisagMoEConfig, co
     return generate(shape, cfg.micro_batches, costs=costs, max_in_flight=cfg.max_in_flight)
 
 
-def schedule_lines(config: dict[str, Any], layout: Layout, cfg: DisagMoEConfig, costs: Costs | None) -> list[str]:
+def schedule_lines(config: JsonObject, layout: Layout, cfg: DisagMoEConfig, costs: Costs | None) -> list[str]:
     """The start banner's lines: the layout, the A:F split, and the pipeline with its predicted bubble."""
     schedule = job_schedule(config, layout, cfg, costs)
     bubble = sum(schedule.bubble_fraction.values()) / len(schedule.bubble_fraction)

@@ -144,5 +144,5 @@ class Colocated:
         )
 
 
-build_colocated_rank: RankBuilder[ColocatedLayout] = RankBuilder(Colocated)
+build_colocated_rank: RankBuilder[ColocatedLayout, ColocatedConfig] = RankBuilder(Colocated)
 preflight_colocated = build_colocated_rank.preflight

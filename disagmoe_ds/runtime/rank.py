@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -33,10 +33,12 @@ from disagmoe_ds.capabilities.rules import check
 from disagmoe_ds.config.levers import job_of
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.groups import ProcessGroups
+from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.layout import JobLayout, RankRole
 from disagmoe_ds.models.adapters import add_adapters
 from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.models.model_facts import RoutingFacts, routing_facts
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
@@ -46,6 +48,32 @@ from disagmoe_ds.runtime.step import Executor
 from disagmoe_ds.schedule import Costs
 
 LayoutT = TypeVar("LayoutT", bound=JobLayout)  # one mode's layout
+
+
+class ModeConfig(Protocol):
+    """What the builder reads of a mode's config (``DisagMoEConfig``, ``ColocatedConfig``) itself: the sections both
+    modes share (``config.sections``' ``Accumulation``, ``Watchdog``, ``Kernels``, ``FineTuning``) and its ZeRO
+    stage per side."""
+
+    @property
+    def micro_batches(self) -> int: ...
+
+    def zero_stage_of(self, side: str, ds_config: JsonObject) -> int: ...
+
+    @property
+    def comm_timeout_s(self) -> float: ...
+
+    @property
+    def compile(self) -> bool: ...
+
+    @property
+    def cuda_graphs(self) -> bool: ...
+
+    @property
+    def lora(self) -> LoraSettings | None: ...
+
+
+ConfigT = TypeVar("ConfigT", bound=ModeConfig)  # one mode's config
 
 
 @dataclass
@@ -82,15 +110,15 @@ class RankParts(Generic[LayoutT]):
 class RankMode(Protocol[LayoutT]):
     """One mode's own steps of ``RankBuilder`` (made from the mode's config)."""
 
-    def layout(self, config) -> LayoutT:
+    def layout(self, config: PretrainedConfig) -> LayoutT:
         """The validated layout from the HF config alone (the preflight and the build derive it the same way)."""
         ...
 
-    def check(self, layout: LayoutT, config, ds_config: dict[str, Any], *, seq_len: int | None) -> None:
+    def check(self, layout: LayoutT, config: PretrainedConfig, ds_config: JsonObject, *, seq_len: int | None) -> None:
         """Refuse a layout the model, the ZeRO stage or the sequence length (when known) cannot run, with the fix."""
         ...
 
-    def describe(self, layout: LayoutT, config, schedule_costs: Costs | None) -> list[str]:
+    def describe(self, layout: LayoutT, config: PretrainedConfig, schedule_costs: Costs | None) -> list[str]:
         """The start banner's lines about ``layout`` and the mode's pipeline (``schedule_costs``: the job plan's)."""
         ...
 
@@ -127,7 +155,7 @@ class RankMode(Protocol[LayoutT]):
         ``weights``, or initialised from ``seed``)."""
         ...
 
-    def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: RankRole, ds_config: JsonObject) -> int:
         """The ZeRO stage of the rank's engine (its side's, in the disaggregated mode)."""
         ...
 
@@ -144,18 +172,18 @@ class RankMode(Protocol[LayoutT]):
         ...
 
 
-class RankBuilder(Generic[LayoutT]):
+class RankBuilder(Generic[LayoutT, ConfigT]):
     """One mode, as everything outside it uses it: ``preflight`` before any rank starts, ``describe`` for the start
     banner, then on every rank the build (call it) and ``warm_up``."""
 
-    def __init__(self, mode: Callable[[Any], RankMode[LayoutT]]):
+    def __init__(self, mode: Callable[[ConfigT], RankMode[LayoutT]]):
         self.mode = mode
 
     def __call__(
         self,
         model_dir: str | Path,
-        ds_config: dict[str, Any],
-        cfg: Any,
+        ds_config: JsonObject,
+        cfg: ConfigT,
         *,
         micro_batch_size: int,
         dtype: torch.dtype = torch.float32,
@@ -244,8 +272,8 @@ class RankBuilder(Generic[LayoutT]):
     def preflight(
         self,
         model: str | Path | PretrainedConfig,
-        cfg: Any,
-        ds_config: dict[str, Any],
+        cfg: ConfigT,
+        ds_config: JsonObject,
         world_size: int,
         *,
         seq_len: int | None = None,
@@ -265,10 +293,12 @@ class RankBuilder(Generic[LayoutT]):
         mode.check(layout, config, ds_config, seq_len=seq_len)
         return layout
 
-    def describe(self, cfg: Any, layout: LayoutT, config: PretrainedConfig, schedule_costs: Costs | None) -> list[str]:
+    def describe(
+        self, cfg: ConfigT, layout: LayoutT, config: PretrainedConfig, schedule_costs: Costs | None
+    ) -> list[str]:
         """The start banner's lines about ``layout`` (this mode's ``preflight``) and the pipeline."""
         return self.mode(cfg).describe(layout, config, schedule_costs)
 
-    def warm_up(self, runtime: RankRuntime, cfg: Any, seq_len: int, *, evaluates: bool = False) -> None:
+    def warm_up(self, runtime: RankRuntime, cfg: ConfigT, seq_len: int, *, evaluates: bool = False) -> None:
         """Before the first step (every rank): what the mode must not do inside one (``RankMode.warm_up``)."""
         self.mode(cfg).warm_up(runtime.executor, seq_len, evaluates=evaluates)

@@ -20,6 +20,7 @@ from disagmoe_ds.capabilities.rules import Job, check
 from disagmoe_ds.models.attention_part import AttentionPart
 from disagmoe_ds.models.families import expert_bias_of, family_of
 from disagmoe_ds.runtime.rank import RankRuntime
+from disagmoe_ds.runtime.step import StepResult
 
 DEEPSEEK_V3_RATE = 1e-3  # gamma of DeepSeek-V3 for most of its training
 
@@ -33,12 +34,12 @@ def bias_update_rate(requested: float | None, config) -> float:
     return requested
 
 
-def expert_load(runtime: RankRuntime) -> torch.Tensor:
-    """[L, E] tokens routed to each expert in the last step, summed over every lane. Collective (all ranks)."""
+def expert_load(runtime: RankRuntime, result: StepResult) -> torch.Tensor:
+    """[L, E] tokens routed to each expert in the step of ``result``, summed over every lane. Collective (all
+    ranks)."""
     layout = runtime.layout
-    if runtime.role.is_attention:
-        counts_LE = runtime.executor.runner.step_expert_counts()
-    else:  # the FFN side routes nothing; it joins the sum with zeros
+    counts_LE = result.expert_counts_LE
+    if counts_LE is None:  # the FFN side routes nothing; it joins the sum with zeros
         counts_LE = torch.zeros(layout.num_layers, layout.num_experts, dtype=torch.int64, device=runtime.engine.device)
     dist.all_reduce(counts_LE)
     return counts_LE.cpu()  # host-device sync: the counts feed the bias update and the log

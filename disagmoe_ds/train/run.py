@@ -215,7 +215,7 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
         seed_step(args.seed, step, rank)
         batches = to_device(next(loader), device) if loader is not None else None  # prefetched by a thread
         result = run_step(runtime, batches, timeline=args.timeline if step == timeline_step else None)
-        load_LE = expert_load(runtime)  # collective: the whole batch's tokens per expert, every layer
+        load_LE = expert_load(runtime, result)  # collective: the whole batch's tokens per expert, every layer
         update_expert_bias(runtime, load_LE, rate)  # DeepSeek-V3 auxiliary-loss-free balancing (0: off)
         step += 1
         first_loss, last = result.loss if first_loss is None else first_loss, result
