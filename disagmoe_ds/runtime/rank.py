@@ -70,6 +70,9 @@ class ModeConfig(Protocol):
     def cuda_graphs(self) -> bool: ...
 
     @property
+    def fp8(self) -> bool: ...
+
+    @property
     def lora(self) -> LoraSettings | None: ...
 
 
