@@ -253,23 +253,13 @@ def test_offload_equals_hf(tiny_checkpoint, monkeypatch, family, M, N, p, shares
 
 
 def test_colocated_mode_warns_that_it_ignores_the_memory_levers():
-    import argparse
     import warnings
+    from pathlib import Path
 
-    from disagmoe_ds.train.flags import LAYOUT_FLAGS
+    from disagmoe_ds.train.flags import read_command_line
     from disagmoe_ds.train.settings import mode_config
 
-    ns = argparse.Namespace(
-        mode="colocated",
-        micro_batches=None,
-        world_size=None,
-        ep_size=None,
-        lora_rank=None,
-        lora_alpha=None,
-        lora_targets=None,
-        lora_train_router=False,
-    )
-    vars(ns).update(dict.fromkeys(LAYOUT_FLAGS))
+    ns = read_command_line(["--mode", "colocated"], root=Path("."), description="")
     with pytest.warns(UserWarning, match='"disagmoe.offload" is ignored in co-located mode'):
         mode_config(ns, "colocated", {"disagmoe": {"offload": {"attention": 0.5}}}, None)
     levers = {"selective_recompute": True, "resend": True, "split_backward": True}
