@@ -277,7 +277,7 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
     dtype = DTYPES[a.dtype]
     model = make_model(a, device)
     # The schedule's task costs, as a training job's plan computes them before its ranks start.
-    layout = build_rank.layout_for(model.config, cfg, ds, dist.get_world_size())
+    layout = build_rank.preflight(model.config, cfg, ds, dist.get_world_size())
     costs = job_costs(model.config.to_dict(), layout, cfg, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size)
     runtime = build_rank(
         a.model,

@@ -258,7 +258,7 @@ def queued_ahead_seconds(step, *args, iters: int, sleep_cycles: int = 2_000_000_
     and timed from its end, so the GPU never waits for a launch; None if the host did not finish queueing before
     the sleep ended (a step that syncs with the device, or a sleep too short). The timed step's time less this is
     the time the GPU sat idle waiting for the host (``idle``), measured without a profiler (which slows replayed
-    CUDA graphs, section 14 of docs/performance.md)."""
+    CUDA graphs, section 14 of docs/performance-log.md)."""
     torch.cuda.synchronize()
     slept, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(sleep_cycles)

@@ -1,7 +1,7 @@
 """The experts' SwiGLU middle alone: Triton's kernels (``models/triton_swiglu.py``) against inductor's.
 
-    PYTHONPATH=$PWD python bench/bench_swiglu.py                 # the three widths of docs/performance.md section 10
-    PYTHONPATH=$PWD python bench/bench_swiglu.py --sweep         # and every candidate tile, best three per kernel
+    PYTHONPATH=$PWD python bench/bench_swiglu.py        # the three widths of docs/performance-log.md section 10
+    PYTHONPATH=$PWD python bench/bench_swiglu.py --sweep # and every candidate tile, best three per kernel
 
 Each size is PAIRSxI: (row, expert) pairs and the expert intermediate width; the defaults are Qwen3-30B-A3B
 (65,536 x 768), Mixtral-8x7B (16,384 x 14,336) and DeepSeek-V3 (65,536 x 2,048) at 8,192 tokens. Times forward

@@ -8,10 +8,11 @@ from typing import Any
 
 from disagmoe_ds.errors import ConfigError, DisagMoEError
 
+# A JSON object as ``json.loads`` makes it (a ds_config, say): its values are whatever JSON holds, read by key.
+JsonObject = dict[str, Any]
 
-def read_json_object(
-    path: str | Path, *, what: str, fix: str, error: type[DisagMoEError] = ConfigError
-) -> dict[str, Any]:
+
+def read_json_object(path: str | Path, *, what: str, fix: str, error: type[DisagMoEError] = ConfigError) -> JsonObject:
     """The JSON object in ``path``.
 
     Raises ``error`` when the file is missing, is not valid JSON or holds something other than an object; the

@@ -9,28 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from disagmoe_ds.capabilities.facts import FACTS
 from disagmoe_ds.models import expert_shard
 from disagmoe_ds.models.loading import fill_token_tables
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_FAMILIES = (
-    "qwen2-moe",
-    "qwen3-moe",
-    "mixtral",
-    "deepseek-v2",
-    "deepseek-v3",
-    "deepseek-v32",
-    "gpt-oss",
-    "olmoe",
-    "glm4-moe",
-    "qwen3-next",
-    "qwen3.5-moe",
-    "ernie4.5-moe",
-    "hunyuan-v1-moe",
-    "dots1",
-    "minimax-m2",
-    "deepseek-v4",
-)
+TINY_FAMILIES = tuple(facts.tiny for facts in FACTS.values())  # hf_models/tiny-<family>, one per family
 
 
 # The families added with issue 29 run their multi-rank checks (runtime parity, HF round trip, fine-tune resume) in

@@ -28,7 +28,7 @@ from disagmoe_ds.comm.exchange import ffn_lanes
 from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.schedule import ComputeInstruction, PipeShape, PostRecv, Send, WaitRecv, Worker, generate
+from disagmoe_ds.schedule import ComputeInstruction, PipeShape, PostRecv, Send, WaitRecv, Worker, generate, size_sources
 
 H, K, E = 4, 2, 6
 CPU = torch.device("cpu")
@@ -92,8 +92,11 @@ class FakeRank:
             return ExpertOut(x * 2).split(counts)
         return TokenGrads(x * 5, torch.ones(x.shape[0], K) * 5).split(counts)  # m2n_grad
 
-    def check(self, kind: str, layer: int, mb: int, got) -> None:
+    def check(self, kind: str, layer: int, mb: int, received) -> None:
         lane, e = self.role.index, self.role.ep_rank
+        messages = received.messages  # the A side: one per peer; the F side: every lane's in one, with their rows
+        got = (messages[0], received.lanes) if received.lanes is not None else messages
+        got = got[0] if kind in ("resid", "resid_grad") else got
         if kind == "m2n":
             routed, lane_rows = got
             want = torch.cat([tokens(layer, mb, j, e) for j in self.lanes])
@@ -124,8 +127,13 @@ def _body(rank: int, shape: tuple[int, int, int, int], micro_batches: int, moe: 
     comms = build_exchange_comms(layout, transport, device=CPU, headerless=static)
     assert comms.headerless == static == (not comms.headers)  # one ep rank: none
     capacity = Capacity.initial(tokens=T, top_k=K, ep_size=1, experts_per_rank=E, factor=1.0) if static else None
+    role, fake = layout.role_of(rank), FakeRank(layout, rank, moe)
+    schedule = generate(PipeShape(p, len(moe), moe), micro_batches)
+    worker = Worker("A" if role.is_attention else "F", role.group)
     mailbox = Mailbox(
         comms,
+        worker=worker,
+        size_sources=size_sources(schedule.graph),
         hidden=H,
         top_k=K,
         dtype=torch.float32,
@@ -134,10 +142,8 @@ def _body(rank: int, shape: tuple[int, int, int, int], micro_batches: int, moe: 
         moe_layers=moe,
         capacity=capacity,
     )
-    role, fake = layout.role_of(rank), FakeRank(layout, rank, moe)
-    schedule = generate(PipeShape(p, len(moe), moe), micro_batches)
     for _ in range(2):  # a second step reuses every communicator and starts clean
-        for ins in schedule.streams[Worker("A" if role.is_attention else "F", role.group)]:
+        for ins in schedule.streams[worker]:
             if isinstance(ins, PostRecv):
                 mailbox.post(ins.message)
             elif isinstance(ins, WaitRecv):
@@ -173,9 +179,10 @@ CASES = [  # (M, N, p, edp), micro-batches, MoE pattern, m2n without headers (on
 def test_every_message_arrives_exactly_under_rendezvous(shape, micro_batches, moe, static) -> None:
     checked = run_ranks(_body, shape[0] + shape[1], args=(shape, micro_batches, moe, static), timeout_s=120)
     p, moe_layers = shape[2], sum(moe)
-    # per micro-batch and step: A lanes receive n2m + m2n_grad per MoE layer (+ resid, resid_grad per layer if p > 1)
+    # per micro-batch and step: A lanes receive n2m + m2n_grad per MoE layer, resid + resid_grad per layer (p = 1:
+    # hand-offs, through the mailbox as every transfer)
     lanes = shape[0] // p
-    per_lane = 2 * moe_layers + (2 * len(moe) if p > 1 else 0)
+    per_lane = 2 * moe_layers + 2 * len(moe)
     assert sum(checked[: shape[0]]) == 2 * micro_batches * lanes * per_lane
     # each F rank of group g: m2n and n2m_grad per micro-batch and step for each of g's MoE layers
     ffn_per_group = shape[1] // p

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from disagmoe_ds.capabilities.uncut import refusal
 from disagmoe_ds.models.families import ALIASES, FAMILIES, is_moe_layer
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import build_meta_model
 from disagmoe_ds.models.moe_pattern import MODEL_TYPES, VISION_LANGUAGE, moe_layer_pattern
-from disagmoe_ds.models.uncut import refusal
 from disagmoe_ds.planner.hf_config import SUPPORTED_TYPES
 from disagmoe_ds.planner.model import load_model_spec
 

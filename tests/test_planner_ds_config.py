@@ -16,8 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from disagmoe_ds.afpipe.build import check_zero_stages
+from disagmoe_ds.capabilities.rules import check
 from disagmoe_ds.config import SECTION, DisagMoEConfig
+from disagmoe_ds.config.levers import job_of
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cli import main
@@ -40,7 +41,7 @@ def _written(work: Workload, depth: int) -> dict:
 def _runtime_accepts(ds: dict) -> bool:
     try:
         cfg = DisagMoEConfig.from_ds_config(ds)
-        check_zero_stages(cfg, ds)
+        check(job_of(None, cfg, ds))  # what the preflight checks of the levers (runtime.rank)
     except ConfigError:
         return False
     return True

@@ -429,7 +429,7 @@ def test_full_fine_tuning_task_costs_are_unchanged() -> None:
 
 def _qwen3_30b_colocated_step_s(rank: int = 0, targets: tuple[str, ...] = ("attention", "experts")) -> float:
     """The planner's step on one H200, co-located EP 1, 4 layers of Qwen3-30B-A3B, 8 x 4,096 tokens, ZeRO-1 bf16
-    grads, no recompute: docs/performance.md section 19's runs."""
+    grads, no recompute: docs/performance-log.md section 19's runs."""
     from disagmoe_ds.planner import ModelSpec, preset
     from disagmoe_ds.planner.colocated import Shape, colocated_candidates, simulate_colocated
 

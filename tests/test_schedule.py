@@ -14,16 +14,18 @@ from pathlib import Path
 import pytest
 
 from disagmoe_ds.schedule import (
+    SELF_SIZED,
     ComputeInstruction,
     Costs,
     ForwardAttn,
-    Message,
+    Kind,
     PipeShape,
     PostRecv,
     Schedule,
     ScheduleError,
     Send,
     Task,
+    Transfer,
     WaitRecv,
     Worker,
     build_graph,
@@ -31,11 +33,11 @@ from disagmoe_ds.schedule import (
     default_max_in_flight,
     generate,
     render,
+    size_sources,
     to_chrome_trace,
     write_chrome_trace,
 )
 from disagmoe_ds.schedule.generator import _Simulation
-from disagmoe_ds.schedule.instructions import KIND_OF_COMPUTE
 
 REPO = Path(__file__).resolve().parents[1]
 A0, A1, F0 = Worker("A", 0), Worker("A", 1), Worker("F", 0)
@@ -108,7 +110,7 @@ def test_waits_follow_send_order_even_where_tasks_do_not() -> None:
                 order[type(ins)].setdefault(ins.message.channel, []).append(ins.message)
             if isinstance(ins, WaitRecv):
                 c = next(c for c in stream[i:] if isinstance(c, ComputeInstruction))
-                early_waits += Task(KIND_OF_COMPUTE[type(c)], c.layer, c.micro_batch) != ins.message.dst
+                early_waits += c.task != ins.message.dst
     assert order[PostRecv] == order[Send] == order[WaitRecv]
     assert early_waits > 0
 
@@ -122,6 +124,12 @@ def test_graph_counts_single_group() -> None:
     graph = build_graph(PipeShape(1, 1, (True,)), 1)
     assert {str(w): len(ts) for w, ts in graph.tasks.items()} == {"A0": 4, "F0": 2}
     assert sorted(m.kind for m in graph.messages) == ["m2n", "m2n_grad", "n2m", "n2m_grad"]
+    # ... which are hand-offs: transfers within A0, in the streams as every transfer is, with no link time.
+    assert sorted(t.kind for t in graph.hand_offs) == ["resid", "resid_grad"]
+    assert all(t.src_worker == t.dst_worker == A0 for t in graph.hand_offs)
+    schedule = generate(PipeShape(1, 1, (True,)), 1)
+    sent = [ins.message for ins in schedule.streams[A0] if isinstance(ins, Send)]
+    assert set(graph.hand_offs) <= set(sent) and not set(graph.hand_offs) & set(schedule.transfers)
 
 
 def test_graph_counts_dense_first_layer() -> None:
@@ -135,6 +143,50 @@ def test_graph_counts_dense_first_layer() -> None:
     # F0->A1 (l=3); each mirrored by its grad channel: 12 channels.
     assert len({m.channel for m in graph.messages}) == 12
     assert set(graph.deps[Task("A_fwd", 2, 0)]) == {Task("A_fwd", 1, 0), Task("F_fwd", 1, 0)}
+
+
+# ----- where each receive's sizes come from -----
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_every_receive_is_sized_by_a_transfer_its_receiver_has_seen(shape: PipeShape) -> None:
+    """``size_sources``: every message not sized by itself (a header or a capacity) names its source, which its
+    receiver sent, or posted the receive of, before it waits for the message: so the mailbox knows the sizes by then
+    (a source received needs its header read; a source sent, the send made)."""
+    schedule = generate(shape, 3)
+    table = size_sources(schedule.graph)
+    assert set(table) == {m for m in schedule.graph.messages if m.kind not in SELF_SIZED}
+    for receive, source in table.items():
+        stream = schedule.streams[receive.dst_worker]
+        wait = stream.index(WaitRecv(receive))
+        seen = Send(source) if source.src_worker == receive.dst_worker else PostRecv(source)
+        assert seen in stream[:wait], (receive, source)
+        assert source.src.micro_batch == receive.src.micro_batch
+
+
+def test_the_size_convention_by_hand() -> None:
+    """A gradient is sized by the forward transfer it answers; the expert outputs into A_fwd(l + 1) by the residual
+    into the same task (at p = 1 a hand-off). The mailbox's rules (``afpipe.mailbox._SIZES_FROM``) read exactly
+    these pairs: changing one here must change them there."""
+    graph = build_graph(PipeShape(2, 2, (True, True)), 1)
+    table = size_sources(graph)
+    pairs = {(r.kind, s.kind) for r, s in table.items()}
+    assert pairs == {
+        (Kind.M2N_GRAD, Kind.M2N),
+        (Kind.N2M_GRAD, Kind.N2M),
+        (Kind.RESID_GRAD, Kind.RESID),
+        (Kind.N2M, Kind.RESID),
+    }
+    a_fwd, a_bwd, f_fwd, f_bwd = (Task(kind, 0, 0) for kind in ("A_fwd", "A_bwd", "F_fwd", "F_bwd"))
+    A_1, F_0 = Worker("A", 1), Worker("F", 0)
+    m2n = Transfer(Kind.M2N, a_fwd, f_fwd, A0, F_0)
+    assert table[Transfer(Kind.M2N_GRAD, f_bwd, a_bwd, F_0, A0)] == m2n
+    n2m = Transfer(Kind.N2M, f_fwd, Task("A_fwd", 1, 0), F_0, A_1)
+    assert table[n2m] == Transfer(Kind.RESID, a_fwd, Task("A_fwd", 1, 0), A0, A_1)
+    assert table[Transfer(Kind.N2M_GRAD, Task("A_bwd", 1, 0), f_bwd, A_1, F_0)] == n2m
+    single = size_sources(build_graph(PipeShape(1, 1, (True,)), 1))  # p = 1: n2m sized by the hand-off
+    (n2m_1,) = [r for r in single if r.kind == Kind.N2M]
+    assert single[n2m_1].is_hand_off and single[n2m_1].kind == Kind.RESID
 
 
 # ----- golden orders -----
@@ -215,8 +267,8 @@ def test_checker_catches_swapped_posts() -> None:
 
 
 def test_checker_catches_waits_out_of_send_order() -> None:
-    x = Message("resid", Task("A_fwd", 1, 0), Task("A_fwd", 2, 0), A1, A0)
-    y = Message("resid", Task("A_fwd", 1, 1), Task("A_fwd", 2, 1), A1, A0)
+    x = Transfer(Kind.RESID, Task("A_fwd", 1, 0), Task("A_fwd", 2, 0), A1, A0)
+    y = Transfer(Kind.RESID, Task("A_fwd", 1, 1), Task("A_fwd", 2, 1), A1, A0)
     streams = {A1: [Send(x), Send(y)], A0: [PostRecv(x), PostRecv(y), WaitRecv(y), WaitRecv(x)]}
     with pytest.raises(ScheduleError, match=r"A0: receive #0 on channel resid:A1->A0 is waited for resid 1\.1"):
         check_streams(streams)
@@ -240,8 +292,8 @@ def test_checker_catches_wait_before_post() -> None:
 
 def test_checker_catches_cross_wait_cycle() -> None:
     # A0 waits for x from A1 before sending y; A1 waits for y before sending x.
-    x = Message("resid", Task("A_fwd", 1, 0), Task("A_fwd", 2, 0), A1, A0)
-    y = Message("resid", Task("A_fwd", 2, 0), Task("A_fwd", 3, 0), A0, A1)
+    x = Transfer(Kind.RESID, Task("A_fwd", 1, 0), Task("A_fwd", 2, 0), A1, A0)
+    y = Transfer(Kind.RESID, Task("A_fwd", 2, 0), Task("A_fwd", 3, 0), A0, A1)
     streams = {A0: [PostRecv(x), WaitRecv(x), Send(y)], A1: [PostRecv(y), WaitRecv(y), Send(x)]}
     with pytest.raises(ScheduleError, match=r"deadlock: A0 waits at \[1\] WaitRecv\(resid 1\.0 A1->A0\); A1 waits"):
         check_streams(streams)

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from disagmoe_ds.afpipe.build import build_rank, job_schedule
+from disagmoe_ds.afpipe.build import build_rank
+from disagmoe_ds.afpipe.job_schedule import job_schedule
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.models.loading import build_meta_model, load_config
 from disagmoe_ds.models.lora_settings import GROUPS, LoraSettings
@@ -109,7 +110,7 @@ CASES = [  # family, cfg, seq_len, micro-batch size
 def test_costs_as_data_give_the_schedule_each_rank_computed(family: str, cfg: DisagMoEConfig, seq_len, mbs) -> None:
     model_dir = MODELS / f"tiny-{family}"
     planned = load_config(model_dir)  # the job plan's config
-    layout = build_rank.layout_for(planned, cfg, {"zero_optimization": {"stage": 1}}, cfg.world_size)
+    layout = build_rank.preflight(planned, cfg, {"zero_optimization": {"stage": 1}}, cfg.world_size)
     costs = job_costs(planned.to_dict(), layout, cfg, seq_len=seq_len, micro_batch_size=mbs)
     rank_config = build_meta_model(model_dir).config.to_dict()  # what a rank's stage holds
     before = _costs_in_the_rank(rank_config, layout, cfg, seq_len=seq_len, mbs=mbs)

@@ -1,8 +1,8 @@
-"""Families known but not cut yet (Gemma 4's text MoE; ``models.uncut``): HF builds and trains their tiny configs,
+"""Families known but not cut yet (Gemma 4's text MoE; ``capabilities.uncut``): HF builds and trains their tiny configs,
 every layer type included, and DisagMoE-DS refuses them before launch in one line naming the layers and the
 reasons, alike in the runtime's preflight, the planner, the benches' one-layer models and the CLIs. DeepSeek-V4 is
 cut (hyper-connection streams, hash routing by token id); what its cut cannot run with yet (sequence parallelism,
-CUDA graphs) is refused before launch in one line naming the reason (``uncut.NOT_WITH``)."""
+CUDA graphs) is refused before launch in one line naming the reason (``capabilities.facts``, its ``not_with``)."""
 
 from __future__ import annotations
 

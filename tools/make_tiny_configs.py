@@ -151,7 +151,7 @@ FAMILIES = {
         num_experts_per_tok=2,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
     ),
-    # Refused before launch (models.uncut), kept so the refusal is tested on what HF builds. DeepSeek-V4: every
+    # Refused before launch (capabilities.uncut), kept so the refusal is tested on what HF builds. DeepSeek-V4: every
     # attention layer type (sliding, compressed sparse, heavily compressed; compression 2 and 4 so 12 tokens compress),
     # hash-routed and learned MoE layers, 4 hyper-connection streams as in the real model.
     "tiny-deepseek-v4": tf.DeepseekV4Config(
@@ -180,8 +180,8 @@ FAMILIES = {
         index_head_dim=16,
         index_topk=2,
     ),
-    # Gemma 4's text MoE (gemma4_text, Gemma4ForCausalLM; refused, models.uncut): sliding and full attention layers
-    # (the full ones with their own head size, keys as values), every layer a dense MLP beside 8 experts, top-2;
+    # Gemma 4's text MoE (gemma4_text, Gemma4ForCausalLM; refused, capabilities.uncut): sliding and full attention
+    # layers (the full ones with their own head size, keys as values), every layer a dense MLP beside 8 experts, top-2;
     # no per-layer embeddings or shared keys and values (tests/test_uncut.py adds them to see them refused too).
     "tiny-gemma4": tf.Gemma4TextConfig(
         **COMMON,

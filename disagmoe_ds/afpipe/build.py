@@ -15,26 +15,28 @@ The steps and their order are ``runtime.rank.RankBuilder``'s, shared with the co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PretrainedConfig
 
 from disagmoe_ds.afpipe.attention_runner import AttentionRunner
 from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
 from disagmoe_ds.afpipe.executor import AFPipeExecutor
 from disagmoe_ds.afpipe.expert_runner import ExpertRunner
-from disagmoe_ds.afpipe.instructions import AFPipeSchedule
+from disagmoe_ds.afpipe.job_schedule import job_schedule, schedule_lines
 from disagmoe_ds.afpipe.mailbox import Mailbox
 from disagmoe_ds.afpipe.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.comm.exchange import ExchangeComms, ffn_lanes
 from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.comm.transport import make_transport
-from disagmoe_ds.config import SECTION, DisagMoEConfig
-from disagmoe_ds.errors import ConfigError, LayoutError
+from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
+from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages
@@ -56,22 +58,21 @@ from disagmoe_ds.models.tensor_parallel import (
 )
 from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm
 from disagmoe_ds.runtime.rank import RankBuilder, RankParts
+from disagmoe_ds.runtime.step import Executor
 from disagmoe_ds.schedule import (
     BackwardAttn,
     BackwardExperts,
     Costs,
-    PipeShape,
     Schedule,
     WeightGradAttn,
     WeightGradExperts,
     Worker,
     check_streams,
-    generate,
     layer_in_flight,
-    unit_costs,
+    size_sources,
 )
 
-__all__ = ["Disaggregated", "build_rank", "job_schedule", "preflight"]
+__all__ = ["Disaggregated", "build_rank", "preflight"]
 
 
 class Disaggregated:
@@ -80,14 +81,12 @@ class Disaggregated:
     def __init__(self, cfg: DisagMoEConfig):
         self.cfg = cfg
 
-    def layout(self, config) -> Layout:
+    def layout(self, config: PretrainedConfig) -> Layout:
         return self.cfg.layout(num_layers=config.num_hidden_layers, num_experts=num_experts_of(config))
 
-    def check(self, layout: Layout, config, ds_config: dict[str, Any]) -> None:
-        check_zero_stages(self.cfg, ds_config)  # with expert replicas too (ExpertShard)
-        check_lane(config, layout.sequence_parallel, layout.tensor_parallel)
-        if layout.tensor_parallel > 1:
-            self._check_tensor_parallel_levers(ds_config)
+    def check(self, layout: Layout, config: PretrainedConfig, ds_config: JsonObject, *, seq_len: int | None) -> None:
+        del ds_config  # the levers it turns on: the preflight's capabilities table (runtime.rank)
+        check_lane(config, layout.sequence_parallel, layout.tensor_parallel, seq_len)
         if self.cfg.lora is not None:
             check_lora(config, self.cfg.lora, needs=("attention", "expert"))
         moe = moe_layer_pattern(config.to_dict())
@@ -98,20 +97,12 @@ class Disaggregated:
                     "choose a depth whose groups all contain an MoE layer"
                 )
 
-    def _check_tensor_parallel_levers(self, ds_config: dict[str, Any]) -> None:
-        """What tensor parallelism does not work beside yet (one line naming it)."""
-        stage, zero = self.cfg.zero_stage_of("attention", ds_config), ds_config.get("zero_optimization", {})
-        refused = {
-            "ZeRO stage 3 on the attention side": stage == 3,
-            "lora": self.cfg.lora is not None,
-            "zero_optimization.offload_optimizer": bool(zero.get("offload_optimizer")),
-        }
-        chosen = [name for name, on in refused.items() if on]
-        if chosen:
-            raise ConfigError(
-                f'"{SECTION}.tensor_parallel" {self.cfg.tensor_parallel} does not work with {", ".join(chosen)} yet; '
-                "change that or use sequence_parallel for the attention side"
-            )
+    def describe(self, layout: Layout, config: PretrainedConfig, schedule_costs: Costs | None) -> list[str]:
+        return schedule_lines(config.to_dict(), layout, self.cfg, schedule_costs)
+
+    def warm_up(self, executor: Executor, seq_len: int, *, evaluates: bool) -> None:
+        if self.cfg.compile or self.cfg.cuda_graphs:  # kernels loaded, graphs captured before any exchange
+            executor.warm_up(seq_len, packed=True, evaluates=evaluates)  # packed data: positions may restart
 
     def groups(
         self, layout: Layout, rank: int, *, timeout: timedelta, device: torch.device, tokens_per_micro_batch: int | None
@@ -154,7 +145,7 @@ class Disaggregated:
             apply_selective_recompute(stage)
         return stage
 
-    def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: RankRole, ds_config: JsonObject) -> int:
         return self.cfg.zero_stage_of("attention" if role.is_attention else "ffn", ds_config)
 
     def grad_scale(self, layout: Layout, role: RankRole) -> float:
@@ -177,6 +168,8 @@ class Disaggregated:
         capacity = self._capacity(parts)
         mailbox = Mailbox(
             _exchange(parts),
+            worker=worker,
+            size_sources=size_sources(schedule.graph),
             hidden=stage.config.hidden_size,
             top_k=parts.routing.top_k,
             dtype=parts.dtype,
@@ -193,7 +186,7 @@ class Disaggregated:
             engine=parts.engine,
             runner=self._runner(parts, split_layers=split_layers(schedule, worker), graphs=graphs, capacity=capacity),
             mailbox=mailbox,
-            schedule=AFPipeSchedule(schedule, worker),
+            stream=schedule.streams[worker],
             grad_norm=parts.grad_norm,
             name=f"rank {parts.rank} {worker} {'lane' if role.is_attention else 'ffn'} {role.index}",
             comm_timeout_s=cfg.comm_timeout_s,
@@ -202,7 +195,7 @@ class Disaggregated:
         )
 
     @staticmethod
-    def _tensor_parallel_grads(parts: RankParts[Layout]):
+    def _tensor_parallel_grads(parts: RankParts[Layout]) -> Callable[[], None] | None:
         """With TP: the replicated gradients' sum over the TP group, once per step (ZeRO-2: in each backward, by the
         hooks it installs, and nothing before the step)."""
         lane = sequence_parallel_of(parts.groups) if parts.role.is_attention else None
@@ -345,48 +338,5 @@ def split_layers(schedule: Schedule, worker: Worker) -> frozenset[int]:
     return frozenset(i.layer for i in schedule.streams[worker] if isinstance(i, WeightGradAttn | WeightGradExperts))
 
 
-build_rank: RankBuilder[Layout] = RankBuilder(Disaggregated)
+build_rank: RankBuilder[Layout, DisagMoEConfig] = RankBuilder(Disaggregated)
 preflight = build_rank.preflight
-
-
-def check_zero_stages(cfg: DisagMoEConfig, ds_config: dict[str, Any]) -> None:
-    """Refuse a side's ZeRO stage its engines cannot run, and what does not work beside ZeRO-3 on the expert side.
-
-    ZeRO-3 gathers an expert shard's parameters in module hooks around each forward and backward: ``compile`` would
-    trace through those hooks, and activation offload would copy the gathered parameters that autograd saved to
-    host memory (neither is tested with it); DeepSpeed's own parameter and optimizer offload are not either.
-    """
-    ffn = cfg.zero_stages(ds_config)["ffn"]  # both sides' stages checked
-    zero = ds_config.get("zero_optimization", {})
-    if cfg.capacity_factor is not None and (ffn == 3 or zero.get("offload_optimizer")):
-        raise ConfigError(
-            f'"{SECTION}.capacity_factor" runs a step again when it outgrows the capacity, which drops the step\'s '
-            "gradients first; that is not done for ZeRO-3 on the expert side or for optimizer offload yet: remove "
-            '"capacity_factor" (messages then carry their sizes in headers) or use ZeRO 0-2 without offload'
-        )
-    if ffn != 3:
-        return
-    refused = {
-        "compile": cfg.compile,
-        "cuda_graphs": cfg.cuda_graphs,
-        'offload {"ffn": > 0}': cfg.offload_share("ffn") > 0,
-        "zero_optimization.offload_param": bool(zero.get("offload_param")),
-        "zero_optimization.offload_optimizer": bool(zero.get("offload_optimizer")),
-    }
-    chosen = [name for name, on in refused.items() if on]
-    if chosen:
-        raise ConfigError(
-            f"ZeRO-3 on the expert side does not work with {', '.join(chosen)} yet; turn "
-            f"{'it' if len(chosen) == 1 else 'them'} off or use ZeRO stage 2 there "
-            f'("{SECTION}": {{"zero_stage": {{"ffn": 2}}}})'
-        )
-
-
-def job_schedule(config: dict[str, Any], layout: Layout, cfg: DisagMoEConfig, costs: Costs | None) -> Schedule:
-    """The job's AF-Pipe schedule, the same on every rank: the start banner's bubble and every rank's streams.
-    ``costs``: its task costs, computed before the ranks start (``planner.runtime_costs.job_costs``), so every rank
-    generates it from the same data; without them every task costs one unit (split as ``cfg``'s backward is)."""
-    if costs is None:
-        costs = unit_costs(split_backward=cfg.split_backward, compiled=cfg.compile, ffn_zero3=cfg.experts_sharded)
-    shape = PipeShape(layout.depth, layout.num_layers, moe_layer_pattern(config))
-    return generate(shape, cfg.micro_batches, costs=costs, max_in_flight=cfg.max_in_flight)

@@ -4,21 +4,23 @@ the gradients of its inputs for the backward that starts upstream (``afpipe.atte
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-Outgoing = dict[str, Any]  # message kind -> payload, for the sends that follow a compute instruction
+R = TypeVar("R")
 
 
-def run(fn, *args):
+def run(fn: Callable[..., R], *args: object) -> R:
     return fn(*args)
 
 
-def checkpointed(fn, *args):
+def checkpointed(fn: Callable[..., R], *args: object) -> R:
     # Non-reentrant: works with the chunk-level backward (engine.backward of a pseudo-loss) and any outputs.
-    return checkpoint(fn, *args, use_reentrant=False)
+    out: R = checkpoint(fn, *args, use_reentrant=False)
+    return out
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:

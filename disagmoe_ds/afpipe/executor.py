@@ -1,41 +1,58 @@
 """Execute one rank's AF-Pipe instruction stream inside its role DeepSpeed engine.
 
-The executor decides nothing: it walks the DeepSpeed ``PipeSchedule`` of its worker and maps every instruction
-type to an ``_exec_*`` method (DeepSpeed's ``_INSTRUCTION_MAP`` pattern). Compute goes to the role runner,
-communication to the mailbox; the only state here is the messages between the two.
+The executor decides nothing: it walks its worker's stream of the schedule's own instructions
+(``schedule.instructions``) and dispatches every instruction type through one map to an ``_exec_*`` method
+(DeepSpeed's ``_INSTRUCTION_MAP`` pattern). Compute goes to the role runner (``afpipe.runner.Runner``), transfers
+to the mailbox; the only state here is the messages between the two: the ``Inbox`` of each task still to run,
+filled by ``WaitRecv``, and the ``Outbox`` of each task that ran, emptied by ``Send``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed import DeepSpeedEngine
 
-from disagmoe_ds.afpipe import instructions as ins
-from disagmoe_ds.afpipe.mailbox import Key, Mailbox
+from disagmoe_ds.afpipe.mailbox import Mailbox
 from disagmoe_ds.afpipe.offload import ActivationOffloader
+from disagmoe_ds.afpipe.runner import Batch, Inbox, Outbox, Runner
 from disagmoe_ds.comm.routing import Capacity, pads
 from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, discard_gradients, zero_grads_of_untouched
 from disagmoe_ds.runtime.step import EvalResult, StepResult, evaluating
-from disagmoe_ds.schedule import Task, TimelineEvent
-from disagmoe_ds.schedule.tasks import TaskKind
+from disagmoe_ds.schedule import (
+    BackwardAttn,
+    BackwardExperts,
+    ComputeInstruction,
+    ForwardAttn,
+    ForwardExperts,
+    Instruction,
+    OptimizerStep,
+    PostRecv,
+    ReduceGrads,
+    Send,
+    Task,
+    TimelineEvent,
+    WaitRecv,
+    WeightGradAttn,
+    WeightGradExperts,
+    forward_stream,
+)
 from disagmoe_ds.schedule.trace import Category
 
-_CATEGORY: dict[type, Category] = {
-    ins.PostRecv: "recv",
-    ins.WaitRecv: "wait",
-    ins.SendMessage: "send",
-    ds_schedule.ReduceGrads: "optimizer",
-    ds_schedule.OptimizerStep: "optimizer",
+_CATEGORY: Mapping[type[Instruction], Category] = {
+    PostRecv: "recv",
+    WaitRecv: "wait",
+    Send: "send",
+    ReduceGrads: "optimizer",
+    OptimizerStep: "optimizer",
 }
 
 
@@ -51,15 +68,20 @@ class _Outgrown(Exception):
 
 
 class AFPipeExecutor:
-    """Runs ``train_batch`` for one rank: attention or FFN side, any layout, any number of micro-batches."""
+    """Runs ``train_batch`` for one rank: attention or FFN side, any layout, any number of micro-batches.
+
+    Args:
+        stream: the rank's worker's instruction stream (``Schedule.streams[worker]``); an evaluation runs its
+            forwards alone (``schedule.forward_stream``).
+    """
 
     def __init__(
         self,
         *,
-        engine,
-        runner,
+        engine: DeepSpeedEngine,
+        runner: Runner,
         mailbox: Mailbox,
-        schedule: ins.AFPipeSchedule,
+        stream: Sequence[Instruction],
         grad_norm: GradNorm,
         name: str,
         comm_timeout_s: float | None = None,
@@ -71,14 +93,15 @@ class AFPipeExecutor:
         self.offloader = offloader  # saved activations of chosen chunks to host memory (``"offload"``)
         self.runner = runner
         self.mailbox = mailbox
-        self.schedule = schedule
+        self.stream, self.forwards = tuple(stream), forward_stream(tuple(stream))
         self.grad_norm = grad_norm
         self.name = name
         self.timeline: list[TimelineEvent] | None = None
         self.stall_watch = StallWatch.before_timeout(comm_timeout_s)  # this rank's stacks if an instruction stalls
         self.reruns = 0  # steps run again at a larger exchange capacity, in all
-        self._incoming: dict[Task, dict[str, Any]] = defaultdict(dict)  # by the task that reads them, then kind
-        self._outgoing: dict[Key, Any] = {}  # made by a compute, not sent yet
+        self._batches: Sequence[Batch] | None = None  # this step's micro-batches, where this lane reads them
+        self._inboxes: dict[Task, Inbox] = {}  # by the task that reads them
+        self._outboxes: dict[Task, Outbox] = {}  # by the task that made them, until their sends
         self._evaluating = False  # inside ``eval_batch``: forwards alone, nothing kept for a backward
 
     def warm_up(self, seq_len: int, *, packed: bool = False, evaluates: bool = False) -> None:
@@ -93,8 +116,8 @@ class AFPipeExecutor:
     def record_timeline(self, enabled: bool = True) -> None:
         self.timeline = [] if enabled else None
 
-    def train_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> StepResult:
-        """One optimizer step. ``batches`` (K micro-batches of input_ids/labels[/position_ids]) on A-group 0.
+    def train_batch(self, batches: list[Batch] | None = None) -> StepResult:
+        """One optimizer step. ``batches`` (the micro-batches of input_ids/labels[/position_ids]) on A-group 0.
 
         A step whose messages outgrew the exchange capacity is discarded and run again, from the same random state,
         at the capacity it needed (``routing.Capacity``): the step's result is the dropless one."""
@@ -103,21 +126,21 @@ class AFPipeExecutor:
         reruns = 0
         while True:
             try:
-                self._run_stream(batches, self.schedule.steps())
+                self._run_stream(batches, self.stream)
                 break
             except _Outgrown as outgrown:
                 discard_gradients(self.engine)
                 self._set_capacity(outgrown.capacity)
                 _set_random_state(self.engine.device, random_state)
                 reruns += 1
-        if self._outgoing or self._incoming:
-            raise RuntimeError(f"{self.name}: the stream left messages unsent {list(self._outgoing)}")
+        if self._outboxes or self._inboxes:
+            raise RuntimeError(f"{self.name}: the stream left messages unsent {list(self._outboxes)}")
         self.reruns += reruns
         return replace(self._result(time.perf_counter() - start), reruns=reruns)
 
-    def eval_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> EvalResult:
+    def eval_batch(self, batches: list[Batch] | None = None) -> EvalResult:
         """HF's LM loss of ``batches`` (as ``train_batch`` takes them), changing nothing a step reads: the step's
-        forwards alone (``AFPipeSchedule.forward_steps``), without autograd or activation offload, the module in eval
+        forwards alone (``schedule.forward_stream``), without autograd or activation offload, the module in eval
         mode, each chunk dropped after its forward. A batch whose messages outgrew the exchange capacity runs again at
         the one it needed, and the step's capacity is restored after."""
         capacity = self.mailbox.capacity
@@ -129,44 +152,41 @@ class AFPipeExecutor:
                 self._set_capacity(outgrown.capacity)
         if capacity is not None and self.mailbox.capacity != capacity:  # only a fixed capacity grows
             self._set_capacity(capacity)
-        stats = getattr(self.runner, "stats", None)
         sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
-        if stats is not None and stats.token_sums is not None:
-            sums += stats.token_sums
+        token_sums = self.runner.stats.token_sums
+        if token_sums is not None:
+            sums += token_sums
         dist.all_reduce(sums)  # only the head lanes contribute
         return EvalResult(sums[0].item(), int(sums[1].item()))
 
-    def _run_forwards(self, batches: list[dict[str, torch.Tensor]] | None) -> None:
+    def _run_forwards(self, batches: list[Batch] | None) -> None:
         self._evaluating = True
         try:
             with evaluating(self.engine.module):
-                self._run_stream(batches, self.schedule.forward_steps())
+                self._run_stream(batches, self.forwards)
             self.mailbox.flush(backward=False)
             self._check_capacity()
         finally:
             self._evaluating = False
 
-    def _run_stream(
-        self, batches: list[dict[str, torch.Tensor]] | None, steps: Iterator[list[ds_schedule.PipeInstruction]]
-    ) -> None:
-        self.runner.start_step(batches)
+    def _run_stream(self, batches: list[Batch] | None, stream: Iterable[Instruction]) -> None:
+        self._batches = self.runner.start_step(batches)
         try:
-            for step in steps:
-                for cmd in step:
-                    self.stall_watch.tick()
-                    self._execute(cmd)
+            for instruction in stream:
+                self.stall_watch.tick()
+                self._execute(instruction)
         finally:
             self.stall_watch.stop()
+            self._batches = None
 
     def _check_capacity(self) -> None:
         """All ranks together (after every send has left): raise ``_Outgrown`` if some message wanted more."""
-        if not pads(self.mailbox.capacity):
+        capacity = self.mailbox.capacity
+        if not pads(capacity):
             return
-        need = getattr(self.runner, "capacity_need", None)
-        need_2 = need() if need else torch.zeros(2, dtype=torch.int64, device=self.engine.device)
+        need_2 = self.runner.capacity_need()
         dist.all_reduce(need_2, op=dist.ReduceOp.MAX)
         rows, pairs = need_2.tolist()
-        capacity = self.mailbox.capacity
         if not capacity.holds(rows, pairs):
             grown = capacity.grown(rows, pairs)
             if dist.get_rank() == 0:
@@ -181,62 +201,71 @@ class AFPipeExecutor:
         self.mailbox.capacity = capacity
         self.runner.capacity = capacity
 
-    def _execute(self, cmd: ds_schedule.PipeInstruction) -> None:
-        handler = self._INSTRUCTION_MAP.get(type(cmd))
+    def _execute(self, instruction: Instruction) -> None:
+        handler = _INSTRUCTION_MAP.get(type(instruction))
         if handler is None:
-            raise RuntimeError(f"{type(self).__name__} has no handler for instruction {cmd!r}")
+            raise RuntimeError(f"{type(self).__name__} has no handler for instruction {instruction!r}")
         t0 = time.perf_counter()
-        handler(self, **cmd.kwargs)
+        handler(self, instruction)
         if self.timeline is not None:
-            category = _CATEGORY.get(type(cmd), "compute")
-            self.timeline.append(TimelineEvent(self.name, repr(cmd), category, t0, time.perf_counter(), {}))
+            category = _CATEGORY.get(type(instruction), "compute")
+            self.timeline.append(TimelineEvent(self.name, repr(instruction), category, t0, time.perf_counter(), {}))
 
-    # ----- communication -----
-    def _exec_post_recv(self, message) -> None:
-        self.mailbox.post(message)
+    # ----- transfers -----
+    def _exec_post_recv(self, instruction: PostRecv) -> None:
+        self.mailbox.post(instruction.message)
 
-    def _exec_wait_recv(self, message) -> None:
-        self._incoming[message.dst][message.kind] = self.mailbox.wait(message)
+    def _exec_wait_recv(self, instruction: WaitRecv) -> None:
+        transfer = instruction.message
+        self._inboxes.setdefault(transfer.dst, Inbox()).put(transfer.kind, self.mailbox.wait(transfer))
 
-    def _exec_send(self, message) -> None:
-        self.mailbox.send(message, self._outgoing.pop(message.key))
+    def _exec_send(self, instruction: Send) -> None:
+        transfer = instruction.message
+        outbox = self._outboxes[transfer.src]
+        self.mailbox.send(transfer, outbox.take(transfer.kind))
+        if outbox.empty:
+            del self._outboxes[transfer.src]
 
     # ----- compute -----
-    def _compute(self, kind: TaskKind, fn, layer: int, micro_batch: int) -> None:
-        incoming = self._incoming.pop(Task(kind, layer, micro_batch), {})
-        with self._offloading(kind, layer, micro_batch):
-            outgoing = fn(layer, micro_batch, incoming)
+    def _exec_forward(self, instruction: ForwardAttn | ForwardExperts) -> None:
+        inbox = self._inbox_of(instruction)
+        if isinstance(instruction, ForwardAttn) and self._batches is not None:
+            inbox.batch = self._batches[instruction.micro_batch]
+        with self._offloading(instruction):
+            outbox = self.runner.forward(instruction.layer, instruction.micro_batch, inbox)
         if self._evaluating:  # no backward follows
-            self.runner.drop_chunk(layer, micro_batch)
-        for msg_kind, payload in outgoing.items():
-            self._outgoing[(msg_kind, layer, micro_batch)] = payload
-        self.mailbox.pump()  # headers that came in while computing: post their payload receives now
+            self.runner.drop_chunk(instruction.layer, instruction.micro_batch)
+        self._computed(instruction, outbox)
 
-    def _offloading(self, kind: str, layer: int, micro_batch: int):
-        if self.offloader is None or self._evaluating:  # without autograd nothing is saved
-            return nullcontext()
-        phase = self.offloader.forward if kind.endswith("fwd") else self.offloader.backward
-        return phase((layer, micro_batch))
+    def _exec_backward(self, instruction: BackwardAttn | BackwardExperts) -> None:
+        inbox = self._inbox_of(instruction)
+        with self._offloading(instruction):
+            outbox = self.runner.backward(instruction.layer, instruction.micro_batch, inbox)
+        self._computed(instruction, outbox)
 
-    def _exec_forward_attn(self, layer: int, micro_batch: int) -> None:
-        self._compute("A_fwd", self.runner.forward, layer, micro_batch)
-
-    def _exec_backward_attn(self, layer: int, micro_batch: int) -> None:
-        self._compute("A_bwd", self.runner.backward, layer, micro_batch)
-
-    def _exec_forward_experts(self, layer: int, micro_batch: int) -> None:
-        self._compute("F_fwd", self.runner.forward, layer, micro_batch)
-
-    def _exec_backward_experts(self, layer: int, micro_batch: int) -> None:
-        self._compute("F_bwd", self.runner.backward, layer, micro_batch)
-
-    def _exec_weight_grad(self, layer: int, micro_batch: int) -> None:
+    def _exec_weight_grad(self, instruction: WeightGradAttn | WeightGradExperts) -> None:
         # Outside the offload hooks: B brought the chunk's saved tensors back, and they stay until this frees them.
-        self.runner.weight_grad(layer, micro_batch)
+        self.runner.weight_grad(instruction.layer, instruction.micro_batch)
         self.mailbox.pump()
 
+    def _inbox_of(self, instruction: ComputeInstruction) -> Inbox:
+        """The messages waited for ``instruction``'s task (an empty inbox where it receives none)."""
+        return self._inboxes.pop(instruction.task, None) or Inbox()
+
+    def _computed(self, instruction: ComputeInstruction, outbox: Outbox) -> None:
+        if not outbox.empty:
+            self._outboxes[instruction.task] = outbox
+        self.mailbox.pump()  # headers that came in while computing: post their payload receives now
+
+    def _offloading(self, instruction: ComputeInstruction) -> AbstractContextManager[None]:
+        if self.offloader is None or self._evaluating:  # without autograd nothing is saved
+            return nullcontext()
+        forward = isinstance(instruction, ForwardAttn | ForwardExperts)
+        phase = self.offloader.forward if forward else self.offloader.backward
+        return phase((instruction.layer, instruction.micro_batch))
+
     # ----- step -----
-    def _exec_reduce_grads(self) -> None:
+    def _exec_reduce_grads(self, instruction: ReduceGrads) -> None:
         # With managed_gradient_accumulation off, DeepSpeed reduces inside step(): nothing to send here.
         self.mailbox.flush()
         self._check_capacity()
@@ -244,32 +273,54 @@ class AFPipeExecutor:
         if self.before_step is not None:
             self.before_step()
 
-    def _exec_optimizer_step(self) -> None:
+    def _exec_optimizer_step(self, instruction: OptimizerStep) -> None:
         self.engine.step()
 
     def _result(self, seconds: float) -> StepResult:
-        stats = getattr(self.runner, "stats", None)
+        stats = self.runner.stats
         sums = torch.zeros(4, dtype=torch.float64, device=self.engine.device)  # NCCL reduces device tensors
-        if stats is not None and stats.sums is not None:
+        if stats.sums is not None:
             sums[:3] = stats.sums
             sums[3] = stats.micro_batches
         dist.all_reduce(sums)  # only the head lanes contribute
         loss, lm, aux, count = sums.tolist()
-        return StepResult(loss / count, lm / count, aux / count, self.grad_norm.last_norm, seconds)
+        return StepResult(
+            loss / count,
+            lm / count,
+            aux / count,
+            self.grad_norm.last_norm,
+            seconds,
+            expert_counts_LE=self.runner.expert_counts(),
+        )
 
-    _INSTRUCTION_MAP: ClassVar[dict[type, Callable[..., None]]] = {
-        ins.PostRecv: _exec_post_recv,
-        ins.WaitRecv: _exec_wait_recv,
-        ins.SendMessage: _exec_send,
-        ins.ForwardAttn: _exec_forward_attn,
-        ins.BackwardAttn: _exec_backward_attn,
-        ins.ForwardExperts: _exec_forward_experts,
-        ins.BackwardExperts: _exec_backward_experts,
-        ins.WeightGradAttn: _exec_weight_grad,
-        ins.WeightGradExperts: _exec_weight_grad,
-        ds_schedule.ReduceGrads: _exec_reduce_grads,
-        ds_schedule.OptimizerStep: _exec_optimizer_step,
-    }
+
+InstructionT = TypeVar("InstructionT", bound=Instruction)
+_Handler = Callable[[AFPipeExecutor, Instruction], None]
+
+
+def _handles(
+    instruction: type[InstructionT], handler: Callable[[AFPipeExecutor, InstructionT], None]
+) -> tuple[type[Instruction], _Handler]:
+    """One entry of the map: ``handler`` takes exactly the instructions of type ``instruction``, which ``_execute``
+    looks up by the instruction's type, so the narrowing cast is safe."""
+    return instruction, cast(_Handler, handler)
+
+
+_INSTRUCTION_MAP: Mapping[type[Instruction], _Handler] = dict(
+    [
+        _handles(PostRecv, AFPipeExecutor._exec_post_recv),
+        _handles(WaitRecv, AFPipeExecutor._exec_wait_recv),
+        _handles(Send, AFPipeExecutor._exec_send),
+        _handles(ForwardAttn, AFPipeExecutor._exec_forward),
+        _handles(ForwardExperts, AFPipeExecutor._exec_forward),
+        _handles(BackwardAttn, AFPipeExecutor._exec_backward),
+        _handles(BackwardExperts, AFPipeExecutor._exec_backward),
+        _handles(WeightGradAttn, AFPipeExecutor._exec_weight_grad),
+        _handles(WeightGradExperts, AFPipeExecutor._exec_weight_grad),
+        _handles(ReduceGrads, AFPipeExecutor._exec_reduce_grads),
+        _handles(OptimizerStep, AFPipeExecutor._exec_optimizer_step),
+    ]
+)
 
 
 def _random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

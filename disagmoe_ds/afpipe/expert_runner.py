@@ -6,19 +6,23 @@ Shape suffixes: R/S rows, H hidden, K top-k.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from deepspeed import DeepSpeedEngine
 
-from disagmoe_ds.afpipe.chunk_io import Outgoing, checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
+from disagmoe_ds.afpipe.chunk_io import checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
 from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
+from disagmoe_ds.afpipe.head_stats import HeadStats
+from disagmoe_ds.afpipe.runner import Batch, Inbox, Outbox
 from disagmoe_ds.afpipe.split_backward import ChunkBackward, retained_graph_compiles
 from disagmoe_ds.comm.exchange import LaneRows
 from disagmoe_ds.comm.messages import ExpertOut, ExpertOutGrad, TokenGrads, Tokens
 from disagmoe_ds.comm.routing import Capacity, pads
-from disagmoe_ds.models.graphs import StageGraphs
+from disagmoe_ds.models.expert_shard import ExpertShard
+from disagmoe_ds.models.graphs import GraphedShard, StageGraphs
 from disagmoe_ds.models.parts import ExpertStage
 from disagmoe_ds.runtime.step import evaluating
 
@@ -55,7 +59,7 @@ class ExpertRunner:
 
     def __init__(
         self,
-        engine,
+        engine: DeepSpeedEngine,
         stage: ExpertStage,
         settings: ChunkSettings,
         *,
@@ -70,12 +74,24 @@ class ExpertRunner:
         split_layers = settings.split_layers
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
         # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
-        self.compiling = retained_graph_compiles if split_layers else nullcontext
+        self.compiling: Callable[[], AbstractContextManager[object]] = (
+            retained_graph_compiles if split_layers else nullcontext
+        )
         self.recompute = checkpointed if settings.activation_checkpointing else run
         self.chunks: dict[tuple[int, int], _ExpertChunk] = {}
+        self.stats = HeadStats()  # no head and no aux term here: the step's sums stay empty
 
-    def start_step(self, batches) -> None:
-        del batches  # the FFN side reads no data
+    def start_step(self, batches: Sequence[Batch] | None) -> None:
+        """The FFN side reads no data."""
+        del batches
+
+    def capacity_need(self) -> torch.Tensor:
+        """The FFN side sends no m2n message: zeros (the executor's all-reduce takes every rank's)."""
+        return torch.zeros(2, dtype=torch.int64, device=self.engine.device)
+
+    def expert_counts(self) -> None:
+        """The FFN side routes nothing."""
+        return None
 
     @property
     def capacity(self) -> Capacity | None:
@@ -136,29 +152,33 @@ class ExpertRunner:
         rows, pairs = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
         return [(rows, pattern, pairs) for pattern in ("some", "one")]
 
-    def forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+    def forward(self, layer: int, mb: int, inbox: Inbox) -> Outbox:
+        """F_fwd(layer, mb): the shard's experts on every lane's tokens (``inbox.m2n``); the outbox holds each lane's
+        rows of the output (``n2m``)."""
+        assert inbox.m2n is not None, "an expert forward receives its lanes' tokens"
         with self.compiling():
-            return self._forward(layer, mb, incoming)
+            return Outbox(n2m=self._forward(layer, mb, *inbox.m2n))
 
-    def _forward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
-        tokens: Tokens
-        tokens, rows = incoming["m2n"]
+    def _forward(self, layer: int, mb: int, tokens: Tokens, rows: LaneRows) -> list[ExpertOut]:
         pairs, bounded = tokens.pairs, tokens.bounded
         if self.resend:  # keep nothing: the backward gets the tokens again and recomputes
             with torch.no_grad():
                 y_SH = self._shard(layer)(*tokens.shard_args)
             self.chunks[(layer, mb)] = _ExpertChunk(None, None, None, rows, pairs, bounded)
-            return {"n2m": ExpertOut(y_SH).split(rows.counts)}
+            return ExpertOut(y_SH).split(rows.counts)
         x_SH, w_SK = leaf(tokens.x_RH), leaf(tokens.w_RK)
         y_SH = self.recompute(self._shard(layer), x_SH, tokens.local_idx_RK, w_SK, pairs, bounded)
         self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows, pairs, bounded)
-        return {"n2m": ExpertOut(y_SH).split(rows.counts)}
+        return ExpertOut(y_SH).split(rows.counts)
 
-    def backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+    def backward(self, layer: int, mb: int, inbox: Inbox) -> Outbox:
+        """F_bwd(layer, mb): autograd through the chunk from every lane's output gradients (``inbox.n2m_grad``); the
+        outbox holds each lane's token gradients (``m2n_grad``)."""
+        assert inbox.n2m_grad is not None, "an expert backward receives its lanes' output gradients"
         with self.compiling():
-            return self._backward(layer, mb, incoming)
+            return Outbox(m2n_grad=self._backward(layer, mb, inbox.n2m_grad[0]))
 
-    def _shard(self, layer: int):
+    def _shard(self, layer: int) -> ExpertShard | GraphedShard:
         return self.graphs.shard(self.stage, layer)
 
     def weight_grad(self, layer: int, mb: int) -> None:
@@ -169,10 +189,8 @@ class ExpertRunner:
         """Forget what ``forward`` kept for a backward (an evaluation runs none)."""
         del self.chunks[(layer, mb)]
 
-    def _backward(self, layer: int, mb: int, incoming: dict[str, Any]) -> Outgoing:
+    def _backward(self, layer: int, mb: int, grad: ExpertOutGrad) -> list[TokenGrads]:
         chunk = self.chunks.pop((layer, mb))
-        grad: ExpertOutGrad
-        grad, _ = incoming["n2m_grad"]
         x_SH, w_SK, y_SH = chunk.x_SH, chunk.w_SK, chunk.y_SH
         if grad.resent is not None:  # resend: recompute the forward from the tokens sent again
             x_SH, w_SK = leaf(grad.resent.x_RH), leaf(grad.resent.w_RK)
@@ -181,4 +199,4 @@ class ExpertRunner:
         if y_SH.requires_grad:
             self.backward_pass.run((layer, mb), (y_SH * grad.dy_RH).float().sum(), [x_SH, w_SK])
         token_grads = TokenGrads(grad_or_zeros(x_SH), grad_or_zeros(w_SK))
-        return {"m2n_grad": token_grads.split(chunk.rows.counts)}
+        return token_grads.split(chunk.rows.counts)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
+
+T = TypeVar("T", covariant=True)
 
 
 class Landing(Protocol):
@@ -14,17 +16,12 @@ class Landing(Protocol):
 
 
 @dataclass(frozen=True, eq=False)
-class Later:
+class Later(Generic[T]):
     """``make()`` gives the payload; it may wait for ``source`` (None: nothing to wait for). The mailbox sends a
     ``Later`` once ``ready``, so the host never stops queueing work to wait for a message's sizes."""
 
     source: Landing | None
-    make: Callable[[], Any]
+    make: Callable[[], T]
 
     def ready(self) -> bool:
         return self.source is None or self.source.ready()
-
-
-def made(payload: Any) -> Any:
-    """The payload itself: ``make()`` of a ``Later``, anything else as it is."""
-    return payload.make() if isinstance(payload, Later) else payload

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -85,7 +85,7 @@ class _Packed:
     offset: int  # in elements of ``dtype``
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    original: weakref.ref  # the saved tensor and its version then: autograd's in-place check, kept
+    original: weakref.ref[torch.Tensor]  # the saved tensor and its version then: autograd's in-place check, kept
     version: int
 
     def view(self) -> torch.Tensor:
@@ -236,7 +236,7 @@ class ActivationOffloader:
         if self.back_stream is not None:
             chunk.ready = self.back_stream.record_event()
 
-    def _on(self, stream: torch.cuda.Stream | None, *, after_compute: bool = True):
+    def _on(self, stream: torch.cuda.Stream | None, *, after_compute: bool = True) -> AbstractContextManager[object]:
         """Work on ``stream``, after what the compute stream has queued so far (nothing to order on CPUs)."""
         if stream is None:
             return nullcontext()

@@ -39,10 +39,12 @@ activation offload, a chunk's tensors come back to the device for B and stay the
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
+from deepspeed import DeepSpeedEngine
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
@@ -59,7 +61,7 @@ class DeferredWeightGrad:
         loss: set instead of ``groups`` when the chunk has no differentiable input: W is its whole backward.
     """
 
-    groups: list[dict[str, Any]] = field(default_factory=list)
+    groups: list[dict[str, Any]] = field(default_factory=list)  # torch's type for them (``stage_backward_input``)
     params: dict[Node, torch.Tensor] = field(default_factory=dict)
     loss: torch.Tensor | None = None
 
@@ -85,30 +87,39 @@ def backward_input(
     return DeferredWeightGrad(groups, {cast(Node, _get_grad_fn_or_grad_acc(p)): p for p in weights})
 
 
-def backward_weight(engine, deferred: DeferredWeightGrad) -> None:
+def backward_weight(engine: DeepSpeedEngine, deferred: DeferredWeightGrad) -> None:
     """W: the parameter gradients ``deferred`` holds, accumulated by ``engine.backward`` (see the module docstring)."""
     if deferred.loss is not None:
         engine.backward(deferred.loss, scale_wrt_gas=False)
     elif deferred.groups:
         device = next(iter(deferred.params.values())).device
         anchor = torch.zeros((), device=device, requires_grad=True)
-        engine.backward(_WeightPass.apply(anchor, deferred), scale_wrt_gas=False)
+        # torch leaves ``Function.apply`` unannotated (it returns what ``forward`` does: a tensor here)
+        loss: torch.Tensor = _WeightPass.apply(anchor, deferred)  # type: ignore[no-untyped-call]
+        engine.backward(loss, scale_wrt_gas=False)
+
+
+class _WeightPassContext(Protocol):
+    """torch's ``FunctionCtx`` as ``_WeightPass`` uses it: the deferred pass, kept from its forward to its backward."""
+
+    deferred: DeferredWeightGrad | None
 
 
 class _WeightPass(torch.autograd.Function):
     """A scalar whose backward runs a deferred weight pass, so that ``engine.backward`` can wrap it."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, deferred: DeferredWeightGrad) -> torch.Tensor:
+    def forward(ctx: _WeightPassContext, anchor: torch.Tensor, deferred: DeferredWeightGrad) -> torch.Tensor:
         ctx.deferred = deferred
         return anchor.detach().clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: _WeightPassContext, grad: torch.Tensor) -> tuple[None, None]:
         # ``grad`` is 1: no loss scaling (fp16 is refused; bf16 and fp32 do not scale), as for the input gradients
         # B already sent, which ran outside the engine.
         del grad
         deferred, ctx.deferred = ctx.deferred, None
+        assert deferred is not None, "a weight pass runs once"
         for group in deferred.groups:
             _weight_pass(group, deferred.params)
         deferred.groups.clear()  # the recorded gradients and the graph's last references go here
@@ -141,11 +152,12 @@ def _weight_pass(group: dict[str, Any], params: dict[Node, torch.Tensor]) -> Non
             handle.remove()
 
 
-def retained_graph_compiles():
+def retained_graph_compiles() -> AbstractContextManager[object]:
     """Context for code that may ``torch.compile`` a graph B backpropagates through (the expert shards' compiled
     elementwise middle, on the input path): AOTAutograd otherwise lets a compiled backward reuse ("donate") its
     saved buffers, and then refuses B's ``retain_graph=True``. Read when a graph compiles, so it wraps forwards."""
-    return torch._functorch.config.patch(donated_buffer=False)
+    patched: AbstractContextManager[object] = torch._functorch.config.patch(donated_buffer=False)  # untyped in torch
+    return patched
 
 
 class ChunkBackward:
@@ -157,7 +169,7 @@ class ChunkBackward:
         split_layers: layers whose chunks split; their W must run (``weight_grad``) before ``ReduceGrads``.
     """
 
-    def __init__(self, engine, split_layers: frozenset[int] = frozenset()):
+    def __init__(self, engine: DeepSpeedEngine, split_layers: frozenset[int] = frozenset()) -> None:
         self.engine, self.split_layers = engine, split_layers
         self.deferred: dict[tuple[int, int], DeferredWeightGrad] = {}  # (layer, micro-batch) -> B's leftovers
 

@@ -7,13 +7,12 @@ the same inputs on every rank) and hands them to the build, as a training job's 
 
 from __future__ import annotations
 
-from typing import Any
-
 from disagmoe_ds.afpipe import build
 from disagmoe_ds.checkpoint.ds_state import gathered
+from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.loading import load_config
-from disagmoe_ds.parity.compare import capture_grads, compare, hf_named
+from disagmoe_ds.parity.compare import RankRecord, capture_grads, compare, hf_named
 from disagmoe_ds.parity.harness import build_for_verify, train_steps
 from disagmoe_ds.parity.reference import VerifyArgs, make_batches, reference
 from disagmoe_ds.planner.runtime_costs import job_costs
@@ -27,7 +26,7 @@ def verify_costs(args: VerifyArgs) -> Costs:
     return job_costs(config.to_dict(), layout, args.cfg, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size)
 
 
-def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
+def rank_main(rank: int, args: VerifyArgs) -> RankRecord:
     """One rank: build, train ``steps`` steps, return losses, grad norms and its parameters under HF names."""
     # build.build_rank is looked up per call: tests wrap it
     runtime = build_for_verify(build.build_rank, args, schedule_costs=verify_costs(args))
@@ -48,7 +47,7 @@ def rank_main(rank: int, args: VerifyArgs) -> dict[str, Any]:
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads if writer else []}
 
 
-def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> dict[str, Any]:
+def run_verify(args: VerifyArgs, *, timeout_s: float = 600.0) -> JsonObject:
     """Start the ranks on this machine (CPU, gloo), then compare with the reference."""
     build.preflight(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
     ranks = spawn_local(rank_main, args.cfg.world_size, args=(args,), timeout_s=timeout_s)

@@ -33,6 +33,8 @@ from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.runtime.rank import RankBuilder, RankParts
+from disagmoe_ds.runtime.step import Executor
+from disagmoe_ds.schedule import Costs
 
 
 class Colocated:
@@ -44,11 +46,27 @@ class Colocated:
     def layout(self, config) -> ColocatedLayout:
         return self.cfg.layout(num_experts=num_experts_of(config))
 
-    def check(self, layout: ColocatedLayout, config, ds_config: dict[str, Any]) -> None:
-        del layout  # any ep_size (ExpertShard)
+    def check(self, layout: ColocatedLayout, config, ds_config: dict[str, Any], *, seq_len: int | None) -> None:
+        del layout, seq_len  # any ep_size (ExpertShard), any length
         if self.cfg.lora is not None:
             check_lora(config, self.cfg.lora, needs=("expert",))  # DeepSpeed's MoE engine needs an expert group
         self.cfg.zero_stage_of("ffn", ds_config)  # checked: one stage for both kinds of parameters
+
+    def describe(self, layout: ColocatedLayout, config, schedule_costs: Costs | None) -> list[str]:
+        del config, schedule_costs  # nothing to schedule: one micro-batch at a time
+        if layout.ep_size > 1:
+            exchange = f"dispatch and combine all-to-alls over {layout.ep_size} ranks on the critical path"
+        else:
+            exchange = "no token exchange (every rank holds every expert)"
+        return [
+            f"layout: {layout.describe()}",
+            f"pipeline: {self.cfg.micro_batches} micro-batches per rank per step, one at a time (forward, "
+            f"backward); {exchange}",
+        ]
+
+    def warm_up(self, executor: Executor, seq_len: int, *, evaluates: bool) -> None:
+        if self.cfg.cuda_graphs:  # captured before the first step (no exchange waits here: compile need not warm)
+            executor.warm_up(seq_len, packed=True, evaluates=evaluates)
 
     def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
         del role  # one engine over both kinds of parameters: one stage
@@ -126,5 +144,5 @@ class Colocated:
         )
 
 
-build_colocated_rank: RankBuilder[ColocatedLayout] = RankBuilder(Colocated)
+build_colocated_rank: RankBuilder[ColocatedLayout, ColocatedConfig] = RankBuilder(Colocated)
 preflight_colocated = build_colocated_rank.preflight

@@ -79,7 +79,8 @@ class ColocatedGradNorm:
 
 class ColocatedRunner:
     """One micro-batch's forward and backward in the engine, and the step's sums (the ``AttentionRunner`` of this
-    mode: the same ``start_step`` / ``step_expert_counts``, so expert balancing reads either the same way)."""
+    mode: its expert load goes on the step result as that one's does, so expert balancing reads either the same
+    way)."""
 
     def __init__(self, engine, *, num_micro_batches: int):
         self.engine = engine
@@ -104,11 +105,6 @@ class ColocatedRunner:
 
     def backward(self, out) -> None:
         self.engine.backward(out.loss / self.num_micro_batches, scale_wrt_gas=False)
-
-    def step_expert_counts(self) -> torch.Tensor:
-        """[L, E] int64: tokens this rank routed to each expert in the step so far, per layer (top-k choices)."""
-        assert self.load_LE is not None, "no micro-batch of this step reported its expert load"
-        return self.load_LE
 
 
 class ColocatedExecutor:
@@ -170,7 +166,15 @@ class ColocatedExecutor:
         sums = self.runner.sums
         dist.all_reduce(sums, group=self.group)
         loss, lm, aux, count = sums.tolist()
-        return StepResult(loss / count, lm / count, aux / count, self.grad_norm.last_norm, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        return StepResult(
+            loss / count,
+            lm / count,
+            aux / count,
+            self.grad_norm.last_norm,
+            seconds,
+            expert_counts_LE=self.runner.load_LE,
+        )
 
     def eval_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> EvalResult:
         """HF's LM loss of this rank's micro-batches (as ``train_batch`` takes them) summed over their labelled tokens,

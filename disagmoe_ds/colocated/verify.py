@@ -23,7 +23,7 @@ from disagmoe_ds.colocated.model import ColocatedModel
 from disagmoe_ds.config import SECTION, add_section_flags, section_values
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.lora_settings import lora_of
-from disagmoe_ds.parity.compare import capture_grads, compare
+from disagmoe_ds.parity.compare import RankRecord, capture_grads, compare
 from disagmoe_ds.parity.harness import build_for_verify, cli, run_args, train_steps
 from disagmoe_ds.parity.reference import VerifyArgs, make_batches, reference
 from disagmoe_ds.parity.run_flags import add_run_args
@@ -44,7 +44,7 @@ class ColocatedVerifyArgs(VerifyArgs):
         return config
 
 
-def rank_main(rank: int, args: ColocatedVerifyArgs) -> dict[str, Any]:
+def rank_main(rank: int, args: ColocatedVerifyArgs) -> RankRecord:
     """One rank: build, train, return losses, grad norms, and its share of the parameters and gradients."""
     runtime = build_for_verify(build_colocated_rank, args)
     grads = capture_grads(runtime, _written)

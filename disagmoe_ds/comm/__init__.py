@@ -7,7 +7,6 @@ Only ``transport``, ``channel`` and ``exchange`` communicate; ``routing`` is pur
 from disagmoe_ds.comm.channel import ChannelError, CommStream, FanIn, FanOut, MessageSpec, TensorSpec
 from disagmoe_ds.comm.exchange import (
     ExchangeComms,
-    Kind,
     LaneRows,
     build_exchange_comms,
     comm_keys,
@@ -34,6 +33,7 @@ from disagmoe_ds.comm.transport import (
     TransportError,
     make_transport,
 )
+from disagmoe_ds.schedule import Kind
 
 __all__ = [
     "ChannelError",

@@ -133,7 +133,7 @@ class CommStream:
     def __init__(self, device: torch.device, *, enabled: bool = True) -> None:
         self.stream = torch.cuda.Stream(device) if enabled and device.type == "cuda" else None
 
-    def scope(self) -> contextlib.AbstractContextManager:
+    def scope(self) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def hand_over(self, work: Work, tensors: Sequence[torch.Tensor]) -> None:
@@ -356,7 +356,7 @@ class FanIn:
     def _split(buffer: torch.Tensor, spec: TensorSpec, sizes: Sequence[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
         if spec.size is None:
             return tuple(buffer.unbind(0))
-        return buffer.split([size[spec.size] for size in sizes])
+        return torch.split(buffer, [size[spec.size] for size in sizes])
 
     def _where(self, peer: int) -> str:
         return f"{self.spec.name} {peer}->{dist.get_rank()}"

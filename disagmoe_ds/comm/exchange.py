@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
 from types import MappingProxyType
 
 import torch
@@ -50,18 +49,7 @@ from disagmoe_ds.comm.messages import (
 from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.comm.transport import Comm, Transport, new_host_group
 from disagmoe_ds.layout import Layout
-
-
-class Kind(str, Enum):
-    """Direction kind of an exchange (see the module docstring)."""
-
-    M2N = "m2n"
-    N2M = "n2m"
-    RESID = "resid"
-    M2N_GRAD = "m2n_grad"
-    N2M_GRAD = "n2m_grad"
-    RESID_GRAD = "resid_grad"
-
+from disagmoe_ds.schedule import Kind  # the schedule's transfer kinds are the exchange's
 
 A_TO_F = (Kind.M2N, Kind.N2M_GRAD)
 A_TO_A = (Kind.RESID, Kind.RESID_GRAD)

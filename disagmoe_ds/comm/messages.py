@@ -26,13 +26,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Literal, TypeVar, overload
 
 import torch
 
 from disagmoe_ds.comm.channel import MessageSpec, TensorSpec
 
 M = TypeVar("M", bound="Message")
+_TensorOf = tuple[torch.dtype, tuple[int, ...], str | None]  # one wire tensor: dtype, trailing shape, row symbol
 
 
 @dataclass(frozen=True)
@@ -63,20 +64,35 @@ class Dims:
         return {"activation": self.dtype, "weight": self.weight_dtype}[role]
 
 
-def tensor(dtype: str | torch.dtype, shape: tuple[str | int, ...], rows: str | None) -> Any:
+# The field helpers are typed as the field's value, as ``dataclasses.field`` is: ``x_RH: torch.Tensor = tensor(...)``.
+
+
+def tensor(dtype: str | torch.dtype, shape: tuple[str | int, ...], rows: str | None) -> torch.Tensor:
     """A tensor field: ``dtype`` (or the role ``activation``/``weight``), trailing ``shape``, leading ``rows`` (a
     size symbol: R, T, S; None for a fixed shape)."""
-    return field(metadata={"tensor": (dtype, shape, rows)})
+    spec: torch.Tensor = field(metadata={"tensor": (dtype, shape, rows)})
+    return spec
 
 
-def host(ints: str | int = 1) -> Any:
-    """Host ints (1, or ``"P"``: one per ep rank) carried in the header where the channel has one."""
-    return field(default=None, metadata={"host": ints})
+@overload
+def host(ints: int = 1) -> int | None: ...
 
 
-def variant(message: type[Message], rows: str) -> Any:
+@overload
+def host(ints: Literal["P"]) -> tuple[int, ...] | None: ...
+
+
+def host(ints: int | Literal["P"] = 1) -> int | tuple[int, ...] | None:
+    """Host ints (1, or ``"P"``: one per ep rank) carried in the header where the channel has one; None unless
+    given."""
+    spec: int | tuple[int, ...] | None = field(default=None, metadata={"host": ints})
+    return spec
+
+
+def variant(message: type[M], rows: str) -> M | None:
     """A nested ``message`` sent along in the resend mode, its R rows counted as ``rows``; None otherwise."""
-    return field(default=None, metadata={"variant": (message, rows)})
+    spec: M | None = field(default=None, metadata={"variant": (message, rows)})
+    return spec
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,10 +127,10 @@ class Message:
         return MessageSpec(specs, name=cls.__name__, metas=host_ints, coalesced=coalesced)
 
     @classmethod
-    def from_wire(cls: type[M], tensors: Sequence[torch.Tensor], host_ints: Sequence[int] = (), **local) -> M:
+    def from_wire(cls: type[M], tensors: Sequence[torch.Tensor], host_ints: Sequence[int] = (), **local: object) -> M:
         """The message of ``tensors`` (spec order; a variant's follow when there are more) and its header ints."""
         own = _fields(cls, "tensor")
-        values: dict[str, Any] = {f.name: t for f, t in zip(own, tensors[: len(own)], strict=True)}
+        values: dict[str, object] = {f.name: t for f, t in zip(own, tensors[: len(own)], strict=True)}
         rest = list(tensors[len(own) :])
         for f in _fields(cls, "variant"):
             if rest:
@@ -132,7 +148,7 @@ class Message:
     def detached(self: M) -> M:
         """The same message with every tensor detached (sent again, outside autograd); host and local fields kept."""
         cls = type(self)
-        changes: dict[str, Any] = {f.name: getattr(self, f.name).detach() for f in _fields(cls, "tensor")}
+        changes: dict[str, object] = {f.name: getattr(self, f.name).detach() for f in _fields(cls, "tensor")}
         for f in _fields(cls, "variant"):
             if (nested := getattr(self, f.name)) is not None:
                 changes[f.name] = nested.detached()
@@ -150,10 +166,10 @@ class Message:
         return [type(self).from_wire(piece) for piece in zip(*parts, strict=True)] if parts else []
 
 
-_FIELDS: dict[tuple[type, str], tuple[dataclasses.Field, ...]] = {}
+_FIELDS: dict[tuple[type, str], tuple[dataclasses.Field[object], ...]] = {}
 
 
-def _fields(cls: type, key: str) -> tuple[dataclasses.Field, ...]:
+def _fields(cls: type, key: str) -> tuple[dataclasses.Field[object], ...]:
     # Cached: every send and receive reads a message's fields several times (the host path of the exchange).
     found = _FIELDS.get((cls, key))
     if found is None:
@@ -161,9 +177,7 @@ def _fields(cls: type, key: str) -> tuple[dataclasses.Field, ...]:
     return found
 
 
-def _tensor_specs(
-    cls: type, dims: Dims, rows_as: dict[str, str]
-) -> list[tuple[torch.dtype, tuple[int, ...], str | None]]:
+def _tensor_specs(cls: type, dims: Dims, rows_as: dict[str, str]) -> list[_TensorOf]:
     out = []
     for f in _fields(cls, "tensor"):
         dtype, shape, rows = f.metadata["tensor"]
@@ -171,7 +185,7 @@ def _tensor_specs(
     return out
 
 
-def _sized(tensors) -> tuple[TensorSpec, ...]:
+def _sized(tensors: Sequence[_TensorOf]) -> tuple[TensorSpec, ...]:
     """Row symbols become size indices in order of first appearance (T before S in a resid message)."""
     symbols: list[str] = []
     for *_, rows in tensors:

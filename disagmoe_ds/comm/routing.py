@@ -50,11 +50,11 @@ class DispatchPlan:
 
     @property
     def token_idx_R(self) -> tuple[torch.Tensor, ...]:
-        return self.token_idx_S.split(self.counts)
+        return torch.split(self.token_idx_S, list(self.counts))
 
     @property
     def local_idx_RK(self) -> tuple[torch.Tensor, ...]:
-        return self.local_idx_SK.split(self.counts)
+        return torch.split(self.local_idx_SK, list(self.counts))
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,14 +204,21 @@ def _local_ids(
     return torch.where(here_CK, idx_CK, experts_per_rank)
 
 
-def _gathered(x_TH, topk_w_TK, token_idx_C, local_idx_CK, sentinel: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gathered(
+    x_TH: torch.Tensor, topk_w_TK: torch.Tensor, token_idx_C: torch.Tensor, local_idx_CK: torch.Tensor, sentinel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' activations and weights (weights 0 at sentinel ids)."""
     w_CK = topk_w_TK.index_select(0, token_idx_C).masked_fill(local_idx_CK == sentinel, 0)
     return x_TH.index_select(0, token_idx_C), w_CK
 
 
 def _sliced_plan(
-    num_tokens: int, experts_per_rank: int, counts: tuple[int, ...], pairs: tuple[int, ...], token_idx_C, local_idx_CK
+    num_tokens: int,
+    experts_per_rank: int,
+    counts: tuple[int, ...],
+    pairs: tuple[int, ...],
+    token_idx_C: torch.Tensor,
+    local_idx_CK: torch.Tensor,
 ) -> DispatchPlan:
     rows = sum(counts)
     return DispatchPlan(num_tokens, experts_per_rank, counts, pairs, token_idx_C[:rows], local_idx_CK[:rows])

@@ -51,7 +51,7 @@ class Comm:
     group: dist.ProcessGroup | None  # None on ranks outside it
     pairs: tuple[tuple[int, int], ...] = ()  # the (src, dst) that ever send on it
     control: dist.ProcessGroup | None = None  # RendezvousTransport: ready tokens
-    queue: queue.Queue | None = field(default=None, repr=False)  # RendezvousTransport: this rank's operations
+    queue: queue.Queue[_Pending] | None = field(default=None, repr=False)  # RendezvousTransport: this rank's operations
 
 
 class Work(Protocol):
@@ -83,7 +83,8 @@ def new_host_group(ranks: Sequence[int], timeout: timedelta | None = None) -> di
     bound = default.bound_device_id
     default.bound_device_id = None
     try:
-        return dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+        group: dist.ProcessGroup | None = dist.new_group(list(ranks), timeout=timeout, backend="gloo")  # unannotated
+        return group
     finally:
         default.bound_device_id = bound
 
@@ -177,7 +178,7 @@ class RendezvousTransport:
         data, control = new_host_group(ranks, self.timeout), new_host_group(ranks, self.timeout)
         if dist.get_rank() not in ranks:
             return Comm(name, ranks, None)
-        operations: queue.Queue = queue.Queue()
+        operations: queue.Queue[_Pending] = queue.Queue()
         comm = Comm(name, ranks, data, tuple(pairs), control, operations)
         threading.Thread(target=self._serve, args=(comm, operations), name=f"rendezvous {name}", daemon=True).start()
         return comm
@@ -193,7 +194,7 @@ class RendezvousTransport:
         return pending
 
     @staticmethod
-    def _serve(comm: Comm, operations: queue.Queue) -> None:
+    def _serve(comm: Comm, operations: queue.Queue[_Pending]) -> None:
         while True:
             pending: _Pending = operations.get()
             try:

@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from disagmoe_ds.capabilities.rules import check
+from disagmoe_ds.config.levers import job_of
 from disagmoe_ds.config.sections import (
     SECTION,
-    SIDES,
     Accumulation,
     Colocation,
     CostModel,
@@ -46,8 +47,7 @@ class DisagMoEConfig(
     sections it is composed of (their docstrings describe the keys)."""
 
     def _check(self) -> None:
-        if self.cuda_graphs:
-            _check_graphable(self)
+        check(job_of(None, self))  # the levers the section turns on beside each other (capabilities.rules)
 
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any], overrides: dict[str, Any] | None = None) -> DisagMoEConfig:
@@ -61,25 +61,6 @@ class DisagMoEConfig(
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _check_graphable(cfg: DisagMoEConfig) -> None:
-    """Refuse what cannot run inside a captured graph: recomputation and offload move or rebuild a part's saved
-    tensors, and the split backward runs a part's backward in two halves, where a graph replays it whole."""
-    refused = {
-        "activation_checkpointing": cfg.activation_checkpointing,
-        "selective_recompute": cfg.selective_recompute,
-        "offload": any(cfg.offload_share(side) > 0 for side in SIDES),
-        "split_backward": cfg.split_backward,
-        "sequence_parallel": cfg.sequence_parallel > 1,  # the head takes the slice's shifted labels
-        "tensor_parallel": cfg.tensor_parallel > 1,
-    }
-    chosen = [f'"{SECTION}.{name}"' for name, on in refused.items() if on]
-    if chosen:
-        raise ConfigError(
-            f'"{SECTION}.cuda_graphs" does not work with {", ".join(chosen)}: a graph replays a part\'s forward and '
-            "backward whole, with its activations in a pool of its own; turn one of them off"
-        )
 
 
 def load_ds_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:

@@ -228,12 +228,7 @@ class MemoryLevers(Section):
     offload: dict[str, float] = field(default_factory=dict)
 
     def _check(self) -> None:
-        self._switches("activation_checkpointing", "selective_recompute", "resend")
-        if self.selective_recompute and self.activation_checkpointing:
-            raise ConfigError(
-                f'"{SECTION}.selective_recompute" and "{SECTION}.activation_checkpointing" are exclusive: the latter '
-                "already recomputes every activation of a chunk; set one of them"
-            )
+        self._switches("activation_checkpointing", "selective_recompute", "resend")  # exclusive: capabilities.rules
         _check_per_side("offload", self.offload, '{"attention": 0.5, "ffn": 0.0}', _offload_problem)
 
     def offload_share(self, side: str) -> float:

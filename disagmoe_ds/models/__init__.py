@@ -1,10 +1,8 @@
 """Hugging Face MoE models, cut into the two halves DisagMoE places on different GPUs.
 
-families       per-family facts as data: router, shared experts, expert count, token mixer (Qwen2/3-MoE, Qwen3-Next,
-               Qwen3.5-MoE, Mixtral, DeepSeek-V2/V3/V3.2/V4, GLM-4.5, GPT-OSS, OLMoE, ERNIE-4.5, Hunyuan, dots.llm1,
-               MiniMax-M2), and what the cut refuses
-uncut          families known but not cut yet (Gemma 4's text MoE), and what a cut family cannot run with yet
-               (DeepSeek-V4: sequence parallelism, CUDA graphs): one line, the layers and why (no torch)
+families       each family's facts (``capabilities.facts``) with how its modules are called: shared experts, router
+               (Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, DeepSeek-V2/V3/V3.2/V4, GLM-4.5, GPT-OSS, OLMoE,
+               ERNIE-4.5, Hunyuan, dots.llm1, MiniMax-M2), and what the cut refuses
 moe_pattern    which layers route to experts, from the config alone (no torch)
 attention_part the attention part of a layer and the head, built from HF's own modules
 expert_shard   a slice of a layer's routed experts, in HF's own experts module

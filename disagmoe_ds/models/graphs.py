@@ -73,7 +73,14 @@ class GraphedShard:
     def capture(self, x_RH, local_idx_RK, w_RK, num_pairs: int, bounded: bool = False) -> None:
         self.graphs.capture(x_RH, local_idx_RK, w_RK, num_pairs, bounded)
 
-    def __call__(self, x_RH, local_idx_RK, w_RK, num_pairs: int, bounded: bool = False) -> torch.Tensor:
+    def __call__(
+        self,
+        x_RH: torch.Tensor,
+        local_idx_RK: torch.Tensor,
+        w_RK: torch.Tensor,
+        num_pairs: int | None = None,
+        bounded: bool = False,
+    ) -> torch.Tensor:
         return self.graphs(x_RH, local_idx_RK, w_RK, num_pairs, bounded)
 
 
@@ -88,7 +95,7 @@ class StageGraphs:
     def part(self, stage: AttentionStage, layer: int):
         return self.attention.get(layer) or stage.part(layer)
 
-    def shard(self, stage: ExpertStage, layer: int):
+    def shard(self, stage: ExpertStage, layer: int) -> ExpertShard | GraphedShard:
         return self.shards.get(layer) or stage.shard(layer)
 
     def head_of(self, stage: AttentionStage) -> Head | GraphedHead:

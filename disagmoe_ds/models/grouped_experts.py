@@ -35,15 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
+from disagmoe_ds.capabilities.facts import FACTS
 from disagmoe_ds.models import triton_swiglu
 from disagmoe_ds.models.lora import ExpertAdapters
-from disagmoe_ds.models.moe_pattern import MODEL_TYPES
 
 GatedFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]  # (gate_up_PF, w_P, act_fn) -> hidden_PI
 SumSlotsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (y_PH, slot_RK, keep_RK)
 
-# Every family of the one table but GPT-OSS, whose experts keep HF's own module (see above).
-GATED_FUSED_FAMILIES = tuple(t for t in MODEL_TYPES if t != "gpt_oss")
+# Every family whose facts say its experts are gated and fused; GPT-OSS's keep HF's own module (see above).
+GATED_FUSED_FAMILIES = tuple(t for t, facts in FACTS.items() if facts.experts == "gated_fused")
 
 
 def _grouped_mm(x_PD: torch.Tensor, w_eDN: torch.Tensor, offsets_e: torch.Tensor) -> torch.Tensor:

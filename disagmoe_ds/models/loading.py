@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from disagmoe_ds.capabilities.uncut import check_uncut
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.jsonfile import read_json_object
 from disagmoe_ds.models.families import (
@@ -20,7 +21,6 @@ from disagmoe_ds.models.families import (
     is_moe_layer,
     token_table_of,
 )
-from disagmoe_ds.models.uncut import check_uncut
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

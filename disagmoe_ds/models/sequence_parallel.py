@@ -27,11 +27,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from disagmoe_ds.capabilities.rules import Job, check
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.models.aux_loss import RouterStats
 from disagmoe_ds.models.context import LayerContext, build_context
 from disagmoe_ds.models.families import family_of
-from disagmoe_ds.models.uncut import refused_with
 
 ATTENTION_KEY = "disagmoe_ulysses"  # the HF attention implementation an SP rank's attention modules use
 IGNORE_INDEX = -100
@@ -121,20 +121,7 @@ def check_sequence_parallel(config, size: int, seq_len: int | None = None) -> No
     """Refuse, before launch, what an SP degree of ``size`` cannot split (one line naming the reason)."""
     if size == 1:
         return
-    family = family_of(config)
-    unsupported = {
-        "qwen3_next": "its Gated DeltaNet layers are recurrent over the sequence",
-        "qwen3_5_moe": "its Gated DeltaNet layers are recurrent over the sequence",
-        "deepseek_v32": "its lightning indexer scores every key of the sequence outside the attention function",
-        "gpt_oss": "its attention sinks are per head and not split with the heads",
-    }
-    why = refused_with(config.to_dict(), "sequence_parallel")
-    if why is not None:
-        unsupported[family.model_type] = why
-    if family.model_type in unsupported:
-        raise LayoutError(
-            f"sequence_parallel {size}: {family.model_type} is not supported: {unsupported[family.model_type]}"
-        )
+    check(Job.of(family_of(config).model_type, sequence_parallel=size))  # what the family's cut cannot split
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % size:

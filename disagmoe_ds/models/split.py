@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from disagmoe_ds.models.hyper_connections import add_routed
 from disagmoe_ds.models.model_facts import num_routed_experts
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass
@@ -55,7 +58,7 @@ class SplitModel(nn.Module):
     shards copy slices of its fused expert tensors.
     """
 
-    config: Any  # the model's HF config (family-specific fields)
+    config: PretrainedConfig
     attention: AttentionStage
 
     def __init__(self, model: nn.Module, num_shards: int):
@@ -108,7 +111,9 @@ class SplitModel(nn.Module):
     @property
     def expert_stages(self) -> list[ExpertStage]:
         """``shards``, typed (a ModuleList's items are typed Module)."""
-        return [stage for stage in self.shards if isinstance(stage, ExpertStage)]
+        stages = [stage for stage in self.shards if isinstance(stage, ExpertStage)]
+        assert len(stages) == len(self.shards), "every shard is an ExpertStage (__init__)"
+        return stages
 
     def hf_named_grads(self) -> dict[str, torch.Tensor | None]:
         """Gradients under HF's parameter names, expert slices concatenated back into fused tensors."""

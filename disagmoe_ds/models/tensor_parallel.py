@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from disagmoe_ds.capabilities.rules import Job, check
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.models.context import LayerContext, build_context
 from disagmoe_ds.models.families import family_of
@@ -48,17 +49,6 @@ ROW = "o_proj"  # input columns by head: cut along dim 1
 PER_HEAD = ("sinks",)  # one value per query head
 GLU_COLUMN = ("gate_proj", "up_proj")  # a gated MLP's intermediate columns: cut along dim 0
 GLU_ROW = "down_proj"  # its input columns: cut along dim 1
-SUPPORTED = (  # families whose attention is one softmax attention module of the names above
-    "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "dots1",
-    "ernie4_5_moe", "hunyuan_v1_moe",
-)  # fmt: skip
-REFUSED = {
-    "olmoe": "its q_norm and k_norm normalise all heads together (a TP rank holds only its own)",
-    "minimax_m2": "its q_norm and k_norm normalise all heads together (a TP rank holds only its own)",
-    "qwen3_next": "its Gated DeltaNet layers are not head-sharded attention modules",
-    "qwen3_5_moe": "its Gated DeltaNet layers are not head-sharded attention modules",
-    "deepseek_v32": "its lightning indexer scores every key with all heads outside the attention module",
-}
 
 
 @dataclass(frozen=True)
@@ -127,13 +117,11 @@ def check_tensor_parallel(config, size: int, seq_len: int | None = None) -> None
     """Refuse, before launch, what a TP degree of ``size`` cannot split (one line naming the reason)."""
     if size == 1:
         return
-    model_type = family_of(config).model_type
-    if model_type in REFUSED or model_type not in SUPPORTED:
-        why = REFUSED.get(model_type, "its attention modules are not among those the runtime shards by heads")
-        raise LayoutError(f"tensor_parallel {size}: {model_type} is not supported: {why}")
+    family = family_of(config)
+    check(Job.of(family.model_type, tensor_parallel=size))  # families whose attention is not sharded by heads yet
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if model_type.startswith("deepseek"):
+    if family.attention == "mla":
         kv_heads = heads  # MLA: every head has its own keys and values (kv_b_proj)
     for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if count % size:
@@ -154,7 +142,7 @@ def check_lane(config, sp: int, tp: int, seq_len: int | None = None) -> None:
     kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp
     if heads % sp:
         raise LayoutError(f"sequence_parallel {sp} must divide the {heads} query heads of a tensor_parallel {tp} rank")
-    if not family_of(config).model_type.startswith("deepseek") and kv_heads % sp and sp % kv_heads:
+    if family_of(config).attention != "mla" and kv_heads % sp and sp % kv_heads:
         raise LayoutError(
             f"sequence_parallel {sp} and the {kv_heads} KV heads of a tensor_parallel {tp} rank must divide one another"
         )

@@ -72,7 +72,7 @@ def lane_refusal(spec: ModelSpec, s: int, t: int, *, tokens: int, gpus_per_node:
         return f"TP {t} does not divide the heads or exceeds a node"
     if s > 1 and any(spec.linear_layers):
         return "Ulysses needs softmax attention in every layer (this model has linear-attention layers)"
-    if s > 1 and spec.compressed is not None:  # as the runtime refuses it (models.uncut.NOT_WITH)
+    if s > 1 and spec.compressed is not None:  # as the runtime refuses it (capabilities.facts)
         return "Ulysses cannot split DeepSeek-V4's attention (its compressors pool windows of the whole sequence)"
     if (a.num_heads // t) % s:
         return f"SP {s} does not divide the {a.num_heads // t} query heads of a TP {t} rank"

@@ -3,10 +3,10 @@
 Supported ``model_type``s: the runtime's families (``models.moe_pattern.MODEL_TYPES``: qwen2_moe, qwen3_moe,
 mixtral, olmoe, deepseek_v2/v3/v32/v4, glm4_moe, gpt_oss, qwen3_next, qwen3_5_moe_text, ernie4_5_moe,
 hunyuan_v1_moe, dots1, minimax_m2), and qwen3_5_moe, read through its ``text_config``. Which layers route is the
-runtime's rule (``moe_pattern.moe_layer_pattern``). Field names differ per family; the
-maps below resolve them into ``model_fields``, the keyword arguments of ``model.ModelSpec``, into an
-``AttentionSpec`` and, for the hybrid Qwen3-Next / Qwen3.5 layers, a ``LinearAttentionSpec``; DeepSeek-V4's
-attention and hyper-connection streams are ``compressed_attention``'s.
+runtime's rule (``moe_pattern.moe_layer_pattern``). Field names differ per family; the maps below resolve them, by
+the family's facts (``capabilities.facts.FACTS``, the record the runtime reads too), into ``model_fields``, the
+keyword arguments of ``model.ModelSpec``, into an ``AttentionSpec`` and, for the hybrid Qwen3-Next / Qwen3.5 layers,
+a ``LinearAttentionSpec``; DeepSeek-V4's attention and hyper-connection streams are ``compressed_attention``'s.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from disagmoe_ds.capabilities.facts import FACTS, FamilyFacts
+from disagmoe_ds.capabilities.uncut import check_uncut
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.models.moe_pattern import (
     MODEL_TYPES,
@@ -23,17 +25,10 @@ from disagmoe_ds.models.moe_pattern import (
     moe_layer_pattern,
     token_routed_layers,
 )
-from disagmoe_ds.models.uncut import check_uncut
 from disagmoe_ds.planner.compressed_attention import compressed_attention
 from disagmoe_ds.planner.inputs import read_json
 
-SUPPORTED_TYPES = (*MODEL_TYPES, *VISION_LANGUAGE)  # the runtime's families, one table (models.moe_pattern)
-# Qwen2-MoE's MLP layout (moe_intermediate_size, a sigmoid-gated shared expert of shared_expert_intermediate_size).
-_QWEN_SHARED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
-# Layers alternate Gated DeltaNet linear attention and gated (sigmoid output gate) softmax attention with qk norm.
-_HYBRID = ("qwen3_next", "qwen3_5_moe_text")
-# DeepSeek's MLP layout (moe_intermediate_size, n_shared_experts, dense first layers); GLM-4.5 shares it with GQA.
-_DEEPSEEK_MLP = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "dots1")
+SUPPORTED_TYPES = (*MODEL_TYPES, *VISION_LANGUAGE)  # the runtime's families, one record (capabilities.facts)
 
 
 @dataclass(frozen=True)
@@ -101,20 +96,20 @@ def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported by the planner; supported: {', '.join(SUPPORTED_TYPES)}"
         )
-    num_layers = _int(cfg, "num_hidden_layers")
-    experts = _experts(cfg, model_type)
+    num_layers, facts = _int(cfg, "num_hidden_layers"), FACTS[model_type]
+    experts = _experts(cfg, facts)
     return {
         "model_type": model_type,
         "hidden_size": _int(cfg, "hidden_size"),
         "num_layers": num_layers,
         "vocab_size": _int(cfg, "vocab_size"),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "attention": _attention(cfg, model_type),
+        "attention": _attention(cfg, facts),
         "moe_layers": _moe_layers(cfg),
-        "windows": _windows(cfg, model_type, num_layers),
+        "windows": _windows(cfg, facts, num_layers),
         **experts,
-        **_linear_attention(cfg, model_type, num_layers),
-        **_hyper(cfg, model_type, num_layers),
+        **_linear_attention(cfg, facts, num_layers),
+        **_hyper(cfg, facts, num_layers),
     }
 
 
@@ -132,45 +127,42 @@ def _int(cfg: dict[str, Any], *names: str, default: int | None = None) -> int:
     return default
 
 
-def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+def _experts(cfg: dict[str, Any], facts: FamilyFacts) -> dict[str, Any]:
     """Routed/shared/dense MLP sizes: num_experts | num_local_experts | n_routed_experts, etc."""
     # ERNIE-4.5: moe_num_experts, moe_k; Hunyuan: moe_topk (a per-layer list is refused here, by _int)
     num_experts = _int(cfg, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
     top_k = _int(cfg, "num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk")
     if not 1 <= top_k <= num_experts:
         raise ConfigError(f"num_experts_per_tok ({top_k}) must be between 1 and the expert count ({num_experts})")
-    deepseek, qwen = model_type in (*_DEEPSEEK_MLP, "deepseek_v4"), model_type in ("qwen3_moe", *_QWEN_SHARED)
-    ernie = model_type == "ernie4_5_moe"
-    expert_i = _int(cfg, "moe_intermediate_size") if deepseek or qwen or ernie else _int(cfg, "intermediate_size")
+    expert_i = _int(cfg, "moe_intermediate_size" if facts.moe_intermediate else "intermediate_size")
     shared = 0
-    if model_type in _QWEN_SHARED:
+    if facts.shared_experts == "gated":  # one sigmoid-gated shared expert of its own size
         shared = _int(cfg, "shared_expert_intermediate_size", default=0)
-    elif deepseek:
-        shared = _int(cfg, "n_shared_experts", default=0) * expert_i
-    elif ernie:
-        shared = _int(cfg, "moe_num_shared_experts", default=2) * expert_i
-    elif model_type == "hunyuan_v1_moe":  # one shared MLP of the experts' size
+    elif facts.shared_experts == "experts":  # a count of shared experts of the routed ones' size
+        field, default = facts.shared_count
+        shared = _int(cfg, field, default=default) * expert_i
+    elif facts.shared_experts == "mlp":  # one shared MLP of the experts' size
         shared = expert_i
     return {
         "num_experts": num_experts,
         "top_k": top_k,
         "expert_intermediate": expert_i,
-        "dense_intermediate": _int(cfg, "intermediate_size", default=0) if deepseek or qwen or ernie else 0,
+        "dense_intermediate": _int(cfg, "intermediate_size", default=0) if facts.moe_intermediate else 0,
         "shared_intermediate": shared,
-        "shared_gate": model_type in _QWEN_SHARED and shared > 0,
-        "expert_bias": model_type == "gpt_oss",
+        "shared_gate": facts.shared_experts == "gated" and shared > 0,
+        "expert_bias": facts.experts == "gpt_oss",
         # GPT-OSS's router bias; ERNIE's correction bias is a (frozen) parameter of the same size
-        "router_bias": model_type in ("gpt_oss", "ernie4_5_moe"),
+        "router_bias": facts.router_bias,
     }
 
 
-def _attention(cfg: dict[str, Any], model_type: str) -> AttentionSpec:
+def _attention(cfg: dict[str, Any], facts: FamilyFacts) -> AttentionSpec:
     heads = _int(cfg, "num_attention_heads")
     hidden = _int(cfg, "hidden_size")
-    if model_type == "deepseek_v4":  # one K=V head; its own terms are compressed_attention's
+    if facts.attention == "compressed":  # one K=V head; its own terms are compressed_attention's
         head_dim = _int(cfg, "head_dim", default=512)
         return AttentionSpec(kind="gqa", num_heads=heads, num_kv_heads=1, head_dim=head_dim, v_head_dim=head_dim)
-    if model_type.startswith("deepseek"):
+    if facts.attention == "mla":
         rope, nope = _int(cfg, "qk_rope_head_dim"), _int(cfg, "qk_nope_head_dim")
         return AttentionSpec(
             kind="mla",
@@ -183,14 +175,12 @@ def _attention(cfg: dict[str, Any], model_type: str) -> AttentionSpec:
             qk_rope_head_dim=rope,
             qkv_bias=bool(cfg.get("attention_bias", False)),
             o_bias=bool(cfg.get("attention_bias", False)),
-            indexer_heads=_int(cfg, "index_n_heads", default=0) if model_type == "deepseek_v32" else 0,
-            indexer_head_dim=_int(cfg, "index_head_dim", default=0) if model_type == "deepseek_v32" else 0,
+            indexer_heads=_int(cfg, "index_n_heads", default=0) if facts.indexer else 0,
+            indexer_head_dim=_int(cfg, "index_head_dim", default=0) if facts.indexer else 0,
         )
     head_dim = _int(cfg, "head_dim", default=hidden // heads)
-    if model_type == "qwen2_moe":
-        bias = bool(cfg.get("qkv_bias", True))
-    else:
-        bias = bool(cfg.get("use_bias" if model_type == "ernie4_5_moe" else "attention_bias", False))
+    bias_field, bias_default = facts.bias
+    bias = bool(cfg.get(bias_field, bias_default))
     return AttentionSpec(
         kind="gqa",
         num_heads=heads,
@@ -198,18 +188,16 @@ def _attention(cfg: dict[str, Any], model_type: str) -> AttentionSpec:
         head_dim=head_dim,
         v_head_dim=head_dim,
         qkv_bias=bias,
-        o_bias=bias and model_type != "qwen2_moe",
-        qk_norm="head"
-        if model_type in ("qwen3_moe", "dots1", *_HYBRID) or cfg.get("use_qk_norm")
-        else {"olmoe": "full", "minimax_m2": "full"}.get(model_type, ""),
-        sinks=model_type == "gpt_oss",
-        output_gate=model_type in _HYBRID,
+        o_bias=bias and facts.o_bias,
+        qk_norm="head" if cfg.get("use_qk_norm") else facts.qk_norm,
+        sinks=facts.sinks,
+        output_gate=bool(facts.linear_attention),
     )
 
 
-def _linear_attention(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+def _linear_attention(cfg: dict[str, Any], facts: FamilyFacts, num_layers: int) -> dict[str, Any]:
     """``linear_layers`` (True where ``layer_types`` says "linear_attention") and their ``LinearAttentionSpec``."""
-    if model_type not in _HYBRID:
+    if not facts.linear_attention:
         return {"linear_attention": None, "linear_layers": (False,) * num_layers}
     types = cfg.get("layer_types")
     if types is None:  # HF's default: every full_attention_interval-th layer full, the others linear
@@ -223,15 +211,15 @@ def _linear_attention(cfg: dict[str, Any], model_type: str, num_layers: int) -> 
         head_k_dim=_int(cfg, "linear_key_head_dim", default=128),
         head_v_dim=_int(cfg, "linear_value_head_dim", default=128),
         conv_kernel=_int(cfg, "linear_conv_kernel_dim", default=4),
-        split_in_proj=model_type == "qwen3_5_moe_text",
+        split_in_proj=facts.linear_attention == "split",
     )
     return {"linear_attention": spec, "linear_layers": tuple(t == "linear_attention" for t in types)}
 
 
-def _hyper(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+def _hyper(cfg: dict[str, Any], facts: FamilyFacts, num_layers: int) -> dict[str, Any]:
     """DeepSeek-V4: its attention (``compressed_attention``), its residual streams (``hc_mult``, HF's default 4) and
     whether a layer routes by token id (the residual hand-off then carries the ids)."""
-    if model_type != "deepseek_v4":
+    if not facts.hyper_connections:
         return {}
     return {
         "compressed": compressed_attention(cfg, num_layers),
@@ -248,21 +236,21 @@ def _moe_layers(cfg: dict[str, Any]) -> tuple[bool, ...]:
     return moe_layer_pattern(cfg)
 
 
-def _windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
-    """Per-layer sliding window (0 = full causal), from layer_types or each family's default rule."""
+def _windows(cfg: dict[str, Any], facts: FamilyFacts, num_layers: int) -> tuple[int, ...]:
+    """Per-layer sliding window (0 = full causal), from layer_types or the family's default rule (``windows``)."""
     window = cfg.get("sliding_window") or 0
     types = cfg.get("layer_types")
     if types is not None:
         if len(types) != num_layers:
             raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
         return tuple(window if t == "sliding_attention" else 0 for t in types)
-    if model_type == "gpt_oss":
-        return tuple(window if i % 2 == 0 else 0 for i in range(num_layers))
-    if model_type in ("qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+    if facts.window_switch and not cfg.get("use_sliding_window", False):
         return (0,) * num_layers
-    if model_type == "qwen2_moe":
+    if facts.windows == "even":
+        return tuple(window if i % 2 == 0 else 0 for i in range(num_layers))
+    if facts.windows == "even_below_max":
         last = _int(cfg, "max_window_layers", default=num_layers)
         return tuple(window if i % 2 == 0 and i < last else 0 for i in range(num_layers))
-    if model_type in ("qwen3_moe", "mixtral"):
+    if facts.windows == "every":
         return (window,) * num_layers
     return (0,) * num_layers

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from disagmoe_ds.schedule import Costs, PipeShape, Task, TimelineEvent, Worker, build_graph
 from disagmoe_ds.schedule.generator import _Simulation
-from disagmoe_ds.schedule.tasks import Message
+from disagmoe_ds.schedule.tasks import Transfer
 
 _WGRAD_OF = {"A_bwd": "A_wgt", "F_bwd": "F_wgt"}
 
@@ -50,12 +50,12 @@ class RingGraph:
         kind, layer = self.kinds[i % self.size]
         return Task(kind, layer, i // self.size)  # type: ignore[arg-type]
 
-    def message(self, i: int) -> Message:
+    def message(self, i: int) -> Transfer:
         kind, src, dst, _ = self.messages[i % len(self.messages)]
         offset = i // len(self.messages) * self.size
         a, b = self.task(offset + src), self.task(offset + dst)
         w = self.shape.worker_of
-        return Message(kind, a, b, w(a), w(b))  # type: ignore[arg-type]
+        return Transfer(kind, a, b, w(a), w(b))  # type: ignore[arg-type]
 
 
 @lru_cache(maxsize=64)
@@ -96,7 +96,7 @@ class RingRun:
     step_s: float
     busy_s: dict[Worker, float]
     compute: tuple[tuple[Task, float, float], ...] = ()
-    transfers: tuple[tuple[Message, float, float], ...] = ()
+    transfers: tuple[tuple[Transfer, float, float], ...] = ()
 
     def events(self, shape: PipeShape) -> tuple[TimelineEvent, ...]:
         """``zerobubble``'s timeline: compute on its worker, each transfer as a send and a recv."""

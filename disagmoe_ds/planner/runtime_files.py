@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from disagmoe_ds.capabilities.rules import LEVERS, Job, fired
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import RankRole
 from disagmoe_ds.planner.allocator import best_runnable_colocated
@@ -35,29 +36,36 @@ TRAINING: dict[str, Any] = {
 WRITE_MODES = ("auto", "disaggregated", "colocated")
 
 
+def _refused(job: Job) -> str | None:
+    """The levers of ``job`` the runtime refuses beside each other (``capabilities.rules``, the table its preflight
+    checks), each as "X beside Y", or None."""
+    rules = fired(job)
+    return " and ".join(f"{LEVERS[r.beside]} beside {LEVERS[r.lever]}" for r in rules) or None
+
+
 def lane_refusal(work: Workload) -> str | None:
-    """What of the A-lane of ``work`` the runtime does not run yet (None: it runs it): the levers
-    ``afpipe.build.Disaggregated`` refuses beside tensor parallelism (the planner cannot import it)."""
+    """What of the A-lane of ``work`` the runtime does not run yet (None: it runs it): the levers its capabilities
+    table refuses beside tensor parallelism."""
     t = work.tensor_parallel
-    if t == 1:
-        return None
-    levers = {
-        "ZeRO 3 on the attention side": work.zero_of("attention") == 3,
-        "LoRA": work.lora.enabled,
-    }
-    chosen = [name for name, on in levers.items() if on]
-    if chosen:
-        return f"TP {t} lanes with {' and '.join(chosen)}: pass --tensor-parallel 1 or a variant without it"
-    return None
+    why = _refused(Job.of(None, tensor_parallel=t, zero3_attention=work.zero_of("attention") == 3,
+                          lora=work.lora.enabled))  # fmt: skip
+    return None if why is None else f"TP {t} lanes: {why}: pass --tensor-parallel 1 or a variant without it"
 
 
 def runtime_refusal(work: Workload) -> str | None:
-    """What of the variant ``work`` the runtime refuses (None: it runs all of it, at any depth). The runtime's own
-    checks (``DisagMoEConfig``, ``afpipe.build.check_zero_stages``) cannot be imported here (afpipe imports the
-    planner); a test holds the two to the same answers."""
-    if work.zero_of("ffn") == 3 and work.offload[1] > 0:
-        return "offload on an expert side at ZeRO-3"
-    return None
+    """What of the variant ``work`` the runtime refuses (None: it runs all of it, at any depth): the levers it turns
+    on that the runtime's capabilities table refuses beside each other."""
+    return _refused(
+        Job.of(
+            None,
+            activation_checkpointing=work.recompute == "full",
+            selective_recompute=work.recompute == "selective",
+            split_backward=work.split_backward,
+            offload=any(share > 0 for share in work.offload),
+            offload_ffn=work.offload[1] > 0,
+            zero3_ffn=work.zero_of("ffn") == 3,
+        )
+    )
 
 
 def colocated_refusal(candidate: ColocatedCandidate) -> str | None:

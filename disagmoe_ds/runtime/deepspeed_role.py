@@ -28,17 +28,19 @@ import logging
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Protocol
+from typing import Protocol
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from torch import nn
 
 from disagmoe_ds.config import SECTION, effective_zero_stage
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.models.expert_shard import ExpertShard
 from disagmoe_ds.models.tensor_parallel import shard_of
 from disagmoe_ds.runtime import ds_patches
@@ -77,8 +79,8 @@ MONITOR_SECTIONS = ("tensorboard", "wandb", "csv_monitor", "comet")  # DeepSpeed
 
 
 def role_ds_config(
-    ds_config: dict[str, Any], *, micro_batches: int, micro_batch_size: int, dp_size: int, stage: int | None = None
-) -> dict:
+    ds_config: JsonObject, *, micro_batches: int, micro_batch_size: int, dp_size: int, stage: int | None = None
+) -> JsonObject:
     """The user's ds_config adapted to one role engine, at ZeRO ``stage``: its side's effective stage (the mode's
     ``zero_stage_of``, which checked it), or None for the ds_config's own, checked here.
 
@@ -128,7 +130,7 @@ class GradNorm(Protocol):
     ``colocated.executor.ColocatedGradNorm`` (a co-located engine).
     """
 
-    def install(self, engine) -> None: ...
+    def install(self, engine: DeepSpeedEngine) -> None: ...
 
     @property
     def last_norm(self) -> float | None: ...
@@ -164,7 +166,7 @@ class GlobalGradNorm:
         self.last_norm = norm.item()
         return norm
 
-    def install(self, engine) -> None:
+    def install(self, engine: DeepSpeedEngine) -> None:
         """Route the engine's clipping norm through ``combine`` (ZeRO optimizer, or the fp32 engine path)."""
         stage = engine.zero_optimization_stage()
         if stage in (1, 2) and self.shard_domain is not None:
@@ -176,7 +178,7 @@ class GlobalGradNorm:
         else:  # plain fp32 engine: DeepSpeed clips with torch's clip_grad_norm_ in clip_fp32_gradients
             ds_patches.replace_fp32_clipping(engine, lambda: self._clip_fp32(engine))
 
-    def _clip_fp32(self, engine) -> None:
+    def _clip_fp32(self, engine: DeepSpeedEngine) -> None:
         params = [p for p in engine.module.parameters() if p.grad is not None]
         by_kind = [[p.grad for p in params if (shard_of(p) is not None) is sharded] for sharded in (False, True)]
         norms = [_norm(grads, like=params[0].grad) for grads in by_kind]  # whole parameters, then head shards
@@ -184,11 +186,12 @@ class GlobalGradNorm:
         clip_by_norm([p.grad for p in params], norm, engine.gradient_clipping())
 
 
-def _norm(grads: list, *, like) -> torch.Tensor:
+def _norm(grads: list[torch.Tensor], *, like: torch.Tensor) -> torch.Tensor:
     """The L2 norm of ``grads`` together (0 for none)."""
     if not grads:
         return like.new_zeros(())
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    norm: torch.Tensor = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return norm  # (torch's linalg functions are untyped builtins)
 
 
 def clip_by_norm(grads: Iterable[torch.Tensor], norm: torch.Tensor | float, max_norm: float) -> None:
@@ -199,7 +202,7 @@ def clip_by_norm(grads: Iterable[torch.Tensor], norm: torch.Tensor | float, max_
             grad.mul_(coef)
 
 
-def zero_grads_of_untouched(engine) -> None:
+def zero_grads_of_untouched(engine: DeepSpeedEngine) -> None:
     """Give the parameters no token reached this step (an expert nobody chose) a zero gradient, before ``step()``.
 
     Replicas must reduce the same buckets; a zero backward through DeepSpeed (not ``p.grad = 0``) also sets up its
@@ -214,7 +217,7 @@ def zero_grads_of_untouched(engine) -> None:
         engine.backward(torch.stack([p.reshape(-1)[0] for p in missing]).sum() * 0, scale_wrt_gas=False)
 
 
-def discard_gradients(engine) -> None:
+def discard_gradients(engine: DeepSpeedEngine) -> None:
     """Drop every gradient of the step so far without stepping, so that the step can run again from the same
     weights (a step that outgrew the exchange capacity: ``routing.Capacity``).
 
@@ -267,7 +270,10 @@ def _scheduler_start_unlogged() -> Iterator[None]:
         ds_logger.removeFilter(keep)
 
 
-def tensor_parallel_groups(module: nn.Module) -> list[Any]:
+ParamGroups = list[nn.Parameter] | list[dict[str, list[nn.Parameter]]]  # ``deepspeed.initialize``'s model_parameters
+
+
+def tensor_parallel_groups(module: nn.Module) -> ParamGroups:
     """The trained parameters for ``deepspeed.initialize``: one list, or with attention heads in shards
     (``models.tensor_parallel``) two groups, the replicated parameters then the shards (their norms count over
     different replicas: ``GlobalGradNorm``)."""
@@ -280,14 +286,14 @@ def tensor_parallel_groups(module: nn.Module) -> list[Any]:
 
 def build_engine(
     module: nn.Module,
-    ds_config: dict[str, Any],
+    ds_config: JsonObject,
     *,
     micro_batches: int,
     micro_batch_size: int,
     data_parallel_group: dist.ProcessGroup,
     grad_scale: float = 1.0,
     zero_stage: int | None = None,
-):
+) -> DeepSpeedEngine:
     """``deepspeed.initialize`` over one rank's module (a role stage, or a co-located model), with the corrections
     described in the module docstring; the caller installs the rank's ``GradNorm``.
 

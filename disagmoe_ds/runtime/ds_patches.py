@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import deepspeed
 import torch
@@ -21,6 +21,11 @@ import torch.distributed as dist
 from deepspeed.runtime.utils import combine_grad_norm_groups
 
 from disagmoe_ds.errors import DisagMoEError
+
+if TYPE_CHECKING:  # the objects patched (DeepSpeed is untyped: to a type checker, documentation)
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 PINNED = "0.19.8"
 
@@ -50,7 +55,7 @@ class DeepSpeedInternalsError(DisagMoEError):
     """The installed DeepSpeed lacks an internal that a patch relies on."""
 
 
-def require(obj: Any, patch: str) -> None:
+def require(obj: object, patch: str) -> None:
     """Raise unless ``obj`` has every attribute ``patch`` relies on (``INTERNALS``)."""
     missing = [name for name in INTERNALS[patch] if not hasattr(obj, name)]
     if missing:
@@ -61,7 +66,7 @@ def require(obj: Any, patch: str) -> None:
         )
 
 
-def allow_backward_without_gradients(optimizer: Any) -> None:
+def allow_backward_without_gradients(optimizer: DeepSpeedZeroOptimizer) -> None:
     """Let a ZeRO-2 backward reach no parameter of the engine.
 
     ZeRO-2 allocates its gradient buckets at a backward's first parameter gradient and frees them when the backward
@@ -84,14 +89,16 @@ def allow_backward_without_gradients(optimizer: Any) -> None:
     optimizer.reduce_ipg_grads = reduce_allocated
 
 
-def combine_zero_norm(optimizer: Any, combine: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def combine_zero_norm(optimizer: DeepSpeedZeroOptimizer, combine: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """ZeRO-1/2: DeepSpeed clips with ``combine`` of the norm it computed."""
     require(optimizer, "combine_zero_norm")
     own = optimizer.scaled_global_norm
     optimizer.scaled_global_norm = lambda *a, **k: combine(own(*a, **k))
 
 
-def combine_zero_group_norms(optimizer: Any, combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
+def combine_zero_group_norms(
+    optimizer: DeepSpeedZeroOptimizer, combine: Callable[[list[torch.Tensor]], torch.Tensor]
+) -> None:
     """ZeRO-1/2: DeepSpeed clips with ``combine`` of the norms it computed for each parameter group, in group order
     (recorded as ``scaled_global_norm`` computes them; its own combination is dropped)."""
     require(optimizer, "combine_zero_group_norms")
@@ -99,7 +106,7 @@ def combine_zero_group_norms(optimizer: Any, combine: Callable[[list[torch.Tenso
     recorded: list[torch.Tensor] = []
 
     def recording(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def record(*args, **kwargs) -> torch.Tensor:
+        def record(*args: object, **kwargs: object) -> torch.Tensor:
             norm = method(*args, **kwargs)
             recorded.append(norm)
             return norm
@@ -110,7 +117,7 @@ def combine_zero_group_norms(optimizer: Any, combine: Callable[[list[torch.Tenso
     offloaded = optimizer.complete_grad_norm_calculation_for_cpu_offload
     optimizer.complete_grad_norm_calculation_for_cpu_offload = recording(offloaded)
 
-    def scaled_global_norm(*args, **kwargs) -> torch.Tensor:
+    def scaled_global_norm(*args: object, **kwargs: object) -> torch.Tensor:
         recorded.clear()
         own(*args, **kwargs)
         return combine(list(recorded))
@@ -118,20 +125,22 @@ def combine_zero_group_norms(optimizer: Any, combine: Callable[[list[torch.Tenso
     optimizer.scaled_global_norm = scaled_global_norm
 
 
-def combine_zero3_norm(optimizer: Any, combine: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def combine_zero3_norm(
+    optimizer: DeepSpeedZeroOptimizer_Stage3, combine: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
     """ZeRO-3: ``step()`` clips with the L2 combination of the group norms; it gets ``combine`` of it instead."""
     require(optimizer, "combine_zero3_norm")
     own = optimizer._get_norm_groups
     optimizer._get_norm_groups = lambda: [combine(combine_grad_norm_groups(own()))]
 
 
-def replace_fp32_clipping(engine: Any, clip: Callable[[], None]) -> None:
+def replace_fp32_clipping(engine: DeepSpeedEngine, clip: Callable[[], None]) -> None:
     """An engine without a ZeRO optimizer clips through ``clip`` instead of torch's ``clip_grad_norm_``."""
     require(engine, "replace_fp32_clipping")
     engine.clip_fp32_gradients = clip
 
 
-def step_as_overflow(optimizer: Any) -> None:
+def step_as_overflow(optimizer: DeepSpeedZeroOptimizer) -> None:
     """ZeRO-1/2: one ``step()`` through DeepSpeed's path for an fp16 overflow (the gradients and ZeRO-2's reduced
     partitions cleared, nothing updated), the check forced to find one."""
     require(optimizer, "step_as_overflow")
@@ -145,7 +154,7 @@ def step_as_overflow(optimizer: Any) -> None:
         optimizer.check_grad_overflow, optimizer.overflow = checking, False
 
 
-def accumulate_across_backwards(optimizer: Any) -> None:
+def accumulate_across_backwards(optimizer: DeepSpeedZeroOptimizer_Stage3) -> None:
     """Make ZeRO-3 sum the gradient partitions of every backward between two ``step()`` calls.
 
     ZeRO-3 copies a backward's reduced partitions into its gradient buffer while ``micro_step_id`` is 0 and adds
@@ -156,11 +165,11 @@ def accumulate_across_backwards(optimizer: Any) -> None:
     require(optimizer, "accumulate_across_backwards")
     partition_grads, step = optimizer.partition_grads, optimizer.step
 
-    def accumulating(params_to_release, grad_partitions) -> None:
+    def accumulating(params_to_release: object, grad_partitions: object) -> None:
         optimizer.micro_step_id = 1
         partition_grads(params_to_release, grad_partitions)
 
-    def step_then_zero(*args, **kwargs):
+    def step_then_zero(*args: object, **kwargs: object) -> object:
         result = step(*args, **kwargs)
         optimizer.grad_partitions_flat_buffer.zero_()
         return result
@@ -179,7 +188,7 @@ def barriers_within(replicas: dist.ProcessGroup) -> Iterator[None]:
     require(deepspeed.comm, "barriers_within")
     barrier = deepspeed.comm.barrier
 
-    def replica_barrier(group=None, **kwargs):
+    def replica_barrier(group: dist.ProcessGroup | None = None, **kwargs: object) -> object:
         return barrier(group=group or replicas, **kwargs)
 
     deepspeed.comm.barrier = replica_barrier

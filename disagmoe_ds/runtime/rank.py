@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -28,22 +28,51 @@ from deepspeed import DeepSpeedEngine
 from torch import nn
 from transformers import PretrainedConfig
 
+from disagmoe_ds.capabilities.rules import check
+from disagmoe_ds.config.levers import job_of
 from disagmoe_ds.errors import ConfigError, UnsupportedModelError
 from disagmoe_ds.groups import ProcessGroups
+from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.layout import JobLayout, RankRole
 from disagmoe_ds.models.adapters import add_adapters
 from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.models.model_facts import RoutingFacts, routing_facts
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
 from disagmoe_ds.models.parts import compile_stage
-from disagmoe_ds.models.uncut import refused_with
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, build_engine
 from disagmoe_ds.runtime.step import Executor
 from disagmoe_ds.schedule import Costs
 
 LayoutT = TypeVar("LayoutT", bound=JobLayout)  # one mode's layout
+
+
+class ModeConfig(Protocol):
+    """What the builder reads of a mode's config (``DisagMoEConfig``, ``ColocatedConfig``) itself: the sections both
+    modes share (``config.sections``' ``Accumulation``, ``Watchdog``, ``Kernels``, ``FineTuning``) and its ZeRO
+    stage per side."""
+
+    @property
+    def micro_batches(self) -> int: ...
+
+    def zero_stage_of(self, side: str, ds_config: JsonObject) -> int: ...
+
+    @property
+    def comm_timeout_s(self) -> float: ...
+
+    @property
+    def compile(self) -> bool: ...
+
+    @property
+    def cuda_graphs(self) -> bool: ...
+
+    @property
+    def lora(self) -> LoraSettings | None: ...
+
+
+ConfigT = TypeVar("ConfigT", bound=ModeConfig)  # one mode's config
 
 
 @dataclass
@@ -80,12 +109,21 @@ class RankParts(Generic[LayoutT]):
 class RankMode(Protocol[LayoutT]):
     """One mode's own steps of ``RankBuilder`` (made from the mode's config)."""
 
-    def layout(self, config) -> LayoutT:
+    def layout(self, config: PretrainedConfig) -> LayoutT:
         """The validated layout from the HF config alone (the preflight and the build derive it the same way)."""
         ...
 
-    def check(self, layout: LayoutT, config, ds_config: dict[str, Any]) -> None:
-        """Refuse a layout the model or the ZeRO stage cannot run, with the fix."""
+    def check(self, layout: LayoutT, config: PretrainedConfig, ds_config: JsonObject, *, seq_len: int | None) -> None:
+        """Refuse a layout the model, the ZeRO stage or the sequence length (when known) cannot run, with the fix."""
+        ...
+
+    def describe(self, layout: LayoutT, config: PretrainedConfig, schedule_costs: Costs | None) -> list[str]:
+        """The start banner's lines about ``layout`` and the mode's pipeline (``schedule_costs``: the job plan's)."""
+        ...
+
+    def warm_up(self, executor: Executor, seq_len: int, *, evaluates: bool) -> None:
+        """Before the first step, what must not happen inside one (compiled kernels loaded, CUDA graphs captured);
+        ``evaluates``: evaluation's forwards too."""
         ...
 
     def groups(
@@ -116,7 +154,7 @@ class RankMode(Protocol[LayoutT]):
         ``weights``, or initialised from ``seed``)."""
         ...
 
-    def zero_stage(self, role: RankRole, ds_config: dict[str, Any]) -> int:
+    def zero_stage(self, role: RankRole, ds_config: JsonObject) -> int:
         """The ZeRO stage of the rank's engine (its side's, in the disaggregated mode)."""
         ...
 
@@ -133,17 +171,18 @@ class RankMode(Protocol[LayoutT]):
         ...
 
 
-class RankBuilder(Generic[LayoutT]):
-    """One mode's ``build_rank`` (call it) and ``preflight``."""
+class RankBuilder(Generic[LayoutT, ConfigT]):
+    """One mode, as everything outside it uses it: ``preflight`` before any rank starts, ``describe`` for the start
+    banner, then on every rank the build (call it) and ``warm_up``."""
 
-    def __init__(self, mode: Callable[[Any], RankMode[LayoutT]]):
+    def __init__(self, mode: Callable[[ConfigT], RankMode[LayoutT]]):
         self.mode = mode
 
     def __call__(
         self,
         model_dir: str | Path,
-        ds_config: dict[str, Any],
-        cfg: Any,
+        ds_config: JsonObject,
+        cfg: ConfigT,
         *,
         micro_batch_size: int,
         dtype: torch.dtype = torch.float32,
@@ -182,7 +221,8 @@ class RankBuilder(Generic[LayoutT]):
             torch.cuda.set_stream(torch.cuda.Stream(device))
         model, pretrained = rank_model(model_dir, dtype=dtype, model=model, weights=weights)
         if layout is None:
-            layout = self.layout_for(cast(PretrainedConfig, model.config), cfg, ds_config, dist.get_world_size())
+            config = cast(PretrainedConfig, model.config)
+            layout = self.preflight(config, cfg, ds_config, dist.get_world_size(), seq_len=seq_len)
         else:
             layout.check_world_size(dist.get_world_size())
         role = layout.role_of(rank)
@@ -226,13 +266,19 @@ class RankBuilder(Generic[LayoutT]):
         )
         return RankRuntime(layout, role, mode.executor(parts), module, engine)
 
-    def preflight(self, model_dir: str | Path, cfg: Any, ds_config: dict[str, Any], world_size: int) -> LayoutT:
-        """Validate the layout against the model config and the world size before any rank starts (no weights
-        read); the layout the ranks will build."""
-        return self.layout_for(load_config(model_dir), cfg, ds_config, world_size)
-
-    def layout_for(self, config: PretrainedConfig, cfg: Any, ds_config: dict[str, Any], world_size: int) -> LayoutT:
-        """``preflight`` for a model config already loaded (the job plan's)."""
+    def preflight(
+        self,
+        model: str | Path | PretrainedConfig,
+        cfg: ConfigT,
+        ds_config: JsonObject,
+        world_size: int,
+        *,
+        seq_len: int | None = None,
+    ) -> LayoutT:
+        """The layout the ranks will build, validated before any rank starts against the model's config (``model``: it,
+        or the HF directory it is read from; no weights read), the world size, the ds_config and, when known, the
+        sequence length."""
+        config = model if isinstance(model, PretrainedConfig) else load_config(model)
         mode = self.mode(cfg)
         if not any(moe_layer_pattern(config.to_dict())):
             raise UnsupportedModelError(
@@ -240,8 +286,16 @@ class RankBuilder(Generic[LayoutT]):
             )
         layout = mode.layout(config)
         layout.check_world_size(world_size)
-        mode.check(layout, config, ds_config)
-        why = refused_with(config.to_dict(), "cuda_graphs")
-        if why is not None and cfg.cuda_graphs:
-            raise ConfigError(f'"cuda_graphs" does not work with the {config.model_type} model yet: {why}; turn it off')
+        check(job_of(config.model_type, cfg, ds_config))  # every lever beside the others and the family, once
+        mode.check(layout, config, ds_config, seq_len=seq_len)
         return layout
+
+    def describe(
+        self, cfg: ConfigT, layout: LayoutT, config: PretrainedConfig, schedule_costs: Costs | None
+    ) -> list[str]:
+        """The start banner's lines about ``layout`` (this mode's ``preflight``) and the pipeline."""
+        return self.mode(cfg).describe(layout, config, schedule_costs)
+
+    def warm_up(self, runtime: RankRuntime, cfg: ConfigT, seq_len: int, *, evaluates: bool = False) -> None:
+        """Before the first step (every rank): what the mode must not do inside one (``RankMode.warm_up``)."""
+        self.mode(cfg).warm_up(runtime.executor, seq_len, evaluates=evaluates)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from disagmoe_ds.schedule import TimelineEvent
 
 @dataclass(frozen=True)
 class StepResult:
-    """One optimizer step, identical on every rank."""
+    """One optimizer step: the losses and norm identical on every rank, the router statistics this rank's own."""
 
     loss: float  # mean over lanes and micro-batches of (LM loss + coef * aux loss), as HF reports it
     lm_loss: float
@@ -23,6 +23,9 @@ class StepResult:
     grad_norm: float | None  # global, over every unique parameter (None when clipping is off with ZeRO-0)
     seconds: float
     reruns: int = 0  # times the step ran again at a larger exchange capacity (``routing.Capacity``)
+    # [L, E] int64: tokens this rank routed to each expert in the step, per layer (top-k choices); None where it routes
+    # none (an FFN rank). Summed over every rank, the whole batch's load of every layer (``train.balance``).
+    expert_counts_LE: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,6 @@ class Executor(Protocol):
     ``colocated.executor.ColocatedExecutor``)."""
 
     timeline: list[TimelineEvent] | None  # the last recorded step's events (``record_timeline``)
-    runner: Any  # the mode's compute; an attention rank's has ``step_expert_counts()`` (expert balancing)
 
     def train_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> StepResult:
         """One optimizer step over ``batches`` (the micro-batches of this rank's lane; None where it reads none)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
@@ -24,11 +23,12 @@ def start_clock() -> float:
 def gather_timeline(events: list[TimelineEvent], t0: float) -> list[TimelineEvent] | None:
     """All ranks' events shifted to the common start; the list on rank 0, None elsewhere (collective)."""
     shifted = [TimelineEvent(e.worker, e.name, e.category, e.start_s - t0, e.end_s - t0, dict(e.args)) for e in events]
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    # Rank 0's slots, one per rank, each filled with that rank's events.
+    gathered: list[list[TimelineEvent] | None] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(shifted, gathered, dst=0)
     if gathered is None:
         return None
-    return [event for rank_events in gathered for event in rank_events]
+    return [event for rank_events in gathered for event in rank_events or ()]
 
 
 def write_job_timeline(events: list[TimelineEvent], t0: float, path: str | Path) -> None:

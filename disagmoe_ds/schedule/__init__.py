@@ -25,8 +25,20 @@ from disagmoe_ds.schedule.instructions import (
     WeightGradAttn,
     WeightGradExperts,
 )
+from disagmoe_ds.schedule.sizes import SELF_SIZED, size_sources
 from disagmoe_ds.schedule.streams import build_streams, forward_stream, layer_in_flight
-from disagmoe_ds.schedule.tasks import Channel, Message, PipeShape, ScheduleError, Task, TaskGraph, Worker, build_graph
+from disagmoe_ds.schedule.tasks import (
+    Channel,
+    Kind,
+    PipeShape,
+    ScheduleError,
+    Task,
+    TaskGraph,
+    TaskKind,
+    Transfer,
+    Worker,
+    build_graph,
+)
 from disagmoe_ds.schedule.trace import TimelineEvent, to_chrome_trace, write_chrome_trace
 
 __all__ = [
@@ -39,17 +51,20 @@ __all__ = [
     "ForwardAttn",
     "ForwardExperts",
     "Instruction",
-    "Message",
+    "Kind",
     "OptimizerStep",
     "PipeShape",
     "PostRecv",
     "ReduceGrads",
+    "SELF_SIZED",
     "Schedule",
     "ScheduleError",
     "Send",
     "Task",
     "TaskGraph",
+    "TaskKind",
     "TimelineEvent",
+    "Transfer",
     "WaitRecv",
     "WeightGradAttn",
     "WeightGradExperts",
@@ -62,6 +77,7 @@ __all__ = [
     "generate",
     "layer_in_flight",
     "render",
+    "size_sources",
     "to_chrome_trace",
     "unit_costs",
     "write_chrome_trace",

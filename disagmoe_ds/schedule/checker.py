@@ -25,7 +25,6 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from disagmoe_ds.schedule.instructions import (
-    KIND_OF_COMPUTE,
     CommInstruction,
     ComputeInstruction,
     Instruction,
@@ -33,7 +32,7 @@ from disagmoe_ds.schedule.instructions import (
     Send,
     WaitRecv,
 )
-from disagmoe_ds.schedule.tasks import Channel, Message, ScheduleError, Task, Worker
+from disagmoe_ds.schedule.tasks import Channel, ScheduleError, Task, Transfer, Worker
 
 Streams = Mapping[Worker, Sequence[Instruction]]
 Places = Mapping[str, list[tuple[Worker, int]]]
@@ -51,32 +50,28 @@ def render(streams: Streams) -> str:
     """Compute order per worker, e.g. ``A0: F0.0 F0.1 B2.1`` (notation in the module docstring)."""
     lines = []
     for worker in sorted(streams):
-        labels = [_task_of(ins).label for ins in streams[worker] if isinstance(ins, ComputeInstruction)]
+        labels = [ins.task.label for ins in streams[worker] if isinstance(ins, ComputeInstruction)]
         lines.append(" ".join([f"{worker}:", *labels]))
     return "\n".join(lines)
 
 
-def _task_of(ins: ComputeInstruction) -> Task:
-    return Task(KIND_OF_COMPUTE[type(ins)], ins.layer, ins.micro_batch)
-
-
-def _places(streams: Streams) -> dict[Message, Places]:
+def _places(streams: Streams) -> dict[Transfer, Places]:
     """Per message, where (worker, index) it is sent, posted, waited, produced and consumed."""
     computes: dict[Task, tuple[Worker, int]] = {}
-    places: dict[Message, Places] = defaultdict(lambda: defaultdict(list))
+    places: dict[Transfer, Places] = defaultdict(lambda: defaultdict(list))
     for worker, stream in streams.items():
         for i, ins in enumerate(stream):
             if isinstance(ins, CommInstruction):
                 places[ins.message][type(ins).__name__].append((worker, i))
             elif isinstance(ins, ComputeInstruction):
-                computes[_task_of(ins)] = (worker, i)
+                computes[ins.task] = (worker, i)
     for message, where in places.items():
         where["producer"] += [computes[message.src]] if message.src in computes else []
         where["consumer"] += [computes[message.dst]] if message.dst in computes else []
     return places
 
 
-def _check_message(message: Message, where: Places) -> None:
+def _check_message(message: Transfer, where: Places) -> None:
     expected = {"Send": message.src_worker, "PostRecv": message.dst_worker, "WaitRecv": message.dst_worker}
     for name, worker in expected.items():
         if [w for w, _ in where[name]] != [worker]:
@@ -92,7 +87,7 @@ def _check_message(message: Message, where: Places) -> None:
 
 
 def _check_channel_order(streams: Streams) -> None:
-    order: dict[type, dict[Channel, list[Message]]] = {cls: defaultdict(list) for cls in (Send, PostRecv, WaitRecv)}
+    order: dict[type, dict[Channel, list[Transfer]]] = {cls: defaultdict(list) for cls in (Send, PostRecv, WaitRecv)}
     for stream in streams.values():
         for ins in stream:
             if isinstance(ins, CommInstruction):
@@ -110,7 +105,7 @@ def _check_channel_order(streams: Streams) -> None:
 def _check_no_deadlock(streams: Streams) -> None:
     """Run the streams with non-blocking sends and blocking waits; if they stop, name the wait cycle."""
     pc = dict.fromkeys(streams, 0)
-    sent: set[Message] = set()
+    sent: set[Transfer] = set()
     blocked: dict[Worker, WaitRecv] = {}
     progress = True
     while progress:

@@ -30,14 +30,21 @@ from dataclasses import dataclass, field, fields
 from disagmoe_ds.schedule.checker import render
 from disagmoe_ds.schedule.instructions import Instruction
 from disagmoe_ds.schedule.streams import build_streams
-from disagmoe_ds.schedule.tasks import Message, PipeShape, ScheduleError, Task, TaskGraph, Worker, build_graph
+from disagmoe_ds.schedule.tasks import (
+    Kind,
+    PipeShape,
+    ScheduleError,
+    Task,
+    TaskGraph,
+    TaskKind,
+    Transfer,
+    Worker,
+    build_graph,
+)
 from disagmoe_ds.schedule.trace import TimelineEvent
 
-_KINDS = (
-    *("A_fwd", "A_bwd", "F_fwd", "F_bwd", "A_wgt", "F_wgt"),
-    *("m2n", "n2m", "resid", "m2n_grad", "n2m_grad", "resid_grad"),
-)
-_WGRAD_OF = {"A_bwd": "A_wgt", "F_bwd": "F_wgt"}
+_KINDS = ("A_fwd", "A_bwd", "F_fwd", "F_bwd", "A_wgt", "F_wgt", *(kind.value for kind in Kind))
+_WGRAD_OF: Mapping[TaskKind, TaskKind] = {"A_bwd": "A_wgt", "F_bwd": "F_wgt"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,18 +88,34 @@ class Costs:
             return self.overrides[task.kind, task.layer]
         if task.layer == num_layers:
             return self.head_fwd if task.is_forward else self.head_wgt if task.is_weight_grad else self.head_bwd
-        return getattr(self, task.kind.lower())
+        per_kind: dict[TaskKind, float] = {
+            "A_fwd": self.a_fwd,
+            "A_bwd": self.a_bwd,
+            "F_fwd": self.f_fwd,
+            "F_bwd": self.f_bwd,
+            "A_wgt": self.a_wgt,
+            "F_wgt": self.f_wgt,
+        }
+        return per_kind[task.kind]
 
     def weight_grad_of(self, task: Task, num_layers: int) -> Task | None:
         """The W task a backward ``task`` defers (split backward), None where its W costs nothing."""
         kind = _WGRAD_OF.get(task.kind)
         if kind is None:
             return None
-        wgrad = Task(kind, task.layer, task.micro_batch)  # type: ignore[arg-type]
+        wgrad = Task(kind, task.layer, task.micro_batch)
         return wgrad if self.compute_s(wgrad, num_layers) > 0 else None
 
-    def transfer_s(self, message: Message) -> float:
-        return self.overrides.get((message.kind, message.src.layer), getattr(self, message.kind))
+    def transfer_s(self, message: Transfer) -> float:
+        per_kind = {
+            Kind.M2N: self.m2n,
+            Kind.N2M: self.n2m,
+            Kind.RESID: self.resid,
+            Kind.M2N_GRAD: self.m2n_grad,
+            Kind.N2M_GRAD: self.n2m_grad,
+            Kind.RESID_GRAD: self.resid_grad,
+        }
+        return self.overrides.get((message.kind, message.src.layer), per_kind[message.kind])
 
 
 def unit_costs(*, split_backward: bool = False, compiled: bool = False, ffn_zero3: bool = False) -> Costs:
@@ -113,7 +136,7 @@ class Schedule:
     graph: TaskGraph
     max_in_flight: int
     compute: dict[Task, tuple[float, float]]
-    transfers: dict[Message, tuple[float, float]]
+    transfers: dict[Transfer, tuple[float, float]]
     streams: dict[Worker, tuple[Instruction, ...]]
 
     @property
@@ -209,11 +232,13 @@ class _Simulation:
         self.left.update((self.worker_of(w), w.micro_batch) for w in self.wgrad.values())  # in flight until W too
         self.order: dict[Worker, list[Task]] = {w: [] for w in graph.tasks}
         self.compute: dict[Task, tuple[float, float]] = {}
-        self.transfers: dict[Message, tuple[float, float]] = {}
+        self.transfers: dict[Transfer, tuple[float, float]] = {}
         self.link_free: dict[object, float] = defaultdict(float)
-        self.events: list[tuple[float, int, Task | Message]] = []
+        self.events: list[tuple[float, int, Task | Transfer]] = []
 
-    def run(self) -> tuple[dict[Worker, tuple[Task, ...]], dict[Task, tuple[float, float]], dict]:
+    def run(
+        self,
+    ) -> tuple[dict[Worker, tuple[Task, ...]], dict[Task, tuple[float, float]], dict[Transfer, tuple[float, float]]]:
         now, idle = 0.0, set(self.graph.tasks)
         while True:
             for worker in sorted(idle):
@@ -274,7 +299,7 @@ class _Simulation:
         if not self.missing[task]:
             self.ready[self.worker_of(task)].add(task)
 
-    def _push(self, time: float, item: Task | Message) -> None:
+    def _push(self, time: float, item: Task | Transfer) -> None:
         heapq.heappush(self.events, (time, len(self.compute) + len(self.transfers), item))
 
     def _stall_report(self, now: float) -> str:

@@ -1,4 +1,5 @@
-"""The instructions of AF-Pipe streams: behaviour-free values that the engine maps to ``_exec_*`` methods.
+"""The instructions of AF-Pipe streams: behaviour-free values that the executor dispatches on, type by type, to its
+``_exec_*`` methods (``afpipe.executor``); the same objects from the generator to the executor.
 
 A worker's stream is, for each compute task in order: ``WaitRecv`` for each remote input (and for messages sent
 ahead of it on the same channel), the compute, ``Send`` for each remote output; ``PostRecv`` placed ahead of
@@ -11,8 +12,9 @@ mirrors DeepSpeed's ``PipeInstruction`` classes but does not import deepspeed, s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from disagmoe_ds.schedule.tasks import Message, TaskKind
+from disagmoe_ds.schedule.tasks import Task, TaskKind, Transfer
 
 
 @dataclass(frozen=True)
@@ -22,9 +24,9 @@ class Instruction:
 
 @dataclass(frozen=True)
 class CommInstruction(Instruction):
-    """Base class of the instructions that move one message."""
+    """Base class of the instructions that move one transfer (a hand-off too: its ends are one worker)."""
 
-    message: Message
+    message: Transfer
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message})"
@@ -58,28 +60,42 @@ class Send(CommInstruction):
 class ComputeInstruction(Instruction):
     """Base class of the instructions that run one task (a chunk of one micro-batch)."""
 
+    kind: ClassVar[TaskKind]  # the task kind each subclass runs
     layer: int
     micro_batch: int
+
+    @property
+    def task(self) -> Task:
+        """The task this instruction runs: what its transfers name as their ``src`` or ``dst``."""
+        return Task(self.kind, self.layer, self.micro_batch)
 
 
 @dataclass(frozen=True)
 class ForwardAttn(ComputeInstruction):
     """A-side chunk forward: combine, attention, router, shared/dense MLP (``layer == L``: norm, head, loss)."""
 
+    kind = "A_fwd"
+
 
 @dataclass(frozen=True)
 class BackwardAttn(ComputeInstruction):
     """Autograd through a ForwardAttn chunk; its activations live from that ForwardAttn until here."""
+
+    kind = "A_bwd"
 
 
 @dataclass(frozen=True)
 class ForwardExperts(ComputeInstruction):
     """F-side forward: the routed experts of one MoE layer on the tokens received by M2N."""
 
+    kind = "F_fwd"
+
 
 @dataclass(frozen=True)
 class BackwardExperts(ComputeInstruction):
     """Autograd through ForwardExperts: expert weight grads, and token grads for the A-group."""
+
+    kind = "F_bwd"
 
 
 @dataclass(frozen=True)
@@ -89,10 +105,14 @@ class WeightGradAttn(ComputeInstruction):
     Pairs with nothing: no message in or out, and nothing but ``ReduceGrads`` waits for it.
     """
 
+    kind = "A_wgt"
+
 
 @dataclass(frozen=True)
 class WeightGradExperts(ComputeInstruction):
     """Split backward: the expert weight gradients a BackwardExperts chunk deferred. Pairs with nothing."""
+
+    kind = "F_wgt"
 
 
 @dataclass(frozen=True)
@@ -111,12 +131,10 @@ class OptimizerStep(Instruction):
     """
 
 
-COMPUTE_OF_KIND: dict[TaskKind, type[ComputeInstruction]] = {
-    "A_fwd": ForwardAttn,
-    "A_bwd": BackwardAttn,
-    "F_fwd": ForwardExperts,
-    "F_bwd": BackwardExperts,
-    "A_wgt": WeightGradAttn,
-    "F_wgt": WeightGradExperts,
-}
-KIND_OF_COMPUTE: dict[type[Instruction], TaskKind] = {cls: kind for kind, cls in COMPUTE_OF_KIND.items()}
+_COMPUTES = (ForwardAttn, BackwardAttn, ForwardExperts, BackwardExperts, WeightGradAttn, WeightGradExperts)
+COMPUTE_OF_KIND: dict[TaskKind, type[ComputeInstruction]] = {cls.kind: cls for cls in _COMPUTES}
+
+
+def compute_of(task: Task) -> ComputeInstruction:
+    """The instruction that runs ``task``."""
+    return COMPUTE_OF_KIND[task.kind](task.layer, task.micro_batch)

@@ -5,6 +5,7 @@ tags, and our receivers complete a channel's messages oldest first. So on every 
 and waits in exactly the sender's send order. When a task needs a message that was sent after others on the
 same channel, it first waits for those too: they were sent earlier, so this never blocks longer, and their
 tensors are held until their own task runs. Each receive is posted ``lookahead`` compute tasks before its wait.
+A hand-off (both ends on one worker) is sent, posted and waited in the same way, so it takes the same path.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from collections import defaultdict
 from collections.abc import Mapping
 
 from disagmoe_ds.schedule import instructions as ins
-from disagmoe_ds.schedule.tasks import Channel, Message, Task, TaskGraph, Worker
+from disagmoe_ds.schedule.tasks import Channel, Task, TaskGraph, Transfer, Worker
 
 
 def build_streams(
     graph: TaskGraph, order: Mapping[Worker, tuple[Task, ...]], *, lookahead: int
 ) -> dict[Worker, tuple[ins.Instruction, ...]]:
     """One instruction stream per worker that runs the worker's tasks in ``order`` (execution order)."""
-    sent: dict[Channel, list[Message]] = defaultdict(list)  # every channel's messages in send order
+    sent: dict[Channel, list[Transfer]] = defaultdict(list)  # every channel's messages in send order
     for tasks in order.values():
         for task in tasks:
             for message in graph.outputs.get(task, ()):  # a weight-gradient task is not in the graph: none
@@ -29,12 +30,12 @@ def build_streams(
 
 
 def _wait_slots(
-    graph: TaskGraph, tasks: tuple[Task, ...], sent: Mapping[Channel, list[Message]]
-) -> list[list[Message]]:
+    graph: TaskGraph, tasks: tuple[Task, ...], sent: Mapping[Channel, list[Transfer]]
+) -> list[list[Transfer]]:
     """For each compute task, the messages waited just before it: its inputs and any sent ahead of them."""
     rank = {message: k for queue in sent.values() for k, message in enumerate(queue)}
     num_waited: dict[Channel, int] = defaultdict(int)
-    slots: list[list[Message]] = [[] for _ in tasks]
+    slots: list[list[Transfer]] = [[] for _ in tasks]
     for slot, task in zip(slots, tasks):
         for message in graph.inputs.get(task, ()):
             channel = message.channel
@@ -45,22 +46,19 @@ def _wait_slots(
 
 
 def _stream(
-    graph: TaskGraph, tasks: tuple[Task, ...], sent: Mapping[Channel, list[Message]], lookahead: int
+    graph: TaskGraph, tasks: tuple[Task, ...], sent: Mapping[Channel, list[Transfer]], lookahead: int
 ) -> tuple[ins.Instruction, ...]:
     waits = _wait_slots(graph, tasks, sent)
-    posts: list[list[Message]] = [[] for _ in tasks]
+    posts: list[list[Transfer]] = [[] for _ in tasks]
     for i, messages in enumerate(waits):
         posts[max(0, i - lookahead)] += messages  # waits keep send order per channel, so posts do too
     stream: list[ins.Instruction] = []
     for task, post, wait in zip(tasks, posts, waits):
         stream += [ins.PostRecv(message) for message in post]
         stream += [ins.WaitRecv(message) for message in wait]
-        stream.append(ins.COMPUTE_OF_KIND[task.kind](task.layer, task.micro_batch))
+        stream.append(ins.compute_of(task))
         stream += [ins.Send(message) for message in graph.outputs.get(task, ())]
     return (*stream, ins.ReduceGrads(), ins.OptimizerStep())
-
-
-_FORWARD_MESSAGES = ("m2n", "n2m", "resid")
 
 
 def forward_stream(stream: tuple[ins.Instruction, ...]) -> tuple[ins.Instruction, ...]:
@@ -74,7 +72,7 @@ def forward_stream(stream: tuple[ins.Instruction, ...]) -> tuple[ins.Instruction
         instruction
         for instruction in stream
         if isinstance(instruction, ins.ForwardAttn | ins.ForwardExperts)
-        or (isinstance(instruction, ins.CommInstruction) and instruction.message.kind in _FORWARD_MESSAGES)
+        or (isinstance(instruction, ins.CommInstruction) and not instruction.message.kind.is_grad)
     )
 
 

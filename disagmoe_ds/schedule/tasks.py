@@ -14,8 +14,9 @@ A dependency between two different workers is a message on the channel (kind, sr
     resid  A_fwd(l-1) -> A_fwd(l)      m2n  A_fwd(l) -> F_fwd(l)    n2m  F_fwd(l-1) -> A_fwd(l)
     resid_grad  A_bwd(l+1) -> A_bwd(l)     m2n_grad  F_bwd(l) -> A_bwd(l)     n2m_grad  A_bwd(l+1) -> F_bwd(l)
 
-With p = 1, resid and resid_grad stay on A0 as local hand-offs; so a micro-batch sends 4 messages per MoE
-layer, plus 2 * L when p > 1.
+With p = 1, resid and resid_grad stay on A0: they are hand-offs (``TaskGraph.hand_offs``), transfers whose two
+ends are one worker, which cost no link time; so a micro-batch sends 4 messages per MoE layer over the network, plus
+2 * L when p > 1, and hands 2 * L on locally when p = 1. Both kinds are ``Transfer``s, sent and received alike.
 
 >>> graph = build_graph(PipeShape(depth=2, num_layers=2, moe_layers=(True, True)), num_micro_batches=1)
 >>> [str(w) for w in graph.tasks], len(graph.messages)
@@ -25,14 +26,31 @@ layer, plus 2 * L when p > 1.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal, cast
+from enum import StrEnum
+from typing import Literal, TypeVar
 
 from disagmoe_ds.errors import DisagMoEError
 
 TaskKind = Literal["A_fwd", "F_fwd", "A_bwd", "F_bwd", "A_wgt", "F_wgt"]
-MessageKind = Literal["m2n", "n2m", "resid", "m2n_grad", "n2m_grad", "resid_grad"]
+
+
+class Kind(StrEnum):
+    """The kind of a transfer, from the schedule to the wire: one channel and one communicator per kind and pair of
+    workers (``comm.exchange``), one message type per kind (``comm.exchange.MESSAGE_TYPES``)."""
+
+    M2N = "m2n"
+    N2M = "n2m"
+    RESID = "resid"
+    M2N_GRAD = "m2n_grad"
+    N2M_GRAD = "n2m_grad"
+    RESID_GRAD = "resid_grad"
+
+    @property
+    def is_grad(self) -> bool:
+        """A backward transfer (an evaluation, forwards alone, has none)."""
+        return self.value.endswith("_grad")
 
 
 class ScheduleError(DisagMoEError):
@@ -82,7 +100,7 @@ class Channel:
     """A one-way link: the messages of one kind from one worker to another, received in their send order. At run
     time each is a communicator of its own (``comm.exchange``), so no kind queues behind another."""
 
-    kind: MessageKind
+    kind: Kind
     src: Worker
     dst: Worker
 
@@ -91,14 +109,16 @@ class Channel:
 
 
 @dataclass(frozen=True, order=True)
-class Message:
-    """``src`` produces a tensor that ``dst`` consumes on another worker.
+class Transfer:
+    """``src`` produces a tensor that ``dst`` consumes: a scheduled transfer (its wire form is a
+    ``comm.messages.Message``).
 
-    ``src_worker`` runs ``src`` and ``dst_worker`` runs ``dst``; the message travels on their ``channel`` (one per
-    kind and worker pair), where receives match sends in the sender's order.
+    ``src_worker`` runs ``src`` and ``dst_worker`` runs ``dst``; the transfer travels on their ``channel`` (one per
+    kind and worker pair), where receives match sends in the sender's order. A hand-off (both ends one worker) moves
+    through the same instructions and the same mailbox, without a wire.
     """
 
-    kind: MessageKind
+    kind: Kind
     src: Task
     dst: Task
     src_worker: Worker
@@ -109,9 +129,9 @@ class Message:
         return Channel(self.kind, self.src_worker, self.dst_worker)
 
     @property
-    def key(self) -> tuple[MessageKind, int, int]:
-        """(kind, layer and micro-batch of the sending task): names the message from the runner to the wire."""
-        return self.kind, self.src.layer, self.src.micro_batch
+    def is_hand_off(self) -> bool:
+        """Both ends on one worker (p = 1: the residual and its gradient)."""
+        return self.src_worker == self.dst_worker
 
     def __str__(self) -> str:
         return f"{self.kind} {self.src.layer}.{self.src.micro_batch} {self.src_worker}->{self.dst_worker}"
@@ -165,33 +185,37 @@ class PipeShape:
 @dataclass(frozen=True, eq=False)
 class TaskGraph:
     """Every task of a step: ``tasks`` per worker (canonical order, not execution order), ``deps`` (every
-    predecessor, local or remote), and ``inputs``/``outputs`` (a task's remote messages, in a fixed order)."""
+    predecessor, local or remote), ``messages`` (the transfers between two workers, which take link time),
+    ``hand_offs`` (those within one worker, which take none), and ``inputs``/``outputs`` (a task's transfers of
+    both sorts, in a fixed order)."""
 
     shape: PipeShape
     num_micro_batches: int
     tasks: dict[Worker, tuple[Task, ...]]
     deps: dict[Task, tuple[Task, ...]]
-    messages: tuple[Message, ...]
-    inputs: dict[Task, tuple[Message, ...]]
-    outputs: dict[Task, tuple[Message, ...]]
+    messages: tuple[Transfer, ...]
+    hand_offs: tuple[Transfer, ...]
+    inputs: dict[Task, tuple[Transfer, ...]]
+    outputs: dict[Task, tuple[Transfer, ...]]
 
 
-def _edges(shape: PipeShape, m: int) -> Iterator[tuple[MessageKind | Literal["local"], Task, Task]]:
-    """(message kind, producer, consumer) for every dependency of micro-batch ``m`` (``local``: on one worker)."""
+def _edges(shape: PipeShape, m: int) -> Iterator[tuple[Kind | None, Task, Task]]:
+    """(transfer kind, producer, consumer) for every dependency of micro-batch ``m`` (None: the chunk's own state,
+    from its forward to its backward)."""
     for layer in range(shape.num_layers + 1):
         a_fwd, a_bwd = Task("A_fwd", layer, m), Task("A_bwd", layer, m)
-        yield "local", a_fwd, a_bwd
+        yield None, a_fwd, a_bwd
         if layer >= 1:
-            yield "resid", Task("A_fwd", layer - 1, m), a_fwd
+            yield Kind.RESID, Task("A_fwd", layer - 1, m), a_fwd
         if layer < shape.num_layers:
-            yield "resid_grad", Task("A_bwd", layer + 1, m), a_bwd
+            yield Kind.RESID_GRAD, Task("A_bwd", layer + 1, m), a_bwd
         if layer < shape.num_layers and shape.moe_layers[layer]:
             f_fwd, f_bwd = Task("F_fwd", layer, m), Task("F_bwd", layer, m)
-            yield "m2n", a_fwd, f_fwd
-            yield "n2m", f_fwd, Task("A_fwd", layer + 1, m)
-            yield "local", f_fwd, f_bwd
-            yield "n2m_grad", Task("A_bwd", layer + 1, m), f_bwd
-            yield "m2n_grad", f_bwd, a_bwd
+            yield Kind.M2N, a_fwd, f_fwd
+            yield Kind.N2M, f_fwd, Task("A_fwd", layer + 1, m)
+            yield None, f_fwd, f_bwd
+            yield Kind.N2M_GRAD, Task("A_bwd", layer + 1, m), f_bwd
+            yield Kind.M2N_GRAD, f_bwd, a_bwd
 
 
 def build_graph(shape: PipeShape, num_micro_batches: int) -> TaskGraph:
@@ -199,25 +223,38 @@ def build_graph(shape: PipeShape, num_micro_batches: int) -> TaskGraph:
     if not isinstance(num_micro_batches, int) or num_micro_batches < 1:
         raise ScheduleError(f"num_micro_batches must be a positive integer, got {num_micro_batches!r}")
     deps: dict[Task, list[Task]] = {}
-    messages: list[Message] = []
+    transfers: list[Transfer] = []
     for m in range(num_micro_batches):
         for kind, src, dst in _edges(shape, m):
             deps.setdefault(src, [])
             deps.setdefault(dst, []).append(src)
-            if shape.worker_of(src) != shape.worker_of(dst):
-                messages.append(Message(cast(MessageKind, kind), src, dst, shape.worker_of(src), shape.worker_of(dst)))
+            if kind is not None:
+                transfers.append(Transfer(kind, src, dst, shape.worker_of(src), shape.worker_of(dst)))
     tasks: dict[Worker, list[Task]] = {w: [] for w in shape.workers}
-    inputs: dict[Task, list[Message]] = {t: [] for t in deps}
-    outputs: dict[Task, list[Message]] = {t: [] for t in deps}
+    inputs: dict[Task, list[Transfer]] = {t: [] for t in deps}
+    outputs: dict[Task, list[Transfer]] = {t: [] for t in deps}
     for task in sorted(deps):
         tasks[shape.worker_of(task)].append(task)
-    for msg in messages:
-        inputs[msg.dst].append(msg)
-        outputs[msg.src].append(msg)
+    for transfer in transfers:
+        inputs[transfer.dst].append(transfer)
+        outputs[transfer.src].append(transfer)
+    messages = tuple(t for t in transfers if not t.is_hand_off)
+    hand_offs = tuple(t for t in transfers if t.is_hand_off)
     return TaskGraph(
-        shape, num_micro_batches, _tuples(tasks), _tuples(deps), tuple(messages), _tuples(inputs), _tuples(outputs)
+        shape,
+        num_micro_batches,
+        _tuples(tasks),
+        _tuples(deps),
+        messages,
+        hand_offs,
+        _tuples(inputs),
+        _tuples(outputs),
     )
 
 
-def _tuples(lists: dict) -> dict:
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _tuples(lists: Mapping[K, list[V]]) -> dict[K, tuple[V, ...]]:
     return {key: tuple(value) for key, value in lists.items()}

@@ -16,10 +16,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.capabilities.rules import Job, check
 from disagmoe_ds.models.attention_part import AttentionPart
 from disagmoe_ds.models.families import expert_bias_of, family_of
+from disagmoe_ds.models.hf_model import model_config
+from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.runtime.rank import RankRuntime
+from disagmoe_ds.runtime.step import StepResult
 
 DEEPSEEK_V3_RATE = 1e-3  # gamma of DeepSeek-V3 for most of its training
 
@@ -29,21 +32,18 @@ def bias_update_rate(requested: float | None, config) -> float:
     bias_path = family_of(config).expert_bias_path
     if requested is None:
         return DEEPSEEK_V3_RATE if bias_path else 0.0
-    if requested > 0 and bias_path is None:
-        raise ConfigError(
-            f"--bias-update-rate {requested}: model_type {config.model_type!r} has no router correction bias "
-            f"(only DeepSeek-V3 style routers do); balance it with its aux loss (router_aux_loss_coef) or pass 0"
-        )
+    check(Job.of(config.model_type, bias_update_rate=requested))  # a rate needs a router correction bias
     return requested
 
 
-def expert_load(runtime: RankRuntime) -> torch.Tensor:
-    """[L, E] tokens routed to each expert in the last step, summed over every lane. Collective (all ranks)."""
-    layout = runtime.layout
-    if runtime.role.is_attention:
-        counts_LE = runtime.executor.runner.step_expert_counts()
-    else:  # the FFN side routes nothing; it joins the sum with zeros
-        counts_LE = torch.zeros(layout.num_layers, layout.num_experts, dtype=torch.int64, device=runtime.engine.device)
+def expert_load(runtime: RankRuntime, result: StepResult) -> torch.Tensor:
+    """[L, E] tokens routed to each expert in the step of ``result``, summed over every lane. Collective (all
+    ranks)."""
+    counts_LE = result.expert_counts_LE
+    if counts_LE is None:  # the FFN side routes nothing (so does a module that reports no load); it adds zeros
+        config = model_config(runtime.module)  # [L, E] of the model: a co-located layout has no L
+        shape = (config.num_hidden_layers, num_experts_of(config))
+        counts_LE = torch.zeros(shape, dtype=torch.int64, device=runtime.engine.device)
     dist.all_reduce(counts_LE)
     return counts_LE.cpu()  # host-device sync: the counts feed the bias update and the log
 

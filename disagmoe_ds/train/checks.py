@@ -17,6 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from disagmoe_ds.capabilities.rules import Job, check
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION, SIDES, DisagMoEConfig
 from disagmoe_ds.errors import ConfigError
@@ -65,8 +66,7 @@ def check_eval_flags(ns: argparse.Namespace, cfg: DisagMoEConfig | ColocatedConf
             f"{asked[0]} needs held-out data: pass --eval-data PATH, or --eval-split F to hold out that fraction of "
             f"--data's samples"
         )
-    if held_out and cfg.cuda_graphs:
-        raise ConfigError('an evaluation with "cuda_graphs" is not supported yet; drop --cuda-graphs or the eval flags')
+    check(Job.of(None, evaluation=held_out, cuda_graphs=cfg.cuda_graphs))  # what an evaluation runs beside
     if ns.eval_only:
         if ns.init_from is None and ns.resume is None:
             raise ConfigError("--eval-only evaluates the weights of --init-from HF_DIR or --resume CKPT; pass one")

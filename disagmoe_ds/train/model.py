@@ -36,7 +36,7 @@ class Frozen:
 
 @dataclass(frozen=True)
 class TrainModel:
-    """What every rank cuts its parts from (``TrainMode.build``)."""
+    """What every rank cuts its parts from (``train.modes.build``)."""
 
     model: nn.Module  # on the meta device (whole only for a pytorch_model.bin or quantized --init-from)
     weights: Path | None  # the directory whose safetensors fill a meta model's parts; None: initialise them

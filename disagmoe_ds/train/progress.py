@@ -39,7 +39,7 @@ def banner(
 ) -> list[str]:
     """The run's derived facts, printed before anything heavy starts (nanoGPT prints tokens per iteration).
 
-    ``layout_lines`` are the mode's own (``TrainMode.describe``): layout, split, pipeline.
+    ``layout_lines`` are the mode's own (``RankBuilder.describe``): layout, split, pipeline.
     """
     init = f"weights from {args.model}" if args.pretrained else f"fresh init (seed {args.seed})"
     aux = "no aux loss"

@@ -37,7 +37,7 @@ from disagmoe_ds.train.interrupt import STOPPED_EXIT, StopRequest, parent_waits_
 from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
 from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops
 from disagmoe_ds.train.model import check_train_model, load_train_model
-from disagmoe_ds.train.modes import mode_of
+from disagmoe_ds.train.modes import build, mode_of, schedule_costs
 from disagmoe_ds.train.plan import JobPlan
 from disagmoe_ds.train.progress import Progress, banner, training_state_line
 from disagmoe_ds.train.resources import check_resources
@@ -81,8 +81,8 @@ def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True, loca
     """
     config = load_config(args.model)
     mode = mode_of(args)
-    layout = mode.preflight(args, config, world_size)
-    costs = mode.schedule_costs(args, config, layout)
+    layout = mode.preflight(config, args.cfg, args.ds_config, world_size, seq_len=args.seq_len)
+    costs = schedule_costs(args, config, layout)
     check_train_model(args, config)
     check_data_args(args, config)
     bias_update_rate(args.bias_update_rate, config)
@@ -181,7 +181,7 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     facts = model_facts(args.model, args.seq_len)
     rate = bias_update_rate(args.bias_update_rate, config)
     if rank == 0 and lane_data is not None:  # rank 0 is lane 0 of A-group 0 in either mode: it reads the data
-        layout_lines = mode.describe(args, layout, config, plan.schedule_costs)
+        layout_lines = mode.describe(args.cfg, layout, config, plan.schedule_costs)
         layout_lines.append(training_state_line(args, config, layout))
         lines = banner(
             args, config, layout_lines=layout_lines, facts=facts, data=lane_data, bias_rate=rate, resume=resume
@@ -189,7 +189,7 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
         print("\n".join(lines), flush=True)
 
     init = load_train_model(args)
-    runtime = mode.build(
+    runtime = build(
         args, layout, schedule_costs=plan.schedule_costs, model=init.model, weights=init.weights, device=device
     )
     data_lane = args.cfg.batch_lane_of(role.index)  # SP or TP: s (t) lanes read one share, in slices
@@ -210,7 +210,7 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     throughput = Throughput(args.tokens_per_step, facts.flops_per_token, layout.world_size, peak)
     timeline_step = min(start + 1, args.steps - 1)  # the run's second step: the first pays one-off costs
 
-    known = lane_data if lane_data is not None else data
+    known = lane_data if lane_data is not None else data  # the samples this rank holds, if any
     tokenizer = known.tok if known is not None else None
     first_loss = last = None
     evaluated: tuple[int, EvalLoss] | None = None  # the last evaluation, after which step
@@ -222,7 +222,7 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
         seed_step(args.seed, step, rank)
         batches = to_device(next(loader), device) if loader is not None else None  # prefetched by a thread
         result = run_step(runtime, batches, timeline=args.timeline if step == timeline_step else None)
-        load_LE = expert_load(runtime)  # collective: the whole batch's tokens per expert, every layer
+        load_LE = expert_load(runtime, result)  # collective: the whole batch's tokens per expert, every layer
         update_expert_bias(runtime, load_LE, rate)  # DeepSeek-V3 auxiliary-loss-free balancing (0: off)
         step += 1
         first_loss, last = result.loss if first_loss is None else first_loss, result

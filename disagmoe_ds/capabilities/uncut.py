@@ -15,8 +15,9 @@ needs more (HF 5.24's modules):
                   per-layer token embeddings (``hidden_size_per_layer_input``) and keys and values shared across layers
                   (``num_kv_shared_layers``).
 
-Read from the config.json dict alone (no torch), so the runtime's preflight (``loading.load_config``) and the
-planner (``planner.hf_config``) refuse alike.
+Read from the config.json dict alone (no torch), so the runtime's preflight (``models.loading.load_config``) and the
+planner (``planner.hf_config``) refuse alike. What a family that is cut cannot run with yet is in its facts
+(``capabilities.facts.FamilyFacts.not_with``).
 """
 
 from __future__ import annotations
@@ -69,22 +70,6 @@ def _gemma4_text(cfg: Mapping[str, Any]) -> list[str]:
 UNCUT: dict[str, ReasonsFn] = {"gemma4_text": _gemma4_text}
 # config.json model_types whose language model is the ``text_config`` of a vision-language config.
 _TEXT_OF = {"gemma4": "gemma4_text"}
-
-
-# What a family's cut runs but a feature of the runtime cannot hold yet: model_type -> {feature: why}.
-NOT_WITH: dict[str, dict[str, str]] = {
-    "deepseek_v4": {
-        "cuda_graphs": "its parts take the micro-batch's token ids (hash-routed layers) and hand on the routed "
-        "sum's weights per stream, which the graphed parts' static inputs and outputs do not hold",
-        "sequence_parallel": "its compressors pool windows of the whole sequence and its lightning indexer scores "
-        "every compressed key, outside the attention function that Ulysses splits",
-    },
-}
-
-
-def refused_with(cfg: Mapping[str, Any], feature: str) -> str | None:
-    """Why the model of config.json dict ``cfg`` cannot run with ``feature`` yet (``NOT_WITH``), or None."""
-    return NOT_WITH.get(str(cfg.get("model_type")), {}).get(feature)
 
 
 def check_uncut(cfg: Mapping[str, Any]) -> None:
