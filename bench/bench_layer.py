@@ -24,6 +24,12 @@ attention; weights random, only the config is read) and times forward + backward
                   sends it (the same batch and weights as the other paths), each with its backward. No norm,
                   rotary, routing, permutation or activation: the time no implementation built on these kernels
                   can beat, so its ``vs_hf_compiled`` is the most any can gain over compiled HF
+    ours-fp8-compiled  ours-compiled with ``"fp8": true``: the experts' grouped GEMMs and the attention side's
+                  projections in FP8 (``disagmoe_ds.fp8``: e4m3, rowwise power-of-two scales, all three GEMMs;
+                  the router and the LM head stay high precision), the quantization compiled into the parts
+    hf-fp8-compiled  hf-compiled with torchao's FP8 training on the layer (``Float8TrainingOpConfig``, rowwise:
+                  its attention projections, shared experts and grouped-GEMM experts; not the router): the
+                  strongest FP8 a user of HF has (CUDA and torchao only)
 
 and prints tokens/s, TFLOP/s, MFU (model FLOPs, Megatron convention: active experts, causal attention,
 training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs) and each path's tokens/s over
@@ -72,7 +78,7 @@ from disagmoe_ds.models.families import family_of, router_of
 from disagmoe_ds.models.graphs import graph_stages
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.one_layer import one_layer_model
-from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
+from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, fp8_stage
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.planner.model import load_model_spec
 
@@ -88,8 +94,10 @@ PATHS = (
     "inductor-compiled",
     "selective-compiled",
     "floor",
+    "ours-fp8-compiled",
+    "hf-fp8-compiled",
 )
-CUDA_ONLY = ("hf-graphed", "ours-graphed")
+CUDA_ONLY = ("hf-graphed", "ours-graphed", "hf-fp8-compiled")
 REFERENCE = "hf-compiled"
 
 
@@ -287,6 +295,17 @@ def _without_triton(stage: ExpertStage) -> None:
             shard.elementwise = shard.elementwise.without_triton()
 
 
+def torchao_fp8(layer: torch.nn.Module) -> None:
+    """torchao's rowwise FP8 training on an HF decoder layer, in place: its parameters become torchao's training
+    tensors, whose linear and grouped GEMMs run in FP8 (the attention projections, shared experts and the experts'
+    grouped GEMMs); the router stays in the model's dtype."""
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization import quantize_
+
+    parts = {"self_attn", "mlp.experts", "mlp.shared_expert", "mlp.shared_experts"}
+    quantize_(layer, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: fqn in parts)
+
+
 def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, device: str, backend: str, layer: int = 0):
     """``(step, args)`` of one path, compiled where its name says so. Every path gets the same weights and batch
     (the same seed), so the same routing: expert GEMM times depend on how evenly the tokens spread."""
@@ -300,9 +319,19 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
     ctx = build_context(model.config, model.model.rotary_emb, h_BSH, None)
     if name.endswith(("compiled", "graphed")):
         torch._dynamo.reset()
-    if name in ("ours", "ours-compiled", "ours-graphed", "inductor-compiled", "selective-compiled"):
+    if name in (
+        "ours",
+        "ours-compiled",
+        "ours-graphed",
+        "inductor-compiled",
+        "selective-compiled",
+        "ours-fp8-compiled",
+    ):
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
         expert_stage = ExpertStage(model, (0,), 0, spec.num_experts)
+        if name == "ours-fp8-compiled":
+            fp8_stage(attention)
+            fp8_stage(expert_stage)
         if name == "selective-compiled":
             apply_selective_recompute(attention)
             apply_selective_recompute(expert_stage)
@@ -322,7 +351,9 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
         with torch.no_grad():
             idx_TK = attention.part(0)(h_BSH, ctx, model.config).topk_idx_TK
         return _floor_step, floor_args(model, spec, batch, seq_len, idx_TK)
-    if name == "hf-compiled":
+    if name == "hf-fp8-compiled":
+        torchao_fp8(model.model.layers[0])
+    if name in ("hf-compiled", "hf-fp8-compiled"):
         with compile_backend(backend):
             model.model.layers[0].compile()
     if name == "hf-graphed":
@@ -393,7 +424,10 @@ def add_ratios(rows: list[dict]) -> None:
 
 KERNEL_CLASSES = (  # (class, substrings of the op that launched the kernel or of its name), first match wins
     ("expert grouped GEMMs", ("grouped_mm", "GroupProblemShape")),
-    ("dense GEMMs", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "nvjet", "gemm")),
+    (
+        "dense GEMMs",
+        ("scaled_mm", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "nvjet", "gemm"),
+    ),
     ("SDPA", ("attention", "flash", "sdpa")),
     ("fused (inductor, Triton)", ("triton_", "_swiglu", "SwiGLU")),
     ("gathers, scatters, sort", ("index", "gather", "scatter", "sort", "searchsorted", "take")),

@@ -24,7 +24,7 @@ FLAGS = frozenset(
         "--help", "--model", "--init-from", "--data", "--text-field", "--tokenizer", "--vocab-size",
         "--tokenizer-cache", "--seq-len", "--attention-gpus", "--ffn-gpus", "--depth", "--micro-batches",
         "--expert-data-parallel", "--sequence-parallel", "--tensor-parallel", "--steps", "--micro-batch-size", "--lr",
-        "--dtype", "--seed",
+        "--dtype", "--seed", "--fp8",
         "--bias-update-rate", "--sft", "--freeze-router", "--freeze-attention", "--save-dir", "--save-every",
         "--keep-last", "--resume", "--metrics-file", "--tensorboard", "--timeline", "--log-every", "--peak-tflops",
         "--hostfile", "--launcher-args", "--check-hostfile", "--local_rank", "--mode", "--world-size", "--ep-size",

@@ -283,15 +283,7 @@ class AFPipeExecutor:
             sums[:3] = stats.sums
             sums[3] = stats.micro_batches
         dist.all_reduce(sums)  # only the head lanes contribute
-        loss, lm, aux, count = sums.tolist()
-        return StepResult(
-            loss / count,
-            lm / count,
-            aux / count,
-            self.grad_norm.last_norm,
-            seconds,
-            expert_counts_LE=self.runner.expert_counts(),
-        )
+        return StepResult.of_sums(sums, self.grad_norm.last_norm, seconds, self.runner.expert_counts())
 
 
 InstructionT = TypeVar("InstructionT", bound=Instruction)

@@ -210,7 +210,10 @@ FACTS: dict[str, FamilyFacts] = {
             experts="gpt_oss",
             sinks=True,
             windows="even",
-            not_with=(("sequence_parallel", "its attention sinks are per head and not split with the heads"),),
+            not_with=(
+                ("sequence_parallel", "its attention sinks are per head and not split with the heads"),
+                ("fp8", "its experts run HF's own module (transposed, interleaved, biased), not the FP8 grouped GEMMs"),
+            ),
         ),
         # Qwen3-Next and Qwen3.5-MoE: Qwen2-MoE's softmax router and sigmoid-gated shared expert; layers alternate
         # Gated DeltaNet linear attention (``linear_attn``) and gated softmax attention (``self_attn``).
@@ -302,6 +305,7 @@ FACTS: dict[str, FamilyFacts] = {
                     "scores every compressed key, outside the attention function that Ulysses splits",
                 ),
                 ("tensor_parallel", "its attention modules are not among those the runtime shards by heads"),
+                ("fp8", "its grouped output projection (o_a_proj) computes with a forward of its own, not in FP8"),
             ),
         ),
     )

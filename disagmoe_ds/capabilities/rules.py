@@ -37,6 +37,7 @@ LEVERS: dict[str, str] = {
     "tensor_parallel": "tensor parallelism (a degree above 1)",
     "cuda_graphs": '"disagmoe.cuda_graphs"',
     "compile": '"disagmoe.compile"',
+    "fp8": '"disagmoe.fp8"',
     "lora": 'LoRA adapters ("disagmoe.lora")',
     "capacity_factor": '"disagmoe.capacity_factor"',
     "zero3_attention": "ZeRO-3 on the attention side",
@@ -132,6 +133,8 @@ LINES: tuple[Line, ...] = (
         f'"cuda_graphs" does not work with the {job.model_type} model yet: {rules[0].why}; turn it off')),
     Line("evaluation", False, ConfigError, lambda job, rules: (
         'an evaluation with "cuda_graphs" is not supported yet; drop --cuda-graphs or the eval flags')),
+    Line("fp8", True, ConfigError, lambda job, rules: (
+        f'"disagmoe.fp8" does not work with the {job.model_type} model yet: {rules[0].why}; turn it off')),
     Line("bias_update_rate", True, ConfigError, lambda job, rules: (
         f"--bias-update-rate {job.levers['bias_update_rate']}: model_type {job.model_type!r} has no router "
         "correction bias (only DeepSeek-V3 style routers do); balance it with its aux loss (router_aux_loss_coef) "

@@ -165,16 +165,9 @@ class ColocatedExecutor:
             self.stall_watch.stop()
         sums = self.runner.sums
         dist.all_reduce(sums, group=self.group)
-        loss, lm, aux, count = sums.tolist()
+        sums = sums.cpu()  # waits for the reduce, which the step's time includes
         seconds = time.perf_counter() - start
-        return StepResult(
-            loss / count,
-            lm / count,
-            aux / count,
-            self.grad_norm.last_norm,
-            seconds,
-            expert_counts_LE=self.runner.load_LE,
-        )
+        return StepResult.of_sums(sums, self.grad_norm.last_norm, seconds, self.runner.load_LE)
 
     def eval_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> EvalResult:
         """HF's LM loss of this rank's micro-batches (as ``train_batch`` takes them) summed over their labelled tokens,

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--world-size", type=int, default=2, help="W: ranks, each with attention and an expert slice")
     p.add_argument("--ep-size", type=int, default=2, help="expert-parallel ranks per copy of the experts (divides W)")
-    add_section_flags(p, ("micro_batches",), cli="colocated_verify")
+    add_section_flags(p, ("micro_batches", "fp8"), cli="colocated_verify")
     add_run_args(p, zero_help="ZeRO stage")
     return p
 
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
     a = build_parser().parse_args(argv)
     cfg = ColocatedConfig(
-        world_size=a.world_size, ep_size=a.ep_size, **section_values(a, ("micro_batches",)), lora=lora_of(a)
+        world_size=a.world_size, ep_size=a.ep_size, **section_values(a, ("micro_batches", "fp8")), lora=lora_of(a)
     )
     return run_args(ColocatedVerifyArgs, a, cfg)
 

@@ -81,6 +81,10 @@ SECTION_FLAGS: dict[str, Flag] = {
         "seconds a rank may wait for a peer; stacks at half of it", type=float, name="--comm-timeout"
     ),
     "compile": Flag("torch.compile the parts", type=None),
+    "fp8": Flag(
+        "FP8 GEMMs (rowwise scales) for the routed experts and the attention side's projections, forward and backward",
+        type=None,
+    ),
     # AF-Pipe's memory levers (LEVER_KEYS)
     "resend": Flag("experts keep nothing between forward and backward", type=None),
     "cuda_graphs": Flag("replay the parts as CUDA graphs (GPU ranks)", type=None),
@@ -110,6 +114,7 @@ LAYOUT_KEYS = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "s
 
 
 LEVER_KEYS = (
+    "fp8",
     "resend",
     "cuda_graphs",
     "capacity_factor",

@@ -32,6 +32,7 @@ def job_of(
         "tensor_parallel": getattr(cfg, "tensor_parallel", 1),
         "cuda_graphs": getattr(cfg, "cuda_graphs", False),
         "compile": getattr(cfg, "compile", False),
+        "fp8": getattr(cfg, "fp8", False),
         "lora": getattr(cfg, "lora", None) is not None,
         "capacity_factor": getattr(cfg, "capacity_factor", None) is not None,
     }

@@ -186,7 +186,7 @@ class Exchange(Section):
 
 @dataclass(frozen=True, kw_only=True)
 class Kernels(Section):
-    """How the parts run on a GPU (both modes; CUDA only).
+    """How the parts run on a GPU (both modes; ``compile`` and ``cuda_graphs`` CUDA only).
 
     Attributes:
         compile: fuse the attention parts and the experts' elementwise work with ``torch.compile``.
@@ -195,13 +195,18 @@ class Kernels(Section):
             forward and per backward, so the host no longer holds the GPU back at small micro-batches
             (``models.graphs``). Costs memory: each part keeps the activations of as many micro-batches as the
             schedule has in flight for it, in pools of its own.
+        fp8: the routed experts' grouped GEMMs and the attention side's projections (attention, dense and shared
+            MLPs; not the router, not the LM head) in FP8 with rowwise power-of-two scales, forward and both backward
+            GEMMs (``disagmoe_ds.fp8``); weights, gradients and optimizer state keep their dtype. On CUDA torch's FP8
+            kernels, elsewhere an exact emulation.
     """
 
     compile: bool = False
     cuda_graphs: bool = False
+    fp8: bool = False
 
     def _check(self) -> None:
-        self._switches("compile", "cuda_graphs")
+        self._switches("compile", "cuda_graphs", "fp8")
 
 
 @dataclass(frozen=True, kw_only=True)

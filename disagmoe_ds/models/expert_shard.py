@@ -9,11 +9,13 @@ experts.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 from torch import nn
 
+from disagmoe_ds.fp8.hf import Fp8Experts
 from disagmoe_ds.models.families import Family
 from disagmoe_ds.models.grouped_experts import EAGER, grouped_gated_experts, supports_grouped
 from disagmoe_ds.models.lora import expert_adapters, merged_expert_weights
@@ -27,7 +29,8 @@ class ExpertShard(nn.Module):
     with grouped GEMMs where the family and dtype allow, else (and in ``forward_hf``) through HF's module. Only
     real (row, expert) pairs are computed, so no work is spent on sentinels and HF versions that do not know the
     sentinel work too. ``elementwise``: the grouped path's elementwise functions (``compile_stage`` fuses them);
-    ``recompute``: the grouped path keeps only its permuted inputs for the backward (``models.recompute``).
+    ``recompute``: the grouped path keeps only its permuted inputs for the backward (``models.recompute``);
+    ``fp8``: its GEMMs in FP8 (the lever, ``models.parts.fp8_stage``), HF's module then under ``fp8.hf.Fp8Experts``.
     """
 
     experts: nn.Module  # HF's experts module, its fused weights sliced to this shard's experts
@@ -40,6 +43,7 @@ class ExpertShard(nn.Module):
         self.family = family
         self.elementwise = EAGER
         self.recompute = False
+        self.fp8 = False
 
     def forward(
         self,
@@ -83,6 +87,7 @@ class ExpertShard(nn.Module):
                 bounded,
                 expert_adapters(e),
                 getattr(e, "limit", None),  # the SwiGLU's clamp where HF's experts have one (DeepSeek-V4)
+                self.fp8,
             )
         return self.forward_hf(x_RH, local_idx_RK, w_RK)
 
@@ -111,10 +116,11 @@ class ExpertShard(nn.Module):
             local_idx_RK[rows_P, slots_P].unsqueeze(1),
             w_RK[rows_P, slots_P].unsqueeze(1),
         )
-        if expert_adapters(self.experts) is None:
-            out_PH = self.experts(*args)
-        else:
-            out_PH = torch.func.functional_call(self.experts, merged_expert_weights(self.experts), args)
+        with Fp8Experts() if self.fp8 else contextlib.nullcontext():
+            if expert_adapters(self.experts) is None:
+                out_PH = self.experts(*args)
+            else:
+                out_PH = torch.func.functional_call(self.experts, merged_expert_weights(self.experts), args)
         return torch.zeros_like(x_RH).index_add(0, rows_P, out_PH.to(x_RH.dtype))
 
 

@@ -36,6 +36,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from disagmoe_ds.capabilities.facts import FACTS
+from disagmoe_ds.fp8.projections import fp8_grouped_mm
 from disagmoe_ds.models import triton_swiglu
 from disagmoe_ds.models.lora import ExpertAdapters
 
@@ -73,6 +74,7 @@ def grouped_gated_experts(
     bounded: bool = False,
     adapters: ExpertAdapters | None = None,
     limit: float | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """Each row's sum over its local experts of ``w * expert(x)``; sentinel ids (>= e) are skipped.
 
@@ -85,7 +87,8 @@ def grouped_gated_experts(
     the real ones (their count stays on the device) and the slots past them are masked to zero both ways (a GEMM
     leaves those rows unwritten); pairs past the bound are dropped. ``adapters``: LoRA factors of both projections
     (``models.lora``), two more grouped GEMMs per projection. ``limit``: the SwiGLU's clamp (DeepSeek-V4's
-    ``swiglu_limit``), None for none.
+    ``swiglu_limit``), None for none. ``fp8``: the two projections' GEMMs (forward and both backward ones, not the
+    adapters') in FP8 (``disagmoe_ds.fp8``), see ``_projected_experts``.
     """
     elementwise = EAGER if elementwise is None else elementwise
     if limit is not None:
@@ -112,8 +115,9 @@ def grouped_gated_experts(
     w_P = w_RK.reshape(-1).index_select(0, order_P)
     if kept is not None:  # the slots past the real pairs: no weight, so no weight gradient from their garbage rows
         w_P = torch.where(torch.arange(num_pairs, device=w_P.device) < kept, w_P, 0)
-    if adapters is not None:
-        out_PH = _adapted_experts(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise, adapters, recompute)
+    if adapters is not None or fp8:
+        weights = gate_up_eFH, down_eHI
+        out_PH = _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapters, recompute, fp8)
     elif recompute:
         out_PH = _RecomputedMiddle.apply(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise.gated)
     else:
@@ -122,34 +126,43 @@ def grouped_gated_experts(
     return _Unpermute.apply(out_PH, slots)
 
 
-def _adapted_experts(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise, adapters, recompute):
-    """The two projections with their LoRA updates; ``recompute`` keeps only the inputs of the gate/up projection
-    and the middle (``torch.utils.checkpoint``), as ``_RecomputedMiddle`` does without adapters."""
+def _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapters, recompute, fp8):
+    """The two projections (``weights``: gate/up and down) with their LoRA updates (``adapters``, or None), their
+    base GEMMs in FP8 when ``fp8``; ``recompute`` keeps only the inputs of the gate/up projection and the middle
+    (``torch.utils.checkpoint``), as ``_RecomputedMiddle`` does for the plain projections.
+
+    In FP8 the routing weight scales the down projection's output, as HF's experts apply it, instead of the
+    intermediate: its rowwise quantization would otherwise round ``w * h`` instead of ``h`` (another rounding than
+    the reference's, a non-power-of-two w changing which e4m3 value each element lands on)."""
+    gate_up_eFH, down_eHI = weights
+    gate_up, down = (None, None) if adapters is None else (adapters.gate_up, adapters.down)
+    scaling = 0.0 if adapters is None else adapters.scaling
 
     def middle(x_PH: torch.Tensor, w_P: torch.Tensor) -> torch.Tensor:
-        return elementwise.gated(
-            _adapted_mm(x_PH, gate_up_eFH, adapters.gate_up, adapters.scaling, offsets_e), w_P, act_fn
-        )
+        return elementwise.gated(_adapted_mm(x_PH, gate_up_eFH, gate_up, scaling, offsets_e, fp8), w_P, act_fn)
 
+    w_mid_P = torch.ones_like(w_P) if fp8 else w_P
     if recompute:
-        hidden_PI = torch.utils.checkpoint.checkpoint(middle, x_PH, w_P, use_reentrant=False)
+        hidden_PI = torch.utils.checkpoint.checkpoint(middle, x_PH, w_mid_P, use_reentrant=False)
     else:
-        hidden_PI = middle(x_PH, w_P)
-    return _adapted_mm(hidden_PI, down_eHI, adapters.down, adapters.scaling, offsets_e)
+        hidden_PI = middle(x_PH, w_mid_P)
+    out_PH = _adapted_mm(hidden_PI, down_eHI, down, scaling, offsets_e, fp8)
+    return (out_PH * w_P.unsqueeze(1)).to(out_PH.dtype) if fp8 else out_PH
 
 
-def _adapted_mm(x_PD, w_eND, factors, scaling, offsets_e):
-    """``x W_e^T + s * (x A_e^T) B_e^T`` per group; the rank is zero-padded to a 16-byte row (grouped GEMMs need
-    aligned rows; the padded columns are zero, so they change nothing and get no gradient)."""
+def _adapted_mm(x_PD, w_eND, factors, scaling, offsets_e, fp8=False):
+    """``x W_e^T + s * (x A_e^T) B_e^T`` per group (``factors`` None: ``x W_e^T``), the first GEMM in FP8 when
+    ``fp8``, the adapters' in the model's dtype; the rank is zero-padded to a 16-byte row (grouped GEMMs need aligned
+    rows; the padded columns are zero, so they change nothing and get no gradient)."""
+    base_PN = fp8_grouped_mm(x_PD, w_eND, offsets_e) if fp8 else _grouped_mm(x_PD, w_eND.transpose(1, 2), offsets_e)
+    if factors is None:
+        return base_PN
     a_eRD, b_eNR = factors
     pad = -a_eRD.shape[1] % (16 // x_PD.element_size())
     if pad:
         a_eRD, b_eNR = F.pad(a_eRD, (0, 0, 0, pad)), F.pad(b_eNR, (0, pad))
     low_PR = _grouped_mm(x_PD, a_eRD.transpose(1, 2), offsets_e)
-    return (
-        _grouped_mm(x_PD, w_eND.transpose(1, 2), offsets_e)
-        + _grouped_mm(low_PR, b_eNR.transpose(1, 2), offsets_e) * scaling
-    )
+    return base_PN + _grouped_mm(low_PR, b_eNR.transpose(1, 2), offsets_e) * scaling
 
 
 class _Slots:

@@ -17,13 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disagmoe_ds.fp8.modules import linear
 from disagmoe_ds.models.lora_settings import EXPERT_PROJECTIONS, A, B
 
 SCALING_ATTR = "lora_scaling"  # the adapters' scale, a float attribute of an adapted experts module
 
 
 class LoraLinear(nn.Linear):
-    """``base`` (its own ``weight`` and ``bias`` objects, under the same names) plus PEFT's low-rank update."""
+    """``base`` (its own ``weight`` and ``bias`` objects, under the same names) plus PEFT's low-rank update. ``fp8``
+    (the lever, ``fp8.modules``): the base product in FP8, the adapters' two in the model's dtype."""
+
+    fp8 = False
 
     def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float):
         nn.Module.__init__(self)
@@ -36,7 +40,7 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
-        return F.linear(x, self.weight, self.bias) + update * self.scaling
+        return linear(self, x, self.weight, self.bias) + update * self.scaling
 
     def merged_weight(self) -> torch.Tensor:
         return self.weight + (self.lora_B @ self.lora_A) * self.scaling

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from disagmoe_ds.fp8.modules import convert_linears
 from disagmoe_ds.models import hyper_connections as hc
 from disagmoe_ds.models.attention_part import AttentionPart, Head
 from disagmoe_ds.models.context import LayerContext, build_context
@@ -124,3 +125,15 @@ def compile_stage(module: nn.Module) -> None:
             sub.compile()
         elif isinstance(sub, ExpertShard):
             sub.elementwise = compiled_elementwise()
+
+
+def fp8_stage(module: nn.Module) -> None:
+    """The FP8 lever on ``module``'s parts, in place (parameter names unchanged): every attention part's projections
+    (``fp8.modules.convert_linears``: attention, dense and shared-expert MLPs, LoRA's base products; not the router)
+    and every expert shard's GEMMs. The head (LM head) stays in the model's dtype. After ``add_adapters``, whose
+    ``LoraLinear`` wraps plain ``nn.Linear`` modules only."""
+    for sub in module.modules():
+        if isinstance(sub, AttentionPart):
+            convert_linears(sub, skip=[sub.router] if sub.is_moe else [])
+        elif isinstance(sub, ExpertShard):
+            sub.fp8 = True

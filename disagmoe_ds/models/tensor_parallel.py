@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from disagmoe_ds.capabilities.rules import Job, check
 from disagmoe_ds.errors import LayoutError
+from disagmoe_ds.fp8.modules import linear
 from disagmoe_ds.models.context import LayerContext, build_context
 from disagmoe_ds.models.families import family_of
 from disagmoe_ds.models.sequence_parallel import SequenceParallel, check_sequence_parallel
@@ -200,7 +200,10 @@ def _cut(module: nn.Module, name: str, dim: int, tp: TensorParallel) -> None:
 
 
 class _NoBias(nn.Linear):
-    """An output projection cut to its input columns: the partial product only (its bias is added after the sum)."""
+    """An output projection cut to its input columns: the partial product only (its bias is added after the sum);
+    ``fp8``: in FP8 (``fp8.modules``; the rowwise scales then span this rank's columns of the reduction)."""
+
+    fp8 = False
 
     def __init__(self, linear: nn.Linear):  # the same parameters, under the same names
         nn.Module.__init__(self)
@@ -208,7 +211,7 @@ class _NoBias(nn.Linear):
         self.weight, self.bias = linear.weight, linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(self, x, self.weight)
 
 
 def _gather_input(tp: TensorParallel):

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.fp8.hf import to_fp8_reference
+from disagmoe_ds.models.families import family_of
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.models.skew import skew_router
@@ -86,13 +88,16 @@ def load_for_verify(args: VerifyArgs):
 
 def reference(args: VerifyArgs, lanes: int) -> dict[str, Any]:
     """The single-process HF model trained on the same batches; with LoRA, under PEFT, from the adapters the ranks
-    start from."""
+    start from; with ``fp8``, its projections and experts' GEMMs in FP8 as the lever puts the ranks'
+    (``fp8.hf.to_fp8_reference``: PEFT's adapters stay in high precision)."""
     model = load_for_verify(args)
     lora = args.cfg.lora
     if lora is not None:
         from disagmoe_ds.models import peft_format
 
         model = peft_format.peft_model(model, lora, peft_format.initial_adapters(model, lora, seed=args.seed))
+    if getattr(args.cfg, "fp8", False):
+        to_fp8_reference(model if lora is None else model.get_base_model(), family_of(model.config).router_attr)
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0, eps=ADAM_EPS)

@@ -5,7 +5,8 @@
        the world size, the model and ZeRO;
     2. the job's process groups (``groups.build_process_groups``);
     3. the rank's module cut from the model, its parts placed on the device (pretrained values, or initialised
-       from the seed and the rank) and, with ``compile``, compiled (``parts.compile_stage``);
+       from the seed and the rank), with ``fp8``, its projections in FP8 (``parts.fp8_stage``) and, with ``compile``,
+       compiled (``parts.compile_stage``);
     4. its DeepSpeed engine (``deepspeed_role.build_engine``) and the global gradient norm it clips with;
     5. the executor whose ``train_batch`` runs a step.
 
@@ -41,7 +42,7 @@ from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.models.model_facts import RoutingFacts, routing_facts
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, rank_model
-from disagmoe_ds.models.parts import compile_stage
+from disagmoe_ds.models.parts import compile_stage, fp8_stage
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, build_engine
 from disagmoe_ds.runtime.step import Executor
 from disagmoe_ds.schedule import Costs
@@ -67,6 +68,9 @@ class ModeConfig(Protocol):
 
     @property
     def cuda_graphs(self) -> bool: ...
+
+    @property
+    def fp8(self) -> bool: ...
 
     @property
     def lora(self) -> LoraSettings | None: ...
@@ -236,6 +240,8 @@ class RankBuilder(Generic[LayoutT, ConfigT]):
         del model
         if cfg.lora is not None:  # the same adapters in every layout: drawn from the run's seed, not the rank's
             add_adapters(module, cfg.lora, seed=seed)
+        if cfg.fp8:  # after the adapters: they wrap plain nn.Linear modules
+            fp8_stage(module)
         if cfg.compile:
             compile_stage(module)
         engine = build_engine(

@@ -27,6 +27,15 @@ class StepResult:
     # none (an FFN rank). Summed over every rank, the whole batch's load of every layer (``train.balance``).
     expert_counts_LE: torch.Tensor | None = None
 
+    @classmethod
+    def of_sums(
+        cls, sums: torch.Tensor, grad_norm: float | None, seconds: float, expert_counts_LE: torch.Tensor | None
+    ) -> StepResult:
+        """The step whose [loss, LM loss, aux loss] sums over its micro-batches and their count are ``sums`` (all
+        ranks' reduced)."""
+        loss, lm, aux, count = sums.tolist()
+        return cls(loss / count, lm / count, aux / count, grad_norm, seconds, expert_counts_LE=expert_counts_LE)
+
 
 @dataclass(frozen=True)
 class EvalResult:

@@ -23,9 +23,10 @@ COLOCATED_FLAGS = {
     "[disagmoe.colocated.ep_size, else the largest that does]",
 }
 # Section keys as flags (config.SECTION_FLAGS), each replacing the key of its name in the ds_config's "disagmoe"
-# section: the layout's in --mode disaggregated only, micro_batches in both modes.
+# section: the layout's in --mode disaggregated only, micro_batches and fp8 in both modes.
 LAYOUT_FLAGS = LAYOUT_KEYS
-SECTION_KEYS = (*LAYOUT_KEYS, "micro_batches")
+BOTH_MODES_KEYS = ("micro_batches", "fp8")
+SECTION_KEYS = (*LAYOUT_KEYS, *BOTH_MODES_KEYS)
 
 _EPILOG = """\
 Every setting not given as a flag comes from --deepspeed_config: its "disagmoe" section holds the layout (the

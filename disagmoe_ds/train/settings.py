@@ -24,7 +24,13 @@ from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.config import SECTION, DisagMoEConfig, flag_of, section_values
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.lora_settings import lora_of
-from disagmoe_ds.train.flags import COLOCATED_FLAGS, DEFAULT_MICRO_BATCH_SIZE, LAYOUT_FLAGS, SECTION_KEYS
+from disagmoe_ds.train.flags import (
+    BOTH_MODES_KEYS,
+    COLOCATED_FLAGS,
+    DEFAULT_MICRO_BATCH_SIZE,
+    LAYOUT_FLAGS,
+    SECTION_KEYS,
+)
 
 # Schedulers whose peak learning rate is a scheduler parameter, not the optimizer's lr.
 _PEAK_LR_PARAM = {"WarmupLR": "warmup_max_lr", "WarmupDecayLR": "warmup_max_lr"}
@@ -63,7 +69,7 @@ def mode_config(
         return DisagMoEConfig.from_ds_config(ds_config, {**flags, "lora": lora_of(ns, verify=False)})
     _refuse_flags(ns, LAYOUT_FLAGS, "sets the disaggregated layout; --mode colocated takes --world-size and --ep-size")
     section = DisagMoEConfig.from_ds_config(
-        ds_config, {**section_values(ns, ("micro_batches",)), "lora": lora_of(ns, verify=False)}
+        ds_config, {**section_values(ns, BOTH_MODES_KEYS), "lora": lora_of(ns, verify=False)}
     )
     ignored = {
         "activation_checkpointing": section.activation_checkpointing,

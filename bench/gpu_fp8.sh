@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The FP8 session on one GPU, in two calls of under 10 minutes, torchao and DeepSpeed from ./.whl:
+#   1. (layer) bench_layer.py per model and batch (1 and 2 x SEQ tokens): HF's layer compiled in bf16 and with torchao's
+#      rowwise FP8 training, ours compiled in bf16 and with "fp8": true
+#   2. (e2e) bench_e2e.py, the co-located mode on one GPU, 4 real-size layers, 8 x 1 x SEQ tokens a step, bf16 and --fp8
+#      (full training and LoRA rank 16), as far as the budget allows
+# Every step runs under `timeout`, capped by BUDGET_S seconds from the start (default 560). Writes to $OUT: env.txt,
+# session.txt (each command, its output, exit code and seconds), layer-<model>-b<batch>.json, e2e-<variant>.json.
+# Usage: bash bench/gpu_fp8.sh layer|e2e ["MODELS"] [SEQ]
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PART=$1
+MODELS=${2:-"hf_models/DeepSeek-V3 hf_models/Qwen3-30B-A3B"}
+SEQ=${3:-4096}
+BUDGET_S=${BUDGET_S:-560}
+LOG=$OUT/session.txt
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python -c "import torch, transformers, deepspeed, torchao; print(torch.__version__, transformers.__version__, deepspeed.__version__, torchao.__version__)"
+} > "$OUT/env.txt" 2>&1
+step() {  # step LIMIT_S COMMAND...: run it under timeout (capped by the budget left); log it and its exit code
+  local limit=$1 left=$((BUDGET_S - SECONDS)); shift
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then
+    echo "### skipped, ${left} s of the budget left: $*" >> "$LOG"
+    return
+  fi
+  echo "### [${SECONDS} s] $*" >> "$LOG"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >> "$LOG" 2>&1
+  echo "### exit $? after $((SECONDS - t0)) s" >> "$LOG"
+}
+[ "$PART" = layer ] && for batch in 1 2; do
+  for model in $MODELS; do
+    step 150 python bench/bench_layer.py --model "$model" --seq-len "$SEQ" --batch $batch --layer 3 \
+      --paths hf-compiled hf-fp8-compiled ours-compiled ours-fp8-compiled \
+      --json "$OUT/layer-$(basename "$model")-b$batch.json"
+  done
+done
+E2E="bench/bench_e2e.py --model hf_models/Qwen3-30B-A3B --layers 4 --world-size 1 --seq-len $SEQ --global-batch 8 --micro-batch-size 1 --methods colocated --compile --warmup 2 --steps 3"
+if [ "$PART" = e2e ]; then
+  step 140 torchrun --nproc_per_node 1 $E2E --json "$OUT/e2e-bf16.json"
+  step 140 torchrun --nproc_per_node 1 $E2E --fp8 --json "$OUT/e2e-fp8.json"
+  step 140 torchrun --nproc_per_node 1 $E2E --lora-rank 16 --json "$OUT/e2e-bf16-lora.json"
+  step 140 torchrun --nproc_per_node 1 $E2E --fp8 --lora-rank 16 --json "$OUT/e2e-fp8-lora.json"
+fi
+echo "### done after ${SECONDS} s" >> "$LOG"
+awk '/^###/ {table = 0; print; next} /^(model|method|variant) / {table = 1} table' "$LOG" | cut -c1-300
+exit 0

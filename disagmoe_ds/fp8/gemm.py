@@ -1,0 +1,67 @@
+"""FP8 GEMMs with rowwise scales, and the differentiable linear and grouped projections built from them.
+
+Each GEMM operand is quantized along the GEMM's reduction dimension (``quantize.quantize``), the recipe of torchao's
+rowwise float8 training and of its FP8 grouped GEMM for MoE, applied to all three GEMMs of a projection:
+
+    forward   y  = x W^T          x per row (token),        W per output channel
+    input     dx = dy W           dy per row (token),       W per input channel
+    weight    dW = dy^T x         dy and x per channel, over the tokens (of each expert's group, grouped)
+
+The master weights, their gradients and the optimizer state stay in the model's dtype; only the GEMM operands are
+FP8, quantized again in every forward and backward from the high-precision values autograd saved.
+
+On CUDA the GEMMs are torch's FP8 kernels (``torch._scaled_mm``, ``torch._scaled_grouped_mm``). Elsewhere they are
+emulated exactly: the FP8 operands dequantized (exact: power-of-two scales) and multiplied in float32, which is the
+product the FP8 kernels compute with float32 accumulation, up to the order of the sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from disagmoe_ds.fp8.quantize import Quantized, cast, dequantize, scale_of
+
+
+def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b^T`` for ``a`` [M, K] scaled per row and ``b`` [N, K] scaled per row: [M, N] in ``out_dtype``."""
+    if a.data.is_cuda:
+        a_data, b_data = a.data.contiguous(), b.data.contiguous()  # row-major a, column-major b^T
+        return torch._scaled_mm(a_data, b_data.t(), scale_a=a.scale, scale_b=b.scale.t(), out_dtype=out_dtype)
+    # torch's CPU kernel takes per-tensor scales only before torch 2.13
+    return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
+
+
+def scaled_grouped_mm(a: Quantized, b: Quantized, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Row group i of ``a`` [P, K] (rows up to the end offset ``offsets[i]``) times ``b[i]^T`` (``b`` [e, N, K]),
+    both scaled per row: [P, N] in ``out_dtype``."""
+    if a.data.is_cuda:
+        a_data, b_data = a.data.contiguous(), b.data.contiguous()
+        return torch._scaled_grouped_mm(
+            a_data,
+            b_data.transpose(-2, -1),
+            scale_a=a.scale.squeeze(-1),
+            scale_b=b.scale.squeeze(-1),
+            offs=offsets,
+            out_dtype=out_dtype,
+        )
+    return F.grouped_mm(dequantize(a), dequantize(b).transpose(-2, -1), offs=offsets).to(out_dtype)
+
+
+def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``dy_g^T x_g`` for each row group g of ``dy`` [P, N] and ``x`` [P, K]: [e, N, K], each operand quantized per
+    channel over its group's rows (a scale per group and channel)."""
+    dy_q, x_q = _per_group_channels(dy, offsets), _per_group_channels(x, offsets)
+    # The two operands are 2-D with the groups along the reduction: torch's kernel takes per-group scales there only
+    # in layouts this project has not measured yet, so every device multiplies the dequantized FP8 values (row-major
+    # [P, C], so that the transposed operand's strides stay 16-byte aligned for any row count).
+    return F.grouped_mm(dequantize(dy_q).t(), dequantize(x_q), offs=offsets).to(dy.dtype)
+
+
+def _per_group_channels(x: torch.Tensor, offsets: torch.Tensor) -> Quantized:
+    """``x`` [P, C] with one scale per channel and row group (held per element: each row its group's scales)."""
+    group_of_row = torch.bucketize(torch.arange(x.shape[0], device=x.device), offsets, right=True)
+    amax = x.new_zeros(len(offsets) + 1, x.shape[1], dtype=torch.float32)  # the last: rows past every group
+    rows = group_of_row[:, None].expand(-1, x.shape[1])
+    amax.scatter_reduce_(0, rows, x.detach().abs().float(), "amax")
+    return cast(x, scale_of(amax)[group_of_row])

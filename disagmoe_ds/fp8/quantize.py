@@ -1,0 +1,58 @@
+"""FP8 (e4m3) values with their scales: ``data * scale`` is the tensor they stand for.
+
+Rowwise (per-channel) scaling along one dimension: each slice along ``dim`` (a GEMM's reduction dimension) gets
+one scale, the smallest power of two that maps its absolute maximum into e4m3's range (448). A power of two makes
+the scaling exact: the only rounding is e4m3's own (3 mantissa bits, a relative error up to 2^-4 per element), and
+dequantizing is exact in float32. An all-zero slice gets scale 1.
+
+>>> q = quantize(torch.tensor([[1.0, -3.0, 0.5]]), dim=-1)
+>>> q.scale.item(), dequantize(q).tolist()
+(0.0078125, [[1.0, -3.0, 0.5]])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """An FP8 tensor and its float32 scales (broadcastable to it, size 1 along the scaled dimension)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def t(self) -> Quantized:
+        """The transpose of a 2-D value (a view: ``torch._scaled_mm`` wants its second operand column-major)."""
+        return Quantized(self.data.t(), self.scale.t())
+
+
+def quantize(x: torch.Tensor, dim: int) -> Quantized:
+    """``x`` in e4m3 with one power-of-two scale per slice along ``dim`` (``dim`` kept, size 1, in the scales)."""
+    return cast(x, scale_of(x.detach().abs().amax(dim=dim, keepdim=True)))
+
+
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two that maps ``amax`` into e4m3's range (float32; 1 where ``amax`` is 0)."""
+    amax = amax.float()
+    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    return torch.where(amax > 0, scale, 1.0)  # log2(0) = -inf: an all-zero slice
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor) -> Quantized:
+    """``x`` in e4m3 at ``scale`` (broadcastable to ``x``), saturating at e4m3's largest value."""
+    return Quantized((x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tensor ``q`` stands for (exact in float32: the scales are powers of two)."""
+    return (q.data.float() * q.scale).to(dtype)

@@ -1,0 +1,98 @@
+"""FP8 building blocks against float64: the e4m3 rounding of ``quantize``, the FP8 GEMMs, and both projections'
+forward and backward (each GEMM of the rowwise recipe recomputed in float64 from the same FP8 operands)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from disagmoe_ds.fp8 import dequantize, fp8_grouped_mm, fp8_linear, quantize
+from disagmoe_ds.fp8.gemm import scaled_grouped_mm, scaled_mm
+
+
+def _e4m3_round(v: float) -> float:
+    """``v`` rounded to the nearest e4m3 value (ties to even), in float64: 3 mantissa bits, normals from 2^-6,
+    subnormals spaced 2^-9, saturating at 448."""
+    if v == 0:
+        return 0.0
+    exponent = max(math.floor(math.log2(abs(v))), -6)
+    step = 2.0 ** (exponent - 3)
+    steps = v / step
+    nearest = math.floor(steps + 0.5)
+    if nearest - steps == 0.5 and nearest % 2:  # a tie: to even
+        nearest -= 1
+    return max(-448.0, min(448.0, nearest * step))
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_quantize_rounds_to_the_nearest_e4m3_value_at_a_power_of_two_scale(dim: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 24, dtype=torch.float64) * torch.logspace(-3, 3, 24, dtype=torch.float64)
+    x[3] = 0.0
+    q = quantize(x, dim)
+    amax = x.abs().amax(dim=dim, keepdim=True)
+    assert q.scale.shape == amax.shape and torch.all(torch.log2(q.scale) == torch.log2(q.scale).round())
+    fills = amax / q.scale.double()
+    assert torch.all((fills > 224) & (fills <= 448) | (amax == 0))  # the range used, nothing saturates
+    expected = [[_e4m3_round(v) for v in row] for row in (x / q.scale.double()).tolist()]
+    assert q.data.double().tolist() == expected
+    assert torch.equal(dequantize(q).double(), q.data.double() * q.scale.double())  # exact: power-of-two scales
+    assert torch.all((dequantize(q).double() - x).abs() <= amax / 448 * 2**-3 + x.abs() * 2**-4)
+
+
+def test_the_fp8_gemms_multiply_the_fp8_values_exactly() -> None:
+    torch.manual_seed(0)
+    a, b = quantize(torch.randn(32, 64), -1), quantize(torch.randn(48, 64), -1)
+    exact = dequantize(a).double() @ dequantize(b).double().t()
+    torch.testing.assert_close(scaled_mm(a, b, torch.float32).double(), exact, rtol=1e-6, atol=1e-5)
+    offsets = torch.tensor([10, 10, 30], dtype=torch.int32)  # an empty group, and rows past the last
+    w = quantize(torch.randn(3, 48, 64), -1)
+    out = scaled_grouped_mm(a, w, offsets, torch.float32).double()
+    for g, (start, end) in enumerate([(0, 10), (10, 10), (10, 30)]):
+        exact = dequantize(a).double()[start:end] @ dequantize(w).double()[g].t()
+        torch.testing.assert_close(out[start:end], exact, rtol=1e-6, atol=1e-5)
+
+
+def _q64(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return dequantize(quantize(x, dim)).double()
+
+
+def test_fp8_linear_runs_the_rowwise_recipe_forward_and_backward() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    bias = torch.randn(48, requires_grad=True)
+    y = fp8_linear(x, w, bias)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x2, dy2 = x.detach().reshape(-1, 64), dy.reshape(-1, 48)
+    torch.testing.assert_close(y.detach().double().reshape(-1, 48), _q64(x2, -1) @ _q64(w.detach(), -1).t()
+                               + bias.detach().double(), rtol=1e-5, atol=1e-4)  # fmt: skip
+    dx = _q64(dy2, -1) @ _q64(w.detach().t(), -1).t()  # dy per token, W per input channel
+    dw = _q64(dy2.t(), -1) @ _q64(x2.t(), -1).t()  # both per channel, over the tokens
+    torch.testing.assert_close(x.grad.double().reshape(-1, 64), dx, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(w.grad.double(), dw, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(bias.grad, dy2.sum(0))
+    exact = F.linear(x.detach(), w.detach(), bias.detach())
+    assert (y - exact).norm() / exact.norm() < 0.06  # e4m3's rounding of both operands
+
+
+def test_fp8_grouped_mm_runs_the_rowwise_recipe_per_expert_group() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(40, 64, requires_grad=True)
+    w = torch.randn(3, 48, 64, requires_grad=True)  # [e, N, K]: HF's fused expert layout
+    offsets = torch.tensor([12, 12, 32], dtype=torch.int32)  # an empty expert; rows 32.. in none (unread)
+    y = fp8_grouped_mm(x, w, offsets)
+    dy = torch.randn_like(y)
+    y[:32].backward(dy[:32])
+    for g, (start, end) in enumerate([(0, 12), (12, 12), (12, 32)]):
+        xg, dyg, wg = x.detach()[start:end], dy[start:end], w.detach()[g]
+        torch.testing.assert_close(y.detach()[start:end].double(), _q64(xg, -1) @ _q64(wg, -1).t(), rtol=1e-5,
+                                   atol=1e-4)  # fmt: skip
+        torch.testing.assert_close(x.grad[start:end].double(), _q64(dyg, -1) @ _q64(wg.t(), -1).t(), rtol=1e-5,
+                                   atol=1e-4)  # fmt: skip
+        dw = _q64(dyg.t(), -1) @ _q64(xg.t(), -1).t() if end > start else torch.zeros(48, 64, dtype=torch.float64)
+        torch.testing.assert_close(w.grad[g].double(), dw, rtol=1e-5, atol=1e-4)
