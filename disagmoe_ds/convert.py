@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from disagmoe_ds.config import LAYOUT_KEYS, SIDES, DisagMoEConfig, add_section_flags, load_ds_config
@@ -133,8 +132,9 @@ def _run(a: argparse.Namespace) -> Path:
     if a.command == "disagmoe-to-hf":
         return disagmoe_to_hf(source, a.out, merged=a.merged)
     base = ds_file if ds_file is not None else source.job.ds_config
-    cfg = _layout_cfg(a, source.job.cfg.zero_stage)
-    job = replace(source.job, cfg=cfg, ds_config=resolve_ds_config(base, zero=a.zero, dtype=a.dtype))
+    recorded = source.job.cfg  # disaggregated: open_checkpoint refuses a co-located one for relayout
+    cfg = _layout_cfg(a, recorded.zero_stage if isinstance(recorded, DisagMoEConfig) else None)
+    job = Job(source.job.model_dir, cfg, resolve_ds_config(base, zero=a.zero, dtype=a.dtype), source.job.frozen)
     return relayout(source, job, a.out)
 
 

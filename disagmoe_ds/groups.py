@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from disagmoe_ds.comm.exchange import ExchangeComms, build_exchange_comms
 from disagmoe_ds.comm.transport import Transport
-from disagmoe_ds.layout import JobLayout
+from disagmoe_ds.layout import JobLayout, Layout
 
 
 @dataclass(frozen=True)
@@ -77,17 +77,18 @@ def build_process_groups(
     """
     layout.check_world_size(dist.get_world_size())
     plan = layout.group_ranks()
-    data_parallel = _create(plan.data_parallel, rank, timeout)
+    data_parallel, data_parallel_ranks = _create(plan.data_parallel, rank, timeout)
+    if data_parallel is None:
+        raise ValueError(f"rank {rank} is in no data-parallel group of {layout.describe()}")
     expert_parallel = _create(plan.expert_parallel, rank, timeout)
     expert_data_parallel = _create(plan.expert_data_parallel, rank, timeout)
     sequence_parallel = _create(plan.sequence_parallel, rank, timeout)
     tensor_parallel = _create(plan.tensor_parallel, rank, timeout)
     lane_slices = _create(plan.lane_slices, rank, timeout)
-    exchange = None
-    if transport is not None:
-        exchange = build_exchange_comms(layout, transport, device=device, headerless=headerless)
+    exchange = _exchange(layout, transport, device, headerless)
     return ProcessGroups(
-        *data_parallel,
+        data_parallel,
+        data_parallel_ranks,
         *expert_parallel,
         *expert_data_parallel,
         exchange,
@@ -95,6 +96,20 @@ def build_process_groups(
         *tensor_parallel,
         *lane_slices,
     )
+
+
+def _exchange(
+    layout: JobLayout, transport: Transport | None, device: torch.device | None, headerless: bool
+) -> ExchangeComms | None:
+    """The exchange communicators over ``transport`` (none without one); only a disaggregated layout has them."""
+    if transport is None:
+        return None
+    if not isinstance(layout, Layout) or device is None:
+        raise ValueError(
+            f"exchange communicators need a disaggregated Layout and a device, got {type(layout).__name__} and "
+            f"{device}; pass no transport for a co-located layout"
+        )
+    return build_exchange_comms(layout, transport, device=device, headerless=headerless)
 
 
 def _create(

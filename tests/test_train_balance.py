@@ -8,10 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from disagmoe_ds.colocated.layout import ColocatedLayout
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.models.loading import load_config, load_model
 from disagmoe_ds.models.parts import AttentionStage
-from disagmoe_ds.train.balance import DEEPSEEK_V3_RATE, bias_update_rate, imbalance, update_expert_bias
+from disagmoe_ds.train.balance import DEEPSEEK_V3_RATE, bias_update_rate, expert_load, imbalance, update_expert_bias
 
 ROOT = Path(__file__).resolve().parent.parent
 DSV3 = ROOT / "hf_models" / "tiny-deepseek-v3"
@@ -78,3 +80,22 @@ def test_ffn_ranks_and_rate_zero_change_nothing() -> None:
     assert all(
         not part.is_moe or part.router.e_score_correction_bias.abs().sum() == 0 for part in stage.layers.values()
     )
+
+
+def _colocated_unreported_load_body(rank: int) -> tuple[int, ...]:
+    module = torch.nn.Module()
+    module.config = load_config(DSV3)  # 4 layers, 8 routed experts
+    runtime = SimpleNamespace(
+        layout=ColocatedLayout(world_size=1, ep_size=1, num_experts=8),
+        module=module,
+        engine=SimpleNamespace(device=torch.device("cpu")),
+    )
+    load_LE = expert_load(runtime, SimpleNamespace(expert_counts_LE=None))
+    assert load_LE.sum() == 0
+    return tuple(load_LE.shape)
+
+
+def test_a_rank_that_reports_no_load_adds_zeros_of_the_models_shape_in_either_mode() -> None:
+    # The zeros' [L, E] once came from the layout, and a co-located layout has no num_layers: a co-located module
+    # that reports no load (bench_e2e's DeepSpeed-MoE model) failed with an AttributeError. mypy found it.
+    assert run_ranks(_colocated_unreported_load_body, 1, timeout_s=60) == [(4, 8)]

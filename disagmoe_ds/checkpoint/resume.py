@@ -22,7 +22,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch.distributed as dist
 
@@ -49,6 +49,14 @@ TOKENIZER_DIR = "tokenizer"
 FREEZE_FLAGS = {"router": "--freeze-router", "attention": "--freeze-attention"}
 
 
+class Freezing(TypedDict):
+    """What a run freezes, as its checkpoints record it (the manifest's ``frozen``)."""
+
+    router: bool
+    attention: bool
+    lora: dict[str, Any] | None  # the LoRA settings (``LoraSettings.to_dict``); None: every weight trains
+
+
 def tag_of(step: int) -> str:
     return f"step{step}"
 
@@ -61,7 +69,7 @@ def save(
     *,
     keep_last: int,
     seed: int,
-    frozen: dict[str, bool],
+    frozen: Freezing,
     tokenizer: Tokenizer | None = None,
     ds_config: dict[str, Any] | None = None,
     tokens_per_step: int | None = None,
@@ -159,7 +167,7 @@ def check_resume(
     *,
     num_samples: int | None,
     seed: int | None = None,
-    frozen: dict[str, bool] | None = None,
+    frozen: Freezing | None = None,
     ds_config: dict[str, Any] | None = None,
     hashes: bool = True,
 ) -> ResumePoint:
@@ -237,7 +245,7 @@ def _check_engine_settings(
         )
 
 
-def _check_freezing(where: Path, recorded: dict[str, Any], requested: dict[str, Any]) -> None:
+def _check_freezing(where: Path, recorded: dict[str, Any], requested: Freezing) -> None:
     """``requested``'s freezing adds nothing to the checkpoint's, and its LoRA settings (``"lora"``) are the same."""
     if recorded.get("lora") != requested.get("lora"):
         saved, asked = (_describe_lora(d.get("lora")) for d in (recorded, requested))

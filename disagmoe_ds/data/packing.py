@@ -31,6 +31,7 @@ from disagmoe_ds.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100  # torch.nn.CrossEntropyLoss's default ignore_index, which HF losses use
 SAMPLE_KEYS = ("input_ids", "labels", "position_ids")
+PackedRow = tuple[Sequence[int], Sequence[int], Sequence[int]]  # one sample's columns, in SAMPLE_KEYS order
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class PackedDataset:
         return PackedDataset(self.input_ids[indices], self.labels[indices], self.position_ids[indices])
 
     @classmethod
-    def from_rows(cls, rows: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> PackedDataset:
+    def from_rows(cls, rows: Sequence[PackedRow]) -> PackedDataset:
         """Builds the dataset from (input_ids, labels, position_ids) rows of equal length."""
         columns = [torch.tensor([row[k] for row in rows], dtype=torch.int32) for k in range(3)]
         return cls(*columns)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from disagmoe_ds.data.errors import DataError
-from disagmoe_ds.data.packing import IGNORE_INDEX, PackedDataset, check_seq_len, document_order
+from disagmoe_ds.data.packing import IGNORE_INDEX, PackedDataset, PackedRow, check_seq_len, document_order
 from disagmoe_ds.data.sources import Record, iter_records, text_of
 from disagmoe_ds.data.tokenizer import Message, Tokenizer
 
@@ -70,7 +70,7 @@ def load_sft_examples(
     limit: int | None = None,
 ) -> list[SFTExample]:
     """SFT examples of a .jsonl/.parquet file, a directory of them or a hub dataset, in source order."""
-    examples = []
+    examples: list[SFTExample] = []
     for record in iter_records(spec, split=split):
         if limit is not None and len(examples) >= limit:
             break
@@ -123,7 +123,7 @@ def _fit(example: TokenizedExample, seq_len: int, max_positions: int | None, tru
     return TokenizedExample(example.input_ids[:seq_len], example.labels[:seq_len], example.where)
 
 
-def _finish_row(segments: list[TokenizedExample], seq_len: int, pad_id: int) -> tuple[list[int], ...]:
+def _finish_row(segments: list[TokenizedExample], seq_len: int, pad_id: int) -> PackedRow:
     """Concatenates examples and pads to seq_len; padding is a segment of its own with label -100."""
     ids = [t for seg in segments for t in seg.input_ids]
     labels = [t for seg in segments for t in seg.labels]
@@ -132,9 +132,11 @@ def _finish_row(segments: list[TokenizedExample], seq_len: int, pad_id: int) -> 
     return ids + [pad_id] * num_pad, labels + [IGNORE_INDEX] * num_pad, positions + list(range(num_pad))
 
 
-def _rows(examples: Sequence[TokenizedExample], seq_len: int, pad_id: int, pack: bool) -> list[tuple[list[int], ...]]:
+def _rows(examples: Sequence[TokenizedExample], seq_len: int, pad_id: int, pack: bool) -> list[PackedRow]:
     """Greedy packing in order: an example that does not fit in the current row starts the next one."""
-    rows, current, used = [], [], 0
+    rows: list[PackedRow] = []
+    current: list[TokenizedExample] = []
+    used = 0
     for example in examples:
         if current and (not pack or used + len(example.input_ids) > seq_len):
             rows.append(_finish_row(current, seq_len, pad_id))

@@ -186,8 +186,8 @@ def _hf_from_sentencepiece(sp: spm.SentencePieceProcessor) -> Any:
     rust.pre_tokenizer = pre_tokenizers.Split("\u2581", "merged_with_next")
     strip = decoders.Strip(" ", 1, 0)
     rust.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), strip])
-    specials = {"unk_token": sp.unk_id(), "bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "pad_token": sp.pad_id()}
-    specials = {name: sp.id_to_piece(i) for name, i in specials.items() if i >= 0}
+    ids = {"unk_token": sp.unk_id(), "bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "pad_token": sp.pad_id()}
+    specials = {name: sp.id_to_piece(i) for name, i in ids.items() if i >= 0}
     rust.add_special_tokens(list(specials.values()))
     return PreTrainedTokenizerFast(tokenizer_object=rust, **specials)
 

@@ -80,7 +80,10 @@ def to_fp8_reference(model: nn.Module, router_attr: str) -> nn.Module:
     """``model`` (an HF causal LM, or PEFT's base model of one; ``router_attr``: its family's router attribute) with
     every decoder layer's projections in FP8 as the lever puts the ranks' (``fp8.modules.convert_linears``: not the
     router, not the LM head, not PEFT's adapters) and its experts modules' GEMMs under ``Fp8Experts``. In place."""
-    for layer in model.model.layers:
+    layers = model.get_submodule("model.layers")  # the decoder layers (nn.Module's attributes are typed loosely)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}.model.layers is no ModuleList: not an HF causal LM")
+    for layer in layers:
         experts = getattr(layer.mlp, "experts", None)
         skip = [m for name, m in layer.named_modules() if name.rsplit(".", 1)[-1] in _PEFT_ADAPTERS]
         if experts is not None:

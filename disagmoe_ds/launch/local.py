@@ -310,7 +310,8 @@ def _timeout_error(children: list[_Child], timeout_s: float | None) -> TimeoutEr
 
 def _stack_dumps(children: list[_Child]) -> list[str]:
     for child in children:
-        os.kill(child.process.pid, _DUMP_SIGNAL)
+        if child.process.pid is not None:  # every child was started; None only before start()
+            os.kill(child.process.pid, _DUMP_SIGNAL)
     time.sleep(_DUMP_WAIT_S)
     dumps = []
     for child in children:

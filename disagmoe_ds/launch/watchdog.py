@@ -21,7 +21,8 @@ class StallWatch:
     """``tick()`` at each unit of progress, ``stop()`` when the step is over; ``seconds`` None disables it."""
 
     def __init__(self, seconds: float | None) -> None:
-        self.seconds = seconds if seconds and sys.__stderr__ is not None else None
+        self._stream = sys.__stderr__  # the process's own stderr, not a test's capture; None in some embedded runs
+        self.seconds = seconds if seconds and self._stream is not None else None
         self._armed_at = -math.inf
 
     @classmethod
@@ -30,11 +31,11 @@ class StallWatch:
         return cls(comm_timeout_s / 2 if comm_timeout_s else None)
 
     def tick(self) -> None:
-        if self.seconds is None:
+        if self.seconds is None or self._stream is None:
             return
         now = time.monotonic()
         if now - self._armed_at >= self.seconds / 4:
-            faulthandler.dump_traceback_later(self.seconds, file=sys.__stderr__)
+            faulthandler.dump_traceback_later(self.seconds, file=self._stream)
             self._armed_at = now
 
     def stop(self) -> None:

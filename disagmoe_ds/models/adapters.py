@@ -16,7 +16,7 @@ from torch import nn
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.attention_part import AttentionPart
-from disagmoe_ds.models.lora import LoraLinear, is_adapter
+from disagmoe_ds.models.lora import SCALING_ATTR, LoraLinear, is_adapter
 from disagmoe_ds.models.lora_settings import EXPERT_PROJECTIONS, GROUPS, A, B, LoraSettings
 from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
@@ -35,7 +35,8 @@ def add_adapters(module: nn.Module, settings: LoraSettings, *, seed: int) -> Non
 
 
 def _adapt_attention(stage: AttentionStage, settings: LoraSettings, seed: int) -> None:
-    for layer, part in stage.layers.items():
+    for layer in stage.layers:
+        part = stage.part(int(layer))
         for group, root, prefix in (("attention", part.mixer, part.mixer_attr), ("mlp", part.mlp, "mlp")):
             for name, linear in list(_linears(root, skip=part.router if part.is_moe else None)):
                 if not settings.adapts(group, name.rpartition(".")[2]):
@@ -57,7 +58,8 @@ def _linears(root: nn.Module, skip: nn.Module | None):
 
 def _adapt_experts(stage: ExpertStage, settings: LoraSettings, seed: int) -> None:
     num_experts = num_experts_of(stage.config)
-    for layer, shard in stage.layers.items():
+    for layer in stage.layers:
+        shard = stage.shard(int(layer))
         experts = shard.experts
         transposed = bool(getattr(experts, "is_transposed", False))
         for proj in EXPERT_PROJECTIONS:
@@ -74,7 +76,7 @@ def _adapt_experts(stage: ExpertStage, settings: LoraSettings, seed: int) -> Non
                     if hasattr(weight, mark):
                         setattr(param, mark, getattr(weight, mark))
                 experts.register_parameter(f"{proj}_{suffix}", param)
-        experts.lora_scaling = settings.scaling
+        setattr(experts, SCALING_ATTR, settings.scaling)
 
 
 def _init_pair(

@@ -21,6 +21,7 @@ from torch import nn
 from disagmoe_ds.models import hyper_connections as hc
 from disagmoe_ds.models.context import LayerContext
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer, mixer_attr, route
+from disagmoe_ds.models.hf_model import causal_lm
 
 
 @dataclass
@@ -50,6 +51,10 @@ class AttentionPart(nn.Module):
     then reads ``LayerContext.token_ids``.
     """
 
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
     def __init__(self, layer: nn.Module, family: Family, layer_idx: int, *, token_routed: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
@@ -57,10 +62,11 @@ class AttentionPart(nn.Module):
         self.is_moe = is_moe_layer(layer)
         self.token_routed = token_routed
         self.mixer_attr = mixer_attr(layer)
-        self.input_layernorm = layer.input_layernorm
-        setattr(self, self.mixer_attr, getattr(layer, self.mixer_attr))
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.mlp: nn.Module = _without_experts(layer.mlp) if self.is_moe else layer.mlp
+        self.input_layernorm = layer.get_submodule("input_layernorm")
+        setattr(self, self.mixer_attr, layer.get_submodule(self.mixer_attr))
+        self.post_attention_layernorm = layer.get_submodule("post_attention_layernorm")
+        mlp = layer.get_submodule("mlp")
+        self.mlp = _without_experts(mlp) if self.is_moe else mlp
         self.hyper = family.hyper
         if self.hyper is not None:  # the two HyperConnection modules, under HF's names
             for attr in (self.hyper.around_mixer, self.hyper.around_mlp):
@@ -69,6 +75,14 @@ class AttentionPart(nn.Module):
     @property
     def router(self) -> nn.Module:
         return getattr(self.mlp, self.family.router_attr)
+
+    @property
+    def router_top_k(self) -> int:
+        """K, the experts the router picks per token (its HF attribute ``top_k``)."""
+        top_k = self.router.top_k
+        if not isinstance(top_k, int):
+            raise TypeError(f"the router of layer {self.layer_idx} keeps no int top_k (got {type(top_k).__name__})")
+        return top_k
 
     @property
     def mixer(self) -> nn.Module:
@@ -83,8 +97,8 @@ class AttentionPart(nn.Module):
         """The token mixer called as HF's decoder layer calls it (no cache: training)."""
         mask = ctx.mask_for(config, self.layer_idx)
         if self.mixer_attr == "linear_attn":
-            return self.linear_attn(hidden_states=x_BSH, attention_mask=mask)
-        attn_BSH, _ = self.self_attn(
+            return self.mixer(hidden_states=x_BSH, attention_mask=mask)
+        attn_BSH, _ = self.mixer(
             hidden_states=x_BSH,
             attention_mask=mask,
             position_embeddings=ctx.position_embeddings,
@@ -107,8 +121,8 @@ class AttentionPart(nn.Module):
         logits_TE, w_TK, idx_TK = route(self.family, self.mlp, x_TH, token_ids_T)
         shared_TH = None if self.family.shared is None else self.family.shared(self.mlp, x_TH)
         residual_BSH = hc.leave(around, a_BSH, None if shared_TH is None else shared_TH.view_as(x_BSH))
-        logits_TE = None if self.token_routed else logits_TE
-        return AttentionOutput(residual_BSH, x_TH, w_TK, idx_TK, logits_TE, hc.routed_weight(around, a_BSH.dtype))
+        learned_TE = None if self.token_routed else logits_TE
+        return AttentionOutput(residual_BSH, x_TH, w_TK, idx_TK, learned_TE, hc.routed_weight(around, a_BSH.dtype))
 
 
 def _without_experts(block: nn.Module) -> nn.Module:
@@ -126,8 +140,12 @@ class Head(nn.Module):
     """Final norm + LM head + HF's causal-LM loss; with hyper-connections, the streams collapsed first (HF's hyper
     head, under its name)."""
 
+    norm: nn.Module
+    lm_head: nn.Module
+
     def __init__(self, model: nn.Module):
         super().__init__()
+        model = causal_lm(model)
         hyper = family_of(model.config).hyper
         self.hyper_head = None if hyper is None else hyper.head
         if self.hyper_head is not None:

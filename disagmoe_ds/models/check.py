@@ -13,6 +13,7 @@ import json
 import sys
 
 import torch
+from torch import nn
 
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.parts import compile_stage
@@ -39,7 +40,7 @@ def compare(
     if skew:
         skew_router(ref)
         skew_router(src)
-    ref = ref.to(device)
+    nn.Module.to(ref, device)  # in place; transformers' decorator on PreTrainedModel.to types self as an argument
     split = SplitModel(src, shards).to(device)
     if compile:
         compile_stage(split)
@@ -56,7 +57,7 @@ def compare(
     diffs = {
         "logits": (out_ref.logits.float() - out_split.logits.float()).abs().max().item(),
         "loss": abs(ref_loss.item() - out_split.loss.item()),
-        "grads": max((grads[n].float() - p.grad.float()).abs().max().item() for n, p in ref_grads.items()),
+        "grads": max(_grad_diff(n, grads[n], p.grad) for n, p in ref_grads.items()),
     }
     ok = all(v <= TOLERANCE[dtype][k] for k, v in diffs.items())
     return {
@@ -70,6 +71,13 @@ def compare(
         **diffs,
         "pass": ok,
     }
+
+
+def _grad_diff(name: str, mine: torch.Tensor | None, ref: torch.Tensor | None) -> float:
+    """The largest difference of two gradients of ``name``; both sides must have one."""
+    if mine is None or ref is None:
+        raise ValueError(f"{name} has a gradient on one side only (split: {mine is not None}, HF: {ref is not None})")
+    return (mine.float() - ref.float()).abs().max().item()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,8 @@ class ExpertShard(nn.Module):
     ``fp8``: its GEMMs in FP8 (the lever, ``models.parts.fp8_stage``), HF's module then under ``fp8.hf.Fp8Experts``.
     """
 
+    experts: nn.Module  # HF's experts module, its fused weights sliced to this shard's experts
+
     def __init__(self, experts: nn.Module, first_expert: int, num_local: int, family: str):
         super().__init__()
         self.experts = experts
@@ -67,16 +69,18 @@ class ExpertShard(nn.Module):
             return x_RH * 0 + self._untouched(x_RH, local_idx_RK, w_RK)
         return self._pairs(x_RH, local_idx_RK, w_RK, num_pairs)
 
-    def _pairs(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int, bounded=False):
+    def _pairs(
+        self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int | None, bounded=False
+    ):
         if supports_grouped(self.family, self.experts, x_RH):
             e = self.experts
             return grouped_gated_experts(
                 x_RH,
                 local_idx_RK,
                 w_RK,
-                e.gate_up_proj,
-                e.down_proj,
-                e.act_fn,
+                e.get_parameter("gate_up_proj"),
+                e.get_parameter("down_proj"),
+                e.get_submodule("act_fn"),
                 num_pairs,
                 self.elementwise,
                 self.recompute,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,36 +39,64 @@ SharedFn = Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
 RouteFn = Callable[[nn.Module, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+# The HF MoE blocks these functions are given, by what each reads of them: nn.Module's ``__getattr__`` types every
+# attribute ``Tensor | Module``, so each function views its block as the shape HF builds (``cast``: no runtime cost).
+class _GatedSharedBlock(Protocol):
+    shared_expert: nn.Module
+    shared_expert_gate: nn.Module
+
+
+class _SharedExpertsBlock(Protocol):
+    shared_experts: nn.Module | None  # ERNIE-4.5 builds none when moe_num_shared_experts is 0
+
+
+class _SharedMlpBlock(Protocol):
+    shared_mlp: nn.Module
+
+
+class _BiasArgumentBlock(Protocol):
+    gate: nn.Module
+    e_score_correction_bias: torch.Tensor
+
+
+class _TokenRoutedBlock(Protocol):
+    gate: nn.Module
+    is_hash: bool
+
+
 def _qwen2_shared(block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
     # Qwen2-MoE gates its shared expert per token with a sigmoid.
-    return F.sigmoid(block.shared_expert_gate(x_TH)) * block.shared_expert(x_TH)
+    gated = cast(_GatedSharedBlock, block)
+    return F.sigmoid(gated.shared_expert_gate(x_TH)) * gated.shared_expert(x_TH)
 
 
 def _deepseek_shared(block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor | None:
-    # ERNIE-4.5 builds none when moe_num_shared_experts is 0.
-    return None if block.shared_experts is None else block.shared_experts(x_TH)
+    shared = cast(_SharedExpertsBlock, block).shared_experts
+    return None if shared is None else shared(x_TH)
 
 
 def _hunyuan_shared(block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
-    return block.shared_mlp(x_TH)
+    return cast(_SharedMlpBlock, block).shared_mlp(x_TH)
 
 
 def _minimax_route(
     block: nn.Module, x_TH: torch.Tensor, token_ids_T: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # MiniMax-M2 keeps its correction bias on the MoE block and hands it to the router.
-    return block.gate(x_TH, block.e_score_correction_bias)
+    biased = cast(_BiasArgumentBlock, block)
+    return biased.gate(x_TH, biased.e_score_correction_bias)
 
 
 def _deepseek_v4_route(
     block: nn.Module, x_TH: torch.Tensor, token_ids_T: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # DeepSeek-V4's hash-routed blocks (``is_hash``) take the token ids: their experts are ``tid2eid[input_ids]``.
-    if block.is_hash:
+    routed = cast(_TokenRoutedBlock, block)
+    if routed.is_hash:
         if token_ids_T is None:
             raise RuntimeError("a hash-routed DeepSeek-V4 layer needs the token ids (LayerContext.token_ids)")
-        return block.gate(x_TH, token_ids_T)
-    return block.gate(x_TH)
+        return routed.gate(x_TH, token_ids_T)
+    return routed.gate(x_TH)
 
 
 @dataclass(frozen=True)
@@ -111,8 +140,8 @@ ALIASES = VISION_LANGUAGE
 def family_of(config) -> Family:
     """The family adapter for an HF config, or a one-line error: the layer and the reason for a family known but
     not cut yet (``uncut``), else what is supported."""
-    model_type = getattr(config, "model_type", None)
-    model_type = ALIASES.get(model_type, model_type)
+    model_type: str | None = getattr(config, "model_type", None)
+    model_type = model_type if model_type is None else ALIASES.get(model_type, model_type)
     if model_type not in FAMILIES:
         if hasattr(config, "to_dict"):  # an HF config (the benches build one-layer models from one)
             check_uncut(config.to_dict())

@@ -222,9 +222,9 @@ class GraphedPart:
         every = [next(computed) if t.requires_grad and grads else None for t in (*inputs, *self.params)]
         # Nothing of the capture's autograd graph may outlive it: its nodes were made on the capture stream, and a
         # parameter's gradient accumulator kept from there would make every later backward wait across streams.
-        outputs = tuple(o.detach() for o in outputs)
+        detached = tuple(o.detach() for o in outputs)
         n = len(inputs)
-        return _Capture(inputs, outputs, out_key, grad_outputs, tuple(every[:n]), tuple(every[n:]), forward, backward)
+        return _Capture(inputs, detached, out_key, grad_outputs, tuple(every[:n]), tuple(every[n:]), forward, backward)
 
 
 def _capture_stream() -> torch.cuda.Stream:

@@ -106,7 +106,8 @@ class StageGraphs:
     @property
     def misses(self) -> int:
         """Calls so far that ran ungraphed: an input structure no capture has (expert rows that vary, say)."""
-        graphed = [*self.attention.values(), *self.shards.values(), *([self.head] if self.head else [])]
+        graphed: list[GraphedAttention | GraphedShard | GraphedHead] = [*self.attention.values(), *self.shards.values()]
+        graphed += [self.head] if self.head else []
         return sum(g.graphs.misses for g in graphed)
 
     def capture_attention(
@@ -163,13 +164,14 @@ def graph_stages(
     graphs = StageGraphs()
     if attention is not None:
         graphs.attention = {
-            int(i): GraphedAttention(p, attention.config, slots=slots(int(i))) for i, p in attention.layers.items()
+            int(i): GraphedAttention(attention.part(int(i)), attention.config, slots=slots(int(i)))
+            for i in attention.layers
         }
         if attention.head is not None:
             graphs.head = GraphedHead(attention.head, slots=slots(attention.config.num_hidden_layers))
     if experts is not None:
         graphs.shards = {
-            int(i): GraphedShard(shard, slots=slots(int(i)), name=f"expert shard of layer {i}")
-            for i, shard in experts.layers.items()
+            int(i): GraphedShard(experts.shard(int(i)), slots=slots(int(i)), name=f"expert shard of layer {i}")
+            for i in experts.layers
         }
     return graphs

@@ -57,7 +57,7 @@ def supports_grouped(family: str, experts: nn.Module, x_RH: torch.Tensor) -> boo
     if family not in GATED_FUSED_FAMILIES:
         return False
     itemsize = x_RH.element_size()
-    aligned = all(d * itemsize % 16 == 0 for d in experts.down_proj.shape[1:])
+    aligned = all(d * itemsize % 16 == 0 for d in experts.get_parameter("down_proj").shape[1:])
     return aligned and (x_RH.device.type == "cpu" or x_RH.dtype == torch.bfloat16)
 
 
@@ -100,6 +100,8 @@ def grouped_gated_experts(
     offsets_e = torch.searchsorted(sorted_ids_P, experts_e, out_int32=True)
     kept = None  # bounded: the real pairs, the first offsets_e[-1] of the num_pairs slots (a device count)
     if bounded:
+        if num_pairs is None:
+            raise ValueError("bounded experts need num_pairs, the bound on their pairs")
         num_pairs = min(num_pairs, order_P.numel())
         offsets_e = offsets_e.clamp(max=num_pairs)  # an overflow: its excess pairs are dropped
         kept = offsets_e[-1]

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.loading import load_config
@@ -108,7 +107,7 @@ def replace_dir(new: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], model_dir: str | Path) -> None:
+def _load_into(model: PreTrainedModel, tensors: dict[str, torch.Tensor], model_dir: str | Path) -> None:
     """Assign ``tensors`` to the (meta) model: same key set and shapes, HF's dtypes, ties kept.
 
     Tensors are cast to the dtype HF gives each one (``_keep_in_fp32_modules`` keeps some in fp32 in a bf16

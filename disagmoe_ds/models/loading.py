@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from disagmoe_ds.models.families import (
     is_moe_layer,
     token_table_of,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -88,7 +92,7 @@ def load_model(
     attn_implementation: str | None = None,
     require_weights: bool = False,
     seed: int = 0,
-) -> nn.Module:
+) -> PreTrainedModel:
     """An ``XForCausalLM`` from an HF directory.
 
     With weights in the directory they are loaded by ``from_pretrained``. A config-only directory (the tiny and
@@ -112,7 +116,7 @@ def load_model(
     return freeze_untrained(model)
 
 
-def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The model's module tree on the meta device: no memory, no initialisation.
 
     A rank cuts the parts it owns from it and materialises only those (``partial_load.place``), so a job never holds
@@ -125,7 +129,7 @@ def build_meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) ->
         return freeze_untrained(AutoModelForCausalLM.from_config(config, dtype=dtype))
 
 
-def freeze_untrained(model: nn.Module) -> nn.Module:
+def freeze_untrained(model: PreTrainedModel) -> PreTrainedModel:
     """Parameters the language-model loss never trains stay out of the optimizer (an optimizer would still move
     them: weight decay on zero gradients):
 

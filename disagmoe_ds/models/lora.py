@@ -20,6 +20,8 @@ from torch import nn
 from disagmoe_ds.fp8.modules import linear
 from disagmoe_ds.models.lora_settings import EXPERT_PROJECTIONS, A, B
 
+SCALING_ATTR = "lora_scaling"  # the adapters' scale, a float attribute of an adapted experts module
+
 
 class LoraLinear(nn.Linear):
     """``base`` (its own ``weight`` and ``bias`` objects, under the same names) plus PEFT's low-rank update. ``fp8``
@@ -55,11 +57,11 @@ class ExpertAdapters:
 
 def expert_adapters(experts: nn.Module) -> ExpertAdapters | None:
     """The adapters ``add_adapters`` put on an experts module, or None."""
-    scaling = getattr(experts, "lora_scaling", None)
+    scaling = getattr(experts, SCALING_ATTR, None)
     if scaling is None:
         return None
-    factors = [(getattr(experts, f"{p}_{A}"), getattr(experts, f"{p}_{B}")) for p in EXPERT_PROJECTIONS]
-    return ExpertAdapters(*factors, scaling=scaling)
+    gate_up, down = ((getattr(experts, f"{p}_{A}"), getattr(experts, f"{p}_{B}")) for p in EXPERT_PROJECTIONS)
+    return ExpertAdapters(gate_up, down, scaling=scaling)
 
 
 def expert_delta(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, transposed: bool):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from disagmoe_ds.models.families import family_of, route
+from disagmoe_ds.models.hf_model import causal_lm
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern, token_routed_layers
 
 
@@ -48,6 +49,7 @@ class RoutingFacts:
 
 def routing_facts(model: nn.Module) -> RoutingFacts:
     """The ``RoutingFacts`` of ``model`` (on the meta device too): its first router runs once on a zero token."""
+    model = causal_lm(model)
     moe = moe_layer_pattern(model.config.to_dict())
     family = family_of(model.config)
     block = model.model.layers[moe.index(True)].mlp

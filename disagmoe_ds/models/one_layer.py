@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from disagmoe_ds.models.model_facts import num_routed_experts
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 def one_layer_model(
     config, *, device: str, dtype: torch.dtype, experts: str = "grouped_mm", layer: int = 0
-) -> nn.Module:
+) -> PreTrainedModel:
     """A causal LM with a single decoder layer of ``config``'s sizes, that layer made MoE (random weights), of the
     type (``config.layer_types``: full or linear attention, sliding window) of the model's layer ``layer``."""
     from transformers import AutoModelForCausalLM

@@ -25,10 +25,12 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
@@ -41,6 +43,7 @@ from transformers.core_model_loading import (
 
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.attention_part import AttentionPart
+from disagmoe_ds.models.hf_model import causal_lm
 from disagmoe_ds.models.loading import (
     build_meta_model,
     check_weights,
@@ -54,6 +57,7 @@ from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import ExpertStage
 
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")  # from_pretrained's order of preference
+HF_INITIALIZED = "_is_hf_initialized"  # transformers' mark on a parameter its loading or init has written
 
 Read = Callable[..., torch.Tensor]  # read(key, rows: range | None = None): the tensor, or only its rows (dim 0)
 
@@ -125,6 +129,7 @@ class PretrainedWeights:
     """The safetensors of an HF directory, indexed by the in-memory names of the model built from its config."""
 
     def __init__(self, path: str | Path, model: nn.Module):
+        model = causal_lm(model)
         self.path = Path(path)
         self._files = _weight_files(self.path)
         state = model.state_dict()
@@ -168,7 +173,10 @@ class PretrainedWeights:
         if experts is not None:
             _check_per_expert(converter, name)
         keys = self._expert_keys(name, source, range(self._shapes[name][0]) if experts is None else experts)
-        tensors = {pattern: [read(key) for key in pattern_keys] for pattern, pattern_keys in keys.items()}
+        # a tensor or a list of them per pattern, as transformers' operations take and give them (typed dict[str, Any])
+        tensors: dict[str, Any] = {
+            pattern: [read(key) for key in pattern_keys] for pattern, pattern_keys in keys.items()
+        }
         for op in converter.operations:
             tensors = op.convert(
                 tensors,
@@ -177,6 +185,8 @@ class PretrainedWeights:
                 full_layer_name=name,
             )
         (value,) = tensors.values()
+        if not isinstance(value, torch.Tensor):  # the converter's last operation merges the experts into one
+            raise CheckpointError(f"transformers' conversion of {name} left {len(value)} tensors, not one")
         return value
 
     def _source(self, name: str) -> _Plain | _Converted:
@@ -211,7 +221,7 @@ def _open(file: Path):
 
 
 def _sources(
-    model: nn.Module, expected: dict[str, torch.Tensor], files: dict[str, str]
+    model: PreTrainedModel, expected: dict[str, torch.Tensor], files: dict[str, str]
 ) -> dict[str, _Plain | _Converted]:
     """In-memory name -> its checkpoint tensors, renamed and grouped as ``from_pretrained`` does it
     (``convert_and_load_state_dict_in_model``); checkpoint tensors the model does not have are skipped, as there."""
@@ -230,6 +240,8 @@ def _sources(
             sources.setdefault(name, _Plain(key))
         else:
             source = sources.setdefault(name, _Converted(by_pattern[pattern]))
+            if isinstance(source, _Plain):
+                raise CheckpointError(f"checkpoint tensors {source.key} and {key} both load into {name}")
             source.keys.setdefault(pattern, {})[_expert_of(pattern, key)] = key
     return sources
 
@@ -242,10 +254,15 @@ def _star(pattern: str) -> re.Pattern:
 
 
 def _expert_of(pattern: str, key: str) -> int:
+    return int(_expert_match(pattern, key).group(1))
+
+
+def _expert_match(pattern: str, key: str) -> re.Match:
+    """Where checkpoint tensor ``key`` names its expert (``_star``)."""
     match = _star(pattern).search(key)
     if match is None:
         raise CheckpointError(f"cannot tell which expert checkpoint tensor {key} holds (pattern {pattern})")
-    return int(match.group(1))
+    return match
 
 
 def _key_of_expert(pattern: str, expert: int, present: dict[int, str]) -> str:
@@ -253,7 +270,7 @@ def _key_of_expert(pattern: str, expert: int, present: dict[int, str]) -> str:
     if not present:
         return pattern.replace("*", str(expert))
     key = next(iter(present.values()))
-    match = _star(pattern).search(key)
+    match = _expert_match(pattern, key)
     return key[: match.start(1)] + str(expert) + key[match.end(1) :]
 
 
@@ -338,10 +355,11 @@ def _allocate(stage: nn.Module, device: torch.device) -> None:
 
 
 def _initialise(stage: nn.Module, model: nn.Module, seed: int) -> None:
+    model = causal_lm(model)
     torch.manual_seed(seed)
     for param in stage.parameters():
-        if getattr(param, "_is_hf_initialized", False):
-            param._is_hf_initialized = False  # set while building on meta, where nothing was written
+        if getattr(param, HF_INITIALIZED, False):
+            setattr(param, HF_INITIALIZED, False)  # set while building on meta, where nothing was written
     for module in stage.modules():
         model._init_weights(module)
     parts = {part.layer_idx: part for part in stage.modules() if isinstance(part, AttentionPart)}

@@ -23,6 +23,7 @@ from disagmoe_ds.models.context import LayerContext, build_context
 from disagmoe_ds.models.expert_shard import ExpertShard, slice_experts
 from disagmoe_ds.models.families import family_of, is_moe_layer
 from disagmoe_ds.models.grouped_experts import compiled_elementwise
+from disagmoe_ds.models.hf_model import causal_lm
 from disagmoe_ds.models.moe_pattern import token_routed_layers
 
 
@@ -38,6 +39,7 @@ class AttentionStage(nn.Module):
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...], *, with_embedding: bool, with_head: bool):
         super().__init__()
+        model = causal_lm(model)
         self.config = model.config
         self.family = family_of(model.config)
         self.embed_tokens = model.model.embed_tokens if with_embedding else None
@@ -56,6 +58,8 @@ class AttentionStage(nn.Module):
 
     def embed(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
         """The first layer's residual: the token embeddings (in every stream, with hyper-connections)."""
+        if self.embed_tokens is None:
+            raise ValueError("this attention stage holds no embedding (with_embedding: A-group 0's)")
         return hc.expand(self.embed_tokens(input_ids_BS), self.streams)
 
     def context(
@@ -75,7 +79,9 @@ class AttentionStage(nn.Module):
         return replace(ctx, token_ids=token_ids) if self.token_routed else ctx
 
     def part(self, layer: int) -> AttentionPart:
-        return self.layers[str(layer)]
+        part = self.layers[str(layer)]
+        assert isinstance(part, AttentionPart)  # a ModuleDict's items are typed Module
+        return part
 
 
 class ExpertStage(nn.Module):
@@ -85,6 +91,7 @@ class ExpertStage(nn.Module):
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...], start: int, stop: int):
         super().__init__()
+        model = causal_lm(model)
         self.config = model.config
         family = family_of(model.config)
         hf_layers = model.model.layers
@@ -103,7 +110,9 @@ class ExpertStage(nn.Module):
         )
 
     def shard(self, layer: int) -> ExpertShard:
-        return self.layers[str(layer)]
+        shard = self.layers[str(layer)]
+        assert isinstance(shard, ExpertShard)  # a ModuleDict's items are typed Module
+        return shard
 
 
 def compile_stage(module: nn.Module) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ def router_modules(config, names: Any) -> list[str]:
     return sorted({n[: -len(family.router_weight) - 1] for n in names if n.endswith(suffix)})
 
 
-def lora_config(settings: LoraSettings, names: Any, *, base_model: str | None = None, routers: list[str] = ()):
+def lora_config(settings: LoraSettings, names: Any, *, base_model: str | None = None, routers: Sequence[str] = ()):
     """PEFT's ``LoraConfig`` of the adapters named ``names`` (our HF names): the exact modules adapted, the expert
     parameters, the routers trained in full."""
     from peft import LoraConfig
@@ -58,7 +58,8 @@ def lora_config(settings: LoraSettings, names: Any, *, base_model: str | None = 
     experts = sorted({_split(n)[1].rsplit("_lora_", 1)[0] for n in names if _split(n)[1] in EXPERT_SUFFIXES})
     return LoraConfig(
         r=settings.rank,
-        lora_alpha=settings.rank if settings.alpha is None else settings.alpha,
+        # PEFT annotates lora_alpha int but scales by lora_alpha / r: a float alpha works as it does in our adapters
+        lora_alpha=settings.rank if settings.alpha is None else settings.alpha,  # type: ignore[arg-type]
         lora_dropout=settings.dropout,
         target_modules=modules or None,
         target_parameters=[f"mlp.experts.{p}" for p in EXPERT_PROJECTIONS if p in experts] or None,
@@ -68,7 +69,7 @@ def lora_config(settings: LoraSettings, names: Any, *, base_model: str | None = 
     )
 
 
-def to_peft(tensors: Mapping[str, torch.Tensor], routers: list[str] = ()) -> dict[str, torch.Tensor]:
+def to_peft(tensors: Mapping[str, torch.Tensor], routers: Sequence[str] = ()) -> dict[str, torch.Tensor]:
     """PEFT's adapter state (``adapter_model.safetensors`` keys) of our adapter tensors and trained routers."""
     out: dict[str, torch.Tensor] = {}
     nested = _expert_nesting(tensors)

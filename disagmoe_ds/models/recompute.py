@@ -40,7 +40,8 @@ def _swiglus(mlp: nn.Module) -> list[nn.Module]:
 def apply_selective_recompute(stage: nn.Module) -> None:
     """Switch selective recompute on for every part of an ``AttentionStage`` or shard of an ``ExpertStage``."""
     if isinstance(stage, AttentionStage):
-        for part in stage.layers.values():
+        for layer in stage.layers:
+            part = stage.part(int(layer))
             for module in (part.mixer, *_swiglus(part.mlp)):
                 _checkpoint_module(module)
         return

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from disagmoe_ds.models.families import family_of, is_moe_layer, router_of, token_table_of
+from disagmoe_ds.models.hf_model import causal_lm
 
 PUSH = 50.0
 
@@ -27,6 +28,7 @@ def skew_router(model: nn.Module, expert: int = 0, *, spread: bool = False) -> N
     """Make every token of every MoE layer choose ``expert`` (with its highest score); ``spread``: the i-th MoE
     layer's tokens choose expert ``expert + i`` instead (modulo the router's experts), every layer collapsed onto an
     expert of its own, which a loss over all layers' rows pooled reads as balanced."""
+    model = causal_lm(model)
     family = family_of(model.config)
     moe_layers = [layer for layer in model.model.layers if is_moe_layer(layer)]
     for i, layer in enumerate(moe_layers):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,10 +17,14 @@ from disagmoe_ds.comm.routing import combine, pack, plan_dispatch
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.models.aux_loss import RouterStats, aux_loss_from_stats, balance_per_layer, router_stats
 from disagmoe_ds.models.families import family_of
+from disagmoe_ds.models.hf_model import causal_lm
 from disagmoe_ds.models.hyper_connections import add_routed
 from disagmoe_ds.models.model_facts import num_routed_experts
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass
@@ -36,6 +41,7 @@ def aux_loss_enabled(config) -> bool:
 def hf_reference_loss(model: nn.Module, out) -> torch.Tensor:
     """The loss of an HF model's output as our parts define it: HF's own, except that with per-layer balancing
     (``balance_per_layer``) its pooled aux term is replaced by the mean of HF's function on each layer alone."""
+    model = causal_lm(model)
     config = model.config
     if not (aux_loss_enabled(config) and balance_per_layer(config)):
         return out.loss
@@ -52,8 +58,12 @@ class SplitModel(nn.Module):
     shards copy slices of its fused expert tensors.
     """
 
+    config: PretrainedConfig
+    attention: AttentionStage
+
     def __init__(self, model: nn.Module, num_shards: int):
         super().__init__()
+        model = causal_lm(model)
         num_experts = num_routed_experts(model)
         if num_shards < 1 or num_experts % num_shards:
             raise LayoutError(
@@ -79,8 +89,10 @@ class SplitModel(nn.Module):
                 h_BSH = out.residual_BSH
                 continue
             if out.router_logits_TE is not None:  # a learned choice (not a token-routed layer)
-                stats.append(router_stats(out.router_logits_TE, part.router.top_k))
+                stats.append(router_stats(out.router_logits_TE, part.router_top_k))
             h_BSH = add_routed(out.residual_BSH, out.routed_w_BSC, self._experts(layer, out))
+        if self.attention.head is None:
+            raise AssertionError("the split's attention stage is built with the head")
         logits, loss = self.attention.head(h_BSH, labels)
         per_layer = balance_per_layer(self.config)
         aux = aux_loss_from_stats(stats, per_layer=per_layer) if aux_loss_enabled(self.config) else None
@@ -92,11 +104,18 @@ class SplitModel(nn.Module):
         plan = plan_dispatch(out.topk_idx_TK, len(self.shards), self.experts_per_shard)
         ys = [
             stage.shard(layer)(x_RH, plan.local_idx_RK[r], w_RK, plan.pairs[r])
-            for r, (stage, (x_RH, w_RK)) in enumerate(zip(self.shards, pack(out.x_TH, out.topk_w_TK, plan)))
+            for r, (stage, (x_RH, w_RK)) in enumerate(zip(self.expert_stages, pack(out.x_TH, out.topk_w_TK, plan)))
         ]
         return combine(ys, plan)
 
-    def hf_named_grads(self) -> dict[str, torch.Tensor]:
+    @property
+    def expert_stages(self) -> list[ExpertStage]:
+        """``shards``, typed (a ModuleList's items are typed Module)."""
+        stages = [stage for stage in self.shards if isinstance(stage, ExpertStage)]
+        assert len(stages) == len(self.shards), "every shard is an ExpertStage (__init__)"
+        return stages
+
+    def hf_named_grads(self) -> dict[str, torch.Tensor | None]:
         """Gradients under HF's parameter names, expert slices concatenated back into fused tensors."""
         grads = {attention_name_to_hf(n): p.grad for n, p in self.attention.named_parameters()}
         pieces: dict[str, list[torch.Tensor]] = {}

@@ -119,5 +119,6 @@ class SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_hidden_PI: torch.Tensor):
-        d_gate_up_PF, d_w_P = swiglu_backward(*ctx.saved_tensors, d_hidden_PI)
+        gate_up_PF, w_P = ctx.saved_tensors
+        d_gate_up_PF, d_w_P = swiglu_backward(gate_up_PF, w_P, d_hidden_PI)
         return d_gate_up_PF, d_w_P

@@ -238,9 +238,12 @@ class Prediction:
             return None
         if self.run.step_s is not None:
             return self.plan.step_time_s / self.run.step_s - 1
+        rate = self.plan.tokens_per_s / self.world_size  # tokens_per_s_per_gpu, known with a plan
         if self.run.tflops is not None:
-            return self.run.tflops / self.tflops - 1
-        return self.run.tokens_per_s_per_gpu / self.tokens_per_s_per_gpu - 1
+            return self.run.tflops / (rate * self.flops_per_token / 1e12) - 1
+        if self.run.tokens_per_s_per_gpu is not None:
+            return self.run.tokens_per_s_per_gpu / rate - 1
+        return None  # the run publishes none of the three
 
     def dominant(self) -> str:
         """The largest share of the predicted step: compute, exposed all-to-all or bubble."""

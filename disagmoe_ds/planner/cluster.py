@@ -85,7 +85,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.hbm_bw is None and isinstance(self.hbm_bytes, (int, float)):
-            object.__setattr__(self, "hbm_bw", default_hbm_bw(self.hbm_bytes))
+            object.__setattr__(self, "hbm_bw", self.memory_bw)
         for f in ("nodes", "gpus_per_node", "nics_per_node"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -103,6 +103,11 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def memory_bw(self) -> float:
+        """``hbm_bw``, or the one of ``hbm_bytes`` where none is given (which ``__post_init__`` fills in)."""
+        return default_hbm_bw(self.hbm_bytes) if self.hbm_bw is None else self.hbm_bw
 
     @property
     def total_nics(self) -> int:
@@ -258,7 +263,7 @@ class Rates:
             nic_bw=cluster.nic_bw * eff.network,
             nvlink_bw=cluster.nvlink_bw * eff.nvlink,
             usable_hbm=cluster.hbm_bytes * eff.memory,
-            hbm_bw=cluster.hbm_bw * eff.hbm,
+            hbm_bw=cluster.memory_bw * eff.hbm,
             pcie_bw=cluster.pcie_bw * eff.pcie,
             message_host_s=cluster.message_host_s,
             source=f"peak x efficiency (compute {eff.compute:g}, network {eff.network:g}, nvlink {eff.nvlink:g})",

@@ -47,6 +47,7 @@ from disagmoe_ds.planner.memory import RankMemory, baseline_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.optimizer_step import baseline_optimizer_s
 from disagmoe_ds.planner.pipeline_split import chunk_sizes
+from disagmoe_ds.planner.recompute import Recompute
 from disagmoe_ds.planner.simulate import Op, SimResult, input_ready, megatron_order, run_in_order
 from disagmoe_ds.planner.workload import Workload
 
@@ -145,10 +146,11 @@ def _run(costs: ColocatedCosts, shape: Shape, micro_batches: int) -> list[tuple[
     def start(r: int, unit: tuple[Op, ...]) -> bool:
         stages = [op.chunk * pp + r for op in unit]
         ready = [input_ready(done, op, s, last, pp, costs.p2p_s) for op, s in zip(unit, stages)]
-        if any(x is None for x in ready):
+        known = [x for x in ready if x is not None]
+        if len(known) < len(ready):
             return False
         duration, comp = _unit_s(costs, unit, stages)
-        end = max(free[r], *ready) + duration  # type: ignore[type-var]
+        end = max(free[r], *known) + duration
         for op, s in zip(unit, stages):
             done[op.forward, s, op.micro_batch] = end
         free[r] = end
@@ -242,11 +244,11 @@ def colocated_candidates(
     strongest: bool = True,
     dispatcher: str = "alltoall",
     only: Shape | None = None,
-    recompute: str | None = None,
+    recompute: Recompute | None = None,
 ) -> tuple[list[ColocatedCandidate], Counter]:
     """Configurations that divide and fit memory, each with the cheapest recompute policy that fits (or
     ``recompute``); ``only`` prices that one shape instead of searching."""
-    policies = ("none", "selective", "full") if strongest else ("none", "full")
+    policies: tuple[Recompute, ...] = ("none", "selective", "full") if strongest else ("none", "full")
     policies = (recompute,) if recompute else policies
     rejected: Counter = Counter()
     out = []

@@ -64,7 +64,7 @@ def hf_decoder_parts(
         resid_bsh = h_bsh + attn_bsh
         y_th = layer.post_attention_layernorm(resid_bsh).reshape(-1, hidden)
         _, weights_tk, _ = router(y_th)
-        outs = (resid_bsh, y_th, weights_tk)
+        outs: tuple[Any, ...] = (resid_bsh, y_th, weights_tk)
         if shared is not None:
             outs += (shared(y_th),)
         return outs
@@ -90,7 +90,7 @@ def _load_factory(spec: str) -> PartsFactory:
         raise ConfigError(f"--parts {spec!r}: cannot load it ({err})") from err
 
 
-def _median_s(run: Callable[[], None], sync: Callable[[], None], warmup: int, repeats: int) -> float:
+def _median_s(run: Callable[[], object], sync: Callable[[], object], warmup: int, repeats: int) -> float:
     times = []
     for i in range(warmup + repeats):
         sync()

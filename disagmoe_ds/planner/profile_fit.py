@@ -58,10 +58,15 @@ def rates_from_profile(profile: dict[str, Any], cluster: Cluster, eff: Efficienc
     keys = {"nvlink_bw": "nvlink_bytes_per_s", "nic_bw": "nic_bytes_per_s"}
     links = {f: float(profile[k]) for f, k in keys.items() if measured_links and profile.get(k)}
     where = " and ".join(f"{f} from the profile" for f in links) or "links from the cluster"
+    fitted = part_models(profile)
     return replace(
         base,
-        **part_models(profile),
-        **links,
+        attention_fwd=fitted["attention_fwd"],
+        attention_bwd=fitted["attention_bwd"],
+        experts_fwd=fitted["experts_fwd"],
+        experts_bwd=fitted["experts_bwd"],
+        nvlink_bw=links.get("nvlink_bw", base.nvlink_bw),
+        nic_bw=links.get("nic_bw", base.nic_bw),
         source=f"profile of {profile.get('model')} at seq {seqs} on {profile.get('device')}; {where}",
     )
 

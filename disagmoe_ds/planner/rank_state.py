@@ -4,7 +4,7 @@ the layout a run was launched with (``train.progress``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
@@ -20,6 +20,7 @@ from disagmoe_ds.planner.training_state import (
 from disagmoe_ds.planner.workload import Workload
 
 
+@runtime_checkable
 class ColocatedShape(Protocol):
     """What ``rank_state_bytes`` reads of ``colocated.layout.ColocatedLayout`` (the planner imports no runtime
     folder: colocated imports DeepSpeed and the runtime's config, which imports the planner)."""

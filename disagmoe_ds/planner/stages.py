@@ -182,6 +182,8 @@ def _side_flops(spec: ModelSpec, s: int, recompute: Recompute, resend: bool = Fa
     a_fwd = sum(spec.attention_side_flops(s, i) for i in range(spec.num_layers))
     f_fwd = sum(spec.expert_side_flops(i) for i in range(spec.num_layers))
     both = recompute_flops_per_token(spec, s, recompute, whole_blocks=True)  # as the runtime recomputes
+    a_rc: float
+    f_rc: float
     if recompute == "full":
         a_rc, f_rc = a_fwd, f_fwd
     else:

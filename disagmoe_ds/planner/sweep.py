@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.planner.allocator import PlanRequest, plan
@@ -37,7 +37,16 @@ SEQ_LENS = (4096, 16384)
 # Measured AF-Pipe / best co-located throughput (docs/performance.md section 6: 2 H200s, the balanced 8-layer
 # Qwen3-30B-A3B, 8 x 4,096 tokens per step, compiled). The link between the two GPUs plays the cross-node link:
 # NCCL's socket transport at its measured 3.8 GB/s one way, NVLink at the 280 GB/s the planner's cluster JSON uses.
-MEASURED = (
+
+
+class MeasuredPoint(TypedDict):
+    model: str
+    bandwidth_gb_s: float
+    speedup: float
+    label: str
+
+
+MEASURED: tuple[MeasuredPoint, ...] = (
     {"model": "Qwen3-30B-A3B", "bandwidth_gb_s": 3.8, "speedup": 1.79, "label": "2 H200, socket (perf. sec. 6)"},
     {"model": "Qwen3-30B-A3B", "bandwidth_gb_s": 280.0, "speedup": 0.73, "label": "2 H200, NVLink (perf. sec. 6)"},
 )

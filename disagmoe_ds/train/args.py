@@ -143,19 +143,23 @@ def resolve(ns: argparse.Namespace, *, default_model: Path, launched_world_size:
             "--export-hf-merged writes a LoRA run's model with its adapters merged; pass --lora-rank (or set "
             '"disagmoe": {"lora": ...}), or use --export-hf for a full fine-tune'
         )
-    derived = {
-        "model": ns.init_from or ns.model or default_model,
-        "pretrained": ns.init_from is not None,
-        "ds_config": ds_config,
-        "mode": mode,
-        "cfg": cfg,
-        "data": ns.data or "",
-        "sft_fields": (ns.prompt_field, ns.response_field, ns.messages_field),
-        "micro_batch_size": batch,
-        "dtype": dtype,
-        "eval_split": ns.eval_split or 0.0,
-        "eval_every": ns.eval_every or 0,
-    }
+    derived = (
+        "model", "pretrained", "ds_config", "mode", "cfg", "data", "sft_fields", "micro_batch_size", "dtype",
+        "eval_split", "eval_every",
+    )  # fmt: skip
     # Every other field is the value of the flag of the same name.
     as_given = {f.name: getattr(ns, f.name) for f in fields(TrainArgs) if f.name not in derived}
-    return TrainArgs(**derived, **as_given)
+    return TrainArgs(
+        model=ns.init_from or ns.model or default_model,
+        pretrained=ns.init_from is not None,
+        ds_config=ds_config,
+        mode=mode,
+        cfg=cfg,
+        data=ns.data or "",
+        sft_fields=(ns.prompt_field, ns.response_field, ns.messages_field),
+        micro_batch_size=batch,
+        dtype=dtype,
+        eval_split=ns.eval_split or 0.0,
+        eval_every=ns.eval_every or 0,
+        **as_given,
+    )

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from disagmoe_ds.capabilities.rules import Job, check
 from disagmoe_ds.models.attention_part import AttentionPart
 from disagmoe_ds.models.families import expert_bias_of, family_of
+from disagmoe_ds.models.hf_model import model_config
+from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.runtime.rank import RankRuntime
 from disagmoe_ds.runtime.step import StepResult
 
@@ -37,10 +39,11 @@ def bias_update_rate(requested: float | None, config) -> float:
 def expert_load(runtime: RankRuntime, result: StepResult) -> torch.Tensor:
     """[L, E] tokens routed to each expert in the step of ``result``, summed over every lane. Collective (all
     ranks)."""
-    layout = runtime.layout
     counts_LE = result.expert_counts_LE
-    if counts_LE is None:  # the FFN side routes nothing; it joins the sum with zeros
-        counts_LE = torch.zeros(layout.num_layers, layout.num_experts, dtype=torch.int64, device=runtime.engine.device)
+    if counts_LE is None:  # the FFN side routes nothing (so does a module that reports no load); it adds zeros
+        config = model_config(runtime.module)  # [L, E] of the model: a co-located layout has no L
+        shape = (config.num_hidden_layers, num_experts_of(config))
+        counts_LE = torch.zeros(shape, dtype=torch.int64, device=runtime.engine.device)
     dist.all_reduce(counts_LE)
     return counts_LE.cpu()  # host-device sync: the counts feed the bias update and the log
 

@@ -23,7 +23,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -33,7 +33,10 @@ from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.hf_writer import TOKENIZER_FILES, copy_into, present_files
 from disagmoe_ds.models.loading import load_model
-from disagmoe_ds.train.conversion_jobs import Job, Source, refuse_checkpoint_as_model, require_disaggregated
+from disagmoe_ds.train.conversion_jobs import AnyJob, Job, Source, refuse_checkpoint_as_model, require_disaggregated
+
+if TYPE_CHECKING:
+    from disagmoe_ds.runtime.rank import RankRuntime
 
 # afpipe.build, runtime.deepspeed_role, launch.local, train.model and disagmoe_ds.colocated import DeepSpeed (~5 s):
 # they are imported where they are used, so that --help and bad arguments answer at once.
@@ -44,7 +47,7 @@ TOKENIZER_DIR = "tokenizer"  # under the tag, as checkpoint.resume names it
 TIMEOUT_S = 3600.0
 
 
-def hf_to_disagmoe(job: Job, out: str | Path, *, tag: str = FIRST_TAG) -> Path:
+def hf_to_disagmoe(job: Job[DisagMoEConfig], out: str | Path, *, tag: str = FIRST_TAG) -> Path:
     """Write the weights of the HF directory ``job.model_dir`` as a checkpoint of ``job``'s layout (step 0)."""
     refuse_checkpoint_as_model(job.model_dir)  # at once: before importing DeepSpeed (seconds, and a warning)
     from disagmoe_ds.launch.local import spawn_local
@@ -83,7 +86,7 @@ def disagmoe_to_hf(source: Source, out: str | Path, *, merged: bool = False) -> 
     )
 
 
-def relayout(source: Source, job: Job, out: str | Path) -> Path:
+def relayout(source: Source, job: Job[DisagMoEConfig], out: str | Path) -> Path:
     """Write ``source`` under ``job``'s layout with the same masters, optimizer state, scheduler and step."""
     from disagmoe_ds.launch.local import spawn_local
 
@@ -111,7 +114,7 @@ def read_state(source: Source, *, weights: Weights) -> TrainState:
     return gather_state(shares, source.client_state)
 
 
-def _job_model(job: Job, *, require_weights: bool = False) -> nn.Module:
+def _job_model(job: AnyJob, *, require_weights: bool = False) -> nn.Module:
     """The whole HF model the ranks cut their parts from, frozen as the job's training froze it."""
     from disagmoe_ds.train.model import freeze
 
@@ -120,7 +123,7 @@ def _job_model(job: Job, *, require_weights: bool = False) -> nn.Module:
     return model
 
 
-def _check_job(job: Job) -> None:
+def _check_job(job: Job[DisagMoEConfig]) -> None:
     """Fail in this process, before any rank starts, on a layout or DeepSpeed config that cannot run."""
     from disagmoe_ds.afpipe.build import preflight
     from disagmoe_ds.runtime.deepspeed_role import role_ds_config
@@ -140,17 +143,18 @@ def _refuse_existing(path: Path, what: str) -> None:
 # ----- rank bodies (run by spawn_local in forked ranks) -----
 
 
-def _build(job: Job, model: nn.Module):
+def _build(job: AnyJob, model: nn.Module) -> RankRuntime:
     """This rank of ``job``, built as training builds it (collective)."""
     if isinstance(job.cfg, DisagMoEConfig):
-        from disagmoe_ds.afpipe.build import build_rank as build
-    else:
-        from disagmoe_ds.colocated.build import build_colocated_rank as build
+        from disagmoe_ds.afpipe.build import build_rank
 
-    return build(job.model_dir, job.ds_config, job.cfg, micro_batch_size=1, dtype=job.dtype, model=model)
+        return build_rank(job.model_dir, job.ds_config, job.cfg, micro_batch_size=1, dtype=job.dtype, model=model)
+    from disagmoe_ds.colocated.build import build_colocated_rank
+
+    return build_colocated_rank(job.model_dir, job.ds_config, job.cfg, micro_batch_size=1, dtype=job.dtype, model=model)
 
 
-def _save_initial_rank(rank: int, job: Job, model: nn.Module, out: str, tag: str) -> None:
+def _save_initial_rank(rank: int, job: Job[DisagMoEConfig], model: nn.Module, out: str, tag: str) -> None:
     rt = _build(job, model)
     tokenizer = present_files(job.model_dir, TOKENIZER_FILES)
 
@@ -180,16 +184,22 @@ def _restore_rank(
 ) -> None:
     rt = _build(job, model)
     set_rank_state(rt, state)
+    attach = None if tokenizer_dir is None else _tree_copier(tokenizer_dir, extra["tokenizer"])
+    _save(rt, job, out, tag, state.client_state, extra, attach)
+
+
+def _tree_copier(src: Path, name: str) -> Callable[[Path], None]:
+    """What ``save_checkpoint`` calls to put the directory ``src`` under the tag as ``name``."""
 
     def attach(tag_dir: Path) -> None:
-        shutil.copytree(tokenizer_dir, tag_dir / extra["tokenizer"])
+        shutil.copytree(src, tag_dir / name)
 
-    _save(rt, job, out, tag, state.client_state, extra, attach if tokenizer_dir is not None else None)
+    return attach
 
 
 def _save(
-    rt,
-    job: Job,
+    rt: RankRuntime,
+    job: AnyJob,
     out: str,
     tag: str,
     client_state: dict[str, Any],

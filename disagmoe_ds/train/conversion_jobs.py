@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -40,15 +40,19 @@ if TYPE_CHECKING:
 TRAINING_ENTRIES = ("frozen", "data", "tokenizer", "weights_only")  # a re-layout keeps them
 
 
+# Either mode's config; a co-located job's ``ColocatedConfig`` only for a checkpoint being exported to HF.
+Cfg = TypeVar("Cfg", bound="DisagMoEConfig | ColocatedConfig", covariant=True)
+
+
 @dataclass(frozen=True)
-class Job:
+class Job(Generic[Cfg]):
     """One layout to run: the model directory, the layout and the user's DeepSpeed config (no ``disagmoe``).
 
-    ``cfg`` is a co-located job's ``ColocatedConfig`` only for a checkpoint being exported to HF.
+    ``Job[DisagMoEConfig]`` is what hf-to-disagmoe and relayout write; a ``Source``'s job is of either mode.
     """
 
     model_dir: str
-    cfg: DisagMoEConfig | ColocatedConfig
+    cfg: Cfg
     ds_config: dict[str, Any]
     frozen: dict[str, bool] = field(default_factory=dict)  # {"router": bool, "attention": bool}, as training froze
 
@@ -57,13 +61,16 @@ class Job:
         return torch.bfloat16 if self.ds_config.get("bf16", {}).get("enabled") else torch.float32
 
 
+AnyJob = Job["DisagMoEConfig | ColocatedConfig"]  # a job of either mode
+
+
 @dataclass(frozen=True)
 class Source:
     """A checkpoint opened for reading: where it is and the job that wrote it."""
 
     root: Path
     tag: str
-    job: Job
+    job: AnyJob
     client_state: dict[str, Any]  # the manifest's copy: the trainer's int/float/str entries
     mode: str = DISAGGREGATED  # the manifest's: disaggregated or colocated
     extra: dict[str, Any] = field(default_factory=dict)  # the manifest's training entries: frozen, data, tokenizer
@@ -118,11 +125,10 @@ def open_checkpoint(
     mode = manifest.get("mode", DISAGGREGATED)
     if command != "disagmoe-to-hf":
         require_disaggregated(root / tag, mode, command)
-    cfg = _recorded_cfg(mode, manifest["layout"], root / tag)
-    if "zero_stage" in manifest:  # the ranks that read it are built with the stages it was written under
-        cfg = replace(cfg, zero_stage=dict(manifest["zero_stage"]))
-    recorded = manifest.get("ds_config")
-    if recorded is None and ds_config is None:
+    cfg = _recorded_cfg(mode, manifest, root / tag)
+    base = manifest.get("ds_config")
+    base = ds_config if base is None else base
+    if base is None:
         raise CheckpointError(
             f"checkpoint {root / tag} does not record its DeepSpeed config; pass --ds-config with the one it was "
             "trained with (its ZeRO stage and precision)"
@@ -141,16 +147,24 @@ def open_checkpoint(
                 "pass --model the HF directory the run started from (its --init-from)"
             )
         cfg = replace(cfg, lora=frozen["lora"])  # the ranks get the run's adapters over --model's base weights
-    job = Job(str(model_dir), cfg, without_section(recorded if recorded is not None else ds_config), frozen)
+    job = Job(str(model_dir), cfg, without_section(base), frozen)
     extra = {key: manifest[key] for key in TRAINING_ENTRIES if key in manifest}
     return Source(root, tag, job, dict(manifest["client_state"]), mode, extra)
 
 
-def _recorded_cfg(mode: str, saved: dict[str, int], path: Path) -> DisagMoEConfig | ColocatedConfig:
-    """The config that rebuilds the layout a manifest records (its ``manifest_layout`` values)."""
+def _recorded_cfg(mode: str, manifest: dict[str, Any], path: Path) -> DisagMoEConfig | ColocatedConfig:
+    """The config that rebuilds the layout a manifest records (its ``manifest_layout`` values); a disaggregated
+    one with the per-side ZeRO stages it was written under, which the ranks that read it are built with."""
+    saved: dict[str, int] = manifest["layout"]
     if mode == DISAGGREGATED:
-        keys = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel")
-        return DisagMoEConfig(**{key: saved[key] for key in keys}, tensor_parallel=saved.get("tensor_parallel", 1))
+        return DisagMoEConfig(
+            attention_gpus=saved["attention_gpus"],
+            ffn_gpus=saved["ffn_gpus"],
+            depth=saved["depth"],
+            expert_data_parallel=saved["expert_data_parallel"],
+            tensor_parallel=saved.get("tensor_parallel", 1),
+            zero_stage=dict(manifest.get("zero_stage") or {}),
+        )
     from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout  # imports DeepSpeed (seconds)
 
     if mode != ColocatedLayout.mode:

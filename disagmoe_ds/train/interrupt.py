@@ -109,6 +109,8 @@ def parent_waits_for_ranks(message: str):
         stopping = True
         print(message, file=sys.stderr, flush=True)
         for rank in multiprocessing.active_children():
+            if rank.pid is None:  # active children are started; pid is None only before start()
+                continue
             try:
                 os.kill(rank.pid, signal.SIGTERM)
             except ProcessLookupError:  # exited since active_children() looked

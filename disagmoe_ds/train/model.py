@@ -19,6 +19,7 @@ from torch import nn
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.families import family_of, is_moe_layer, mixer_attr, router_of
+from disagmoe_ds.models.hf_model import causal_lm
 from disagmoe_ds.models.loading import build_meta_model
 from disagmoe_ds.models.partial_load import check_pretrained, model_to_cut
 from disagmoe_ds.models.peft_format import check_adapter_export
@@ -77,6 +78,7 @@ def check_train_model(args: TrainArgs, config) -> None:
 def freeze(model: nn.Module, *, router: bool, attention: bool) -> Frozen:
     """Set ``requires_grad=False`` on every MoE router (``router``) and every token mixer (attention block) and its
     input norm (``attention``); returns the number of parameters frozen in each."""
+    model = causal_lm(model)
     family = family_of(model.config)
     counts = {"router": 0, "attention": 0}
     for layer in model.model.layers:

@@ -21,25 +21,29 @@ from transformers import PretrainedConfig
 
 from disagmoe_ds.afpipe.build import build_rank
 from disagmoe_ds.colocated.build import build_colocated_rank
+from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.layout import JobLayout, Layout
 from disagmoe_ds.planner.runtime_costs import job_costs
 from disagmoe_ds.runtime.rank import RankBuilder, RankRuntime
 from disagmoe_ds.schedule import Costs
 from disagmoe_ds.train.args import TrainArgs
 
-MODES: dict[str, RankBuilder[Any]] = {"disaggregated": build_rank, "colocated": build_colocated_rank}
+# Each mode's layout and config types are its own (``Layout`` and ``DisagMoEConfig``, ``ColocatedLayout`` and
+# ``ColocatedConfig``); ``TrainArgs`` pairs ``cfg`` with ``mode``, and the mode's preflight made the layout.
+MODES: dict[str, RankBuilder[Any, Any]] = {"disaggregated": build_rank, "colocated": build_colocated_rank}
 
 
-def mode_of(args: TrainArgs) -> RankBuilder[Any]:
+def mode_of(args: TrainArgs) -> RankBuilder[Any, Any]:
     return MODES[args.mode]
 
 
 def schedule_costs(args: TrainArgs, config: PretrainedConfig, layout: JobLayout) -> Costs | None:
     """The task costs the AF-Pipe schedule is generated from (a disaggregated ``layout``'s; a co-located one runs one
     micro-batch at a time and has none): computed once, before any rank starts, and handed to the ranks as data."""
-    if not isinstance(layout, Layout):
+    cfg = args.cfg
+    if not isinstance(layout, Layout) or not isinstance(cfg, DisagMoEConfig):  # the two go together (``MODES``)
         return None
-    return job_costs(config.to_dict(), layout, args.cfg, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size)
+    return job_costs(config.to_dict(), layout, cfg, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size)
 
 
 def build(

@@ -12,9 +12,11 @@ import psutil
 
 from disagmoe_ds.config import SIDES
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.layout import JobLayout
+from disagmoe_ds.layout import JobLayout, Layout
 from disagmoe_ds.models.lora_settings import GROUPS
+from disagmoe_ds.planner.lora import TARGETS
 from disagmoe_ds.planner.memory import rank_state_bytes
+from disagmoe_ds.planner.rank_state import ColocatedShape
 from disagmoe_ds.train.args import TrainArgs
 
 # A checkpoint holds the weights and optimizer state but not the gradients: at least this share of the training state.
@@ -25,12 +27,27 @@ def planned_state(args: TrainArgs, config, layout: JobLayout, *, full: bool = Fa
     """The planner's training-state bytes of the worst rank of each kind (``attention``/``ffn``, or ``colocated``);
     a LoRA run's own unless ``full`` (or its targets name projections, which the planner does not count)."""
     stages = {side: args.cfg.zero_stage_of(side, args.ds_config) for side in SIDES}
-    common = dict(precision=args.dtype, zero_stage_a=stages["attention"], zero_stage_f=stages["ffn"])
+    shape = _planner_shape(layout)
     lora = args.cfg.lora
     if full or lora is None or not set(lora.targets) <= set(GROUPS):
-        return rank_state_bytes(config.to_dict(), layout, **common)
-    return rank_state_bytes(config.to_dict(), layout, **common, lora_rank=lora.rank, lora_targets=lora.targets,
-                            lora_train_router=lora.train_router)  # fmt: skip
+        lora = None
+    return rank_state_bytes(
+        config.to_dict(),
+        shape,
+        precision=args.dtype,
+        zero_stage_a=stages["attention"],
+        zero_stage_f=stages["ffn"],
+        lora_rank=0 if lora is None else lora.rank,
+        lora_targets=TARGETS if lora is None else lora.targets,
+        lora_train_router=lora is not None and lora.train_router,
+    )
+
+
+def _planner_shape(layout: JobLayout) -> Layout | ColocatedShape:
+    """``layout`` as the planner reads it: a disaggregated ``Layout``, or what it reads of a co-located one."""
+    if isinstance(layout, Layout | ColocatedShape):
+        return layout
+    raise TypeError(f"the planner prices no {type(layout).__name__} (neither mode's layout)")
 
 
 def job_state_bytes(args: TrainArgs, config, layout: JobLayout) -> float:

@@ -13,13 +13,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from disagmoe_ds.checkpoint.export import export_hf
-from disagmoe_ds.checkpoint.resume import ResumePoint, check_resume, effective_freezing, locate, restore, save
+from disagmoe_ds.checkpoint.resume import Freezing, ResumePoint, check_resume, effective_freezing, locate, restore, save
 from disagmoe_ds.data.loader import to_device
 from disagmoe_ds.errors import ConfigError, DisagMoEError
 from disagmoe_ds.launch import RankFailedError, detect_launcher, init_from_env, spawn_local
@@ -102,9 +101,10 @@ def preflight_run(args: TrainArgs, world_size: int, *, hashes: bool = True, loca
 
 
 def _check_resume(args: TrainArgs, config, layout, *, num_samples: int | None, hashes: bool = True) -> ResumePoint:
+    if args.resume is None:
+        raise ValueError("_check_resume needs --resume")
     root, tag = locate(args.resume, args.save_dir)
-    requested = {"router": args.freeze_router, "attention": args.freeze_attention, "lora": _lora_record(args)}
-    return check_resume(root, tag, config, layout, num_samples=num_samples, seed=args.seed, frozen=requested,
+    return check_resume(root, tag, config, layout, num_samples=num_samples, seed=args.seed, frozen=_freezing(args),
                         ds_config=args.ds_config, hashes=hashes)  # fmt: skip
 
 
@@ -175,14 +175,17 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     mode = mode_of(args)
     role = layout.role_of(rank)
     reads_data = role.is_attention and role.group == 0  # the lanes of A-group 0 (every co-located rank) embed
-    if reads_data and data is None:
-        data = prepare_data(args, config)  # under a launcher every lane builds the same samples
+    lane_data = None  # the samples, on the ranks that read them; under a launcher every lane builds the same
+    if reads_data:
+        lane_data = data if data is not None else prepare_data(args, config)
     facts = model_facts(args.model, args.seq_len)
     rate = bias_update_rate(args.bias_update_rate, config)
-    if rank == 0:
+    if rank == 0 and lane_data is not None:  # rank 0 is lane 0 of A-group 0 in either mode: it reads the data
         layout_lines = mode.describe(args.cfg, layout, config, plan.schedule_costs)
         layout_lines.append(training_state_line(args, config, layout))
-        lines = banner(args, config, layout_lines=layout_lines, facts=facts, data=data, bias_rate=rate, resume=resume)
+        lines = banner(
+            args, config, layout_lines=layout_lines, facts=facts, data=lane_data, bias_rate=rate, resume=resume
+        )
         print("\n".join(lines), flush=True)
 
     init = load_train_model(args)
@@ -190,12 +193,15 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
         args, layout, schedule_costs=plan.schedule_costs, model=init.model, weights=init.weights, device=device
     )
     data_lane = args.cfg.batch_lane_of(role.index)  # SP or TP: s (t) lanes read one share, in slices
-    trains = reads_data and not args.eval_only
-    loader = lane_loader(data, args, data_lane, pin_memory=device.type == "cuda") if trains else None
+    loader = None
+    if lane_data is not None and not args.eval_only:  # this rank trains on the data
+        loader = lane_loader(lane_data, args, data_lane, pin_memory=device.type == "cuda")
     start = restore(runtime, resume.root, resume.tag, loader, lanes=args.lanes) if resume is not None else 0
     evaluator = None
     if args.evaluates:  # collective
-        evaluator = Evaluator(runtime, eval_batches(data, args, data_lane) if reads_data else None, device)
+        evaluator = Evaluator(
+            runtime, eval_batches(lane_data, args, data_lane) if lane_data is not None else None, device
+        )
     progress = Progress(args, start_step=start) if rank == 0 else None
     if evaluator is not None and args.eval_only:
         evaluate_only(evaluator, start, progress, weights_of(args, resume))
@@ -204,7 +210,8 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     throughput = Throughput(args.tokens_per_step, facts.flops_per_token, layout.world_size, peak)
     timeline_step = min(start + 1, args.steps - 1)  # the run's second step: the first pays one-off costs
 
-    tokenizer = data.tok if data is not None else None
+    known = lane_data if lane_data is not None else data  # the samples this rank holds, if any
+    tokenizer = known.tok if known is not None else None
     first_loss = last = None
     evaluated: tuple[int, EvalLoss] | None = None  # the last evaluation, after which step
     started = time.perf_counter()
@@ -232,8 +239,8 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
             save_and_export(runtime, args, step, loader, tokenizer, progress)
         if stopping:
             if progress is not None:
-                resume = "; continue with --resume" if args.save_dir is not None else " (no --save-dir: nothing saved)"
-                progress.print(f"stopped on request after step {step} of {args.steps}{resume}")
+                hint = "; continue with --resume" if args.save_dir is not None else " (no --save-dir: nothing saved)"
+                progress.print(f"stopped on request after step {step} of {args.steps}{hint}")
             break
 
     if loader is not None:
@@ -262,9 +269,9 @@ def save_and_export(
 ) -> None:
     """The checkpoint (--save-dir) and the HF directory (--export-hf) of ``step``. Collective."""
     if args.save_dir is not None:
-        frozen = {"router": args.freeze_router, "attention": args.freeze_attention, "lora": _lora_record(args)}
-        path = save(runtime, args.save_dir, step, loader, keep_last=args.keep_last, seed=args.seed, frozen=frozen,
-                    tokenizer=tokenizer, ds_config=args.ds_config, tokens_per_step=args.tokens_per_step)  # fmt: skip
+        path = save(runtime, args.save_dir, step, loader, keep_last=args.keep_last, seed=args.seed,
+                    frozen=_freezing(args), tokenizer=tokenizer, ds_config=args.ds_config,
+                    tokens_per_step=args.tokens_per_step)  # fmt: skip
         if progress is not None:
             progress.print(f"saved {path} (step {step})")
     lora = args.cfg.lora
@@ -280,9 +287,10 @@ def save_and_export(
             progress.print(f"exported {args.export_hf_merged} (step {step}; the adapters merged)")
 
 
-def _lora_record(args: TrainArgs) -> dict[str, Any] | None:
-    """The LoRA settings a checkpoint records (a resume must repeat them); None: every weight trains."""
-    return None if args.cfg.lora is None else args.cfg.lora.to_dict()
+def _freezing(args: TrainArgs) -> Freezing:
+    """What the run freezes, as a checkpoint records it; a resume must repeat its LoRA settings."""
+    lora = None if args.cfg.lora is None else args.cfg.lora.to_dict()
+    return {"router": args.freeze_router, "attention": args.freeze_attention, "lora": lora}
 
 
 def summary_line(
@@ -318,6 +326,8 @@ def run_step(runtime: RankRuntime, batches, *, timeline: Path | None) -> StepRes
     runtime.executor.record_timeline(True)
     t0 = start_clock()  # a barrier: every rank's clock starts together
     result = runtime.executor.train_batch(batches)
-    write_job_timeline(runtime.executor.timeline, t0, timeline)  # collective; rank 0 writes
+    events = runtime.executor.timeline
+    assert events is not None, "record_timeline(True) above"
+    write_job_timeline(events, t0, timeline)  # collective; rank 0 writes
     runtime.executor.record_timeline(False)
     return result
