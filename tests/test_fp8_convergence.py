@@ -1,4 +1,4 @@
-"""FP8 training converges as high-precision training does: 200 steps of the default job's model
+"""FP8 training converges as high-precision training does: 300 steps of the default job's model
 (hf_models/tiny-qwen3-moe-lm) on the bundled corpus, with the default job's optimizer (AdamW, lr 1e-3, betas
 (0.9, 0.95), weight decay 0.1, clipping 1.0, 10 warm-up steps then cosine to 0.1x), from the same seed and on the
 same batches, once in fp32 and once with the FP8 lever's GEMMs (emulated on the CPU).
@@ -21,7 +21,7 @@ from disagmoe_ds.data import build_pretrain_dataset, bundled_corpus, train_or_lo
 from disagmoe_ds.fp8.hf import to_fp8_reference
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, BATCH, SEQ_LEN, WARMUP = 200, 4, 128, 10  # 100k tokens: about 45 s on two cores
+STEPS, BATCH, SEQ_LEN, WARMUP = 300, 4, 128, 10  # 150k tokens: about 70 s on two cores
 
 
 def _lr_factor(step: int) -> float:
@@ -63,6 +63,6 @@ def test_fp8_training_converges_as_fp32_does(tok_cache):
     fp32, fp8 = _losses(batches, fp8=False), _losses(batches, fp8=True)
     assert all(math.isfinite(x) and x <= fp8[0] for x in fp8), "FP8 training diverged"
     final32, final8 = sum(fp32[-20:]) / 20, sum(fp8[-20:]) / 20
-    assert final32 < 0.75 * fp32[0], f"fp32 training did not learn ({fp32[0]:.3f} -> {final32:.3f})"
+    assert final32 < 0.7 * fp32[0], f"fp32 training did not learn ({fp32[0]:.3f} -> {final32:.3f})"
     assert abs(final8 - final32) <= 0.02 * final32, f"final loss: FP8 {final8:.4f} vs fp32 {final32:.4f}"
     assert fp8 != fp32, "the FP8 run computed in high precision"
