@@ -27,9 +27,11 @@ attention; weights random, only the config is read) and times forward + backward
     ours-fp8-compiled  ours-compiled with ``"fp8": true``: the experts' grouped GEMMs and the attention side's
                   projections in FP8 (``disagmoe_ds.fp8``: e4m3, rowwise power-of-two scales, all three GEMMs;
                   the router and the LM head stay high precision), the quantization compiled into the parts
-    hf-fp8-compiled  hf-compiled with torchao's FP8 training on the layer (``Float8TrainingOpConfig``, rowwise:
-                  its attention projections, shared experts and grouped-GEMM experts; not the router): the
-                  strongest FP8 a user of HF has (CUDA and torchao only)
+    hf-fp8-compiled  hf-compiled with torchao's FP8 training on the layer's attention projections and shared
+                  experts (``Float8TrainingOpConfig``, rowwise; not the router): the strongest FP8 a user of HF
+                  has (CUDA and torchao only). Not its routed experts: torchao's FP8 grouped GEMM needs each
+                  expert's token group padded to 16 rows (its weight-gradient GEMM asserts on the device
+                  otherwise, which ends the process), and HF's experts do not pad (measured, torchao 0.18)
 
 and prints tokens/s, TFLOP/s, MFU (model FLOPs, Megatron convention: active experts, causal attention,
 training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs) and each path's tokens/s over
@@ -296,13 +298,13 @@ def _without_triton(stage: ExpertStage) -> None:
 
 
 def torchao_fp8(layer: torch.nn.Module) -> None:
-    """torchao's rowwise FP8 training on an HF decoder layer, in place: its parameters become torchao's training
-    tensors, whose linear and grouped GEMMs run in FP8 (the attention projections, shared experts and the experts'
-    grouped GEMMs); the router stays in the model's dtype."""
+    """torchao's rowwise FP8 training on an HF decoder layer, in place: the parameters of its attention projections
+    and shared experts become torchao's training tensors, whose GEMMs run in FP8; the router and the routed experts
+    (see the module docstring) stay in the model's dtype."""
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     from torchao.quantization import quantize_
 
-    parts = {"self_attn", "mlp.experts", "mlp.shared_expert", "mlp.shared_experts"}
+    parts = {"self_attn", "mlp.shared_expert", "mlp.shared_experts"}
     quantize_(layer, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: fqn in parts)
 
 

@@ -6,7 +6,7 @@
 #      (full training and LoRA rank 16), as far as the budget allows
 # Every step runs under `timeout`, capped by BUDGET_S seconds from the start (default 560). Writes to $OUT: env.txt,
 # session.txt (each command, its output, exit code and seconds), layer-<model>-b<batch>.json, e2e-<variant>.json.
-# Usage: bash bench/gpu_fp8.sh layer|e2e ["MODELS"] [SEQ]
+# Usage: [BATCHES="1 2"] [LIMIT_S=150] bash bench/gpu_fp8.sh layer|e2e ["MODELS"] [SEQ]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PART=$1
@@ -31,10 +31,10 @@ step() {  # step LIMIT_S COMMAND...: run it under timeout (capped by the budget 
   timeout "$limit" "$@" >> "$LOG" 2>&1
   echo "### exit $? after $((SECONDS - t0)) s" >> "$LOG"
 }
-[ "$PART" = layer ] && for batch in 1 2; do
-  for model in $MODELS; do
-    step 150 python bench/bench_layer.py --model "$model" --seq-len "$SEQ" --batch $batch --layer 3 \
-      --paths hf-compiled hf-fp8-compiled ours-compiled ours-fp8-compiled \
+[ "$PART" = layer ] && for model in $MODELS; do
+  for batch in ${BATCHES:-1 2}; do
+    step "${LIMIT_S:-150}" python bench/bench_layer.py --model "$model" --seq-len "$SEQ" --batch $batch --layer 3 \
+      --paths hf-compiled ours-compiled ours-fp8-compiled hf-fp8-compiled \
       --json "$OUT/layer-$(basename "$model")-b$batch.json"
   done
 done
