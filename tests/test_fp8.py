@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from disagmoe_ds.fp8 import dequantize, fp8_grouped_mm, fp8_linear, quantize
 from disagmoe_ds.fp8.gemm import scaled_grouped_mm, scaled_mm
+from disagmoe_ds.fp8.quantize import round_trip
 
 
 def _e4m3_round(v: float) -> float:
@@ -42,6 +43,23 @@ def test_quantize_rounds_to_the_nearest_e4m3_value_at_a_power_of_two_scale(dim: 
     assert torch.equal(dequantize(q).double(), q.data.double() * q.scale.double())  # exact: power-of-two scales
     assert torch.all((dequantize(q).double() - x).abs() <= amax / 448 * 2**-3 + x.abs() * 2**-4)
 
+
+
+def test_the_fp8_values_of_rows_quantize_to_themselves_and_pass_the_gradient_straight_through() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 32) * torch.logspace(-4, 4, 64)[:, None]
+    x[0] = torch.linspace(-3, 3, 32)
+    x[0, 0] = 230.0  # scale 1, and 230 rounds down to 224: quantized again, the row takes scale 1/2
+    x[1] = 0.0
+    x.requires_grad_(True)
+    y = round_trip(x)
+    assert torch.equal(y, dequantize(quantize(x.detach(), -1)))
+    assert y[0, 0] == 224 and quantize(y.detach(), -1).scale[0] == 0.5
+    assert torch.equal(dequantize(quantize(y.detach(), -1)), y)  # what the experts' own quantization makes of it
+    assert torch.equal(round_trip(y.detach().bfloat16()).float(), y)  # exact in bf16 too
+    grad = torch.randn_like(x)
+    y.backward(grad)
+    assert torch.equal(x.grad, grad)
 
 def test_the_fp8_gemms_multiply_the_fp8_values_exactly() -> None:
     torch.manual_seed(0)
