@@ -44,7 +44,6 @@ def test_quantize_rounds_to_the_nearest_e4m3_value_at_a_power_of_two_scale(dim: 
     assert torch.all((dequantize(q).double() - x).abs() <= amax / 448 * 2**-3 + x.abs() * 2**-4)
 
 
-
 def test_the_fp8_values_of_rows_quantize_to_themselves_and_pass_the_gradient_straight_through() -> None:
     torch.manual_seed(0)
     x = torch.randn(64, 32) * torch.logspace(-4, 4, 64)[:, None]
@@ -60,6 +59,7 @@ def test_the_fp8_values_of_rows_quantize_to_themselves_and_pass_the_gradient_str
     grad = torch.randn_like(x)
     y.backward(grad)
     assert torch.equal(x.grad, grad)
+
 
 def test_the_fp8_gemms_multiply_the_fp8_values_exactly() -> None:
     torch.manual_seed(0)
