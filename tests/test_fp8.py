@@ -114,3 +114,23 @@ def test_fp8_grouped_mm_runs_the_rowwise_recipe_per_expert_group() -> None:
                                    atol=1e-4)  # fmt: skip
         dw = _q64(dyg.t(), -1) @ _q64(xg.t(), -1).t() if end > start else torch.zeros(48, 64, dtype=torch.float64)
         torch.testing.assert_close(w.grad[g].double(), dw, rtol=1e-5, atol=1e-4)
+
+
+def test_the_quantizations_compile_to_the_same_bits() -> None:
+    """What CUDA runs (``fused_on_cuda``: the rowwise and the per-group quantization compiled) equals the eager code,
+    scales on their boundaries included (here compiled for the CPU: the same graph, another code generator)."""
+    from disagmoe_ds.fp8 import gemm
+    from disagmoe_ds.fp8.quantize import E4M3_MAX, rowwise
+
+    torch.manual_seed(0)
+    x = torch.randn(40, 32) * torch.logspace(-5, 5, 40)[:, None]
+    x[:4, 0] = E4M3_MAX * torch.tensor([1.0, 2.0**-3, 2.0**7, 2.0**-20])  # amax exactly on a power of two
+    x[4, 0] = E4M3_MAX * (1 + 2**-23)  # just past one
+    x[5] = 0.0
+    eager, fused = rowwise.__wrapped__, torch.compile(rowwise.__wrapped__, dynamic=True)
+    for got, want in zip(fused(x), eager(x), strict=True):
+        assert torch.equal(got.float(), want.float())
+    assert torch.equal(eager(x)[1][:5, 0], torch.tensor([1.0, 2.0**-3, 2.0**7, 2.0**-20, 2.0]))
+    offsets = torch.tensor([7, 7, 30, 36], dtype=torch.int32)  # an empty group, and rows past the last
+    groups = gemm._per_group_channels.__wrapped__
+    assert torch.equal(torch.compile(groups, dynamic=True)(x, offsets), groups(x, offsets))
