@@ -65,11 +65,12 @@ class FakeRank:
         lane = self.role.index
         if kind == "m2n":
             return [
-                Tokens(
+                Tokens.of(
                     tokens(layer, mb, lane, e),
                     torch.zeros(rows(layer, mb, lane, e), K, dtype=torch.int64),
                     torch.ones(rows(layer, mb, lane, e), K),
                     rows(layer, mb, lane, e) * K,  # pairs: every id is local
+                    fp8=False,
                 )
                 for e in range(self.P)
             ]

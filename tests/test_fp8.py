@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from disagmoe_ds.fp8 import dequantize, fp8_grouped_mm, fp8_linear, quantize
 from disagmoe_ds.fp8.gemm import scaled_grouped_mm, scaled_mm
+from disagmoe_ds.fp8.quantize import round_trip
 
 
 def _e4m3_round(v: float) -> float:
@@ -41,6 +42,23 @@ def test_quantize_rounds_to_the_nearest_e4m3_value_at_a_power_of_two_scale(dim: 
     assert q.data.double().tolist() == expected
     assert torch.equal(dequantize(q).double(), q.data.double() * q.scale.double())  # exact: power-of-two scales
     assert torch.all((dequantize(q).double() - x).abs() <= amax / 448 * 2**-3 + x.abs() * 2**-4)
+
+
+def test_the_fp8_values_of_rows_quantize_to_themselves_and_pass_the_gradient_straight_through() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 32) * torch.logspace(-4, 4, 64)[:, None]
+    x[0] = torch.linspace(-3, 3, 32)
+    x[0, 0] = 230.0  # scale 1, and 230 rounds down to 224: quantized again, the row takes scale 1/2
+    x[1] = 0.0
+    x.requires_grad_(True)
+    y = round_trip(x)
+    assert torch.equal(y, dequantize(quantize(x.detach(), -1)))
+    assert y[0, 0] == 224 and quantize(y.detach(), -1).scale[0] == 0.5
+    assert torch.equal(dequantize(quantize(y.detach(), -1)), y)  # what the experts' own quantization makes of it
+    assert torch.equal(round_trip(y.detach().bfloat16()).float(), y)  # exact in bf16 too
+    grad = torch.randn_like(x)
+    y.backward(grad)
+    assert torch.equal(x.grad, grad)
 
 
 def test_the_fp8_gemms_multiply_the_fp8_values_exactly() -> None:
@@ -96,3 +114,23 @@ def test_fp8_grouped_mm_runs_the_rowwise_recipe_per_expert_group() -> None:
                                    atol=1e-4)  # fmt: skip
         dw = _q64(dyg.t(), -1) @ _q64(xg.t(), -1).t() if end > start else torch.zeros(48, 64, dtype=torch.float64)
         torch.testing.assert_close(w.grad[g].double(), dw, rtol=1e-5, atol=1e-4)
+
+
+def test_the_quantizations_compile_to_the_same_bits() -> None:
+    """What CUDA runs (``fused_on_cuda``: the rowwise and the per-group quantization compiled) equals the eager code,
+    scales on their boundaries included (here compiled for the CPU: the same graph, another code generator)."""
+    from disagmoe_ds.fp8 import gemm
+    from disagmoe_ds.fp8.quantize import E4M3_MAX, rowwise
+
+    torch.manual_seed(0)
+    x = torch.randn(40, 32) * torch.logspace(-5, 5, 40)[:, None]
+    x[:4, 0] = E4M3_MAX * torch.tensor([1.0, 2.0**-3, 2.0**7, 2.0**-20])  # amax exactly on a power of two
+    x[4, 0] = E4M3_MAX * (1 + 2**-23)  # just past one
+    x[5] = 0.0
+    eager, fused = rowwise.__wrapped__, torch.compile(rowwise.__wrapped__, dynamic=True)
+    for got, want in zip(fused(x), eager(x), strict=True):
+        assert torch.equal(got.float(), want.float())
+    assert torch.equal(eager(x)[1][:5, 0], torch.tensor([1.0, 2.0**-3, 2.0**7, 2.0**-20, 2.0]))
+    offsets = torch.tensor([7, 7, 30, 36], dtype=torch.int32)  # an empty group, and rows past the last
+    groups = gemm._per_group_channels.__wrapped__
+    assert torch.equal(torch.compile(groups, dynamic=True)(x, offsets), groups(x, offsets))

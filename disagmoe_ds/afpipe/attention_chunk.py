@@ -46,14 +46,13 @@ class AttentionChunk:
         """Each ep rank's ``(x_RH, w_RK)``; read in the backward, after the m2n message went out."""
         return sent(self.dispatch).resolved[1] if self.dispatch is not None else []
 
-    @property
-    def messages(self) -> list[Tokens]:
-        """The m2n message of each ep rank (with resend: sent again, detached)."""
+    def messages(self, *, fp8: bool) -> list[Tokens]:
+        """The m2n message of each ep rank (with resend: sent again, detached); ``fp8``: its rows in FP8."""
         if self.dispatch is None:
             return []
         plan, pieces = self.dispatch.resolved
         per_rank = zip(pieces, plan.local_idx_RK, plan.pairs, strict=True)
-        return [Tokens(x_RH, idx_RK, w_RK, pairs) for (x_RH, w_RK), idx_RK, pairs in per_rank]
+        return [Tokens.of(x_RH, idx_RK, w_RK, pairs, fp8=fp8) for (x_RH, w_RK), idx_RK, pairs in per_rank]
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class AttentionRunner:
         self.engine, self.stage, self.layout, self.resend = engine, stage, layout, settings.resend
         self.sp = sp  # sequence parallelism: this lane holds a slice of every micro-batch (None: the whole)
         self.capacity = settings.capacity  # m2n messages padded to it (None: exact sizes, sent with headers)
+        self.fp8 = settings.fp8  # the m2n rows travel in FP8
         self.need_2: torch.Tensor | None = None  # the most rows and pairs one m2n message wanted this step
         self.graphs = settings.graphs or StageGraphs()  # the parts replayed as CUDA graphs (none: as they are)
         self.weight_dtype = settings.weight_dtype  # the router weights' (resend at p > 1 sends them with the residual)
@@ -212,7 +213,7 @@ class AttentionRunner:
             need_2 = chunk.dispatch.need_2
             if need_2 is not None:
                 self.need_2 = need_2 if self.need_2 is None else torch.maximum(self.need_2, need_2)
-            outbox.m2n = Later(chunk.dispatch, lambda: chunk.messages)
+            outbox.m2n = Later(chunk.dispatch, lambda: chunk.messages(fp8=self.fp8))
         # A_next combines from what combine needs of the plan (with p > 1 its rows per ep rank ride in the header).
         per_token = PerToken(
             out.residual_BSH.detach().reshape(T, -1),
@@ -271,7 +272,7 @@ class AttentionRunner:
             token_idx_S, rows_P = plan.token_idx_S, plan.counts
         routed = None
         if self.resend and self.layout.depth > 1:  # A_next sends n2m_grad: it needs the tokens again
-            routed = self._routed_rows(tokens.residual_TW, chunk.messages)
+            routed = self._routed_rows(tokens.residual_TW, chunk.messages(fp8=self.fp8))
         return Residual(
             tokens.residual_TW,
             token_idx_S,
@@ -288,9 +289,8 @@ class AttentionRunner:
         """Every ep rank's m2n message in one (S rows), detached; empty for a dense layer."""
         if not messages:
             empty_K = residual_TW.new_empty(0, self.top_k)
-            return Tokens(
-                residual_TW.new_empty(0, self.config.hidden_size), empty_K.long(), empty_K.to(self.weight_dtype), 0
-            )
+            empty_H = residual_TW.new_empty(0, self.config.hidden_size)
+            return Tokens.of(empty_H, empty_K.long(), empty_K.to(self.weight_dtype), 0, fp8=self.fp8)
         return Tokens.cat([m.detached() for m in messages])
 
     def _embed(self, batch: Batch) -> _ChunkInput:
@@ -361,7 +361,7 @@ class AttentionRunner:
             if chunk.y_leaves:
                 resent: Sequence[Tokens | None] = [None] * len(chunk.y_leaves)
                 if self.resend:  # the previous layer's tokens again (p = 1: its chunk is on this rank)
-                    resent = chunk.resent or [m.detached() for m in self.chunks[(layer - 1, mb)].messages]
+                    resent = chunk.resent or [m.detached() for m in self.chunks[(layer - 1, mb)].messages(fp8=self.fp8)]
                 outbox.n2m_grad = [
                     ExpertOutGrad(grad_or_zeros(y), tokens) for y, tokens in zip(chunk.y_leaves, resent, strict=True)
                 ]

@@ -180,6 +180,7 @@ class Disaggregated:
             moe_layers=parts.routing.moe_layers,
             capacity=capacity,
             residual=residual_shape(stage.config),
+            fp8=cfg.fp8,
         )
         graphs = self._graphs(parts, schedule, worker, capacity)
         return AFPipeExecutor(
@@ -271,6 +272,7 @@ class Disaggregated:
             split_layers,
             graphs,
             capacity,
+            cfg.fp8,
         )
         if isinstance(stage, ExpertStage):
             return ExpertRunner(parts.engine, stage, settings, lanes=len(ffn_lanes(parts.layout, parts.rank)))

@@ -22,6 +22,7 @@ class ChunkSettings:
         split_layers: the layers whose backward is split into input gradients now and weight gradients later.
         graphs: the parts replayed as CUDA graphs (None: every part as it is).
         capacity: m2n messages padded to it (None: exact sizes, sent with headers).
+        fp8: the routed tokens travel in FP8 (the lever; ``comm.messages.Tokens.of``).
     """
 
     top_k: int
@@ -31,3 +32,4 @@ class ChunkSettings:
     split_layers: frozenset[int] = frozenset()
     graphs: StageGraphs | None = None
     capacity: Capacity | None = None
+    fp8: bool = False

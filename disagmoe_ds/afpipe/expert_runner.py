@@ -71,6 +71,7 @@ class ExpertRunner:
         self.graphs = settings.graphs or StageGraphs()  # the shards replayed as CUDA graphs (at the capacity's rows)
         self._capacity, self.lanes = settings.capacity, lanes
         self.resend = settings.resend
+        self.dtype = next(stage.parameters()).dtype  # the activations' (m2n rows may travel in FP8)
         split_layers = settings.split_layers
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
         # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
@@ -127,7 +128,7 @@ class ExpertRunner:
         graphs are others.
         """
         del packed  # the experts see rows, not documents
-        device, dtype, hidden = self.engine.device, next(self.stage.parameters()).dtype, self.stage.config.hidden_size
+        device, dtype, hidden = self.engine.device, self.dtype, self.stage.config.hidden_size
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for layer in self.stage.layers:
                 shard = self.stage.shard(int(layer))
@@ -163,10 +164,10 @@ class ExpertRunner:
         pairs, bounded = tokens.pairs, tokens.bounded
         if self.resend:  # keep nothing: the backward gets the tokens again and recomputes
             with torch.no_grad():
-                y_SH = self._shard(layer)(*tokens.shard_args)
+                y_SH = self._shard(layer)(*tokens.shard_args(self.dtype))
             self.chunks[(layer, mb)] = _ExpertChunk(None, None, None, rows, pairs, bounded)
             return ExpertOut(y_SH).split(rows.counts)
-        x_SH, w_SK = leaf(tokens.x_RH), leaf(tokens.w_RK)
+        x_SH, w_SK = leaf(tokens.rows(self.dtype)), leaf(tokens.w_RK)
         y_SH = self.recompute(self._shard(layer), x_SH, tokens.local_idx_RK, w_SK, pairs, bounded)
         self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows, pairs, bounded)
         return ExpertOut(y_SH).split(rows.counts)
@@ -193,7 +194,7 @@ class ExpertRunner:
         chunk = self.chunks.pop((layer, mb))
         x_SH, w_SK, y_SH = chunk.x_SH, chunk.w_SK, chunk.y_SH
         if grad.resent is not None:  # resend: recompute the forward from the tokens sent again
-            x_SH, w_SK = leaf(grad.resent.x_RH), leaf(grad.resent.w_RK)
+            x_SH, w_SK = leaf(grad.resent.rows(self.dtype)), leaf(grad.resent.w_RK)
             y_SH = self._shard(layer)(x_SH, grad.resent.local_idx_RK, w_SK, chunk.pairs, chunk.bounded)
         assert x_SH is not None and w_SK is not None and y_SH is not None, "kept by the forward, or resent"
         if y_SH.requires_grad:

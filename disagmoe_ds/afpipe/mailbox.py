@@ -131,16 +131,17 @@ class Mailbox:
         moe_layers: Sequence[bool] = (),
         capacity: Capacity | None = None,
         residual: tuple[int, int, int] = (1, 0, 0),
+        fp8: bool = False,
     ):
         """``worker``: the A- or F-group of this rank; ``size_sources``: the schedule's table of which transfer sizes
         each receive (``schedule.size_sources``); ``moe_layers``: which layers route (one bool per layer);
         ``capacity``: the fixed sizes of m2n messages when ``comms`` has no headers. Header-less resid messages take
         their sizes from both. ``residual``: the residual's streams, routed-sum weights and token-id columns per
-        token (``comm.messages.Dims``)."""
+        token (``comm.messages.Dims``); ``fp8``: the routed tokens travel in FP8."""
         layout, rank = comms.layout, comms.rank
         if comms.headerless and capacity is None:
             raise ValueError("header-less exchanges need the capacity that sizes their messages")
-        dims = Dims(hidden, top_k, layout.num_experts, layout.ep_size, dtype, weight_dtype, *residual)
+        dims = Dims(hidden, top_k, layout.num_experts, layout.ep_size, dtype, weight_dtype, *residual, fp8=fp8)
         specs = exchange_specs(dims, resend=resend)
         stream = CommStream(device, enabled=comm_stream)
         self._attention = layout.role_of(rank).is_attention

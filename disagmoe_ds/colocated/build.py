@@ -112,11 +112,14 @@ class Colocated:
         )
         # The one place the exchange strategy is chosen; the model never branches on it.
         if layout.ep_size == 1:
-            dispatcher = LocalDispatcher(experts_per_rank=layout.experts_per_rank)
+            dispatcher = LocalDispatcher(experts_per_rank=layout.experts_per_rank, fp8=self.cfg.fp8)
         else:
             assert groups.expert_parallel is not None  # made for ep_size > 1
             dispatcher = AllToAllDispatcher(
-                groups.expert_parallel, ep_size=layout.ep_size, experts_per_rank=layout.experts_per_rank
+                groups.expert_parallel,
+                ep_size=layout.ep_size,
+                experts_per_rank=layout.experts_per_rank,
+                fp8=self.cfg.fp8,
             )
         aux_coef = config.router_aux_loss_coef if aux_loss_enabled(config) else None
         return ColocatedModel(attention, moe, dispatcher, aux_coef)

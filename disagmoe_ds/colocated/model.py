@@ -175,7 +175,7 @@ class ColocatedModel(nn.Module):
                 stats.append(router_stats(out.router_logits_TE, cast(int, part.router.top_k)))
             routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
             shard = self.graphs.shard(self.experts.stage, layer)
-            y_RH = shard(*routed.shard_args)
+            y_RH = shard(*routed.shard_args(out.x_TH.dtype))
             h_BSH = add_routed(out.residual_BSH, out.routed_w_BSC, self.dispatcher.combine(y_RH, meta))
         _, lm_loss = self.graphs.head_of(self.attention)(h_BSH, labels)
         if self.aux_coef is None:

@@ -3,10 +3,11 @@
 Legend: R rows of one message (one lane and one ep rank), T tokens of a lane's micro-batch, S rows of every ep
 rank together, H hidden, K top-k, E experts, P ep ranks; W a token's residual (H, or hc x H with DeepSeek-V4's
 hyper-connection streams), C the routed sum's weights per token (hc with hyper-connections, else 0: no tensor on
-the wire), I token-id columns (1 where some layer routes by token id, else 0).
+the wire), I token-id columns (1 where some layer routes by token id, else 0), Q the payload's scale columns (1 with
+the FP8 exchange, else 0).
 
     kind        type           tensors                                                        host    variant
-    m2n         Tokens         x_RH, local_idx_RK, w_RK                                       pairs
+    m2n         Tokens         x_RH, local_idx_RK, w_RK, x_scale_RQ                           pairs
     n2m         ExpertOut      y_RH
     m2n_grad    TokenGrads     dx_RH, dw_RK
     n2m_grad    ExpertOutGrad  dy_RH                                                                  resent: Tokens
@@ -17,8 +18,10 @@ the wire), I token-id columns (1 where some layer routes by token id, else 0).
 A field is a tensor on the wire (``tensor``: dtype, trailing shape, which size leads it), a host int or ints that
 ride in the message's header (``host``), a nested message sent with it when the exchange resends tokens
 (``variant``: the resend mode, its rows renamed), or local (not sent). ``spec`` derives the channel's
-``MessageSpec`` from the tensors in field order, variants last. ``Tokens`` is also what an expert shard computes in
-the co-located mode (``colocated.dispatch``), so both modes hand the experts the same type.
+``MessageSpec`` from the tensors in field order, variants last. A ``payload`` tensor travels in the activation
+dtype, or in e4m3 with the FP8 exchange (``Dims.fp8``; its rowwise scales in the Q columns beside it). ``Tokens`` is
+also what an expert shard computes in the co-located mode (``colocated.dispatch``), so both modes hand the experts
+the same type.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Literal, TypeVar, overload
 import torch
 
 from disagmoe_ds.comm.channel import MessageSpec, TensorSpec
+from disagmoe_ds.fp8.quantize import E4M3, Quantized, dequantize, quantize
 
 M = TypeVar("M", bound="Message")
 _TensorOf = tuple[torch.dtype, tuple[int, ...], str | None]  # one wire tensor: dtype, trailing shape, row symbol
@@ -38,9 +42,10 @@ _TensorOf = tuple[torch.dtype, tuple[int, ...], str | None]  # one wire tensor: 
 
 @dataclass(frozen=True)
 class Dims:
-    """What the message shapes depend on: H, K, E, P, the two dtypes (activations; router weights) and the residual's
+    """What the message shapes depend on: H, K, E, P, the two dtypes (activations; router weights), the residual's
     shape: ``streams`` per token (hyper-connections), ``routed_weights`` per token (one per stream with
-    hyper-connections; 0: the routed sum is added as it is), ``token_ids`` columns (1: the hand-off carries them)."""
+    hyper-connections; 0: the routed sum is added as it is), ``token_ids`` columns (1: the hand-off carries them),
+    and ``fp8``: the routed tokens travel in FP8 (the lever, ``"disagmoe.fp8"``)."""
 
     hidden: int
     top_k: int
@@ -51,25 +56,27 @@ class Dims:
     streams: int = 1
     routed_weights: int = 0
     token_ids: int = 0
+    fp8: bool = False
 
     def of(self, symbol: str | int) -> int:
         if isinstance(symbol, int):
             return symbol
         sizes = {"H": self.hidden, "K": self.top_k, "E": self.num_experts, "W": self.streams * self.hidden}
-        return {**sizes, "C": self.routed_weights, "I": self.token_ids}[symbol]
+        return {**sizes, "C": self.routed_weights, "I": self.token_ids, "Q": int(self.fp8)}[symbol]
 
     def dtype_of(self, role: str | torch.dtype) -> torch.dtype:
         if isinstance(role, torch.dtype):
             return role
-        return {"activation": self.dtype, "weight": self.weight_dtype}[role]
+        payload = E4M3 if self.fp8 else self.dtype
+        return {"activation": self.dtype, "weight": self.weight_dtype, "payload": payload}[role]
 
 
 # The field helpers are typed as the field's value, as ``dataclasses.field`` is: ``x_RH: torch.Tensor = tensor(...)``.
 
 
 def tensor(dtype: str | torch.dtype, shape: tuple[str | int, ...], rows: str | None) -> torch.Tensor:
-    """A tensor field: ``dtype`` (or the role ``activation``/``weight``), trailing ``shape``, leading ``rows`` (a
-    size symbol: R, T, S; None for a fixed shape)."""
+    """A tensor field: ``dtype`` (or the role ``activation``, ``weight``, ``payload``), trailing ``shape``, leading
+    ``rows`` (a size symbol: R, T, S; None for a fixed shape)."""
     spec: torch.Tensor = field(metadata={"tensor": (dtype, shape, rows)})
     return spec
 
@@ -201,16 +208,32 @@ class Tokens(Message):
     """The rows an expert shard computes: a lane's tokens for one ep rank (m2n), or gathered from every lane (the
     F side) or every ep peer (co-located), grouped by source."""
 
-    x_RH: torch.Tensor = tensor("activation", ("H",), "R")
+    x_RH: torch.Tensor = tensor("payload", ("H",), "R")  # e4m3 with the FP8 exchange, scaled by ``x_scale_RQ``
     local_idx_RK: torch.Tensor = tensor(torch.int64, ("K",), "R")  # ``experts_per_rank``: the expert is elsewhere
     w_RK: torch.Tensor = tensor("weight", ("K",), "R")  # 0 at those sentinel ids
+    x_scale_RQ: torch.Tensor = tensor(torch.float32, ("Q",), "R")  # [R, 1] with the FP8 exchange, else [R, 0]
     pairs: int | None = host()  # ids that are not the sentinel: the expert work, known on the host
     bounded: bool = False  # local: ``pairs`` is only an upper bound (messages padded to a ``Capacity``)
 
-    @property
-    def shard_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None, bool]:
-        """What an ``ExpertShard`` (or its graphs) takes."""
-        return self.x_RH, self.local_idx_RK, self.w_RK, self.pairs, self.bounded
+    @classmethod
+    def of(
+        cls, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, pairs: int | None, *, fp8: bool
+    ) -> Tokens:
+        """The message of these rows; ``fp8``: ``x_RH`` quantized rowwise for the wire (``fp8.quantize``)."""
+        if not fp8:
+            return cls(x_RH, local_idx_RK, w_RK, x_RH.new_empty(x_RH.shape[0], 0, dtype=torch.float32), pairs)
+        q = quantize(x_RH, -1)
+        return cls(q.data, local_idx_RK, w_RK, q.scale, pairs)
+
+    def rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """``x_RH`` in ``dtype``: dequantized where it travelled in FP8 (exactly: the scales are powers of two)."""
+        if self.x_scale_RQ.shape[1] == 0:
+            return self.x_RH
+        return dequantize(Quantized(self.x_RH, self.x_scale_RQ), dtype)
+
+    def shard_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None, bool]:
+        """What an ``ExpertShard`` (or its graphs) takes; ``dtype``: the shard's activations."""
+        return self.rows(dtype), self.local_idx_RK, self.w_RK, self.pairs, self.bounded
 
 
 @dataclass(frozen=True, eq=False)

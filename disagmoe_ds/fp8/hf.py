@@ -9,6 +9,9 @@ grouped GEMMs; the routing, the activation and the routing weight (applied after
 apply it) stay HF's. Under PEFT's ``target_parameters`` the experts see ``W + s * lhs @ rhs`` (one
 ``torch.baddbmm``): the mode keeps the two terms apart, the base ``W`` in FP8 and the update in high precision, as the
 ranks compute adapters.
+
+The experts' input rows are the FP8 values the ranks dispatch (``quantize.round_trip``): the lever sends the routed
+tokens in FP8 in every layout (``comm.messages.Tokens``, ``colocated.dispatch``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from disagmoe_ds.fp8.modules import convert_linears
 from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
+from disagmoe_ds.fp8.quantize import round_trip
 
 _PARTS = "_fp8_lora_parts"  # a merged LoRA weight's (base, update), kept on the tensor and its views
 _VIEWS = (torch.Tensor.__getitem__, torch.Tensor.transpose)
@@ -66,12 +70,13 @@ def _product(
 
 
 def compute_experts_in_fp8(experts: nn.Module) -> None:
-    """Make ``experts`` (an HF experts module) run its forward under ``Fp8Experts``."""
+    """Make ``experts`` (an HF experts module, whose forward takes the routed hidden states first) run its forward
+    under ``Fp8Experts``, on the FP8 values of its input rows."""
     forward = experts.forward
 
-    def fp8_forward(*args: Any, **kwargs: Any) -> Any:
+    def fp8_forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         with Fp8Experts():
-            return forward(*args, **kwargs)
+            return forward(round_trip(hidden_states), *args, **kwargs)
 
     experts.forward = fp8_forward
 
