@@ -54,7 +54,7 @@ from disagmoe_ds.comm import (
     plan_dispatch,
 )
 from disagmoe_ds.comm.exchange import static_sizes
-from disagmoe_ds.comm.messages import Dims
+from disagmoe_ds.comm.messages import Dims, Tokens
 from disagmoe_ds.comm.routing import Capacity
 from disagmoe_ds.layout import Layout
 
@@ -75,6 +75,7 @@ class BenchArgs:
     seed: int
     transport: str = "auto"
     in_flight: int = 4
+    fp8: bool = False  # m2n rows in e4m3 with a scale each, as the FP8 lever sends them
 
 
 def random_messages(args: BenchArgs, layout: Layout, lane: int, device: torch.device):
@@ -85,7 +86,8 @@ def random_messages(args: BenchArgs, layout: Layout, lane: int, device: torch.de
     x_TH = torch.randn(args.tokens, args.hidden, generator=gen).to(device, args.dtype)
     plan = plan_dispatch(topk_idx_TK, layout.ep_size, layout.experts_per_rank)
     pieces = pack(x_TH, w_TK, plan)
-    messages = [(x_RH, idx_RK, w_RK) for (x_RH, w_RK), idx_RK in zip(pieces, plan.local_idx_RK, strict=True)]
+    per_rank = zip(pieces, plan.local_idx_RK, strict=True)
+    messages = [Tokens.of(x_RH, idx_RK, w_RK, None, fp8=args.fp8).tensors() for (x_RH, w_RK), idx_RK in per_rank]
     return messages, plan
 
 
@@ -108,7 +110,8 @@ class ExchangeSide:
         comms = build_exchange_comms(self.layout, transport, device=device, headerless=one_ep_rank)
         exact = Capacity.initial(tokens=args.tokens, top_k=args.top_k, ep_size=1, experts_per_rank=1, factor=1.0)
         self.capacity = exact if one_ep_rank else None
-        dims = Dims(args.hidden, args.top_k, args.experts, self.layout.ep_size, args.dtype, WEIGHT_DTYPE)
+        dims = Dims(args.hidden, args.top_k, args.experts, self.layout.ep_size, args.dtype, WEIGHT_DTYPE, fp8=args.fp8)
+        self.dtype = args.dtype
         specs = exchange_specs(dims)
         stream = CommStream(device)  # receives on a side stream, as the runtime does on GPUs
         self.tag = 0
@@ -126,7 +129,7 @@ class ExchangeSide:
         self.received = self.run_m2n()  # the rows an FFN rank sends back in n2m (its "expert outputs")
         n2m_send = torch.zeros(world, dtype=torch.int64)
         if not self.role.is_attention:
-            (x_SH, _, _), counts = self.received
+            x_SH, counts = self.received
             for peer, count in zip(self.n2m.peers, counts, strict=True):
                 n2m_send[peer] = count * x_SH.shape[1] * x_SH.element_size()
         self.n2m_bytes = _all_gather_rows(n2m_send)
@@ -152,7 +155,7 @@ class ExchangeSide:
                 )
             self.m2n.post(arrival)
         whole = [self.m2n.complete(arrival)[0] for arrival in arrivals][-1]
-        return whole, tuple(size[0] for size in arrivals[-1].sizes)
+        return Tokens.from_wire(whole).rows(self.dtype), tuple(size[0] for size in arrivals[-1].sizes)
 
     def run_n2m(self, in_flight: int = 1) -> None:
         tags = range(self.tag + 1, self.tag + 1 + in_flight)
@@ -165,7 +168,7 @@ class ExchangeSide:
             for arrival in arrivals:
                 self.n2m.complete(arrival)
         else:
-            (x_SH, _, _), counts = self.received
+            x_SH, counts = self.received
             for tag in tags:
                 self.n2m.send([(x,) for x in x_SH.split(counts)], tag=tag)
             self.n2m.wait_all()
@@ -300,6 +303,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also time this many micro-batches' exchanges back to back, as the "
         "runtime keeps several in flight (the all-to-all runs as many times)",
     )
+    p.add_argument("--fp8", action="store_true", help='m2n rows in FP8 with a scale each, as "disagmoe.fp8" sends them')
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a local job is killed")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the setup as JSON")
     return p.parse_args(argv)
@@ -323,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         a.seed,
         a.transport,
         a.in_flight,
+        a.fp8,
     )
     world = a.attention_gpus + a.ffn_gpus
     backend = "nccl" if a.device == "cuda" else "gloo"

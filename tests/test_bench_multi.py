@@ -12,6 +12,7 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from disagmoe_ds.layout import Layout
@@ -27,25 +28,28 @@ def _load(name: str):
     return module
 
 
-def test_bench_exchange_moves_the_runtime_bytes(tmp_path):
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_bench_exchange_moves_the_runtime_bytes(tmp_path, fp8):
     bench = _load("bench_exchange")
     out = tmp_path / "exchange.json"
     M, N, T, H, K, E = 2, 2, 48, 32, 2, 8
     argv = ["--device", "cpu", "--attention-gpus", str(M), "--ffn-gpus", str(N), "--tokens", str(T)]
     argv += ["--hidden", str(H), "--top-k", str(K), "--experts", str(E), "--warmup", "1", "--iters", "3"]
-    assert bench.main([*argv, "--json", str(out)]) == 0
+    assert bench.main([*argv, "--json", str(out), *(["--fp8"] if fp8 else [])]) == 0
     report = json.loads(out.read_text())
     rows = {(r["direction"], r["method"], r["in_flight"]): r for r in report["rows"]}
     assert set(rows) == {(d, m, k) for d in ("m2n", "n2m") for m in ("exchange", "all_to_all") for k in (1, 4)}
 
     # Expected payload bytes from the same routing: rows R_e per (lane, ep rank); m2n carries x (fp32 H), local
-    # ids (int64 K) and weights (fp32 K) per row, n2m the expert outputs (fp32 H) per row.
+    # ids (int64 K) and weights (fp32 K) per row, n2m the expert outputs (fp32 H) per row; in FP8, x is e4m3 (1 byte
+    # each) with a float32 scale per row.
     args = bench.BenchArgs(M, N, T, H, K, E, torch.float32, 1, 3, 0)
     layout = Layout(attention_gpus=M, ffn_gpus=N, num_layers=1, num_experts=E)
     routed_rows = sum(
         sum(bench.random_messages(args, layout, lane, torch.device("cpu"))[1].counts) for lane in range(M)
     )
-    expected = {"m2n": routed_rows * (H * 4 + K * 8 + K * 4), "n2m": routed_rows * H * 4}
+    x_bytes = H + 4 if fp8 else H * 4
+    expected = {"m2n": routed_rows * (x_bytes + K * 8 + K * 4), "n2m": routed_rows * H * 4}
     for (direction, _, in_flight), row in rows.items():
         assert row["bytes"] == expected[direction] * in_flight
         assert row["ms"] > 0 and math.isclose(row["gbps"], row["bytes"] / row["ms"] / 1e6)
