@@ -6,6 +6,7 @@ Shape suffixes: R/S rows, H hidden, K top-k.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -71,7 +72,6 @@ class ExpertRunner:
         self.graphs = settings.graphs or StageGraphs()  # the shards replayed as CUDA graphs (at the capacity's rows)
         self._capacity, self.lanes = settings.capacity, lanes
         self.resend = settings.resend
-        self.dtype = next(stage.parameters()).dtype  # the activations' (m2n rows may travel in FP8)
         split_layers = settings.split_layers
         self.backward_pass = ChunkBackward(engine, split_layers)  # split backward: B here, W in ``weight_grad``
         # B keeps the graph through the compiled elementwise middle (the grouped GEMMs, eager, are what W runs).
@@ -152,6 +152,11 @@ class ExpertRunner:
             return [(rows, pattern, None) for rows, pattern in warm_up_cases(seq_len)]
         rows, pairs = self.capacity.rows * self.lanes, self.capacity.pairs * self.lanes
         return [(rows, pattern, pairs) for pattern in ("some", "one")]
+
+    @functools.cached_property
+    def dtype(self) -> torch.dtype:
+        """The activations' (m2n rows may travel in FP8): the shard's parameters'."""
+        return next(self.stage.parameters()).dtype
 
     def forward(self, layer: int, mb: int, inbox: Inbox) -> Outbox:
         """F_fwd(layer, mb): the shard's experts on every lane's tokens (``inbox.m2n``); the outbox holds each lane's
