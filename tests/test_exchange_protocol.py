@@ -146,12 +146,12 @@ def _body(rank: int, shape: tuple[int, int, int, int], micro_batches: int, moe: 
     for _ in range(2):  # a second step reuses every communicator and starts clean
         for ins in schedule.streams[worker]:
             if isinstance(ins, PostRecv):
-                mailbox.post(ins.message)
+                mailbox.post(ins.transfer)
             elif isinstance(ins, WaitRecv):
-                msg = ins.message
+                msg = ins.transfer
                 fake.check(msg.kind, msg.src.layer, msg.src.micro_batch, mailbox.wait(msg))
             elif isinstance(ins, Send):
-                msg = ins.message
+                msg = ins.transfer
                 mailbox.send(msg, fake.payload(msg.kind, msg.src.layer, msg.src.micro_batch))
             elif isinstance(ins, ComputeInstruction):
                 mailbox.pump()

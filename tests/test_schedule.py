@@ -107,10 +107,10 @@ def test_waits_follow_send_order_even_where_tasks_do_not() -> None:
     for stream in streams.values():
         for i, ins in enumerate(stream):
             if type(ins) in order:
-                order[type(ins)].setdefault(ins.message.channel, []).append(ins.message)
+                order[type(ins)].setdefault(ins.transfer.channel, []).append(ins.transfer)
             if isinstance(ins, WaitRecv):
                 c = next(c for c in stream[i:] if isinstance(c, ComputeInstruction))
-                early_waits += c.task != ins.message.dst
+                early_waits += c.task != ins.transfer.dst
     assert order[PostRecv] == order[Send] == order[WaitRecv]
     assert early_waits > 0
 
@@ -123,12 +123,12 @@ def test_graph_counts_single_group() -> None:
     # messages m2n, n2m, n2m_grad, m2n_grad = 4 (resid and resid_grad stay on A0).
     graph = build_graph(PipeShape(1, 1, (True,)), 1)
     assert {str(w): len(ts) for w, ts in graph.tasks.items()} == {"A0": 4, "F0": 2}
-    assert sorted(m.kind for m in graph.messages) == ["m2n", "m2n_grad", "n2m", "n2m_grad"]
+    assert sorted(m.kind for m in graph.remote_transfers) == ["m2n", "m2n_grad", "n2m", "n2m_grad"]
     # ... which are hand-offs: transfers within A0, in the streams as every transfer is, with no link time.
     assert sorted(t.kind for t in graph.hand_offs) == ["resid", "resid_grad"]
     assert all(t.src_worker == t.dst_worker == A0 for t in graph.hand_offs)
     schedule = generate(PipeShape(1, 1, (True,)), 1)
-    sent = [ins.message for ins in schedule.streams[A0] if isinstance(ins, Send)]
+    sent = [ins.transfer for ins in schedule.streams[A0] if isinstance(ins, Send)]
     assert set(graph.hand_offs) <= set(sent) and not set(graph.hand_offs) & set(schedule.transfers)
 
 
@@ -137,11 +137,11 @@ def test_graph_counts_dense_first_layer() -> None:
     # messages 4 per MoE layer (12) + resid and resid_grad per layer boundary (2 * 4) = 20.
     graph = build_graph(DENSE_FIRST, 3)
     assert sum(len(ts) for ts in graph.tasks.values()) == 3 * 16
-    assert len(graph.messages) == 3 * 20
-    assert sum(m.kind == "m2n" for m in graph.messages) == 3 * 3
+    assert len(graph.remote_transfers) == 3 * 20
+    assert sum(m.kind == "m2n" for m in graph.remote_transfers) == 3 * 3
     # Channels: resid A0->A1 (l=1,3) and A1->A0 (l=2,4); m2n A1->F1 (l=1,3), A0->F0 (l=2); n2m F1->A0 (l=2,4),
     # F0->A1 (l=3); each mirrored by its grad channel: 12 channels.
-    assert len({m.channel for m in graph.messages}) == 12
+    assert len({m.channel for m in graph.remote_transfers}) == 12
     assert set(graph.deps[Task("A_fwd", 2, 0)]) == {Task("A_fwd", 1, 0), Task("F_fwd", 1, 0)}
 
 
@@ -155,7 +155,7 @@ def test_every_receive_is_sized_by_a_transfer_its_receiver_has_seen(shape: PipeS
     (a source received needs its header read; a source sent, the send made)."""
     schedule = generate(shape, 3)
     table = size_sources(schedule.graph)
-    assert set(table) == {m for m in schedule.graph.messages if m.kind not in SELF_SIZED}
+    assert set(table) == {m for m in schedule.graph.remote_transfers if m.kind not in SELF_SIZED}
     for receive, source in table.items():
         stream = schedule.streams[receive.dst_worker]
         wait = stream.index(WaitRecv(receive))
@@ -260,7 +260,7 @@ def _tiny_streams() -> dict[Worker, list]:
 
 def test_checker_catches_swapped_posts() -> None:
     streams = _tiny_streams()
-    i, j = [k for k, ins in enumerate(streams[F0]) if isinstance(ins, PostRecv) and ins.message.kind == "m2n"][:2]
+    i, j = [k for k, ins in enumerate(streams[F0]) if isinstance(ins, PostRecv) and ins.transfer.kind == "m2n"][:2]
     streams[F0][i], streams[F0][j] = streams[F0][j], streams[F0][i]
     with pytest.raises(ScheduleError, match=r"F0: receive #0 on channel m2n:A0->F0 is posted for m2n 0\.1"):
         check_streams(streams)

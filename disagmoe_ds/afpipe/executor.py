@@ -213,14 +213,14 @@ class AFPipeExecutor:
 
     # ----- transfers -----
     def _exec_post_recv(self, instruction: PostRecv) -> None:
-        self.mailbox.post(instruction.message)
+        self.mailbox.post(instruction.transfer)
 
     def _exec_wait_recv(self, instruction: WaitRecv) -> None:
-        transfer = instruction.message
+        transfer = instruction.transfer
         self._inboxes.setdefault(transfer.dst, Inbox()).put(transfer.kind, self.mailbox.wait(transfer))
 
     def _exec_send(self, instruction: Send) -> None:
-        transfer = instruction.message
+        transfer = instruction.transfer
         outbox = self._outboxes[transfer.src]
         self.mailbox.send(transfer, outbox.take(transfer.kind))
         if outbox.empty:

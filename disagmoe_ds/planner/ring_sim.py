@@ -66,7 +66,7 @@ def ring_graph(shape: PipeShape, micro_batches: int) -> RingGraph:
     index = {t: j for j, t in enumerate(tasks)}
     workers = tuple(sorted(one.tasks))
     wid = {w: j for j, w in enumerate(workers)}
-    message = {(m.src, m.dst): k for k, m in enumerate(one.messages)}
+    message = {(m.src, m.dst): k for k, m in enumerate(one.remote_transfers)}
     channels: dict[object, int] = {}
     successors: list[list[tuple[int, int]]] = [[] for _ in tasks]
     for task, deps in one.deps.items():
@@ -82,7 +82,8 @@ def ring_graph(shape: PipeShape, micro_batches: int) -> RingGraph:
         missing=tuple(len(one.deps[t]) for t in tasks),
         successors=tuple(tuple(s) for s in successors),
         messages=tuple(
-            (m.kind, index[m.src], index[m.dst], channels.setdefault(m.channel, len(channels))) for m in one.messages
+            (m.kind, index[m.src], index[m.dst], channels.setdefault(m.channel, len(channels)))
+            for m in one.remote_transfers
         ),
         channels=len(channels),
     )

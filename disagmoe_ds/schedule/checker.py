@@ -62,7 +62,7 @@ def _places(streams: Streams) -> dict[Transfer, Places]:
     for worker, stream in streams.items():
         for i, ins in enumerate(stream):
             if isinstance(ins, CommInstruction):
-                places[ins.message][type(ins).__name__].append((worker, i))
+                places[ins.transfer][type(ins).__name__].append((worker, i))
             elif isinstance(ins, ComputeInstruction):
                 computes[ins.task] = (worker, i)
     for message, where in places.items():
@@ -91,7 +91,7 @@ def _check_channel_order(streams: Streams) -> None:
     for stream in streams.values():
         for ins in stream:
             if isinstance(ins, CommInstruction):
-                order[type(ins)][ins.message.channel].append(ins.message)
+                order[type(ins)][ins.transfer.channel].append(ins.transfer)
     for channel, sent in order[Send].items():
         for verb, cls in (("posted", PostRecv), ("waited", WaitRecv)):
             for k, (send, recv) in enumerate(zip(sent, order[cls][channel], strict=True)):
@@ -113,11 +113,11 @@ def _check_no_deadlock(streams: Streams) -> None:
         for worker, stream in streams.items():
             while pc[worker] < len(stream):
                 ins = stream[pc[worker]]
-                if isinstance(ins, WaitRecv) and ins.message not in sent:
+                if isinstance(ins, WaitRecv) and ins.transfer not in sent:
                     blocked[worker] = ins
                     break
                 if isinstance(ins, Send):
-                    sent.add(ins.message)
+                    sent.add(ins.transfer)
                 pc[worker], progress = pc[worker] + 1, True
     if blocked:
         raise ScheduleError("deadlock: " + _cycle(blocked, pc))
@@ -126,6 +126,6 @@ def _check_no_deadlock(streams: Streams) -> None:
 def _cycle(blocked: Mapping[Worker, WaitRecv], pc: Mapping[Worker, int]) -> str:
     """Follow "waits for" edges; every sender is blocked too (it sends every message once), so a worker repeats."""
     chain = [min(blocked)]
-    while (sender := blocked[chain[-1]].message.src_worker) not in chain:
+    while (sender := blocked[chain[-1]].transfer.src_worker) not in chain:
         chain.append(sender)
     return "; ".join(f"{w} waits at [{pc[w]}] {blocked[w]!r}" for w in chain[chain.index(sender) :])

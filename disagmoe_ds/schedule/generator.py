@@ -222,7 +222,7 @@ class _Simulation:
         for task, deps in graph.deps.items():
             for dep in deps:
                 self.successors[dep].append(task)
-        self.message = {(msg.src, msg.dst): msg for msg in graph.messages}
+        self.transfer_of = {(msg.src, msg.dst): msg for msg in graph.remote_transfers}
         self.ready = {w: {t for t in tasks if not self.missing[t]} for w, tasks in graph.tasks.items()}
         self.left = Counter((self.worker_of(t), t.micro_batch) for t in graph.deps)  # unfinished, per worker
         self.admitted = dict.fromkeys(graph.tasks, 0)  # micro-batches 0 .. admitted-1 have started there
@@ -284,7 +284,7 @@ class _Simulation:
         if task in self.wgrad:
             self.pending[worker].append(self.wgrad[task])
         for succ in self.successors[task]:
-            msg = self.message.get((task, succ))
+            msg = self.transfer_of.get((task, succ))
             if msg is None:
                 self._release(succ)
                 continue

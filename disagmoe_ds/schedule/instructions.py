@@ -26,17 +26,17 @@ class Instruction:
 class CommInstruction(Instruction):
     """Base class of the instructions that move one transfer (a hand-off too: its ends are one worker)."""
 
-    message: Transfer
+    transfer: Transfer
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.message})"
+        return f"{type(self).__name__}({self.transfer})"
 
 
 @dataclass(frozen=True, repr=False)
 class PostRecv(CommInstruction):
-    """Post a non-blocking receive on the message's channel (at run time: counts first, then the payload).
+    """Post a non-blocking receive on the transfer's channel (at run time: counts first, then the payload).
 
-    Pairs with ``Send`` on ``message.src_worker``, posted in its send order per channel: p2p matches FIFO, no tags.
+    Pairs with ``Send`` on ``transfer.src_worker``, posted in its send order per channel: p2p matches FIFO, no tags.
     """
 
 
@@ -44,7 +44,7 @@ class PostRecv(CommInstruction):
 class WaitRecv(CommInstruction):
     """Block until the receive has landed; its tensors are held until the compute that reads them.
 
-    Pairs with ``Send`` on ``message.src_worker``, in its send order per channel; needs ``PostRecv`` earlier.
+    Pairs with ``Send`` on ``transfer.src_worker``, in its send order per channel; needs ``PostRecv`` earlier.
     """
 
 
@@ -52,7 +52,7 @@ class WaitRecv(CommInstruction):
 class Send(CommInstruction):
     """Start a non-blocking send of a computed tensor; it never blocks the stream.
 
-    Pairs with ``PostRecv`` and ``WaitRecv`` of the same message on ``message.dst_worker``.
+    Pairs with ``PostRecv`` and ``WaitRecv`` of the same transfer on ``transfer.dst_worker``.
     """
 
 

@@ -28,9 +28,9 @@ SELF_SIZED = frozenset({Kind.M2N, Kind.RESID})  # sized by their own header, or 
 
 def size_sources(graph: TaskGraph) -> dict[Transfer, Transfer]:
     """For every message (not hand-off) whose kind is not ``SELF_SIZED``, the transfer whose counts size it."""
-    forwards = {(t.src, t.dst): t for t in (*graph.messages, *graph.hand_offs) if not t.kind.is_grad}
+    forwards = {(t.src, t.dst): t for t in (*graph.remote_transfers, *graph.hand_offs) if not t.kind.is_grad}
     sources: dict[Transfer, Transfer] = {}
-    for transfer in graph.messages:
+    for transfer in graph.remote_transfers:
         if transfer.kind in SELF_SIZED:
             continue
         if transfer.kind.is_grad:  # the forward transfer it answers: from its receiver's forward to its sender's

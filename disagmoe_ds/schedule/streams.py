@@ -72,7 +72,7 @@ def forward_stream(stream: tuple[ins.Instruction, ...]) -> tuple[ins.Instruction
         instruction
         for instruction in stream
         if isinstance(instruction, ins.ForwardAttn | ins.ForwardExperts)
-        or (isinstance(instruction, ins.CommInstruction) and not instruction.message.kind.is_grad)
+        or (isinstance(instruction, ins.CommInstruction) and not instruction.transfer.kind.is_grad)
     )
 
 

@@ -19,7 +19,7 @@ ends are one worker, which cost no link time; so a micro-batch sends 4 messages 
 2 * L when p > 1, and hands 2 * L on locally when p = 1. Both kinds are ``Transfer``s, sent and received alike.
 
 >>> graph = build_graph(PipeShape(depth=2, num_layers=2, moe_layers=(True, True)), num_micro_batches=1)
->>> [str(w) for w in graph.tasks], len(graph.messages)
+>>> [str(w) for w in graph.tasks], len(graph.remote_transfers)
 (['A0', 'A1', 'F0', 'F1'], 12)
 """
 
@@ -185,7 +185,7 @@ class PipeShape:
 @dataclass(frozen=True, eq=False)
 class TaskGraph:
     """Every task of a step: ``tasks`` per worker (canonical order, not execution order), ``deps`` (every
-    predecessor, local or remote), ``messages`` (the transfers between two workers, which take link time),
+    predecessor, local or remote), ``remote_transfers`` (the transfers between two workers, which take link time),
     ``hand_offs`` (those within one worker, which take none), and ``inputs``/``outputs`` (a task's transfers of
     both sorts, in a fixed order)."""
 
@@ -193,7 +193,7 @@ class TaskGraph:
     num_micro_batches: int
     tasks: dict[Worker, tuple[Task, ...]]
     deps: dict[Task, tuple[Task, ...]]
-    messages: tuple[Transfer, ...]
+    remote_transfers: tuple[Transfer, ...]
     hand_offs: tuple[Transfer, ...]
     inputs: dict[Task, tuple[Transfer, ...]]
     outputs: dict[Task, tuple[Transfer, ...]]
@@ -238,14 +238,14 @@ def build_graph(shape: PipeShape, num_micro_batches: int) -> TaskGraph:
     for transfer in transfers:
         inputs[transfer.dst].append(transfer)
         outputs[transfer.src].append(transfer)
-    messages = tuple(t for t in transfers if not t.is_hand_off)
+    remote_transfers = tuple(t for t in transfers if not t.is_hand_off)
     hand_offs = tuple(t for t in transfers if t.is_hand_off)
     return TaskGraph(
         shape,
         num_micro_batches,
         _tuples(tasks),
         _tuples(deps),
-        messages,
+        remote_transfers,
         hand_offs,
         _tuples(inputs),
         _tuples(outputs),
