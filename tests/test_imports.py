@@ -72,7 +72,7 @@ def test_no_cycle_between_folders() -> None:
 # (``afpipe``, ``colocated``) are peers over the shared runtime, neither importing the other.
 LAYERS = (
     "convert", "train", "afpipe", "colocated", "checkpoint", "parity", "runtime", "groups", "config", "planner",
-    "models", "fp8", "capabilities", "comm", "schedule", "layout", "launch", "data", "plot", "jsonfile", "errors",
+    "models", "capabilities", "comm", "fp8", "schedule", "layout", "launch", "data", "plot", "jsonfile", "errors",
     "disagmoe_ds",
 )  # fmt: skip
 
