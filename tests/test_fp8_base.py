@@ -39,9 +39,9 @@ def quantized_name(key: str) -> bool:
     return ".layers." in key and key.endswith("proj.weight") or key.endswith("kv_a_proj_with_mqa.weight")
 
 
-def write_fp8_checkpoint(out: Path, block=BLOCK, seed: int = 2) -> Path:
+def write_fp8_checkpoint(out: Path, block=BLOCK, seed: int = 2, **overrides) -> Path:
     """The tiny DeepSeek-V3 in the FP8 block layout (``quantization_config`` as DeepSeek-V3's, ``block`` its)."""
-    plain = write_tiny_checkpoint("deepseek-v3", out.with_name(out.name + "-plain"), seed=seed)
+    plain = write_tiny_checkpoint("deepseek-v3", out.with_name(out.name + "-plain"), seed=seed, **overrides)
     tensors = {}
     for key, value in load_file(plain / "model.safetensors").items():
         if quantized_name(key):
@@ -213,3 +213,45 @@ def test_fp8_compute_over_an_fp8_base_is_refused_in_one_line(fp8_checkpoint) -> 
 def test_the_block_scaled_weight_is_a_value() -> None:
     q = quantize_blocks(torch.ones(16, 16), (16, 16))
     assert isinstance(q, BlockScaled) and q.shape == (16, 16) and q.block == (16, 16)
+
+
+def dequantized_model(path: Path) -> torch.nn.Module:
+    """The whole model of an FP8 checkpoint with the exact values it stands for (as the verifies' reference)."""
+    from disagmoe_ds.parity.reference import load_for_verify
+
+    return load_for_verify(VerifyArgs(model=str(path), cfg=DisagMoEConfig()))
+
+
+def test_lora_run_logs_its_fp8_base_and_exports_an_adapter_peft_loads_on_the_dequantized_base(
+    tok_cache, tmp_path, capfd
+) -> None:
+    """run_pretrain.py --init-from an FP8 checkpoint --lora-rank: each rank logs what its FP8 base takes; the PEFT
+    adapter directory (--export-hf) on the dequantized base and the merged model (--export-hf-merged, high
+    precision) give the same logits, and not the base's (DeepSeek-V3's expert biases kept: an adapter leaves them
+    out)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from disagmoe_ds.data import bundled_corpus, train_or_load_tokenizer
+    from tests.runs import pretrain, write_sft_jsonl
+
+    fp8_dir = write_fp8_checkpoint(tmp_path / "fp8", vocab_size=512)
+    train_or_load_tokenizer(bundled_corpus(), 512, tok_cache).save_hf(fp8_dir)
+    write_sft_jsonl(tmp_path / "sft.jsonl", n=40)
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    argv = ("--init-from", fp8_dir, "--sft", "--data", tmp_path / "sft.jsonl", "--ffn-gpus", 2, "--steps", 2,
+            "--micro-batches", 2, "--bias-update-rate", 0, "--lora-rank", 8, "--lr", "1e-2",
+            "--export-hf", adapter, "--export-hf-merged", merged)  # fmt: skip
+    assert pretrain(tok_cache, *argv) == 0
+    out = capfd.readouterr().out
+    logged = [line for line in out.splitlines() if "the LoRA base stays FP8 (e4m3, block scales)" in line]
+    assert sorted(line.split(":")[0] for line in logged) == [f"rank {r}" for r in range(4)], out
+    assert "quantization_config" not in json.loads((merged / "config.json").read_text())
+    ids = torch.arange(3, 35).view(2, 16)
+    base = dequantized_model(fp8_dir)
+    with torch.no_grad():
+        plain = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, adapter)(ids).logits
+        folded = AutoModelForCausalLM.from_pretrained(merged)(ids).logits
+    assert torch.allclose(adapted, folded, atol=1e-4)
+    assert (adapted - plain).abs().max() > 1e-3

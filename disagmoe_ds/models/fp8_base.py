@@ -12,7 +12,7 @@ as e4m3 plus scales, about one byte per parameter, and never holds a high-precis
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -22,8 +22,16 @@ from disagmoe_ds.fp8.frozen import freeze_linear, held_bytes, held_weights, hold
 from disagmoe_ds.models.hf_model import causal_lm
 from disagmoe_ds.models.lora_settings import EXPERT_PROJECTIONS
 
-if TYPE_CHECKING:
-    from disagmoe_ds.models.partial_load import PretrainedWeights
+
+class QuantizedCheckpoint(Protocol):
+    """What ``keep_base_fp8`` reads of a checkpoint (``partial_load.PretrainedWeights``)."""
+
+    @property
+    def block(self) -> tuple[int, int] | None: ...
+
+    def quantized(self, name: str) -> bool:
+        """Whether the checkpoint stores in-memory tensor ``name`` in FP8 blocks."""
+        ...
 
 
 def fp8_block_size(config: Any) -> tuple[int, int] | None:
@@ -46,7 +54,7 @@ def fp8_block_size(config: Any) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def keep_base_fp8(model: nn.Module, weights: PretrainedWeights) -> int:
+def keep_base_fp8(model: nn.Module, weights: QuantizedCheckpoint) -> int:
     """Make every weight of ``model``'s decoder layers that ``weights`` stores in FP8 a frozen FP8 buffer pair, in
     place (``model`` on the meta device, before any rank cuts it); returns how many. The routed experts' fused
     gate/up tensor concatenates the gate's and the up projection's scales along N, which needs their rows (the
@@ -67,7 +75,7 @@ def keep_base_fp8(model: nn.Module, weights: PretrainedWeights) -> int:
     return held
 
 
-def _keep_experts(experts: nn.Module, hf: str, weights: PretrainedWeights, block, dtype: torch.dtype) -> int:
+def _keep_experts(experts: nn.Module, hf: str, weights: QuantizedCheckpoint, block, dtype: torch.dtype) -> int:
     held = 0
     for proj in EXPERT_PROJECTIONS:
         param = experts._parameters.get(proj)
