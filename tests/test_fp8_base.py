@@ -255,3 +255,14 @@ def test_lora_run_logs_its_fp8_base_and_exports_an_adapter_peft_loads_on_the_deq
         folded = AutoModelForCausalLM.from_pretrained(merged)(ids).logits
     assert torch.allclose(adapted, folded, atol=1e-4)
     assert (adapted - plain).abs().max() > 1e-3
+
+
+def test_lora_on_an_fp8_base_in_bf16_with_the_memory_levers_equals_peft(fp8_checkpoint) -> None:
+    """bf16 (the base dequantized in bf16 inside each product), ZeRO-2, the split backward (its B and W passes over
+    products without a weight gradient), the experts' recomputed middle, activation offload (the FP8 base, saved by
+    its products, stays on the device) and trained routers."""
+    lora = LoraSettings(rank=4, train_router=True, init_lora_weights=False)
+    cfg = DisagMoEConfig(ffn_gpus=2, micro_batches=2, selective_recompute=True, split_backward=True, lora=lora,
+                         offload={"attention": 1.0, "ffn": 1.0})  # fmt: skip
+    result = run_verify(VerifyArgs(model=str(fp8_checkpoint), cfg=cfg, zero=2, dtype="bf16"), timeout_s=240)
+    assert result["pass"], result["max_abs_diff"]

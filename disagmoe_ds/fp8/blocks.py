@@ -58,8 +58,12 @@ def block_scales(scale_inv: torch.Tensor, block: tuple[int, int], rows: int, col
 
 
 def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """``data * scale_inv`` blockwise, in float32."""
-    return data.float() * block_scales(scale_inv.float(), block, *data.shape[-2:])
+    """``data * scale_inv`` blockwise, in float32 (whole blocks: the scales broadcast over a view, not expanded)."""
+    rows, cols = data.shape[-2:]
+    if rows % block[0] or cols % block[1]:  # partial blocks at the edges
+        return data.float() * block_scales(scale_inv.float(), block, rows, cols)
+    tiles = data.unflatten(-1, (-1, block[1])).unflatten(-3, (-1, block[0]))  # [..., Nb, bn, Kb, bk]
+    return (tiles.float() * scale_inv.float()[..., :, None, :, None]).flatten(-4, -3).flatten(-2, -1)
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> BlockScaled:
@@ -92,12 +96,6 @@ def block_grouped_mm(x_PK: torch.Tensor, weight: BlockScaled, offsets: torch.Ten
     return _BlockGroupedLinear.apply(x_PK, weight.data, weight.scale_inv, weight.block, offsets)
 
 
-def _saved_weight(ctx: Any, dtype: torch.dtype) -> torch.Tensor:
-    """The weight a backward multiplies, dequantized again from the FP8 data the forward saved."""
-    data, scale_inv = ctx.saved_tensors[-2:]
-    return dequantize_blocks(data, scale_inv, ctx.block).to(dtype)
-
-
 class _BlockLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, data, scale_inv, block: tuple[int, int]) -> torch.Tensor:
@@ -107,7 +105,8 @@ class _BlockLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
-        dx = dy @ _saved_weight(ctx, dy.dtype) if wanted(ctx, 0) else None
+        data, scale_inv = ctx.saved_tensors  # unpacked once: a checkpointed region allows no more
+        dx = dy @ dequantize_blocks(data, scale_inv, ctx.block).to(dy.dtype) if wanted(ctx, 0) else None
         return dx, None, None, None
 
 
@@ -121,7 +120,8 @@ class _BlockGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy_PN: torch.Tensor):
+        offsets, data, scale_inv = ctx.saved_tensors  # unpacked once: a checkpointed region allows no more
         dx = None
         if wanted(ctx, 0):
-            dx = F.grouped_mm(dy_PN, _saved_weight(ctx, dy_PN.dtype), offs=ctx.saved_tensors[0])
+            dx = F.grouped_mm(dy_PN, dequantize_blocks(data, scale_inv, ctx.block).to(dy_PN.dtype), offs=offsets)
         return dx, None, None, None, None
