@@ -222,30 +222,34 @@ def dequantized_model(path: Path) -> torch.nn.Module:
     return load_for_verify(VerifyArgs(model=str(path), cfg=DisagMoEConfig()))
 
 
-def test_lora_run_logs_its_fp8_base_and_exports_an_adapter_peft_loads_on_the_dequantized_base(
+def test_lora_run_logs_its_fp8_base_resumes_and_exports_an_adapter_peft_loads_on_the_dequantized_base(
     tok_cache, tmp_path, capfd
 ) -> None:
-    """run_pretrain.py --init-from an FP8 checkpoint --lora-rank: each rank logs what its FP8 base takes; the PEFT
-    adapter directory (--export-hf) on the dequantized base and the merged model (--export-hf-merged, high
+    """run_pretrain.py --init-from an FP8 checkpoint --lora-rank: each rank logs what its FP8 base takes; a resume at
+    step 2 repeats steps 3-4 bit for bit (the checkpoint holds the adapters, the base comes from --init-from again);
+    the PEFT adapter directory (--export-hf) on the dequantized base and the merged model (--export-hf-merged, high
     precision) give the same logits, and not the base's (DeepSeek-V3's expert biases kept: an adapter leaves them
-    out)."""
+    out); disagmoe-to-hf writes the same adapter from the checkpoint."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from disagmoe_ds import convert
     from disagmoe_ds.data import bundled_corpus, train_or_load_tokenizer
-    from tests.runs import pretrain, write_sft_jsonl
+    from tests.runs import pretrain, records, same, write_sft_jsonl
 
     fp8_dir = write_fp8_checkpoint(tmp_path / "fp8", vocab_size=512)
     train_or_load_tokenizer(bundled_corpus(), 512, tok_cache).save_hf(fp8_dir)
     write_sft_jsonl(tmp_path / "sft.jsonl", n=40)
-    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
-    argv = ("--init-from", fp8_dir, "--sft", "--data", tmp_path / "sft.jsonl", "--ffn-gpus", 2, "--steps", 2,
-            "--micro-batches", 2, "--bias-update-rate", 0, "--lora-rank", 8, "--lr", "1e-2",
-            "--export-hf", adapter, "--export-hf-merged", merged)  # fmt: skip
-    assert pretrain(tok_cache, *argv) == 0
+    full, resumed, ck, adapter, merged = (tmp_path / n for n in ("full.jsonl", "resumed.jsonl", "ck", "ad", "m"))
+    argv = ("--init-from", fp8_dir, "--sft", "--data", tmp_path / "sft.jsonl", "--ffn-gpus", 2, "--steps", 4,
+            "--micro-batches", 2, "--bias-update-rate", 0, "--lora-rank", 8, "--lr", "1e-2")  # fmt: skip
+    exports = ("--export-hf", adapter, "--export-hf-merged", merged)
+    assert pretrain(tok_cache, *argv, "--save-dir", ck, "--save-every", 2, "--metrics-file", full, *exports) == 0
     out = capfd.readouterr().out
     logged = [line for line in out.splitlines() if "the LoRA base stays FP8 (e4m3, block scales)" in line]
     assert sorted(line.split(":")[0] for line in logged) == [f"rank {r}" for r in range(4)], out
+    assert pretrain(tok_cache, *argv, "--resume", ck / "step2", "--metrics-file", resumed) == 0
+    assert [r["step"] for r in records(resumed)] == [3, 4] and same(records(resumed), records(full)[2:])
     assert "quantization_config" not in json.loads((merged / "config.json").read_text())
     ids = torch.arange(3, 35).view(2, 16)
     base = dequantized_model(fp8_dir)
@@ -255,6 +259,10 @@ def test_lora_run_logs_its_fp8_base_and_exports_an_adapter_peft_loads_on_the_deq
         folded = AutoModelForCausalLM.from_pretrained(merged)(ids).logits
     assert torch.allclose(adapted, folded, atol=1e-4)
     assert (adapted - plain).abs().max() > 1e-3
+    converted = tmp_path / "converted"
+    assert convert.main(["disagmoe-to-hf", "--ckpt", str(ck), "--model", str(fp8_dir), "--out", str(converted)]) == 0
+    ours, theirs = (load_file(str(d / "adapter_model.safetensors")) for d in (converted, adapter))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_lora_on_an_fp8_base_in_bf16_with_the_memory_levers_equals_peft(fp8_checkpoint) -> None:
