@@ -172,7 +172,11 @@ def ranks_kept_fp8(monkeypatch, tmp_path):
     return lambda: sum(int(f.read_text()) > 0 for f in tmp_path.glob("kept-*"))
 
 
-@pytest.mark.parametrize("layout", [{}, {"attention_gpus": 2, "ffn_gpus": 2}], ids=["111", "221"])
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"attention_gpus": 2, "ffn_gpus": 2}, {"attention_gpus": 2, "sequence_parallel": 2}],
+    ids=["111", "221", "ulysses2"],
+)
 def test_disaggregated_lora_on_an_fp8_base_equals_peft_on_the_dequantized_base(
     fp8_checkpoint, ranks_kept_fp8, layout
 ) -> None:
@@ -195,7 +199,8 @@ def test_full_fine_tuning_of_an_fp8_checkpoint_equals_hf_on_its_dequantized_valu
     assert result["pass"], result["max_abs_diff"]
 
 
-def test_fp8_compute_over_an_fp8_base_is_refused_in_one_line(fp8_checkpoint) -> None:
+def test_what_cannot_keep_an_fp8_base_is_refused_before_launch(fp8_checkpoint) -> None:
+    """FP8 compute over it, and experts whose gate and up scales cannot be fused (I not whole blocks)."""
     from disagmoe_ds.train.args import parse_args
     from disagmoe_ds.train.model import check_train_model
     from tests.conftest import ROOT
@@ -208,6 +213,9 @@ def test_fp8_compute_over_an_fp8_base_is_refused_in_one_line(fp8_checkpoint) -> 
     check()
     with pytest.raises(ConfigError, match="does not work yet with LoRA over a checkpoint in FP8 blocks"):
         check("--fp8")
+    fp8_checkpoint = write_fp8_checkpoint(fp8_checkpoint.with_name("odd-experts"), moe_intermediate_size=24)
+    with pytest.raises(CheckpointError, match="intermediate size 24 is not a multiple of the FP8 block's 16 rows"):
+        check()
 
 
 def test_the_block_scaled_weight_is_a_value() -> None:
