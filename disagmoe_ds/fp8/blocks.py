@@ -14,7 +14,9 @@ A block-scaled FP8 GEMM kernel would avoid even that transient copy; CUDA's ``to
 (1 x 128 activation tiles, 128 x 128 weight blocks) is not used yet: not measured here.
 
 The float32 reference of a weight is ``dequantize`` (each e4m3 value times its block's float32 scale, rounded once
-to float32, as HF's FP8 quantizer dequantizes); a product in float32 multiplies exactly those values.
+to float32); a product in float32 multiplies exactly those values. transformers' own CPU dequantization agrees where
+the blocks are whole and was seen to differ on partial edge blocks (a 24-wide weight in 16-wide blocks), which is why
+the verifies' reference reads such a checkpoint as the ranks do (``parity.reference.load_for_verify``).
 
 >>> w = torch.arange(12.0).view(3, 4) - 6
 >>> q = quantize_blocks(w, (2, 2))
