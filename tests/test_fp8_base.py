@@ -186,6 +186,15 @@ def test_disaggregated_lora_on_an_fp8_base_equals_peft_on_the_dequantized_base(
     assert ranks_kept_fp8() == cfg.world_size
 
 
+def test_lora_on_an_fp8_base_with_the_expert_side_at_zero3_equals_peft(fp8_checkpoint) -> None:
+    """ZeRO-3 partitions the expert side's parameters (the adapters); its FP8 base, buffers, stays whole."""
+    zero = {"attention": 2, "ffn": 3}
+    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, expert_data_parallel=2, micro_batches=2, transport="rendezvous",
+                         lora=LORA, zero_stage=zero)  # fmt: skip
+    result = run_verify(VerifyArgs(model=str(fp8_checkpoint), cfg=cfg, zero=2, seq_len=8), timeout_s=240)
+    assert result["tolerance"] == TOLERANCE["fp32"] and result["pass"], result["max_abs_diff"]
+
+
 def test_colocated_lora_on_an_fp8_base_equals_peft_on_the_dequantized_base(fp8_checkpoint, ranks_kept_fp8) -> None:
     cfg = ColocatedConfig(world_size=2, ep_size=2, micro_batches=2, lora=LORA)
     result = run_colocated_verify(ColocatedVerifyArgs(str(fp8_checkpoint), cfg, zero=1, seq_len=8), timeout_s=240)
