@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from disagmoe_ds.fp8.projections import viewed, wanted
-from disagmoe_ds.fp8.quantize import E4M3, E4M3_MAX
+from disagmoe_ds.fp8.quantize import E4M3, E4M3_MAX, fused_on_cuda
 
 
 @dataclass(frozen=True)
@@ -98,17 +98,23 @@ def block_grouped_mm(x_PK: torch.Tensor, weight: BlockScaled, offsets: torch.Ten
     return _BlockGroupedLinear.apply(x_PK, weight.data, weight.scale_inv, weight.block, offsets)
 
 
+@fused_on_cuda
+def _dequantized(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype):
+    """``dequantize_blocks`` in ``dtype``: on CUDA compiled, so that no float32 copy of the weight is made."""
+    return dequantize_blocks(data, scale_inv, block).to(dtype)
+
+
 class _BlockLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, data, scale_inv, block: tuple[int, int]) -> torch.Tensor:
         ctx.save_for_backward(data, scale_inv)
         ctx.block = block
-        return F.linear(x, dequantize_blocks(data, scale_inv, block).to(x.dtype))
+        return F.linear(x, _dequantized(data, scale_inv, block, x.dtype))
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
         data, scale_inv = ctx.saved_tensors  # unpacked once: a checkpointed region allows no more
-        dx = dy @ dequantize_blocks(data, scale_inv, ctx.block).to(dy.dtype) if wanted(ctx, 0) else None
+        dx = dy @ _dequantized(data, scale_inv, ctx.block, dy.dtype) if wanted(ctx, 0) else None
         return dx, None, None, None
 
 
@@ -117,7 +123,7 @@ class _BlockGroupedLinear(torch.autograd.Function):
     def forward(ctx: Any, x_PK, data, scale_inv, block: tuple[int, int], offsets) -> torch.Tensor:
         ctx.save_for_backward(offsets, data, scale_inv)
         ctx.block = block
-        w_eKN = dequantize_blocks(data, scale_inv, block).to(x_PK.dtype).transpose(-2, -1)
+        w_eKN = _dequantized(data, scale_inv, block, x_PK.dtype).transpose(-2, -1)
         return F.grouped_mm(x_PK, w_eKN, offs=offsets)
 
     @staticmethod
@@ -125,5 +131,5 @@ class _BlockGroupedLinear(torch.autograd.Function):
         offsets, data, scale_inv = ctx.saved_tensors  # unpacked once: a checkpointed region allows no more
         dx = None
         if wanted(ctx, 0):
-            dx = F.grouped_mm(dy_PN, dequantize_blocks(data, scale_inv, ctx.block).to(dy_PN.dtype), offs=offsets)
+            dx = F.grouped_mm(dy_PN, _dequantized(data, scale_inv, ctx.block, dy_PN.dtype), offs=offsets)
         return dx, None, None, None, None
