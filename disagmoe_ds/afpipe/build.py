@@ -222,7 +222,7 @@ class Disaggregated:
         return ActivationOffloader(
             chosen,
             device=parts.device,
-            params=parts.module.parameters(),
+            params=[*parts.module.parameters(), *parts.module.buffers()],  # a frozen FP8 base's (buffers) stay
             backward_order=[(i.layer, i.micro_batch) for i in backwards],
         )
 

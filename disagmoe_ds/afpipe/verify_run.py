@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from disagmoe_ds.afpipe import build
 from disagmoe_ds.checkpoint.ds_state import gathered
+from disagmoe_ds.fp8.frozen import held_values
 from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.loading import load_config
@@ -43,7 +44,8 @@ def rank_main(rank: int, args: VerifyArgs) -> RankRecord:
     # replica of an expert shard.
     writer = role.index < runtime.layout.tensor_parallel if role.is_attention else role.edp_rank == 0
     with gathered(runtime.engine, runtime.module):  # ZeRO-3: every replica gathers, the writer keeps them
-        params = hf_named(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()}) if writer else {}
+        values = {n: p.detach() for n, p in runtime.module.named_parameters()} | held_values(runtime.module)
+        params = hf_named(runtime, values) if writer else {}  # a frozen FP8 base (``fp8.frozen``): what it stands for
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads if writer else []}
 
 

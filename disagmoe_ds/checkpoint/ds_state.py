@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disagmoe_ds.errors import CheckpointError
+from disagmoe_ds.fp8.frozen import held_values
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import ExpertStage
@@ -98,6 +99,7 @@ def rank_share(rt, weights: Weights) -> dict[str, Any]:
         if weights == "module":
             with gathered(engine, part.module):
                 params = {n: t.detach().clone() for n, t in part.module.state_dict().items() if n not in buffers}
+            params |= held_values(part.module)  # a frozen FP8 base (``fp8.frozen``, no state_dict entry): dequantized
             moments = {}
         else:
             named = dict(part.module.named_parameters())

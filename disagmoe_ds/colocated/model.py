@@ -29,6 +29,7 @@ from torch import nn
 from disagmoe_ds.colocated.dispatch import LocalDispatcher
 from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.errors import CheckpointError
+from disagmoe_ds.fp8.frozen import held_weights
 from disagmoe_ds.models.aux_loss import RouterStats, aux_loss_from_stats, balance_per_layer, router_stats
 from disagmoe_ds.models.expert_shard import ExpertShard
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages, warm_up_positions
@@ -60,7 +61,9 @@ class ExpertStageMoE(MoE):
         self.expert_group_name = group_name
         self.use_residual = False
         self.enable_expert_tensor_parallelism = False
-        for param in stage.parameters():  # DeepSpeed-MoE's marks: reduced over the expert-data-parallel group
+        # DeepSpeed-MoE's marks: reduced over the expert-data-parallel group; a frozen FP8 base's buffers carry them
+        # too, for the LoRA factors beside them to copy (``models.adapters``)
+        for param in [*stage.parameters(), *stage.buffers()]:
             param.allreduce = False  # type: ignore[attr-defined]
             param.group_name = group_name  # type: ignore[attr-defined]
         self.register_state_dict_post_hook(_split_experts)
@@ -184,9 +187,10 @@ class ColocatedModel(nn.Module):
         return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux, load_LE)
 
     def hf_names(self) -> dict[str, tuple[str, int]]:
-        """Parameter name -> (HF name, first expert of the slice; 0 for attention-side parameters)."""
+        """Parameter name (or a frozen FP8 base's, ``fp8.frozen``) -> (HF name, first expert of the slice; 0 for
+        attention-side parameters)."""
         names = {}
-        for name, _ in self.named_parameters():
+        for name in [*(n for n, _ in self.named_parameters()), *held_weights(self)]:
             if name.startswith("attention."):
                 names[name] = (attention_name_to_hf(name.removeprefix("attention.")), 0)
             else:

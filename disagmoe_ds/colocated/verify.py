@@ -21,6 +21,7 @@ from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocate
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.colocated.model import ColocatedModel
 from disagmoe_ds.config import SECTION, add_section_flags, section_values
+from disagmoe_ds.fp8.frozen import held_values
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.lora_settings import lora_of
 from disagmoe_ds.parity.compare import RankRecord, capture_grads, compare
@@ -50,7 +51,8 @@ def rank_main(rank: int, args: ColocatedVerifyArgs) -> RankRecord:
     grads = capture_grads(runtime, _written)
     vocab = runtime.module.config.vocab_size
     losses, norms = train_steps(runtime, args, lambda step: make_batches(args, vocab, step, lane=rank))
-    params = _written(runtime, {n: p.detach() for n, p in runtime.module.named_parameters()})
+    values = {n: p.detach() for n, p in runtime.module.named_parameters()} | held_values(runtime.module)  # FP8 base
+    params = _written(runtime, values)
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads}
 
 

@@ -21,21 +21,21 @@ from disagmoe_ds.fp8.quantize import quantize
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its GEMMs in FP8 (``x`` [..., K], ``weight`` [N, K])."""
-    y = _Linear.apply(*_viewed(x, weight))
+    y = _Linear.apply(*viewed(x, weight))
     return y if bias is None else y + bias
 
 
 def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)`` with its GEMMs in FP8: row group i of ``x`` [P, K]
     times ``weight[i]^T`` (``weight`` [e, N, K], the HF layout of fused expert projections)."""
-    return _GroupedLinear.apply(*_viewed(x, weight), offsets)
+    return _GroupedLinear.apply(*viewed(x, weight), offsets)
 
 
-def _viewed(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def viewed(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.view_as(t) if t.requires_grad and not torch.compiler.is_compiling() else t for t in tensors)
 
 
-def _wanted(ctx: Any, i: int) -> bool:
+def wanted(ctx: Any, i: int) -> bool:
     """Whether the running backward pass needs the gradient of input ``i`` (see the module docstring)."""
     if not ctx.needs_input_grad[i]:
         return False
@@ -61,9 +61,9 @@ class _Linear(torch.autograd.Function):
         x_MK, weight = ctx.saved_tensors
         dy_MN = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
-        if _wanted(ctx, 0):
+        if wanted(ctx, 0):
             dx = scaled_mm(quantize(dy_MN, -1), quantize(weight.t(), -1), dy.dtype).view(ctx.shape)
-        if _wanted(ctx, 1):
+        if wanted(ctx, 1):
             dw = scaled_mm(quantize(dy_MN.t(), -1), quantize(x_MK.t(), -1), weight.dtype)
         return dx, dw
 
@@ -78,8 +78,8 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight, offsets = ctx.saved_tensors
         dx = dw = None
-        if _wanted(ctx, 0):
+        if wanted(ctx, 0):
             dx = scaled_grouped_mm(quantize(dy, -1), quantize(weight.transpose(1, 2), -1), offsets, dy.dtype)
-        if _wanted(ctx, 1):
+        if wanted(ctx, 1):
             dw = grouped_weight_grad(dy, x, offsets).to(weight.dtype)
         return dx, dw, None

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.fp8.frozen import BlockFp8Linear, model_dtype_of
 from disagmoe_ds.models.attention_part import AttentionPart
 from disagmoe_ds.models.lora import SCALING_ATTR, LoraLinear, is_adapter
 from disagmoe_ds.models.lora_settings import EXPERT_PROJECTIONS, GROUPS, A, B, LoraSettings
@@ -49,10 +50,11 @@ def _adapt_attention(stage: AttentionStage, settings: LoraSettings, seed: int) -
 
 
 def _linears(root: nn.Module, skip: nn.Module | None):
-    """``(name, module)`` of every plain ``nn.Linear`` under ``root``, outside ``skip`` (the router)."""
+    """``(name, module)`` of every plain ``nn.Linear`` (or one holding a frozen FP8 weight) under ``root``, outside
+    ``skip`` (the router)."""
     skipped = set() if skip is None else {id(m) for m in skip.modules()}
     for name, sub in root.named_modules():
-        if type(sub) is nn.Linear and id(sub) not in skipped and name:
+        if type(sub) in (nn.Linear, BlockFp8Linear) and id(sub) not in skipped and name:
             yield name, sub
 
 
@@ -65,8 +67,9 @@ def _adapt_experts(stage: ExpertStage, settings: LoraSettings, seed: int) -> Non
         for proj in EXPERT_PROJECTIONS:
             weight = getattr(experts, proj)
             out_dim, in_dim = (weight.shape[2], weight.shape[1]) if transposed else weight.shape[1:]
-            a = weight.new_zeros(shard.num_local, settings.rank, in_dim)
-            b = weight.new_zeros(shard.num_local, out_dim, settings.rank)
+            dtype = model_dtype_of(experts, proj)  # an FP8 base's: the model's dtype
+            a = torch.zeros(shard.num_local, settings.rank, in_dim, dtype=dtype, device=weight.device)
+            b = torch.zeros(shard.num_local, out_dim, settings.rank, dtype=dtype, device=weight.device)
             hf = expert_name_to_hf(f"layers.{layer}.experts.{proj}")
             rows = slice(shard.first_expert, shard.first_expert + shard.num_local)
             _init_pair(a, b, hf, settings, seed, experts=(num_experts, rows))

@@ -15,6 +15,8 @@ import copy
 import torch
 from torch import nn
 
+from disagmoe_ds.fp8.blocks import BlockScaled
+from disagmoe_ds.fp8.frozen import copy_held, dequantized, held_weights, weight_of
 from disagmoe_ds.fp8.hf import Fp8Experts
 from disagmoe_ds.models.families import Family
 from disagmoe_ds.models.grouped_experts import EAGER, grouped_gated_experts, supports_grouped
@@ -78,8 +80,8 @@ class ExpertShard(nn.Module):
                 x_RH,
                 local_idx_RK,
                 w_RK,
-                e.get_parameter("gate_up_proj"),
-                e.get_parameter("down_proj"),
+                weight_of(e, "gate_up_proj"),  # a parameter, or a frozen FP8 base (``fp8.frozen``)
+                weight_of(e, "down_proj"),
                 e.get_submodule("act_fn"),
                 num_pairs,
                 self.elementwise,
@@ -109,7 +111,8 @@ class ExpertShard(nn.Module):
 
     def forward_hf(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
         """Through HF's own experts module (its configured implementation): the reference path. With LoRA adapters
-        (``models.lora``) it runs on the merged weights, as PEFT's ``target_parameters`` does."""
+        (``models.lora``) it runs on the merged weights, as PEFT's ``target_parameters`` does; a frozen FP8 base
+        (``fp8.frozen``) on its dequantized values."""
         rows_P, slots_P = (local_idx_RK < self.num_local).nonzero(as_tuple=True)
         args = (
             x_RH.index_select(0, rows_P),
@@ -117,10 +120,14 @@ class ExpertShard(nn.Module):
             w_RK[rows_P, slots_P].unsqueeze(1),
         )
         with Fp8Experts() if self.fp8 else contextlib.nullcontext():
-            if expert_adapters(self.experts) is None:
-                out_PH = self.experts(*args)
-            else:
+            held = held_weights(self.experts)
+            if expert_adapters(self.experts) is not None:
                 out_PH = torch.func.functional_call(self.experts, merged_expert_weights(self.experts), args)
+            elif held:
+                weights = {name: dequantized(self.experts, name) for name in held}
+                out_PH = torch.func.functional_call(self.experts, weights, args)
+            else:
+                out_PH = self.experts(*args)
         return torch.zeros_like(x_RH).index_add(0, rows_P, out_PH.to(x_RH.dtype))
 
 
@@ -132,4 +139,7 @@ def slice_experts(experts: nn.Module, config, family: Family, start: int, stop: 
         shard = type(experts)(local_config)
     for name, param in experts.named_parameters(recurse=False):
         setattr(shard, name, nn.Parameter(param.detach()[start:stop].clone(), requires_grad=param.requires_grad))
+    for name, held in held_weights(experts).items():  # a frozen FP8 base (``fp8.frozen``), scales sliced alike
+        copy_held(experts, shard, name, BlockScaled(held.data[start:stop].clone(), held.scale_inv[start:stop].clone(),
+                                                    held.block))  # fmt: skip
     return shard

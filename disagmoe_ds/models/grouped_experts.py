@@ -36,6 +36,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from disagmoe_ds.capabilities.facts import FACTS
+from disagmoe_ds.fp8.blocks import BlockScaled, block_grouped_mm
 from disagmoe_ds.fp8.projections import fp8_grouped_mm
 from disagmoe_ds.models import triton_swiglu
 from disagmoe_ds.models.lora import ExpertAdapters
@@ -57,7 +58,8 @@ def supports_grouped(family: str, experts: nn.Module, x_RH: torch.Tensor) -> boo
     if family not in GATED_FUSED_FAMILIES:
         return False
     itemsize = x_RH.element_size()
-    aligned = all(d * itemsize % 16 == 0 for d in experts.get_parameter("down_proj").shape[1:])
+    down: torch.Tensor = getattr(experts, "down_proj")  # noqa: B009  # a parameter, or a frozen FP8 base's buffer
+    aligned = all(d * itemsize % 16 == 0 for d in down.shape[1:])
     return aligned and (x_RH.device.type == "cpu" or x_RH.dtype == torch.bfloat16)
 
 
@@ -65,8 +67,8 @@ def grouped_gated_experts(
     x_RH: torch.Tensor,
     local_idx_RK: torch.Tensor,
     w_RK: torch.Tensor,
-    gate_up_eFH: torch.Tensor,
-    down_eHI: torch.Tensor,
+    gate_up_eFH: torch.Tensor | BlockScaled,
+    down_eHI: torch.Tensor | BlockScaled,
     act_fn: nn.Module,
     num_pairs: int | None = None,
     elementwise: Elementwise | None = None,
@@ -88,7 +90,8 @@ def grouped_gated_experts(
     leaves those rows unwritten); pairs past the bound are dropped. ``adapters``: LoRA factors of both projections
     (``models.lora``), two more grouped GEMMs per projection. ``limit``: the SwiGLU's clamp (DeepSeek-V4's
     ``swiglu_limit``), None for none. ``fp8``: the two projections' GEMMs (forward and both backward ones, not the
-    adapters') in FP8 (``disagmoe_ds.fp8``), see ``_projected_experts``.
+    adapters') in FP8 (``disagmoe_ds.fp8``), see ``_projected_experts``. A projection given as ``BlockScaled`` is a
+    frozen FP8 base (``fp8.frozen``): its GEMMs multiply the weight it stands for (``fp8.blocks``), no dW.
     """
     elementwise = EAGER if elementwise is None else elementwise
     if limit is not None:
@@ -115,7 +118,7 @@ def grouped_gated_experts(
     w_P = w_RK.reshape(-1).index_select(0, order_P)
     if kept is not None:  # the slots past the real pairs: no weight, so no weight gradient from their garbage rows
         w_P = torch.where(torch.arange(num_pairs, device=w_P.device) < kept, w_P, 0)
-    if adapters is not None or fp8:
+    if adapters is not None or fp8 or isinstance(gate_up_eFH, BlockScaled) or isinstance(down_eHI, BlockScaled):
         weights = gate_up_eFH, down_eHI
         out_PH = _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapters, recompute, fp8)
     elif recompute:
@@ -152,9 +155,15 @@ def _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapt
 
 def _adapted_mm(x_PD, w_eND, factors, scaling, offsets_e, fp8=False):
     """``x W_e^T + s * (x A_e^T) B_e^T`` per group (``factors`` None: ``x W_e^T``), the first GEMM in FP8 when
-    ``fp8``, the adapters' in the model's dtype; the rank is zero-padded to a 16-byte row (grouped GEMMs need aligned
-    rows; the padded columns are zero, so they change nothing and get no gradient)."""
-    base_PN = fp8_grouped_mm(x_PD, w_eND, offsets_e) if fp8 else _grouped_mm(x_PD, w_eND.transpose(1, 2), offsets_e)
+    ``fp8`` (or on a frozen block-scaled FP8 ``w_eND``), the adapters' in the model's dtype; the rank is zero-padded to
+    a 16-byte row (grouped GEMMs need aligned rows; the padded columns are zero, so they change nothing and get no
+    gradient)."""
+    if isinstance(w_eND, BlockScaled):
+        base_PN = block_grouped_mm(x_PD, w_eND, offsets_e)
+    elif fp8:
+        base_PN = fp8_grouped_mm(x_PD, w_eND, offsets_e)
+    else:
+        base_PN = _grouped_mm(x_PD, w_eND.transpose(1, 2), offsets_e)
     if factors is None:
         return base_PN
     a_eRD, b_eNR = factors

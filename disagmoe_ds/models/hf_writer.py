@@ -49,6 +49,8 @@ def write_hf(
     else ``model_dir``'s files.
     """
     config = load_config(model_dir)
+    if getattr(config, "quantization_config", None) is not None:  # the tensors are high precision (FP8 dequantized)
+        del config.quantization_config
     with torch.device("meta"):  # no random init: every persistent tensor is assigned below
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     _load_into(model, tensors, model_dir)

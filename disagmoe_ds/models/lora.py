@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disagmoe_ds.fp8.blocks import block_linear
+from disagmoe_ds.fp8.frozen import block_scaled, copy_held, dequantized, model_dtype_of
 from disagmoe_ds.fp8.modules import linear
 from disagmoe_ds.models.lora_settings import EXPERT_PROJECTIONS, A, B
 
@@ -25,25 +27,33 @@ SCALING_ATTR = "lora_scaling"  # the adapters' scale, a float attribute of an ad
 
 class LoraLinear(nn.Linear):
     """``base`` (its own ``weight`` and ``bias`` objects, under the same names) plus PEFT's low-rank update. ``fp8``
-    (the lever, ``fp8.modules``): the base product in FP8, the adapters' two in the model's dtype."""
+    (the lever, ``fp8.modules``): the base product in FP8, the adapters' two in the model's dtype. A frozen FP8 base
+    (``fp8.frozen.BlockFp8Linear``) keeps its FP8 buffers, and the adapters take the model's dtype."""
 
     fp8 = False
 
     def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias
-        self.lora_A = nn.Parameter(base.weight.new_zeros(rank, base.in_features))
-        self.lora_B = nn.Parameter(base.weight.new_zeros(base.out_features, rank))
+        if block_scaled(base, "weight") is None:
+            self.weight = base.weight
+        else:
+            copy_held(base, self, "weight")
+        self.bias = base.bias
+        dtype, device = model_dtype_of(base, "weight"), base.weight.device  # an FP8 base's: the model's dtype
+        self.lora_A = nn.Parameter(torch.zeros(rank, base.in_features, dtype=dtype, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype, device=device))
         self.scaling = scaling
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
-        return linear(self, x, self.weight, self.bias) + update * self.scaling
+        frozen = block_scaled(self, "weight")
+        base = linear(self, x, self.weight, self.bias) if frozen is None else block_linear(x, frozen, self.bias)
+        return base + update * self.scaling
 
     def merged_weight(self) -> torch.Tensor:
-        return self.weight + (self.lora_B @ self.lora_A) * self.scaling
+        return dequantized(self, "weight") + (self.lora_B @ self.lora_A) * self.scaling
 
 
 @dataclass(frozen=True)
@@ -76,8 +86,9 @@ def merged_expert_weights(experts: nn.Module) -> dict[str, torch.Tensor]:
     found = expert_adapters(experts)
     assert found is not None
     transposed = bool(getattr(experts, "is_transposed", False))
+    bases = {name: dequantized(experts, name) for name in EXPERT_PROJECTIONS}  # an FP8 base dequantized
     return {
-        name: getattr(experts, name) + expert_delta(getattr(experts, name), a, b, found.scaling, transposed)
+        name: bases[name] + expert_delta(bases[name], a, b, found.scaling, transposed)
         for name, (a, b) in zip(EXPERT_PROJECTIONS, (found.gate_up, found.down), strict=True)
     }
 

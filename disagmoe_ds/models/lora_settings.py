@@ -97,7 +97,11 @@ class LoraSettings:
 
 def add_lora_args(p: argparse.ArgumentParser, *, verify: bool = True) -> None:
     """The LoRA flags of disagmoe-verify and run_pretrain.py (``lora_of`` turns them into ``LoraSettings``)."""
-    g = p.add_argument_group("LoRA", "low-rank adapters on both sides, every base weight frozen")
+    g = p.add_argument_group(
+        "LoRA",
+        "low-rank adapters on both sides, every base weight frozen (a base shipped in FP8 blocks, DeepSeek-V3's, "
+        "stays FP8 on the ranks: about 1 byte a parameter)",
+    )
     g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R instead of every weight")
     g.add_argument(
         "--lora-alpha", type=float, help="scale the adapters' update by alpha / R (default: R, a scale of 1)"

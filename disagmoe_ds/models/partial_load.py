@@ -13,8 +13,10 @@ running them on a rank's experts gives exactly its slice of the fused tensor; an
 operation is refused, not approximated. Values are cast to the meta model's dtype of each tensor, as
 ``from_pretrained`` casts them (DeepSeek's router stays fp32 in a bf16 model).
 
-``pytorch_model.bin`` checkpoints (no per-tensor reader) and quantized ones (a quantizer converts them while loading)
-are still loaded whole by ``from_pretrained`` in every rank (``model_to_cut``).
+A checkpoint in FP8 with block scales (DeepSeek-V3's) is read so too (``fp8_base``): a weight is dequantized exactly
+on reading, or, held as frozen FP8 buffers (a LoRA run's base), read as its e4m3 values and scales.
+``pytorch_model.bin`` checkpoints (no per-tensor reader) and otherwise quantized ones (a quantizer converts them while
+loading) are still loaded whole by ``from_pretrained`` in every rank (``model_to_cut``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +45,10 @@ from transformers.core_model_loading import (
 )
 
 from disagmoe_ds.errors import CheckpointError
+from disagmoe_ds.fp8.blocks import dequantize_blocks
+from disagmoe_ds.fp8.frozen import SCALE_SUFFIX, held_weights
 from disagmoe_ds.models.attention_part import AttentionPart
+from disagmoe_ds.models.fp8_base import fp8_block_size
 from disagmoe_ds.models.hf_model import causal_lm
 from disagmoe_ds.models.loading import (
     build_meta_model,
@@ -63,10 +69,11 @@ Read = Callable[..., torch.Tensor]  # read(key, rows: range | None = None): the 
 
 
 def reads_partially(path: str | Path) -> bool:
-    """Ranks can read only their own tensors: the weights are safetensors and not quantized."""
+    """Ranks can read only their own tensors: the weights are safetensors, not quantized or in FP8 blocks."""
     path = Path(path)
     safetensors = any((path / name).is_file() for name in SAFETENSORS)
-    return safetensors and getattr(load_config(path), "quantization_config", None) is None
+    config = load_config(path)
+    return safetensors and (getattr(config, "quantization_config", None) is None or fp8_block_size(config) is not None)
 
 
 def model_to_cut(
@@ -137,6 +144,15 @@ class PretrainedWeights:
         self._sources = _sources(model, state, self._files)
         # save_pretrained writes a tied pair once; like tie_weights, the first name (the embedding) gives the value.
         self._ties = {name: group for group in shared_parameters(model) for name in group}
+        self.block = fp8_block_size(model.config)  # an FP8 checkpoint's block scales' shape, else None
+
+    def quantized(self, name: str) -> bool:
+        """Whether the checkpoint stores in-memory tensor ``name`` in FP8 (each of its tensors with block scales)."""
+        source = self._source(name) if self.block is not None else None
+        if source is None:
+            return False
+        keys = [source.key] if isinstance(source, _Plain) else [k for ks in source.keys.values() for k in ks.values()]
+        return all(key + SCALE_SUFFIX in self._files for key in keys)
 
     def check(self) -> None:
         """Every parameter and persistent buffer of the model has its tensors in the checkpoint."""
@@ -150,32 +166,39 @@ class PretrainedWeights:
         ``place``): its parameters and persistent buffers, each read once."""
         to_hf, experts = _hf_names(stage)
         done: set[int] = set()
-        with _reader(self.path, self._files) as read, torch.no_grad():
+        with _reader(self.path, self._files, self.block) as read, torch.no_grad():
+            for name, held in held_weights(stage).items():  # frozen FP8 (``fp8_base``): values and scales as stored
+                for tensor, suffix in ((held.data, ""), (held.scale_inv, SCALE_SUFFIX)):
+                    value = self._value(read, to_hf(name), experts, suffix, raw=True)
+                    self._copy(tensor, value, to_hf(name) + suffix)
             for name, tensor in stage.state_dict(keep_vars=True).items():
                 if id(tensor) in done:  # a tied parameter under its second name
                     continue
                 hf_name = to_hf(name)
-                value = self._value(read, hf_name, experts)
-                if value.shape != tensor.shape:
-                    raise CheckpointError(
-                        f"{hf_name} in {self.path} has shape {tuple(value.shape)} where the model built from its "
-                        f"config.json has {tuple(tensor.shape)}"
-                    )
-                tensor.copy_(value)
+                self._copy(tensor, self._value(read, hf_name, experts), hf_name)
                 done.add(id(tensor))
 
-    def _value(self, read: Read, name: str, experts: range | None) -> torch.Tensor:
-        """In-memory tensor ``name``, or only the rows of ``experts`` (an expert shard's slice)."""
+    def _copy(self, tensor: torch.Tensor, value: torch.Tensor, hf_name: str) -> None:
+        if value.shape != tensor.shape:
+            raise CheckpointError(
+                f"{hf_name} in {self.path} has shape {tuple(value.shape)} where the model built from its "
+                f"config.json has {tuple(tensor.shape)}"
+            )
+        tensor.copy_(value)
+
+    def _value(self, read: Read, name: str, experts: range | None, suffix: str = "", raw: bool = False) -> torch.Tensor:
+        """In-memory tensor ``name``, or only the rows of ``experts`` (an expert shard's slice); an FP8 weight
+        dequantized, or with ``raw`` as stored (``suffix``: the checkpoint's tensors of that suffix, its scales)."""
         source = self._source(name)
         if isinstance(source, _Plain):
-            return read(source.key, experts)
+            return read(source.key + suffix, experts, raw=raw)
         converter = source.converter
         if experts is not None:
             _check_per_expert(converter, name)
         keys = self._expert_keys(name, source, range(self._shapes[name][0]) if experts is None else experts)
         # a tensor or a list of them per pattern, as transformers' operations take and give them (typed dict[str, Any])
         tensors: dict[str, Any] = {
-            pattern: [read(key) for key in pattern_keys] for pattern, pattern_keys in keys.items()
+            pattern: [read(key + suffix, raw=raw) for key in pattern_keys] for pattern, pattern_keys in keys.items()
         }
         for op in converter.operations:
             tensors = op.convert(
@@ -290,22 +313,28 @@ def _hf_names(stage: nn.Module) -> tuple[Callable[[str], str], range | None]:
     """How the stage's names map to HF's, and the experts (dim-0 rows of HF's fused tensors) an expert stage holds."""
     if isinstance(stage, ExpertStage):
         return expert_name_to_hf, range(stage.first_expert, stage.first_expert + stage.num_local)
-    return attention_name_to_hf, None
+    return (str, None) if isinstance(stage, PreTrainedModel) else (attention_name_to_hf, None)  # a whole model: HF's
 
 
 @contextmanager
-def _reader(path: Path, files: dict[str, str]) -> Iterator[Read]:
-    """``read(key, rows=None)``: a checkpoint tensor, or only its rows; each file opened (memory-mapped) once."""
+def _reader(path: Path, files: dict[str, str], block: tuple[int, int] | None = None) -> Iterator[Read]:
+    """``read(key, rows=None, raw=False)``: a checkpoint tensor, or only its rows; each file opened (memory-mapped)
+    once. An FP8 tensor of a checkpoint in ``block`` scales is dequantized (float32) unless ``raw``."""
     with ExitStack() as stack:
         handles = {}
 
-        def read(key: str, rows: range | None = None) -> torch.Tensor:
+        def stored(key: str, rows: range | None) -> torch.Tensor:
             file = files[key]
             if file not in handles:
                 handles[file] = stack.enter_context(_open(path / file))
             if rows is None:
                 return handles[file].get_tensor(key)
             return handles[file].get_slice(key)[rows.start : rows.stop]
+
+        def read(key: str, rows: range | None = None, raw: bool = False) -> torch.Tensor:
+            if raw or block is None or key + SCALE_SUFFIX not in files:
+                return stored(key, rows)
+            return dequantize_blocks(stored(key, rows), stored(key + SCALE_SUFFIX, rows), block)
 
         yield read
 
@@ -324,7 +353,7 @@ def place(
     Replicas of the same parameters may draw different values here; DeepSpeed broadcasts each data-parallel
     group's rank-0 copy when the engine is built, so they start identical.
     """
-    if not next(stage.parameters()).is_meta:
+    if not next(chain(stage.parameters(), stage.buffers())).is_meta:  # an FP8 base's expert stage: buffers only
         stage.to(device)
         return
     _allocate(stage, device)

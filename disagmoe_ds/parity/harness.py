@@ -21,6 +21,7 @@ from disagmoe_ds.parity.reference import (
     DTYPES,
     VerifyArgs,
     load_for_verify,
+    reads_fp8_blocks,
     reference,
 )
 from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
@@ -35,7 +36,7 @@ def build_for_verify(build: Callable[..., Any], args: VerifyArgs, **extra: Any):
         args.cfg,
         micro_batch_size=args.micro_batch_size,
         dtype=DTYPES[args.dtype],
-        model=load_for_verify(args),
+        model=None if reads_fp8_blocks(args) else load_for_verify(args),  # an FP8 checkpoint: read by the ranks
         seed=args.seed,
         seq_len=args.seq_len,
         **extra,

@@ -11,8 +11,10 @@ import torch
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.fp8.hf import to_fp8_reference
 from disagmoe_ds.models.families import family_of
-from disagmoe_ds.models.loading import load_model
+from disagmoe_ds.models.fp8_base import fp8_block_size
+from disagmoe_ds.models.loading import build_meta_model, load_config, load_model
 from disagmoe_ds.models.lora_settings import LoraSettings
+from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.skew import skew_router
 from disagmoe_ds.models.split import hf_reference_loss
 
@@ -78,8 +80,20 @@ def make_batches(args: VerifyArgs, vocab_size: int, step: int, lane: int) -> lis
     return batches
 
 
-def load_for_verify(args: VerifyArgs):
+def reads_fp8_blocks(args: VerifyArgs) -> bool:
+    """The run's model is a checkpoint in FP8 blocks (``models.fp8_base``), which the ranks read themselves as
+    ``run_pretrain.py --init-from`` does (a LoRA run keeping its base in FP8); not with ``skew``, which the ranks'
+    model must be given."""
+    return not args.skew and fp8_block_size(load_config(args.model)) is not None
 
+
+def load_for_verify(args: VerifyArgs):
+    """The whole HF model of the run (the reference's, and the ranks' unless they read it themselves); a checkpoint
+    in FP8 blocks with the exact values it stands for (read as the ranks read it, not by HF's quantizer)."""
+    if reads_fp8_blocks(args):
+        model = build_meta_model(args.model, dtype=DTYPES[args.dtype])
+        place(model, model, torch.device("cpu"), weights=PretrainedWeights(args.model, model))
+        return model
     model = load_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
     if args.skew:
         skew_router(model, spread=True)

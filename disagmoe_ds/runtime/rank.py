@@ -4,8 +4,9 @@
        job's preflight derived, or else derived from the model config alone as the preflight does, checked against
        the world size, the model and ZeRO;
     2. the job's process groups (``groups.build_process_groups``);
-    3. the rank's module cut from the model, its parts placed on the device (pretrained values, or initialised
-       from the seed and the rank), with ``fp8``, its projections in FP8 (``parts.fp8_stage``) and, with ``compile``,
+    3. the rank's module cut from the model (with LoRA over a checkpoint in FP8 blocks, its base kept in FP8:
+       ``fp8_base``), its parts placed on the device (pretrained values, or initialised from the seed and the
+       rank), with ``fp8``, its projections in FP8 (``parts.fp8_stage``) and, with ``compile``,
        compiled (``parts.compile_stage``);
     4. its DeepSpeed engine (``deepspeed_role.build_engine``) and the global gradient norm it clips with;
     5. the executor whose ``train_batch`` runs a step.
@@ -37,6 +38,7 @@ from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.layout import JobLayout, RankRole
 from disagmoe_ds.models.adapters import add_adapters
+from disagmoe_ds.models.fp8_base import check_fp8_base, keep_base_fp8
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.models.model_facts import RoutingFacts, routing_facts
@@ -224,6 +226,9 @@ class RankBuilder(Generic[LayoutT, ConfigT]):
             # another stream than that one cannot run a backward into it (the legacy stream would wait on capture).
             torch.cuda.set_stream(torch.cuda.Stream(device))
         model, pretrained = rank_model(model_dir, dtype=dtype, model=model, weights=weights)
+        if cfg.lora is not None and pretrained is not None and pretrained.block is not None:
+            check_fp8_base(cfg.fp8)
+            keep_base_fp8(model, pretrained)  # before the cut: each rank allocates and reads its base in FP8
         if layout is None:
             config = cast(PretrainedConfig, model.config)
             layout = self.preflight(config, cfg, ds_config, dist.get_world_size(), seq_len=seq_len)

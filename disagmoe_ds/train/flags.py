@@ -103,7 +103,8 @@ def _model_and_data(g: argparse._ArgumentGroup, default_model: Path, default_cac
         type=Path,
         metavar="HF_DIR",
         help="start from the pretrained weights in HF_DIR (written by save_pretrained; from safetensors each rank "
-        "reads only the tensors it holds); its config is the model, --model is then not needed",
+        "reads only the tensors it holds; a checkpoint in FP8 blocks, DeepSeek-V3's, is dequantized exactly, or with "
+        "--lora-rank its base stays FP8 on the ranks); its config is the model, --model is then not needed",
     )
     g.add_argument(
         "--data",

@@ -19,9 +19,10 @@ from torch import nn
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.models.families import family_of, is_moe_layer, mixer_attr, router_of
+from disagmoe_ds.models.fp8_base import check_fp8_base, fp8_block_size, keep_base_fp8
 from disagmoe_ds.models.hf_model import causal_lm
-from disagmoe_ds.models.loading import build_meta_model
-from disagmoe_ds.models.partial_load import check_pretrained, model_to_cut
+from disagmoe_ds.models.loading import build_meta_model, load_config
+from disagmoe_ds.models.partial_load import PretrainedWeights, check_pretrained, model_to_cut
 from disagmoe_ds.models.peft_format import check_adapter_export
 from disagmoe_ds.train.args import TrainArgs
 
@@ -71,6 +72,10 @@ def check_train_model(args: TrainArgs, config) -> None:
             f"adapters would have no base to load onto): pass --init-from HF_DIR, or drop --lora-rank to train "
             f"every weight"
         )
+    if fp8_block_size(load_config(args.model)) is not None:  # the base stays FP8 (``fp8_base``)
+        check_fp8_base(args.cfg.fp8)
+        meta = build_meta_model(args.model, dtype=args.torch_dtype)
+        keep_base_fp8(meta, PretrainedWeights(args.model, meta))  # what cannot stay FP8 is refused here, in one line
     if args.export_hf is not None:
         check_adapter_export(config, lora)
 

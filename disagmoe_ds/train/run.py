@@ -22,6 +22,7 @@ from disagmoe_ds.checkpoint.resume import Freezing, ResumePoint, check_resume, e
 from disagmoe_ds.data.loader import to_device
 from disagmoe_ds.errors import ConfigError, DisagMoEError
 from disagmoe_ds.launch import RankFailedError, detect_launcher, init_from_env, spawn_local
+from disagmoe_ds.models.fp8_base import base_fp8_line
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.plot import write_loss_plot
 from disagmoe_ds.runtime.rank import RankRuntime
@@ -192,6 +193,9 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     runtime = build(
         args, layout, schedule_costs=plan.schedule_costs, model=init.model, weights=init.weights, device=device
     )
+    fp8_base = base_fp8_line(runtime.module)  # LoRA over a checkpoint in FP8 blocks: what the base takes here
+    if fp8_base is not None:
+        print(f"rank {rank}: {fp8_base}", flush=True)
     data_lane = args.cfg.batch_lane_of(role.index)  # SP or TP: s (t) lanes read one share, in slices
     loader = None
     if lane_data is not None and not args.eval_only:  # this rank trains on the data
