@@ -33,6 +33,7 @@ from functools import lru_cache
 
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cluster import Rates
+from disagmoe_ds.planner.fp8_costs import lever
 from disagmoe_ds.planner.gemm_efficiency import MIN_ROWS_PER_RANK
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
 from disagmoe_ds.planner.part_times import attention_call_s
@@ -168,6 +169,7 @@ def lane_attention_call_s(
         recompute=work.recompute,
         whole_blocks=True,
         lora=work.lora,
+        fp8=lever(work, work.tensor_parallel),
     )
     comm_fwd, comm_bwd = lane_comm_s(spec, work, rates, layer=layer, lane_bw=lane_bw)
     return fwd + comm_fwd, bwd + comm_bwd

@@ -26,6 +26,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         "nodes": req.cluster.nodes,
         "world_size": req.cluster.world_size,
         "zero_stage": req.work.zero_stage,
+        "fp8": req.work.fp8,
         "lora": _lora_json(result),
         "rates": req.rates.source,
         "attention_gpus": None,

@@ -150,7 +150,8 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
     it (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing), resend, split backward,
     the offload shares and each side's ZeRO stage. A plan with A-lanes of s x t > 1 ranks raises ``ConfigError``
     while the runtime does not run them (``RUNTIME_LANE_FIELDS``); the degrees it runs go into the section. A LoRA
-    plan writes ``"lora": {"rank", "targets"}`` (and ``"train_router": true`` where the plan trains the routers).
+    plan writes ``"lora": {"rank", "targets"}`` (and ``"train_router": true`` where the plan trains the routers), an
+    FP8 plan ``"fp8": true``.
 
     The NIC split and placement are not runtime settings: the hostfile's order places the ranks.
     """
@@ -187,7 +188,7 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
             "zero_stage": {"attention": w.zero_of("attention"), "ffn": w.zero_of("ffn")},
         }
     section |= {name: degree for name, degree in degrees.items() if degree > 1}
-    return _engine_keys(req.work) | {"disagmoe": section | _lora(w)}
+    return _engine_keys(req.work) | {"disagmoe": section | _lora(w) | _fp8(w)}
 
 
 def colocated_ds_config(req: PlanRequest, base: BaselinePlan) -> dict[str, Any]:
@@ -197,7 +198,7 @@ def colocated_ds_config(req: PlanRequest, base: BaselinePlan) -> dict[str, Any]:
     assert colocated_refusal(c) is None, colocated_refusal(c)
     placed = {"world_size": req.cluster.world_size, "ep_size": c.shape.ep}
     return _engine_keys(req.work) | {
-        "disagmoe": {"colocated": placed, "micro_batches": c.micro_batches} | _lora(c.work)
+        "disagmoe": {"colocated": placed, "micro_batches": c.micro_batches} | _lora(c.work) | _fp8(c.work)
     }
 
 
@@ -219,6 +220,11 @@ def _lora(work: Workload) -> dict[str, Any]:
         return {}
     lora: dict[str, Any] = {"rank": work.lora.rank, "targets": list(work.lora.targets)}
     return {"lora": lora | ({"train_router": True} if work.lora.train_router else {})}
+
+
+def _fp8(work: Workload) -> dict[str, Any]:
+    """The runtime's FP8 lever of a plan priced with FP8 (``--fp8``), else nothing."""
+    return {"fp8": True} if work.fp8 else {}
 
 
 def hostfile(result: PlanResult, chosen: AfPlan | BaselinePlan | None = None) -> str:

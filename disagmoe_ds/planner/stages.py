@@ -42,6 +42,7 @@ from disagmoe_ds.planner.attention_lanes import (
     rank_tokens,
 )
 from disagmoe_ds.planner.cluster import Rates
+from disagmoe_ds.planner.fp8_costs import Fp8, lever
 from disagmoe_ds.planner.lora import LoRA
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.part_times import expert_call_s, head_call_s
@@ -129,6 +130,7 @@ def _compute_work(work: Workload) -> Workload:
         recompute=work.recompute,
         sequence_parallel=work.sequence_parallel,
         tensor_parallel=work.tensor_parallel,
+        fp8=work.fp8,
     ).with_lora(work.lora)
 
 
@@ -138,7 +140,7 @@ def _group_compute_per_micro_batch(
 ) -> tuple[float, float]:
     f_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.ffn_ranks_per_group
     a_layers = _attention_layer_s(spec, work, rates, lane_bw)
-    f_layers = _expert_layer_s(spec, f_tokens, f_rc, rates, work.lora)
+    f_layers = _expert_layer_s(spec, f_tokens, f_rc, rates, work.lora, lever(work, layout.ep_size))
     a_worst = f_worst = 0.0
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
@@ -159,9 +161,11 @@ def _attention_layer_s(spec: ModelSpec, work: Workload, rates: Rates, lane_bw: f
 
 
 @lru_cache(maxsize=4096)
-def _expert_layer_s(spec: ModelSpec, tokens: float, f_rc: Recompute, rates: Rates, lora: LoRA) -> tuple[float, ...]:
+def _expert_layer_s(
+    spec: ModelSpec, tokens: float, f_rc: Recompute, rates: Rates, lora: LoRA, fp8: Fp8 | None
+) -> tuple[float, ...]:
     return tuple(
-        sum(expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=f_rc, lora=lora))
+        sum(expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=f_rc, lora=lora, fp8=fp8))
         for i in range(spec.num_layers)
     )
 
@@ -259,7 +263,7 @@ def _step_volumes(
     tokens = micro_batches * data_lanes(layout, work) * work.tokens_per_micro_batch
     a_flops, f_flops = side_flops(spec, work)
     c_a, c_f = tokens * a_flops, tokens * f_flops
-    wire = spec.wire_bytes_per_token(layout.ep_size)
+    wire = spec.wire_bytes_per_token(layout.ep_size, fp8=work.fp8)
     af_cross, res_cross = cross_node_share(layout, placement)
     moe, res_layers = spec.num_moe_layers, (spec.num_layers if layout.depth > 1 else 0)
     a_to_f = wire.a_to_f + (wire.m2n if work.resend else 0.0)

@@ -30,6 +30,8 @@ class Workload:
         sequence_parallel, tensor_parallel: s and t of an A-lane of s x t ranks (``attention_lanes.py``): DeepSpeed-
             Ulysses over s ranks, Megatron-style TP+SP over t; the lane's micro-batch is split over its s x t ranks.
         lora_rank, lora_targets, lora_train_router: LoRA fine-tuning (``lora.LoRA``; rank 0: full fine-tuning).
+        fp8: the FP8 lever, in both systems: its GEMMs at the FP8 rates, the m2n rows and the co-located dispatch in
+            e4m3 (``fp8_costs.py``); memory unchanged.
     """
 
     seq_len: int
@@ -47,6 +49,7 @@ class Workload:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = TARGETS
     lora_train_router: bool = False
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         # validated once; the targets kept in canonical order so that equal runs hash equal
