@@ -134,8 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--recompute",
         default="auto",
         choices=("auto", "none", "selective", "full"),
-        help="activation recomputation; auto uses full recompute only where nothing fits without it (with "
-        "--baseline-layout it is also the baseline's)",
+        help="activation recomputation; auto searches none, selective and full, on each side apart with the "
+        "per_side_recompute variant (the attention side may keep what the expert side rebuilds), costlier ones only "
+        "where the cheaper do not fit; a policy given holds on both sides (with --baseline-layout it is also the "
+        "baseline's)",
     )
     p.add_argument(
         "--placement",

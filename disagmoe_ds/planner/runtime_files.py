@@ -58,14 +58,30 @@ def runtime_refusal(work: Workload) -> str | None:
     return _refused(
         Job.of(
             None,
-            activation_checkpointing=work.recompute == "full",
-            selective_recompute=work.recompute == "selective",
+            **_recompute_levers(work),
             split_backward=work.split_backward,
             offload=any(share > 0 for share in work.offload),
             offload_ffn=work.offload[1] > 0,
             zero3_ffn=work.zero_of("ffn") == 3,
         )
     )
+
+
+def _recompute_levers(work: Workload) -> dict[str, bool]:
+    """The runtime's recompute levers of ``work``: the per-side key where the sides differ, else the switch (a switch
+    sets both sides, and the two may not be combined)."""
+    if work.per_side_recompute:
+        return {"recompute": True}
+    policy = work.recompute_of("attention")
+    return {"activation_checkpointing": policy == "full", "selective_recompute": policy == "selective"}
+
+
+def _recompute_keys(work: Workload) -> dict[str, Any]:
+    """The "disagmoe" keys that run ``work``'s recompute: ``"recompute": {"attention", "ffn"}`` where the sides
+    differ, else the two switches as before the sides had their own policies."""
+    if work.per_side_recompute:
+        return {"recompute": {side: work.recompute_of(side) for side in ("attention", "ffn")}}
+    return dict(_recompute_levers(work))
 
 
 def colocated_refusal(candidate: ColocatedCandidate) -> str | None:
@@ -147,7 +163,8 @@ def written_ds_config(result: PlanResult, chosen: AfPlan | BaselinePlan, cluster
 def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
     """A ds_config for the AF-Pipe plan whose "disagmoe" section ``run_pretrain.py`` reads as it is: the layout, the
     in-flight cap, the cluster (preset or JSON path) the runtime's schedule costs assume and, where the runtime runs
-    it (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing), resend, split backward,
+    it (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing; sides that differ: the
+    per-side ``"recompute"`` key instead of the switches), resend, split backward,
     the offload shares and each side's ZeRO stage. A plan with A-lanes of s x t > 1 ranks raises ``ConfigError``
     while the runtime does not run them (``RUNTIME_LANE_FIELDS``); the degrees it runs go into the section. A LoRA
     plan writes ``"lora": {"rank", "targets"}`` (and ``"train_router": true`` where the plan trains the routers), an
@@ -179,9 +196,7 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
         "cluster": cluster or req.cluster.name,
     }
     if runtime_refusal(w) is None:
-        section |= {
-            "activation_checkpointing": w.recompute == "full",
-            "selective_recompute": w.recompute == "selective",
+        section |= _recompute_keys(w) | {
             "resend": w.resend,
             "split_backward": w.split_backward,
             "offload": {"attention": round(w.offload[0], 6), "ffn": round(w.offload[1], 6)},

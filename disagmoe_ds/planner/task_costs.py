@@ -51,7 +51,7 @@ def af_task_costs(
     group's NIC share (M_a/p on the A side, M_f/p on the F side; the slower end sets the time) or over NVLink for
     the intra-node share. With
     ``resend`` the backward's n2m_grad message also carries the layer's m2n payload again and each F backward
-    re-runs the expert forward first (``Workload.ffn_recompute``: charged once, also under full recompute).
+    re-runs the expert forward first (``Workload.ffn_rerun``: charged once, also under full recompute).
     With a split backward the expert side keeps its weight gradients in its backward at ZeRO-3, which gathers and
     releases the parameters around each backward (``afpipe.split_backward``); only the attention side splits then.
     """
@@ -69,7 +69,7 @@ def af_task_costs(
     for i in range(spec.num_layers):
         a_fwd, a_bwd = lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)
         f_fwd, f_bwd = expert_call_s(
-            spec, rates, layer=i, tokens=f_tokens, recompute=work.ffn_recompute, lora=lora, fp8=f_fp8
+            spec, rates, layer=i, tokens=f_tokens, recompute=work.ffn_rerun, lora=lora, fp8=f_fp8
         )
         a_w = attention_wgrad_s(spec, rates, layer=i, tokens=tokens, lora=lora, fp8=a_fp8)
         f_w = expert_wgrad_s(spec, rates, layer=i, tokens=f_tokens, lora=lora, fp8=f_fp8)
