@@ -107,3 +107,41 @@ def test_selective_recompute_job_equals_hf(tiny_checkpoint, family, M, N, p, zer
 def test_selective_and_full_recompute_are_exclusive():
     with pytest.raises(ConfigError, match="exclusive"):
         DisagMoEConfig(selective_recompute=True, activation_checkpointing=True)
+
+
+@pytest.mark.parametrize(
+    "recompute", [{"attention": "selective", "ffn": "full"}, {"attention": "full"}], ids=["selective-full", "full-none"]
+)
+def test_each_side_recomputes_as_its_own_setting_says_and_equals_hf(tiny_checkpoint, monkeypatch, tmp_path, recompute):
+    from disagmoe_ds.afpipe import attention_runner, build, expert_runner
+
+    def logged(what, fn):
+        def call(*args, **kwargs):
+            with open(tmp_path / "log.txt", "a", encoding="utf-8") as f:  # the ranks are forked: they append here
+                f.write(f"{what(*args) if callable(what) else what}\n")
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(attention_runner, "checkpointed", logged("attention full", attention_runner.checkpointed))
+    monkeypatch.setattr(expert_runner, "checkpointed", logged("ffn full", expert_runner.checkpointed))
+    side_of = {"AttentionStage": "attention", "ExpertStage": "ffn"}
+    selective = logged(lambda stage: f"{side_of[type(stage).__name__]} selective", build.apply_selective_recompute)
+    monkeypatch.setattr(build, "apply_selective_recompute", selective)
+    cfg = DisagMoEConfig(attention_gpus=2, ffn_gpus=2, micro_batches=2, transport="rendezvous", recompute=recompute)
+    args = VerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, zero=1, seq_len=8, clip=CLIP)
+    assert run_verify(args, timeout_s=240)["pass"]
+    policies = {side: cfg.recompute_of(side) for side in ("attention", "ffn")}
+    ran = set((tmp_path / "log.txt").read_text().split("\n")) - {""}
+    assert ran == {f"{side} {policy}" for side, policy in policies.items() if policy != "none"}
+
+
+def test_the_per_side_recompute_is_checked_and_replaces_the_switches():
+    assert DisagMoEConfig(recompute={"ffn": "full"}).recompute_of("attention") == "none"
+    assert DisagMoEConfig(selective_recompute=True).recompute_of("ffn") == "selective"
+    with pytest.raises(ConfigError, match=r'"disagmoe.recompute.ffn" must be one of \[.none., .selective., .full.\]'):
+        DisagMoEConfig(recompute={"ffn": "some"})
+    with pytest.raises(ConfigError, match='"disagmoe.recompute" sets each side.s recompute and replaces'):
+        DisagMoEConfig(recompute={"ffn": "full"}, activation_checkpointing=True)
+    with pytest.raises(ConfigError, match='"disagmoe.cuda_graphs" does not work with "disagmoe.recompute"'):
+        DisagMoEConfig(recompute={"attention": "selective"}, cuda_graphs=True)

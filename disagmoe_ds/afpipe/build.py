@@ -141,7 +141,7 @@ class Disaggregated:
         place(stage, model, device, seed=seed, weights=weights)
         if isinstance(stage, AttentionStage):
             _split_attention(stage, groups)
-        if self.cfg.selective_recompute:
+        if self.cfg.recompute_of("attention" if role.is_attention else "ffn") == "selective":
             apply_selective_recompute(stage)
         return stage
 
@@ -267,7 +267,7 @@ class Disaggregated:
         settings = ChunkSettings(
             routing.top_k,
             routing.weight_dtype,
-            cfg.activation_checkpointing,
+            cfg.recompute_of("attention" if parts.role.is_attention else "ffn") == "full",
             cfg.resend,
             split_layers,
             graphs,

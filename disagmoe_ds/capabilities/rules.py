@@ -30,6 +30,7 @@ from disagmoe_ds.errors import ConfigError, DisagMoEError, LayoutError
 LEVERS: dict[str, str] = {
     "activation_checkpointing": '"disagmoe.activation_checkpointing"',
     "selective_recompute": '"disagmoe.selective_recompute"',
+    "recompute": '"disagmoe.recompute" (each side\'s recompute)',
     "offload": 'an "offload" share above 0 on either side',
     "offload_ffn": 'an "offload" share above 0 on the expert side',
     "split_backward": '"disagmoe.split_backward"',
@@ -115,6 +116,9 @@ LINES: tuple[Line, ...] = (
     Line("selective_recompute", False, ConfigError, lambda job, rules: (
         '"disagmoe.selective_recompute" and "disagmoe.activation_checkpointing" are exclusive: the latter already '
         "recomputes every activation of a chunk; set one of them")),
+    Line("recompute", False, ConfigError, lambda job, rules: (
+        f'"disagmoe.recompute" sets each side\'s recompute and replaces {_labels(rules)}, which set both sides\'; '
+        "use one of them")),
     Line("cuda_graphs", False, ConfigError, lambda job, rules: (
         f'"disagmoe.cuda_graphs" does not work with {_labels(rules)}: {_GRAPH}; turn one of them off')),
     Line("capacity_factor", False, ConfigError, lambda job, rules: (
@@ -143,9 +147,13 @@ LINES: tuple[Line, ...] = (
 
 _SAVED = "it moves or rebuilds a part's saved tensors, which a graph keeps at fixed addresses"
 _ZERO3 = "ZeRO-3 gathers an expert shard's parameters in module hooks around each forward and backward"
+_PER_SIDE = "the per-side key says what each side rebuilds"
 _RERUN = "a step that outgrew the capacity runs again after its gradients are dropped, which is not done there yet"
 LEVER_RULES: tuple[Rule, ...] = (
     Rule("selective_recompute", "activation_checkpointing", "full recompute already rebuilds every activation"),
+    Rule("recompute", "activation_checkpointing", _PER_SIDE, '"disagmoe.activation_checkpointing"'),
+    Rule("recompute", "selective_recompute", _PER_SIDE, '"disagmoe.selective_recompute"'),
+    Rule("cuda_graphs", "recompute", _SAVED, '"disagmoe.recompute"'),
     Rule("cuda_graphs", "activation_checkpointing", _SAVED, '"disagmoe.activation_checkpointing"'),
     Rule("cuda_graphs", "selective_recompute", _SAVED, '"disagmoe.selective_recompute"'),
     Rule("cuda_graphs", "offload", _SAVED, '"disagmoe.offload"'),

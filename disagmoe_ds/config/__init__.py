@@ -13,7 +13,8 @@ dataclass with one concept that checks its own keys: ``LayoutCounts`` (with ``La
 that needs one concept can be typed by that section alone. The co-located mode's ``ColocatedConfig`` is composed of
 the sections both modes read (``Accumulation``, ``Watchdog``, ``Kernels``, ``FineTuning``).
 
-sections   the typed sections, and each side's effective ZeRO stage (``effective_zero_stage``, the one rule every
+sections   the typed sections
+zero       each side's effective ZeRO stage (``effective_zero_stage``, the one rule every
            ZeRO check and build step goes through)
 disagmoe   ``DisagMoEConfig``, the rules that span sections, reading a ds_config file
 flags      the flag table (``SECTION_FLAGS``) from which run_pretrain.py, disagmoe-verify, the co-located verify and
@@ -39,15 +40,13 @@ from disagmoe_ds.config.flags import (
 from disagmoe_ds.config.sections import (
     SECTION,
     SIDES,
-    ZERO_STAGES,
     Accumulation,
     FineTuning,
     Kernels,
     LayoutCounts,
     Watchdog,
-    ds_stage,
-    effective_zero_stage,
 )
+from disagmoe_ds.config.zero import ZERO_STAGES, ds_stage, effective_zero_stage
 
 __all__ = [
     "CLIS",

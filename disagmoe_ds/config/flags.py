@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from disagmoe_ds.config.disagmoe import DisagMoEConfig
-from disagmoe_ds.config.sections import SIDES, TRANSPORT_NAMES
+from disagmoe_ds.config.sections import RECOMPUTE, SIDES, TRANSPORT_NAMES
 
 
 # ----- the flag table -----
@@ -94,6 +94,13 @@ SECTION_FLAGS: dict[str, Flag] = {
         type=float,
     ),
     "selective_recompute": Flag("recompute attention blocks, SwiGLUs, experts' gate/up", type=None),
+    "recompute": Flag(
+        "what the attention and the FFN side rebuild in backward (none, selective or full), each side on its own; "
+        "replaces --activation-checkpointing and --selective-recompute",
+        type=str,
+        per_side=True,
+        choices=RECOMPUTE,
+    ),
     "split_backward": Flag(
         "each backward sends its input gradients first and runs its weight gradients when the rank would idle",
         type=None,
@@ -119,6 +126,7 @@ LEVER_KEYS = (
     "cuda_graphs",
     "capacity_factor",
     "selective_recompute",
+    "recompute",
     "split_backward",
     "offload",
     "zero_stage",

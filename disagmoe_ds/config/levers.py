@@ -25,6 +25,7 @@ def job_of(
     levers: dict[str, float | None] = {
         "activation_checkpointing": getattr(cfg, "activation_checkpointing", False),
         "selective_recompute": getattr(cfg, "selective_recompute", False),
+        "recompute": bool(getattr(cfg, "recompute", {})),
         "offload": any(offload_share(side) > 0 for side in SIDES),
         "offload_ffn": offload_share("ffn") > 0,
         "split_backward": getattr(cfg, "split_backward", False),

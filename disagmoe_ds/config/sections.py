@@ -1,5 +1,5 @@
 """The typed sections of the ``"disagmoe"`` section: each a small frozen dataclass with one concept that checks its
-own keys, and the one rule for each side's effective ZeRO stage (``effective_zero_stage``)."""
+own keys."""
 
 from __future__ import annotations
 
@@ -8,24 +8,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from disagmoe_ds.config.zero import SECTION, ZERO_STAGES, effective_zero_stage
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout, RankCounts
 from disagmoe_ds.models.lora_settings import LoraSettings
 
-SECTION = "disagmoe"
 # The keys of comm.transport.TRANSPORTS (a test holds them equal): named here so that reading a config loads no torch.
 TRANSPORT_NAMES = ("auto", "rendezvous")
 # The keys of planner.cluster.PRESETS (a test holds them equal): named here so that reading a config loads no planner.
 CLUSTER_PRESETS = ("h800", "h100", "h200")
-SIDES = ("attention", "ffn")  # the keys of the per-side settings (offload, zero_stage)
-
-
-# ZeRO-3 (parameters sharded) on the expert side only, and only by its per-side stage: "zero_optimization.stage" is
-# every side's default and the stage of one engine over both kinds of parameters (co-located, DeepSpeed-MoE).
-ZERO_STAGES = {"attention": (0, 1, 2), "ffn": (0, 1, 2, 3)}
-
-
-DS_STAGES = (0, 1, 2)
+SIDES = ("attention", "ffn")  # the keys of the per-side settings (recompute, offload, zero_stage)
+RECOMPUTE = ("none", "selective", "full")  # what a side rebuilds in backward (the planner's recompute policies)
 
 
 # ----- the typed sections -----
@@ -219,6 +212,9 @@ class MemoryLevers(Section):
         selective_recompute: drop only the large, cheap-to-rebuild activations (attention blocks, shared/dense
             SwiGLUs, the routed experts' gate/up outputs) and rebuild them in backward (``models.recompute``; the
             planner's "recompute selective"). Exclusive with ``activation_checkpointing``, which drops more.
+        recompute: per side (``attention``, ``ffn``), ``"none"``, ``"selective"`` or ``"full"``: the two switches
+            above for one side alone (the side's memory and compute differ: say, the attention side keeping its
+            activations and the expert side rebuilding them); a side left out recomputes nothing. Replaces them.
         resend: the expert side keeps nothing between a micro-batch's forward and backward: the attention side
             sends the routed tokens again with the backward's gradients, and the expert side recomputes its
             forward from them (the planner's "resend" variant: F memory for A->F bytes). With p > 1 the rank that
@@ -229,12 +225,20 @@ class MemoryLevers(Section):
 
     activation_checkpointing: bool = False
     selective_recompute: bool = False
+    recompute: dict[str, str] = field(default_factory=dict)
     resend: bool = False
     offload: dict[str, float] = field(default_factory=dict)
 
     def _check(self) -> None:
         self._switches("activation_checkpointing", "selective_recompute", "resend")  # exclusive: capabilities.rules
+        _check_per_side("recompute", self.recompute, '{"attention": "none", "ffn": "full"}', _recompute_problem)
         _check_per_side("offload", self.offload, '{"attention": 0.5, "ffn": 0.0}', _offload_problem)
+
+    def recompute_of(self, side: str) -> str:
+        """What the ``attention`` or ``ffn`` side rebuilds in backward: ``"none"``, ``"selective"`` or ``"full"``."""
+        if self.recompute:
+            return self.recompute.get(side, "none")
+        return "full" if self.activation_checkpointing else "selective" if self.selective_recompute else "none"
 
     def offload_share(self, side: str) -> float:
         """The offload share of the ``attention`` or ``ffn`` side (0.0 where the section leaves it out)."""
@@ -351,6 +355,10 @@ def _check_per_side(key: str, value: Any, example: str, problem: Callable[[str, 
             raise ConfigError(f'"{SECTION}.{key}.{side}" {wrong}')
 
 
+def _recompute_problem(side: str, policy: Any) -> str | None:
+    return None if policy in RECOMPUTE else f"must be one of {list(RECOMPUTE)}, got {policy!r}"
+
+
 def _offload_problem(side: str, share: Any) -> str | None:
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         return f"is the share of layers offloaded to host memory, in [0, 1]; got {share!r}"
@@ -362,36 +370,3 @@ def _zero_stage_problem(side: str, stage: Any) -> str | None:
         hint = " (ZeRO-3 shards parameters on the expert side only)" if side == "attention" and stage == 3 else ""
         return f"must be one of {list(ZERO_STAGES[side])}, got {stage!r}{hint}"
     return None
-
-
-# ----- the effective ZeRO stage -----
-def ds_stage(ds_config: dict[str, Any]) -> int:
-    """The ds_config's own ``zero_optimization.stage`` (each side's default)."""
-    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
-
-
-def effective_zero_stage(ds_config: dict[str, Any], side: str | None = None, side_stage: int | None = None) -> int:
-    """The ZeRO stage an engine runs at, refused with the fix where it cannot: ``side_stage`` (the section's stage
-    for ``side``, checked with the section), else ``zero_optimization.stage``, which is 0-2 (``side`` None: one
-    engine over both kinds of parameters). bf16 needs stage >= 1 (DeepSpeed's BF16 optimizer or ZeRO's)."""
-    bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
-    on_side = "" if side is None else f" on the {'expert' if side == 'ffn' else 'attention'} side"
-    if side_stage is not None:
-        if bf16 and side_stage == 0:
-            raise ConfigError(
-                f'bf16 needs ZeRO stage >= 1{on_side} in DisagMoE-DS ("{SECTION}.zero_stage.{side}" is 0: set it to '
-                "1 or more, or use fp32)"
-            )
-        return side_stage
-    stage = ds_stage(ds_config)
-    if stage not in DS_STAGES:
-        if side is None:
-            hint = "ZeRO-3 shards a disaggregated job's expert side only, and one engine holds both kinds here"
-        else:
-            hint = f'ZeRO-3 shards the expert side only: "{SECTION}": {{"zero_stage": {{"attention": 2, "ffn": 3}}}}'
-        raise ConfigError(f'"zero_optimization.stage" {stage} is not supported; use 0, 1 or 2 (--zero 1); {hint}')
-    if bf16 and stage == 0:
-        raise ConfigError(
-            f'bf16 needs "zero_optimization.stage" 1 or 2{on_side} in DisagMoE-DS (--zero 1, or --dtype fp32)'
-        )
-    return stage

@@ -30,6 +30,7 @@ from disagmoe_ds.planner.optimizer_step import af_optimizer_s
 from disagmoe_ds.planner.placement import placements
 from disagmoe_ds.planner.plans import (
     PAYS_THRESHOLD,
+    SIDES,
     AfCandidate,
     AfPlan,
     BaselinePlan,
@@ -38,7 +39,7 @@ from disagmoe_ds.planner.plans import (
 )
 from disagmoe_ds.planner.recompute import Recompute
 from disagmoe_ds.planner.stages import af_roofline
-from disagmoe_ds.planner.variants import dominated, memory_variants, offload_share, savings, search_options
+from disagmoe_ds.planner.variants import POLICIES, dominated, memory_variants, offload_share, savings, search_options
 from disagmoe_ds.planner.workload import Workload
 
 __all__ = [  # the types live in plans.py, the candidate simulation in af_simulation.py; imported from here as before
@@ -101,18 +102,34 @@ def _lane_candidates(req: PlanRequest, layout: Layout, base: Workload, rejected:
     micro_batches = max(1, round(req.global_batch / (data_lanes(layout, base) * base.micro_batch_size)))
     roomy: list[Workload] = []
     out: list[AfCandidate] = []
+    enough = 2 * (2 * layout.depth + 1)  # twice the ring in flight: more memory buys no speed
     for work in _variants(base, req.recompute_options, req.af_variants):
-        if dominated(work, roomy):
+        if dominated(work, roomy) or _needless_recompute(req, layout, work, enough):
             continue
         fitted = _fit_memory(req, layout, work, micro_batches)
         if fitted is None:
-            rejected[f"does not fit memory (recompute {work.recompute})"] += 1
+            rejected[f"does not fit memory (recompute {work.recompute_name})"] += 1
             continue
         for work_fit, mem_a, mem_f, cap in fitted:
             out += _placed(req, layout, work_fit, micro_batches, (mem_a, mem_f), cap, rejected)
-            if cap >= 2 * (2 * layout.depth + 1):
+            if cap >= enough:
                 roomy.append(work)
     return out
+
+
+def _needless_recompute(req: PlanRequest, layout: Layout, work: Workload, enough: int) -> bool:
+    """A per-side variant that recomputes on a side whose memory holds ``enough`` micro-batches under a cheaper policy
+    the search tries there: that variant (the other side as it is) is tried too, costs less and fits at least as
+    many."""
+    if not work.per_side_recompute:
+        return False
+    for k, side in enumerate(SIDES):
+        mine, other = work.recompute_of(side), work.recompute_of(SIDES[1 - k])
+        for cheaper in (p for p in req.recompute_options if POLICIES.index(p) < POLICIES.index(mine)):
+            less = work.with_recompute(*((cheaper, other) if k == 0 else (other, cheaper)))
+            if _memory(req.spec, layout, less)[k].max_in_flight(req.rates.usable_hbm) >= enough:
+                return True
+    return False
 
 
 @lru_cache(maxsize=256)  # one ladder per lane shape, asked for by every layout
@@ -158,10 +175,16 @@ def _memory(spec: ModelSpec, layout: Layout, work: Workload) -> tuple[RankMemory
 
 @lru_cache(maxsize=65536)
 def _side_works(work: Workload) -> tuple[Workload, Workload]:
-    """``work`` with what the A side's memory does not read set to defaults, and the same for the F side."""
-    a = replace(work, ffn_zero_stage=None, offload=(work.offload[0], 0.0), split_backward=False)
+    """``work`` with what the A side's memory does not read set to defaults, and the same for the F side (each side's
+    recompute policy as the one for both)."""
+    a = replace(
+        work.with_recompute(*[work.recompute_of("attention")] * 2),
+        ffn_zero_stage=None,
+        offload=(work.offload[0], 0.0),
+        split_backward=False,
+    )
     f = replace(
-        work,
+        work.with_recompute(*[work.recompute_of("ffn")] * 2),
         attention_zero_stage=None,
         offload=(0.0, work.offload[1]),
         split_backward=False,
@@ -233,7 +256,8 @@ def _family(c: AfCandidate) -> tuple:
         c.layout.depth,
         c.placement.kind,
         lane,
-        w.recompute,
+        w.recompute_of("attention"),
+        w.recompute_of("ffn"),
         w.resend,
         w.offload != (0.0, 0.0),
         savings(w),

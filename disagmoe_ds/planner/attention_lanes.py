@@ -33,6 +33,7 @@ from functools import lru_cache
 
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cluster import Rates
+from disagmoe_ds.planner.fp8_costs import lever
 from disagmoe_ds.planner.gemm_efficiency import MIN_ROWS_PER_RANK
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
 from disagmoe_ds.planner.part_times import attention_call_s
@@ -148,7 +149,8 @@ def lane_comm_s(spec: ModelSpec, work: Workload, rates: Rates, *, layer: int, la
     """(forward, backward) exposed seconds of one layer's Ulysses all-to-alls and TP communication on one rank."""
     s, t = work.sequence_parallel, work.tensor_parallel
     sp_fwd = ulysses_forward_bytes(spec, work) / lane_bw if s > 1 else 0.0
-    sp_bwd = (3 if work.recompute != "none" else 2) * sp_fwd  # recompute re-runs the attention block's forward
+    rerun = work.recompute_of("attention") != "none"  # recompute re-runs the attention block's forward
+    sp_bwd = (3 if rerun else 2) * sp_fwd
     tp_fwd, tp_bwd = tp_exposed_s(spec, rates, work, layer=layer, tp=t, groups=s)
     return sp_fwd + tp_fwd, sp_bwd + tp_bwd
 
@@ -165,9 +167,10 @@ def lane_attention_call_s(
         seq_len=work.seq_len,
         layer=layer,
         tokens=rank_tokens(work),
-        recompute=work.recompute,
+        recompute=work.recompute_of("attention"),
         whole_blocks=True,
         lora=work.lora,
+        fp8=lever(work, work.tensor_parallel),
     )
     comm_fwd, comm_bwd = lane_comm_s(spec, work, rates, layer=layer, lane_bw=lane_bw)
     return fwd + comm_fwd, bwd + comm_bwd

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
+from disagmoe_ds.capabilities.rules import Job, refusals
 from disagmoe_ds.errors import ConfigError, DisagMoEError
 from disagmoe_ds.planner.allocator import PlanRequest, plan
 from disagmoe_ds.planner.attention_lanes import DEGREES, lane_refusal
@@ -121,11 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2), help="ZeRO stage inside each group")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training precision")
     p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="price the runtime's FP8 lever in both systems: the attention side's projections, dense and shared MLPs "
+        "and the routed experts' forward and input-grad GEMMs at the FP8/bf16 speedups measured on an H200 (the "
+        "experts' weight grads stay at the bf16 rate), each quantize as one pass over its operand at HBM bandwidth, "
+        "and the m2n rows and co-located dispatch in e4m3 (H + 4 bytes a row); memory unchanged; --write-ds-config "
+        'writes "fp8": true (docs/planner.md, "FP8")',
+    )
+    p.add_argument(
         "--recompute",
         default="auto",
         choices=("auto", "none", "selective", "full"),
-        help="activation recomputation; auto uses full recompute only where nothing fits without it (with "
-        "--baseline-layout it is also the baseline's)",
+        help="activation recomputation; auto searches none, selective and full, on each side apart with the "
+        "per_side_recompute variant (the attention side may keep what the expert side rebuilds), costlier ones only "
+        "where the cheaper do not fit; a policy given holds on both sides (with --baseline-layout it is also the "
+        "baseline's)",
     )
     p.add_argument(
         "--placement",
@@ -263,6 +275,9 @@ def _lora(args: argparse.Namespace) -> LoRA:
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
     spec = load_model_spec(args.model)
     lora = _lora(args)
+    refused = refusals(Job.of(spec.model_type, fp8=args.fp8))
+    if refused:
+        raise DisagMoEError(f"--fp8: {refused[0]}")
     check_adapts(spec, lora)
     cluster = load_cluster(args.cluster, args.nodes)
     chosen = {name: getattr(args, f"{name}_efficiency") for name in _EFFICIENCY_FLAGS}
@@ -300,7 +315,7 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
         cluster=cluster,
         rates=rates,
         work=Workload(
-            args.seq_len, args.micro_batch_size, zero_stage=args.zero_stage, precision=args.precision
+            args.seq_len, args.micro_batch_size, zero_stage=args.zero_stage, precision=args.precision, fp8=args.fp8
         ).with_lora(lora),
         global_batch=global_batch,
         recompute=args.recompute,

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagmoe_ds.planner.cluster import Cluster, Rates
-from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
+from disagmoe_ds.planner.fp8_costs import lever, projection_rerun_share
+from disagmoe_ds.planner.model import ACT_BYTES, FP8_ROW_SCALE_BYTES, ModelSpec
 from disagmoe_ds.planner.part_times import attention_call_s, expert_call_s, head_call_s
 from disagmoe_ds.planner.pipeline_split import chunk_layers
 from disagmoe_ds.planner.simulate import BaselineChunkCosts
@@ -54,9 +55,17 @@ class ColocatedCosts(BaselineChunkCosts):
 
 
 def alltoall_s(
-    spec: ModelSpec, work: Workload, *, ep: int, cluster: Cluster, rates: Rates, dispatcher: str = "alltoall"
+    spec: ModelSpec,
+    work: Workload,
+    *,
+    ep: int,
+    cluster: Cluster,
+    rates: Rates,
+    dispatcher: str = "alltoall",
+    fp8: bool = False,
 ) -> float:
-    """One dispatch (or combine) of one micro-batch on one rank; the EP group fills whole nodes.
+    """One dispatch (or combine) of one micro-batch on one rank; the EP group fills whole nodes. ``fp8``: a dispatch
+    of the FP8 exchange, each copy's hidden state in e4m3 with a float32 scale (the combine stays bf16).
 
     ``alltoall`` (Megatron's all-to-all token dispatcher): each of the B*s tokens is sent top_k times, no
     de-duplication; (ep-1)/ep of the copies leave the GPU (V = (ep-1)/ep * B*s * top_k copies), the
@@ -71,7 +80,8 @@ def alltoall_s(
     """
     if ep == 1:
         return 0.0
-    per_copy = ACT_BYTES * spec.hidden_size + 4  # hidden state + its routing probability
+    hidden = spec.hidden_size + FP8_ROW_SCALE_BYTES if fp8 else ACT_BYTES * spec.hidden_size
+    per_copy = hidden + 4  # hidden state + its routing probability
     g = cluster.gpus_per_node
     tokens = work.tokens_per_micro_batch * rates.routing_imbalance
     if dispatcher == "deepep":
@@ -105,13 +115,19 @@ def tp_cp_exposed_s(
 def colocated_costs(
     spec: ModelSpec, work: Workload, shape: Shape, *, cluster: Cluster, rates: Rates, overlap: float
 ) -> ColocatedCosts:
-    """Per-chunk compute, exposed communication (alone) and raw all-to-all (paired) of one rank."""
+    """Per-chunk compute, exposed communication (alone) and raw all-to-all (paired) of one rank; ``a2a_per_layer_s``
+    is the mean of a dispatch and a combine (equal in bf16; with FP8 the dispatch is the smaller)."""
     t, c = shape.tp, shape.cp
     tokens = work.tokens_per_micro_batch / (t * c)
-    a2a = alltoall_s(spec, work, ep=shape.ep, cluster=cluster, rates=rates, dispatcher=shape.dispatcher) / (t * c)
-    shared = rates.attention_fwd.per_flop * tokens * spec.shared_flops()
-    alone = max(0.0, 2 * a2a - min(2 * a2a, overlap * 2 * a2a + shared))
-    lora = work.lora
+    dispatch, combine = (
+        alltoall_s(spec, work, ep=shape.ep, cluster=cluster, rates=rates, dispatcher=shape.dispatcher, fp8=fp8)
+        / (t * c)
+        for fp8 in (work.fp8, False)
+    )
+    both = dispatch + combine
+    shared = rates.attention_fwd.per_flop * tokens * spec.shared_flops() * projection_rerun_share(lever(work, t))
+    alone = max(0.0, both - min(both, overlap * both + shared))
+    lora, a_fp8, f_fp8 = work.lora, lever(work, t), lever(work, shape.ep)
     chunks = chunk_layers(spec.num_layers, shape.pp, shape.vpp)
     assert chunks is not None, f"{spec.num_layers} layers do not split over {shape.describe()}"
     rows: dict[str, list[float]] = {k: [] for k in ("fc", "bc", "fx", "bx", "fa", "ba", "fo", "bo")}
@@ -120,9 +136,16 @@ def colocated_costs(
         for i in layers:
             for fwd, bwd in (
                 attention_call_s(
-                    spec, rates, seq_len=work.seq_len, layer=i, tokens=tokens, recompute=work.recompute, lora=lora
+                    spec,
+                    rates,
+                    seq_len=work.seq_len,
+                    layer=i,
+                    tokens=tokens,
+                    recompute=work.recompute,
+                    lora=lora,
+                    fp8=a_fp8,
                 ),
-                expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=work.recompute, lora=lora),
+                expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=work.recompute, lora=lora, fp8=f_fp8),
             ):
                 fc, bc = fc + fwd, bc + bwd
             other = tp_cp_exposed_s(spec, work, shape, layer=i, cluster=cluster, rates=rates)
@@ -135,12 +158,12 @@ def colocated_costs(
             fc, bc = fc + 2 * moe * rates.message_host_s, bc + 2 * moe * rates.message_host_s
         redo = 2 if work.recompute == "full" else 1  # full recompute re-runs the forward all-to-alls
         for key, value in zip(
-            rows, (fc, bc, moe * alone + fo, redo * moe * alone + bo, moe * 2 * a2a, redo * moe * 2 * a2a, fo, bo)
+            rows, (fc, bc, moe * alone + fo, redo * moe * alone + bo, moe * both, redo * moe * both, fo, bo)
         ):
             rows[key].append(value)
     p2p = _stage_p2p_s(spec, work, shape, cluster=cluster, rates=rates)
     r = {k: tuple(v) for k, v in rows.items()}
-    return ColocatedCosts(r["fc"], r["bc"], r["fx"], r["bx"], a2a, p2p, r["fa"], r["ba"], r["fo"], r["bo"])
+    return ColocatedCosts(r["fc"], r["bc"], r["fx"], r["bx"], both / 2, p2p, r["fa"], r["ba"], r["fo"], r["bo"])
 
 
 def _stage_p2p_s(spec: ModelSpec, work: Workload, shape: Shape, *, cluster: Cluster, rates: Rates) -> float:

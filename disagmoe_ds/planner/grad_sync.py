@@ -57,7 +57,7 @@ def af_sync_s(
 def _sync_work(work: Workload) -> Workload:
     """``work`` without what the sync does not read (recompute, resend, offload, split backward), so that the
     search's variants of a layout share ``_af_sync_s``."""
-    return replace(work, recompute="none", resend=False, offload=(0.0, 0.0), split_backward=False)
+    return replace(work.with_recompute("none", "none"), resend=False, offload=(0.0, 0.0), split_backward=False)
 
 
 @lru_cache(maxsize=65536)

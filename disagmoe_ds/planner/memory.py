@@ -4,7 +4,8 @@ state (``training_state.py``) plus the activations of the micro-batches in fligh
 Activations are kept per in-flight micro-batch for every layer a rank owns (``ModelSpec`` per-token
 bytes); with full recompute only the layer inputs stay, plus one layer's full set while it is recomputed.
 
-Selective recompute drops the tensors ``recompute.py`` lists. Resend keeps nothing on the F side (its backward
+Each side has its own recompute policy (``Workload.recompute_of``). Selective recompute drops the tensors
+``recompute.py`` lists. Resend keeps nothing on the F side (its backward
 gets the tokens again and re-runs the expert forward). Offload keeps a share of a micro-batch's
 activations in host memory between its forward and backward, holding two layers' worth on the GPU as the
 copy window. ZeRO-3 holds two gathered layers (current and prefetch).
@@ -68,7 +69,7 @@ def attention_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_fl
     """Worst A-group rank: its v layers' A parts (+ embedding, + head on the head group). In a lane of s x t ranks
     (``attention_lanes.py``) it holds 1/t of the parameters, ZeRO-sharded over the d x s ranks holding the same
     shard, and 1/(s t) of the lane's activations and logits."""
-    zero, lora = work.zero_of("attention"), work.lora
+    zero, lora, recompute = work.zero_of("attention"), work.lora, work.recompute_of("attention")
     worst: RankMemory | None = None
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
@@ -76,11 +77,11 @@ def attention_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_fl
         per_full, per_saved, biggest = _a_side_per_token(spec, tuple(layers), lora)
         full = [b * tokens for b in per_full]
         saved = [b * tokens for b in per_saved]
-        act = _kept(full, saved, spec.layer_input_bytes() * tokens, work.recompute)
+        act = _kept(full, saved, spec.layer_input_bytes() * tokens, recompute)
         act += _resent(spec, layout, work, layers)
         logits = tokens * spec.vocab_size * LOGIT_BYTES if g == layout.head_group else 0
         share = work.offload[0]
-        working = _working(full, saved, work.recompute) + logits + _offload_window(act, len(layers), share)
+        working = _working(full, saved, recompute) + logits + _offload_window(act, len(layers), share)
         working += _gathered(rank_params(biggest, work), zero, work.precision)
         state = attention_state_bytes(spec, layout, work, g)
         mem = RankMemory(state, act * (1 - share), working, in_flight, act * share)
@@ -120,7 +121,7 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
     autograd and the backward gets the tokens again and re-runs the forward, so one layer's full set (tokens,
     gathered copies and every expert tensor) is working memory.
     """
-    zero, lora = work.zero_of("ffn"), work.lora
+    zero, lora, recompute = work.zero_of("ffn"), work.lora, work.recompute_of("ffn")
     per_assignment = spec.f_side_activation_bytes_per_assignment() + expert_adapter_bytes(spec, lora)
     tokens_per_replica = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.expert_data_parallel
     assignments = tokens_per_replica * spec.top_k / layout.ep_size
@@ -134,8 +135,8 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
         if work.resend:  # nothing kept; the backward rematerialises one layer at a time, tokens included
             act, working = 0.0, max(full, default=0.0)
         else:
-            act = _kept(full, saved, received * ACT_BYTES * spec.hidden_size, work.recompute)
-            working = _working(full, saved, work.recompute)
+            act = _kept(full, saved, received * ACT_BYTES * spec.hidden_size, recompute)
+            working = _working(full, saved, recompute)
         share = work.offload[1]
         working += _offload_window(act, len(moe), share)
         working += _gathered(layout.experts_per_rank * expert_split(spec, lora).total, zero, work.precision)

@@ -48,6 +48,7 @@ from disagmoe_ds.planner.compressed_attention import (
 from disagmoe_ds.planner.hf_config import AttentionSpec, LinearAttentionSpec, model_fields, read_model_config
 
 ACT_BYTES = 2  # bf16 activations and wire format of hidden states
+FP8_ROW_SCALE_BYTES = 4  # the float32 scale of an e4m3 row in the FP8 exchange
 DELTA_RULE_CHUNK = 64  # chunk length of the chunked gated delta rule (HF's torch path and flash-linear-attention)
 ID_BYTES = 4  # int32 expert ids on the wire (one per chosen expert)
 TOKEN_ID_BYTES = 8  # int64 token ids in the residual hand-off (DeepSeek-V4's hash-routed layers)
@@ -311,15 +312,17 @@ class ModelSpec:
         miss = math.comb(e - local, k) / math.comb(e, k) if e - local >= k else 0.0
         return ep_size * (1.0 - miss)
 
-    def wire_bytes_per_token(self, ep_size: int) -> WireBytes:
-        """Bytes per token and MoE layer on each AF-Pipe channel (``WireBytes``)."""
+    def wire_bytes_per_token(self, ep_size: int, *, fp8: bool = False) -> WireBytes:
+        """Bytes per token and MoE layer on each AF-Pipe channel (``WireBytes``); ``fp8``: the m2n rows (and so their
+        resend copies) in e4m3 with a float32 scale each, the FP8 exchange (the other channels stay bf16)."""
         h, k = ACT_BYTES * self.hidden_size, self.top_k
+        x = self.hidden_size + FP8_ROW_SCALE_BYTES if fp8 else h
         ranks = self.distinct_ranks_per_token(ep_size)
         hc = self.hc_streams  # the residual's streams, and with them the routed sum's weight per stream
         weights = ACT_BYTES * hc if hc > 1 else 0
         ids = TOKEN_ID_BYTES if self.token_routed else 0
         return WireBytes(
-            m2n=ranks * (h + k * (ID_BYTES + WEIGHT_BYTES)),
+            m2n=ranks * (x + k * (ID_BYTES + WEIGHT_BYTES)),
             n2m=ranks * h,
             n2m_grad=ranks * h,
             m2n_grad=ranks * (h + k * WEIGHT_BYTES),

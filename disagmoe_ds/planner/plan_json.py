@@ -7,7 +7,7 @@ from typing import Any
 
 from disagmoe_ds.planner.attention_lanes import data_lanes
 from disagmoe_ds.planner.lora import adapter_params
-from disagmoe_ds.planner.plans import AfPlan, BaselinePlan, PlanResult
+from disagmoe_ds.planner.plans import SIDES, AfCandidate, AfPlan, BaselinePlan, PlanResult
 from disagmoe_ds.planner.stages import SideTimes
 from disagmoe_ds.planner.verdict import verdict
 
@@ -26,6 +26,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         "nodes": req.cluster.nodes,
         "world_size": req.cluster.world_size,
         "zero_stage": req.work.zero_stage,
+        "fp8": req.work.fp8,
         "lora": _lora_json(result),
         "rates": req.rates.source,
         "attention_gpus": None,
@@ -83,7 +84,7 @@ def _af_json(result: PlanResult, af: AfPlan) -> dict[str, Any]:
         "expert_data_parallel": c.layout.expert_data_parallel,
         "micro_batches": c.micro_batches,
         "max_in_flight": af.in_flight,
-        "recompute": c.work.recompute,
+        "recompute": "per side" if c.work.per_side_recompute else c.work.recompute_name,  # each in "attention", "ffn"
         "variant": c.work.variant,
         "placement": c.placement.kind,
         "tokens_per_step": c.tokens,
@@ -94,19 +95,20 @@ def _af_json(result: PlanResult, af: AfPlan) -> dict[str, Any]:
         "mfu": result.mfu(af.step_time_s, c.tokens),
         "exposed_sync_s": c.exposed_sync_s,
         "optimizer_step_s": c.optimizer_step_s,
-        "attention": _side_json(c.roofline.attention, c.memory_attention.total_at(af.in_flight), c.optimizer_s[0]),
-        "ffn": _side_json(c.roofline.ffn, c.memory_ffn.total_at(af.in_flight), c.optimizer_s[1]),
+        "attention": _side_json(c, "attention", c.roofline.attention, c.memory_attention.total_at(af.in_flight)),
+        "ffn": _side_json(c, "ffn", c.roofline.ffn, c.memory_ffn.total_at(af.in_flight)),
         "compute_fraction": af.sim.compute_fraction,
         "exposed_comm_fraction": af.sim.exposed_comm_fraction,
         "bubble_fraction": af.sim.bubble_fraction,
     }
 
 
-def _side_json(side: SideTimes, memory: float, optimizer_s: float) -> dict[str, Any]:
+def _side_json(c: AfCandidate, name: str, side: SideTimes, memory: float) -> dict[str, Any]:
     return {
+        "recompute": c.work.recompute_of(name),
         "compute_s": side.compute_s,
         "network_s": side.network_s,
-        "optimizer_s": optimizer_s,
+        "optimizer_s": c.optimizer_s[SIDES.index(name)],
         "bound": side.bound,
         "memory_bytes_per_rank": memory,
     }

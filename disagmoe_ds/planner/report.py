@@ -11,6 +11,9 @@ from disagmoe_ds.planner.verdict import baseline_name, verdict
 GB = 1e9
 
 
+_FP8 = ", FP8 GEMMs and token dispatch (--fp8)"
+
+
 def to_text(result: PlanResult) -> str:
     """The human-readable table and its reasoning."""
     req, af, base = result.request, result.af, result.baseline
@@ -19,7 +22,7 @@ def to_text(result: PlanResult) -> str:
         f"model    {spec.name} ({spec.model_type}): {spec.num_layers} layers ({spec.num_moe_layers} MoE), "
         f"{spec.num_experts} experts top-{spec.top_k}, {spec.total_params() / 1e9:.1f}B parameters",
         f"workload seq {req.work.seq_len} x micro-batch {req.work.micro_batch_size} per lane, global batch "
-        f"{req.global_batch} sequences, ZeRO-{req.work.zero_stage} {req.work.precision}",
+        f"{req.global_batch} sequences, ZeRO-{req.work.zero_stage} {req.work.precision}{_FP8 if req.work.fp8 else ''}",
         *_lora_lines(result),
         f"cluster  {cl.nodes} x {cl.gpus_per_node} {cl.name} = {cl.world_size} GPUs, {cl.total_nics} NICs x "
         f"{cl.nic_bw / GB:.3g} GB/s; rates from {req.rates.source}",

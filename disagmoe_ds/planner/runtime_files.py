@@ -58,14 +58,30 @@ def runtime_refusal(work: Workload) -> str | None:
     return _refused(
         Job.of(
             None,
-            activation_checkpointing=work.recompute == "full",
-            selective_recompute=work.recompute == "selective",
+            **_recompute_levers(work),
             split_backward=work.split_backward,
             offload=any(share > 0 for share in work.offload),
             offload_ffn=work.offload[1] > 0,
             zero3_ffn=work.zero_of("ffn") == 3,
         )
     )
+
+
+def _recompute_levers(work: Workload) -> dict[str, bool]:
+    """The runtime's recompute levers of ``work``: the per-side key where the sides differ, else the switch (a switch
+    sets both sides, and the two may not be combined)."""
+    if work.per_side_recompute:
+        return {"recompute": True}
+    policy = work.recompute_of("attention")
+    return {"activation_checkpointing": policy == "full", "selective_recompute": policy == "selective"}
+
+
+def _recompute_keys(work: Workload) -> dict[str, Any]:
+    """The "disagmoe" keys that run ``work``'s recompute: ``"recompute": {"attention", "ffn"}`` where the sides
+    differ, else the two switches as before the sides had their own policies."""
+    if work.per_side_recompute:
+        return {"recompute": {side: work.recompute_of(side) for side in ("attention", "ffn")}}
+    return dict(_recompute_levers(work))
 
 
 def colocated_refusal(candidate: ColocatedCandidate) -> str | None:
@@ -147,10 +163,12 @@ def written_ds_config(result: PlanResult, chosen: AfPlan | BaselinePlan, cluster
 def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
     """A ds_config for the AF-Pipe plan whose "disagmoe" section ``run_pretrain.py`` reads as it is: the layout, the
     in-flight cap, the cluster (preset or JSON path) the runtime's schedule costs assume and, where the runtime runs
-    it (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing), resend, split backward,
+    it (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing; sides that differ: the
+    per-side ``"recompute"`` key instead of the switches), resend, split backward,
     the offload shares and each side's ZeRO stage. A plan with A-lanes of s x t > 1 ranks raises ``ConfigError``
     while the runtime does not run them (``RUNTIME_LANE_FIELDS``); the degrees it runs go into the section. A LoRA
-    plan writes ``"lora": {"rank", "targets"}`` (and ``"train_router": true`` where the plan trains the routers).
+    plan writes ``"lora": {"rank", "targets"}`` (and ``"train_router": true`` where the plan trains the routers), an
+    FP8 plan ``"fp8": true``.
 
     The NIC split and placement are not runtime settings: the hostfile's order places the ranks.
     """
@@ -178,16 +196,14 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
         "cluster": cluster or req.cluster.name,
     }
     if runtime_refusal(w) is None:
-        section |= {
-            "activation_checkpointing": w.recompute == "full",
-            "selective_recompute": w.recompute == "selective",
+        section |= _recompute_keys(w) | {
             "resend": w.resend,
             "split_backward": w.split_backward,
             "offload": {"attention": round(w.offload[0], 6), "ffn": round(w.offload[1], 6)},
             "zero_stage": {"attention": w.zero_of("attention"), "ffn": w.zero_of("ffn")},
         }
     section |= {name: degree for name, degree in degrees.items() if degree > 1}
-    return _engine_keys(req.work) | {"disagmoe": section | _lora(w)}
+    return _engine_keys(req.work) | {"disagmoe": section | _lora(w) | _fp8(w)}
 
 
 def colocated_ds_config(req: PlanRequest, base: BaselinePlan) -> dict[str, Any]:
@@ -197,7 +213,7 @@ def colocated_ds_config(req: PlanRequest, base: BaselinePlan) -> dict[str, Any]:
     assert colocated_refusal(c) is None, colocated_refusal(c)
     placed = {"world_size": req.cluster.world_size, "ep_size": c.shape.ep}
     return _engine_keys(req.work) | {
-        "disagmoe": {"colocated": placed, "micro_batches": c.micro_batches} | _lora(c.work)
+        "disagmoe": {"colocated": placed, "micro_batches": c.micro_batches} | _lora(c.work) | _fp8(c.work)
     }
 
 
@@ -219,6 +235,11 @@ def _lora(work: Workload) -> dict[str, Any]:
         return {}
     lora: dict[str, Any] = {"rank": work.lora.rank, "targets": list(work.lora.targets)}
     return {"lora": lora | ({"train_router": True} if work.lora.train_router else {})}
+
+
+def _fp8(work: Workload) -> dict[str, Any]:
+    """The runtime's FP8 lever of a plan priced with FP8 (``--fp8``), else nothing."""
+    return {"fp8": True} if work.fp8 else {}
 
 
 def hostfile(result: PlanResult, chosen: AfPlan | BaselinePlan | None = None) -> str:

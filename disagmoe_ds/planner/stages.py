@@ -6,7 +6,8 @@ Roofline of one training step (the DisagMoE paper's, with per-side NIC pools M_a
 
     T_a = max(C_a / (M * P_a), V_a / (M_a * B)),    T_f = max(C_f / (N * P_f), V_f / (M_f * B))
 
-C are the step's FLOPs of each side (3x forward, 4x with full recompute; F also 4x with resend) and P the
+C are the step's FLOPs of each side (3x forward, 4x with full recompute on that side, ``Workload.recompute_of``; F
+also 4x with resend) and P the
 achievable FLOP/s per GPU; here C/(M P) is computed as the busiest group's sum of per-call times
 (``cluster.PartModel``: peak x efficiency, or a measured profile with its per-call overhead). B is the
 achievable bandwidth per NIC and V the bytes per direction that cross NICs: A <-> F tokens (m2n and n2m_grad
@@ -15,7 +16,8 @@ between two GPUs of one node goes over NVLink instead (see ``placement.py`` for 
 
 The variants add, from first principles:
 
-* selective recompute: the backward re-runs the forward FLOPs ``recompute.py`` lists (full: the whole forward);
+* selective recompute: the backward re-runs the forward FLOPs ``recompute.py`` lists (full: the whole forward), each
+  side under its own policy;
 * resend: the A -> F direction carries each token's m2n payload a second time, with the backward, and the F
   side's backward re-runs the expert forward (one more forward on F, as with full recompute, charged once);
 * ZeRO-2 / ZeRO-3 on a side: each micro-batch reduce-scatters its gradients over the side's replicas, and
@@ -42,6 +44,7 @@ from disagmoe_ds.planner.attention_lanes import (
     rank_tokens,
 )
 from disagmoe_ds.planner.cluster import Rates
+from disagmoe_ds.planner.fp8_costs import Fp8, lever
 from disagmoe_ds.planner.lora import LoRA
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.part_times import expert_call_s, head_call_s
@@ -90,7 +93,7 @@ def compute_multiplier(work: Workload, side: str = "attention") -> int:
     """Forward passes' worth of matmul work per step on the "attention" or "ffn" side: fwd + 2x bwd, plus one
     more forward under full recompute or, on the F side, resend (selective recompute adds a fraction, counted
     exactly in ``af_roofline``)."""
-    policy = work.ffn_recompute if side == "ffn" else work.recompute
+    policy = work.ffn_rerun if side == "ffn" else work.recompute_of("attention")
     return 4 if policy == "full" else 3
 
 
@@ -116,19 +119,21 @@ def _group_compute_s(
 ) -> tuple[float, float]:
     """(A rank, F rank) compute seconds per step on the busiest group (F: with resend's re-run forward; A: with its
     lane's exposed Ulysses and TP communication, ``attention_lanes.py``)."""
-    a, f = _group_compute_per_micro_batch(spec, layout, _compute_work(work), work.ffn_recompute, rates, lane_bw)
+    a, f = _group_compute_per_micro_batch(spec, layout, _compute_work(work), work.ffn_rerun, rates, lane_bw)
     return micro_batches * a, micro_batches * f
 
 
 @lru_cache(maxsize=4096)
 def _compute_work(work: Workload) -> Workload:
-    """Only what the compute depends on, so that variants share ``_group_compute_per_micro_batch``'s cache."""
+    """Only what the A side's compute depends on (its recompute policy as ``recompute``; F's goes apart), so that
+    variants share ``_group_compute_per_micro_batch``'s cache."""
     return Workload(
         work.seq_len,
         work.micro_batch_size,
-        recompute=work.recompute,
+        recompute=work.recompute_of("attention"),
         sequence_parallel=work.sequence_parallel,
         tensor_parallel=work.tensor_parallel,
+        fp8=work.fp8,
     ).with_lora(work.lora)
 
 
@@ -138,7 +143,7 @@ def _group_compute_per_micro_batch(
 ) -> tuple[float, float]:
     f_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.ffn_ranks_per_group
     a_layers = _attention_layer_s(spec, work, rates, lane_bw)
-    f_layers = _expert_layer_s(spec, f_tokens, f_rc, rates, work.lora)
+    f_layers = _expert_layer_s(spec, f_tokens, f_rc, rates, work.lora, lever(work, layout.ep_size))
     a_worst = f_worst = 0.0
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
@@ -159,9 +164,11 @@ def _attention_layer_s(spec: ModelSpec, work: Workload, rates: Rates, lane_bw: f
 
 
 @lru_cache(maxsize=4096)
-def _expert_layer_s(spec: ModelSpec, tokens: float, f_rc: Recompute, rates: Rates, lora: LoRA) -> tuple[float, ...]:
+def _expert_layer_s(
+    spec: ModelSpec, tokens: float, f_rc: Recompute, rates: Rates, lora: LoRA, fp8: Fp8 | None
+) -> tuple[float, ...]:
     return tuple(
-        sum(expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=f_rc, lora=lora))
+        sum(expert_call_s(spec, rates, layer=i, tokens=tokens, recompute=f_rc, lora=lora, fp8=fp8))
         for i in range(spec.num_layers)
     )
 
@@ -172,25 +179,28 @@ def _head_s(spec: ModelSpec, rates: Rates, tokens: float, lora: LoRA) -> float:
 
 
 def side_flops(spec: ModelSpec, work: Workload) -> tuple[float, float]:
-    """(A, F) FLOPs per token of one step: 3x forward (+ the head on A) plus what the recompute policy re-runs;
-    with resend F re-runs its whole forward (once, whatever the policy)."""
-    return _side_flops(spec, work.seq_len, work.recompute, work.resend)
+    """(A, F) FLOPs per token of one step: 3x forward (+ the head on A) plus what each side's recompute policy
+    re-runs; with resend F re-runs its whole forward (once, whatever its policy)."""
+    return _side_flops(spec, work.seq_len, work.recompute_of("attention"), work.ffn_rerun)
 
 
 @lru_cache(maxsize=4096)
-def _side_flops(spec: ModelSpec, s: int, recompute: Recompute, resend: bool = False) -> tuple[float, float]:
+def _side_flops(spec: ModelSpec, s: int, a_policy: Recompute, f_policy: Recompute) -> tuple[float, float]:
     a_fwd = sum(spec.attention_side_flops(s, i) for i in range(spec.num_layers))
     f_fwd = sum(spec.expert_side_flops(i) for i in range(spec.num_layers))
-    both = recompute_flops_per_token(spec, s, recompute, whole_blocks=True)  # as the runtime recomputes
-    a_rc: float
-    f_rc: float
-    if recompute == "full":
-        a_rc, f_rc = a_fwd, f_fwd
-    else:
-        f_rc = spec.num_moe_layers * spec.top_k * expert_recompute_flops_per_assignment(spec) if both else 0.0
-        a_rc = both - f_rc
-    f_rc = f_fwd if resend else f_rc
-    return 3 * (a_fwd + spec.head_flops()) + a_rc, 3 * f_fwd + f_rc
+    a_rc = _rerun_flops(spec, s, a_policy, "attention", a_fwd)
+    return 3 * (a_fwd + spec.head_flops()) + a_rc, 3 * f_fwd + _rerun_flops(spec, s, f_policy, "ffn", f_fwd)
+
+
+def _rerun_flops(spec: ModelSpec, s: int, policy: Recompute, side: str, forward: float) -> float:
+    """Per token, the forward FLOPs ``side``'s backward re-runs under ``policy``: its whole forward, or its share of
+    the selective re-run as the runtime recomputes (the experts' gate/up GEMMs on F, the rest on A)."""
+    if policy == "full":
+        return forward
+    if policy == "none":
+        return 0.0
+    experts = spec.num_moe_layers * spec.top_k * expert_recompute_flops_per_assignment(spec)
+    return experts if side == "ffn" else recompute_flops_per_token(spec, s, policy, whole_blocks=True) - experts
 
 
 def zero_micro_batch_bytes(
@@ -259,7 +269,7 @@ def _step_volumes(
     tokens = micro_batches * data_lanes(layout, work) * work.tokens_per_micro_batch
     a_flops, f_flops = side_flops(spec, work)
     c_a, c_f = tokens * a_flops, tokens * f_flops
-    wire = spec.wire_bytes_per_token(layout.ep_size)
+    wire = spec.wire_bytes_per_token(layout.ep_size, fp8=work.fp8)
     af_cross, res_cross = cross_node_share(layout, placement)
     moe, res_layers = spec.num_moe_layers, (spec.num_layers if layout.depth > 1 else 0)
     a_to_f = wire.a_to_f + (wire.m2n if work.resend else 0.0)

@@ -19,6 +19,7 @@ from pathlib import Path
 from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, best_af, best_baseline, plan
 from disagmoe_ds.planner.attention_lanes import DEGREES
 from disagmoe_ds.planner.cluster import Efficiency, preset
+from disagmoe_ds.planner.fp8_costs import fastest_speedup
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.inputs import description
 from disagmoe_ds.planner.model import load_model_spec
@@ -45,16 +46,22 @@ class Cell:
 
 
 def cell_request(
-    cell: Cell, models: Path, cluster: str = "h800", per_variant_set: int = 2, lanes: Lanes = (DEGREES, DEGREES)
+    cell: Cell,
+    models: Path,
+    cluster: str = "h800",
+    per_variant_set: int = 2,
+    lanes: Lanes = (DEGREES, DEGREES),
+    fp8: bool = False,
 ) -> PlanRequest:
-    """The cell's request; ``lanes``: the A-lane degrees (s, t) to search (``attention_lanes.py``)."""
+    """The cell's request; ``lanes``: the A-lane degrees (s, t) to search (``attention_lanes.py``); ``fp8``: both
+    systems with the FP8 lever (``fp8_costs.py``)."""
     spec = load_model_spec(models / cell.model)
     clus = preset(cluster, cell.nodes)
     return PlanRequest(
         spec=spec,
         cluster=clus,
         rates=shape_rates(clus, Efficiency(), spec),
-        work=Workload(cell.seq_len, 1),
+        work=Workload(cell.seq_len, 1, fp8=fp8),
         global_batch=8 * clus.world_size,
         simulate_per_variant_set=per_variant_set,
         sequence_parallel=lanes[0],
@@ -105,7 +112,8 @@ def af_ceiling(result: PlanResult) -> float | None:
         return None
     req = result.request
     flops = base.candidate.tokens * req.spec.step_flops_per_token(req.work.seq_len)
-    ideal = flops * req.rates.attention_fwd.per_flop / req.cluster.world_size
+    per_flop = req.rates.attention_fwd.per_flop / (fastest_speedup() if req.work.fp8 else 1)  # FP8: its fastest GEMM
+    ideal = flops * per_flop / req.cluster.world_size
     return base.step_time_s / ideal
 
 
@@ -130,8 +138,10 @@ def reason(result: PlanResult) -> str:
     )
 
 
-def table_row(cell: Cell, models: Path, per_variant_set: int = 2, lanes: Lanes = (DEGREES, DEGREES)) -> str:
-    result = plan(cell_request(cell, models, per_variant_set=per_variant_set, lanes=lanes))
+def table_row(
+    cell: Cell, models: Path, per_variant_set: int = 2, lanes: Lanes = (DEGREES, DEGREES), fp8: bool = False
+) -> str:
+    result = plan(cell_request(cell, models, per_variant_set=per_variant_set, lanes=lanes, fp8=fp8))
     ratio = f"{result.speedup:.2f}x" if result.speedup is not None else "-"
     return (
         f"| {cell.model} | {cell.nodes} | {cell.seq_len // 1024}K | {af_summary(result)} | "
@@ -140,17 +150,22 @@ def table_row(cell: Cell, models: Path, per_variant_set: int = 2, lanes: Lanes =
 
 
 def table_rows(
-    cells: list[Cell], models: Path, per_variant_set: int = 2, workers: int = 1, lanes: Lanes = (DEGREES, DEGREES)
+    cells: list[Cell],
+    models: Path,
+    per_variant_set: int = 2,
+    workers: int = 1,
+    lanes: Lanes = (DEGREES, DEGREES),
+    fp8: bool = False,
 ) -> Iterator[str]:
     """The Markdown table, one row per cell in grid order (``workers`` processes plan cells side by side)."""
     yield "| model | nodes | seq | best AF-Pipe | strongest co-located | AF / co-located | reason |"
     yield "|---|---|---|---|---|---|---|"
     if workers <= 1:
-        yield from (table_row(cell, models, per_variant_set, lanes) for cell in cells)
+        yield from (table_row(cell, models, per_variant_set, lanes, fp8) for cell in cells)
         return
     n = len(cells)
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        yield from pool.map(table_row, cells, [models] * n, [per_variant_set] * n, [lanes] * n)
+        yield from pool.map(table_row, cells, [models] * n, [per_variant_set] * n, [lanes] * n, [fp8] * n)
 
 
 def ablation_rows(cells: list[Cell], models: Path) -> Iterator[str]:
@@ -185,6 +200,7 @@ def main(argv: list[str]) -> int:
         "--simulate-per-variant-set", type=int, default=2, help="AF-Pipe families simulated per variant set (default 2)"
     )
     p.add_argument("--workers", type=int, default=1, help="processes planning cells side by side (default 1)")
+    p.add_argument("--fp8", action="store_true", help="both systems with the FP8 lever (disagmoe-plan --fp8)")
     for flag in ("--sequence-parallel", "--tensor-parallel"):
         p.add_argument(flag, default=",".join(map(str, DEGREES)), help="comma-separated A-lane degrees to search")
     args = p.parse_args(argv)
@@ -195,7 +211,7 @@ def main(argv: list[str]) -> int:
     rows = (
         ablation_rows(cells, models)
         if args.ablate
-        else table_rows(cells, models, args.simulate_per_variant_set, args.workers, lanes)
+        else table_rows(cells, models, args.simulate_per_variant_set, args.workers, lanes, args.fp8)
     )
     for row in rows:
         print(row, flush=True)

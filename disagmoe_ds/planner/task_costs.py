@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import data_lanes, lane_attention_call_s, lane_bytes_per_s, rank_tokens
 from disagmoe_ds.planner.cluster import Rates
+from disagmoe_ds.planner.fp8_costs import lever
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.part_times import (
     attention_wgrad_s,
@@ -50,7 +51,7 @@ def af_task_costs(
     group's NIC share (M_a/p on the A side, M_f/p on the F side; the slower end sets the time) or over NVLink for
     the intra-node share. With
     ``resend`` the backward's n2m_grad message also carries the layer's m2n payload again and each F backward
-    re-runs the expert forward first (``Workload.ffn_recompute``: charged once, also under full recompute).
+    re-runs the expert forward first (``Workload.ffn_rerun``: charged once, also under full recompute).
     With a split backward the expert side keeps its weight gradients in its backward at ZeRO-3, which gathers and
     releases the parameters around each backward (``afpipe.split_backward``); only the attention side splits then.
     """
@@ -59,17 +60,19 @@ def af_task_costs(
     af_link = _link(min(nics) / p * rates.nic_bw, rates.nvlink_bw * min(ranks, layout.ffn_ranks_per_group), af_cross)
     res_link = _link(nics[0] / p * rates.nic_bw, rates.nvlink_bw * ranks, res_cross)
     lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
-    wire = spec.wire_bytes_per_token(layout.ep_size)
+    wire = spec.wire_bytes_per_token(layout.ep_size, fp8=work.fp8)
     group_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch  # every A rank sends its own T/(s t)
     f_tokens = group_tokens / layout.ffn_ranks_per_group
     per_layer: dict[str, list[float]] = {k: [] for k in ("A_fwd", "A_bwd", "F_fwd", "F_bwd")}
     wgrad: dict[str, list[float]] = {"A": [], "F": []}
-    lora = work.lora
+    lora, a_fp8, f_fp8 = work.lora, lever(work, work.tensor_parallel), lever(work, layout.ep_size)
     for i in range(spec.num_layers):
         a_fwd, a_bwd = lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)
-        f_fwd, f_bwd = expert_call_s(spec, rates, layer=i, tokens=f_tokens, recompute=work.ffn_recompute, lora=lora)
-        a_w = attention_wgrad_s(spec, rates, layer=i, tokens=tokens, lora=lora)
-        f_w = expert_wgrad_s(spec, rates, layer=i, tokens=f_tokens, lora=lora)
+        f_fwd, f_bwd = expert_call_s(
+            spec, rates, layer=i, tokens=f_tokens, recompute=work.ffn_rerun, lora=lora, fp8=f_fp8
+        )
+        a_w = attention_wgrad_s(spec, rates, layer=i, tokens=tokens, lora=lora, fp8=a_fp8)
+        f_w = expert_wgrad_s(spec, rates, layer=i, tokens=f_tokens, lora=lora, fp8=f_fp8)
         if not work.split_backward:
             a_w = f_w = 0.0
         if work.zero_of("ffn") == 3:

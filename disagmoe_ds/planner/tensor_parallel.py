@@ -10,6 +10,7 @@ over NVLink and hides behind the block's GEMMs where they last longer (Megatron'
 from __future__ import annotations
 
 from disagmoe_ds.planner.cluster import Rates
+from disagmoe_ds.planner.fp8_costs import projection_saved_flops
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
 from disagmoe_ds.planner.workload import Workload
 
@@ -40,7 +41,10 @@ def tp_exposed_s(
     seq_len, group_tokens = work.seq_len, work.tokens_per_micro_batch / groups
     tokens = work.tokens_per_micro_batch / (groups * tp)
     core_flops = tokens * spec.attention_core_flops(seq_len, layer)
-    linear = rates.attention_fwd.seconds(tokens * spec.attention_side_flops(seq_len, layer) - core_flops, calls=0)
+    linear_flops = tokens * spec.attention_side_flops(seq_len, layer) - core_flops
+    if work.fp8:  # FP8 projections are shorter and hide less
+        linear_flops -= tokens * projection_saved_flops(spec, layer)
+    linear = rates.attention_fwd.seconds(linear_flops, calls=0)
     blocks = 1 + (1 if spec.shared_intermediate or not spec.moe_layers[layer] else 0)
     tp_bytes = blocks * 2 * (tp - 1) / tp * group_tokens * ACT_BYTES * spec.hidden_size
     tp_s = tp_bytes / rates.nvlink_bw

@@ -1,12 +1,16 @@
 """The AF-Pipe variants the allocator tries for a layout, and how much offload a side needs (pure Python).
 
-A variant is a ``Workload``: the recompute policy, ``resend`` (F keeps nothing between a micro-batch's forward and
-backward: the tokens come again with the backward and F re-runs the expert forward), per-side ZeRO stages (memory
-at rest), ``offload`` shares (activations in host memory) and ``split_backward`` (a schedule change only, tried at
-simulation time). Every saving costs something (FLOPs, wire bytes, collective bytes or PCIe bytes; resend both
-FLOPs and wire bytes; ``stages.py``, ``task_costs.py``), so a layout tries a variant only if no variant with a
-subset of its savings already holds twice the ring (2 (2p + 1) micro-batches) in flight: beyond that memory buys
-no speed.
+A variant is a ``Workload``: the recompute policy (one for both sides, or with ``per_side_recompute`` one per
+side: say the attention side keeping its activations while the expert side rebuilds them), ``resend`` (F keeps
+nothing between a micro-batch's forward and backward: the tokens come again with the backward and F re-runs the
+expert forward), per-side ZeRO stages (memory at rest), ``offload`` shares (activations in host memory) and
+``split_backward`` (a schedule change only, tried at simulation time). Every saving costs something (FLOPs, wire
+bytes, collective bytes or PCIe bytes; resend both FLOPs and wire bytes; ``stages.py``, ``task_costs.py``), so a
+layout tries a variant only if no variant with a subset of its savings already holds twice the ring (2 (2p + 1)
+micro-batches) in flight: beyond that memory buys no speed. A per-side variant is also not tried where a side it
+recomputes on holds that many under a cheaper policy (``allocator._needless_recompute``); a one-policy variant is
+never pruned for a per-side one, so that a search without them tries every variant it tried before (the search
+stays monotone in its options).
 
 >>> [w.variant for w in memory_variants(Workload(4096, 1), ("none",), frozenset({"resend"}))]
 ['recompute none, ZeRO 1/1', 'recompute none, resend, ZeRO 1/1']
@@ -14,6 +18,7 @@ no speed.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import replace
@@ -22,30 +27,49 @@ from disagmoe_ds.planner.memory import RankMemory
 from disagmoe_ds.planner.recompute import Recompute
 from disagmoe_ds.planner.workload import Workload
 
-VARIANTS = ("selective", "resend", "offload", "split_backward", "zero2", "zero3")
-PAPER: frozenset[str] = frozenset()  # the paper's AF-Pipe: recompute none or full, one ZeRO stage
+VARIANTS = ("selective", "resend", "offload", "split_backward", "zero2", "zero3", "per_side_recompute")
+PAPER: frozenset[str] = frozenset()  # the paper's AF-Pipe: recompute none or full for both sides, one ZeRO stage
+POLICIES: tuple[Recompute, ...] = ("none", "selective", "full")  # each saves what the one before it does, and more
 OFFLOAD_STEP = 0.05  # offload shares are rounded up to this grid
 
 
 def memory_variants(base: Workload, recompute: Iterable[Recompute], allowed: frozenset[str]) -> list[Workload]:
-    """Every memory variant ``allowed`` permits, cheapest first (fewest savings switched on)."""
+    """Every memory variant ``allowed`` permits, cheapest first (fewest savings switched on). Per-side policies
+    (``per_side_recompute``) come without resend, under which the F side keeps nothing and re-runs its whole forward
+    whatever its policy: they would repeat the one-policy variants."""
     z = base.zero_stage
     ffn_stages = sorted({z} | ({max(z, 2)} if "zero2" in allowed else set()) | ({3} if "zero3" in allowed else set()))
     attention_stages = sorted({z} | ({max(z, 2)} if "zero2" in allowed else set()))
+    policies = list(recompute)
     out = []
-    for rc in recompute:
+    for rc in policies:
         for resend in (False, True) if "resend" in allowed else (False,):
             for fz in ffn_stages:
                 for az in attention_stages:
                     out.append(replace(base, recompute=rc, resend=resend, attention_zero_stage=az, ffn_zero_stage=fz))
-    return sorted(out, key=lambda w: len(savings(w)))
+    sides = itertools.permutations(policies, 2) if "per_side_recompute" in allowed else ()
+    for (a, f), fz, az in itertools.product(sides, ffn_stages, attention_stages):
+        out.append(replace(base.with_recompute(a, f), resend=False, attention_zero_stage=az, ffn_zero_stage=fz))
+    return sorted(out, key=_escalation)
+
+
+def _escalation(work: Workload) -> float:
+    """How many savings ``work`` switches on, a recompute policy counted once for both sides (half per side): the
+    one-policy variants keep the order they had before the sides had their own."""
+    return len(savings(work)) - sum(_rank(work.recompute_of(side)) for side in ("attention", "ffn")) / 2
+
+
+def _rank(policy: Recompute) -> int:
+    return POLICIES.index(policy)
 
 
 def savings(work: Workload) -> frozenset[str]:
-    """The memory savings a workload switches on, as comparable labels. "resend" stands for all of F's
-    activations (it re-runs the expert forward, so it also costs FLOPs on F, not only A->F bytes)."""
-    out = {"recompute selective", "recompute full"} if work.recompute == "full" else set()
-    out |= {"recompute selective"} if work.recompute == "selective" else set()
+    """The memory savings a workload switches on, as comparable labels (a side's full recompute saves what its
+    selective one does, and more). "resend" stands for all of F's activations (it re-runs the expert forward, so it
+    also costs FLOPs on F, not only A->F bytes)."""
+    out = set()
+    for side, tag in (("attention", "A"), ("ffn", "F")):
+        out |= {f"{tag} recompute {p}" for p in POLICIES[1 : _rank(work.recompute_of(side)) + 1]}
     out |= {"resend"} if work.resend else set()
     out |= {f"A zero {s}" for s in range(2, work.zero_of("attention") + 1)}
     out |= {f"F zero {s}" for s in range(2, work.zero_of("ffn") + 1)}
@@ -53,9 +77,10 @@ def savings(work: Workload) -> frozenset[str]:
 
 
 def dominated(work: Workload, roomy: list[Workload]) -> bool:
-    """True when a variant with a subset of ``work``'s savings already fits twice the ring in flight."""
+    """True when a variant with a subset of ``work``'s savings already fits twice the ring in flight; a variant with
+    one policy for both sides only by another such (a search without ``per_side_recompute`` tries it too)."""
     mine = savings(work)
-    return any(savings(other) < mine for other in roomy)
+    return any(savings(other) < mine for other in roomy if work.per_side_recompute or not other.per_side_recompute)
 
 
 def offload_share(mem: RankMemory, *, layers: int, target: int, usable: float) -> float | None:
@@ -78,7 +103,9 @@ def variants_used(work: Workload) -> frozenset[str]:
     """The names in ``VARIANTS`` a workload needs switched on (the split backward aside: it is tried at simulation
     time on every simulated plan)."""
     z, sides = work.zero_stage, (work.zero_of("attention"), work.zero_of("ffn"))
-    used = {"selective"} if work.recompute == "selective" else set()
+    policies = {work.recompute_of("attention"), work.recompute_of("ffn")}
+    used = {"selective"} if "selective" in policies else set()
+    used |= {"per_side_recompute"} if work.per_side_recompute else set()
     used |= {"resend"} if work.resend else set()
     used |= {"offload"} if any(work.offload) else set()
     used |= {"zero2"} if any(s == 2 > z for s in sides) else set()

@@ -27,9 +27,13 @@ class Workload:
         split_backward: each backward runs as an input-gradient task on the critical path and a weight-gradient
             task that fills idle time (zero-bubble pipelining on the A/F ring).
         attention_zero_stage, ffn_zero_stage: per-side ZeRO stage (None: ``zero_stage``).
+        attention_recompute, ffn_recompute: per-side recompute policy (None: ``recompute``, which the co-located
+            baseline reads for both sides of its layers); ``with_recompute`` sets both.
         sequence_parallel, tensor_parallel: s and t of an A-lane of s x t ranks (``attention_lanes.py``): DeepSpeed-
             Ulysses over s ranks, Megatron-style TP+SP over t; the lane's micro-batch is split over its s x t ranks.
         lora_rank, lora_targets, lora_train_router: LoRA fine-tuning (``lora.LoRA``; rank 0: full fine-tuning).
+        fp8: the FP8 lever, in both systems: its GEMMs at the FP8 rates, the m2n rows and the co-located dispatch in
+            e4m3 (``fp8_costs.py``); memory unchanged.
     """
 
     seq_len: int
@@ -42,11 +46,14 @@ class Workload:
     split_backward: bool = False
     attention_zero_stage: int | None = None
     ffn_zero_stage: int | None = None
+    attention_recompute: Recompute | None = None
+    ffn_recompute: Recompute | None = None
     sequence_parallel: int = 1
     tensor_parallel: int = 1
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = TARGETS
     lora_train_router: bool = False
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         # validated once; the targets kept in canonical order so that equal runs hash equal
@@ -78,19 +85,43 @@ class Workload:
         stage = self.attention_zero_stage if side == "attention" else self.ffn_zero_stage
         return self.zero_stage if stage is None else stage
 
+    def recompute_of(self, side: str) -> Recompute:
+        """Recompute policy of the "attention" or "ffn" side (the runtime's ``MemoryLevers.recompute_of``)."""
+        policy = self.attention_recompute if side == "attention" else self.ffn_recompute
+        return self.recompute if policy is None else policy
+
     @property
-    def ffn_recompute(self) -> Recompute:
+    def per_side_recompute(self) -> bool:
+        """The sides recompute differently (the runtime's per-side ``"recompute"`` key, not its switches)."""
+        return self.recompute_of("attention") != self.recompute_of("ffn")
+
+    @property
+    def recompute_name(self) -> str:
+        """The sides' policies: one word where they agree ("full"), else each ("A none F full")."""
+        a, f = self.recompute_of("attention"), self.recompute_of("ffn")
+        return a if a == f else f"A {a} F {f}"
+
+    def with_recompute(self, attention: Recompute, ffn: Recompute) -> Workload:
+        """This workload with each side's policy; one policy for both is ``recompute`` alone, as before the sides
+        had their own (so that equal runs hash equal)."""
+        if attention == ffn:
+            return replace(self, recompute=attention, attention_recompute=None, ffn_recompute=None)
+        return replace(self, attention_recompute=attention, ffn_recompute=ffn)
+
+    @property
+    def ffn_rerun(self) -> Recompute:
         """The recompute the F side's backward pays for: with ``resend`` it re-runs the whole expert forward (the
-        compute of full recompute, charged once), otherwise the global policy."""
-        return "full" if self.resend else self.recompute
+        compute of full recompute, charged once), otherwise its own policy."""
+        return "full" if self.resend else self.recompute_of("ffn")
 
     @property
     def variant(self) -> str:
-        """Short name of the AF-Pipe variant, e.g. "recompute selective, resend, ZeRO 1/3"."""
-        parts = [f"recompute {self.recompute}"]
+        """Short name of the AF-Pipe variant, e.g. "recompute selective, resend, ZeRO 1/3" ("recompute A none F
+        full" where the sides differ)."""
+        parts = [f"recompute {self.recompute_name}"]
         parts += ["resend"] if self.resend else []
-        a, f = self.offload
-        parts += [f"offload A {a:.0%} F {f:.0%}"] if a or f else []
+        off_a, off_f = self.offload
+        parts += [f"offload A {off_a:.0%} F {off_f:.0%}"] if off_a or off_f else []
         parts += ["split backward"] if self.split_backward else []
         parts += [f"SP {self.sequence_parallel} x TP {self.tensor_parallel}"] if self.lane_size > 1 else []
         return ", ".join(parts + [f"ZeRO {self.zero_of('attention')}/{self.zero_of('ffn')}"])

@@ -74,6 +74,7 @@ def mode_config(
     ignored = {
         "activation_checkpointing": section.activation_checkpointing,
         "selective_recompute": section.selective_recompute,
+        "recompute": any(policy != "none" for policy in section.recompute.values()),
         "max_in_flight": section.max_in_flight is not None,
         "offload": any(section.offload.values()),
         "resend": section.resend,

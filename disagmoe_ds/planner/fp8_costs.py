@@ -1,0 +1,165 @@
+"""FP8 compute priced for ``disagmoe-plan --fp8`` (issue 42): which GEMMs the runtime's FP8 lever runs in FP8, how much
+faster (``FP8_SPEEDUP``), and the quantize passes it adds (pure Python).
+
+What the lever (``"disagmoe": {"fp8": true}``, ``disagmoe_ds.fp8``) computes in FP8, with rowwise e4m3 scales:
+
+* the attention side's projections, dense MLPs and shared experts: forward, input-grad and weight-grad GEMMs; not the
+  router, the shared-expert gate, the LM head or the attention core (SDPA);
+* the routed experts' gate_up and down grouped GEMMs, forward and input-grad. Their weight-grad GEMMs multiply the
+  dequantized FP8 operands at the bf16 rate (``fp8.gemm.grouped_weight_grad``), so they are priced at it.
+
+An FP8 GEMM costs its bf16 time over its class's factor: its FLOPs enter the same time models (shape table or
+profile) divided by the factor, as bf16-equivalent FLOPs. The token exchange's bytes are ``ModelSpec.wire_bytes_per_
+token``'s and ``colocated_costs.alltoall_s``'s (the m2n rows and the co-located dispatch in e4m3 with a float32 scale
+per row).
+
+Assumption: every quantize (and dequantize) is one unfused pass over its operand at the rates' HBM bandwidth, reading
+2 bytes and writing 1 per element (``PASS_BYTES``); under ``torch.compile`` they fuse into their neighbours, so this
+prices the lever's worst case. Memory is unchanged: master weights, gradients and optimizer state keep their dtype,
+autograd keeps the high-precision inputs, and the FP8 operands are transient.
+
+>>> fp8_speedup("projection"), fp8_speedup("gate_up", 768), fp8_speedup("down", 1536), fp8_speedup("down", 14336)
+(1.77, 1.53, 1.36, 1.36)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from disagmoe_ds.planner.cluster import Rates
+from disagmoe_ds.planner.lora import GemmFlops, LoRA, mixer_projections, mlp_projections
+from disagmoe_ds.planner.model import ModelSpec
+from disagmoe_ds.planner.workload import Workload
+
+# FP8 over bf16 speedup per GEMM class (GEMM, expert width I or 0, factor). Measured on one H200 (torch 2.11, forward
+# GEMMs at the models' real shapes, rowwise e4m3 scales; issue 42): torch._scaled_mm against bf16 on the attention
+# projections, 1.77-1.85x (the low end: the projections' mix was not measured apart); torch._scaled_grouped_mm against
+# bf16 torch._grouped_mm at 32,768 rows on Qwen3-30B-A3B's experts (I = 768) and DeepSeek-V3's (I = 2048).
+# A class the table lacks takes the nearest measured one:
+# * shared experts and dense MLPs: "projection" (the same _scaled_mm on dense, model-sized GEMMs);
+# * every input-grad GEMM and the attention side's weight-grad GEMMs: their forward's factor (only forward GEMMs were
+#   measured; a backward GEMM has the forward's rows and FLOPs, with its other two dimensions swapped);
+# * other expert widths: the nearest measured width in log2 (Qwen3-235B-A22B's 1536 and Mixtral's 14336: 2048's).
+FP8_SPEEDUP: tuple[tuple[str, int, float], ...] = (
+    ("projection", 0, 1.77),
+    ("gate_up", 768, 1.53),
+    ("down", 768, 1.28),
+    ("gate_up", 2048, 1.69),
+    ("down", 2048, 1.36),
+)
+PASS_BYTES = 3  # one quantize: read a bf16 element, write an e4m3 one (a dequantize the other way round)
+
+
+def fp8_speedup(gemm: str, width: int = 0) -> float:
+    """``FP8_SPEEDUP``'s factor of ``gemm`` ("projection", "gate_up", "down") at the measured expert width nearest
+    ``width`` in log2."""
+    rows = [(w, factor) for g, w, factor in FP8_SPEEDUP if g == gemm]
+    return min(rows, key=lambda row: abs(math.log2(max(width, 1) / max(row[0], 1))))[1]
+
+
+def fastest_speedup() -> float:
+    """The largest factor of the table: no FLOP runs faster than bf16 time over it."""
+    return max(factor for _, _, factor in FP8_SPEEDUP)
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """The FP8 lever on one rank's part: ``shards`` ranks hold one layer's FP8 weights between them (the TP degree on
+    the attention side, the EP degree for the routed experts), each quantizing its own share in every call."""
+
+    shards: int = 1
+
+
+def lever(work: Workload, shards: int) -> Fp8 | None:
+    """The FP8 lever of ``work`` on a part whose weights ``shards`` ranks split (None: bf16)."""
+    return Fp8(shards) if work.fp8 else None
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Seconds of a part call's quantize passes: in the forward, the backward's input-grad and its weight-grad."""
+
+    fwd: float = 0.0
+    dgrad: float = 0.0
+    wgrad: float = 0.0
+
+    @property
+    def bwd(self) -> float:
+        return self.dgrad + self.wgrad
+
+
+NO_PASSES = Passes()
+
+
+# ----- the attention side -----
+def projection_flops(spec: ModelSpec, layer: int) -> float:
+    """Forward FLOPs per token of ``layer``'s GEMMs in FP8: its token mixer's projections and the shared or dense
+    MLP's gate, up and down (not the router, not Qwen2's shared-expert gate)."""
+    width = spec.shared_intermediate if spec.moe_layers[layer] else spec.dense_intermediate
+    return spec.attention_projection_flops(layer) + 6 * spec.hidden_size * width
+
+
+def projection_saved_flops(spec: ModelSpec, layer: int) -> float:
+    """The forward FLOPs per token FP8 takes off ``layer``'s A part in bf16-equivalent terms."""
+    return projection_flops(spec, layer) * (1 - 1 / fp8_speedup("projection"))
+
+
+def a_side_fp8_gemms(spec: ModelSpec, layer: int, lora: LoRA, gemm: GemmFlops) -> GemmFlops:
+    """``gemm`` (``lora.a_side_gemm_flops``) in bf16-equivalent FLOPs: the projections at 1/factor in the forward, the
+    input-grad and, where the base weights train, the weight-grad."""
+    saved = projection_saved_flops(spec, layer)
+    return GemmFlops(gemm.fwd - saved, gemm.dgrad - saved, gemm.wgrad - (0.0 if lora.enabled else saved))
+
+
+def projection_rerun_share(fp8: Fp8 | None) -> float:
+    """bf16-equivalent FLOPs per FLOP of a selective recompute's re-run projections."""
+    return 1.0 if fp8 is None else 1 / fp8_speedup("projection")
+
+
+def a_side_passes(spec: ModelSpec, rates: Rates, *, layer: int, tokens: float, lora: LoRA, fp8: Fp8 | None) -> Passes:
+    """The quantize passes of one A part call on ``tokens`` tokens: per projection of in K and out N, the forward's x
+    (K) and weight, the input-grad's dy (N) and weight, the weight-grad's dy and x (N + K, where the base trains);
+    on an MoE layer also the routed rows (H) quantized for the exchange."""
+    if fp8 is None:
+        return NO_PASSES
+    projections = mixer_projections(spec, layer) + mlp_projections(spec, layer)
+    ins, outs = sum(k for k, _ in projections), sum(n for _, n in projections)
+    weights = sum(k * n for k, n in projections) / fp8.shards
+    exchange = spec.hidden_size if spec.moe_layers[layer] else 0
+    wgrad = 0.0 if lora.enabled else tokens * (ins + outs)
+    return _seconds(rates, tokens * (ins + exchange) + weights, tokens * outs + weights, wgrad)
+
+
+# ----- the routed experts -----
+def expert_fp8_gemms(spec: ModelSpec, gemm: GemmFlops) -> GemmFlops:
+    """``gemm`` (``lora.expert_gemm_flops``, per assignment) in bf16-equivalent FLOPs: gate_up (4 H I) and down
+    (2 H I) at 1/factor in the forward and the input-grad; the weight-grad at the bf16 rate."""
+    h, i = spec.hidden_size, spec.expert_intermediate
+    saved = 4 * h * i * (1 - 1 / fp8_speedup("gate_up", i)) + 2 * h * i * (1 - 1 / fp8_speedup("down", i))
+    return GemmFlops(gemm.fwd - saved, gemm.dgrad - saved, gemm.wgrad)
+
+
+def expert_rerun_share(spec: ModelSpec, fp8: Fp8 | None) -> float:
+    """bf16-equivalent FLOPs per FLOP of a selective recompute's re-run gate_up GEMMs."""
+    return 1.0 if fp8 is None else 1 / fp8_speedup("gate_up", spec.expert_intermediate)
+
+
+def expert_passes(spec: ModelSpec, rates: Rates, *, assignments: float, lora: LoRA, fp8: Fp8 | None) -> Passes:
+    """The quantize passes of one expert call of ``assignments`` (token, expert) rows: the forward dequantizes the
+    received e4m3 rows (one per assignment: exact for Megatron's dispatcher, an upper bound where a token comes once
+    per rank) and quantizes gate_up's and down's inputs (H + I), the input-grad their output grads (2I + H); each
+    call quantizes the rank's E/ep experts' weights for both; the bf16-rate weight-grad (where the base trains)
+    quantizes and dequantizes its four operands (dy and x of each GEMM: 3I + 2H, two passes)."""
+    if fp8 is None:
+        return NO_PASSES
+    h, i = spec.hidden_size, spec.expert_intermediate
+    weights = spec.num_experts / fp8.shards * 3 * h * i
+    wgrad = 0.0 if lora.enabled else 2 * assignments * (3 * i + 2 * h)
+    return _seconds(rates, assignments * (2 * h + i) + weights, assignments * (2 * i + h) + weights, wgrad)
+
+
+def _seconds(rates: Rates, fwd: float, dgrad: float, wgrad: float) -> Passes:
+    """Passes over these element counts at the rates' HBM bandwidth."""
+    per = PASS_BYTES / rates.hbm_bw
+    return Passes(fwd * per, dgrad * per, wgrad * per)
