@@ -26,8 +26,9 @@ from disagmoe_ds.planner.baseline_layout import check_layout, parse_layout
 from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
 from disagmoe_ds.planner.colocated_costs import DISPATCHERS
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
+from disagmoe_ds.planner.hf_config import read_model_config
 from disagmoe_ds.planner.inputs import check_at_least_one
-from disagmoe_ds.planner.lora import DEFAULT_TARGETS, TARGETS, LoRA, check_adapts
+from disagmoe_ds.planner.lora import DEFAULT_TARGETS, TARGETS, LoRA, check_adapts, ships_fp8_blocks
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.plan_json import to_json
 from disagmoe_ds.planner.plan_outputs import write_outputs, writes_launch
@@ -238,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --lora-rank: train the routers in full too (default: frozen like every base weight)",
     )
     p.add_argument(
+        "--fp8-base",
+        action="store_true",
+        help="with --lora-rank: the base is a checkpoint shipped in FP8 blocks (DeepSeek-V3's layout), which LoRA "
+        "keeps in FP8 on the ranks: its weight matrices at about 1 byte a parameter, held whole under ZeRO-3 (implied "
+        "where --model's config.json has such a quantization_config)",
+    )
+    p.add_argument(
         "--variants",
         default="all",
         help=f"AF-Pipe variants to try: all, paper (none), or a comma list of {', '.join(VARIANTS)}",
@@ -259,15 +267,17 @@ def _variants(text: str) -> frozenset[str]:
 
 def _lora(args: argparse.Namespace) -> LoRA:
     """The LoRA run the flags ask for; each error names its flag."""
-    if not args.lora_rank and (args.lora_targets is not None or args.lora_train_router):
+    if not args.lora_rank and (args.lora_targets is not None or args.lora_train_router or args.fp8_base):
         given = "--lora-targets" if args.lora_targets is not None else "--lora-train-router"
+        given = "--fp8-base" if args.fp8_base else given
         raise DisagMoEError(f"{given} needs --lora-rank R (R > 0); without it every weight trains")
     targets = (
         DEFAULT_TARGETS if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(",") if t)
     )
     flag = "--lora-rank" if args.lora_rank < 0 else "--lora-targets"
     try:
-        return LoRA(args.lora_rank, targets, args.lora_train_router)
+        fp8_base = args.fp8_base or (args.lora_rank > 0 and ships_fp8_blocks(read_model_config(args.model)[0]))
+        return LoRA(args.lora_rank, targets, args.lora_train_router, fp8_base)
     except ConfigError as err:
         raise ConfigError(f"{flag}: {err}") from err
 

@@ -30,7 +30,7 @@ as much again to the input gradient and as much to its own weight gradients.
 >>> mixer_projections(spec, 0), a_side_adapter_params(spec, 0, lora), expert_adapter_params(spec, lora)
 (((8, 8), (8, 4), (8, 4), (8, 8)), 112, 56)
 >>> a_side_split(spec, 0, lora)  # the A side of the layer: attention, norms, router frozen; the adapters trained
-Params(frozen=240, trained=112)
+Params(frozen=240, trained=112, fp8=0)
 """
 
 from __future__ import annotations
@@ -50,12 +50,14 @@ Projection = tuple[int, int]  # (in_features, out_features) of one Linear
 @dataclass(frozen=True)
 class LoRA:
     """Rank ``rank`` adapters on ``targets`` (rank 0: full fine-tuning, every weight trained); ``train_router``
-    also trains each MoE layer's router in full. Targets are kept in ``TARGETS`` order, so equal runs compare
-    equal."""
+    also trains each MoE layer's router in full; ``fp8_base``: the frozen projections stay as a checkpoint shipped in
+    FP8 blocks holds them (DeepSeek-V3's layout, ``disagmoe_ds.fp8.frozen``). Targets are kept in ``TARGETS`` order,
+    so equal runs compare equal."""
 
     rank: int = 0
     targets: tuple[str, ...] = TARGETS
     train_router: bool = False
+    fp8_base: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -73,6 +75,8 @@ class LoRA:
             raise ConfigError(f"LoRA train_router must be true or false, got {self.train_router!r}")
         if self.train_router and not self.rank:
             raise ConfigError("LoRA train_router needs a LoRA rank above 0 (full fine-tuning trains the router anyway)")
+        if self.fp8_base and not self.rank:
+            raise ConfigError("an FP8 base needs a LoRA rank above 0 (full fine-tuning trains high-precision weights)")
         object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in self.targets))
 
     @property
@@ -85,7 +89,9 @@ class LoRA:
     def describe(self) -> str:
         if not self.enabled:
             return "full fine-tuning"
-        return f"LoRA r={self.rank} on {', '.join(self.targets)}" + (" + router" if self.train_router else "")
+        router = " + router" if self.train_router else ""
+        base = " over an FP8 base" if self.fp8_base else ""
+        return f"LoRA r={self.rank} on {', '.join(self.targets)}{router}{base}"
 
 
 FULL = LoRA()  # full fine-tuning
@@ -94,26 +100,27 @@ FULL = LoRA()  # full fine-tuning
 @dataclass(frozen=True)
 class Params:
     """Parameters by what training keeps for them: ``frozen`` ones their bytes only, ``trained`` ones parameter,
-    gradient and optimizer state."""
+    gradient and optimizer state; ``fp8`` of the frozen ones are held in FP8 blocks (an FP8 base)."""
 
     frozen: float = 0
     trained: float = 0
+    fp8: float = 0
 
     @property
     def total(self) -> float:
         return self.frozen + self.trained
 
     def __add__(self, other: Params) -> Params:
-        return Params(self.frozen + other.frozen, self.trained + other.trained)
+        return Params(self.frozen + other.frozen, self.trained + other.trained, self.fp8 + other.fp8)
 
     def scaled(self, factor: float) -> Params:
-        return Params(self.frozen * factor, self.trained * factor)
+        return Params(self.frozen * factor, self.trained * factor, self.fp8 * factor)
 
     @staticmethod
     def most(parts: Iterable[Params]) -> Params:
         """The most of each kind any of ``parts`` holds (an upper bound on each)."""
         parts = list(parts)
-        return Params(max(p.frozen for p in parts), max(p.trained for p in parts))
+        return Params(max(p.frozen for p in parts), max(p.trained for p in parts), max(p.fp8 for p in parts))
 
 
 # ----- the Linears of each target -----
@@ -194,18 +201,33 @@ def a_side_split(spec: ModelSpec, layer: int, lora: LoRA) -> Params:
     if not lora.enabled:
         return Params(trained=base)
     router = spec.router_params() if lora.train_router and spec.moe_layers[layer] else 0
-    return Params(frozen=base - router, trained=router + a_side_adapter_params(spec, layer, lora))
+    fp8 = _weights(mixer_projections(spec, layer) + mlp_projections(spec, layer)) if lora.fp8_base else 0
+    return Params(frozen=base - router, trained=router + a_side_adapter_params(spec, layer, lora), fp8=fp8)
 
 
 def expert_split(spec: ModelSpec, lora: LoRA) -> Params:
     """One routed expert, with its adapters."""
     base = spec.expert_params()
-    return Params(frozen=base, trained=expert_adapter_params(spec, lora)) if lora.enabled else Params(trained=base)
+    if not lora.enabled:
+        return Params(trained=base)
+    fp8 = _weights(expert_projections(spec)) if lora.fp8_base else 0
+    return Params(frozen=base, trained=expert_adapter_params(spec, lora), fp8=fp8)
+
+
+def _weights(projections: Iterable[Projection]) -> int:
+    """The weight matrices' parameters (what a checkpoint in FP8 blocks quantizes: no norm, bias or router)."""
+    return sum(i * o for i, o in projections)
 
 
 def base_split(params: float, lora: LoRA) -> Params:
     """Base weights no adapter touches (embedding, final norm, LM head): frozen under LoRA."""
     return Params(frozen=params) if lora.enabled else Params(trained=params)
+
+
+def ships_fp8_blocks(config: dict) -> bool:
+    """Whether a config.json dict describes a checkpoint in FP8 blocks (whose base LoRA keeps in FP8)."""
+    quantization = config.get("quantization_config") or {}
+    return quantization.get("quant_method") == "fp8" and quantization.get("weight_block_size") is not None
 
 
 def check_adapts(spec: ModelSpec, lora: LoRA) -> None:

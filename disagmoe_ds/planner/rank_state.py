@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.planner.lora import TARGETS, LoRA, check_adapts
+from disagmoe_ds.planner.lora import TARGETS, LoRA, check_adapts, ships_fp8_blocks
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.training_state import (
     Precision,
@@ -67,7 +67,9 @@ def rank_state_bytes(
         ffn_zero_stage=zero_stage_f,
         precision=precision,
         sequence_parallel=layout.sequence_parallel if isinstance(layout, Layout) else 1,
-    ).with_lora(LoRA(lora_rank, tuple(lora_targets), lora_train_router))
+    )
+    fp8_base = lora_rank > 0 and ships_fp8_blocks(config_dict)  # the runtime keeps such a base in FP8
+    work = work.with_lora(LoRA(lora_rank, tuple(lora_targets), lora_train_router, fp8_base))
     check_adapts(spec, work.lora)
     if isinstance(layout, Layout):
         groups = range(layout.depth)

@@ -221,11 +221,12 @@ def _zero_bytes(spec: ModelSpec, layout: Layout, work: Workload, placement: Plac
     """Per-rank ZeRO-2/3 bytes per micro-batch of each side, keyed by the link they use ("nic" or "nvlink")."""
     m = layout.attention_gpus
     a_params, f_params = busiest_group_params(spec, layout, work.lora)
-    a_trained, a_frozen = rank_params(a_params.trained, work), rank_params(a_params.frozen, work)
+    # ZeRO-3 gathers the high-precision frozen weights; an FP8 base is held whole on every rank
+    a_trained, a_frozen = rank_params(a_params.trained, work), rank_params(a_params.frozen - a_params.fp8, work)
     a_zero, f_zero = work.zero_of("attention"), work.zero_of("ffn")
     a = zero_micro_batch_bytes(a_trained, param_replicas(layout, work), a_zero, work.precision, frozen=a_frozen)
     f = zero_micro_batch_bytes(
-        f_params.trained, layout.expert_data_parallel, f_zero, work.precision, frozen=f_params.frozen
+        f_params.trained, layout.expert_data_parallel, f_zero, work.precision, frozen=f_params.frozen - f_params.fp8
     )
     a_link = "nic" if placement.spans_nodes(layout.attention_ranks(0), attention_gpus=m) else "nvlink"
     f_link = "nic" if placement.spans_nodes(layout.edp_group_ranks(0, 0), attention_gpus=m) else "nvlink"

@@ -70,11 +70,15 @@ class Precision:
         return self.param / dp if zero_stage >= 3 else self.param
 
     def state_bytes(self, params: Params, *, zero_stage: int, dp: int) -> float:
-        """Training-state bytes of ``params`` on one rank of a ``dp``-way data-parallel group."""
-        frozen = params.frozen * self.frozen_per_param(zero_stage=zero_stage, dp=dp) if params.frozen else 0.0
-        return frozen + params.trained * self.per_param(zero_stage=zero_stage, dp=dp)
+        """Training-state bytes of ``params`` on one rank of a ``dp``-way data-parallel group (an FP8 base: its
+        ``FP8_BASE_BYTES`` per parameter on every rank, which ZeRO-3 does not shard: the runtime holds it whole)."""
+        high = params.frozen - params.fp8
+        frozen = high * self.frozen_per_param(zero_stage=zero_stage, dp=dp) if high else 0.0
+        return frozen + params.fp8 * FP8_BASE_BYTES + params.trained * self.per_param(zero_stage=zero_stage, dp=dp)
 
 
+# A weight in FP8 blocks: one e4m3 byte per parameter and a float32 scale per 128 x 128 block (DeepSeek-V3's layout).
+FP8_BASE_BYTES = 1 + 4 / (128 * 128)
 _PRECISIONS = {"bf16": Precision("bf16", 2, 2, 4, 8), "fp32": Precision("fp32", 4, 4, 0, 8)}
 
 
@@ -121,7 +125,7 @@ def attention_state_bytes(spec: ModelSpec, layout: Layout, work: Workload, group
     """Training state of a rank of A-group ``group``: 1/t of the lane's parameters (TP shards them all), ZeRO over
     the d x s ranks holding the same shard (``attention_lanes.py``)."""
     lane = attention_lane_params(spec, layout, group, work.lora)
-    params = Params(rank_params(lane.frozen, work), rank_params(lane.trained, work))
+    params = Params(rank_params(lane.frozen, work), rank_params(lane.trained, work), rank_params(lane.fp8, work))
     precision = Precision.named(work.precision)
     return precision.state_bytes(params, zero_stage=work.zero_of("attention"), dp=param_replicas(layout, work))
 

@@ -31,7 +31,8 @@ class Workload:
             baseline reads for both sides of its layers); ``with_recompute`` sets both.
         sequence_parallel, tensor_parallel: s and t of an A-lane of s x t ranks (``attention_lanes.py``): DeepSpeed-
             Ulysses over s ranks, Megatron-style TP+SP over t; the lane's micro-batch is split over its s x t ranks.
-        lora_rank, lora_targets, lora_train_router: LoRA fine-tuning (``lora.LoRA``; rank 0: full fine-tuning).
+        lora_rank, lora_targets, lora_train_router, lora_fp8_base: LoRA fine-tuning (``lora.LoRA``; rank 0: full
+            fine-tuning).
         fp8: the FP8 lever, in both systems: its GEMMs at the FP8 rates, the m2n rows and the co-located dispatch in
             e4m3 (``fp8_costs.py``); memory unchanged.
     """
@@ -54,22 +55,29 @@ class Workload:
     lora_targets: tuple[str, ...] = TARGETS
     lora_train_router: bool = False
     fp8: bool = False
+    lora_fp8_base: bool = False
 
     def __post_init__(self) -> None:
         # validated once; the targets kept in canonical order so that equal runs hash equal
         try:
-            lora = _lora(self.lora_rank, self.lora_targets, self.lora_train_router)
+            lora = _lora(self.lora_rank, self.lora_targets, self.lora_train_router, self.lora_fp8_base)
         except TypeError:  # unhashable targets (a list): LoRA checks and normalises them
-            lora = LoRA(self.lora_rank, self.lora_targets, self.lora_train_router)
+            lora = LoRA(self.lora_rank, self.lora_targets, self.lora_train_router, self.lora_fp8_base)
         object.__setattr__(self, "lora_targets", lora.targets)
 
     @property
     def lora(self) -> LoRA:
-        return _lora(self.lora_rank, self.lora_targets, self.lora_train_router)
+        return _lora(self.lora_rank, self.lora_targets, self.lora_train_router, self.lora_fp8_base)
 
     def with_lora(self, lora: LoRA) -> Workload:
         """This workload training ``lora``'s adapters (``FULL``: full fine-tuning)."""
-        return replace(self, lora_rank=lora.rank, lora_targets=lora.targets, lora_train_router=lora.train_router)
+        return replace(
+            self,
+            lora_rank=lora.rank,
+            lora_targets=lora.targets,
+            lora_train_router=lora.train_router,
+            lora_fp8_base=lora.fp8_base,
+        )
 
     @property
     def lane_size(self) -> int:
@@ -128,6 +136,6 @@ class Workload:
 
 
 @lru_cache(maxsize=64, typed=True)  # typed: True is no LoRA rank, and must not hit rank 1's entry
-def _lora(rank: int, targets: tuple[str, ...], train_router: bool) -> LoRA:
+def _lora(rank: int, targets: tuple[str, ...], train_router: bool, fp8_base: bool) -> LoRA:
     """``Workload.lora``, validated once: the search builds and asks for hundreds of thousands of workloads."""
-    return LoRA(rank, targets, train_router)
+    return LoRA(rank, targets, train_router, fp8_base)
