@@ -277,21 +277,23 @@ def small_cluster(**overrides) -> Cluster:
     return replace(base, **overrides)
 
 
+MID_MODEL = {  # a 1B-parameter Qwen3-MoE config
+    "model_type": "qwen3_moe",
+    "hidden_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 32000,
+    "intermediate_size": 4096,
+    "moe_intermediate_size": 512,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+}
+
+
 def mid_model(**overrides) -> ModelSpec:
-    cfg = {
-        "model_type": "qwen3_moe",
-        "hidden_size": 1024,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "vocab_size": 32000,
-        "intermediate_size": 4096,
-        "moe_intermediate_size": 512,
-        "num_experts": 16,
-        "num_experts_per_tok": 4,
-    }
-    return ModelSpec.from_config({**cfg, **overrides})
+    return ModelSpec.from_config({**MID_MODEL, **overrides})
 
 
 def plan_for(spec: ModelSpec, cluster: Cluster, seq_len: int, **kwargs):

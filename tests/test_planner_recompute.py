@@ -22,25 +22,13 @@ from disagmoe_ds.planner.runtime_files import runtime_refusal
 from disagmoe_ds.planner.stages import compute_multiplier, side_flops
 from disagmoe_ds.planner.variants import PAPER, memory_variants, variants_used
 from disagmoe_ds.planner.workload import Workload
-from tests.test_planner import mid_model, small_cluster
+from tests.test_planner import MID_MODEL, mid_model, small_cluster
 from tests.test_planner_ds_config import _runtime_accepts, _written
 
 PER_SIDE = frozenset({"per_side_recompute"})
 # The constructed cell: 64 experts of a 1B-parameter model on 8 GPUs of 6 GB. The F side's expert state leaves room
 # for one micro-batch's activations without recompute, short of the ring; the A side keeps all of its own.
-MODEL = {
-    "model_type": "qwen3_moe",
-    "hidden_size": 1024,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "vocab_size": 32000,
-    "intermediate_size": 4096,
-    "moe_intermediate_size": 512,
-    "num_experts": 64,
-    "num_experts_per_tok": 4,
-}
+MODEL = {**MID_MODEL, "num_experts": 64}
 
 
 def _cell() -> PlanRequest:
