@@ -34,7 +34,7 @@ step() {  # step LIMIT_S COMMAND...: run it under timeout (capped by the budget 
 [ "$PART" = layer ] && for model in $MODELS; do
   for batch in ${BATCHES:-1 2}; do
     step "${LIMIT_S:-150}" python bench/bench_layer.py --model "$model" --seq-len "$SEQ" --batch $batch --layer 3 \
-      --paths hf-compiled ours-compiled ours-fp8-compiled hf-fp8-compiled \
+      --paths hf-compiled ours-compiled ours-fp8-compiled ours-fp8-once-compiled hf-fp8-compiled \
       --json "$OUT/layer-$(basename "$model")-b$batch.json"
   done
 done

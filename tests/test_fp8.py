@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from disagmoe_ds.fp8 import dequantize, fp8_grouped_mm, fp8_linear, quantize
 from disagmoe_ds.fp8.gemm import scaled_grouped_mm, scaled_mm
@@ -112,14 +113,13 @@ def test_fp8_grouped_mm_runs_the_rowwise_recipe_per_expert_group() -> None:
                                    atol=1e-4)  # fmt: skip
         torch.testing.assert_close(x.grad[start:end].double(), _q64(dyg, -1) @ _q64(wg.t(), -1).t(), rtol=1e-5,
                                    atol=1e-4)  # fmt: skip
-        dw = _q64(dyg.t(), -1) @ _q64(xg.t(), -1).t() if end > start else torch.zeros(48, 64, dtype=torch.float64)
+        dw = dyg.double().t() @ xg.double()  # the experts' dW in high precision
         torch.testing.assert_close(w.grad[g].double(), dw, rtol=1e-5, atol=1e-4)
 
 
 def test_the_quantizations_compile_to_the_same_bits() -> None:
-    """What CUDA runs (``fused_on_cuda``: the rowwise and the per-group quantization compiled) equals the eager code,
+    """What CUDA runs (``fused_on_cuda``: the rowwise quantization compiled) equals the eager code,
     scales on their boundaries included (here compiled for the CPU: the same graph, another code generator)."""
-    from disagmoe_ds.fp8 import gemm
     from disagmoe_ds.fp8.quantize import E4M3_MAX, rowwise
 
     torch.manual_seed(0)
@@ -131,6 +131,41 @@ def test_the_quantizations_compile_to_the_same_bits() -> None:
     for got, want in zip(fused(x), eager(x), strict=True):
         assert torch.equal(got.float(), want.float())
     assert torch.equal(eager(x)[1][:5, 0], torch.tensor([1.0, 2.0**-3, 2.0**7, 2.0**-20, 2.0]))
-    offsets = torch.tensor([7, 7, 30, 36], dtype=torch.int32)  # an empty group, and rows past the last
-    groups = gemm._per_group_channels.__wrapped__
-    assert torch.equal(torch.compile(groups, dynamic=True)(x, offsets), groups(x, offsets))
+    data, _ = fused(x.t())  # a transposed operand: its FP8 copy comes out row-major
+    assert data.is_contiguous() and torch.equal(data.float(), eager(x.t().contiguous())[0].float())
+
+
+def test_a_step_casts_each_weight_once_until_the_weights_change(monkeypatch) -> None:
+    """Inside ``cast_once_per_step`` a parameter's two FP8 copies are made at its first use and reused by every later
+    micro-batch and pass, the result bit for bit the per-call cast's; ``weights_changed`` (the optimizer step) makes
+    the next use cast the new values; a weight made in the call (here a slice) is cast every time."""
+    from disagmoe_ds.fp8 import weight_cache
+
+    casts = []
+    monkeypatch.setattr(weight_cache, "quantize", lambda x, dim: casts.append(x.shape) or quantize(x, dim))
+    torch.manual_seed(0)
+    w_e, w = nn.Parameter(torch.randn(3, 48, 64)), nn.Parameter(torch.randn(64, 32))
+    x, offsets = torch.randn(40, 32, requires_grad=True), torch.tensor([10, 20, 40], dtype=torch.int32)
+
+    def step() -> list[torch.Tensor]:
+        fp8_grouped_mm(fp8_linear(x, w), w_e, offsets).square().sum().backward()
+        grads = [w.grad.clone(), w_e.grad.clone()]
+        w.grad = w_e.grad = None
+        return grads
+
+    per_call = step()
+    assert len(casts) == 4  # each weight and its transpose
+    with weight_cache.cast_once_per_step():
+        for _ in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(step(), per_call, strict=True))
+        assert len(casts) == 8
+        with torch.no_grad():
+            w_e.mul_(2)
+        weight_cache.weights_changed()
+        y = fp8_grouped_mm(x @ w.t(), w_e, offsets)
+        torch.testing.assert_close(y, 2 * fp8_grouped_mm(x @ w.t(), w_e.detach() / 2, offsets))
+        fp8_grouped_mm(x @ w.t(), w_e[:2], offsets[:2])
+        fp8_grouped_mm(x @ w.t(), w_e[:2], offsets[:2])
+    assert len(casts) == 8 + 1 + 1 + 2  # w_e again, the reference's w_e / 2, each slice
+    fp8_linear(x, w)
+    assert len(casts) == 13  # outside the scope nothing is kept

@@ -5,8 +5,8 @@ same projections in FP8, HF's experts' GEMMs with per-expert scales, its routing
 with gradient accumulation. The tolerance is the fp32 one (``parity.reference.TOLERANCE``, 1e-5 on the loss, every
 gradient and every updated parameter): every GEMM operand is quantized per row or per channel with a power-of-two
 scale, and rounding to e4m3, a floating-point format, does not depend on a power-of-two scale except in its subnormal
-range. So where a rank takes a scale over other rows than the reference does (a dW's per-channel scale over an
-expert rank's rows, an SP slice's tokens, a TP shard's columns of a row-parallel projection), only an element below
+range. So where a rank takes a scale over other rows than the reference does (a dW's per-channel scale over an SP
+slice's tokens, a TP shard's columns of a row-parallel projection), only an element below
 2^-6 of its scale (about 2^-15 of its slice's largest) can round otherwise; what remains is the order of the sums, as
 in fp32. Against the high-precision reference the same runs differ by FP8's own error (losses by about 1e-3,
 gradients by about 1e-2 on these models), so a run whose GEMMs silently left FP8 fails here.

@@ -24,6 +24,7 @@ from disagmoe_ds.afpipe.mailbox import Mailbox
 from disagmoe_ds.afpipe.offload import ActivationOffloader
 from disagmoe_ds.afpipe.runner import Batch, Inbox, Outbox, Runner
 from disagmoe_ds.comm.routing import Capacity, pads
+from disagmoe_ds.fp8.weight_cache import cast_once_per_step, weights_changed
 from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.runtime.deepspeed_role import GradNorm, discard_gradients, zero_grads_of_untouched
 from disagmoe_ds.runtime.step import EvalResult, StepResult, evaluating
@@ -172,9 +173,10 @@ class AFPipeExecutor:
     def _run_stream(self, batches: list[Batch] | None, stream: Iterable[Instruction]) -> None:
         self._batches = self.runner.start_step(batches)
         try:
-            for instruction in stream:
-                self.stall_watch.tick()
-                self._execute(instruction)
+            with cast_once_per_step():
+                for instruction in stream:
+                    self.stall_watch.tick()
+                    self._execute(instruction)
         finally:
             self.stall_watch.stop()
             self._batches = None
@@ -274,6 +276,7 @@ class AFPipeExecutor:
             self.before_step()
 
     def _exec_optimizer_step(self, instruction: OptimizerStep) -> None:
+        weights_changed()
         self.engine.step()
 
     def _result(self, seconds: float) -> StepResult:

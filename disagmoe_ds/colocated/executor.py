@@ -22,6 +22,7 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.moe.utils import is_moe_param
 
 from disagmoe_ds.data.packing import labelled_tokens
+from disagmoe_ds.fp8.weight_cache import cast_once_per_step
 from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.models.model_facts import RoutingFacts
 from disagmoe_ds.runtime import ds_patches
@@ -157,9 +158,10 @@ class ColocatedExecutor:
         start = time.perf_counter()
         self.runner.start_step()
         try:
-            for mb, batch in enumerate(batches):
-                out = self._timed(f"forward {mb}", "compute", partial(self.runner.forward, batch))
-                self._timed(f"backward {mb}", "compute", partial(self.runner.backward, out))
+            with cast_once_per_step():
+                for mb, batch in enumerate(batches):
+                    out = self._timed(f"forward {mb}", "compute", partial(self.runner.forward, batch))
+                    self._timed(f"backward {mb}", "compute", partial(self.runner.backward, out))
             self._timed("step", "optimizer", self._step)
         finally:
             self.stall_watch.stop()
@@ -175,7 +177,7 @@ class ColocatedExecutor:
         assert batches is not None, "every co-located rank reads its lane's data"
         sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
         try:
-            with evaluating(self.engine.module):
+            with evaluating(self.engine.module), cast_once_per_step():
                 for mb, batch in enumerate(batches):
                     out = self._timed(f"eval {mb}", "compute", partial(self.engine, **batch))
                     sums += summed_lm_loss(out.lm_loss, labelled_tokens(batch["labels"]))

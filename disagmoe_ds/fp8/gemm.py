@@ -5,7 +5,7 @@ rowwise float8 training and of its FP8 grouped GEMM for MoE, applied to all thre
 
     forward   y  = x W^T          x per row (token),        W per output channel
     input     dx = dy W           dy per row (token),       W per input channel
-    weight    dW = dy^T x         dy and x per channel, over the tokens (of each expert's group, grouped)
+    weight    dW = dy^T x         dy and x per channel, over the tokens; the experts' grouped dW in high precision
 
 The master weights, their gradients and the optimizer state stay in the model's dtype; only the GEMM operands are
 FP8, quantized again in every forward and backward from the high-precision values autograd saved.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from disagmoe_ds.fp8.quantize import Quantized, cast, dequantize, fused_on_cuda, scale_of
+from disagmoe_ds.fp8.quantize import Quantized, dequantize
 
 
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
@@ -49,20 +49,10 @@ def scaled_grouped_mm(a: Quantized, b: Quantized, offsets: torch.Tensor, out_dty
 
 
 def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``dy_g^T x_g`` for each row group g of ``dy`` [P, N] and ``x`` [P, K]: [e, N, K], each operand quantized per
-    channel over its group's rows (a scale per group and channel)."""
-    # The two operands are 2-D with the groups along the reduction: torch's kernel takes per-group scales there only
-    # in layouts this project has not measured yet, so every device multiplies the dequantized FP8 values, in the
-    # operands' dtype (exact in bfloat16, and a tensor-core GEMM there: float32 grouped GEMMs run per group on CUDA
-    # cores), row-major [P, C], so that the transposed operand's strides stay 16-byte aligned for any row count.
-    return F.grouped_mm(_per_group_channels(dy, offsets).t(), _per_group_channels(x, offsets), offs=offsets)
+    """``dy_g^T x_g`` for each row group g of ``dy`` [P, N] and ``x`` [P, K]: [e, N, K], in the operands' own dtype.
 
-
-@fused_on_cuda
-def _per_group_channels(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The values of ``x`` [P, C] in e4m3 with one scale per channel and row group, in ``x``'s dtype."""
-    group_of_row = torch.bucketize(torch.arange(x.shape[0], device=x.device), offsets, right=True)
-    amax = x.new_zeros(len(offsets) + 1, x.shape[1], dtype=torch.float32)  # the last: rows past every group
-    rows = group_of_row[:, None].expand(-1, x.shape[1])
-    amax.scatter_reduce_(0, rows, x.detach().abs().float(), "amax")
-    return dequantize(cast(x.detach(), scale_of(amax)[group_of_row]), x.dtype)
+    The experts' weight gradient stays in high precision (torchao's ``rowwise_with_gw_hp`` recipe): torch's FP8
+    kernel for this layout (both operands 2-D, the groups along the reduction) needs every group's rows padded to a
+    multiple of 16, which dropless groups are not, and quantizing each operand per group and channel cost more than
+    the GEMM (performance-log §24)."""
+    return F.grouped_mm(dy.t(), x, offs=offsets)

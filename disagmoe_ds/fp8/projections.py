@@ -7,6 +7,8 @@ the input GEMM. A custom Function's ``needs_input_grad`` is fixed at its forward
 each, a node of their own that the engine reports on (``torch._C._will_engine_execute_node``; a leaf's gradient
 accumulator cannot be asked under ``autograd.grad``). A compiled region's backward is traced once for every pass and
 computes what ``needs_input_grad`` says.
+
+The weights' FP8 copies come from ``weight_cache`` (cast once per optimizer step inside an executor's step).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from disagmoe_ds.fp8.gemm import grouped_weight_grad, scaled_grouped_mm, scaled_mm
 from disagmoe_ds.fp8.quantize import quantize
+from disagmoe_ds.fp8.weight_cache import quantized_weight
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,7 +56,7 @@ class _Linear(torch.autograd.Function):
         x_MK = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x_MK, weight)
         ctx.shape = x.shape
-        y_MN = scaled_mm(quantize(x_MK, -1), quantize(weight, -1), x.dtype)
+        y_MN = scaled_mm(quantize(x_MK, -1), quantized_weight(weight), x.dtype)
         return y_MN.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -62,7 +65,7 @@ class _Linear(torch.autograd.Function):
         dy_MN = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
         if wanted(ctx, 0):
-            dx = scaled_mm(quantize(dy_MN, -1), quantize(weight.t(), -1), dy.dtype).view(ctx.shape)
+            dx = scaled_mm(quantize(dy_MN, -1), quantized_weight(weight, transposed=True), dy.dtype).view(ctx.shape)
         if wanted(ctx, 1):
             dw = scaled_mm(quantize(dy_MN.t(), -1), quantize(x_MK.t(), -1), weight.dtype)
         return dx, dw
@@ -72,14 +75,15 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight, offsets)
-        return scaled_grouped_mm(quantize(x, -1), quantize(weight, -1), offsets, x.dtype)
+        return scaled_grouped_mm(quantize(x, -1), quantized_weight(weight), offsets, x.dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight, offsets = ctx.saved_tensors
         dx = dw = None
         if wanted(ctx, 0):
-            dx = scaled_grouped_mm(quantize(dy, -1), quantize(weight.transpose(1, 2), -1), offsets, dy.dtype)
+            w_t = quantized_weight(weight, transposed=True)
+            dx = scaled_grouped_mm(quantize(dy, -1), w_t, offsets, dy.dtype)
         if wanted(ctx, 1):
             dw = grouped_weight_grad(dy, x, offsets).to(weight.dtype)
         return dx, dw, None

@@ -13,8 +13,8 @@ Quantizing what ``dequantize`` returns gives the same values again (a row's larg
 scale, and every value is then still exact), so rows sent in FP8 (``round_trip``: the values the routed experts see)
 cost the expert GEMMs nothing more: their own rowwise quantization of those rows changes none of them.
 
-On CUDA, outside a compiled region, the rowwise quantization and the per-group one of ``gemm`` run compiled
-(``fused_on_cuda``: a reduction and one cast kernel, no float32 copy of the operand), as they would inside one;
+On CUDA, outside a compiled region, the rowwise quantization runs compiled (``fused_on_cuda``: a reduction and one
+cast kernel, no float32 copy of the operand), as it would inside one;
 eagerly they cost more than the FP8 GEMMs save, and a float32 copy of a large model's expert weights does not fit.
 """
 
@@ -77,9 +77,10 @@ def quantize(x: torch.Tensor, dim: int) -> Quantized:
 
 @fused_on_cuda
 def rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize(x, -1)``'s data and scales."""
+    """``quantize(x, -1)``'s data (contiguous: the FP8 kernels read a transposed weight's rows from memory, and this is
+    where the copy fuses into the cast) and scales."""
     q = cast(x, scale_of(x.abs().amax(dim=-1, keepdim=True)))
-    return q.data, q.scale
+    return q.data.contiguous(), q.scale
 
 
 def scale_of(amax: torch.Tensor) -> torch.Tensor:

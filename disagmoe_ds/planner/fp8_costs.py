@@ -5,8 +5,8 @@ What the lever (``"disagmoe": {"fp8": true}``, ``disagmoe_ds.fp8``) computes in 
 
 * the attention side's projections, dense MLPs and shared experts: forward, input-grad and weight-grad GEMMs; not the
   router, the shared-expert gate, the LM head or the attention core (SDPA);
-* the routed experts' gate_up and down grouped GEMMs, forward and input-grad. Their weight-grad GEMMs multiply the
-  dequantized FP8 operands at the bf16 rate (``fp8.gemm.grouped_weight_grad``), so they are priced at it.
+* the routed experts' gate_up and down grouped GEMMs, forward and input-grad. Their weight-grad GEMMs run in bf16 on
+  the high-precision operands (``fp8.gemm.grouped_weight_grad``), so they are priced at its rate, with no passes.
 
 An FP8 GEMM costs its bf16 time over its class's factor: its FLOPs enter the same time models (shape table or
 profile) divided by the factor, as bf16-equivalent FLOPs. The token exchange's bytes are ``ModelSpec.wire_bytes_per_
@@ -145,18 +145,16 @@ def expert_rerun_share(spec: ModelSpec, fp8: Fp8 | None) -> float:
     return 1.0 if fp8 is None else 1 / fp8_speedup("gate_up", spec.expert_intermediate)
 
 
-def expert_passes(spec: ModelSpec, rates: Rates, *, assignments: float, lora: LoRA, fp8: Fp8 | None) -> Passes:
+def expert_passes(spec: ModelSpec, rates: Rates, *, assignments: float, fp8: Fp8 | None) -> Passes:
     """The quantize passes of one expert call of ``assignments`` (token, expert) rows: the forward dequantizes the
     received e4m3 rows (one per assignment: exact for Megatron's dispatcher, an upper bound where a token comes once
     per rank) and quantizes gate_up's and down's inputs (H + I), the input-grad their output grads (2I + H); each
-    call quantizes the rank's E/ep experts' weights for both; the bf16-rate weight-grad (where the base trains)
-    quantizes and dequantizes its four operands (dy and x of each GEMM: 3I + 2H, two passes)."""
+    call quantizes the rank's E/ep experts' weights for both; the weight-grad runs in bf16 and quantizes nothing."""
     if fp8 is None:
         return NO_PASSES
     h, i = spec.hidden_size, spec.expert_intermediate
     weights = spec.num_experts / fp8.shards * 3 * h * i
-    wgrad = 0.0 if lora.enabled else 2 * assignments * (3 * i + 2 * h)
-    return _seconds(rates, assignments * (2 * h + i) + weights, assignments * (2 * i + h) + weights, wgrad)
+    return _seconds(rates, assignments * (2 * h + i) + weights, assignments * (2 * i + h) + weights, 0.0)
 
 
 def _seconds(rates: Rates, fwd: float, dgrad: float, wgrad: float) -> Passes:

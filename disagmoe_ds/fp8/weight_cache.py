@@ -1,0 +1,68 @@
+"""FP8 weights cast once per optimizer step, not once per micro-batch and pass (Transformer Engine's
+``is_first_microbatch``, done by scope).
+
+A weight's FP8 copies (rowwise for the forward, of its transpose for the input gradient) depend only on the weight,
+which changes only at the optimizer step; casting them in every call costs an HBM pass over every weight per
+micro-batch, as much as the FP8 GEMMs save on an expert shard (performance-log §24). Inside ``cast_once_per_step``
+(an executor's step or evaluation) each parameter's copies are made on first use and kept until the step changes the
+weights (``weights_changed``, the executors' optimizer step) or the scope ends. Outside it nothing is kept.
+
+What is kept: a parameter used whole (the tensor an FP8 GEMM gets is the parameter or a view of it with the same
+shape and strides); a slice, or a weight computed in the call (a LoRA merge, a dequantized frozen base), is cast each
+time. Memory: two FP8 bytes per such parameter for the step (``planner.training_state`` prices it).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from disagmoe_ds.fp8.quantize import Quantized, quantize
+
+_Key = tuple[int, bool]  # (id of the parameter, transposed)
+_kept: dict[_Key, tuple[weakref.ref[nn.Parameter], Quantized]] | None = None
+
+
+@contextmanager
+def cast_once_per_step() -> Iterator[None]:
+    """Keep each parameter's FP8 copies from its first use until ``weights_changed`` or the end of the scope."""
+    global _kept
+    outer, _kept = _kept, {}
+    try:
+        yield
+    finally:
+        _kept = outer
+
+
+def weights_changed() -> None:
+    """Drop every kept copy (the optimizer step is about to change the weights)."""
+    if _kept is not None:
+        _kept.clear()
+
+
+def quantized_weight(weight: torch.Tensor, transposed: bool = False) -> Quantized:
+    """``quantize(weight, -1)`` (``transposed``: of ``weight``'s last two dimensions swapped), kept for the step where
+    ``weight`` is a whole parameter inside ``cast_once_per_step``."""
+    rows = weight.transpose(-2, -1) if transposed else weight
+    owner = None if _kept is None or torch.compiler.is_compiling() else _whole_parameter(weight)
+    if _kept is None or owner is None:
+        return quantize(rows, -1)
+    key = (id(owner), transposed)
+    kept = _kept.get(key)
+    if kept is not None and kept[0]() is owner:
+        return kept[1]
+    q = quantize(rows, -1)
+    _kept[key] = (weakref.ref(owner), q)
+    return q
+
+
+def _whole_parameter(weight: torch.Tensor) -> nn.Parameter | None:
+    """The parameter ``weight`` is, or is an identical view of; None for anything else."""
+    owner = weight if weight._base is None else weight._base
+    if not isinstance(owner, nn.Parameter) or owner.shape != weight.shape or owner.stride() != weight.stride():
+        return None
+    return owner
