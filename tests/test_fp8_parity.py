@@ -46,7 +46,11 @@ DISAGGREGATED = [
     Job(M=2, N=2, K=2, extra={"sequence_parallel": 2}, label="sp2"),
     Job(M=2, N=2, K=2, extra={"tensor_parallel": 2}, label="tp2"),
 ]  # fmt: skip
-COLOCATED = [ColocatedJob(K=2), ColocatedJob(K=2, extra=LORA, label="lora")]
+COLOCATED = [
+    ColocatedJob(K=2),
+    ColocatedJob(K=2, extra=LORA, label="lora"),
+    ColocatedJob(K=2, extra={"fp8_cast_per_call": True}, label="cast-per-call"),  # no weight copies kept
+]
 
 
 def _assert_fp8_parity(summary: dict, args: VerifyArgs, lanes: int) -> None:

@@ -14,6 +14,7 @@ import pytest
 from disagmoe_ds.afpipe.build import build_rank
 from disagmoe_ds.afpipe.job_schedule import job_schedule
 from disagmoe_ds.config import DisagMoEConfig
+from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.loading import build_meta_model, load_config
 from disagmoe_ds.models.lora_settings import GROUPS, LoraSettings
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern
@@ -132,3 +133,17 @@ def test_the_job_plan_holds_the_costs_each_rank_computed() -> None:
         job_schedule(rank_config, plan.layout, args.cfg, plan.schedule_costs),
         _in_the_rank(rank_config, plan.layout, args.cfg, before),
     )
+
+
+def test_an_fp8_jobs_schedule_is_costed_with_fp8() -> None:
+    """A job with ``"fp8"`` gets the planner's FP8 task costs: the m2n rows in e4m3 (H + 4 bytes instead of 2H), the
+    experts' GEMMs at the FP8 rates; casting the expert weights in every call makes the expert calls dearer again."""
+    config = load_config(str(ROOT / "hf_models" / "DeepSeek-V3"))
+    layout = Layout(attention_gpus=8, ffn_gpus=8, num_layers=config.num_hidden_layers, num_experts=256)
+    base = {"attention_gpus": 8, "ffn_gpus": 8}
+    bf16, fp8, per_call = (
+        job_costs(config.to_dict(), layout, DisagMoEConfig(**base, **extra), seq_len=4096, micro_batch_size=1)
+        for extra in ({}, {"fp8": True}, {"fp8": True, "fp8_cast_per_call": True})
+    )
+    assert fp8.m2n == pytest.approx(bf16.m2n * (7168 + 4) / (2 * 7168), rel=0.05)
+    assert fp8.f_fwd < 0.8 * bf16.f_fwd and fp8.f_fwd < per_call.f_fwd and fp8.a_fwd < bf16.a_fwd

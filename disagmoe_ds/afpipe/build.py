@@ -193,6 +193,7 @@ class Disaggregated:
             comm_timeout_s=cfg.comm_timeout_s,
             offloader=self._offloader(parts, schedule, worker),
             before_step=self._tensor_parallel_grads(parts),
+            fp8_cast_once=cfg.fp8_cast_once,
         )
 
     @staticmethod

@@ -9,6 +9,7 @@ filled by ``WaitRecv``, and the ``Outbox`` of each task that ran, emptied by ``S
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -88,8 +89,10 @@ class AFPipeExecutor:
         comm_timeout_s: float | None = None,
         offloader: ActivationOffloader | None = None,
         before_step: Callable[[], None] | None = None,
+        fp8_cast_once: bool = False,
     ):
         self.engine = engine
+        self.fp8_cast_once = fp8_cast_once  # each FP8 weight cast once per step (``fp8.weight_cache``)
         self.before_step = before_step  # after the step's backwards, before DeepSpeed reduces (tensor parallel sums)
         self.offloader = offloader  # saved activations of chosen chunks to host memory (``"offload"``)
         self.runner = runner
@@ -173,7 +176,7 @@ class AFPipeExecutor:
     def _run_stream(self, batches: list[Batch] | None, stream: Iterable[Instruction]) -> None:
         self._batches = self.runner.start_step(batches)
         try:
-            with cast_once_per_step():
+            with cast_once_per_step() if self.fp8_cast_once else contextlib.nullcontext():
                 for instruction in stream:
                     self.stall_watch.tick()
                     self._execute(instruction)

@@ -144,6 +144,7 @@ class Colocated:
             comm_timeout_s=self.cfg.comm_timeout_s,
             micro_batch_size=parts.micro_batch_size,
             routing=parts.routing,
+            fp8_cast_once=self.cfg.fp8_cast_once,
         )
 
 

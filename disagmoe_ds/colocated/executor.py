@@ -11,6 +11,7 @@ divided by DeepSpeed's data-parallel size W: again the mean over all W * K micro
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from functools import partial
@@ -122,8 +123,10 @@ class ColocatedExecutor:
         comm_timeout_s: float | None = None,
         micro_batch_size: int = 1,
         routing: RoutingFacts | None = None,
+        fp8_cast_once: bool = False,
     ):
         self.engine = engine
+        self.fp8_cast_once = fp8_cast_once  # each FP8 weight cast once per step (``fp8.weight_cache``)
         self.micro_batch_size, self.routing = micro_batch_size, routing  # what ``warm_up`` captures graphs for
         self.runner = ColocatedRunner(engine, num_micro_batches=num_micro_batches)
         self.num_micro_batches = num_micro_batches
@@ -158,7 +161,7 @@ class ColocatedExecutor:
         start = time.perf_counter()
         self.runner.start_step()
         try:
-            with cast_once_per_step():
+            with self._cast_scope():
                 for mb, batch in enumerate(batches):
                     out = self._timed(f"forward {mb}", "compute", partial(self.runner.forward, batch))
                     self._timed(f"backward {mb}", "compute", partial(self.runner.backward, out))
@@ -177,7 +180,7 @@ class ColocatedExecutor:
         assert batches is not None, "every co-located rank reads its lane's data"
         sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
         try:
-            with evaluating(self.engine.module), cast_once_per_step():
+            with evaluating(self.engine.module), self._cast_scope():
                 for mb, batch in enumerate(batches):
                     out = self._timed(f"eval {mb}", "compute", partial(self.engine, **batch))
                     sums += summed_lm_loss(out.lm_loss, labelled_tokens(batch["labels"]))
@@ -185,6 +188,9 @@ class ColocatedExecutor:
             self.stall_watch.stop()
         dist.all_reduce(sums, group=self.group)
         return EvalResult(sums[0].item(), int(sums[1].item()))
+
+    def _cast_scope(self) -> contextlib.AbstractContextManager[None]:
+        return cast_once_per_step() if self.fp8_cast_once else contextlib.nullcontext()
 
     def _step(self) -> None:
         zero_grads_of_untouched(self.engine)  # an expert slice nobody routed to: every replica reduces the same buffers

@@ -85,6 +85,11 @@ SECTION_FLAGS: dict[str, Flag] = {
         "FP8 GEMMs (rowwise scales) for the routed experts and the attention side's projections, forward and backward",
         type=None,
     ),
+    "fp8_cast_per_call": Flag(
+        "with --fp8, cast the weights to FP8 in every call, not once per optimizer step: no FP8 copies kept (2 bytes "
+        "a weight parameter), one more HBM pass over every weight per micro-batch",
+        type=None,
+    ),
     # AF-Pipe's memory levers (LEVER_KEYS)
     "resend": Flag("experts keep nothing between forward and backward", type=None),
     "cuda_graphs": Flag("replay the parts as CUDA graphs (GPU ranks)", type=None),
@@ -122,6 +127,7 @@ LAYOUT_KEYS = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "s
 
 LEVER_KEYS = (
     "fp8",
+    "fp8_cast_per_call",
     "resend",
     "cuda_graphs",
     "capacity_factor",

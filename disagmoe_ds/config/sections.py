@@ -191,15 +191,24 @@ class Kernels(Section):
         fp8: the routed experts' grouped GEMMs and the attention side's projections (attention, dense and shared
             MLPs; not the router, not the LM head) in FP8 with rowwise power-of-two scales, forward and both backward
             GEMMs (``disagmoe_ds.fp8``); weights, gradients and optimizer state keep their dtype. On CUDA torch's FP8
-            kernels, elsewhere an exact emulation.
+            kernels, elsewhere an exact emulation. Each weight is cast to FP8 once per optimizer step and its two FP8
+            copies kept for the step (``fp8.weight_cache``: 2 bytes a parameter), unless ``fp8_cast_per_call``.
+        fp8_cast_per_call: with ``fp8``, cast the weights in every call instead (an HBM pass over every weight per
+            micro-batch and pass; no copies kept), for a rank whose memory has no room for the step's copies.
     """
 
     compile: bool = False
     cuda_graphs: bool = False
     fp8: bool = False
+    fp8_cast_per_call: bool = False
 
     def _check(self) -> None:
-        self._switches("compile", "cuda_graphs", "fp8")
+        self._switches("compile", "cuda_graphs", "fp8", "fp8_cast_per_call")
+
+    @property
+    def fp8_cast_once(self) -> bool:
+        """The FP8 weights are cast once per optimizer step (``fp8.weight_cache``)."""
+        return self.fp8 and not self.fp8_cast_per_call
 
 
 @dataclass(frozen=True, kw_only=True)

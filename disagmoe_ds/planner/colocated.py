@@ -35,7 +35,7 @@ an input (``Rates.routing_imbalance``). docs/planner.md section 8 holds the resu
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -271,11 +271,11 @@ def colocated_candidates(
         if shape.vpp > 1:
             micro_batches = max(shape.pp, -(-micro_batches // shape.pp) * shape.pp)  # Megatron: a multiple of pp
         alive = _chunks_alive(shape, micro_batches)
-        for rc in policies:
+        for w in _memory_options(work, policies):
+            rc = w.recompute
             if shape.overlap == "paired" and not paired_allowed(shape, rc):
                 rejected["Megatron refuses the 1F1B a2a overlap here (full recompute, or PP > 1 without VPP)"] += 1
                 continue
-            w = replace(work, recompute=rc)
             mem = baseline_rank_memory(spec, w, shape, world_size=cluster.world_size, chunks_alive=alive)
             if mem.total > rates.usable_hbm:
                 rejected[f"does not fit memory (recompute {rc})"] += 1
@@ -286,6 +286,16 @@ def colocated_candidates(
             out.append(ColocatedCandidate(shape, w, micro_batches, mem, costs, replicas, sync, optimizer))
             break
     return out, rejected
+
+
+def _memory_options(work: Workload, policies: Iterable[Recompute]) -> Iterator[Workload]:
+    """``work`` under each recompute policy, cheapest first, each followed under FP8 by its variant without the
+    step's FP8 weight copies (``Workload.fp8_cast_per_call``)."""
+    for rc in policies:
+        w = replace(work, recompute=rc)
+        yield w
+        if w.fp8_cast_once:
+            yield replace(w, fp8_cast_per_call=True)
 
 
 def _chunks_alive(shape: Shape, micro_batches: int) -> int:

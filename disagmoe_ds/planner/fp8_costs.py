@@ -15,8 +15,11 @@ per row).
 
 Assumption: every quantize (and dequantize) is one unfused pass over its operand at the rates' HBM bandwidth, reading
 2 bytes and writing 1 per element (``PASS_BYTES``); under ``torch.compile`` they fuse into their neighbours, so this
-prices the lever's worst case. Memory is unchanged: master weights, gradients and optimizer state keep their dtype,
-autograd keeps the high-precision inputs, and the FP8 operands are transient.
+prices the lever's worst case. The routed experts' weights are cast once per optimizer step, not per call (the
+runtime's ``fp8.weight_cache``: ``weight_cast_s``, with the optimizer step), and their two FP8 copies
+(``CAST_COPIES`` bytes a parameter) stay for the step (``memory.py``); the attention side's run inside its compiled
+parts, where they are cast in every call. Master weights, gradients and optimizer state keep their dtype, autograd
+keeps the high-precision inputs, and the activations' FP8 operands are transient.
 
 >>> fp8_speedup("projection"), fp8_speedup("gate_up", 768), fp8_speedup("down", 1536), fp8_speedup("down", 14336)
 (1.77, 1.53, 1.36, 1.36)
@@ -28,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from disagmoe_ds.planner.cluster import Rates
-from disagmoe_ds.planner.lora import GemmFlops, LoRA, mixer_projections, mlp_projections
+from disagmoe_ds.planner.lora import GemmFlops, LoRA, Params, mixer_projections, mlp_projections
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.workload import Workload
 
@@ -49,6 +52,7 @@ FP8_SPEEDUP: tuple[tuple[str, int, float], ...] = (
     ("down", 2048, 1.36),
 )
 PASS_BYTES = 3  # one quantize: read a bf16 element, write an e4m3 one (a dequantize the other way round)
+CAST_COPIES = 2  # a weight's FP8 copies for a step: rowwise (forward) and of its transpose (input-grad), 1 B each
 
 
 def fp8_speedup(gemm: str, width: int = 0) -> float:
@@ -66,14 +70,16 @@ def fastest_speedup() -> float:
 @dataclass(frozen=True)
 class Fp8:
     """The FP8 lever on one rank's part: ``shards`` ranks hold one layer's FP8 weights between them (the TP degree on
-    the attention side, the EP degree for the routed experts), each quantizing its own share in every call."""
+    the attention side, the EP degree for the routed experts); ``per_call``: the expert weights are cast in every
+    call (``Workload.fp8_cast_per_call``), not once a step."""
 
     shards: int = 1
+    per_call: bool = False
 
 
 def lever(work: Workload, shards: int) -> Fp8 | None:
     """The FP8 lever of ``work`` on a part whose weights ``shards`` ranks split (None: bf16)."""
-    return Fp8(shards) if work.fp8 else None
+    return Fp8(shards, work.fp8_cast_per_call) if work.fp8 else None
 
 
 @dataclass(frozen=True)
@@ -148,13 +154,26 @@ def expert_rerun_share(spec: ModelSpec, fp8: Fp8 | None) -> float:
 def expert_passes(spec: ModelSpec, rates: Rates, *, assignments: float, fp8: Fp8 | None) -> Passes:
     """The quantize passes of one expert call of ``assignments`` (token, expert) rows: the forward dequantizes the
     received e4m3 rows (one per assignment: exact for Megatron's dispatcher, an upper bound where a token comes once
-    per rank) and quantizes gate_up's and down's inputs (H + I), the input-grad their output grads (2I + H); each
-    call quantizes the rank's E/ep experts' weights for both; the weight-grad runs in bf16 and quantizes nothing."""
+    per rank) and quantizes gate_up's and down's inputs (H + I), the input-grad their output grads (2I + H); the
+    weight-grad runs in bf16 and quantizes nothing. The rank's E/ep experts' weights are cast once a step
+    (``weight_cast_s``), or with ``per_call`` in every call, for the forward and again for the input-grad."""
     if fp8 is None:
         return NO_PASSES
     h, i = spec.hidden_size, spec.expert_intermediate
-    weights = spec.num_experts / fp8.shards * 3 * h * i
+    weights = spec.num_experts / fp8.shards * 3 * h * i if fp8.per_call else 0.0
     return _seconds(rates, assignments * (2 * h + i) + weights, assignments * (2 * i + h) + weights, 0.0)
+
+
+def cast_expert_weights(experts: Params, lora: LoRA) -> float:
+    """How many of a rank's expert parameters ``experts`` the step casts to FP8: the base weights (full
+    fine-tuning: the trained ones; LoRA: the frozen ones, not an FP8 base's nor the adapters)."""
+    return experts.frozen - experts.fp8 if lora.enabled else experts.trained
+
+
+def weight_cast_s(weights: float, rates: Rates) -> float:
+    """Seconds of a step's FP8 copies of ``weights`` parameters: two passes (rowwise and of the transpose), made at
+    their first use and kept for the step (the runtime's ``fp8.weight_cache``)."""
+    return weights * CAST_COPIES * PASS_BYTES / rates.hbm_bw
 
 
 def _seconds(rates: Rates, fwd: float, dgrad: float, wgrad: float) -> Passes:

@@ -22,7 +22,16 @@ from functools import lru_cache
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import data_lanes, rank_params, rank_tokens
 from disagmoe_ds.planner.colocated_costs import Shape
-from disagmoe_ds.planner.lora import FULL, LoRA, a_side_adapter_bytes, a_side_split, expert_adapter_bytes, expert_split
+from disagmoe_ds.planner.fp8_costs import CAST_COPIES, cast_expert_weights
+from disagmoe_ds.planner.lora import (
+    FULL,
+    LoRA,
+    Params,
+    a_side_adapter_bytes,
+    a_side_split,
+    expert_adapter_bytes,
+    expert_split,
+)
 from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
 from disagmoe_ds.planner.pipeline_split import chunk_layers
 from disagmoe_ds.planner.rank_state import rank_state_bytes
@@ -32,6 +41,7 @@ from disagmoe_ds.planner.training_state import (
     attention_state_bytes,
     baseline_stage_params,
     baseline_state_bytes,
+    ffn_rank_params,
     ffn_state_bytes,
 )
 from disagmoe_ds.planner.workload import Workload
@@ -140,7 +150,8 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
         share = work.offload[1]
         working += _offload_window(act, len(moe), share)
         working += _gathered(layout.experts_per_rank * expert_split(spec, lora).total, zero, work.precision)
-        mem = RankMemory(ffn_state_bytes(spec, layout, work, g), act * (1 - share), working, in_flight, act * share)
+        state = ffn_state_bytes(spec, layout, work, g) + _fp8_copies(ffn_rank_params(spec, layout, g, lora), work)
+        mem = RankMemory(state, act * (1 - share), working, in_flight, act * share)
         worst = mem if worst is None or mem.total > worst.total else worst
     assert worst is not None
     return worst
@@ -197,7 +208,7 @@ def _baseline_rank_memory(
             zero_stage=work.zero_stage,
             dense_dp=world_size // (pp * tp),
             expert_dp=world_size // (pp * ep),
-        )
+        ) + _fp8_copies(experts, work)
         mem = RankMemory(state, act, _working(full, saved, work.recompute) + logits, chunks_alive)
         worst = mem if worst is None or mem.total > worst.total else worst
     assert worst is not None
@@ -245,3 +256,8 @@ def _offload_window(kept: float, layers: int, share: float) -> float:
 def _gathered(layer_params: float, zero_stage: int, precision: str) -> float:
     """ZeRO-3 gathers a layer's parameters before use and prefetches the next: two layers in full."""
     return 2 * layer_params * Precision.named(precision).param if zero_stage >= 3 else 0.0
+
+
+def _fp8_copies(experts: Params, work: Workload) -> float:
+    """Under FP8, the bytes of the FP8 copies of a rank's expert weights, kept for the step (``fp8.weight_cache``)."""
+    return cast_expert_weights(experts, work.lora) * CAST_COPIES if work.fp8_cast_once else 0.0

@@ -11,6 +11,8 @@ It starts after the global gradient norm (clipping needs it), so after the last 
   slower side, usually an F rank holding the state of many experts (``af_optimizer_s``);
 * co-located: every rank steps its own shard; the rank of the heaviest stage decides (``baseline_optimizer_s``).
 
+Under FP8 a rank's step also carries the casts of its expert weights, once a step (``fp8_costs.weight_cast_s``).
+
 >>> from disagmoe_ds.planner.cluster import Efficiency, Rates, preset
 >>> rates = Rates.from_cluster(preset("h200", nodes=1), Efficiency())
 >>> round(optimizer_step_s(4.832e9, precision="bf16", rates=rates), 3)  # AF-Pipe's F rank on 2 H200s: 104 ms
@@ -25,6 +27,8 @@ from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import param_replicas, rank_params
 from disagmoe_ds.planner.cluster import HBM_BW_H200, Efficiency, Rates
 from disagmoe_ds.planner.colocated_costs import Shape
+from disagmoe_ds.planner.fp8_costs import cast_expert_weights, weight_cast_s
+from disagmoe_ds.planner.lora import Params
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.training_state import baseline_stage_params, busiest_group_params
 from disagmoe_ds.planner.workload import Workload
@@ -71,8 +75,14 @@ def af_optimizer_s(spec: ModelSpec, layout: Layout, work: Workload, rates: Rates
     f = state_params(f_params.trained, replicas=layout.expert_data_parallel, zero_stage=work.zero_of("ffn"))
     return (
         optimizer_step_s(a, precision=work.precision, rates=rates),
-        optimizer_step_s(f, precision=work.precision, rates=rates),
+        optimizer_step_s(f, precision=work.precision, rates=rates) + _expert_casts_s(f_params, work, rates),
     )
+
+
+def _expert_casts_s(experts: Params, work: Workload, rates: Rates) -> float:
+    """Under FP8, the step's casts of a rank's expert weights (``fp8_costs.weight_cast_s``), paid once a step like
+    the optimizer step (at the first micro-batch; priced here, with it)."""
+    return weight_cast_s(cast_expert_weights(experts, work.lora), rates) if work.fp8_cast_once else 0.0
 
 
 def baseline_optimizer_s(spec: ModelSpec, work: Workload, shape: Shape, *, world_size: int, rates: Rates) -> float:
@@ -84,5 +94,6 @@ def baseline_optimizer_s(spec: ModelSpec, work: Workload, shape: Shape, *, world
         _, dense, experts = baseline_stage_params(spec, pp=pp, vpp=shape.vpp, ep=ep, stage=stage, lora=work.lora)
         params = state_params(dense.trained / tp, replicas=world_size // (pp * tp), zero_stage=work.zero_stage)
         params += state_params(experts.trained, replicas=world_size // (pp * ep), zero_stage=work.zero_stage)
-        worst = max(worst, optimizer_step_s(params, precision=work.precision, rates=rates))
+        step = optimizer_step_s(params, precision=work.precision, rates=rates) + _expert_casts_s(experts, work, rates)
+        worst = max(worst, step)
     return worst

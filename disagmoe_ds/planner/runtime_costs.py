@@ -52,6 +52,10 @@ class CostedSettings(Protocol):
     def experts_sharded(self) -> bool: ...
     @property
     def lora(self) -> LoraSettings | None: ...
+    @property
+    def fp8(self) -> bool: ...
+    @property
+    def fp8_cast_per_call(self) -> bool: ...
 
 
 def job_costs(
@@ -78,6 +82,8 @@ def job_costs(
         compiled=settings.compile,
         ffn_zero_stage=3 if settings.experts_sharded else None,
         lora=_costed_lora(settings.lora),
+        fp8=settings.fp8,
+        fp8_cast_per_call=settings.fp8_cast_per_call,
     )
 
 
@@ -108,6 +114,8 @@ def runtime_task_costs(
     compiled: bool = False,
     ffn_zero_stage: int | None = None,
     lora: LoRA = FULL,
+    fp8: bool = False,
+    fp8_cast_per_call: bool = False,
 ) -> AfTaskCosts:
     """Seconds per task and transfer of one micro-batch for ``layout``, ranks placed contiguously (attention first).
 
@@ -122,6 +130,8 @@ def runtime_task_costs(
             their weight gradients stay in the backward (no A-side W task); the experts' GEMMs still split.
         ffn_zero_stage: the expert side's ZeRO stage where the job sets one; at 3 its backward stays whole.
         lora: the job's LoRA adapters: frozen base weights skip their weight gradients (``lora.GemmFlops``).
+        fp8, fp8_cast_per_call: the FP8 lever (``DisagMoEConfig.fp8``): its GEMMs at the FP8 rates, its quantize
+            passes and the m2n rows in e4m3 (``fp8_costs.py``); the expert weights cast in every call with the second.
     """
     spec = ModelSpec.from_config(config)
     nodes = math.ceil(layout.world_size / GPUS_PER_PRESET_NODE)
@@ -134,7 +144,13 @@ def runtime_task_costs(
     placement = Placement.contiguous(machines.nodes, machines.gpus_per_node)
     nics = placement.nic_splits(machines, layout.attention_gpus)[0]
     work = Workload(
-        seq_len, micro_batch_size, resend=resend, split_backward=split_backward, ffn_zero_stage=ffn_zero_stage
+        seq_len,
+        micro_batch_size,
+        resend=resend,
+        split_backward=split_backward,
+        ffn_zero_stage=ffn_zero_stage,
+        fp8=fp8,
+        fp8_cast_per_call=fp8_cast_per_call,
     ).with_lora(lora)
     task_costs = af_task_costs(spec, layout, work, placement=placement, rates=rates, nics=nics)
     return attention_wgrad_folded(task_costs) if compiled else task_costs

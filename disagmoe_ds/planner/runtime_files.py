@@ -239,7 +239,9 @@ def _lora(work: Workload) -> dict[str, Any]:
 
 def _fp8(work: Workload) -> dict[str, Any]:
     """The runtime's FP8 lever of a plan priced with FP8 (``--fp8``), else nothing."""
-    return {"fp8": True} if work.fp8 else {}
+    if not work.fp8:
+        return {}
+    return {"fp8": True} | ({"fp8_cast_per_call": True} if work.fp8_cast_per_call else {})
 
 
 def hostfile(result: PlanResult, chosen: AfPlan | BaselinePlan | None = None) -> str:

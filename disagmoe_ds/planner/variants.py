@@ -50,6 +50,8 @@ def memory_variants(base: Workload, recompute: Iterable[Recompute], allowed: fro
     sides = itertools.permutations(policies, 2) if "per_side_recompute" in allowed else ()
     for (a, f), fz, az in itertools.product(sides, ffn_stages, attention_stages):
         out.append(replace(base.with_recompute(a, f), resend=False, attention_zero_stage=az, ffn_zero_stage=fz))
+    if base.fp8_cast_once:  # each variant again without the step's FP8 weight copies
+        out += [replace(work, fp8_cast_per_call=True) for work in out]
     return sorted(out, key=_escalation)
 
 
@@ -73,6 +75,7 @@ def savings(work: Workload) -> frozenset[str]:
     out |= {"resend"} if work.resend else set()
     out |= {f"A zero {s}" for s in range(2, work.zero_of("attention") + 1)}
     out |= {f"F zero {s}" for s in range(2, work.zero_of("ffn") + 1)}
+    out |= {"FP8 cast per call"} if work.fp8_cast_per_call else set()
     return frozenset(out)
 
 

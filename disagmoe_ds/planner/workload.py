@@ -34,7 +34,9 @@ class Workload:
         lora_rank, lora_targets, lora_train_router, lora_fp8_base: LoRA fine-tuning (``lora.LoRA``; rank 0: full
             fine-tuning).
         fp8: the FP8 lever, in both systems: its GEMMs at the FP8 rates, the m2n rows and the co-located dispatch in
-            e4m3 (``fp8_costs.py``); memory unchanged.
+            e4m3 (``fp8_costs.py``), the expert weights cast once a step and their FP8 copies held for it.
+        fp8_cast_per_call: with ``fp8``, the expert weights cast in every call instead (no copies held; the
+            runtime's ``fp8_cast_per_call``), a memory variant.
     """
 
     seq_len: int
@@ -55,6 +57,7 @@ class Workload:
     lora_targets: tuple[str, ...] = TARGETS
     lora_train_router: bool = False
     fp8: bool = False
+    fp8_cast_per_call: bool = False
     lora_fp8_base: bool = False
 
     def __post_init__(self) -> None:
@@ -64,6 +67,11 @@ class Workload:
         except TypeError:  # unhashable targets (a list): LoRA checks and normalises them
             lora = LoRA(self.lora_rank, self.lora_targets, self.lora_train_router, self.lora_fp8_base)
         object.__setattr__(self, "lora_targets", lora.targets)
+
+    @property
+    def fp8_cast_once(self) -> bool:
+        """The expert weights are cast to FP8 once a step, their copies held for it."""
+        return self.fp8 and not self.fp8_cast_per_call
 
     @property
     def lora(self) -> LoRA:
