@@ -9,7 +9,8 @@ weights (``weights_changed``, the executors' optimizer step) or the scope ends. 
 
 What is kept: a parameter used whole (the tensor an FP8 GEMM gets is the parameter or a view of it with the same
 shape and strides); a slice, or a weight computed in the call (a LoRA merge, a dequantized frozen base), is cast each
-time. Memory: two FP8 bytes per such parameter for the step (``planner.training_state`` prices it).
+time, and so is every weight inside a compiled region or a CUDA graph capture. Memory: two FP8 bytes per such
+parameter for the step (the planner prices them, ``planner.memory``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def quantized_weight(weight: torch.Tensor, transposed: bool = False) -> Quantize
     """``quantize(weight, -1)`` (``transposed``: of ``weight``'s last two dimensions swapped), kept for the step where
     ``weight`` is a whole parameter inside ``cast_once_per_step``."""
     rows = weight.transpose(-2, -1) if transposed else weight
-    owner = None if _kept is None or torch.compiler.is_compiling() else _whole_parameter(weight)
+    owner = None if _kept is None or _inside_a_graph() else _whole_parameter(weight)
     if _kept is None or owner is None:
         return quantize(rows, -1)
     key = (id(owner), transposed)
@@ -58,6 +59,12 @@ def quantized_weight(weight: torch.Tensor, transposed: bool = False) -> Quantize
     q = quantize(rows, -1)
     _kept[key] = (weakref.ref(owner), q)
     return q
+
+
+def _inside_a_graph() -> bool:
+    """Being compiled or captured: a graph must cast the weights itself (a kept copy would be a constant to it, stale
+    after the next optimizer step)."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _whole_parameter(weight: torch.Tensor) -> nn.Parameter | None:
