@@ -77,6 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from disagmoe_ds.comm.routing import combine, count_ids, pack, plan_dispatch
+from disagmoe_ds.fp8.quantize import round_trip
 from disagmoe_ds.fp8.weight_cache import cast_once_per_step
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.context import build_context
@@ -192,6 +193,7 @@ def _ours_step(parts, h_BSH, ctx, grad_BSH):
     out = attention_part(h_BSH, ctx, config)
     plan = plan_dispatch(out.topk_idx_TK, 1, shard.num_local)
     ((x_RH, w_RK),) = pack(out.x_TH, out.topk_w_TK, plan)
+    x_RH = round_trip(x_RH) if getattr(shard, "fp8", False) else x_RH  # the rows the FP8 lever sends
     y_RH = shard(x_RH, plan.local_idx_RK[0], w_RK, plan.pairs[0])
     HeldActivations.end()
     (out.residual_BSH + combine([y_RH], plan).view_as(out.residual_BSH)).backward(grad_BSH)

@@ -12,7 +12,7 @@ from torch import nn
 
 from disagmoe_ds.fp8 import dequantize, fp8_grouped_mm, fp8_linear, quantize
 from disagmoe_ds.fp8.gemm import scaled_grouped_mm, scaled_mm
-from disagmoe_ds.fp8.quantize import round_trip
+from disagmoe_ds.fp8.quantize import E4M3, round_trip
 
 
 def _e4m3_round(v: float) -> float:
@@ -169,3 +169,23 @@ def test_a_step_casts_each_weight_once_until_the_weights_change(monkeypatch) -> 
     assert len(casts) == 8 + 1 + 1 + 2  # w_e again, the reference's w_e / 2, each slice
     fp8_linear(x, w)
     assert len(casts) == 13  # outside the scope nothing is kept
+
+
+def test_routed_rows_in_fp8_are_kept_in_fp8_for_the_weight_gradient() -> None:
+    """Rows that are FP8 values already (the routed tokens, as the lever sends them) are kept for dW as their e4m3
+    bytes and scales, not as the [P, K] input, and give bit for bit the gradients of keeping the input."""
+    torch.manual_seed(0)
+    x = round_trip(torch.randn(40, 64, dtype=torch.bfloat16)).requires_grad_()
+    w = torch.randn(3, 48, 64, dtype=torch.bfloat16, requires_grad=True)
+    offsets, dy = torch.tensor([12, 12, 40], dtype=torch.int32), torch.randn(40, 48, dtype=torch.bfloat16)
+    grads, kept = [], {}
+    for fp8_rows in (False, True):
+        saved: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, s=saved: s.append((t.dtype, tuple(t.shape))) or t, lambda t: t
+        ):
+            y = fp8_grouped_mm(x, w, offsets, fp8_rows=fp8_rows)
+        kept[fp8_rows] = [dtype for dtype, shape in saved if shape == (40, 64)]
+        grads.append(torch.autograd.grad(y, [x, w], dy))
+    assert kept == {False: [torch.bfloat16], True: [E4M3]}
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -28,6 +28,7 @@ from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_veri
 from disagmoe_ds.fp8 import gemm, projections
 from disagmoe_ds.fp8.modules import Fp8Linear, convert_linears
 from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
+from disagmoe_ds.fp8.quantize import round_trip
 from disagmoe_ds.models.lora import LoraLinear
 from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.parity.reference import TOLERANCE, VerifyArgs, reference
@@ -148,7 +149,7 @@ def test_an_expert_shard_on_hf_s_module_computes_as_its_grouped_path_in_fp8() ->
     shard = ExpertStage(model, (1,), 0, 4).shard(1)  # experts 0-3 of 8: ids 4 are the sentinel
     shard.fp8 = True
     torch.manual_seed(0)
-    x = torch.randn(9, model.config.hidden_size, requires_grad=True)
+    x = round_trip(torch.randn(9, model.config.hidden_size)).requires_grad_()  # the rows as the lever sends them
     idx, w = torch.randint(0, 5, (9, 2)), torch.rand(9, 2)
     grouped, hf = shard(x, idx, w), shard.forward_hf(x, idx, w)
     torch.testing.assert_close(grouped, hf, rtol=0, atol=1e-6)

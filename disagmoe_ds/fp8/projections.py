@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from disagmoe_ds.fp8.gemm import grouped_weight_grad, scaled_grouped_mm, scaled_mm
-from disagmoe_ds.fp8.quantize import quantize
+from disagmoe_ds.fp8.quantize import Quantized, dequantize, quantize
 from disagmoe_ds.fp8.weight_cache import quantized_weight
 
 
@@ -28,10 +28,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y if bias is None else y + bias
 
 
-def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def fp8_grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, fp8_rows: bool = False
+) -> torch.Tensor:
     """``F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)`` with its GEMMs in FP8: row group i of ``x`` [P, K]
-    times ``weight[i]^T`` (``weight`` [e, N, K], the HF layout of fused expert projections)."""
-    return _GroupedLinear.apply(*viewed(x, weight), offsets)
+    times ``weight[i]^T`` (``weight`` [e, N, K], the HF layout of fused expert projections). ``fp8_rows``: ``x``'s
+    rows are FP8 values already (routed tokens, sent in FP8): autograd keeps them for dW as their e4m3 bytes and
+    scales, half the memory of ``x``, from which it gets back exactly ``x`` (quantizing FP8 values changes none)."""
+    return _GroupedLinear.apply(*viewed(x, weight), offsets, fp8_rows)
 
 
 def viewed(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -73,17 +77,20 @@ class _Linear(torch.autograd.Function):
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, offsets)
-        return scaled_grouped_mm(quantize(x, -1), quantized_weight(weight), offsets, x.dtype)
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, fp8_rows: bool) -> torch.Tensor:
+        q = quantize(x, -1)
+        ctx.save_for_backward(weight, offsets, *((q.data, q.scale) if fp8_rows else (x,)))
+        ctx.dtype = x.dtype
+        return scaled_grouped_mm(q, quantized_weight(weight), offsets, x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, weight, offsets = ctx.saved_tensors
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        weight, offsets, *kept = ctx.saved_tensors
         dx = dw = None
         if wanted(ctx, 0):
             w_t = quantized_weight(weight, transposed=True)
             dx = scaled_grouped_mm(quantize(dy, -1), w_t, offsets, dy.dtype)
         if wanted(ctx, 1):
+            x = dequantize(Quantized(*kept), ctx.dtype) if len(kept) == 2 else kept[0]
             dw = grouped_weight_grad(dy, x, offsets).to(weight.dtype)
-        return dx, dw, None
+        return dx, dw, None, None

@@ -90,7 +90,8 @@ def grouped_gated_experts(
     leaves those rows unwritten); pairs past the bound are dropped. ``adapters``: LoRA factors of both projections
     (``models.lora``), two more grouped GEMMs per projection. ``limit``: the SwiGLU's clamp (DeepSeek-V4's
     ``swiglu_limit``), None for none. ``fp8``: the two projections' GEMMs (forward and both backward ones, not the
-    adapters') in FP8 (``disagmoe_ds.fp8``), see ``_projected_experts``. A projection given as ``BlockScaled`` is a
+    adapters') in FP8 (``disagmoe_ds.fp8``), see ``_projected_experts``; ``x_RH``'s rows must then be FP8 values (as
+    the lever sends the routed tokens), which autograd keeps in e4m3. A projection given as ``BlockScaled`` is a
     frozen FP8 base (``fp8.frozen``): its GEMMs multiply the weight it stands for (``fp8.blocks``), no dW.
     """
     elementwise = EAGER if elementwise is None else elementwise
@@ -142,7 +143,8 @@ def _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapt
     scaling = 0.0 if adapters is None else adapters.scaling
 
     def middle(x_PH: torch.Tensor, w_P: torch.Tensor) -> torch.Tensor:
-        return elementwise.gated(_adapted_mm(x_PH, gate_up_eFH, gate_up, scaling, offsets_e, fp8), w_P, act_fn)
+        gate_up_PF = _adapted_mm(x_PH, gate_up_eFH, gate_up, scaling, offsets_e, fp8, fp8_rows=fp8)
+        return elementwise.gated(gate_up_PF, w_P, act_fn)
 
     w_mid_P = torch.ones_like(w_P) if fp8 else w_P
     if recompute:
@@ -153,15 +155,16 @@ def _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapt
     return (out_PH * w_P.unsqueeze(1)).to(out_PH.dtype) if fp8 else out_PH
 
 
-def _adapted_mm(x_PD, w_eND, factors, scaling, offsets_e, fp8=False):
+def _adapted_mm(x_PD, w_eND, factors, scaling, offsets_e, fp8=False, fp8_rows=False):
     """``x W_e^T + s * (x A_e^T) B_e^T`` per group (``factors`` None: ``x W_e^T``), the first GEMM in FP8 when
-    ``fp8`` (or on a frozen block-scaled FP8 ``w_eND``), the adapters' in the model's dtype; the rank is zero-padded to
-    a 16-byte row (grouped GEMMs need aligned rows; the padded columns are zero, so they change nothing and get no
-    gradient)."""
+    ``fp8`` (or on a frozen block-scaled FP8 ``w_eND``), the adapters' in the model's dtype; the rank is zero-padded
+    to a 16-byte row (grouped GEMMs need aligned rows; the padded columns are zero, so they change nothing and get no
+    gradient). ``fp8_rows``: ``x``'s rows are FP8 values (the routed tokens, as the lever sends them in every
+    layout), kept so for dW (``fp8_grouped_mm``)."""
     if isinstance(w_eND, BlockScaled):
         base_PN = block_grouped_mm(x_PD, w_eND, offsets_e)
     elif fp8:
-        base_PN = fp8_grouped_mm(x_PD, w_eND, offsets_e)
+        base_PN = fp8_grouped_mm(x_PD, w_eND, offsets_e, fp8_rows=fp8_rows)
     else:
         base_PN = _grouped_mm(x_PD, w_eND.transpose(1, 2), offsets_e)
     if factors is None:

@@ -32,7 +32,7 @@ from disagmoe_ds.planner.lora import (
     expert_adapter_bytes,
     expert_split,
 )
-from disagmoe_ds.planner.model import ACT_BYTES, ModelSpec
+from disagmoe_ds.planner.model import ACT_BYTES, FP8_ROW_SCALE_BYTES, ModelSpec
 from disagmoe_ds.planner.pipeline_split import chunk_layers
 from disagmoe_ds.planner.rank_state import rank_state_bytes
 from disagmoe_ds.planner.recompute import Recompute, a_side_saved_bytes, expert_saved_bytes_per_assignment
@@ -132,7 +132,9 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
     gathered copies and every expert tensor) is working memory.
     """
     zero, lora, recompute = work.zero_of("ffn"), work.lora, work.recompute_of("ffn")
-    per_assignment = spec.f_side_activation_bytes_per_assignment() + expert_adapter_bytes(spec, lora)
+    per_assignment = (
+        spec.f_side_activation_bytes_per_assignment() + expert_adapter_bytes(spec, lora) - _fp8_rows_saving(spec, work)
+    )
     tokens_per_replica = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.expert_data_parallel
     assignments = tokens_per_replica * spec.top_k / layout.ep_size
     received = tokens_per_replica * spec.distinct_ranks_per_token(layout.ep_size) / layout.ep_size
@@ -256,6 +258,15 @@ def _offload_window(kept: float, layers: int, share: float) -> float:
 def _gathered(layer_params: float, zero_stage: int, precision: str) -> float:
     """ZeRO-3 gathers a layer's parameters before use and prefetches the next: two layers in full."""
     return 2 * layer_params * Precision.named(precision).param if zero_stage >= 3 else 0.0
+
+
+def _fp8_rows_saving(spec: ModelSpec, work: Workload) -> float:
+    """Bytes per assignment the FP8 lever saves on the F side: the gate/up input is kept for dW as its e4m3 rows and
+    their scales (``fp8.projections.fp8_grouped_mm``'s ``fp8_rows``), H + 4 bytes instead of 2H, unless LoRA's adapter
+    GEMMs or a selective recompute's checkpoint keep the bf16 rows anyway."""
+    if not work.fp8 or work.lora.enabled or work.recompute_of("ffn") == "selective":
+        return 0.0
+    return ACT_BYTES * spec.hidden_size - (spec.hidden_size + FP8_ROW_SCALE_BYTES)
 
 
 def _fp8_copies(experts: Params, work: Workload) -> float:
