@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The FP8 session on one GPU, in two calls of under 10 minutes, torchao and DeepSpeed from ./.whl:
-#   1. (layer) bench_layer.py per model and batch (1 and 2 x SEQ tokens): HF's layer compiled in bf16 and with torchao's
-#      rowwise FP8 training, ours compiled in bf16 and with "fp8": true
+#   1. (layer) check_fp8_cuda.py (torch's FP8 kernels against the CPU emulation), then bench_layer.py per model and
+#      batch (1 and 2 x SEQ tokens): HF's layer compiled in bf16 and with torchao's rowwise FP8 training, ours
+#      compiled in bf16 and with "fp8": true (weights cast in every call, and once a step)
 #   2. (e2e) bench_e2e.py, the co-located mode on one GPU, 4 real-size layers, 8 x 1 x SEQ tokens a step, bf16 and --fp8
 #      (full training and LoRA rank 16), as far as the budget allows
 # Every step runs under `timeout`, capped by BUDGET_S seconds from the start (default 560). Writes to $OUT: env.txt,
@@ -31,6 +32,7 @@ step() {  # step LIMIT_S COMMAND...: run it under timeout (capped by the budget 
   timeout "$limit" "$@" >> "$LOG" 2>&1
   echo "### exit $? after $((SECONDS - t0)) s" >> "$LOG"
 }
+[ "$PART" = layer ] && step 120 python bench/check_fp8_cuda.py  # torch's FP8 kernels against the CPU emulation
 [ "$PART" = layer ] && for model in $MODELS; do
   for batch in ${BATCHES:-1 2}; do
     step "${LIMIT_S:-150}" python bench/bench_layer.py --model "$model" --seq-len "$SEQ" --batch $batch --layer 3 \
