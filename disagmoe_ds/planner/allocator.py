@@ -62,7 +62,7 @@ def _layouts(req: PlanRequest, counter: Counter) -> list[Layout]:
     """Every layout the Layout class accepts (placements filter the splits further)."""
     spec, world = req.spec, req.cluster.world_size
     out = []
-    for m in range(1, world):
+    for m in range(1, world) if req.attention_gpus is None else (req.attention_gpus,):
         n = world - m
         for p in divisors(spec.num_layers):
             if m % p or n % p:
@@ -127,7 +127,7 @@ def _needless_recompute(req: PlanRequest, layout: Layout, work: Workload, enough
         mine, other = work.recompute_of(side), work.recompute_of(SIDES[1 - k])
         for cheaper in (p for p in req.recompute_options if POLICIES.index(p) < POLICIES.index(mine)):
             less = work.with_recompute(*((cheaper, other) if k == 0 else (other, cheaper)))
-            if _memory(req.spec, layout, less)[k].max_in_flight(req.rates.usable_hbm) >= enough:
+            if _memory(req.spec, layout, less)[k].max_in_flight(req.rates.side(side).usable_hbm) >= enough:
                 return True
     return False
 
@@ -142,21 +142,22 @@ def _fit_memory(
 ) -> list[tuple[Workload, RankMemory, RankMemory, int]] | None:
     """The variant as is (if at least one micro-batch fits) and, where offload is allowed and the ring is
     short of 2p + 1 micro-batches, with the smallest offload shares that fill it; None if neither fits."""
-    usable, out = req.rates.usable_hbm, []
+    out: list[tuple[Workload, RankMemory, RankMemory, int]] = []
+    usable, usable_f = req.rates.usable_hbm, req.rates.side("ffn").usable_hbm
     mem_a, mem_f = _memory(req.spec, layout, work)
-    cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable))
+    cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable_f))
     if cap >= 1:
         out.append((work, mem_a, mem_f, cap))
     ring = min(micro_batches, 2 * layout.depth + 1)
     if "offload" in req.af_variants and cap < ring:
         shares = (
             offload_share(mem_a, layers=layout.layers_per_group, target=ring, usable=usable),
-            offload_share(mem_f, layers=layout.layers_per_group, target=ring, usable=usable),
+            offload_share(mem_f, layers=layout.layers_per_group, target=ring, usable=usable_f),
         )
         if shares[0] is not None and shares[1] is not None:
             off = replace(work, offload=(shares[0], shares[1]))
             mem_a, mem_f = _memory(req.spec, layout, off)
-            off_cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable))
+            off_cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable_f))
             host = (
                 req.cluster.gpus_per_node * ring * max(mem_a.offloaded_per_micro_batch, mem_f.offloaded_per_micro_batch)
             )

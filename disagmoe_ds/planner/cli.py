@@ -5,6 +5,8 @@
     disagmoe-plan profile --model hf_models/Qwen3-30B-A3B --seq-len 4096 --out profile.json
     disagmoe-plan study [--models Qwen3-235B-A22B] [--seq-len 4096,16384] [--ablate]
     disagmoe-plan calibrate                       # the baseline against published Megatron-Core runs
+    disagmoe-plan fleet --model M --seq-len S --attention-cluster h200 --attention-nodes 8 \
+        --ffn-cluster a100 --ffn-nodes 8          # two GPU types: each side on its own, against homogeneous uses
     disagmoe-plan sweep --model hf_models/Qwen3-30B-A3B --out docs/sweep   # where AF-Pipe pays: JSON + PNG
 
 Console-script entry point: ``disagmoe-plan = disagmoe_ds.planner.cli:main``.
@@ -360,6 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from disagmoe_ds.planner import study
 
             return study.main(argv[1:])
+        if argv[:1] == ["fleet"]:
+            from disagmoe_ds.planner import fleet
+
+            return fleet.main(argv[1:])
         if argv[:1] == ["calibrate"]:
             from disagmoe_ds.planner import calibration
 

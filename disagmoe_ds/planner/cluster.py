@@ -157,7 +157,13 @@ def _h200(nodes: int) -> Cluster:
     return Cluster("h200", nodes, 8, 989e12, 143771 * _MIB, 450e9, 8, 50e9, hbm_bw=HBM_BW_H200)
 
 
-PRESETS = {"h800": _h800, "h100": _h100, "h200": _h200}
+def _a100(nodes: int) -> Cluster:
+    # A100 SXM 80 GB: 312 TFLOP/s dense bf16, 81920 MiB, 2.04 TB/s HBM2e, NVLink 600 GB/s total (300 one way),
+    # 8 x 200 Gb/s HDR NICs per node (DGX A100), PCIe Gen4 x16 (16 GT/s x 16 lanes x 128b/130b = 31.5 GB/s).
+    return Cluster("a100", nodes, 8, 312e12, 81920 * _MIB, 300e9, 8, 25e9, pcie_bw=31.5e9, hbm_bw=2.039e12)
+
+
+PRESETS = {"h800": _h800, "h100": _h100, "h200": _h200, "a100": _a100}
 
 
 def preset(name: str, nodes: int) -> Cluster:
@@ -250,6 +256,12 @@ class Rates:
     # the busiest rank's expert load over the mean: 1 is forced-balanced routing; real (dropless) routing is
     # above 1, and every MoE layer waits for its busiest rank (``part_times.expert_call_s``, the all-to-all)
     routing_imbalance: float = 1.0
+    # a fleet of two GPU types (``fleet.py``): the expert side's own rates; None where both sides share these
+    ffn: Rates | None = None
+
+    def side(self, name: str) -> Rates:
+        """The rates of the ``"attention"`` or ``"ffn"`` side's GPUs."""
+        return self.ffn if name == "ffn" and self.ffn is not None else self
 
     @classmethod
     def from_cluster(cls, cluster: Cluster, eff: Efficiency) -> Rates:

@@ -66,8 +66,8 @@ def _af_sync_s(
 ) -> tuple[float, float]:
     m = layout.attention_gpus
 
-    def rate(ranks: tuple[int, ...], nic_share: float) -> float:
-        return nic_share * rates.nic_bw if placement.spans_nodes(ranks, attention_gpus=m) else rates.nvlink_bw
+    def rate(ranks: tuple[int, ...], nic_share: float, side: Rates) -> float:
+        return nic_share * side.nic_bw if placement.spans_nodes(ranks, attention_gpus=m) else side.nvlink_bw
 
     a_params, f_params = busiest_group_params(spec, layout, work.lora)
     a = step_sync_s(
@@ -75,14 +75,14 @@ def _af_sync_s(
         param_replicas(layout, work),
         work.zero_of("attention"),
         precision=work.precision,
-        bytes_per_s=rate(layout.attention_ranks(0), nics[0] / m),
+        bytes_per_s=rate(layout.attention_ranks(0), nics[0] / m, rates),
     )
     f = step_sync_s(
         f_params.trained,
         layout.expert_data_parallel,
         work.zero_of("ffn"),
         precision=work.precision,
-        bytes_per_s=rate(layout.edp_group_ranks(0, 0), nics[1] / layout.ffn_gpus),
+        bytes_per_s=rate(layout.edp_group_ranks(0, 0), nics[1] / layout.ffn_gpus, rates.side("ffn")),
     )
     return a, f
 

@@ -75,7 +75,8 @@ def af_optimizer_s(spec: ModelSpec, layout: Layout, work: Workload, rates: Rates
     f = state_params(f_params.trained, replicas=layout.expert_data_parallel, zero_stage=work.zero_of("ffn"))
     return (
         optimizer_step_s(a, precision=work.precision, rates=rates),
-        optimizer_step_s(f, precision=work.precision, rates=rates) + _expert_casts_s(f_params, work, rates),
+        optimizer_step_s(f, precision=work.precision, rates=rates.side("ffn"))
+        + _expert_casts_s(f_params, work, rates.side("ffn")),
     )
 
 

@@ -46,6 +46,8 @@ class PlanRequest:
         baseline_recompute: the co-located recompute policy (None: the cheapest that fits).
         sequence_parallel, tensor_parallel: the A-lane degrees s and t to try (``attention_lanes.py``), each pair
             where the model and the A-group allow it.
+        attention_gpus: a fixed split, M attention GPUs on the first nodes (a fleet of two GPU types, ``fleet.py``,
+            whose expert side's rates are ``rates.ffn``); None: searched.
     """
 
     spec: ModelSpec
@@ -67,6 +69,7 @@ class PlanRequest:
     baseline_recompute: Recompute | None = None
     sequence_parallel: tuple[int, ...] = DEGREES
     tensor_parallel: tuple[int, ...] = DEGREES
+    attention_gpus: int | None = None
 
     @property
     def lane_options(self) -> list[tuple[int, int]]:

@@ -143,7 +143,7 @@ def _group_compute_per_micro_batch(
 ) -> tuple[float, float]:
     f_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.ffn_ranks_per_group
     a_layers = _attention_layer_s(spec, work, rates, lane_bw)
-    f_layers = _expert_layer_s(spec, f_tokens, f_rc, rates, work.lora, lever(work, layout.ep_size))
+    f_layers = _expert_layer_s(spec, f_tokens, f_rc, rates.side("ffn"), work.lora, lever(work, layout.ep_size))
     a_worst = f_worst = 0.0
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)
@@ -253,11 +253,14 @@ def af_roofline(
     lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
     a_compute, f_compute = _group_compute_s(spec, layout, work, rates, micro_batches, lane_bw)
     a_pcie = (a_nic / m + micro_batches * offloaded[0]) / rates.pcie_bw if offloaded[0] else 0.0
-    f_pcie = (f_nic / n + micro_batches * offloaded[1]) / rates.pcie_bw if offloaded[1] else 0.0
+    f_rates = rates.side("ffn")
+    f_pcie = (f_nic / n + micro_batches * offloaded[1]) / f_rates.pcie_bw if offloaded[1] else 0.0
     attention = SideTimes(
         a_compute, _per(a_nic, nics[0] * rates.nic_bw), a_nvl / (m * rates.nvlink_bw), c_a, a_nic, a_pcie
     )
-    ffn = SideTimes(f_compute, _per(f_nic, nics[1] * rates.nic_bw), f_nvl / (n * rates.nvlink_bw), c_f, f_nic, f_pcie)
+    ffn = SideTimes(
+        f_compute, _per(f_nic, nics[1] * f_rates.nic_bw), f_nvl / (n * f_rates.nvlink_bw), c_f, f_nic, f_pcie
+    )
     return AfRoofline(attention, ffn)
 
 

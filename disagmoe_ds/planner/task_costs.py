@@ -57,7 +57,9 @@ def af_task_costs(
     """
     p, ranks, tokens = layout.depth, layout.lanes, rank_tokens(work)
     af_cross, res_cross = cross_node_share(layout, placement)
-    af_link = _link(min(nics) / p * rates.nic_bw, rates.nvlink_bw * min(ranks, layout.ffn_ranks_per_group), af_cross)
+    f_rates = rates.side("ffn")
+    nic_bw = min(nics[0] * rates.nic_bw, nics[1] * f_rates.nic_bw) / p  # the slower end's NICs
+    af_link = _link(nic_bw, rates.nvlink_bw * min(ranks, layout.ffn_ranks_per_group), af_cross)
     res_link = _link(nics[0] / p * rates.nic_bw, rates.nvlink_bw * ranks, res_cross)
     lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
     wire = spec.wire_bytes_per_token(layout.ep_size, fp8=work.fp8)
@@ -69,10 +71,10 @@ def af_task_costs(
     for i in range(spec.num_layers):
         a_fwd, a_bwd = lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)
         f_fwd, f_bwd = expert_call_s(
-            spec, rates, layer=i, tokens=f_tokens, recompute=work.ffn_rerun, lora=lora, fp8=f_fp8
+            spec, f_rates, layer=i, tokens=f_tokens, recompute=work.ffn_rerun, lora=lora, fp8=f_fp8
         )
         a_w = attention_wgrad_s(spec, rates, layer=i, tokens=tokens, lora=lora, fp8=a_fp8)
-        f_w = expert_wgrad_s(spec, rates, layer=i, tokens=f_tokens, lora=lora, fp8=f_fp8)
+        f_w = expert_wgrad_s(spec, f_rates, layer=i, tokens=f_tokens, lora=lora, fp8=f_fp8)
         if not work.split_backward:
             a_w = f_w = 0.0
         if work.zero_of("ffn") == 3:

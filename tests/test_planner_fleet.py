@@ -1,0 +1,82 @@
+"""A fleet of two GPU types (issue 44): AF-Pipe with each side on its own hardware, against the homogeneous uses of
+the same fleet (pure Python, one plan of Qwen3-30B-A3B on an H200 node and an A100 node)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.planner.cli import main
+from disagmoe_ds.planner.cluster import Efficiency, preset
+from disagmoe_ds.planner.fleet import Fleet, FleetResult, fleet_request, plan_fleet, report
+from disagmoe_ds.planner.gemm_efficiency import shape_rates
+from disagmoe_ds.planner.model import load_model_spec
+from disagmoe_ds.planner.part_times import expert_call_s
+from disagmoe_ds.planner.plans import PlanRequest
+from disagmoe_ds.planner.stages import af_roofline
+from disagmoe_ds.planner.workload import Workload
+
+MODEL = Path(__file__).resolve().parents[1] / "hf_models" / "Qwen3-30B-A3B"
+FLEET = Fleet(preset("h200", 1), preset("a100", 1))
+
+
+def _base() -> PlanRequest:
+    spec = load_model_spec(MODEL)
+    rates = shape_rates(FLEET.attention, Efficiency(), spec)
+    return PlanRequest(spec=spec, cluster=FLEET.whole(), rates=rates, work=Workload(4096, 1), global_batch=128)
+
+
+@cache
+def _result() -> FleetResult:
+    return plan_fleet(_base(), FLEET, Efficiency())
+
+
+def test_the_split_is_the_fleet_and_each_side_computes_on_its_own_gpus():
+    af = _result().af.af
+    assert af is not None
+    c, req = af.candidate, _result().af.request
+    assert (c.layout.attention_gpus, c.layout.ffn_gpus) == (8, 8) and c.placement.kind == "contiguous"
+    a100 = shape_rates(FLEET.ffn, Efficiency(), req.spec)
+    assert req.rates.side("ffn") == a100 and req.rates.side("attention") is req.rates
+    # the expert side's compute is the A100's: priced with the H200's rates on both sides it would be faster
+    kw = dict(placement=c.placement, nics=c.nics, micro_batches=c.micro_batches, offloaded=(0.0, 0.0))
+    mixed = af_roofline(req.spec, c.layout, c.work, rates=req.rates, **kw)
+    h200 = af_roofline(req.spec, c.layout, c.work, rates=replace(req.rates, ffn=None), **kw)
+    assert mixed.attention.compute_s == h200.attention.compute_s
+    tokens, layer = 4096.0, req.spec.num_layers - 1
+    slower = (
+        expert_call_s(req.spec, a100, layer=layer, tokens=tokens, recompute="none")[0]
+        / expert_call_s(req.spec, req.rates, layer=layer, tokens=tokens, recompute="none")[0]
+    )
+    assert slower > 2 and mixed.ffn.compute_s == pytest.approx(h200.ffn.compute_s * slower, rel=0.05)
+
+
+def test_the_verdict_is_against_the_best_homogeneous_use_of_the_fleet():
+    result = _result()
+    labels = [label for label, _ in result.alternatives]
+    assert labels == ["the whole fleet, at the weaker type", "the h200 nodes alone", "the a100 nodes alone"]
+    weakest = result.alternatives[0][1].request.cluster
+    assert weakest.world_size == 16 and weakest.peak_flops == 312e12 and weakest.hbm_bytes == FLEET.ffn.hbm_bytes
+    best = max((r.baseline for _, r in result.alternatives if r.baseline), key=lambda b: b.tokens_per_s)
+    assert result.af.af is not None and result.ratio == result.af.af.tokens_per_s / best.tokens_per_s
+    text = report(result)
+    assert f"({result.ratio:.2f}x the best homogeneous use: co-located on" in text
+
+
+def test_the_fleet_request_fixes_the_split_and_the_cli_refuses_unlike_nodes(capsys, tmp_path):
+    req = fleet_request(_base(), FLEET, Efficiency())
+    assert req.attention_gpus == 8 and req.cluster.nodes == 2 and req.rates.ffn is not None
+    with pytest.raises(ConfigError, match="gpus_per_node"):
+        Fleet(FLEET.attention, replace(FLEET.ffn, gpus_per_node=4))
+    odd = tmp_path / "odd.json"
+    odd.write_text(
+        '{"name": "odd", "nodes": 1, "gpus_per_node": 4, "peak_flops": 3e14, "hbm_bytes": 8e10, '
+        '"nvlink_bw": 3e11, "nics_per_node": 8, "nic_bw": 2.5e10}'
+    )
+    argv = ["fleet", "--model", str(MODEL), "--seq-len", "4096", "--attention-cluster", "h200"]
+    rc = main([*argv, "--attention-nodes", "1", "--ffn-cluster", str(odd)])
+    assert rc == 2 and "differ in gpus_per_node (8 and 4)" in capsys.readouterr().err
