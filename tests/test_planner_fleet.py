@@ -3,6 +3,7 @@ the same fleet (pure Python, one plan of Qwen3-30B-A3B on an H200 node and an A1
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -80,3 +81,17 @@ def test_the_fleet_request_fixes_the_split_and_the_cli_refuses_unlike_nodes(caps
     argv = ["fleet", "--model", str(MODEL), "--seq-len", "4096", "--attention-cluster", "h200"]
     rc = main([*argv, "--attention-nodes", "1", "--ffn-cluster", str(odd)])
     assert rc == 2 and "differ in gpus_per_node (8 and 4)" in capsys.readouterr().err
+
+
+def test_the_hostfile_puts_the_attention_type_first_and_the_ds_config_runs(tmp_path, capsys):
+    from disagmoe_ds.config import DisagMoEConfig
+
+    hosts, ds = tmp_path / "hosts", tmp_path / "ds.json"
+    argv = ["fleet", "--model", str(MODEL), "--seq-len", "4096", "--attention-cluster", "h200", "--attention-nodes"]
+    argv += ["1", "--ffn-cluster", "a100", "--ffn-nodes", "1", "--write-hostfile", str(hosts)]
+    assert main([*argv, "--write-ds-config", str(ds)]) == 0
+    lines = [line for line in hosts.read_text().splitlines() if not line.startswith("#")]
+    assert lines == ["h200-0 slots=8", "a100-0 slots=8"]
+    cfg = DisagMoEConfig.from_ds_config(json.loads(ds.read_text()))
+    assert (cfg.attention_gpus, cfg.ffn_gpus) == (8, 8)
+    assert "wrote hostfile" in capsys.readouterr().err

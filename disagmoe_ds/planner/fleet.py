@@ -21,6 +21,7 @@ tokens/s with the best of them. Both node types must have the same GPUs and NICs
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.inputs import description
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.plans import PAYS_THRESHOLD, BaselinePlan, PlanRequest, PlanResult
+from disagmoe_ds.planner.runtime_files import hostfile, written_ds_config
 from disagmoe_ds.planner.study import af_summary, baseline_summary
 from disagmoe_ds.planner.workload import Workload
 
@@ -61,7 +63,7 @@ class Fleet:
     def whole(self) -> Cluster:
         """Both types' nodes in one cluster, the attention type's first (its hardware fields name the A side's; the
         expert side's come from ``Rates.ffn``)."""
-        hosts = self.attention.hosts + self.ffn.hosts if self.attention.hosts and self.ffn.hosts else ()
+        hosts = tuple(_host(c, node) for c in (self.attention, self.ffn) for node in range(c.nodes))
         host_bytes = min(self.attention.host_bytes, self.ffn.host_bytes)
         nodes = self.attention.nodes + self.ffn.nodes
         return replace(self.attention, name=self.name, nodes=nodes, hosts=hosts, host_bytes=host_bytes)
@@ -70,6 +72,11 @@ class Fleet:
         """The whole fleet as one homogeneous cluster: every rate and memory at the weaker type's value."""
         weaker = {f: min(getattr(self.attention, f), getattr(self.ffn, f)) for f in _WEAKEST}
         return replace(self.whole(), name=f"{self.name}, at the weaker type", **weaker)
+
+
+def _host(cluster: Cluster, node: int) -> str:
+    """A node's host name: the cluster's own, else its type and number (``h200-0``), so a hostfile says which."""
+    return cluster.hosts[node] if cluster.hosts else f"{cluster.name}-{node}"
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,12 @@ def main(argv: list[str]) -> int:
         p.add_argument(f"--{side}-cluster", required=True, help=f"the {what} nodes: {', '.join(PRESETS)} or a JSON")
         p.add_argument(f"--{side}-nodes", type=int, default=None, help=f"how many of the {what} nodes")
     p.add_argument("--fp8", action="store_true", help="both systems with the FP8 lever (as the main command's --fp8)")
+    p.add_argument("--write-hostfile", metavar="PATH", help="the AF-Pipe plan's hostfile: the attention nodes first")
+    p.add_argument(
+        "--write-ds-config",
+        metavar="PATH",
+        help="the AF-Pipe plan's ds_config (its schedule costed on the attention type's cluster)",
+    )
     args = p.parse_args(argv)
     try:
         fleet = Fleet(
@@ -180,4 +193,23 @@ def main(argv: list[str]) -> int:
         print(f"disagmoe-plan fleet: error: {err}", file=sys.stderr)
         return 2
     print(report(result), end="")
+    for note in _write(args, result):
+        print(note, file=sys.stderr)
     return 0
+
+
+def _write(args: argparse.Namespace, result: FleetResult) -> list[str]:
+    """The files asked for, from the AF-Pipe plan; the notes that say what was written."""
+    if not (args.write_hostfile or args.write_ds_config):
+        return []
+    if result.af.af is None:
+        return ["note: no AF-Pipe plan fits the fleet: nothing written"]
+    notes = []
+    if args.write_hostfile:
+        Path(args.write_hostfile).write_text(hostfile(result.af), encoding="utf-8")
+        notes.append(f"wrote hostfile {args.write_hostfile}")
+    if args.write_ds_config:
+        config = written_ds_config(result.af, result.af.af, cluster=args.attention_cluster)
+        Path(args.write_ds_config).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        notes.append(f"wrote ds_config {args.write_ds_config} (AF-Pipe)")
+    return notes
