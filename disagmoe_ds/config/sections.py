@@ -16,7 +16,7 @@ from disagmoe_ds.models.lora_settings import LoraSettings
 # The keys of comm.transport.TRANSPORTS (a test holds them equal): named here so that reading a config loads no torch.
 TRANSPORT_NAMES = ("auto", "rendezvous")
 # The keys of planner.cluster.PRESETS (a test holds them equal): named here so that reading a config loads no planner.
-CLUSTER_PRESETS = ("h800", "h100", "h200")
+CLUSTER_PRESETS = ("h800", "h100", "h200", "a100")
 SIDES = ("attention", "ffn")  # the keys of the per-side settings (recompute, offload, zero_stage)
 RECOMPUTE = ("none", "selective", "full")  # what a side rebuilds in backward (the planner's recompute policies)
 
