@@ -135,14 +135,16 @@ def test_the_quantizations_compile_to_the_same_bits() -> None:
     assert data.is_contiguous() and torch.equal(data.float(), eager(x.t().contiguous())[0].float())
 
 
-def test_a_step_casts_each_weight_once_until_the_weights_change(monkeypatch) -> None:
-    """Inside ``cast_once_per_step`` a parameter's two FP8 copies are made at its first use and reused by every later
-    micro-batch and pass, the result bit for bit the per-call cast's; ``weights_changed`` (the optimizer step) makes
-    the next use cast the new values; a weight made in the call (here a slice) is cast every time."""
-    from disagmoe_ds.fp8 import weight_cache
+def test_a_step_casts_each_expert_weight_once_until_the_weights_change(monkeypatch) -> None:
+    """Inside ``cast_once_per_step`` an expert weight's two FP8 copies are made at its first use and reused by every
+    later micro-batch and pass, the result bit for bit the per-call cast's; ``weights_changed`` (the optimizer step)
+    makes the next use cast the new values; a weight made in the call (here a slice) is cast every time, and so is a
+    linear layer's (small, and cast inside compiled parts)."""
+    from disagmoe_ds.fp8 import projections, weight_cache
 
-    casts = []
-    monkeypatch.setattr(weight_cache, "quantize", lambda x, dim: casts.append(x.shape) or quantize(x, dim))
+    cached, per_call = [], []
+    monkeypatch.setattr(weight_cache, "quantize", lambda x, dim: cached.append(x.shape) or quantize(x, dim))
+    monkeypatch.setattr(projections, "quantize", lambda x, dim: per_call.append(x.shape) or quantize(x, dim))
     torch.manual_seed(0)
     w_e, w = nn.Parameter(torch.randn(3, 48, 64)), nn.Parameter(torch.randn(64, 32))
     x, offsets = torch.randn(40, 32, requires_grad=True), torch.tensor([10, 20, 40], dtype=torch.int32)
@@ -153,12 +155,14 @@ def test_a_step_casts_each_weight_once_until_the_weights_change(monkeypatch) -> 
         w.grad = w_e.grad = None
         return grads
 
-    per_call = step()
-    assert len(casts) == 4  # each weight and its transpose
+    first = step()
+    assert len(cached) == 2 and (64, 32) in per_call and (32, 64) in per_call  # w_e and its transpose; w, w^T
     with weight_cache.cast_once_per_step():
         for _ in range(3):
-            assert all(torch.equal(a, b) for a, b in zip(step(), per_call, strict=True))
-        assert len(casts) == 8
+            linear_casts = len(per_call)
+            assert all(torch.equal(a, b) for a, b in zip(step(), first, strict=True))
+            assert (64, 32) in per_call[linear_casts:]  # the linear's weight again
+        assert len(cached) == 4  # the expert weight's two copies, made once in the scope
         with torch.no_grad():
             w_e.mul_(2)
         weight_cache.weights_changed()
@@ -166,9 +170,9 @@ def test_a_step_casts_each_weight_once_until_the_weights_change(monkeypatch) -> 
         torch.testing.assert_close(y, 2 * fp8_grouped_mm(x @ w.t(), w_e.detach() / 2, offsets))
         fp8_grouped_mm(x @ w.t(), w_e[:2], offsets[:2])
         fp8_grouped_mm(x @ w.t(), w_e[:2], offsets[:2])
-    assert len(casts) == 8 + 1 + 1 + 2  # w_e again, the reference's w_e / 2, each slice
-    fp8_linear(x, w)
-    assert len(casts) == 13  # outside the scope nothing is kept
+    assert len(cached) == 4 + 1 + 1 + 2  # w_e again, the reference's w_e / 2, each slice
+    fp8_grouped_mm(x @ w.t(), w_e, offsets)
+    assert len(cached) == 9  # outside the scope nothing is kept
 
 
 def test_routed_rows_in_fp8_are_kept_in_fp8_for_the_weight_gradient() -> None:

@@ -428,7 +428,7 @@ def test_cli_text_and_one_line_errors(capsys):
     assert rc == 0 and "AF-Pipe plan" in out and "verdict" in out
     rc, _, err = run_cli(capsys, "--model", "/nonexistent", "--seq-len", "128", "--nodes", "1")
     assert rc == 2 and err.count("\n") == 1 and "config.json" in err
-    rc, _, err = run_cli(capsys, "--model", model, "--seq-len", "128", "--cluster", "a100", "--nodes", "1")
+    rc, _, err = run_cli(capsys, "--model", model, "--seq-len", "128", "--cluster", "v100", "--nodes", "1")
     assert rc == 2 and "h800" in err
     rc, _, err = run_cli(capsys, "--model", model, "--seq-len", "0", "--nodes", "1")
     assert rc == 2 and "--seq-len" in err

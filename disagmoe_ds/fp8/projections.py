@@ -8,7 +8,9 @@ each, a node of their own that the engine reports on (``torch._C._will_engine_ex
 accumulator cannot be asked under ``autograd.grad``). A compiled region's backward is traced once for every pass and
 computes what ``needs_input_grad`` says.
 
-The weights' FP8 copies come from ``weight_cache`` (cast once per optimizer step inside an executor's step).
+The routed experts' weights get their FP8 copies from ``weight_cache`` (cast once per optimizer step inside an
+executor's step); a linear layer's are cast in every call (small weights, most of them inside compiled parts, where
+the cast fuses with the GEMM's other operand's; the planner prices them so).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class _Linear(torch.autograd.Function):
         x_MK = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x_MK, weight)
         ctx.shape = x.shape
-        y_MN = scaled_mm(quantize(x_MK, -1), quantized_weight(weight), x.dtype)
+        y_MN = scaled_mm(quantize(x_MK, -1), quantize(weight, -1), x.dtype)
         return y_MN.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -69,7 +71,7 @@ class _Linear(torch.autograd.Function):
         dy_MN = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
         if wanted(ctx, 0):
-            dx = scaled_mm(quantize(dy_MN, -1), quantized_weight(weight, transposed=True), dy.dtype).view(ctx.shape)
+            dx = scaled_mm(quantize(dy_MN, -1), quantize(weight.t(), -1), dy.dtype).view(ctx.shape)
         if wanted(ctx, 1):
             dw = scaled_mm(quantize(dy_MN.t(), -1), quantize(x_MK.t(), -1), weight.dtype)
         return dx, dw

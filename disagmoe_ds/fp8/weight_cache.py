@@ -7,10 +7,11 @@ micro-batch, as much as the FP8 GEMMs save on an expert shard (performance-log Â
 (an executor's step or evaluation) each parameter's copies are made on first use and kept until the step changes the
 weights (``weights_changed``, the executors' optimizer step) or the scope ends. Outside it nothing is kept.
 
-What is kept: a parameter used whole (the tensor an FP8 GEMM gets is the parameter or a view of it with the same
-shape and strides); a slice, or a weight computed in the call (a LoRA merge, a dequantized frozen base), is cast each
-time, and so is every weight inside a compiled region or a CUDA graph capture. Memory: two FP8 bytes per such
-parameter for the step (the planner prices them, ``planner.memory``).
+What is kept: an expert projection's parameter used whole (the tensor an FP8 grouped GEMM gets is the parameter or a
+view of it with the same shape and strides; linear layers cast in every call, ``fp8.projections``). A slice, or a
+weight computed in the call (a LoRA merge, a dequantized frozen base), is cast each time, and so is every weight
+inside a compiled region or a CUDA graph capture. Memory: two FP8 bytes per such parameter for the step (the
+planner prices them, ``planner.memory``).
 """
 
 from __future__ import annotations
