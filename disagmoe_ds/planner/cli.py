@@ -44,7 +44,8 @@ _EPILOG = """\
 Subcommands: `disagmoe-plan profile --help` measures per-layer attention/expert times on this machine and writes
 a profile JSON for --profile; `disagmoe-plan study --help` prints the issue-16 table (best AF-Pipe variant
 against the strongest co-located baseline; docs/planner.md); `disagmoe-plan calibrate` prices published Megatron
-runs at their layouts; `disagmoe-plan sweep --help` maps where AF-Pipe pays over bandwidth, length and nodes.
+runs at their layouts; `disagmoe-plan sweep --help` maps where AF-Pipe pays over bandwidth, length and nodes;
+`disagmoe-plan fleet --help` plans a fleet of two GPU types, each side on its own.
 
 How it decides: T_a = max(C_a/(M P), V/(M_a B)) and T_f = max(C_f/(N P), V/(M_f B)) (DisagMoE paper, sec. 4.3)
 rank every split that divides and fits memory; the best few are simulated with the AF-Pipe schedule generator

@@ -1,4 +1,4 @@
-"""A fleet of two GPU types (issue 44): the attention side on one type's nodes, the experts on the other's, each side
+"""A fleet of two GPU types: the attention side on one type's nodes, the experts on the other's, each side
 priced on its own hardware, against the best homogeneous use of the same fleet (pure Python).
 
 Disaggregation can give each part of a layer the GPU that suits it: attention (compute-bound, little state) on the
