@@ -333,7 +333,7 @@ def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
         global_batch=req.global_batch,
         overlap=req.baseline_overlap,
         ep=req.baseline_ep,
-        strongest=req.baseline == "strongest",
+        kind=req.baseline,
         dispatcher=req.dispatcher,
         only=req.baseline_layout,
         recompute=req.baseline_recompute,

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from disagmoe_ds.planner.attention_lanes import lane_refusal
 from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.colocated_costs import ColocatedCosts, Shape, colocated_costs, tp_options
 from disagmoe_ds.planner.gemm_efficiency import MIN_ROWS_PER_RANK
@@ -210,11 +211,16 @@ def shapes(
     *,
     micro_batch_size: int,
     ep: int | None,
-    strongest: bool,
+    kind: str,
     dispatcher: str = "alltoall",
 ) -> Iterator[Shape]:
-    """Every shape that splits: plain EP (t = c = 1, partial overlap) or, if ``strongest``, TP, CP and overlap.
-    PP need not divide the layer count (``pipeline_split``: smaller first and last stages)."""
+    """Every shape of a ``kind`` of baseline that splits: plain EP (t = c = 1, partial overlap), the strongest (TP,
+    CP, overlap; PP need not divide the layer count: ``pipeline_split``'s smaller first and last stages), or what
+    DeepSpeed runs on an HF MoE model (``deepspeed_shapes``)."""
+    if kind == "deepspeed":
+        yield from deepspeed_shapes(spec, cluster, seq_len * micro_batch_size, ep=ep)
+        return
+    strongest = kind == "strongest"
     world = cluster.world_size
     tps = tp_options(spec, cluster.gpus_per_node) if strongest else [1]
     cps = [c for c in CONTEXT_PARALLEL if seq_len % (2 * c) == 0] if strongest else [1]
@@ -232,6 +238,21 @@ def shapes(
                             yield Shape(pp, vpp, t, c, e, ov, dispatcher)
 
 
+def deepspeed_shapes(spec: ModelSpec, cluster: Cluster, rows: int, *, ep: int | None) -> Iterator[Shape]:
+    """What a DeepSpeed user runs on an HF MoE model: AutoEP's expert parallelism over ZeRO data parallelism, no
+    pipeline stages, DeepSpeed-Ulysses over c ranks (its all-to-alls exposed: ``colocated_costs.tp_cp_exposed_s``) and
+    AutoTP over t (t = 1 too: without AutoTP), the plain all-to-all dispatcher with nothing overlapped but the shared
+    experts, and bf16 gradients (DeepSpeed's, not Megatron's fp32 main grads)."""
+    world = cluster.world_size
+    for t in [1, *(t for t in tp_options(spec, cluster.gpus_per_node) if t > 1)]:
+        for c in CONTEXT_PARALLEL:
+            fits = world % (t * c) == 0 and rows // (t * c) >= min(rows, MIN_ROWS_PER_RANK)
+            if not fits or (c > 1 and lane_refusal(spec, c, t, tokens=rows, gpus_per_node=cluster.gpus_per_node)):
+                continue
+            for e in (e for e in divisors(spec.num_experts) if world % e == 0 and e in (ep or e,)):
+                yield Shape(1, 1, t, c, e, "partial", "alltoall", fp32_grads=False, ulysses=True)
+
+
 def colocated_candidates(
     spec: ModelSpec,
     cluster: Cluster,
@@ -241,14 +262,14 @@ def colocated_candidates(
     global_batch: int,
     overlap: float,
     ep: int | None = None,
-    strongest: bool = True,
+    kind: str = "strongest",
     dispatcher: str = "alltoall",
     only: Shape | None = None,
     recompute: Recompute | None = None,
 ) -> tuple[list[ColocatedCandidate], Counter]:
     """Configurations that divide and fit memory, each with the cheapest recompute policy that fits (or
     ``recompute``); ``only`` prices that one shape instead of searching."""
-    policies: tuple[Recompute, ...] = ("none", "selective", "full") if strongest else ("none", "full")
+    policies: tuple[Recompute, ...] = ("none", "selective", "full") if kind == "strongest" else ("none", "full")
     policies = (recompute,) if recompute else policies
     rejected: Counter = Counter()
     out = []
@@ -261,7 +282,7 @@ def colocated_candidates(
             work.seq_len,
             micro_batch_size=work.micro_batch_size,
             ep=ep,
-            strongest=strongest,
+            kind=kind,
             dispatcher=dispatcher,
         )
     )

@@ -7,8 +7,9 @@ searches and simulates the shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from disagmoe_ds.planner.attention_lanes import ulysses_forward_bytes
 from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.fp8_costs import lever, projection_rerun_share
 from disagmoe_ds.planner.model import ACT_BYTES, FP8_ROW_SCALE_BYTES, ModelSpec
@@ -36,10 +37,12 @@ class Shape:
     overlap: str
     dispatcher: str = "alltoall"
     fp32_grads: bool = True  # Megatron's fp32 main grads; False: 2 B gradients (DeepSpeed, FSDP2's 16 B/param total)
+    ulysses: bool = False  # the cp ranks split the sequence as DeepSpeed-Ulysses (all-to-alls exposed), not ring CP
 
     def describe(self) -> str:
+        cp = f"Ulysses {self.cp}" if self.ulysses else f"CP {self.cp}"
         return (
-            f"TP {self.tp} CP {self.cp} EP {self.ep} PP {self.pp} x v {self.vpp}, a2a overlap {self.overlap}, "
+            f"TP {self.tp} {cp} EP {self.ep} PP {self.pp} x v {self.vpp}, a2a overlap {self.overlap}, "
             f"{self.dispatcher} dispatcher"
         )
 
@@ -104,8 +107,11 @@ def tp_cp_exposed_s(
     core_flops = tokens * spec.attention_core_flops(work.seq_len, layer)
     core = rates.attention_fwd.seconds(0.0, core_flops, calls=0)
     tp_fwd, tp_bwd = tp_exposed_s(spec, rates, work, layer=layer, tp=t, groups=c)
-    cp_bytes = (c - 1) / c * work.tokens_per_micro_batch * kv_bytes_per_token(spec, t)
     cp_rate = rates.nvlink_bw if t * c <= cluster.gpus_per_node else rates.nic_bw_per_gpu(cluster)
+    if shape.ulysses:  # four all-to-alls a layer forward, eight backward, none of them hidden
+        sp_s = ulysses_forward_bytes(spec, replace(work, sequence_parallel=c, tensor_parallel=t)) / cp_rate
+        return tp_fwd + sp_s, tp_bwd + 2 * sp_s
+    cp_bytes = (c - 1) / c * work.tokens_per_micro_batch * kv_bytes_per_token(spec, t)
     cp_s = cp_bytes / cp_rate if c > 1 else 0.0
     fwd = tp_fwd + max(0.0, cp_s - core)
     bwd = tp_bwd + max(0.0, 2 * cp_s - 2 * core)

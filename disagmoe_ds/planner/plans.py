@@ -62,7 +62,7 @@ class PlanRequest:
     baseline_ep: int | None = None
     simulate_top: int = 6
     simulate_per_variant_set: int = 2
-    baseline: Literal["strongest", "ep"] = "strongest"
+    baseline: Literal["strongest", "ep", "deepspeed"] = "strongest"
     af_variants: frozenset[str] = frozenset(VARIANTS)
     baseline_dispatcher: str | None = None
     baseline_layout: Shape | None = None

@@ -168,6 +168,44 @@ def table_rows(
         yield from pool.map(table_row, cells, [models] * n, [per_variant_set] * n, [lanes] * n, [fp8] * n)
 
 
+BASELINES = (  # (column, the request's co-located search): the three baselines a study row sets side by side
+    ("strongest practice", {"baseline": "strongest"}),
+    ("DeepSpeed-reachable", {"baseline": "deepspeed"}),
+    ("the paper's EP 16", {"baseline": "ep", "baseline_ep": 16}),
+)
+
+
+def baselines_row(
+    cell: Cell, models: Path, per_variant_set: int = 2, lanes: Lanes = (DEGREES, DEGREES), fp8: bool = False
+) -> str:
+    """AF-Pipe's best plan and its step against each of ``BASELINES`` (a step each, and AF-Pipe's speedup)."""
+    req = cell_request(cell, models, per_variant_set=per_variant_set, lanes=lanes, fp8=fp8)
+    af, _ = best_af(req)
+    steps, ratios = [], []
+    for _, options in BASELINES:
+        base, _ = best_baseline(replace(req, **options))
+        steps.append(f"{base.candidate.shape.describe()}: {base.step_time_s:.2f} s" if base else "does not fit")
+        ratios.append(f"{af.tokens_per_s / base.tokens_per_s:.2f}x" if af and base else "-")
+    af_step = f"{af.step_time_s:.2f} s" if af else "does not fit"
+    return f"| {cell.model} | {cell.nodes} | {cell.seq_len // 1024}K | {af_step} | " + " | ".join(steps + ratios) + " |"
+
+
+def baselines_rows(
+    cells: list[Cell], models: Path, per_variant_set: int, workers: int, lanes: Lanes, fp8: bool
+) -> Iterator[str]:
+    """The three-baseline table, one row per cell (``workers`` processes side by side)."""
+    names = [name for name, _ in BASELINES]
+    yield "| model | nodes | seq | AF-Pipe | " + " | ".join(names + [f"AF / {n}" for n in names]) + " |"
+    yield "|---|---|---|---|" + "---|" * 2 * len(names)
+    n = len(cells)
+    args = (cells, [models] * n, [per_variant_set] * n, [lanes] * n, [fp8] * n)
+    if workers <= 1:
+        yield from map(baselines_row, *args)
+        return
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        yield from pool.map(baselines_row, *args)
+
+
 def ablation_rows(cells: list[Cell], models: Path) -> Iterator[str]:
     """Per cell: the paper's AF-Pipe, each variant alone, and all of them, against the strongest baseline."""
     yield "| model | nodes | seq | AF-Pipe variants | AF step (s) | AF / co-located | plan |"
@@ -197,6 +235,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seq-len", default=",".join(map(str, SEQ_LENS)), help="comma-separated sequence lengths")
     p.add_argument("--ablate", action="store_true", help="per cell, each AF-Pipe variant alone (slower)")
     p.add_argument(
+        "--baselines",
+        action="store_true",
+        help="AF-Pipe against three co-located baselines side by side: the strongest practice, what DeepSpeed runs "
+        "on an HF MoE model (AutoEP x ZeRO, Ulysses, AutoTP; no pipeline), and the paper's EP 16",
+    )
+    p.add_argument(
         "--simulate-per-variant-set", type=int, default=2, help="AF-Pipe families simulated per variant set (default 2)"
     )
     p.add_argument("--workers", type=int, default=1, help="processes planning cells side by side (default 1)")
@@ -208,11 +252,12 @@ def main(argv: list[str]) -> int:
     seqs = tuple(int(x) for x in args.seq_len.split(","))
     cells = [c for c in grid([m for m in args.models.split(",") if m]) if c.seq_len in seqs]
     models = Path(args.hf_models)
-    rows = (
-        ablation_rows(cells, models)
-        if args.ablate
-        else table_rows(cells, models, args.simulate_per_variant_set, args.workers, lanes, args.fp8)
-    )
+    if args.ablate:
+        rows = ablation_rows(cells, models)
+    elif args.baselines:
+        rows = baselines_rows(cells, models, args.simulate_per_variant_set, args.workers, lanes, args.fp8)
+    else:
+        rows = table_rows(cells, models, args.simulate_per_variant_set, args.workers, lanes, args.fp8)
     for row in rows:
         print(row, flush=True)
     return 0
