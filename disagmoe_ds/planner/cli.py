@@ -207,9 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--baseline",
         default="strongest",
-        choices=("strongest", "ep"),
+        choices=("strongest", "ep", "deepspeed"),
         help="co-located baseline: strongest (TP, CP, selective recompute, all-to-all overlapped with the other "
-        "micro-batch) or ep (plain EP+DP interleaved 1F1B)",
+        "micro-batch), ep (plain EP+DP interleaved 1F1B) or deepspeed (what DeepSpeed runs on an HF MoE model: "
+        "AutoEP over ZeRO data parallelism, Ulysses, AutoTP, no pipeline stages)",
     )
     for flag, what in (("sequence-parallel", "DeepSpeed-Ulysses ranks"), ("tensor-parallel", "tensor-parallel ranks")):
         p.add_argument(
