@@ -7,7 +7,7 @@ Megatron's default), ``dispatcher=deepep|alltoall`` (default deepep, the one Meg
 what FSDP2 with fp32 sharded parameters keeps, e.g. NeMo AutoModel).
 
 >>> parse_layout("tp=2,pp=8,vpp=4,ep=32")
-Shape(pp=8, vpp=4, tp=2, cp=1, ep=32, overlap='partial', dispatcher='deepep', fp32_grads=True)
+Shape(pp=8, vpp=4, tp=2, cp=1, ep=32, overlap='partial', dispatcher='deepep', fp32_grads=True, ulysses=False)
 """
 
 from __future__ import annotations
