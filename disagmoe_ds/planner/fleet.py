@@ -111,17 +111,18 @@ def fleet_request(base: PlanRequest, fleet: Fleet, eff: Efficiency) -> PlanReque
 
 def plan_fleet(base: PlanRequest, fleet: Fleet, eff: Efficiency) -> FleetResult:
     """AF-Pipe on ``fleet`` and the strongest co-located job on each homogeneous use of it."""
-    af, rejected = best_af(fleet_request(base, fleet, eff))
+    req = fleet_request(base, fleet, eff)
+    af, rejected = best_af(req)
     alternatives = []
     for label, cluster in (
         ("the whole fleet, at the weaker type", fleet.weakest()),
         (f"the {fleet.attention.name} nodes alone", fleet.attention),
         (f"the {fleet.ffn.name} nodes alone", fleet.ffn),
     ):
-        req = replace(base, cluster=cluster, rates=shape_rates(cluster, eff, base.spec), attention_gpus=None)
-        baseline, baseline_rejected = best_baseline(req)
-        alternatives.append((label, PlanResult(req, None, baseline, baseline_rejected=baseline_rejected)))
-    return FleetResult(fleet, PlanResult(fleet_request(base, fleet, eff), af, None, rejected), tuple(alternatives))
+        alone = replace(base, cluster=cluster, rates=shape_rates(cluster, eff, base.spec), attention_gpus=None)
+        baseline, baseline_rejected = best_baseline(alone)
+        alternatives.append((label, PlanResult(alone, None, baseline, baseline_rejected=baseline_rejected)))
+    return FleetResult(fleet, PlanResult(req, af, None, rejected), tuple(alternatives))
 
 
 def report(result: FleetResult) -> str:
