@@ -53,3 +53,19 @@ def test_the_deepspeed_baseline_is_slower_than_the_strongest_practice_and_the_st
     row = baselines_row(Cell("Qwen3-30B-A3B", 4, 4096), MODELS, per_variant_set=1).strip("|").split("|")
     assert len(row) == 4 + 2 * len(BASELINES) and row[5].strip().startswith("TP ") and "Ulysses" in row[5]
     assert all(cell.strip().endswith("x") for cell in row[-3:])
+
+
+def test_deepspeeds_zero2_reduces_every_micro_batch_and_is_tried_before_recompute():
+    from disagmoe_ds.planner.colocated import _memory_options
+    from disagmoe_ds.planner.grad_sync import baseline_sync_s
+
+    spec, cluster = load_model_spec(MODELS / "Qwen3-30B-A3B"), preset("h800", 4)
+    rates, shape = shape_rates(cluster, Efficiency(), spec), Shape(1, 1, 1, 1, 8, "partial", ulysses=True)
+    kw = dict(cluster=cluster, rates=rates, micro_batches=4)
+    zero1 = baseline_sync_s(spec, Workload(4096, 1), shape, **kw)
+    zero2 = baseline_sync_s(spec, Workload(4096, 1, zero_stage=2), shape, **kw)
+    assert zero1 > 0 and zero2 == pytest.approx(zero1 / 2 * (1 + 4))  # 4 reduce-scatters and one all-gather
+    megatron = replace(shape, ulysses=False)  # the distributed optimizer reduces once a step at any stage
+    assert baseline_sync_s(spec, Workload(4096, 1, zero_stage=2), megatron, **kw) == pytest.approx(zero1)
+    order = [(w.recompute, w.zero_stage) for w in _memory_options(Workload(4096, 1), ("none", "full"), zero2=True)]
+    assert order == [("none", 1), ("none", 2), ("full", 1), ("full", 2)]

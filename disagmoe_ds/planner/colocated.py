@@ -292,7 +292,7 @@ def colocated_candidates(
         if shape.vpp > 1:
             micro_batches = max(shape.pp, -(-micro_batches // shape.pp) * shape.pp)  # Megatron: a multiple of pp
         alive = _chunks_alive(shape, micro_batches)
-        for w in _memory_options(work, policies):
+        for w in _memory_options(work, policies, zero2=kind == "deepspeed"):
             rc = w.recompute
             if shape.overlap == "paired" and not paired_allowed(shape, rc):
                 rejected["Megatron refuses the 1F1B a2a overlap here (full recompute, or PP > 1 without VPP)"] += 1
@@ -302,21 +302,24 @@ def colocated_candidates(
                 rejected[f"does not fit memory (recompute {rc})"] += 1
                 continue
             costs = colocated_costs(spec, w, shape, cluster=cluster, rates=rates, overlap=overlap)
-            sync = baseline_sync_s(spec, w, shape, cluster=cluster, rates=rates)
+            sync = baseline_sync_s(spec, w, shape, cluster=cluster, rates=rates, micro_batches=micro_batches)
             optimizer = baseline_optimizer_s(spec, w, shape, world_size=cluster.world_size, rates=rates)
             out.append(ColocatedCandidate(shape, w, micro_batches, mem, costs, replicas, sync, optimizer))
             break
     return out, rejected
 
 
-def _memory_options(work: Workload, policies: Iterable[Recompute]) -> Iterator[Workload]:
-    """``work`` under each recompute policy, cheapest first, each followed under FP8 by its variant without the
-    step's FP8 weight copies (``Workload.fp8_cast_per_call``)."""
+def _memory_options(work: Workload, policies: Iterable[Recompute], *, zero2: bool = False) -> Iterator[Workload]:
+    """``work`` under each recompute policy, cheapest first, each followed by ZeRO-2 where ``zero2`` (DeepSpeed's:
+    gradients sharded too) and under FP8 by the variant without the step's FP8 weight copies
+    (``Workload.fp8_cast_per_call``)."""
+    stages = (work.zero_stage, 2) if zero2 and work.zero_stage < 2 else (work.zero_stage,)
     for rc in policies:
-        w = replace(work, recompute=rc)
-        yield w
-        if w.fp8_cast_once:
-            yield replace(w, fp8_cast_per_call=True)
+        for stage in stages:
+            w = replace(work, recompute=rc, zero_stage=stage)
+            yield w
+            if w.fp8_cast_once:
+                yield replace(w, fp8_cast_per_call=True)
 
 
 def _chunks_alive(shape: Shape, micro_batches: int) -> int:

@@ -87,10 +87,14 @@ def _af_sync_s(
     return a, f
 
 
-def baseline_sync_s(spec: ModelSpec, work: Workload, shape: Shape, *, cluster: Cluster, rates: Rates) -> float:
+def baseline_sync_s(
+    spec: ModelSpec, work: Workload, shape: Shape, *, cluster: Cluster, rates: Rates, micro_batches: int = 1
+) -> float:
     """Co-located gradient sync per step on the worst stage: dense parameters (split over tp) over the stage's
     W/(pp tp) data- and context-parallel ranks, expert shards over their (W/pp)/ep replicas (strided by tp and
-    ep, so they share a node only while the stride stays inside it); trained parameters only."""
+    ep, so they share a node only while the stride stays inside it); trained parameters only. DeepSpeed's ZeRO-2
+    (a ``Shape.ulysses`` shape at ZeRO stage 2) reduce-scatters every micro-batch's gradients, ``micro_batches``
+    times a step, and gathers the parameters once."""
     pp, vpp, ep, tp = shape.pp, shape.vpp, shape.ep, shape.tp
     precision = Precision.megatron if shape.fp32_grads else Precision.named  # Megatron: fp32 main grads
     grad = precision(work.precision).grad
@@ -104,4 +108,6 @@ def baseline_sync_s(spec: ModelSpec, work: Workload, shape: Shape, *, cluster: C
         edp = cluster.world_size // (pp * ep)
         expert_rate = nic if edp > max(1, g // ep) else rates.nvlink_bw
         worst = max(worst, dense_s + ring_sync_s(experts.trained, edp, grad_bytes=grad, bytes_per_s=expert_rate))
+    if shape.ulysses and work.zero_stage == 2:  # ring_sync_s: a reduce-scatter and an all-gather of equal size
+        return worst / 2 * (1 + micro_batches)
     return worst

@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from disagmoe_ds.planner.allocator import PlanRequest, PlanResult, best_af, best_baseline, plan
+from disagmoe_ds.planner.allocator import BaselinePlan, PlanRequest, PlanResult, best_af, best_baseline, plan
 from disagmoe_ds.planner.attention_lanes import DEGREES
 from disagmoe_ds.planner.cluster import Efficiency, preset
 from disagmoe_ds.planner.fp8_costs import fastest_speedup
@@ -184,10 +184,19 @@ def baselines_row(
     steps, ratios = [], []
     for _, options in BASELINES:
         base, _ = best_baseline(replace(req, **options))
-        steps.append(f"{base.candidate.shape.describe()}: {base.step_time_s:.2f} s" if base else "does not fit")
+        steps.append(_baseline_step(base))
         ratios.append(f"{af.tokens_per_s / base.tokens_per_s:.2f}x" if af and base else "-")
     af_step = f"{af.step_time_s:.2f} s" if af else "does not fit"
     return f"| {cell.model} | {cell.nodes} | {cell.seq_len // 1024}K | {af_step} | " + " | ".join(steps + ratios) + " |"
+
+
+def _baseline_step(base: BaselinePlan | None) -> str:
+    """A baseline's shape, recompute policy, ZeRO stage and step (its stage: DeepSpeed's ZeRO-2 reduces every
+    micro-batch)."""
+    if base is None:
+        return "does not fit"
+    c = base.candidate
+    return f"{c.shape.describe()}, recompute {c.work.recompute}, ZeRO {c.work.zero_stage}: {base.step_time_s:.2f} s"
 
 
 def baselines_rows(
