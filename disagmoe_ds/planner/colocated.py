@@ -244,7 +244,7 @@ def deepspeed_shapes(spec: ModelSpec, cluster: Cluster, rows: int, *, ep: int | 
     AutoTP over t (t = 1 too: without AutoTP), the plain all-to-all dispatcher with nothing overlapped but the shared
     experts, and bf16 gradients (DeepSpeed's, not Megatron's fp32 main grads)."""
     world = cluster.world_size
-    for t in [1, *(t for t in tp_options(spec, cluster.gpus_per_node) if t > 1)]:
+    for t in tp_options(spec, cluster.gpus_per_node):  # 1 first: without AutoTP
         for c in CONTEXT_PARALLEL:
             fits = world % (t * c) == 0 and rows // (t * c) >= min(rows, MIN_ROWS_PER_RANK)
             if not fits or (c > 1 and lane_refusal(spec, c, t, tokens=rows, gpus_per_node=cluster.gpus_per_node)):
