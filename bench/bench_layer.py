@@ -28,9 +28,10 @@ attention; weights random, only the config is read) and times forward + backward
                   projections in FP8 (``disagmoe_ds.fp8``: e4m3, rowwise power-of-two scales, all three GEMMs;
                   the router and the LM head stay high precision), the quantization compiled into the parts;
                   every weight cast to FP8 in every call: a step of one micro-batch
-    ours-fp8-once-compiled  ours-fp8-compiled inside one optimizer step's scope (``fp8.weight_cache``): the weights'
-                  FP8 copies made once (in the warm-up) and reused, as every micro-batch of a step after its first
-                  runs them; a step of K micro-batches costs about (K - 1) of these and one ours-fp8-compiled
+    ours-fp8-once-compiled  ours-fp8-compiled inside one optimizer step's scope (``fp8.weight_cache``): the
+                  expert weights' FP8 copies made once (in the warm-up) and reused, as every micro-batch of a step
+                  after its first runs them; a step of K micro-batches costs about (K - 1) of these and one
+                  ours-fp8-compiled
     hf-fp8-compiled  hf-compiled with torchao's FP8 training on the layer's attention projections and shared
                   experts (``Float8TrainingOpConfig``, rowwise; not the router): the strongest FP8 a user of HF
                   has (CUDA and torchao only). Not its routed experts: torchao's FP8 grouped GEMM needs each
@@ -400,25 +401,25 @@ def bench_model(
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         scope = cast_once_per_step() if name == "ours-fp8-once-compiled" else contextlib.nullcontext()
-        try:
-            scope.__enter__()
-            step, args = build_path(name, model_dir, spec, seq_len, batch, device=device, backend=backend, layer=layer)
-            seconds = time_step(step, *args, warmup=warmup, iters=iters, device=device)
-            tflops = flops_per_token * tokens / seconds / 1e12
-            row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds, tflops=tflops, mfu=tflops / PEAK_TFLOPS)
-            if device == "cuda":
-                ahead = queued_ahead_seconds(step, *args, iters=iters)
-                row["idle"] = None if ahead is None else max(seconds - ahead, 0.0) / seconds
-                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                row["held_gib"] = HeldActivations.measure(step, args)
-            if profile and device == "cuda":
-                print(f"--- profile: {row['model']} {seq_len} {name}", flush=True)
-                print_profile(step, args, row["ms"])
-        except Exception as error:  # a path that cannot run is a row of the table, not the end of the run
-            traceback.print_exc()
-            row["error"] = first_line(error)
-        finally:
-            scope.__exit__(None, None, None)
+        with scope:
+            try:
+                step, args = build_path(
+                    name, model_dir, spec, seq_len, batch, device=device, backend=backend, layer=layer
+                )
+                seconds = time_step(step, *args, warmup=warmup, iters=iters, device=device)
+                tflops = flops_per_token * tokens / seconds / 1e12
+                row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds, tflops=tflops, mfu=tflops / PEAK_TFLOPS)
+                if device == "cuda":
+                    ahead = queued_ahead_seconds(step, *args, iters=iters)
+                    row["idle"] = None if ahead is None else max(seconds - ahead, 0.0) / seconds
+                    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                    row["held_gib"] = HeldActivations.measure(step, args)
+                if profile and device == "cuda":
+                    print(f"--- profile: {row['model']} {seq_len} {name}", flush=True)
+                    print_profile(step, args, row["ms"])
+            except Exception as error:  # a path that cannot run is a row of the table, not the end of the run
+                traceback.print_exc()
+                row["error"] = first_line(error)
         del step, args
         if name.endswith(("compiled", "graphed")):
             torch._dynamo.reset()  # its graphs, and what they hold, go before the next path builds its layer
