@@ -86,8 +86,8 @@ SECTION_FLAGS: dict[str, Flag] = {
         type=None,
     ),
     "fp8_cast_per_call": Flag(
-        "with --fp8, cast the weights to FP8 in every call, not once per optimizer step: no FP8 copies kept (2 bytes "
-        "a weight parameter), one more HBM pass over every weight per micro-batch",
+        "with --fp8, cast the routed experts' weights to FP8 in every call, not once per optimizer step: no FP8 copies "
+        "kept (2 bytes an expert parameter), one more HBM pass over those weights per micro-batch",
         type=None,
     ),
     # AF-Pipe's memory levers (LEVER_KEYS)

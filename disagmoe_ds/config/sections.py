@@ -191,9 +191,10 @@ class Kernels(Section):
         fp8: the routed experts' grouped GEMMs and the attention side's projections (attention, dense and shared
             MLPs; not the router, not the LM head) in FP8 with rowwise power-of-two scales, forward and both backward
             GEMMs (``disagmoe_ds.fp8``); weights, gradients and optimizer state keep their dtype. On CUDA torch's FP8
-            kernels, elsewhere an exact emulation. Each weight is cast to FP8 once per optimizer step and its two FP8
-            copies kept for the step (``fp8.weight_cache``: 2 bytes a parameter), unless ``fp8_cast_per_call``.
-        fp8_cast_per_call: with ``fp8``, cast the weights in every call instead (an HBM pass over every weight per
+            kernels, elsewhere an exact emulation. Each routed expert's weight is cast to FP8 once per optimizer step
+            and its two FP8 copies kept for the step (``fp8.weight_cache``: 2 bytes a parameter), unless
+            ``fp8_cast_per_call``; linear layers cast theirs in every call.
+        fp8_cast_per_call: with ``fp8``, cast the expert weights in every call instead (an HBM pass over them per
             micro-batch and pass; no copies kept), for a rank whose memory has no room for the step's copies.
     """
 
