@@ -19,6 +19,8 @@ No other code creates a group; DeepSpeed is shown the co-located expert groups b
                           the attention heads in shards)
     lane_slices           with SP and TP: the s x t lanes of   -
                           one micro-batch
+    exchange_node         with node_dedup: the expert ranks    -
+                          of one node (the fan-out inside it)
     exchange              one communicator per (kind, group)   -
 """
 
@@ -53,6 +55,8 @@ class ProcessGroups:
     tensor_parallel_ranks: tuple[int, ...] = ()
     lane_slices: dist.ProcessGroup | None = None
     lane_slices_ranks: tuple[int, ...] = ()
+    exchange_node: dist.ProcessGroup | None = None
+    exchange_node_ranks: tuple[int, ...] = ()
 
     @property
     def data_parallel_size(self) -> int:
@@ -85,6 +89,7 @@ def build_process_groups(
     sequence_parallel = _create(plan.sequence_parallel, rank, timeout)
     tensor_parallel = _create(plan.tensor_parallel, rank, timeout)
     lane_slices = _create(plan.lane_slices, rank, timeout)
+    exchange_node = _create(plan.exchange_nodes, rank, timeout)
     exchange = _exchange(layout, transport, device, headerless)
     return ProcessGroups(
         data_parallel,
@@ -95,6 +100,7 @@ def build_process_groups(
         *sequence_parallel,
         *tensor_parallel,
         *lane_slices,
+        *exchange_node,
     )
 
 

@@ -85,6 +85,8 @@ class GroupRanks:
         sequence_parallel: lanes that hold one micro-batch's sequence in slices (the Ulysses all-to-alls).
         tensor_parallel: lanes that hold one micro-batch's sequence in slices and the attention heads in shards.
         lane_slices: with both, the s x t lanes of one micro-batch (its slices, loss shares and router counts).
+        exchange_nodes: with the node-deduplicated exchange, the expert-parallel ranks of one node (the all-to-all
+            that fans a node's rows out to the ranks holding their experts).
     """
 
     data_parallel: tuple[tuple[int, ...], ...]
@@ -93,6 +95,7 @@ class GroupRanks:
     sequence_parallel: tuple[tuple[int, ...], ...] = ()
     tensor_parallel: tuple[tuple[int, ...], ...] = ()
     lane_slices: tuple[tuple[int, ...], ...] = ()
+    exchange_nodes: tuple[tuple[int, ...], ...] = ()
 
 
 class RankCounts:
@@ -171,6 +174,9 @@ class Layout(RankCounts, ExpertSlices):
         tensor_parallel: t, consecutive lanes of an A-group holding one micro-batch's sequence in slices and the
             attention heads in shards (Megatron-style tensor parallel with sequence parallel). With both, s x t
             consecutive lanes hold a micro-batch: s TP groups of t, the lanes of one TP rank across them an SP group.
+        node_dedup: consecutive expert-parallel ranks (one node's) that share one message of a lane: a token
+            bound for several of them crosses the network once, to one of them (the lane's gateway there), and fans
+            out inside the node; 1: a message per expert-parallel rank. The node's ranks take the lanes in turns.
     """
 
     attention_gpus: int
@@ -181,10 +187,11 @@ class Layout(RankCounts, ExpertSlices):
     expert_data_parallel: int = 1
     sequence_parallel: int = 1
     tensor_parallel: int = 1
+    node_dedup: int = 1
 
     def __post_init__(self) -> None:
         names = ("attention_gpus", "ffn_gpus", "num_layers", "num_experts", "depth", "expert_data_parallel")
-        for name in (*names, "sequence_parallel", "tensor_parallel"):
+        for name in (*names, "sequence_parallel", "tensor_parallel", "node_dedup"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
@@ -221,6 +228,12 @@ class Layout(RankCounts, ExpertSlices):
             f"{self.expert_data_parallel})",
             "choose ffn_gpus so that each F-group splits the experts evenly",
         )
+        if self.ep_size % self.node_dedup:
+            raise LayoutError(
+                f"node_dedup ({self.node_dedup}) must divide the expert-parallel size ({self.ep_size}): every node "
+                "of an expert-parallel group holds the same number of its ranks; use the GPUs per node that an "
+                "expert-parallel group spans (or 1)"
+            )
 
     # ----- sizes (world_size, lanes: RankCounts; experts_per_rank: ExpertSlices) -----
     @property
@@ -231,6 +244,16 @@ class Layout(RankCounts, ExpertSlices):
     def ep_size(self) -> int:
         """Expert-parallel ranks per F-group (each holds num_experts / ep_size experts)."""
         return self.ffn_ranks_per_group // self.expert_data_parallel
+
+    @property
+    def exchange_peers(self) -> int:
+        """The messages a lane sends for one MoE layer: one per node of an expert-parallel group (``node_dedup``)."""
+        return self.ep_size // self.node_dedup
+
+    @property
+    def experts_per_peer(self) -> int:
+        """The experts one message serves: a node's."""
+        return self.experts_per_rank * self.node_dedup
 
     @property
     def layers_per_group(self) -> int:
@@ -266,9 +289,17 @@ class Layout(RankCounts, ExpertSlices):
         """The F-group ranks that hold the same expert shard (they average its gradients)."""
         return self.ffn_ranks(group)[ep_rank :: self.ep_size]
 
-    def ffn_peer_of_lane(self, group: int, lane: int, ep_rank: int) -> int:
-        """The F-group replica a lane sends to for shard ``ep_rank`` (lanes spread over the replicas)."""
-        return self.ep_group_ranks(group, lane % self.expert_data_parallel)[ep_rank]
+    def ffn_peer_of_lane(self, group: int, lane: int, peer: int) -> int:
+        """The F rank that takes a lane's message ``peer`` (< ``exchange_peers``): in the lane's replica (lanes spread
+        over the replicas), shard ``peer``'s rank, or with ``node_dedup`` the lane's gateway in node ``peer``
+        (a node's ranks take the replica's lanes in turns)."""
+        d, edp = self.node_dedup, self.expert_data_parallel
+        return self.ep_group_ranks(group, lane % edp)[peer * d + (lane // edp) % d]
+
+    def node_ranks(self, group: int, edp_rank: int, node: int) -> tuple[int, ...]:
+        """The ranks of one node of an expert-parallel group (``node_dedup`` consecutive ep ranks)."""
+        d = self.node_dedup
+        return self.ep_group_ranks(group, edp_rank)[node * d : (node + 1) * d]
 
     def role_of(self, rank: int) -> RankRole:
         if not 0 <= rank < self.world_size:
@@ -288,18 +319,22 @@ class Layout(RankCounts, ExpertSlices):
     def group_ranks(self) -> GroupRanks:
         """Data parallel: the lanes of every A-group (with t > 1 the lanes of each TP rank: they hold the same shards),
         then the replicas of every expert shard (an FFN engine holds nothing but its shard, so its replicas are its
-        data-parallel group); with s > 1 the SP groups, with t > 1 the TP groups (consecutive lanes). The
-        exchanges' communicators are ``comm.exchange``'s."""
+        data-parallel group); with s > 1 the SP groups, with t > 1 the TP groups (consecutive lanes); with
+        ``node_dedup`` the nodes of every expert-parallel group. The exchanges' communicators are ``comm.exchange``'s."""
         lanes = [self.attention_ranks(g) for g in range(self.depth)]
         replicas = [self.edp_group_ranks(g, e) for g in range(self.depth) for e in range(self.ep_size)]
         s, t = self.sequence_parallel, self.tensor_parallel
         shards = [ranks[r::t] for ranks in lanes for r in range(t)]
         batch = _runs(lanes, s * t)  # the lanes of one micro-batch
+        nodes = range(self.exchange_peers)
+        replica_ids = range(self.expert_data_parallel)
+        exchange_nodes = [self.node_ranks(g, r, n) for g in range(self.depth) for r in replica_ids for n in nodes]
         return GroupRanks(
             data_parallel=(*shards, *replicas),
             sequence_parallel=tuple(run[r::t] for run in batch for r in range(t)) if s > 1 else (),
             tensor_parallel=_runs(lanes, t),
             lane_slices=batch if s > 1 and t > 1 else (),
+            exchange_nodes=tuple(exchange_nodes) if self.node_dedup > 1 else (),
         )
 
     def tp_rank_of(self, role: RankRole) -> int:
@@ -335,8 +370,9 @@ class Layout(RankCounts, ExpertSlices):
             f"{f', SP {self.sequence_parallel}' if self.sequence_parallel > 1 else ''}"
             f"{f', TP {self.tensor_parallel}' if self.tensor_parallel > 1 else ''}), "
             f"N={self.ffn_gpus} FFN ranks ({self.depth} F-groups x EP {self.ep_size} x EDP "
-            f"{self.expert_data_parallel}), {self.layers_per_group} layers per group, "
-            f"{self.experts_per_rank} experts per FFN rank"
+            f"{self.expert_data_parallel}"
+            f"{f', a message per node of {self.node_dedup}' if self.node_dedup > 1 else ''}), "
+            f"{self.layers_per_group} layers per group, {self.experts_per_rank} experts per FFN rank"
         )
 
 

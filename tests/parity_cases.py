@@ -58,13 +58,14 @@ class Case(ABC):
 @dataclass(frozen=True, kw_only=True)
 class Job(Case):
     """A disaggregated job: ``M`` attention ranks, ``N`` FFN ranks, depth ``p``, ``edp`` expert-data-parallel
-    replicas; ``resend`` and ``factor`` (``capacity_factor``, None: exact message sizes) of its ``"disagmoe"``
+    replicas, ``node`` expert ranks per node sharing a lane's message (``node_dedup``); ``resend`` and ``factor`` (``capacity_factor``, None: exact message sizes) of its ``"disagmoe"``
     section, ``extra`` the rest of it."""
 
     M: int = 1
     N: int = 1
     p: int = 1
     edp: int = 1
+    node: int = 1
     resend: bool = False
     factor: float | None = None
 
@@ -76,6 +77,7 @@ class Job(Case):
             depth=self.p,
             micro_batches=self.K,
             expert_data_parallel=self.edp,
+            node_dedup=self.node,
             resend=self.resend,
             capacity_factor=self.factor,
             **self.extra,
@@ -83,7 +85,8 @@ class Job(Case):
         )
 
     def layout_id(self) -> str:
-        return f"M{self.M}N{self.N}p{self.p}" + (f"e{self.edp}" if self.edp > 1 else "")
+        replicas, nodes = f"e{self.edp}" if self.edp > 1 else "", f"n{self.node}" if self.node > 1 else ""
+        return f"M{self.M}N{self.N}p{self.p}{replicas}{nodes}"
 
     def run_tags(self) -> list[str]:
         tags = super().run_tags() + ["resend"] * self.resend

@@ -208,7 +208,12 @@ class AttentionRunner:
                     counts_E, probs_E = counts_E + stats.counts_E, probs_E + stats.prob_sum_E.detach()
             # No host sync: the sizes reach the host while it goes on, and the mailbox sends once they have.
             chunk.dispatch = start_dispatch(
-                out.x_TH, out.topk_w_TK, topk_idx_TK, self.layout.ep_size, self.layout.experts_per_rank, self.capacity
+                out.x_TH,
+                out.topk_w_TK,
+                topk_idx_TK,
+                self.layout.exchange_peers,
+                self.layout.experts_per_peer,
+                self.capacity,
             )
             need_2 = chunk.dispatch.need_2
             if need_2 is not None:
@@ -267,7 +272,7 @@ class AttentionRunner:
         chunk: AttentionChunk,
     ) -> Residual:
         if plan is None:  # dense layer: nothing to combine (-1 tells A_next's mailbox no n2m follows)
-            token_idx_S, rows_P = tokens.position_ids_T.new_empty(0), (-1,) * self.layout.ep_size
+            token_idx_S, rows_P = tokens.position_ids_T.new_empty(0), (-1,) * self.layout.exchange_peers
         else:
             token_idx_S, rows_P = plan.token_idx_S, plan.counts
         routed = None

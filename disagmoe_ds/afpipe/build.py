@@ -29,6 +29,7 @@ from disagmoe_ds.afpipe.executor import AFPipeExecutor
 from disagmoe_ds.afpipe.expert_runner import ExpertRunner
 from disagmoe_ds.afpipe.job_schedule import job_schedule, schedule_lines
 from disagmoe_ds.afpipe.mailbox import Mailbox
+from disagmoe_ds.afpipe.node_fanout import NodeFanOut
 from disagmoe_ds.afpipe.offload import ActivationOffloader, offloaded_layers
 from disagmoe_ds.comm.exchange import ExchangeComms, ffn_lanes
 from disagmoe_ds.comm.routing import Capacity
@@ -115,7 +116,7 @@ class Disaggregated:
             device=device,
             # Fixed-size messages need no header: one ep rank, or messages padded to a capacity.
             headerless=tokens_per_micro_batch is not None
-            and (layout.ep_size == 1 or self.cfg.capacity_factor is not None),
+            and (layout.exchange_peers == 1 or self.cfg.capacity_factor is not None),
         )
 
     def module(
@@ -235,8 +236,8 @@ class Disaggregated:
         return Capacity.initial(
             tokens=parts.seq_len * parts.micro_batch_size // parts.layout.lane_slices,  # a lane's slice
             top_k=parts.routing.top_k,
-            ep_size=parts.layout.ep_size,
-            experts_per_rank=parts.layout.experts_per_rank,
+            ep_size=parts.layout.exchange_peers,
+            experts_per_rank=parts.layout.experts_per_peer,
             factor=self.cfg.capacity_factor or 1.0,
         )
 
@@ -252,8 +253,8 @@ class Disaggregated:
         stage = _stage(parts)
         if isinstance(stage, AttentionStage):
             return graph_stages(slots, attention=stage)
-        if capacity is None:
-            return None  # rows vary with the routing: the shards run as they are
+        if capacity is None or parts.layout.node_dedup > 1:
+            return None  # rows vary with the routing (or the node's all-to-all): the shards run as they are
         return graph_stages(slots, experts=stage)
 
     def _runner(
@@ -276,7 +277,8 @@ class Disaggregated:
             cfg.fp8,
         )
         if isinstance(stage, ExpertStage):
-            return ExpertRunner(parts.engine, stage, settings, lanes=len(ffn_lanes(parts.layout, parts.rank)))
+            lanes = len(ffn_lanes(parts.layout, parts.rank))
+            return ExpertRunner(parts.engine, stage, settings, lanes=lanes, fanout=_node_fanout(parts))
         return AttentionRunner(
             parts.engine,
             stage,
@@ -294,6 +296,14 @@ def _stage(parts: RankParts[Layout]) -> AttentionStage | ExpertStage:
     """The rank's role stage, as ``Disaggregated.module`` cut it."""
     assert isinstance(parts.module, AttentionStage | ExpertStage)
     return parts.module
+
+
+def _node_fanout(parts: RankParts[Layout]) -> NodeFanOut | None:
+    """An F rank's fan-out inside its node with the node-deduplicated exchange (None without)."""
+    group, layout = parts.groups.exchange_node, parts.layout
+    if group is None:
+        return None
+    return NodeFanOut(group, ranks_per_node=layout.node_dedup, experts_per_rank=layout.experts_per_rank)
 
 
 def _exchange(parts: RankParts[Layout]) -> ExchangeComms:

@@ -17,6 +17,7 @@ from deepspeed import DeepSpeedEngine
 from disagmoe_ds.afpipe.chunk_io import checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
 from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
 from disagmoe_ds.afpipe.head_stats import HeadStats
+from disagmoe_ds.afpipe.node_fanout import NodeFanOut
 from disagmoe_ds.afpipe.runner import Batch, Inbox, Outbox
 from disagmoe_ds.afpipe.split_backward import ChunkBackward, retained_graph_compiles
 from disagmoe_ds.comm.exchange import LaneRows
@@ -65,10 +66,13 @@ class ExpertRunner:
         settings: ChunkSettings,
         *,
         lanes: int = 1,
+        fanout: NodeFanOut | None = None,
     ):
         """``settings.capacity``, ``lanes``: the fixed size of each of the ``lanes`` messages a step's micro-batch
-        brings (None: sizes vary); the graphed shards and the warm-up run at their sum."""
+        brings (None: sizes vary); the graphed shards and the warm-up run at their sum. ``fanout``: the messages
+        are a node's (``Layout.node_dedup``), and the shard computes the rows the node's all-to-all brings it."""
         self.engine, self.stage, self.top_k, self.weight_dtype = engine, stage, settings.top_k, settings.weight_dtype
+        self.fanout = fanout
         self.graphs = settings.graphs or StageGraphs()  # the shards replayed as CUDA graphs (at the capacity's rows)
         self._capacity, self.lanes = settings.capacity, lanes
         self.resend = settings.resend
@@ -169,11 +173,11 @@ class ExpertRunner:
         pairs, bounded = tokens.pairs, tokens.bounded
         if self.resend:  # keep nothing: the backward gets the tokens again and recomputes
             with torch.no_grad():
-                y_SH = self._shard(layer)(*tokens.shard_args(self.dtype))
+                y_SH = self._experts(layer, *tokens.shard_args(self.dtype), recompute=False)
             self.chunks[(layer, mb)] = _ExpertChunk(None, None, None, rows, pairs, bounded)
             return ExpertOut(y_SH).split(rows.counts)
         x_SH, w_SK = leaf(tokens.rows(self.dtype)), leaf(tokens.w_RK)
-        y_SH = self.recompute(self._shard(layer), x_SH, tokens.local_idx_RK, w_SK, pairs, bounded)
+        y_SH = self._experts(layer, x_SH, tokens.local_idx_RK, w_SK, pairs, bounded)
         self.chunks[(layer, mb)] = _ExpertChunk(x_SH, w_SK, y_SH, rows, pairs, bounded)
         return ExpertOut(y_SH).split(rows.counts)
 
@@ -186,6 +190,24 @@ class ExpertRunner:
 
     def _shard(self, layer: int) -> ExpertShard | GraphedShard:
         return self.graphs.shard(self.stage, layer)
+
+    def _experts(
+        self,
+        layer: int,
+        x_SH: torch.Tensor,
+        idx_SK: torch.Tensor,
+        w_SK: torch.Tensor,
+        pairs: int | None,
+        bounded: bool,
+        *,
+        recompute: bool = True,
+    ) -> torch.Tensor:
+        """The layer's shard on the received rows (through the node's fan-out with ``node_dedup``), checkpointed
+        with activation checkpointing unless ``recompute`` is off (the caller recomputes: resend)."""
+        shard, run_ = self._shard(layer), self.recompute if recompute else run
+        if self.fanout is None:
+            return run_(shard, x_SH, idx_SK, w_SK, pairs, bounded)
+        return self.fanout(functools.partial(run_, shard), x_SH, idx_SK, w_SK)
 
     def weight_grad(self, layer: int, mb: int) -> None:
         """Split backward: the expert weight gradients ``backward`` deferred for this chunk."""
@@ -200,7 +222,9 @@ class ExpertRunner:
         x_SH, w_SK, y_SH = chunk.x_SH, chunk.w_SK, chunk.y_SH
         if grad.resent is not None:  # resend: recompute the forward from the tokens sent again
             x_SH, w_SK = leaf(grad.resent.rows(self.dtype)), leaf(grad.resent.w_RK)
-            y_SH = self._shard(layer)(x_SH, grad.resent.local_idx_RK, w_SK, chunk.pairs, chunk.bounded)
+            y_SH = self._experts(
+                layer, x_SH, grad.resent.local_idx_RK, w_SK, chunk.pairs, chunk.bounded, recompute=False
+            )
         assert x_SH is not None and w_SK is not None and y_SH is not None, "kept by the forward, or resent"
         if y_SH.requires_grad:
             self.backward_pass.run((layer, mb), (y_SH * grad.dy_RH).float().sum(), [x_SH, w_SK])

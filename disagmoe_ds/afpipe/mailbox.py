@@ -141,7 +141,7 @@ class Mailbox:
         layout, rank = comms.layout, comms.rank
         if comms.headerless and capacity is None:
             raise ValueError("header-less exchanges need the capacity that sizes their messages")
-        dims = Dims(hidden, top_k, layout.num_experts, layout.ep_size, dtype, weight_dtype, *residual, fp8=fp8)
+        dims = Dims(hidden, top_k, layout.num_experts, layout.exchange_peers, dtype, weight_dtype, *residual, fp8=fp8)
         specs = exchange_specs(dims, resend=resend)
         stream = CommStream(device, enabled=comm_stream)
         self._attention = layout.role_of(rank).is_attention
@@ -162,7 +162,7 @@ class Mailbox:
         self._known: dict[Transfer, Sizes] = {}  # sizes of receives learnt from their sources, not posted yet
         self._handed: dict[Transfer, Sendable] = {}  # hand-offs sent, not received yet
         self.capacity = capacity  # grown between steps by the executor when a step outgrew it
-        self._ep_size, self._moe_layers = layout.ep_size, tuple(moe_layers)
+        self._ep_size, self._moe_layers = layout.exchange_peers, tuple(moe_layers)
         # Sends not made yet, in schedule order, each with the point of the compute stream that produced it.
         self._queued: deque[tuple[Transfer, Later[Sendable] | Sendable, torch.cuda.Event | None]] = deque()
         cuda = device.type == "cuda"

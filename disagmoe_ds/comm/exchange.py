@@ -59,16 +59,18 @@ _F_OFFSET = {Kind.M2N: 0, Kind.M2N_GRAD: 0, Kind.N2M: -1, Kind.N2M_GRAD: -1}
 
 # ----- who talks to whom (pure) -----
 def lane_peers(layout: Layout, kind: Kind, group: int, lane: int) -> tuple[int, ...]:
-    """The F ranks lane ``lane`` of A-group ``group`` exchanges ``kind`` with, indexed by ep rank."""
+    """The F ranks lane ``lane`` of A-group ``group`` exchanges ``kind`` with, indexed by ep rank (with
+    ``node_dedup``: by node, each its gateway rank for the lane)."""
     ffn_group = (group + _F_OFFSET[kind]) % layout.depth
-    return tuple(layout.ffn_peer_of_lane(ffn_group, lane, e) for e in range(layout.ep_size))
+    return tuple(layout.ffn_peer_of_lane(ffn_group, lane, e) for e in range(layout.exchange_peers))
 
 
 def ffn_lanes(layout: Layout, rank: int) -> tuple[int, ...]:
-    """The lanes whose tokens FFN rank ``rank`` serves (lane indices, increasing; all lanes without EDP)."""
+    """The lanes whose tokens FFN rank ``rank`` takes (lane indices, increasing; all lanes without EDP and without
+    ``node_dedup``)."""
     role = layout.role_of(rank)
-    lanes = range(layout.lanes)
-    return tuple(lane for lane in lanes if layout.ffn_peer_of_lane(role.group, lane, role.ep_rank) == rank)
+    node = role.ep_rank // layout.node_dedup
+    return tuple(lane for lane in range(layout.lanes) if layout.ffn_peer_of_lane(role.group, lane, node) == rank)
 
 
 def lane_ranks(layout: Layout, kind: Kind, rank: int) -> tuple[int, ...]:

@@ -142,7 +142,8 @@ def plan_dispatch(topk_idx_TK: torch.Tensor, ep_size: int, experts_per_rank: int
     """Compute where every token goes, from the router's global expert ids.
 
     Args:
-        topk_idx_TK: global expert ids in [0, ep_size * experts_per_rank), any integer dtype.
+        topk_idx_TK: global expert ids in [0, ep_size * experts_per_rank], any integer dtype; the last value, one
+            past the experts, reaches no rank (the sentinel of a node's message, ``Layout.node_dedup``).
         ep_size: expert-parallel ranks of the F-group (``Layout.ep_size``).
         experts_per_rank: routed experts held by each ep rank (``Layout.experts_per_rank``).
 
@@ -174,7 +175,8 @@ def _plan_on_device(
     capacity = min(ep_size, top_k) * num_tokens
     rank_C, token_idx_C = torch.nonzero_static(hit_PT, size=capacity, fill_value=0).unbind(1)
     local_idx_CK = _local_ids(topk_idx_TK, rank_TK, token_idx_C, rank_C, experts_per_rank)
-    sizes_2P = torch.stack([hit_PT.sum(dim=1), count_ids(rank_TK, ep_size)])
+    # An id one past the last expert (a node's message: that expert lives on another node) reaches no rank.
+    sizes_2P = torch.stack([hit_PT.sum(dim=1), count_ids(rank_TK, ep_size + 1)[:ep_size]])
     return token_idx_C, local_idx_CK, sizes_2P
 
 

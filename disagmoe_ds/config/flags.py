@@ -57,6 +57,10 @@ SECTION_FLAGS: dict[str, Flag] = {
         "divides the layer count"
     ),
     "expert_data_parallel": Flag("copies of each expert shard within an expert group"),
+    "node_dedup": Flag(
+        "expert ranks of one node that share one message of an attention rank: a token bound for several of them "
+        "crosses the network once and fans out inside the node (the GPUs per node an expert group spans; 1: off)"
+    ),
     "sequence_parallel": Flag(
         "attention ranks that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses around the attention "
         "core); divides the lanes of an attention group, the attention heads and --seq-len"
@@ -122,7 +126,15 @@ SECTION_FLAGS: dict[str, Flag] = {
 }
 
 
-LAYOUT_KEYS = ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "sequence_parallel", "tensor_parallel")
+LAYOUT_KEYS = (
+    "attention_gpus",
+    "ffn_gpus",
+    "depth",
+    "expert_data_parallel",
+    "node_dedup",
+    "sequence_parallel",
+    "tensor_parallel",
+)
 
 
 LEVER_KEYS = (

@@ -82,15 +82,18 @@ class LayoutCounts(LaneSlices, RankCounts):
         ffn_gpus: N, FFN (expert) ranks in total.
         depth: p, A-groups (= F-groups); group g owns layers g, g+p, ...
         expert_data_parallel: replicas of each expert shard inside an F-group.
+        node_dedup: consecutive expert ranks (one node's) that share one message of a lane: a token crosses the
+            network once per node and fans out inside it (``layout.Layout``); 1: a message per expert rank.
     """
 
     attention_gpus: int = 1
     ffn_gpus: int = 1
     depth: int = 1
     expert_data_parallel: int = 1
+    node_dedup: int = 1
 
     def _check(self) -> None:
-        for key in ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel"):
+        for key in ("attention_gpus", "ffn_gpus", "depth", "expert_data_parallel", "node_dedup"):
             self._positive(key, int)
 
     def layout(self, *, num_layers: int, num_experts: int) -> Layout:
