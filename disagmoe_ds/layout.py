@@ -320,7 +320,8 @@ class Layout(RankCounts, ExpertSlices):
         """Data parallel: the lanes of every A-group (with t > 1 the lanes of each TP rank: they hold the same shards),
         then the replicas of every expert shard (an FFN engine holds nothing but its shard, so its replicas are its
         data-parallel group); with s > 1 the SP groups, with t > 1 the TP groups (consecutive lanes); with
-        ``node_dedup`` the nodes of every expert-parallel group. The exchanges' communicators are ``comm.exchange``'s."""
+        ``node_dedup`` the nodes of every expert-parallel group. The exchanges' communicators are
+        ``comm.exchange``'s."""
         lanes = [self.attention_ranks(g) for g in range(self.depth)]
         replicas = [self.edp_group_ranks(g, e) for g in range(self.depth) for e in range(self.ep_size)]
         s, t = self.sequence_parallel, self.tensor_parallel

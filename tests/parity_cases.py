@@ -58,8 +58,8 @@ class Case(ABC):
 @dataclass(frozen=True, kw_only=True)
 class Job(Case):
     """A disaggregated job: ``M`` attention ranks, ``N`` FFN ranks, depth ``p``, ``edp`` expert-data-parallel
-    replicas, ``node`` expert ranks per node sharing a lane's message (``node_dedup``); ``resend`` and ``factor`` (``capacity_factor``, None: exact message sizes) of its ``"disagmoe"``
-    section, ``extra`` the rest of it."""
+    replicas, ``node`` expert ranks per node sharing a lane's message (``node_dedup``); ``resend`` and ``factor``
+    (``capacity_factor``, None: exact message sizes) of its ``"disagmoe"`` section, ``extra`` the rest of it."""
 
     M: int = 1
     N: int = 1

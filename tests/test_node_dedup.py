@@ -10,6 +10,7 @@ from disagmoe_ds.parity.reference import VerifyArgs
 from disagmoe_ds.schedule import Kind
 from tests.parity_cases import Job
 
+RECOMPUTE_FFN = {"attention": "none", "ffn": "full"}
 CLIP = 0.05  # active on the tiny models (their gradient norms are about 0.1-1)
 
 CASES = [
@@ -18,15 +19,8 @@ CASES = [
     Job(family="olmoe", M=2, N=4, edp=2, node=2, K=3, zero=1, skew=True),  # one node per replica: no headers
     Job(M=2, N=4, node=2, K=3, zero=1, resend=True, extra={"split_backward": True}, label="split"),
     Job(M=1, N=4, node=2, K=3, zero=0, skew=True, factor=0.5),  # a capacity outgrown: the step runs again
-    Job(
-        M=4,
-        N=4,
-        node=4,
-        K=2,
-        zero=1,
-        extra={"recompute": {"attention": "none", "ffn": "full"}},
-        label="ffn_full_recompute",
-    ),  # one node of 4
+    # one node of 4 ranks, the experts' activations recomputed in backward (the all-to-alls are not)
+    Job(M=4, N=4, node=4, K=2, zero=1, extra={"recompute": RECOMPUTE_FFN}, label="ffn_full_recompute"),
 ]
 
 

@@ -207,13 +207,9 @@ class AttentionRunner:
                     chunk.prob_sum_E = stats.prob_sum_E
                     counts_E, probs_E = counts_E + stats.counts_E, probs_E + stats.prob_sum_E.detach()
             # No host sync: the sizes reach the host while it goes on, and the mailbox sends once they have.
+            layout = self.layout
             chunk.dispatch = start_dispatch(
-                out.x_TH,
-                out.topk_w_TK,
-                topk_idx_TK,
-                self.layout.exchange_peers,
-                self.layout.experts_per_peer,
-                self.capacity,
+                out.x_TH, out.topk_w_TK, topk_idx_TK, layout.exchange_peers, layout.experts_per_peer, self.capacity
             )
             need_2 = chunk.dispatch.need_2
             if need_2 is not None:

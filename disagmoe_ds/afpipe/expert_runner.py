@@ -17,7 +17,7 @@ from deepspeed import DeepSpeedEngine
 from disagmoe_ds.afpipe.chunk_io import checkpointed, grad_of_inputs, grad_or_zeros, leaf, run
 from disagmoe_ds.afpipe.chunk_settings import ChunkSettings
 from disagmoe_ds.afpipe.head_stats import HeadStats
-from disagmoe_ds.afpipe.node_fanout import NodeFanOut
+from disagmoe_ds.afpipe.node_fanout import NodeFanOut, ShardCall
 from disagmoe_ds.afpipe.runner import Batch, Inbox, Outbox
 from disagmoe_ds.afpipe.split_backward import ChunkBackward, retained_graph_compiles
 from disagmoe_ds.comm.exchange import LaneRows
@@ -204,10 +204,10 @@ class ExpertRunner:
     ) -> torch.Tensor:
         """The layer's shard on the received rows (through the node's fan-out with ``node_dedup``), checkpointed
         with activation checkpointing unless ``recompute`` is off (the caller recomputes: resend)."""
-        shard, run_ = self._shard(layer), self.recompute if recompute else run
+        call: ShardCall = functools.partial(self.recompute if recompute else run, self._shard(layer))
         if self.fanout is None:
-            return run_(shard, x_SH, idx_SK, w_SK, pairs, bounded)
-        return self.fanout(functools.partial(run_, shard), x_SH, idx_SK, w_SK)
+            return call(x_SH, idx_SK, w_SK, pairs, bounded)
+        return self.fanout(call, x_SH, idx_SK, w_SK)
 
     def weight_grad(self, layer: int, mb: int) -> None:
         """Split backward: the expert weight gradients ``backward`` deferred for this chunk."""
