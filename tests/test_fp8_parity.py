@@ -44,6 +44,7 @@ DISAGGREGATED = [
     Job(family="deepseek-v3", M=2, N=2, K=2, extra={"split_backward": True, "selective_recompute": True},
         label="split-selective"),  # MLA, shared experts; B/W split, the experts' recomputed middle
     Job(M=2, N=2, K=2, extra=LORA, label="lora"),
+    Job(M=2, N=4, node=2, K=2, extra=LORA, label="lora"),  # FP8 rows to a node's gateway, on to its ranks in bf16
     Job(M=2, N=2, K=2, extra={"sequence_parallel": 2}, label="sp2"),
     Job(M=2, N=2, K=2, extra={"tensor_parallel": 2}, label="tp2"),
 ]  # fmt: skip

@@ -10,6 +10,8 @@ from disagmoe_ds.parity.reference import VerifyArgs
 from disagmoe_ds.schedule import Kind
 from tests.parity_cases import Job
 
+F_ZERO3 = {"zero_stage": {"attention": 2, "ffn": 3}}
+OFFLOAD = {"offload": {"attention": 0.5, "ffn": 0.5}}
 RECOMPUTE_FFN = {"attention": "none", "ffn": "full"}
 CLIP = 0.05  # active on the tiny models (their gradient norms are about 0.1-1)
 
@@ -17,6 +19,10 @@ CASES = [
     Job(M=2, N=4, node=2, K=3, zero=1, skew=True),  # 2 nodes of 2: each lane's gateways differ per node
     Job(family="deepseek-v3", M=2, N=4, p=2, node=2, K=3, zero=2),  # depth 2, a dense first layer, ZeRO-2
     Job(family="olmoe", M=2, N=4, edp=2, node=2, K=3, zero=1, skew=True),  # one node per replica: no headers
+    # the experts at ZeRO-3 (gathered over the replicas between the node's all-to-alls); half the layers' activations
+    # offloaded on both sides
+    Job(M=2, N=4, edp=2, node=2, K=3, zero=2, extra=F_ZERO3, label="F_zero3"),
+    Job(M=2, N=4, node=2, K=3, zero=2, extra=OFFLOAD, label="offload"),
     Job(M=2, N=4, node=2, K=3, zero=1, resend=True, extra={"split_backward": True}, label="split"),
     Job(M=1, N=4, node=2, K=3, zero=0, skew=True, factor=0.5),  # a capacity outgrown: the step runs again
     # one node of 4 ranks, the experts' activations recomputed in backward (the all-to-alls are not)

@@ -76,3 +76,12 @@ def test_relaunch_command() -> None:
     assert command == [*launcher, "--hostfile", "hf", "--no_ssh_check", "--master_addr", "127.0.0.1",
                        "run_pretrain.py", "--steps", "5"]  # fmt: skip
     assert filters_slots("--include worker-0:0,1") and filters_slots("--num_gpus=2") and not filters_slots("")
+
+
+def test_expert_ranks_that_share_a_message_must_share_a_host() -> None:
+    """``node_dedup``'s groups against the hosts' consecutive ranks: one line naming the group and the hosts."""
+    from disagmoe_ds.train.hostfile import check_node_groups
+
+    check_node_groups(Path("hf"), {"a": 4, "b": 4}, [(2, 3), (4, 5)])  # ranks 0-3 on a, 4-7 on b
+    with pytest.raises(ConfigError, match=r"node_dedup 2 puts expert ranks \(2, 3\) on one node, but they are on a, b"):
+        check_node_groups(Path("hf"), {"a": 3, "b": 5}, [(2, 3), (4, 5)])

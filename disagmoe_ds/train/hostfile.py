@@ -62,6 +62,25 @@ def check_hostfile(path: Path, *, world_size: int | None = None) -> dict[str, in
     return hosts
 
 
+def check_node_groups(path: Path, hosts: dict[str, int], groups: Sequence[Sequence[int]]) -> None:
+    """Each group of ranks that must share a host (``node_dedup``'s nodes) lies on one host of the file: the
+    launcher gives each host's slots consecutive ranks, in file order.
+    """
+    host_of = [host for host, slots in hosts.items() for _ in range(slots)]
+    for ranks in groups:
+        spanned = sorted({host_of[rank] for rank in ranks if rank < len(host_of)})
+        if len(spanned) > 1:
+            spans, start = [], 0
+            for host, slots in hosts.items():
+                spans.append(f"{start}-{start + slots - 1} on {host}")
+                start += slots
+            raise ConfigError(
+                f"hostfile {path}: node_dedup {len(ranks)} puts expert ranks {tuple(ranks)} on one node, but they are "
+                f"on {', '.join(spanned)} (ranks {', '.join(spans)}); choose a node_dedup whose groups stay on one "
+                "host, or change the slots or the layout"
+            )
+
+
 def _check_resolves(path: Path, host: str) -> None:
     """The launcher reaches each host by name (ssh, then the rendezvous): one that does not resolve fails there in a
     long traceback, or, with ``--no_ssh_check``, runs the job on this machine alone."""

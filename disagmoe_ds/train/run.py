@@ -33,7 +33,14 @@ from disagmoe_ds.train.balance import bias_update_rate, expert_load, imbalance, 
 from disagmoe_ds.train.data import TrainData, check_data_args, eval_batches, lane_loader, prepare_data
 from disagmoe_ds.train.evaluation import EvalLoss, Evaluator, is_eval_step, weights_of
 from disagmoe_ds.train.failures import job_key, report_launched_failure, report_rank_failure
-from disagmoe_ds.train.hostfile import check_hostfile, deepspeed_command, describe, filters_slots, strip_launch_flags
+from disagmoe_ds.train.hostfile import (
+    check_hostfile,
+    check_node_groups,
+    deepspeed_command,
+    describe,
+    filters_slots,
+    strip_launch_flags,
+)
 from disagmoe_ds.train.interrupt import STOPPED_EXIT, StopRequest, parent_waits_for_ranks
 from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
 from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops
@@ -156,10 +163,16 @@ def check_or_relaunch(args: TrainArgs, ns: argparse.Namespace, argv: list[str], 
     """``--check-hostfile``: validate and exit. ``--hostfile``: validate, then become ``deepspeed --hostfile``."""
     if ns.check_hostfile is not None:
         hosts = check_hostfile(ns.check_hostfile, world_size=args.cfg.world_size)
+        check_node_groups(
+            ns.check_hostfile, hosts, preflight_run(args, args.cfg.world_size).layout.group_ranks().exchange_nodes
+        )
         print(f"{ns.check_hostfile}: ok, {describe(hosts)} = {args.cfg.world_size} ranks")
         return 0
-    check_hostfile(ns.hostfile, world_size=None if filters_slots(ns.launcher_args) else args.cfg.world_size)
-    preflight_run(args, args.cfg.world_size)
+    subset = filters_slots(ns.launcher_args)
+    hosts = check_hostfile(ns.hostfile, world_size=None if subset else args.cfg.world_size)
+    plan = preflight_run(args, args.cfg.world_size)
+    if not subset:  # the slots are the ranks' hosts
+        check_node_groups(ns.hostfile, hosts, plan.layout.group_ranks().exchange_nodes)
     command = deepspeed_command(ns.hostfile, ns.launcher_args, str(script), strip_launch_flags(argv))
     os.execvp(command[0], command)
 
