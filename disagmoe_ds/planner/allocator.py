@@ -13,6 +13,7 @@ the paper's second criterion). The co-located baseline is searched the same way 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
@@ -27,7 +28,7 @@ from disagmoe_ds.planner.grad_sync import af_sync_s
 from disagmoe_ds.planner.memory import RankMemory, attention_rank_memory, ffn_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.optimizer_step import af_optimizer_s
-from disagmoe_ds.planner.placement import placements
+from disagmoe_ds.planner.placement import Placement, placements
 from disagmoe_ds.planner.plans import (
     PAYS_THRESHOLD,
     SIDES,
@@ -73,10 +74,19 @@ def _layouts(req: PlanRequest, counter: Counter) -> list[Layout]:
                 continue
             for edp in divisors(n // p):
                 try:
-                    out.append(Layout(m, n, spec.num_layers, spec.num_experts, depth=p, expert_data_parallel=edp))
+                    layout = Layout(m, n, spec.num_layers, spec.num_experts, depth=p, expert_data_parallel=edp)
                 except LayoutError:
                     counter["experts do not divide over the F-group"] += 1
+                    continue
+                out += [layout, *_node_deduplicated(layout, req.cluster.gpus_per_node)]
     return out
+
+
+def _node_deduplicated(layout: Layout, gpus_per_node: int) -> list[Layout]:
+    """The layout with the node-deduplicated exchange, its nodes as large as a node allows (none when an
+    expert-parallel group fits one rank per node: nothing to share)."""
+    node = math.gcd(layout.ep_size, gpus_per_node)
+    return [replace(layout, node_dedup=node)] if node > 1 else []
 
 
 def af_candidates(req: PlanRequest) -> tuple[list[AfCandidate], Counter]:
@@ -214,6 +224,9 @@ def _placed(
     if any(lane_spans(layout, pl, s, t)[1] for pl in places):
         rejected["a TP group would span nodes"] += 1
         places = [pl for pl in places if not lane_spans(layout, pl, s, t)[1]]
+    if any(_node_spans(layout, pl) for pl in places):
+        rejected["a node_dedup group would span nodes"] += 1
+        places = [pl for pl in places if not _node_spans(layout, pl)]
     options = [(pl, nics) for pl in places for nics in pl.nic_splits(req.cluster, layout.attention_gpus)]
     if not options:
         rejected["no placement gives each side a NIC (a shared node with one NIC)"] += 1
@@ -234,6 +247,11 @@ def _placed(
         sync = af_sync_s(req.spec, layout, work, placement=place, rates=req.rates, nics=nics)
         out.append(AfCandidate(layout, place, nics, work, micro_batches, cap, roof, *memory, sync, optimizer))
     return out
+
+
+def _node_spans(layout: Layout, place: Placement) -> bool:
+    m = layout.attention_gpus
+    return any(place.spans_nodes(ranks, attention_gpus=m) for ranks in layout.group_ranks().exchange_nodes)
 
 
 def fills_ring(c: AfCandidate) -> bool:

@@ -117,7 +117,7 @@ def _resent(spec: ModelSpec, layout: Layout, work: Workload, layers: tuple[int, 
     layers, which it sends again with that layer's n2m_grad."""
     if not (work.resend and layout.depth > 1):
         return 0.0
-    per_token = spec.wire_bytes_per_token(layout.ep_size).m2n
+    per_token = spec.wire_bytes_per_token(layout.exchange_peers).m2n
     return sum(per_token * rank_tokens(work) for i in layers if i > 0 and spec.moe_layers[i - 1])
 
 
@@ -138,6 +138,8 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
     tokens_per_replica = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.expert_data_parallel
     assignments = tokens_per_replica * spec.top_k / layout.ep_size
     received = tokens_per_replica * spec.distinct_ranks_per_token(layout.ep_size) / layout.ep_size
+    if layout.node_dedup > 1:  # a gateway keeps its lanes' rows of the node besides the rows it computes
+        received += tokens_per_replica * spec.distinct_ranks_per_token(layout.exchange_peers) / layout.ep_size
     worst: RankMemory | None = None
     for g in range(layout.depth):
         moe = [i for i in layout.layers_of_group(g) if spec.moe_layers[i]]

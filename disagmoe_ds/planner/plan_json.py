@@ -82,6 +82,7 @@ def _af_json(result: PlanResult, af: AfPlan) -> dict[str, Any]:
         "tensor_parallel": c.work.tensor_parallel,
         "expert_parallel": c.layout.ep_size,
         "expert_data_parallel": c.layout.expert_data_parallel,
+        "node_dedup": c.layout.node_dedup,
         "micro_batches": c.micro_batches,
         "max_in_flight": af.in_flight,
         "recompute": "per side" if c.work.per_side_recompute else c.work.recompute_name,  # each in "attention", "ffn"

@@ -82,7 +82,8 @@ def _af_table(result: PlanResult, af: AfPlan) -> list[str]:
             "groups",
             f"{lay.depth} x {data_lanes(lay, c.work)} lanes of SP {c.work.sequence_parallel} x TP "
             f"{c.work.tensor_parallel}",
-            f"{lay.depth} x EP {lay.ep_size} x EDP {lay.expert_data_parallel}",
+            f"{lay.depth} x EP {lay.ep_size} x EDP {lay.expert_data_parallel}"
+            + (f", a message per node of {lay.node_dedup}" if lay.node_dedup > 1 else ""),
         ),
         ("compute s/step", f"{ra.compute_s:.3f}", f"{rf.compute_s:.3f}"),
         ("network s/step", f"{ra.network_s:.3f}", f"{rf.network_s:.3f}"),

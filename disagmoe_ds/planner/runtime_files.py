@@ -192,6 +192,7 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
         "depth": c.layout.depth,
         "micro_batches": c.micro_batches,
         "expert_data_parallel": c.layout.expert_data_parallel,
+        "node_dedup": c.layout.node_dedup,
         "max_in_flight": af.in_flight,
         "cluster": cluster or req.cluster.name,
     }

@@ -100,18 +100,33 @@ def compute_multiplier(work: Workload, side: str = "attention") -> int:
 @lru_cache(maxsize=4096)
 def cross_node_share(layout: Layout, placement: Placement) -> tuple[float, float]:
     """(A<->F, A->A) shares of rank pairs on different nodes: lane j of A_g talks to the ep ranks of its F_g
-    replica and to lane j of A_g+1."""
+    replica (with ``node_dedup``: to its gateway on each node of them) and to lane j of A_g+1."""
     m = layout.attention_gpus
     node = [placement.node_of(r, attention_gpus=m) for r in range(layout.world_size)]
     af_pairs = af_cross = res_cross = 0
     for g in range(layout.depth):
         nxt = (g + 1) % layout.depth
         for j, a in enumerate(layout.attention_ranks(g)):
-            peers = layout.ep_group_ranks(g, j % layout.expert_data_parallel)
+            peers = [layout.ffn_peer_of_lane(g, j, e) for e in range(layout.exchange_peers)]  # gateways: one a node
             af_pairs += len(peers)
             af_cross += sum(node[a] != node[f] for f in peers)
             res_cross += node[a] != node[layout.attention_ranks(nxt)[j]]
     return af_cross / af_pairs, res_cross / m if layout.depth > 1 else 0.0
+
+
+def node_hop_s(spec: ModelSpec, layout: Layout, work: Workload, nvlink_bw: float) -> tuple[float, float]:
+    """(forward, backward) seconds one F rank spends per micro-batch and MoE layer in the node-deduplicated
+    exchange's all-to-alls (``afpipe.node_fanout``; on the compute stream, so not overlapped): each routed row from
+    its gateway to the node's ranks that hold its experts and their outputs back ((d - 1) / d of the rows leave the
+    gateway), the gradients likewise, in the activation dtype; with resend the backward re-runs the forward's."""
+    d = layout.node_dedup
+    if d == 1:
+        return 0.0, 0.0
+    wire = spec.wire_bytes_per_token(layout.ep_size)  # per ep rank: what the plain exchange sends over the network
+    rank_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.ffn_ranks_per_group
+    share = rank_tokens * (d - 1) / d / nvlink_bw
+    fwd = share * (wire.m2n + wire.n2m)
+    return fwd, share * (wire.n2m_grad + wire.m2n_grad) + (fwd if work.resend else 0.0)
 
 
 def _group_compute_s(
@@ -252,6 +267,8 @@ def af_roofline(
     m, n = layout.attention_gpus, layout.ffn_gpus
     lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
     a_compute, f_compute = _group_compute_s(spec, layout, work, rates, micro_batches, lane_bw)
+    hop_s = sum(node_hop_s(spec, layout, work, rates.side("ffn").nvlink_bw))
+    f_compute += micro_batches * hop_s * max(_moe_layers(spec, layout, g) for g in range(layout.depth))
     a_pcie = (a_nic / m + micro_batches * offloaded[0]) / rates.pcie_bw if offloaded[0] else 0.0
     f_rates = rates.side("ffn")
     f_pcie = (f_nic / n + micro_batches * offloaded[1]) / f_rates.pcie_bw if offloaded[1] else 0.0
@@ -273,7 +290,7 @@ def _step_volumes(
     tokens = micro_batches * data_lanes(layout, work) * work.tokens_per_micro_batch
     a_flops, f_flops = side_flops(spec, work)
     c_a, c_f = tokens * a_flops, tokens * f_flops
-    wire = spec.wire_bytes_per_token(layout.ep_size, fp8=work.fp8)
+    wire = spec.wire_bytes_per_token(layout.exchange_peers, fp8=work.fp8)
     af_cross, res_cross = cross_node_share(layout, placement)
     moe, res_layers = spec.num_moe_layers, (spec.num_layers if layout.depth > 1 else 0)
     a_to_f = wire.a_to_f + (wire.m2n if work.resend else 0.0)
@@ -287,6 +304,10 @@ def _step_volumes(
     a_nvl = af_dir * (1 - af_cross) + res_dir * (1 - res_cross) + micro_batches * m * a_zero.get("nvlink", 0.0)
     f_nvl = af_dir * (1 - af_cross) + micro_batches * n * f_zero.get("nvlink", 0.0)
     return c_a, c_f, a_nic, f_nic, a_nvl, f_nvl
+
+
+def _moe_layers(spec: ModelSpec, layout: Layout, group: int) -> int:
+    return sum(spec.moe_layers[i] for i in layout.layers_of_group(group))
 
 
 def _per(amount: float, rate: float) -> float:

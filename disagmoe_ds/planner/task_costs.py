@@ -23,7 +23,7 @@ from disagmoe_ds.planner.part_times import (
     head_wgrad_s,
 )
 from disagmoe_ds.planner.placement import Placement
-from disagmoe_ds.planner.stages import cross_node_share
+from disagmoe_ds.planner.stages import cross_node_share, node_hop_s
 from disagmoe_ds.planner.workload import Workload
 
 
@@ -62,7 +62,8 @@ def af_task_costs(
     af_link = _link(nic_bw, rates.nvlink_bw * min(ranks, layout.ffn_ranks_per_group), af_cross)
     res_link = _link(nics[0] / p * rates.nic_bw, rates.nvlink_bw * ranks, res_cross)
     lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
-    wire = spec.wire_bytes_per_token(layout.ep_size, fp8=work.fp8)
+    wire = spec.wire_bytes_per_token(layout.exchange_peers, fp8=work.fp8)
+    hop_fwd, hop_bwd = node_hop_s(spec, layout, work, f_rates.nvlink_bw)
     group_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch  # every A rank sends its own T/(s t)
     f_tokens = group_tokens / layout.ffn_ranks_per_group
     per_layer: dict[str, list[float]] = {k: [] for k in ("A_fwd", "A_bwd", "F_fwd", "F_bwd")}
@@ -81,8 +82,9 @@ def af_task_costs(
             f_w = 0.0
         per_layer["A_fwd"].append(a_fwd)
         per_layer["A_bwd"].append(a_bwd - a_w)
-        per_layer["F_fwd"].append(f_fwd)
-        per_layer["F_bwd"].append(f_bwd - f_w)
+        moe = spec.moe_layers[i]
+        per_layer["F_fwd"].append(f_fwd + moe * hop_fwd)
+        per_layer["F_bwd"].append(f_bwd - f_w + moe * hop_bwd)
         wgrad["A"].append(a_w)
         wgrad["F"].append(f_w)
     _add_message_host_time(per_layer, spec, layout, rates.message_host_s)
