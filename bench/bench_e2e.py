@@ -79,7 +79,16 @@ from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
 
 METHODS = ("afpipe", "colocated", "autoep", "deepspeed-moe")
 # The section keys bench_e2e.py takes as flags (config.SECTION_FLAGS): AF-Pipe's layout, compile and memory levers.
-BENCH_KEYS = ("attention_gpus", "ffn_gpus", "depth", "sequence_parallel", "tensor_parallel", "compile", *LEVER_KEYS)
+BENCH_KEYS = (
+    "attention_gpus",
+    "ffn_gpus",
+    "depth",
+    "node_dedup",
+    "sequence_parallel",
+    "tensor_parallel",
+    "compile",
+    *LEVER_KEYS,
+)
 EP_METHODS = ("colocated", "autoep", "deepspeed-moe")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PEAK_FLOPS = 989e12  # dense bf16 of an H100/H200-class GPU (MFU's denominator, also on CPU runs)

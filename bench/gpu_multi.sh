@@ -10,6 +10,10 @@
 #             SP and TP lanes of 2 ranks
 #   levers    each memory lever's AF-Pipe step beside plain AF-Pipe on the balanced model, compiled, with timelines
 #   lanes     plain, SP 2 and TP 2 A-lanes at a long sequence (LANES_SEQ), step time and peak memory (4+ GPUs)
+#   dedup     the node-deduplicated exchange (4+ GPUs, the expert side's G/2 ranks as two "nodes" of G/4): parity on
+#             NCCL against HF, then AF-Pipe with and without it beside co-located EP over all GPUs and AutoEP.
+#             NCCL picks one transport per process, so under "socket" the in-node all-to-all crosses sockets too
+#             (the dedup's worst case); under "nvlink" the exchange does not (its best): run both
 # TRANSPORT: nvlink (NCCL's default between GPUs of one host), iblike (NCCL_P2P_DISABLE=1: NCCL's shared-memory
 # transport through host memory, meant to sit near a cluster's 25-50 GB/s per GPU across nodes; IBLIKE_ENV replaces
 # it, e.g. IBLIKE_ENV="NCCL_MAX_NCHANNELS=2" for NVLink on fewer channels) or socket (NCCL_P2P_DISABLE=1
@@ -19,10 +23,10 @@
 # exchange and e2e, <part>-<transport>.json and timeline-<transport>-<method>.json; profile-{eager,compiled}.json.
 # E2E_DEPTH: AF-Pipe's depth p in the e2e part (default 1; the planner's choice for the GPU count and transport:
 # `disagmoe-plan --model ... --cluster ...` prints it).
-# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers|lanes [nvlink|iblike|socket] [E2E_MODEL]
+# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers|lanes|dedup [nvlink|iblike|socket] [E2E_MODEL]
 #        [GLOBAL_BATCH] [E2E_DEPTH]
 set -u
-PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers|lanes [nvlink|iblike|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]}
+PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers|lanes|dedup [nvlink|iblike|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]}
 TRANSPORT=${2:-nvlink}
 MODEL=${3:-hf_models/Qwen3-30B-A3B-balanced}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -139,6 +143,24 @@ levers)
       --json "$OUT/levers-$name-$TRANSPORT.json" --timeline "$OUT/timeline-$TRANSPORT-$name.json"
   done
   ;;
-*) echo "PART must be check, exchange, e2e, profile, variants, levers or lanes" >&2; exit 2 ;;
+dedup)
+  node=$((H / 2))
+  for case_ in "--model hf_models/tiny-qwen3-moe --micro-batches 3 --zero 1 --skew" \
+               "--model hf_models/tiny-deepseek-v3 --micro-batches 3 --zero 2 --dtype bf16"; do
+    # shellcheck disable=SC2086
+    step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.afpipe.verify --json --attention-gpus "$H" --ffn-gpus "$H" \
+      --node-dedup "$node" $case_
+  done
+  export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+  for dedup in 1 "$node"; do
+    step 300 python bench/bench_e2e.py --model "$MODEL" --layers 0 --world-size "$G" --seq-len 4096 \
+      --global-batch "$BATCH" --warmup 2 --steps 3 --methods afpipe --node-dedup "$dedup" --compile \
+      --json "$OUT/dedup-$dedup-$TRANSPORT.json" --timeline "$OUT/timeline-$TRANSPORT-dedup$dedup.json"
+  done
+  step 300 python bench/bench_e2e.py --model "$MODEL" --layers 0 --world-size "$G" --seq-len 4096 \
+    --global-batch "$BATCH" --warmup 2 --steps 3 --methods colocated autoep --ep-size "$G" --compile \
+    --json "$OUT/dedup-colocated-$TRANSPORT.json"
+  ;;
+*) echo "PART must be check, exchange, e2e, profile, variants, levers, lanes or dedup" >&2; exit 2 ;;
 esac
 grep -E '^###|^link:|"pass"|tokens/s|GB/s|^  rank|^    rank|Error|error:' "$LOG" | cut -c1-300
