@@ -16,7 +16,8 @@ from tests.conftest import ROOT
 
 KEYS = {
     DisagMoEConfig: {
-        "attention_gpus", "ffn_gpus", "depth", "micro_batches", "expert_data_parallel", "sequence_parallel",
+        "attention_gpus", "ffn_gpus", "depth", "micro_batches", "expert_data_parallel", "node_dedup",
+        "sequence_parallel",
         "tensor_parallel", "max_in_flight", "comm_timeout_s", "compile", "cuda_graphs", "fp8", "fp8_cast_per_call",
         "activation_checkpointing", "selective_recompute", "recompute", "comm_stream", "transport", "capacity_factor",
         "resend", "offload", "split_backward", "zero_stage", "cluster", "profile", "lora", "colocated",

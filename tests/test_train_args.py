@@ -23,7 +23,8 @@ FLAGS = frozenset(
     {
         "--help", "--model", "--init-from", "--data", "--text-field", "--tokenizer", "--vocab-size",
         "--tokenizer-cache", "--seq-len", "--attention-gpus", "--ffn-gpus", "--depth", "--micro-batches",
-        "--expert-data-parallel", "--sequence-parallel", "--tensor-parallel", "--steps", "--micro-batch-size", "--lr",
+        "--expert-data-parallel", "--node-dedup", "--sequence-parallel", "--tensor-parallel", "--steps",
+        "--micro-batch-size", "--lr",
         "--dtype", "--seed", "--fp8",
         "--bias-update-rate", "--sft", "--freeze-router", "--freeze-attention", "--save-dir", "--save-every",
         "--keep-last", "--resume", "--metrics-file", "--tensorboard", "--timeline", "--log-every", "--peak-tflops",
