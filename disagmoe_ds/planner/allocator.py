@@ -281,6 +281,7 @@ def _family(c: AfCandidate) -> tuple:
         w.offload != (0.0, 0.0),
         savings(w),
         fills_ring(c),
+        c.layout.node_dedup > 1,  # it moves time from the network to the F ranks' compute: the schedule decides
     )
 
 
