@@ -162,7 +162,7 @@ class Mailbox:
         self._known: dict[Transfer, Sizes] = {}  # sizes of receives learnt from their sources, not posted yet
         self._handed: dict[Transfer, Sendable] = {}  # hand-offs sent, not received yet
         self.capacity = capacity  # grown between steps by the executor when a step outgrew it
-        self._ep_size, self._moe_layers = layout.exchange_peers, tuple(moe_layers)
+        self._exchange_peers, self._moe_layers = layout.exchange_peers, tuple(moe_layers)
         # Sends not made yet, in schedule order, each with the point of the compute stream that produced it.
         self._queued: deque[tuple[Transfer, Later[Sendable] | Sendable, torch.cuda.Event | None]] = deque()
         cuda = device.type == "cuda"
@@ -347,7 +347,7 @@ class Mailbox:
 
     def _static_sizes(self, transfer: Transfer, peers: int) -> tuple[Sizes, tuple[tuple[int, ...], ...]]:
         moe_layer = self._moe_layers[transfer.src.layer] if transfer.kind == Kind.RESID else True
-        return static_sizes(transfer.kind, self._fixed, peers=peers, ep_size=self._ep_size, moe_layer=moe_layer)
+        return static_sizes(transfer.kind, self._fixed, peers=peers, ep_size=self._exchange_peers, moe_layer=moe_layer)
 
     def _check_static(self, transfer: Transfer, messages: Sequence[Message]) -> None:
         """A header-less message must have the sizes its receiver assumes (else it would wait for bytes never sent)."""

@@ -42,7 +42,8 @@ _TensorOf = tuple[torch.dtype, tuple[int, ...], str | None]  # one wire tensor: 
 
 @dataclass(frozen=True)
 class Dims:
-    """What the message shapes depend on: H, K, E, P, the two dtypes (activations; router weights), the residual's
+    """What the message shapes depend on: H, K, E, P (``ep_size``: a lane's messages per MoE layer, one per ep rank,
+    or per node with ``Layout.node_dedup``), the two dtypes (activations; router weights), the residual's
     shape: ``streams`` per token (hyper-connections), ``routed_weights`` per token (one per stream with
     hyper-connections; 0: the routed sum is added as it is), ``token_ids`` columns (1: the hand-off carries them),
     and ``fp8``: the routed tokens travel in FP8 (the lever, ``"disagmoe.fp8"``)."""
