@@ -4,7 +4,7 @@ node's expert ranks, and their outputs summed back per row.
 A lane sends a token once per node of an expert-parallel group, to one rank of that node (the lane's gateway
 there), with expert ids local to the node (sentinel: the node's expert count). The gateway passes its lanes' rows
 on to the node's ranks that hold their experts and sums what comes back: the co-located dispatcher
-(``colocated.dispatch.AllToAllDispatcher``) over the node's group, NVLink on GPUs. Autograd runs the reverse
+(``comm.dispatch.AllToAllDispatcher``) over the node's group, NVLink on GPUs. Autograd runs the reverse
 all-to-alls in the chunk's backward; a split backward's W starts below them (``afpipe.split_backward``), so they run
 once. The rows go on in the activation dtype: with the FP8 exchange they arrived dequantized, FP8 values already.
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.colocated.dispatch import AllToAllDispatcher
+from disagmoe_ds.comm.dispatch import AllToAllDispatcher
 
 # (rows, local ids, weights, routed pairs, pairs is a bound) -> rows' outputs: an expert shard's call
 ShardCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int | None, bool], torch.Tensor]

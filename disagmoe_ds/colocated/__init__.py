@@ -6,8 +6,8 @@ runtime whose ``executor.train_batch(batches)`` gives the same ``StepResult`` as
 """
 
 from disagmoe_ds.colocated.build import build_colocated_rank, preflight_colocated
-from disagmoe_ds.colocated.dispatch import AllToAllDispatcher, DispatchMetadata, LocalDispatcher
 from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout
+from disagmoe_ds.comm.dispatch import AllToAllDispatcher, DispatchMetadata, LocalDispatcher
 
 __all__ = [
     "AllToAllDispatcher",

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from disagmoe_ds.colocated.dispatch import AllToAllDispatcher, LocalDispatcher
 from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
 from disagmoe_ds.colocated.groups import register_with_deepspeed
 from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout
 from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
+from disagmoe_ds.comm.dispatch import AllToAllDispatcher, LocalDispatcher
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import RankRole
 from disagmoe_ds.models.adapters import check_lora

@@ -26,7 +26,7 @@ from deepspeed.moe.layer import MoE
 from deepspeed.utils import groups as ds_groups
 from torch import nn
 
-from disagmoe_ds.colocated.dispatch import LocalDispatcher
+from disagmoe_ds.comm.dispatch import LocalDispatcher
 from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.fp8.frozen import held_weights

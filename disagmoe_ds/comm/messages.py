@@ -20,7 +20,7 @@ ride in the message's header (``host``), a nested message sent with it when the 
 (``variant``: the resend mode, its rows renamed), or local (not sent). ``spec`` derives the channel's
 ``MessageSpec`` from the tensors in field order, variants last. A ``payload`` tensor travels in the activation
 dtype, or in e4m3 with the FP8 exchange (``Dims.fp8``; its rowwise scales in the Q columns beside it). ``Tokens`` is
-also what an expert shard computes in the co-located mode (``colocated.dispatch``), so both modes hand the experts
+also what an expert shard computes in the co-located mode (``comm.dispatch``), so both modes hand the experts
 the same type.
 """
 

@@ -11,7 +11,7 @@ apply it) stay HF's. Under PEFT's ``target_parameters`` the experts see ``W + s 
 ranks compute adapters.
 
 The experts' input rows are the FP8 values the ranks dispatch (``quantize.round_trip``): the lever sends the routed
-tokens in FP8 in every layout (``comm.messages.Tokens``, ``colocated.dispatch``).
+tokens in FP8 in every layout (``comm.messages.Tokens``, ``comm.dispatch``).
 """
 
 from __future__ import annotations

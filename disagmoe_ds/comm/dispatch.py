@@ -1,4 +1,5 @@
-"""Co-located token exchange: the classic dispatch and combine all-to-all over an expert-parallel group.
+"""The classic dispatch and combine all-to-all over an expert-parallel group: the co-located mode's token exchange,
+and the fan-out inside a node of the node-deduplicated exchange (``afpipe.node_fanout``).
 
 Legend (this file): T tokens of this rank's micro-batch, H hidden, K top-k, P ep ranks, S rows this rank sends
 (summed over its ep peers, grouped by destination), R rows it receives (summed over its ep peers, grouped by source).
@@ -24,6 +25,7 @@ in the activation dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -52,7 +54,14 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, group, send_counts, recv_counts, fp8, *tensors_S):
+    def forward(
+        ctx: Any,
+        group: dist.ProcessGroup,
+        send_counts: tuple[int, ...],
+        recv_counts: tuple[int, ...],
+        fp8: bool,
+        *tensors_S: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.send_counts, ctx.recv_counts = group, send_counts, recv_counts
         ctx.floating = tuple(t.is_floating_point() for t in tensors_S)
         exchange = [_all_to_all_fp8 if fp8 and i == 0 else _all_to_all for i in range(len(tensors_S))]
@@ -61,7 +70,7 @@ class _AllToAll(torch.autograd.Function):
         return tensors_R
 
     @staticmethod
-    def backward(ctx, *grads_R):
+    def backward(ctx: Any, *grads_R: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grads_S = tuple(
             _all_to_all(g, ctx.recv_counts, ctx.send_counts, ctx.group) if fp else None
             for g, fp in zip(grads_R, ctx.floating, strict=True)
@@ -69,13 +78,17 @@ class _AllToAll(torch.autograd.Function):
         return (None, None, None, None, *grads_S)
 
 
-def _all_to_all(t_S: torch.Tensor, send_counts: tuple[int, ...], recv_counts: tuple[int, ...], group) -> torch.Tensor:
+def _all_to_all(
+    t_S: torch.Tensor, send_counts: tuple[int, ...], recv_counts: tuple[int, ...], group: dist.ProcessGroup
+) -> torch.Tensor:
     out_R = t_S.new_empty((sum(recv_counts), *t_S.shape[1:]))
     dist.all_to_all_single(out_R, t_S.contiguous(), list(recv_counts), list(send_counts), group=group)
     return out_R
 
 
-def _all_to_all_fp8(x_S: torch.Tensor, send_counts: tuple[int, ...], recv_counts: tuple[int, ...], group):
+def _all_to_all_fp8(
+    x_S: torch.Tensor, send_counts: tuple[int, ...], recv_counts: tuple[int, ...], group: dist.ProcessGroup
+) -> torch.Tensor:
     """``_all_to_all`` of rows [S, H] sent in e4m3 with their scales (one byte buffer [S, H + 4]), dequantized."""
     q = quantize(x_S, -1)
     bytes_S = torch.cat([q.data.view(torch.uint8), q.scale.view(torch.uint8)], dim=1)
@@ -149,4 +162,5 @@ class AllToAllDispatcher(LocalDispatcher):
     def _exchange(
         self, send_counts: tuple[int, ...], recv_counts: tuple[int, ...], *tensors_S: torch.Tensor, fp8: bool = False
     ) -> tuple[torch.Tensor, ...]:
-        return _AllToAll.apply(self.group, send_counts, recv_counts, fp8, *tensors_S)
+        moved = _AllToAll.apply(self.group, send_counts, recv_counts, fp8, *tensors_S)  # type: ignore[no-untyped-call]
+        return cast(tuple[torch.Tensor, ...], moved)
