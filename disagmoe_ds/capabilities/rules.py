@@ -44,6 +44,7 @@ LEVERS: dict[str, str] = {
     "zero3_attention": "ZeRO-3 on the attention side",
     "zero3_ffn": "ZeRO-3 on the expert side",
     "offload_optimizer": '"zero_optimization.offload_optimizer"',
+    "zero2_chunks": "ZeRO-2 on a side whose backward runs layer chunk by chunk (the disaggregated mode)",
     "offload_param": '"zero_optimization.offload_param"',
     "evaluation": "an evaluation (--eval-data or --eval-split)",
     "bias_update_rate": "router bias balancing (--bias-update-rate above 0)",
@@ -125,6 +126,10 @@ LINES: tuple[Line, ...] = (
         '"disagmoe.capacity_factor" runs a step again when it outgrows the capacity, which drops the step\'s '
         "gradients first; that is not done for ZeRO-3 on the expert side or for optimizer offload yet: remove "
         '"capacity_factor" (messages then carry their sizes in headers) or use ZeRO 0-2 without offload')),
+    Line("offload_optimizer", False, ConfigError, lambda job, rules: (
+        f'"zero_optimization.offload_optimizer" does not work with {_labels(rules)} in the disaggregated mode yet: '
+        f"{rules[0].why}; use ZeRO stage 1 with it (per side: \"disagmoe\": {{\"zero_stage\": "
+        '{"attention": 1, "ffn": 1}}) or drop the offload')),
     Line("zero3_ffn", False, ConfigError, lambda job, rules: (
         f"ZeRO-3 on the expert side does not work with {_labels(rules)} yet; turn "
         f"{'it' if len(rules) == 1 else 'them'} off or use ZeRO stage 2 there {_ZERO2_FIX}")),
@@ -177,6 +182,8 @@ LEVER_RULES: tuple[Rule, ...] = (
     Rule("tensor_parallel", "lora", "adapters are not cut into shards yet", "lora"),
     Rule("tensor_parallel", "offload_optimizer", "the TP sum of replicated gradients runs on the device's copies",
          "zero_optimization.offload_optimizer"),
+    Rule("offload_optimizer", "zero2_chunks", "ZeRO-2 moves each backward's gradients to the host copy as the "
+         "micro-batch's only ones, and this mode runs a backward per layer chunk (parity fails)", "ZeRO-2"),
     Rule("evaluation", "cuda_graphs", "the graphs are captured for training steps, with their backward"),
 )  # fmt: skip
 
