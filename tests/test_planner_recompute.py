@@ -11,7 +11,7 @@ import pytest
 
 from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.layout import Layout
-from disagmoe_ds.planner import Efficiency, Rates
+from disagmoe_ds.planner import Efficiency, Rates, allocator
 from disagmoe_ds.planner.allocator import PlanRequest, af_candidates, best_af
 from disagmoe_ds.planner.attention_lanes import data_lanes
 from disagmoe_ds.planner.cli import main
@@ -72,7 +72,10 @@ def test_the_ladder_tries_the_sides_apart_only_where_allowed():
     ]  # cheapest first; no per-side policy with resend, under which F's policy changes nothing
 
 
-def test_a_side_with_room_keeps_its_activations_while_the_expert_side_rebuilds():
+def test_a_side_with_room_keeps_its_activations_while_the_expert_side_rebuilds(monkeypatch):
+    # Plain exchange only: with the node-deduplicated one the cell is expert-bound and both policies tie (the search
+    # then keeps the uniform one, listed first).
+    monkeypatch.setattr(allocator, "_node_deduplicated", lambda layout, gpus_per_node: [])
     req = _cell()
     uniform, _ = best_af(replace(req, af_variants=PAPER))
     mixed, _ = best_af(replace(req, af_variants=PER_SIDE))
