@@ -29,6 +29,10 @@ def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
         help="every token of the i-th MoE layer picks expert i first: the worst imbalance, another expert per layer",
     )  # fmt: skip
     p.add_argument("--packed", action="store_true", help="two documents per sequence (position ids restart)")
+    p.add_argument(
+        "--offload-optimizer", action="store_true",
+        help="DeepSpeed's ZeRO-Offload: the optimizer state and its step in host memory (needs --zero 1 or more)",
+    )  # fmt: skip
     p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
     p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
     add_lora_args(p)
