@@ -83,8 +83,8 @@ def _layouts(req: PlanRequest, counter: Counter) -> list[Layout]:
 
 
 def _node_deduplicated(layout: Layout, gpus_per_node: int) -> list[Layout]:
-    """The layout with the node-deduplicated exchange, its nodes as large as a node allows (none when an
-    expert-parallel group fits one rank per node: nothing to share)."""
+    """The layout with the node-deduplicated exchange, its nodes the most ep ranks a node holds (gcd of the ep size
+    and the GPUs a node); none where that is one rank: nothing to share. Placements decide whether they fit."""
     node = math.gcd(layout.ep_size, gpus_per_node)
     return [replace(layout, node_dedup=node)] if node > 1 else []
 
