@@ -2,6 +2,7 @@
 against bf16 ``grouped_mm``, on one GPU: which of the four FP8 GEMMs pays at a model's shapes (no quantization timed).
 
     python bench/fp8_grouped_gemms.py --model hf_models/Qwen3-30B-A3B --tokens 4096
+    python bench/fp8_grouped_gemms.py --shape 4096,1536,128,8   # H, expert width I, experts, top-k
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ def timed_ms(fn, iters: int = 30) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="an HF model directory: its hidden size, expert width, experts and top-k")
+    source.add_argument("--shape", help="H,I,E,K instead of a model's")
     p.add_argument("--tokens", type=int, default=4096)
     a = p.parse_args()
-    cfg = json.loads((Path(a.model) / "config.json").read_text())
-    h, f = cfg["hidden_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    e, k = cfg.get("n_routed_experts") or cfg["num_experts"], cfg["num_experts_per_tok"]
+    if a.shape:
+        h, f, e, k = (int(v) for v in a.shape.split(","))
+    else:
+        cfg = json.loads((Path(a.model) / "config.json").read_text())
+        h, f = cfg["hidden_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        e, k = cfg.get("n_routed_experts") or cfg["num_experts"], cfg["num_experts_per_tok"]
     rows = a.tokens * k
     offsets = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * (rows // e)
     rows = int(offsets[-1])
@@ -47,7 +53,7 @@ def main() -> None:
         "dX down": (h, (e, f, h)),
         "dX gate_up": (2 * f, (e, h, 2 * f)),
     }
-    print(f"{a.model}: {rows} rows in {e} groups, H {h}, F {f}")
+    print(f"{a.model or a.shape}: {rows} rows in {e} groups, H {h}, F {f}")
     print(f"{'GEMM':<12} {'bf16 ms':>8} {'fp8 ms':>8} {'speedup':>8}  TFLOP/s bf16 / fp8")
     for name, (width, wshape) in gemms.items():
         x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
