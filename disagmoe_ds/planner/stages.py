@@ -123,8 +123,8 @@ def node_hop_s(spec: ModelSpec, layout: Layout, work: Workload, nvlink_bw: float
     if d == 1:
         return 0.0, 0.0
     wire = spec.wire_bytes_per_token(layout.ep_size)  # per ep rank: what the plain exchange sends over the network
-    rank_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.ffn_ranks_per_group
-    share = rank_tokens * (d - 1) / d / nvlink_bw
+    f_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.ffn_ranks_per_group
+    share = f_tokens * (d - 1) / d / nvlink_bw
     fwd = share * (wire.m2n + wire.n2m)
     return fwd, share * (wire.n2m_grad + wire.m2n_grad) + (fwd if work.resend else 0.0)
 

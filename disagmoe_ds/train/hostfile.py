@@ -64,11 +64,11 @@ def check_hostfile(path: Path, *, world_size: int | None = None) -> dict[str, in
 
 def check_node_groups(path: Path, hosts: dict[str, int], groups: Sequence[Sequence[int]]) -> None:
     """Each group of ranks that must share a host (``node_dedup``'s nodes) lies on one host of the file: the
-    launcher gives each host's slots consecutive ranks, in file order.
-    """
+    launcher gives each host's slots consecutive ranks, in file order (``check_hostfile`` has checked that they
+    number the world size)."""
     host_of = [host for host, slots in hosts.items() for _ in range(slots)]
     for ranks in groups:
-        spanned = sorted({host_of[rank] for rank in ranks if rank < len(host_of)})
+        spanned = sorted({host_of[rank] for rank in ranks})
         if len(spanned) > 1:
             spans, start = [], 0
             for host, slots in hosts.items():
