@@ -113,7 +113,7 @@ def test_bad_configs_fail_at_build_time():
     with pytest.raises(LayoutError, match=r"ep_size \(3\) must divide world_size \(4\)"):
         ColocatedConfig(world_size=4, ep_size=3)
     with pytest.raises(LayoutError, match=r"num_experts \(6\) must be divisible by ep_size \(4\)"):
-        ColocatedConfig(world_size=4, ep_size=4).layout(num_experts=6)
+        ColocatedConfig(world_size=4, ep_size=4).layout(num_experts=6, num_layers=2)
     with pytest.raises(ConfigError, match="colocated.micro_batches must be a positive int"):
         ColocatedConfig(micro_batches=0)
 

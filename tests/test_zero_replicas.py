@@ -140,5 +140,5 @@ def test_colocated_zero2_with_expert_replicas_equals_hf(pairs_log):
     model = ROOT / "hf_models" / "tiny-qwen3-moe"
     args = ColocatedVerifyArgs(str(model), cfg, zero=2, seq_len=2, clip=CLIP, skew=True, seed=2)
     _assert_exact(run_colocated_verify(args, timeout_s=180))
-    layout = cfg.layout(num_experts=num_experts_of(_config(model)))
+    layout = cfg.layout(num_experts=num_experts_of(_config(model)), num_layers=_config(model).num_hidden_layers)
     assert idle_beside_busy(pairs_log, [layout.edp_group_ranks(e) for e in range(layout.ep_size)]) > 0

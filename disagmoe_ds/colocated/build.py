@@ -2,13 +2,16 @@
 
 The steps and their order are ``runtime.rank.RankBuilder``'s, shared with the disaggregated mode; this mode's own:
 
-    layout   ``ColocatedConfig.layout`` (W ranks, EP groups of ep_size);
-    groups   data parallel (all W ranks), expert parallel and expert data parallel, registered as DeepSpeed's
-             expert groups (``colocated.groups``);
-    module   the whole attention side, the rank's expert slice dressed as DeepSpeed MoE, and its dispatcher
-             (``ColocatedModel``);
-    engine   no gradient scale, the norm over attention and expert parameters (``ColocatedGradNorm``);
-    executor forward and backward of each micro-batch in turn (``ColocatedExecutor``).
+    layout   ``ColocatedConfig.layout`` (W ranks in pipeline stages, EP groups of ep_size inside a stage);
+    groups   per stage, data parallel (its ranks), expert parallel and expert data parallel, registered as
+             DeepSpeed's expert groups (``colocated.groups``); with stages, the links between them
+             (``pipeline.StageLinks``);
+    module   the attention side of the stage's layers (the embedding on the first, the head on the last), the
+             rank's expert slice of them dressed as DeepSpeed MoE, and its dispatcher (``ColocatedModel``);
+    engine   no gradient scale, the norm over attention and expert parameters of every stage
+             (``ColocatedGradNorm``, ``PipelineGradNorm``);
+    executor forward and backward of each micro-batch in turn (``ColocatedExecutor``), or in 1F1B order with the
+             other stages (``PipelineExecutor``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -24,7 +28,10 @@ from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
 from disagmoe_ds.colocated.groups import register_with_deepspeed
 from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout
 from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
+from disagmoe_ds.colocated.pipeline import PipelineExecutor, PipelineGradNorm, StageLinks
 from disagmoe_ds.comm.dispatch import AllToAllDispatcher, LocalDispatcher
+from disagmoe_ds.comm.transport import make_transport
+from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.groups import ProcessGroups, build_process_groups
 from disagmoe_ds.layout import RankRole
 from disagmoe_ds.models.adapters import check_lora
@@ -42,15 +49,27 @@ class Colocated:
 
     def __init__(self, cfg: ColocatedConfig):
         self.cfg = cfg
+        self.links: StageLinks | None = None  # with pipeline stages: made with the groups
 
     def layout(self, config) -> ColocatedLayout:
-        return self.cfg.layout(num_experts=num_experts_of(config))
+        return self.cfg.layout(num_experts=num_experts_of(config), num_layers=config.num_hidden_layers)
 
     def check(self, layout: ColocatedLayout, config, ds_config: dict[str, Any], *, seq_len: int | None) -> None:
-        del layout, seq_len  # any ep_size (ExpertShard), any length
+        del seq_len  # any ep_size (ExpertShard), any length
         if self.cfg.lora is not None:
             check_lora(config, self.cfg.lora, needs=("expert",))  # DeepSpeed's MoE engine needs an expert group
-        self.cfg.zero_stage_of("ffn", ds_config)  # checked: one stage for both kinds of parameters
+        zero_stage = self.cfg.zero_stage_of("ffn", ds_config)  # checked: one stage for both kinds of parameters
+        if layout.pp_size > 1:
+            refused = {
+                "ZeRO-3": zero_stage == 3,
+                '"disagmoe.cuda_graphs"': self.cfg.cuda_graphs,
+            }
+            named = [name for name, on in refused.items() if on]
+            if named:
+                raise ConfigError(
+                    f"{named[0]} does not run with co-located pipeline stages yet; turn it off or use one stage "
+                    "(pp_size 1)"
+                )
 
     def describe(self, layout: ColocatedLayout, config, schedule_costs: Costs | None) -> list[str]:
         del config, schedule_costs  # nothing to schedule: one micro-batch at a time
@@ -81,9 +100,12 @@ class Colocated:
         device: torch.device,
         tokens_per_micro_batch: int | None,
     ) -> ProcessGroups:
-        del device, tokens_per_micro_batch  # no exchange
+        del tokens_per_micro_batch  # no exchange
         groups = build_process_groups(layout, rank, timeout=timeout)
         register_with_deepspeed(groups, layout)  # before deepspeed.initialize looks its expert groups up
+        if layout.pp_size > 1:
+            self.links = StageLinks(make_transport(self.cfg.transport, timeout), layout, rank)
+            self.links.warm_up(device)
         return groups
 
     def module(
@@ -100,10 +122,11 @@ class Colocated:
         """Attention side of every layer, the expert slice of ``role``, the dispatcher. Parts cut from a meta model
         are filled from ``weights``, or else initialised from ``2 * seed`` (attention) and ``2 * seed + 1``."""
         config = cast(PretrainedConfig, model.config)
-        layers = tuple(range(config.num_hidden_layers))
+        layers = tuple(layout.stage_layer_range(role.group) if layout.pp_size > 1 else range(config.num_hidden_layers))
         experts = layout.expert_range(role.ep_rank)
         stage = ExpertStage(model, layers, experts.start, experts.stop)
-        attention = AttentionStage(model, layers, with_embedding=True, with_head=True)
+        first, last = role.group == 0, role.group == layout.pp_size - 1
+        attention = AttentionStage(model, layers, with_embedding=first, with_head=last)
         for i, part in enumerate((attention, stage)):
             # Before ExpertStageMoE marks the expert parameters: materialising replaces meta parameters by new ones.
             place(part, model, device, seed=2 * seed + i, weights=weights)
@@ -129,23 +152,39 @@ class Colocated:
         return 1.0  # already the mean over all W * K micro-batches (colocated.executor)
 
     def grad_norm(self, layout: ColocatedLayout, groups: ProcessGroups) -> ColocatedGradNorm:
+        if layout.pp_size > 1:  # every stage's parameters: the norm spans the world
+            return PipelineGradNorm(
+                _world(), attention_replicas=layout.stage_size, expert_replicas=layout.expert_data_parallel
+            )
         return ColocatedGradNorm(
             groups.data_parallel, attention_replicas=layout.world_size, expert_replicas=layout.expert_data_parallel
         )
 
     def executor(self, parts: RankParts[ColocatedLayout]) -> ColocatedExecutor:
         role = parts.role
-        return ColocatedExecutor(
+        common = dict(
             engine=parts.engine,
             num_micro_batches=self.cfg.micro_batches,
             grad_norm=parts.grad_norm,
-            group=parts.groups.data_parallel,
             name=f"rank {parts.rank} colocated ep {role.ep_rank} edp {role.edp_rank}",
             comm_timeout_s=self.cfg.comm_timeout_s,
             micro_batch_size=parts.micro_batch_size,
             routing=parts.routing,
             fp8_cast_once=self.cfg.fp8_cast_once,
         )
+        if self.links is None:
+            return ColocatedExecutor(group=parts.groups.data_parallel, **common)
+        common["name"] = f"rank {parts.rank} colocated stage {role.group} ep {role.ep_rank} edp {role.edp_rank}"
+        return PipelineExecutor(
+            layout=parts.layout, rank=parts.rank, links=self.links, world=_world(), dtype=parts.dtype, **common
+        )
+
+
+def _world() -> dist.ProcessGroup:
+    """The default group (every rank), once the job's process group is up."""
+    world = dist.group.WORLD
+    assert world is not None, "the process group is initialised before the rank is built"
+    return world
 
 
 build_colocated_rank: RankBuilder[ColocatedLayout, ColocatedConfig] = RankBuilder(Colocated)

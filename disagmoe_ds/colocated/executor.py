@@ -97,13 +97,18 @@ class ColocatedRunner:
 
     def forward(self, batch: dict[str, torch.Tensor]):
         out = self.engine(**batch)
-        one = torch.ones((), dtype=torch.float64, device=self.sums.device)
-        aux = out.aux_loss if out.aux_loss is not None else one * 0
-        # Summed on the device: no host sync per micro-batch (the step's all-reduce reads them once).
-        self.sums += torch.stack([t.detach().double() for t in (out.loss, out.lm_loss, aux, one)])
+        self.add(out)
+        return out
+
+    def add(self, out) -> None:
+        """A micro-batch's losses (an output with a loss: the head's) and expert load into the step's sums."""
+        if hasattr(out, "loss"):
+            one = torch.ones((), dtype=torch.float64, device=self.sums.device)
+            aux = out.aux_loss if out.aux_loss is not None else one * 0
+            # Summed on the device: no host sync per micro-batch (the step's all-reduce reads them once).
+            self.sums += torch.stack([t.detach().double() for t in (out.loss, out.lm_loss, aux, one)])
         if out.load_LE is not None:
             self.load_LE = out.load_LE if self.load_LE is None else self.load_LE + out.load_LE
-        return out
 
     def backward(self, out) -> None:
         self.engine.backward(out.loss / self.num_micro_batches, scale_wrt_gas=False)

@@ -1,9 +1,13 @@
-"""Where every rank sits in co-located EP+DP mode, and the mode's own knobs (pure Python).
+"""Where every rank sits in co-located mode, and the mode's own knobs (pure Python).
 
-Every rank holds the whole attention side (data parallel over all W ranks) and a 1/ep slice of every MoE layer's
-routed experts. Rank order is DeepSpeed's "E + D" order: the expert-parallel index runs fastest, so an
-expert-parallel (EP) group is a run of ``ep_size`` consecutive ranks and the ranks holding the same expert slice
-(its expert-data-parallel replicas, EDP) are strided by ``ep_size``.
+Every rank holds the attention side of its pipeline stage's layers (data parallel over the stage's D = W / pp
+ranks) and a 1/ep slice of each of those layers' routed experts; with one stage (``pp_size`` 1, the default) that
+is every layer, and the stage is the whole job. Rank order is Megatron-Core's, pipeline outermost: stage s holds
+ranks ``[s * D, (s + 1) * D)``, and rank ``s * D + d`` is lane d of its stage, the lane that hands its micro-batches
+on to lane d of the next. Inside a stage it is DeepSpeed's "E + D" order: the expert-parallel index runs fastest,
+so an expert-parallel (EP) group is a run of ``ep_size`` consecutive ranks (inside a node, where a node's GPUs
+divide ``ep_size``) and the ranks holding the same expert slice (its expert-data-parallel replicas, EDP) are strided
+by ``ep_size``.
 
 >>> lay = ColocatedLayout(world_size=4, ep_size=2, num_experts=8)
 >>> lay.ep_group_ranks(1), lay.edp_group_ranks(1), lay.expert_range(lay.ep_rank(3))
@@ -12,8 +16,11 @@ expert-parallel (EP) group is a run of ``ep_size`` consecutive ranks and the ran
 RankRole(role='attention', group=0, index=3, ep_rank=1, edp_rank=1)
 >>> lay.group_ranks().expert_parallel, lay.group_ranks().expert_data_parallel
 (((0, 1), (2, 3)), ((0, 2), (1, 3)))
->>> ColocatedConfig(world_size=6).layout(num_experts=8).ep_size  # default: the largest that divides both
+>>> ColocatedConfig(world_size=6).layout(num_experts=8, num_layers=2).ep_size  # default: the largest dividing both
 2
+>>> pipe = ColocatedLayout(world_size=8, ep_size=2, num_experts=8, stage_layers=(3, 2, 2, 1))
+>>> pipe.role_of(5), pipe.stage_layer_range(1), pipe.pipeline_peers(5)
+(RankRole(role='attention', group=2, index=1, ep_rank=1, edp_rank=0), range(3, 5), (1, 3, 5, 7))
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from disagmoe_ds.config import SECTION, Accumulation, FineTuning, Kernels, Watchdog, effective_zero_stage
+from disagmoe_ds.config.sections import TRANSPORT_NAMES
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.layout import ExpertSlices, GroupRanks, RankRole
 
@@ -35,12 +43,22 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
 
     Attributes:
         world_size: W, ranks in the job; every rank is an attention lane and an expert-parallel rank.
-        ep_size: expert-parallel ranks that together hold one copy of every MoE layer's experts; divides W and the
-            expert count. None: the largest such size (``gcd(W, num_experts)``), fixed by ``layout``.
+        ep_size: expert-parallel ranks that together hold one copy of a stage's experts; divides the stage's ranks
+            and the expert count. None: the largest such size (``gcd(W / pp_size, num_experts)``), fixed by
+            ``layout``.
+        pp_size: pipeline stages over the decoder layers (1F1B); each holds W / pp_size ranks.
+        stage_layers: decoder layers per stage, first to last (uneven stages: say fewer on the first and last,
+            which hold the embedding and the head). None: as even as the layer count allows, the earlier stages
+            taking the remainder.
+        transport: how the stages hand micro-batches on (``config.sections.TRANSPORT_NAMES``: ``rendezvous`` is
+            the CPU test stand-in with NCCL's network semantics).
     """
 
     world_size: int = 1
     ep_size: int | None = None
+    pp_size: int = 1
+    stage_layers: tuple[int, ...] | None = None
+    transport: str = "auto"
 
     def _named(self, key: str) -> str:
         return f"colocated.{key}"
@@ -48,11 +66,32 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
     def _check(self) -> None:
         self._positive("world_size", int)
         self._positive("ep_size", int, optional=True)
-        if self.ep_size is not None and self.world_size % self.ep_size:
+        self._positive("pp_size", int)
+        if self.world_size % self.pp_size:
             raise LayoutError(
-                f"ep_size ({self.ep_size}) must divide world_size ({self.world_size}): the ranks form "
-                f"world_size / ep_size expert-data-parallel replicas of the experts; pick an ep_size that divides it"
+                f"pp_size ({self.pp_size}) must divide world_size ({self.world_size}): every pipeline stage holds "
+                f"the same number of ranks; pick a pp_size that divides it"
             )
+        if self.ep_size is not None and self.stage_size % self.ep_size:
+            raise LayoutError(
+                f"ep_size ({self.ep_size}) must divide the {self.stage_size} ranks of a pipeline stage (world_size "
+                f"{self.world_size} / pp_size {self.pp_size}): they form expert-data-parallel replicas of the "
+                f"stage's experts; pick an ep_size that divides it"
+            )
+        if self.stage_layers is not None and len(self.stage_layers) != self.pp_size:
+            raise LayoutError(
+                f"stage_layers {list(self.stage_layers)} names {len(self.stage_layers)} stages, pp_size is "
+                f"{self.pp_size}: give one layer count per stage"
+            )
+        if self.transport not in TRANSPORT_NAMES:
+            raise ConfigError(
+                f"{self._named('transport')} must be one of {list(TRANSPORT_NAMES)}, got {self.transport!r}"
+            )
+
+    @property
+    def stage_size(self) -> int:
+        """D, the ranks of one pipeline stage (all W with one stage)."""
+        return self.world_size // self.pp_size
 
     def zero_stage_of(self, side: str, ds_config: dict[str, Any]) -> int:
         """Either side's ZeRO stage: ``zero_optimization.stage``, the stage of the one engine a rank has over both
@@ -67,90 +106,149 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
 
     @property
     def lanes(self) -> int:
-        """Data-parallel attention ranks (how many distinct batches one step consumes): every rank."""
-        return self.world_size
+        """Data-parallel attention ranks (how many distinct batches one step consumes): a stage's ranks."""
+        return self.stage_size
 
     @property
     def batch_lanes(self) -> int:
-        """The ranks that read distinct micro-batches: every rank (as ``layout.RankCounts``'s, with no sequence
-        parallelism)."""
-        return self.world_size
+        """The lanes that read distinct micro-batches: a stage's ranks (as ``layout.RankCounts``'s, with no sequence
+        parallelism); lane d of every stage reads the same ones."""
+        return self.stage_size
 
     def batch_lane_of(self, lane: int) -> int:
         return lane
 
-    def layout(self, *, num_experts: int) -> ColocatedLayout:
-        ep_size = self.ep_size if self.ep_size is not None else math.gcd(self.world_size, num_experts)
-        return ColocatedLayout(world_size=self.world_size, ep_size=ep_size, num_experts=num_experts)
+    def layout(self, *, num_experts: int, num_layers: int) -> ColocatedLayout:
+        ep_size = self.ep_size if self.ep_size is not None else math.gcd(self.stage_size, num_experts)
+        stage_layers = self.stage_layers if self.stage_layers is not None else even_split(num_layers, self.pp_size)
+        if sum(stage_layers) != num_layers or min(stage_layers) < 1:
+            raise LayoutError(
+                f"stage_layers {list(stage_layers)} must give every one of {self.pp_size} pipeline stages at least one "
+                f"layer and add up to the model's {num_layers} decoder layers"
+            )
+        return ColocatedLayout(
+            world_size=self.world_size,
+            ep_size=ep_size,
+            num_experts=num_experts,
+            stage_layers=stage_layers if self.pp_size > 1 else (),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
+    """``num_layers`` over ``stages`` as evenly as they go, the earlier stages taking the remainder (the last holds
+    the head).
+
+    >>> even_split(10, 4)
+    (3, 3, 2, 2)
+    """
+    base, extra = divmod(num_layers, stages)
+    return tuple(base + (stage < extra) for stage in range(stages))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ColocatedLayout(ExpertSlices):
-    """A validated co-located layout: W ranks, EP groups of ``ep_size`` ranks, E routed experts per MoE layer.
+    """A validated co-located layout: W ranks in ``pp_size`` pipeline stages of ``stage_layers`` decoder layers
+    (none: one stage of every layer), EP groups of ``ep_size`` ranks inside a stage, E routed experts per MoE layer.
 
-    It also says what a checkpoint records of it (``layout.JobLayout``): the mode, the values a
-    resume must match, and one DeepSpeed directory for the whole job (all ranks are one data-parallel DeepSpeed job
-    whose MoE checkpointing writes each expert's file once, from its first replica).
+    It also says what a checkpoint records of it (``layout.JobLayout``): the mode, the values a resume must match,
+    and one DeepSpeed directory per stage (a stage's ranks are one data-parallel DeepSpeed job whose MoE
+    checkpointing writes each expert's file once, from its first replica).
     """
 
     world_size: int
     ep_size: int
     num_experts: int
+    stage_layers: tuple[int, ...] = ()
 
     mode: ClassVar[str] = "colocated"
-    relayout_hint: ClassVar[str] = "resume with the same --world-size and --ep-size"
+    relayout_hint: ClassVar[str] = "resume with the same --world-size, --ep-size and pipeline stages"
 
     def __post_init__(self) -> None:
-        if self.world_size % self.ep_size:
-            raise LayoutError(f"ep_size ({self.ep_size}) must divide world_size ({self.world_size})")
+        if self.world_size % self.pp_size:
+            raise LayoutError(f"{self.pp_size} pipeline stages must divide world_size ({self.world_size})")
+        if self.stage_size % self.ep_size:
+            raise LayoutError(f"ep_size ({self.ep_size}) must divide a stage's ranks ({self.stage_size})")
         self._check_even_split(
             f"ep_size ({self.ep_size}): every expert-parallel rank holds the same number of experts",
             "choose an ep_size that divides it",
         )
 
+    @property
+    def pp_size(self) -> int:
+        return max(len(self.stage_layers), 1)
+
+    @property
+    def stage_size(self) -> int:
+        """D, the ranks of one pipeline stage."""
+        return self.world_size // self.pp_size
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.stage_size
+
+    def stage_layer_range(self, stage: int) -> range:
+        """The decoder layers of pipeline stage ``stage`` (every layer with one stage)."""
+        if not self.stage_layers:
+            raise LayoutError("stage_layer_range needs the layer counts of a pipelined layout")
+        start = sum(self.stage_layers[:stage])
+        return range(start, start + self.stage_layers[stage])
+
+    def pipeline_peers(self, rank: int) -> tuple[int, ...]:
+        """The ranks, one per stage, that hand ``rank``'s lane's micro-batches on, first stage to last."""
+        lane = rank % self.stage_size
+        return tuple(stage * self.stage_size + lane for stage in range(self.pp_size))
+
     def ep_rank(self, rank: int) -> int:
         return rank % self.ep_size
 
     def edp_rank(self, rank: int) -> int:
-        """Which replica of the experts ``rank`` belongs to (the index of its EP group)."""
-        return rank // self.ep_size
+        """Which replica of the stage's experts ``rank`` belongs to (the index of its EP group in the stage)."""
+        return rank % self.stage_size // self.ep_size
 
     @property
     def expert_data_parallel(self) -> int:
-        """Replicas of each expert slice (= number of EP groups)."""
-        return self.world_size // self.ep_size
+        """Replicas of each expert slice (= number of EP groups of a stage)."""
+        return self.stage_size // self.ep_size
 
     @property
     def expert_group_name(self) -> str:
         """The name DeepSpeed keys its expert groups and expert parameters by (``MoE.expert_group_name``)."""
         return f"ep_size_{self.ep_size}"
 
-    def ep_group_ranks(self, replica: int) -> tuple[int, ...]:
-        """The ranks that together hold one full copy of the experts (they exchange tokens)."""
-        return tuple(range(replica * self.ep_size, (replica + 1) * self.ep_size))
+    def ep_group_ranks(self, replica: int, stage: int = 0) -> tuple[int, ...]:
+        """The ranks of ``stage`` that together hold one full copy of its experts (they exchange tokens)."""
+        first = stage * self.stage_size + replica * self.ep_size
+        return tuple(range(first, first + self.ep_size))
 
-    def edp_group_ranks(self, ep_rank: int) -> tuple[int, ...]:
-        """The ranks that hold the same expert slice (they reduce its gradients)."""
-        return tuple(range(ep_rank, self.world_size, self.ep_size))
+    def edp_group_ranks(self, ep_rank: int, stage: int = 0) -> tuple[int, ...]:
+        """The ranks of ``stage`` that hold the same expert slice (they reduce its gradients)."""
+        first = stage * self.stage_size
+        return tuple(range(first + ep_rank, first + self.stage_size, self.ep_size))
 
     def group_ranks(self) -> GroupRanks:
-        """All W ranks in one data-parallel group (the attention side), the EP groups, then the EDP groups: the ranks
-        of DeepSpeed's ``_create_expert_and_data_parallel(ep_size)`` (E + D order)."""
+        """Per stage, its ranks as one data-parallel group (the attention side), then the EP groups, then the EDP
+        groups: with one stage, the ranks of DeepSpeed's ``_create_expert_and_data_parallel(ep_size)`` (E + D)."""
+        stages = range(self.pp_size)
         return GroupRanks(
-            data_parallel=(tuple(range(self.world_size)),),
-            expert_parallel=tuple(self.ep_group_ranks(r) for r in range(self.expert_data_parallel)),
-            expert_data_parallel=tuple(self.edp_group_ranks(e) for e in range(self.ep_size)),
+            data_parallel=tuple(tuple(range(s * self.stage_size, (s + 1) * self.stage_size)) for s in stages),
+            expert_parallel=tuple(self.ep_group_ranks(r, s) for s in stages for r in range(self.expert_data_parallel)),
+            expert_data_parallel=tuple(self.edp_group_ranks(e, s) for s in stages for e in range(self.ep_size)),
         )
 
     def role_of(self, rank: int) -> RankRole:
-        """Every co-located rank is lane ``rank`` of the one attention group (it reads data and holds the embedding)
-        and holds expert slice ``ep_rank`` of replica ``edp_rank``."""
+        """A co-located rank is lane ``rank % D`` of its stage's attention group (``group``: the stage; every
+        stage's lanes read data) and holds expert slice ``ep_rank`` of the stage's replica ``edp_rank``."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside the co-located layout's world of {self.world_size} ranks")
-        return RankRole("attention", group=0, index=rank, ep_rank=self.ep_rank(rank), edp_rank=self.edp_rank(rank))
+        return RankRole(
+            "attention",
+            group=self.stage_of(rank),
+            index=rank % self.stage_size,
+            ep_rank=self.ep_rank(rank),
+            edp_rank=self.edp_rank(rank),
+        )
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
@@ -160,15 +258,23 @@ class ColocatedLayout(ExpertSlices):
             )
 
     # ----- what a checkpoint records (layout.JobLayout) -----
-    def manifest_layout(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "ep_size": self.ep_size, "num_experts": self.num_experts}
+    def manifest_layout(self) -> dict[str, Any]:
+        saved: dict[str, Any] = {
+            "world_size": self.world_size,
+            "ep_size": self.ep_size,
+            "num_experts": self.num_experts,
+        }
+        return saved | ({"stage_layers": list(self.stage_layers)} if self.stage_layers else {})
 
     def checkpoint_dir(self, role: RankRole) -> str:
-        del role  # one DeepSpeed job: every rank saves into the same directory
-        return "colocated"
+        # one DeepSpeed job per stage: a stage's ranks save into one directory
+        return f"colocated_stage{role.group}" if self.stage_layers else "colocated"
 
     def describe(self) -> str:
+        ranks = f"{self.world_size} ranks"
+        if self.stage_layers:
+            ranks += f" in {self.pp_size} pipeline stages of {self.stage_size} (layers {list(self.stage_layers)})"
         return (
-            f"co-located EP+DP: {self.world_size} ranks, EP {self.ep_size} x EDP {self.expert_data_parallel}, "
+            f"co-located EP+DP: {ranks}, EP {self.ep_size} x EDP {self.expert_data_parallel}, "
             f"{self.experts_per_rank} experts per rank"
         )

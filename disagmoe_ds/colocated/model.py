@@ -1,8 +1,11 @@
-"""What one co-located rank holds: the whole attention side and a slice of every MoE layer's routed experts.
+"""What one co-located rank holds: the attention side of its stage's layers (every layer, with one pipeline stage)
+and a slice of each of those layers' routed experts.
 
 ``ColocatedModel.forward`` runs one micro-batch of this rank exactly as ``models.split.SplitModel`` does in one
 process (same attention parts, same dispatch plan, same expert shards, same combine, same aux loss), with the
-expert shards spread over the ranks of the expert-parallel group and reached through a dispatcher.
+expert shards spread over the ranks of the expert-parallel group and reached through a dispatcher. A pipeline
+stage without the head returns its last layer's residual and the router sums so far for the next stage
+(``colocated.handoff``); one after the first starts from the residual and sums the previous stage handed on.
 
 ``ExpertStageMoE`` makes DeepSpeed treat the expert slice as MoE parameters: the engine sees a
 ``deepspeed.moe.layer.MoE`` instance (``has_moe_layers``), and every expert parameter carries ``allreduce=False``
@@ -26,6 +29,7 @@ from deepspeed.moe.layer import MoE
 from deepspeed.utils import groups as ds_groups
 from torch import nn
 
+from disagmoe_ds.colocated.handoff import RouterSums, StageOutput
 from disagmoe_ds.comm.dispatch import LocalDispatcher
 from disagmoe_ds.comm.routing import count_ids
 from disagmoe_ds.errors import CheckpointError
@@ -122,6 +126,7 @@ class ColocatedOutput:
     # int64: this rank's tokens routed to each expert (top-k choices), 0 for dense layers; None from a module that
     # does not report its load (bench_e2e's DeepSpeed-MoE model)
     load_LE: torch.Tensor | None = None
+    sums: RouterSums | None = None  # a pipeline's last stage: every MoE layer's router sums (for the aux gradients)
 
 
 class ColocatedModel(nn.Module):
@@ -143,6 +148,7 @@ class ColocatedModel(nn.Module):
         self.dispatcher = dispatcher
         self.aux_coef = aux_coef
         self.config = attention.config
+        self.layers = sorted(int(layer) for layer in attention.layers)  # the stage's (every layer with one stage)
         self.graphs = StageGraphs()  # the parts replayed as CUDA graphs (``capture_graphs``); none: as they are
 
     def capture_graphs(self, *, batch: int, seq_len: int, top_k: int, weight_dtype: torch.dtype, packed: bool) -> None:
@@ -160,14 +166,20 @@ class ColocatedModel(nn.Module):
         self.graphs = graphs
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> ColocatedOutput:
-        h_BSH = self.attention.embed(input_ids)
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        inbound: tuple[torch.Tensor, RouterSums] | None = None,
+    ) -> ColocatedOutput | StageOutput:
+        """One micro-batch through this rank's layers; ``inbound``: the residual and router sums the previous
+        pipeline stage handed on (None: this stage embeds the tokens)."""
+        h_BSH = self.attention.embed(input_ids) if inbound is None else inbound[0]
         ctx = self.attention.context(h_BSH, position_ids, input_ids)
         stats: list[RouterStats] = []
         num_layers, num_experts = self.config.num_hidden_layers, self.experts.num_experts
         load_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=h_BSH.device)
-        for layer in range(num_layers):
+        for layer in self.layers:
             part = self.attention.part(layer)
             out = self.graphs.part(self.attention, layer)(h_BSH, ctx, self.config)
             if out.x_TH is None:  # dense layer
@@ -180,11 +192,19 @@ class ColocatedModel(nn.Module):
             shard = self.graphs.shard(self.experts.stage, layer)
             y_RH = shard(*routed.shard_args(out.x_TH.dtype))
             h_BSH = add_routed(out.residual_BSH, out.routed_w_BSC, self.dispatcher.combine(y_RH, meta))
+        if self.attention.head is None:
+            before = RouterSums.zeros(num_experts, h_BSH.device) if inbound is None else inbound[1]
+            return StageOutput(h_BSH, before.plus(stats), load_LE)
         _, lm_loss = self.graphs.head_of(self.attention)(h_BSH, labels)
         if self.aux_coef is None:
             return ColocatedOutput(lm_loss, lm_loss, None, load_LE)
-        aux = aux_loss_from_stats(stats, per_layer=balance_per_layer(self.config))
-        return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux, load_LE)
+        per_layer = balance_per_layer(self.config)
+        if inbound is None:
+            aux = aux_loss_from_stats(stats, per_layer=per_layer)
+            return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux, load_LE)
+        sums = inbound[1].plus(stats)
+        aux = sums.aux_loss(per_layer=per_layer)
+        return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux, load_LE, sums)
 
     def hf_names(self) -> dict[str, tuple[str, int]]:
         """Parameter name (or a frozen FP8 base's, ``fp8.frozen``) -> (HF name, first expert of the slice; 0 for

@@ -1,6 +1,7 @@
-"""Co-located EP+DP mode against the single-process HF model (the co-located twin of ``disagmoe-verify``).
+"""Co-located mode against the single-process HF model (the co-located twin of ``disagmoe-verify``).
 
     python -m disagmoe_ds.colocated.verify --model hf_models/tiny-qwen2-moe --world-size 4 --ep-size 2 --zero 1
+    python -m disagmoe_ds.colocated.verify --world-size 4 --ep-size 2 --pp-size 2 --transport rendezvous
 
 Starts ``world_size`` CPU ranks (gloo), or runs as one rank under ``torchrun``/``deepspeed``; trains ``steps``
 steps and compares loss, global gradient norm, every gradient and every parameter with the HF model trained on
@@ -50,14 +51,16 @@ def rank_main(rank: int, args: ColocatedVerifyArgs) -> RankRecord:
     runtime = build_for_verify(build_colocated_rank, args)
     grads = capture_grads(runtime, _written)
     vocab = runtime.module.config.vocab_size
-    losses, norms = train_steps(runtime, args, lambda step: make_batches(args, vocab, step, lane=rank))
+    lane = runtime.role.index  # a pipeline stage's lane d reads lane d's batches, as every stage does
+    losses, norms = train_steps(runtime, args, lambda step: make_batches(args, vocab, step, lane=lane))
     values = {n: p.detach() for n, p in runtime.module.named_parameters()} | held_values(runtime.module)  # FP8 base
     params = _written(runtime, values)
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads}
 
 
 def _written(runtime: RankRuntime, tensors: dict[str, torch.Tensor]) -> Named:
-    """One copy of every parameter: attention side from rank 0, expert slices from the first replica."""
+    """One copy of every parameter: attention side from each stage's lane 0, expert slices from its first
+    replica."""
     hf_names = cast(ColocatedModel, runtime.module).hf_names()
     role = runtime.role
     out = {}
@@ -84,7 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--world-size", type=int, default=2, help="W: ranks, each with attention and an expert slice")
     p.add_argument("--ep-size", type=int, default=2, help="expert-parallel ranks per copy of the experts (divides W)")
-    add_section_flags(p, ("micro_batches", "fp8"), cli="colocated_verify")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages over the decoder layers (divides W)")
+    p.add_argument(
+        "--stage-layers",
+        type=lambda text: tuple(int(n) for n in text.split(",")),
+        help="decoder layers per pipeline stage, first to last, e.g. 1,3 [as even as they go]",
+    )
+    add_section_flags(p, ("micro_batches", "fp8", "transport"), cli="colocated_verify")
     add_run_args(p, zero_help="ZeRO stage")
     return p
 
@@ -92,7 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
     a = build_parser().parse_args(argv)
     cfg = ColocatedConfig(
-        world_size=a.world_size, ep_size=a.ep_size, **section_values(a, ("micro_batches", "fp8")), lora=lora_of(a)
+        world_size=a.world_size,
+        ep_size=a.ep_size,
+        pp_size=a.pp_size,
+        stage_layers=a.stage_layers,
+        **section_values(a, ("micro_batches", "fp8", "transport")),
+        lora=lora_of(a),
     )
     return run_args(ColocatedVerifyArgs, a, cfg)
 
