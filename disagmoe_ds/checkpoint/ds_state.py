@@ -150,8 +150,9 @@ class _Part:
 
 
 def _parts(rt) -> list[_Part]:
-    """A disaggregated rank holds one stage. A co-located rank holds the whole attention side (a replica on every
-    rank: rank 0's is read) and an expert slice (replicated over its edp group: the first replica's is read)."""
+    """A disaggregated rank holds one stage. A co-located rank holds its pipeline stage's attention side (a replica
+    on every rank of the stage: lane 0's is read) and an expert slice (replicated over its edp group: the first
+    replica's is read)."""
     role = rt.role
     if isinstance(rt.layout, Layout):
         if role.is_attention:
@@ -160,6 +161,8 @@ def _parts(rt) -> list[_Part]:
             return [_Part(rt.module, attention_name_to_hf, None, role.index == 0, role.index < t, shards)]
         return [_expert_part(rt.module, writer=role.edp_rank == 0)]
     attention = _Part(rt.module.attention, attention_name_to_hf, None, role.index == 0)
+    if rt.module.experts is None:  # a pipeline stage of dense layers
+        return [attention]
     return [attention, _expert_part(rt.module.experts.stage, writer=role.edp_rank == 0)]
 
 

@@ -77,10 +77,13 @@ class Colocated:
             exchange = f"dispatch and combine all-to-alls over {layout.ep_size} ranks on the critical path"
         else:
             exchange = "no token exchange (every rank holds every expert)"
+        if layout.pp_size == 1:
+            order = "one at a time (forward, backward)"
+        else:
+            order = f"1F1B over {layout.pp_size} stages (up to {layout.pp_size} in flight on the first)"
         return [
             f"layout: {layout.describe()}",
-            f"pipeline: {self.cfg.micro_batches} micro-batches per rank per step, one at a time (forward, "
-            f"backward); {exchange}",
+            f"pipeline: {self.cfg.micro_batches} micro-batches per rank per step, {order}; {exchange}",
         ]
 
     def warm_up(self, executor: Executor, seq_len: int, *, evaluates: bool) -> None:
@@ -130,9 +133,11 @@ class Colocated:
         for i, part in enumerate((attention, stage)):
             # Before ExpertStageMoE marks the expert parameters: materialising replaces meta parameters by new ones.
             place(part, model, device, seed=2 * seed + i, weights=weights)
-        moe = ExpertStageMoE(
-            stage, num_experts=layout.num_experts, ep_size=layout.ep_size, group_name=layout.expert_group_name
-        )
+        moe = None
+        if stage.layers:  # a pipeline stage of dense layers alone holds no experts (nor tells DeepSpeed of any)
+            moe = ExpertStageMoE(
+                stage, num_experts=layout.num_experts, ep_size=layout.ep_size, group_name=layout.expert_group_name
+            )
         # The one place the exchange strategy is chosen; the model never branches on it.
         if layout.ep_size == 1:
             dispatcher = LocalDispatcher(experts_per_rank=layout.experts_per_rank, fp8=self.cfg.fp8)
@@ -145,7 +150,7 @@ class Colocated:
                 fp8=self.cfg.fp8,
             )
         aux_coef = config.router_aux_loss_coef if aux_loss_enabled(config) else None
-        return ColocatedModel(attention, moe, dispatcher, aux_coef)
+        return ColocatedModel(attention, moe, dispatcher, aux_coef, num_experts=layout.num_experts)
 
     def grad_scale(self, layout: ColocatedLayout, role: RankRole) -> float:
         del layout, role

@@ -134,17 +134,25 @@ class ColocatedModel(nn.Module):
 
     Args:
         attention: every layer's attention part, the embedding and the head.
-        experts: this rank's expert slice of every MoE layer.
+        experts: this rank's expert slice of every MoE layer (None: a pipeline stage of dense layers alone).
         dispatcher: routes tokens to the expert-parallel ranks and back (not a module: it holds no parameters).
         aux_coef: router aux-loss coefficient, or None when the family/config has no aux loss.
+        num_experts: E, the routed experts of an MoE layer.
     """
 
     def __init__(
-        self, attention: AttentionStage, experts: ExpertStageMoE, dispatcher: LocalDispatcher, aux_coef: float | None
+        self,
+        attention: AttentionStage,
+        experts: ExpertStageMoE | None,
+        dispatcher: LocalDispatcher,
+        aux_coef: float | None,
+        *,
+        num_experts: int,
     ):
         super().__init__()
         self.attention = attention
         self.experts = experts
+        self.num_experts = num_experts
         self.dispatcher = dispatcher
         self.aux_coef = aux_coef
         self.config = attention.config
@@ -155,7 +163,7 @@ class ColocatedModel(nn.Module):
         """Replay every attention part, the head and, when this rank holds every expert (its rows are then the
         micro-batch's tokens), every expert shard as CUDA graphs from now on; one slot each (a micro-batch's
         backward runs before the next one's forward)."""
-        experts = self.experts.stage if self.experts.ep_size == 1 else None
+        experts = self.experts.stage if self.experts is not None and self.experts.ep_size == 1 else None
         graphs = graph_stages(lambda layer: 1, attention=self.attention, experts=experts)
         device = next(self.parameters()).device
         graphs.capture_attention(
@@ -177,7 +185,7 @@ class ColocatedModel(nn.Module):
         h_BSH = self.attention.embed(input_ids) if inbound is None else inbound[0]
         ctx = self.attention.context(h_BSH, position_ids, input_ids)
         stats: list[RouterStats] = []
-        num_layers, num_experts = self.config.num_hidden_layers, self.experts.num_experts
+        num_layers, num_experts = self.config.num_hidden_layers, self.num_experts
         load_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=h_BSH.device)
         for layer in self.layers:
             part = self.attention.part(layer)
@@ -189,6 +197,7 @@ class ColocatedModel(nn.Module):
             if out.router_logits_TE is not None:  # a learned choice (not a token-routed layer)
                 stats.append(router_stats(out.router_logits_TE, cast(int, part.router.top_k)))
             routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
+            assert self.experts is not None, "a stage with an MoE layer holds its experts"
             shard = self.graphs.shard(self.experts.stage, layer)
             y_RH = shard(*routed.shard_args(out.x_TH.dtype))
             h_BSH = add_routed(out.residual_BSH, out.routed_w_BSC, self.dispatcher.combine(y_RH, meta))
@@ -214,6 +223,7 @@ class ColocatedModel(nn.Module):
             if name.startswith("attention."):
                 names[name] = (attention_name_to_hf(name.removeprefix("attention.")), 0)
             else:
+                assert self.experts is not None  # the name is an expert parameter's
                 stage_name = name.removeprefix("experts.stage.")
                 names[name] = (expert_name_to_hf(stage_name), self.experts.stage.first_expert)
         return names

@@ -353,7 +353,10 @@ def place(
     Replicas of the same parameters may draw different values here; DeepSpeed broadcasts each data-parallel
     group's rank-0 copy when the engine is built, so they start identical.
     """
-    if not next(chain(stage.parameters(), stage.buffers())).is_meta:  # an FP8 base's expert stage: buffers only
+    tensors = list(chain(stage.parameters(), stage.buffers()))
+    if not tensors:  # a pipeline stage's experts where its layers are dense
+        return
+    if not tensors[0].is_meta:  # an FP8 base's expert stage: buffers only
         stage.to(device)
         return
     _allocate(stage, device)

@@ -38,6 +38,7 @@ def check_flag_values(ns: argparse.Namespace) -> None:
         "--vocab-size": ns.vocab_size,
         "--world-size": ns.world_size,
         "--ep-size": ns.ep_size,
+        "--pp-size": ns.pp_size,
     }
     for flag, value in positive.items():
         if value is not None and value < 1:

@@ -155,7 +155,7 @@ def open_checkpoint(
 def _recorded_cfg(mode: str, manifest: dict[str, Any], path: Path) -> DisagMoEConfig | ColocatedConfig:
     """The config that rebuilds the layout a manifest records (its ``manifest_layout`` values); a disaggregated
     one with the per-side ZeRO stages it was written under, which the ranks that read it are built with."""
-    saved: dict[str, int] = manifest["layout"]
+    saved: dict[str, Any] = manifest["layout"]
     if mode == DISAGGREGATED:
         return DisagMoEConfig(
             attention_gpus=saved["attention_gpus"],
@@ -169,7 +169,13 @@ def _recorded_cfg(mode: str, manifest: dict[str, Any], path: Path) -> DisagMoECo
 
     if mode != ColocatedLayout.mode:
         raise CheckpointError(f"checkpoint {path} was written by a {mode} job, a mode disagmoe-convert does not know")
-    return ColocatedConfig(world_size=saved["world_size"], ep_size=saved["ep_size"])
+    stage_layers = saved.get("stage_layers")  # a pipelined job's
+    return ColocatedConfig(
+        world_size=saved["world_size"],
+        ep_size=saved["ep_size"],
+        pp_size=len(stage_layers) if stage_layers else 1,
+        stage_layers=tuple(stage_layers) if stage_layers else None,
+    )
 
 
 def require_disaggregated(path: Path, mode: str, command: str) -> None:

@@ -19,9 +19,23 @@ DEFAULT_MICRO_BATCH_SIZE = 4
 COLOCATED_FLAGS = {
     "world_size": "colocated: ranks in the job [the ds_config's disagmoe.colocated.world_size, else the launcher's "
     "world size, else 1]",
-    "ep_size": "colocated: ranks that share one copy of the experts; divides --world-size and the expert count "
-    "[disagmoe.colocated.ep_size, else the largest that does]",
+    "ep_size": "colocated: ranks of a pipeline stage that share one copy of its experts; divides the stage's ranks "
+    "and the expert count [disagmoe.colocated.ep_size, else the largest that does]",
+    "pp_size": "colocated: pipeline stages over the decoder layers, run 1F1B; divides --world-size "
+    "[disagmoe.colocated.pp_size, else 1]",
+    "stage_layers": "colocated: decoder layers per pipeline stage, first to last, e.g. 5,6,6,5 "
+    "[disagmoe.colocated.stage_layers, else as even as they go]",
 }
+
+
+def layer_counts(text: str) -> tuple[int, ...]:
+    """``--stage-layers``'s value: comma-separated layer counts."""
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts like 2,3, got {text!r}") from None
+
+
 # Section keys as flags (config.SECTION_FLAGS), each replacing the key of its name in the ds_config's "disagmoe"
 # section: the layout's in --mode disaggregated only, micro_batches and fp8 in both modes.
 LAYOUT_FLAGS = LAYOUT_KEYS
@@ -145,7 +159,7 @@ def _layout(g: argparse._ArgumentGroup) -> None:
         'ds_config\'s "disagmoe" section holds "colocated", else disaggregated]',
     )
     for name, text in COLOCATED_FLAGS.items():  # the co-located layout's keys, not the section's
-        g.add_argument(flag_of(name), type=int, help=text)
+        g.add_argument(flag_of(name), type=layer_counts if name == "stage_layers" else int, help=text)
     add_section_flags(g, SECTION_KEYS, cli="run_pretrain")
 
 

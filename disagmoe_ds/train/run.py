@@ -188,7 +188,8 @@ def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
     args, config, layout, resume = plan.args, plan.config, plan.layout, plan.resume
     mode = mode_of(args)
     role = layout.role_of(rank)
-    reads_data = role.is_attention and role.group == 0  # the lanes of A-group 0 (every co-located rank) embed
+    # the lanes of A-group 0 embed; every co-located rank reads (each pipeline stage builds its context from them)
+    reads_data = role.is_attention and (role.group == 0 or layout.mode == "colocated")
     lane_data = None  # the samples, on the ranks that read them; under a launcher every lane builds the same
     if reads_data:
         lane_data = data if data is not None else prepare_data(args, config)

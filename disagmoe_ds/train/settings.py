@@ -67,7 +67,9 @@ def mode_config(
                       "layout flags (--attention-gpus, --ffn-gpus, --depth ...)")  # fmt: skip
         flags = section_values(ns, SECTION_KEYS)
         return DisagMoEConfig.from_ds_config(ds_config, {**flags, "lora": lora_of(ns, verify=False)})
-    _refuse_flags(ns, LAYOUT_FLAGS, "sets the disaggregated layout; --mode colocated takes --world-size and --ep-size")
+    _refuse_flags(
+        ns, LAYOUT_FLAGS, "sets the disaggregated layout; --mode colocated takes --world-size, --ep-size and --pp-size"
+    )
     section = DisagMoEConfig.from_ds_config(
         ds_config, {**section_values(ns, BOTH_MODES_KEYS), "lora": lora_of(ns, verify=False)}
     )
@@ -95,8 +97,15 @@ def mode_config(
     return ColocatedConfig(
         world_size=_first(ns.world_size, placed.get("world_size"), launched_world_size, 1),
         ep_size=_first(ns.ep_size, placed.get("ep_size")),
+        pp_size=_first(ns.pp_size, placed.get("pp_size"), 1),
+        stage_layers=_layer_counts(_first(ns.stage_layers, placed.get("stage_layers"))),
         **{key: getattr(section, key) for key in shared},
     )
+
+
+def _layer_counts(counts: Any) -> tuple[int, ...] | None:
+    """A list of layer counts (from the ds_config's JSON, or the flag's tuple), as the config holds it."""
+    return None if counts is None else tuple(counts)
 
 
 def _first(*values: Any) -> Any:
