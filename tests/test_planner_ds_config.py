@@ -179,20 +179,34 @@ def test_written_configs_pass_run_pretrains_preflight(tmp_path, capsys, flags, m
 
 
 def test_an_unrunnable_co_located_verdict_is_said_in_one_line(tmp_path, capsys):
-    """Qwen3-30B-A3B at 4K on 2 nodes: the verdict's co-located layout has TP, CP and PP, which the runtime's
-    co-located mode (EP x DP) does not run; the files are for the faster of AF-Pipe and what it runs, said so."""
+    """Qwen3-30B-A3B at 4K on 2 nodes: the verdict's co-located layout has TP and CP, which the runtime's
+    co-located mode (EP x DP in 1F1B stages) does not run; the files are for the faster of AF-Pipe and what it runs,
+    said so."""
     ds = tmp_path / "ds.json"
     written, err = _write(capsys, ds, "--model", Q30, "--seq-len", "4096", "--nodes", "2")
     notes = [line for line in err.splitlines() if line.startswith("note:")]
     assert len(notes) == 1, err
     assert re.fullmatch(
-        r"note: the verdict's co-located layout \(TP 2 CP 2 EP 2 PP 2 .*: [\d.]+ s/step\) needs PP 2, TP 2, CP 2, "
-        r"which DisagMoE-DS does not run \(its co-located mode is EP x DP under ZeRO\); the files are for the AF-Pipe "
-        r"plan instead: [\d.]+ s/step predicted \(the best co-located layout it runs, EP \d+ x EDP \d+: [\d.]+ s\)",
+        r"note: the verdict's co-located layout \(TP 2 CP 2 EP 2 PP 2 .*: [\d.]+ s/step\) needs TP 2, CP 2, "
+        r"which DisagMoE-DS does not run \(its co-located mode is EP x DP under ZeRO in 1F1B pipeline stages\); the "
+        r"files are for the AF-Pipe plan instead: [\d.]+ s/step predicted \(the best co-located layout it runs, "
+        r"EP \d+ x EDP \d+( x PP \d+)?: [\d.]+ s\)",
         notes[0],
     ), notes[0]
     _holds_only_what_the_runtime_reads(written)
     assert _preflight(ds, "--model", Q30, "--seq-len", 4096).mode == "disaggregated"
+
+
+def test_a_pipelined_co_located_plan_is_written_as_it_was_priced_and_passes_preflight(tmp_path, capsys):
+    """Qwen3-30B-A3B at 4K on 2 nodes, --write-mode colocated: the best co-located layout the runtime runs has
+    pipeline stages; the file holds them with the planner's layer split, and run_pretrain.py accepts it."""
+    ds = tmp_path / "ds.json"
+    written, _ = _write(capsys, ds, "--model", Q30, "--seq-len", "4096", "--nodes", "2", "--write-mode", "colocated")
+    placed = written[SECTION]["colocated"]
+    assert placed["pp_size"] > 1 and sum(placed["stage_layers"]) == 48, placed
+    args = _preflight(ds, "--model", Q30, "--seq-len", 4096)
+    assert args.mode == "colocated" and args.cfg.pp_size == placed["pp_size"]
+    assert list(args.cfg.stage_layers) == placed["stage_layers"]
 
 
 def test_a_lora_plan_passes_run_pretrains_preflight(tmp_path, capsys, tiny_checkpoint):

@@ -58,18 +58,12 @@ class Colocated:
         del seq_len  # any ep_size (ExpertShard), any length
         if self.cfg.lora is not None:
             check_lora(config, self.cfg.lora, needs=("expert",))  # DeepSpeed's MoE engine needs an expert group
-        zero_stage = self.cfg.zero_stage_of("ffn", ds_config)  # checked: one stage for both kinds of parameters
-        if layout.pp_size > 1:
-            refused = {
-                "ZeRO-3": zero_stage == 3,
-                '"disagmoe.cuda_graphs"': self.cfg.cuda_graphs,
-            }
-            named = [name for name, on in refused.items() if on]
-            if named:
-                raise ConfigError(
-                    f"{named[0]} does not run with co-located pipeline stages yet; turn it off or use one stage "
-                    "(pp_size 1)"
-                )
+        self.cfg.zero_stage_of("ffn", ds_config)  # checked: one stage for both kinds of parameters
+        if layout.pp_size > 1 and self.cfg.cuda_graphs:
+            raise ConfigError(
+                '"disagmoe.cuda_graphs" does not run with co-located pipeline stages yet; turn it off or use one '
+                "stage (pp_size 1)"
+            )
 
     def describe(self, layout: ColocatedLayout, config, schedule_costs: Costs | None) -> list[str]:
         del config, schedule_costs  # nothing to schedule: one micro-batch at a time

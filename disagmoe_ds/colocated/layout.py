@@ -48,8 +48,8 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
             ``layout``.
         pp_size: pipeline stages over the decoder layers (1F1B); each holds W / pp_size ranks.
         stage_layers: decoder layers per stage, first to last (uneven stages: say fewer on the first and last,
-            which hold the embedding and the head). None: as even as the layer count allows, the earlier stages
-            taking the remainder.
+            which hold the embedding and the head; either may hold none). None: as even as the layer count allows,
+            the earlier stages taking the remainder.
         transport: how the stages hand micro-batches on (``config.sections.TRANSPORT_NAMES``: ``rendezvous`` is
             the CPU test stand-in with NCCL's network semantics).
     """
@@ -73,10 +73,12 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
                 f"the same number of ranks; pick a pp_size that divides it"
             )
         if self.ep_size is not None and self.stage_size % self.ep_size:
+            ranks = f"world_size ({self.world_size})"
+            if self.pp_size > 1:
+                ranks = f"the {self.stage_size} ranks of a pipeline stage ({self.world_size} / pp_size {self.pp_size})"
             raise LayoutError(
-                f"ep_size ({self.ep_size}) must divide the {self.stage_size} ranks of a pipeline stage (world_size "
-                f"{self.world_size} / pp_size {self.pp_size}): they form expert-data-parallel replicas of the "
-                f"stage's experts; pick an ep_size that divides it"
+                f"ep_size ({self.ep_size}) must divide {ranks}: they form expert-data-parallel replicas of the "
+                f"experts; pick an ep_size that divides it"
             )
         if self.stage_layers is not None and len(self.stage_layers) != self.pp_size:
             raise LayoutError(
@@ -121,10 +123,10 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
     def layout(self, *, num_experts: int, num_layers: int) -> ColocatedLayout:
         ep_size = self.ep_size if self.ep_size is not None else math.gcd(self.stage_size, num_experts)
         stage_layers = self.stage_layers if self.stage_layers is not None else even_split(num_layers, self.pp_size)
-        if sum(stage_layers) != num_layers or min(stage_layers) < 1:
+        if sum(stage_layers) != num_layers or min(stage_layers) < 0:
             raise LayoutError(
-                f"stage_layers {list(stage_layers)} must give every one of {self.pp_size} pipeline stages at least one "
-                f"layer and add up to the model's {num_layers} decoder layers"
+                f"stage_layers {list(stage_layers)} must give each of {self.pp_size} pipeline stages a layer count "
+                f"(0: the embedding or the head alone) and add up to the model's {num_layers} decoder layers"
             )
         return ColocatedLayout(
             world_size=self.world_size,

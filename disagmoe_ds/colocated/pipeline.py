@@ -143,7 +143,8 @@ class PipelineExecutor(ColocatedExecutor):
         self.first, self.last = module.attention.embed_tokens is not None, module.attention.head is not None
         config = module.config
         learned = aux_layer_pattern(config.to_dict())
-        self.layers_before = sum(learned[: module.layers[0]])  # MoE layers with a learned choice before the stage
+        first_layer = layout.stage_layer_range(self.stage).start
+        self.layers_before = sum(learned[:first_layer])  # MoE layers with a learned choice before the stage
         self.num_experts, self.residual_dims = layout.num_experts, module.attention.residual_dims
         self.aux_coef, self.per_layer = module.aux_coef, balance_per_layer(config)
         self.dtype = dtype  # the residual's, handed on

@@ -28,6 +28,7 @@ from disagmoe_ds.planner.grad_sync import af_sync_s
 from disagmoe_ds.planner.memory import RankMemory, attention_rank_memory, ffn_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.optimizer_step import af_optimizer_s
+from disagmoe_ds.planner.pipeline_split import chunk_sizes
 from disagmoe_ds.planner.placement import Placement, placements
 from disagmoe_ds.planner.plans import (
     PAYS_THRESHOLD,
@@ -364,10 +365,16 @@ def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
 
 def best_runnable_colocated(req: PlanRequest) -> BaselinePlan | None:
     """The fastest co-located configuration DisagMoE-DS's co-located mode runs (``run_pretrain.py --mode
-    colocated``): EP x DP under ZeRO, one micro-batch at a time with its activations kept, a plain all-to-all; no
-    PP, TP, CP or recompute. None: none fits."""
-    eps = [e for e in divisors(req.spec.num_experts) if req.cluster.world_size % e == 0]
-    shapes = [Shape(pp=1, vpp=1, tp=1, cp=1, ep=e, overlap="partial", dispatcher="alltoall") for e in eps]
+    colocated``): EP x DP under ZeRO in PP stages run 1F1B (Megatron's layer split, ``pipeline_split``), the
+    activations kept, a plain all-to-all; no virtual stages, TP, CP or recompute. None: none fits."""
+    W, layers = req.cluster.world_size, req.spec.num_layers
+    shapes = [
+        Shape(pp=pp, vpp=1, tp=1, cp=1, ep=e, overlap="partial", dispatcher="alltoall")
+        for pp in divisors(W)
+        if chunk_sizes(layers, pp, 1) is not None
+        for e in divisors(req.spec.num_experts)
+        if (W // pp) % e == 0
+    ]
     plans = [best_baseline(replace(req, baseline_layout=s, baseline_recompute="none"))[0] for s in shapes]
     return max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s, default=None)
 

@@ -13,9 +13,9 @@ from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.training_state import (
     Precision,
     attention_state_bytes,
-    baseline_stage_params,
     baseline_state_bytes,
     ffn_state_bytes,
+    stage_params,
 )
 from disagmoe_ds.planner.workload import Workload
 
@@ -36,6 +36,9 @@ class ColocatedShape(Protocol):
 
     @property
     def expert_data_parallel(self) -> int: ...
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]: ...  # layers per pipeline stage (empty: one stage of them all)
 
 
 def rank_state_bytes(
@@ -81,19 +84,24 @@ def rank_state_bytes(
 
 
 def _colocated_state_bytes(spec: ModelSpec, layout: ColocatedShape, work: Workload) -> float:
-    """Every co-located rank holds the dense parameters (ZeRO over all W ranks) and E/ep experts of each MoE layer
-    (ZeRO over their W/ep replicas), with DeepSpeed's bf16 gradients."""
+    """A co-located rank of the heaviest pipeline stage: the dense parameters of its layers (ZeRO over the stage's
+    D ranks) and E/ep experts of each of its MoE layers (ZeRO over their D/ep replicas), with DeepSpeed's bf16
+    gradients; one stage holds every layer."""
     if work.zero_of("attention") != work.zero_of("ffn"):
         raise ConfigError(
             f"a co-located rank has one DeepSpeed engine over both kinds of parameters: zero_stage_a "
             f"({work.zero_of('attention')}) and zero_stage_f ({work.zero_of('ffn')}) must be equal"
         )
-    _, dense, experts = baseline_stage_params(spec, pp=1, vpp=1, ep=layout.ep_size, stage=0, lora=work.lora)
-    return baseline_state_bytes(
-        Precision.named(work.precision),
-        dense,
-        experts,
-        zero_stage=work.zero_stage,
-        dense_dp=layout.world_size,
-        expert_dp=layout.expert_data_parallel,
+    counts = layout.stage_layers or (spec.num_layers,)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    stages = [tuple(range(start, start + n)) for start, n in zip(starts, counts)]
+    return max(
+        baseline_state_bytes(
+            Precision.named(work.precision),
+            *stage_params(spec, layers, ep=layout.ep_size, first=s == 0, last=s == len(stages) - 1, lora=work.lora),
+            zero_stage=work.zero_stage,
+            dense_dp=layout.world_size // len(stages),
+            expert_dp=layout.expert_data_parallel,
+        )
+        for s, layers in enumerate(stages)
     )

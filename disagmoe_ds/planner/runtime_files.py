@@ -12,6 +12,7 @@ from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import RankRole
 from disagmoe_ds.planner.allocator import best_runnable_colocated
 from disagmoe_ds.planner.colocated import ColocatedCandidate
+from disagmoe_ds.planner.pipeline_split import chunk_sizes
 from disagmoe_ds.planner.plans import AfPlan, BaselinePlan, PlanRequest, PlanResult
 from disagmoe_ds.planner.verdict import baseline_name
 from disagmoe_ds.planner.workload import Workload
@@ -86,9 +87,10 @@ def _recompute_keys(work: Workload) -> dict[str, Any]:
 
 def colocated_refusal(candidate: ColocatedCandidate) -> str | None:
     """What of a co-located configuration the runtime's co-located mode does not run (None: it runs it): that mode
-    is EP x DP under ZeRO, one micro-batch at a time with its activations kept."""
+    is EP x DP under ZeRO in pipeline stages run 1F1B (no virtual stages), the activations kept."""
     s = candidate.shape
-    missing = [f"{name} {degree}" for name, degree in (("PP", s.pp), ("TP", s.tp), ("CP", s.cp)) if degree > 1]
+    degrees = (("VPP", s.vpp), ("TP", s.tp), ("CP", s.cp))
+    missing = [f"{name} {degree}" for name, degree in degrees if degree > 1]
     if candidate.work.recompute != "none":
         missing.append(f"{candidate.work.recompute} recompute")
     return ", ".join(missing) or None
@@ -140,7 +142,8 @@ def _not_run_line(base: BaselinePlan, chosen: AfPlan | BaselinePlan, other: AfPl
     return (
         f"the verdict's co-located layout ({baseline_name(base)}: {base.step_time_s:.4g} s/step) needs "
         f"{colocated_refusal(base.candidate)}, which DisagMoE-DS does not run (its co-located mode is EP x DP under "
-        f"ZeRO); the files are for {_name(chosen)} instead: {chosen.step_time_s:.4g} s/step predicted ({beside})"
+        f"ZeRO in 1F1B pipeline stages); the files are for {_name(chosen)} instead: {chosen.step_time_s:.4g} s/step "
+        f"predicted ({beside})"
     )
 
 
@@ -149,8 +152,9 @@ def _name(chosen: AfPlan | BaselinePlan) -> str:
 
 
 def _ep(base: BaselinePlan) -> str:
-    ep = base.candidate.shape.ep
-    return f"EP {ep} x EDP {base.candidate.replicas // ep}"
+    shape = base.candidate.shape
+    stages = f" x PP {shape.pp}" if shape.pp > 1 else ""
+    return f"EP {shape.ep} x EDP {base.candidate.replicas // shape.ep}{stages}"
 
 
 def written_ds_config(result: PlanResult, chosen: AfPlan | BaselinePlan, cluster: str | None = None) -> dict[str, Any]:
@@ -212,7 +216,9 @@ def colocated_ds_config(req: PlanRequest, base: BaselinePlan) -> dict[str, Any]:
     ``"colocated"`` makes ``run_pretrain.py`` run co-located on the cluster's ranks at the layout's EP size."""
     c = base.candidate
     assert colocated_refusal(c) is None, colocated_refusal(c)
-    placed = {"world_size": req.cluster.world_size, "ep_size": c.shape.ep}
+    placed: dict[str, Any] = {"world_size": req.cluster.world_size, "ep_size": c.shape.ep}
+    if c.shape.pp > 1:  # the stages and their layers as the plan priced them (Megatron's split)
+        placed |= {"pp_size": c.shape.pp, "stage_layers": list(chunk_sizes(req.spec.num_layers, c.shape.pp, 1) or ())}
     return _engine_keys(req.work) | {
         "disagmoe": {"colocated": placed, "micro_batches": c.micro_batches} | _lora(c.work) | _fp8(c.work)
     }

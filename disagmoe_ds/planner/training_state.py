@@ -114,11 +114,19 @@ def baseline_stage_params(
 ) -> tuple[tuple[int, ...], Params, Params]:
     """(layers, dense params, expert params) of a co-located rank of pipeline stage ``stage`` (interleaved chunks)."""
     layers = tuple(stage_layers(spec.num_layers, pp, vpp, stage))
+    return (layers, *stage_params(spec, layers, ep=ep, first=stage == 0, last=stage == pp - 1, lora=lora))
+
+
+def stage_params(
+    spec: ModelSpec, layers: tuple[int, ...], *, ep: int, first: bool, last: bool, lora: LoRA = FULL
+) -> tuple[Params, Params]:
+    """(dense params, expert params) of a co-located rank holding ``layers`` (``first``: the embedding too,
+    ``last``: the head) and 1/ep of their experts."""
     dense = sum((a_side_split(spec, i, lora) for i in layers), Params())
-    dense += base_split(spec.embedding_params(), lora) if stage == 0 else Params()
-    dense += base_split(spec.head_params(), lora) if stage == pp - 1 else Params()
+    dense += base_split(spec.embedding_params(), lora) if first else Params()
+    dense += base_split(spec.head_params(), lora) if last else Params()
     experts = expert_split(spec, lora).scaled(sum(spec.moe_layers[i] for i in layers) * (spec.num_experts // ep))
-    return layers, dense, experts
+    return dense, experts
 
 
 def attention_state_bytes(spec: ModelSpec, layout: Layout, work: Workload, group: int) -> float:

@@ -1,0 +1,163 @@
+"""Co-located pipeline stages (1F1B) equal the single-process HF model, under the rendezvous transport; the
+schedule's deadlock check; the layout's checks; and a pipelined run_pretrain.py job that resumes exactly and exports.
+
+Each parity case runs ``disagmoe_ds.colocated.verify`` with ``pp_size`` > 1: CPU ranks, one DeepSpeed engine per
+rank over its stage's layers, hand-offs between stages on the rendezvous transport (a send completes only once its
+receive has started), then the HF reference on the same batches: loss, global grad norm (clipping active), every
+gradient and every parameter after 2 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from disagmoe_ds.colocated import ColocatedConfig, ColocatedLayout
+from disagmoe_ds.colocated.pipe_schedule import PipelineScheduleError, check_pipeline, one_f_one_b
+from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
+from disagmoe_ds.errors import ConfigError, LayoutError
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIP = 0.05  # below the tiny models' gradient norms, so global-norm clipping is active
+
+# (family, config overrides, W, ep, pp, stage layers, K, ZeRO, dtype): even and uneven stages, a first stage of
+# dense layers alone (DeepSeek-V3's, MLA), one layer per stage with more micro-batches than stages (GPT-OSS: sinks,
+# sliding windows, biased experts), one micro-batch (all warm-up), EP 2 inside a stage, ZeRO 0/1/2, HF's pooled aux
+# loss and per-layer balancing, shared experts, hyper-connections with hash routing (DeepSeek-V4), and bf16.
+CASES = [
+    ("qwen3-moe", {}, 4, 2, 2, None, 2, 1, "fp32"),
+    ("deepseek-v3", {}, 4, 2, 2, (1, 3), 3, 2, "fp32"),
+    ("gpt-oss", {}, 4, 1, 4, None, 5, 1, "fp32"),
+    ("qwen2-moe", {}, 4, 2, 2, (3, 1), 1, 0, "fp32"),
+    ("qwen3-moe", {"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5}, 2, 1, 2, (1, 3), 3, 0, "fp32"),
+    ("deepseek-v4", {}, 2, 1, 2, None, 2, 1, "fp32"),
+    ("qwen3-moe", {}, 4, 2, 2, None, 3, 2, "bf16"),
+    ("qwen3-moe", {}, 3, 1, 3, (0, 4, 0), 3, 1, "fp32"),  # the embedding alone, the head alone (Megatron's ends)
+]
+
+
+def _case_id(case) -> str:
+    family, overrides, W, ep, pp, stages, K, zero, dtype = case
+    split = "x".join(map(str, stages)) if stages else "even"
+    return f"{family}{'-per_layer_aux' if overrides else ''}-W{W}ep{ep}pp{pp}-{split}-K{K}-z{zero}-{dtype}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_pipeline_stages_equal_hf(tiny_checkpoint, case):
+    family, overrides, W, ep, pp, stages, K, zero, dtype = case
+    cfg = ColocatedConfig(
+        world_size=W, ep_size=ep, pp_size=pp, stage_layers=stages, micro_batches=K, transport="rendezvous"
+    )
+    args = ColocatedVerifyArgs(
+        str(tiny_checkpoint(family, **overrides)), cfg, zero=zero, dtype=dtype, seq_len=8, clip=CLIP, skew=True
+    )
+    summary = run_colocated_verify(args, timeout_s=180)
+    assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
+    assert summary["pass"], summary
+
+
+@pytest.mark.parametrize("stages", range(1, 7))
+def test_one_f_one_b_runs_to_the_end_for_every_stage_count_and_micro_batch_count(stages):
+    for micro_batches in range(1, 9):
+        orders = [one_f_one_b(stage, stages, micro_batches) for stage in range(stages)]
+        check_pipeline(orders)
+        in_flight = [max(_in_flight(order)) for order in orders]
+        assert in_flight == [min(stages - s, micro_batches) for s in range(stages)]  # 1F1B's memory bound
+
+
+def test_the_check_names_a_deadlock_and_a_lost_micro_batch():
+    # stage 0 waits for micro-batch 0's gradient before sending micro-batch 1, which stage 1 waits for first
+    with pytest.raises(PipelineScheduleError, match="deadlock"):
+        check_pipeline([[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]])
+    with pytest.raises(PipelineScheduleError, match="once forward then backward"):
+        check_pipeline([[("F", 0), ("F", 1), ("B", 0)]])
+
+
+def test_layout_places_stages_outermost_and_ep_inside_a_stage():
+    lay = ColocatedLayout(world_size=8, ep_size=2, num_experts=8, stage_layers=(1, 2))
+    ranks = lay.group_ranks()
+    assert ranks.data_parallel == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert ranks.expert_parallel == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert ranks.expert_data_parallel == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert [lay.role_of(r).group for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert lay.pipeline_peers(6) == (2, 6) and lay.checkpoint_dir(lay.role_of(6)) == "colocated_stage1"
+    assert lay.manifest_layout()["stage_layers"] == [1, 2]
+    one = ColocatedLayout(world_size=4, ep_size=2, num_experts=8)  # one stage: today's layout and checkpoints
+    assert one.pp_size == 1 and "stage_layers" not in one.manifest_layout() and one.checkpoint_dir(one.role_of(3))
+
+
+@pytest.mark.parametrize(
+    ("cfg", "error", "says"),
+    [
+        (dict(world_size=6, pp_size=4), LayoutError, "pp_size .4. must divide world_size .6."),
+        (dict(world_size=8, pp_size=2, ep_size=8), LayoutError, "must divide the 4 ranks of a pipeline stage"),
+        (dict(world_size=4, pp_size=2, stage_layers=(1, 2, 1)), LayoutError, "names 3 stages, pp_size is 2"),
+        (dict(world_size=4, pp_size=2, transport="carrier pigeon"), ConfigError, "transport must be one of"),
+    ],
+)
+def test_bad_pipeline_configs_are_one_line(cfg, error, says):
+    with pytest.raises(error, match=says):
+        ColocatedConfig(**cfg)
+
+
+def test_stage_layers_must_cover_the_model():
+    with pytest.raises(LayoutError, match="add up to the model's 4 decoder layers"):
+        ColocatedConfig(world_size=2, pp_size=2, stage_layers=(1, 2)).layout(num_experts=8, num_layers=4)
+
+
+def test_cuda_graphs_with_stages_are_refused_before_launch(tiny_checkpoint):
+    cfg = ColocatedConfig(world_size=2, ep_size=1, pp_size=2, cuda_graphs=True, transport="rendezvous")
+    args = ColocatedVerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, zero=1, dtype="fp32", seq_len=8)
+    with pytest.raises(ConfigError, match="cuda_graphs.* does not run with co-located pipeline stages yet"):
+        run_colocated_verify(args, timeout_s=60)
+
+
+def test_a_pipelined_run_resumes_exactly_evaluates_and_exports(tmp_path, tok_cache):
+    """run_pretrain.py with 2 stages of 2 ranks (EP 2): 4 steps saving at 2 and 4, then a resume from step 2 that
+    must log step 4's loss and eval loss to the digit, and an HF export that transformers loads."""
+    common = [sys.executable, str(ROOT / "run_pretrain.py"), "--mode", "colocated", "--world-size", "4", "--ep-size"]
+    common += ["2", "--pp-size", "2", "--steps", "4", "--log-every", "1", "--seq-len", "32", "--micro-batch-size", "2"]
+    common += ["--eval-every", "2", "--eval-split", "0.05", "--eval-steps", "2", "--tokenizer-cache", str(tok_cache)]
+    save = tmp_path / "ckpt"
+    first = _run([*common, "--save-every", "2", "--save-dir", str(save)])
+    assert "layout: co-located EP+DP: 4 ranks in 2 pipeline stages of 2 (layers [2, 2])" in first
+    resumed = _run(
+        [*common, "--save-dir", str(save), "--resume", str(save / "step2"), "--export-hf", str(tmp_path / "hf")]
+    )
+    assert _step_line(resumed, 4) == _step_line(first, 4)
+    assert sorted(p.name for p in (save / "step4").iterdir() if p.is_dir()) == [
+        "colocated_stage0",
+        "colocated_stage1",
+        "tokenizer",
+    ]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 4
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+def _run(command: list[str]) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _step_line(log: str, step: int) -> str:
+    """Step ``step``'s loss, eval loss and aux (not its timings)."""
+    line = next(line for line in log.splitlines() if line.startswith(f"step {step}/"))
+    return re.sub(r" tok/s.*", "", line)
+
+
+def _in_flight(order) -> list[int]:
+    """The micro-batches holding activations after each pass of ``order``."""
+    live, counts = 0, []
+    for kind, _ in order:
+        live += 1 if kind == "F" else -1
+        counts.append(live)
+    return counts
