@@ -13,69 +13,100 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from disagmoe_ds.colocated import ColocatedConfig, ColocatedLayout
-from disagmoe_ds.colocated.pipe_schedule import PipelineScheduleError, check_pipeline, one_f_one_b
+from disagmoe_ds.colocated.pipe_schedule import PipelineScheduleError, check_pipeline, schedule
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.errors import ConfigError, LayoutError
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIP = 0.05  # below the tiny models' gradient norms, so global-norm clipping is active
 
-# (family, config overrides, W, ep, pp, stage layers, K, ZeRO, dtype): even and uneven stages, a first stage of
-# dense layers alone (DeepSeek-V3's, MLA), one layer per stage with more micro-batches than stages (GPT-OSS: sinks,
-# sliding windows, biased experts), one micro-batch (all warm-up), EP 2 inside a stage, ZeRO 0/1/2, HF's pooled aux
-# loss and per-layer balancing, shared experts, hyper-connections with hash routing (DeepSeek-V4), and bf16.
+
+@dataclass(frozen=True)
+class PipeCase:
+    family: str
+    W: int
+    ep: int
+    pp: int
+    K: int
+    zero: int
+    stages: tuple[int, ...] | None = None  # layers per virtual stage (None: as even as they go)
+    v: int = 1  # virtual stages per stage
+    dtype: str = "fp32"
+    overrides: tuple[tuple[str, object], ...] = ()
+
+    def __str__(self) -> str:
+        split = "x".join(map(str, self.stages)) if self.stages else "even"
+        extra = "-per_layer_aux" if self.overrides else ""
+        return (
+            f"{self.family}{extra}-W{self.W}ep{self.ep}pp{self.pp}v{self.v}-{split}-K{self.K}-z{self.zero}-{self.dtype}"
+        )
+
+
+PER_LAYER_AUX = (("router_aux_loss_per_layer", True), ("router_aux_loss_coef", 0.5))
+# Even and uneven stages, a first stage of dense layers alone (DeepSeek-V3's, MLA), one layer per stage with more
+# micro-batches than stages (GPT-OSS: sinks, sliding windows, biased experts), one micro-batch (all warm-up), EP 2
+# inside a stage, ZeRO 0/1/2, HF's pooled aux loss and per-layer balancing, shared experts, hyper-connections with
+# hash routing (DeepSeek-V4), bf16, the embedding and the head alone on the end stages (Megatron's split), and
+# virtual stages (interleaved 1F1B, the last stage handing on to the first), one of them empty.
 CASES = [
-    ("qwen3-moe", {}, 4, 2, 2, None, 2, 1, "fp32"),
-    ("deepseek-v3", {}, 4, 2, 2, (1, 3), 3, 2, "fp32"),
-    ("gpt-oss", {}, 4, 1, 4, None, 5, 1, "fp32"),
-    ("qwen2-moe", {}, 4, 2, 2, (3, 1), 1, 0, "fp32"),
-    ("qwen3-moe", {"router_aux_loss_per_layer": True, "router_aux_loss_coef": 0.5}, 2, 1, 2, (1, 3), 3, 0, "fp32"),
-    ("deepseek-v4", {}, 2, 1, 2, None, 2, 1, "fp32"),
-    ("qwen3-moe", {}, 4, 2, 2, None, 3, 2, "bf16"),
-    ("qwen3-moe", {}, 3, 1, 3, (0, 4, 0), 3, 1, "fp32"),  # the embedding alone, the head alone (Megatron's ends)
+    PipeCase("qwen3-moe", W=4, ep=2, pp=2, K=2, zero=1),
+    PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=3, zero=2, stages=(1, 3)),
+    PipeCase("gpt-oss", W=4, ep=1, pp=4, K=5, zero=1),
+    PipeCase("qwen2-moe", W=4, ep=2, pp=2, K=1, zero=0, stages=(3, 1)),
+    PipeCase("qwen3-moe", W=2, ep=1, pp=2, K=3, zero=0, stages=(1, 3), overrides=PER_LAYER_AUX),
+    PipeCase("deepseek-v4", W=2, ep=1, pp=2, K=2, zero=1),
+    PipeCase("qwen3-moe", W=4, ep=2, pp=2, K=3, zero=2, dtype="bf16"),
+    PipeCase("qwen3-moe", W=3, ep=1, pp=3, K=3, zero=1, stages=(0, 4, 0)),
+    PipeCase("qwen3-moe", W=2, ep=1, pp=2, K=4, zero=1, v=2),
+    PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=2, zero=2, stages=(0, 1, 2, 1), v=2),
 ]
 
 
-def _case_id(case) -> str:
-    family, overrides, W, ep, pp, stages, K, zero, dtype = case
-    split = "x".join(map(str, stages)) if stages else "even"
-    return f"{family}{'-per_layer_aux' if overrides else ''}-W{W}ep{ep}pp{pp}-{split}-K{K}-z{zero}-{dtype}"
-
-
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_pipeline_stages_equal_hf(tiny_checkpoint, case):
-    family, overrides, W, ep, pp, stages, K, zero, dtype = case
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_pipeline_stages_equal_hf(tiny_checkpoint, case: PipeCase):
     cfg = ColocatedConfig(
-        world_size=W, ep_size=ep, pp_size=pp, stage_layers=stages, micro_batches=K, transport="rendezvous"
+        world_size=case.W,
+        ep_size=case.ep,
+        pp_size=case.pp,
+        virtual_stages=case.v,
+        stage_layers=case.stages,
+        micro_batches=case.K,
+        transport="rendezvous",
     )
-    args = ColocatedVerifyArgs(
-        str(tiny_checkpoint(family, **overrides)), cfg, zero=zero, dtype=dtype, seq_len=8, clip=CLIP, skew=True
-    )
+    model = tiny_checkpoint(case.family, **dict(case.overrides))
+    args = ColocatedVerifyArgs(str(model), cfg, zero=case.zero, dtype=case.dtype, seq_len=8, clip=CLIP, skew=True)
     summary = run_colocated_verify(args, timeout_s=180)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary
 
 
-@pytest.mark.parametrize("stages", range(1, 7))
-def test_one_f_one_b_runs_to_the_end_for_every_stage_count_and_micro_batch_count(stages):
-    for micro_batches in range(1, 9):
-        orders = [one_f_one_b(stage, stages, micro_batches) for stage in range(stages)]
-        check_pipeline(orders)
-        in_flight = [max(_in_flight(order)) for order in orders]
-        assert in_flight == [min(stages - s, micro_batches) for s in range(stages)]  # 1F1B's memory bound
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_every_schedule_runs_to_the_end_and_takes_its_messages_in_order(chunks):
+    for stages in range(1 if chunks == 1 else 2, 7):
+        for micro_batches in range(1, 13):
+            if chunks > 1 and micro_batches % stages:
+                continue
+            orders = [schedule(stage, stages, chunks, micro_batches) for stage in range(stages)]
+            check_pipeline(orders, chunks=chunks)
+            if chunks == 1:  # 1F1B's memory bound
+                assert [max(_in_flight(o)) for o in orders] == [min(stages - s, micro_batches) for s in range(stages)]
 
 
-def test_the_check_names_a_deadlock_and_a_lost_micro_batch():
+def test_the_check_names_a_deadlock_a_lost_micro_batch_and_a_mismatched_message():
     # stage 0 waits for micro-batch 0's gradient before sending micro-batch 1, which stage 1 waits for first
+    F0, F1, B0, B1 = ("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)
     with pytest.raises(PipelineScheduleError, match="deadlock"):
-        check_pipeline([[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]])
+        check_pipeline([[F0, B0, F1, B1], [F0, F1, B0, B1]])
     with pytest.raises(PipelineScheduleError, match="once forward then backward"):
-        check_pipeline([[("F", 0), ("F", 1), ("B", 0)]])
+        check_pipeline([[F0, F1, B0]])
+    with pytest.raises(PipelineScheduleError, match="in another order than they are sent"):  # a message read as another
+        check_pipeline([[F0, F1, B0, B1], [F1, F0, B1, B0]])
 
 
 def test_layout_places_stages_outermost_and_ep_inside_a_stage():
@@ -96,7 +127,17 @@ def test_layout_places_stages_outermost_and_ep_inside_a_stage():
     [
         (dict(world_size=6, pp_size=4), LayoutError, "pp_size .4. must divide world_size .6."),
         (dict(world_size=8, pp_size=2, ep_size=8), LayoutError, "must divide the 4 ranks of a pipeline stage"),
-        (dict(world_size=4, pp_size=2, stage_layers=(1, 2, 1)), LayoutError, "names 3 stages, pp_size is 2"),
+        (
+            dict(world_size=4, pp_size=2, stage_layers=(1, 2, 1)),
+            LayoutError,
+            "names 3 stages, pp_size x virtual_stages is 2",
+        ),
+        (
+            dict(world_size=4, pp_size=2, virtual_stages=2, micro_batches=3),
+            LayoutError,
+            "micro_batches a multiple of it",
+        ),
+        (dict(world_size=4, virtual_stages=2), LayoutError, "need pp_size > 1"),
         (dict(world_size=4, pp_size=2, transport="carrier pigeon"), ConfigError, "transport must be one of"),
     ],
 )
@@ -118,14 +159,27 @@ def test_cuda_graphs_with_stages_are_refused_before_launch(tiny_checkpoint):
 
 
 def test_a_pipelined_run_resumes_exactly_evaluates_and_exports(tmp_path, tok_cache):
-    """run_pretrain.py with 2 stages of 2 ranks (EP 2): 4 steps saving at 2 and 4, then a resume from step 2 that
-    must log step 4's loss and eval loss to the digit, and an HF export that transformers loads."""
+    """run_pretrain.py with 2 stages of 2 ranks (EP 2), 2 chunks each: 4 steps saving at 2 and 4, then a resume
+    from step 2 that must log step 4's loss and eval loss to the digit, and an HF export that transformers loads."""
     common = [sys.executable, str(ROOT / "run_pretrain.py"), "--mode", "colocated", "--world-size", "4", "--ep-size"]
-    common += ["2", "--pp-size", "2", "--steps", "4", "--log-every", "1", "--seq-len", "32", "--micro-batch-size", "2"]
+    common += [
+        "2",
+        "--pp-size",
+        "2",
+        "--virtual-stages",
+        "2",
+        "--micro-batches",
+        "2",
+        "--steps",
+        "4",
+        "--log-every",
+        "1",
+    ]
+    common += ["--seq-len", "32", "--micro-batch-size", "2"]
     common += ["--eval-every", "2", "--eval-split", "0.05", "--eval-steps", "2", "--tokenizer-cache", str(tok_cache)]
     save = tmp_path / "ckpt"
     first = _run([*common, "--save-every", "2", "--save-dir", str(save)])
-    assert "layout: co-located EP+DP: 4 ranks in 2 pipeline stages of 2 (layers [2, 2])" in first
+    assert "layout: co-located EP+DP: 4 ranks in 2 x 2 virtual pipeline stages of 2 (layers [1, 1, 1, 1])" in first
     resumed = _run(
         [*common, "--save-dir", str(save), "--resume", str(save / "step2"), "--export-hf", str(tmp_path / "hf")]
     )
@@ -157,7 +211,7 @@ def _step_line(log: str, step: int) -> str:
 def _in_flight(order) -> list[int]:
     """The micro-batches holding activations after each pass of ``order``."""
     live, counts = 0, []
-    for kind, _ in order:
+    for kind, *_ in order:
         live += 1 if kind == "F" else -1
         counts.append(live)
     return counts

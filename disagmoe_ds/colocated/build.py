@@ -73,8 +73,10 @@ class Colocated:
             exchange = "no token exchange (every rank holds every expert)"
         if layout.pp_size == 1:
             order = "one at a time (forward, backward)"
-        else:
+        elif layout.virtual_stages == 1:
             order = f"1F1B over {layout.pp_size} stages (up to {layout.pp_size} in flight on the first)"
+        else:
+            order = f"interleaved 1F1B over {layout.pp_size} stages x {layout.virtual_stages} chunks"
         return [
             f"layout: {layout.describe()}",
             f"pipeline: {self.cfg.micro_batches} micro-batches per rank per step, {order}; {exchange}",
@@ -119,7 +121,8 @@ class Colocated:
         """Attention side of every layer, the expert slice of ``role``, the dispatcher. Parts cut from a meta model
         are filled from ``weights``, or else initialised from ``2 * seed`` (attention) and ``2 * seed + 1``."""
         config = cast(PretrainedConfig, model.config)
-        layers = tuple(layout.stage_layer_range(role.group) if layout.pp_size > 1 else range(config.num_hidden_layers))
+        chunks = layout.chunk_layers(role.group) if layout.pp_size > 1 else (range(config.num_hidden_layers),)
+        layers = tuple(layer for chunk in chunks for layer in chunk)
         experts = layout.expert_range(role.ep_rank)
         stage = ExpertStage(model, layers, experts.start, experts.stop)
         first, last = role.group == 0, role.group == layout.pp_size - 1
@@ -144,7 +147,9 @@ class Colocated:
                 fp8=self.cfg.fp8,
             )
         aux_coef = config.router_aux_loss_coef if aux_loss_enabled(config) else None
-        return ColocatedModel(attention, moe, dispatcher, aux_coef, num_experts=layout.num_experts)
+        return ColocatedModel(
+            attention, moe, dispatcher, aux_coef, num_experts=layout.num_experts, chunks=tuple(map(tuple, chunks))
+        )
 
     def grad_scale(self, layout: ColocatedLayout, role: RankRole) -> float:
         del layout, role

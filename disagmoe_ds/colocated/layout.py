@@ -19,8 +19,10 @@ RankRole(role='attention', group=0, index=3, ep_rank=1, edp_rank=1)
 >>> ColocatedConfig(world_size=6).layout(num_experts=8, num_layers=2).ep_size  # default: the largest dividing both
 2
 >>> pipe = ColocatedLayout(world_size=8, ep_size=2, num_experts=8, stage_layers=(3, 2, 2, 1))
->>> pipe.role_of(5), pipe.stage_layer_range(1), pipe.pipeline_peers(5)
-(RankRole(role='attention', group=2, index=1, ep_rank=1, edp_rank=0), range(3, 5), (1, 3, 5, 7))
+>>> pipe.role_of(5), pipe.chunk_layers(1), pipe.pipeline_peers(5)
+(RankRole(role='attention', group=2, index=1, ep_rank=1, edp_rank=0), (range(3, 5),), (1, 3, 5, 7))
+>>> ColocatedLayout(world_size=4, ep_size=1, num_experts=8, stage_layers=(1, 2, 2, 1), virtual_stages=2).chunk_layers(0)
+(range(0, 1), range(3, 5))
 """
 
 from __future__ import annotations
@@ -47,9 +49,12 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
             and the expert count. None: the largest such size (``gcd(W / pp_size, num_experts)``), fixed by
             ``layout``.
         pp_size: pipeline stages over the decoder layers (1F1B); each holds W / pp_size ranks.
-        stage_layers: decoder layers per stage, first to last (uneven stages: say fewer on the first and last,
-            which hold the embedding and the head; either may hold none). None: as even as the layer count allows,
-            the earlier stages taking the remainder.
+        virtual_stages: v, chunks of layers per stage (Megatron-Core's interleaved 1F1B): the layers are split into
+            pp_size x v virtual stages, virtual stage ``k * pp_size + s`` being stage s's chunk k; micro_batches
+            must then be a multiple of pp_size.
+        stage_layers: decoder layers per virtual stage, in execution order (uneven stages: say fewer on the first
+            and last, which hold the embedding and the head; either may hold none). None: as even as the layer count
+            allows, the earlier stages taking the remainder.
         transport: how the stages hand micro-batches on (``config.sections.TRANSPORT_NAMES``: ``rendezvous`` is
             the CPU test stand-in with NCCL's network semantics).
     """
@@ -57,6 +62,7 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
     world_size: int = 1
     ep_size: int | None = None
     pp_size: int = 1
+    virtual_stages: int = 1
     stage_layers: tuple[int, ...] | None = None
     transport: str = "auto"
 
@@ -67,6 +73,13 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
         self._positive("world_size", int)
         self._positive("ep_size", int, optional=True)
         self._positive("pp_size", int)
+        self._positive("virtual_stages", int)
+        if self.virtual_stages > 1 and (self.pp_size == 1 or self.micro_batches % self.pp_size):
+            raise LayoutError(
+                f"virtual_stages {self.virtual_stages} interleave the chunks of pipeline stages in groups of pp_size "
+                f"micro-batches: they need pp_size > 1 (got {self.pp_size}) and micro_batches a multiple of it "
+                f"(got {self.micro_batches})"
+            )
         if self.world_size % self.pp_size:
             raise LayoutError(
                 f"pp_size ({self.pp_size}) must divide world_size ({self.world_size}): every pipeline stage holds "
@@ -80,10 +93,11 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
                 f"ep_size ({self.ep_size}) must divide {ranks}: they form expert-data-parallel replicas of the "
                 f"experts; pick an ep_size that divides it"
             )
-        if self.stage_layers is not None and len(self.stage_layers) != self.pp_size:
+        stages = self.pp_size * self.virtual_stages
+        if self.stage_layers is not None and len(self.stage_layers) != stages:
             raise LayoutError(
-                f"stage_layers {list(self.stage_layers)} names {len(self.stage_layers)} stages, pp_size is "
-                f"{self.pp_size}: give one layer count per stage"
+                f"stage_layers {list(self.stage_layers)} names {len(self.stage_layers)} stages, pp_size x "
+                f"virtual_stages is {stages}: give one layer count per (virtual) stage"
             )
         if self.transport not in TRANSPORT_NAMES:
             raise ConfigError(
@@ -122,10 +136,11 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
 
     def layout(self, *, num_experts: int, num_layers: int) -> ColocatedLayout:
         ep_size = self.ep_size if self.ep_size is not None else math.gcd(self.stage_size, num_experts)
-        stage_layers = self.stage_layers if self.stage_layers is not None else even_split(num_layers, self.pp_size)
+        stages = self.pp_size * self.virtual_stages
+        stage_layers = self.stage_layers if self.stage_layers is not None else even_split(num_layers, stages)
         if sum(stage_layers) != num_layers or min(stage_layers) < 0:
             raise LayoutError(
-                f"stage_layers {list(stage_layers)} must give each of {self.pp_size} pipeline stages a layer count "
+                f"stage_layers {list(stage_layers)} must give each of {stages} pipeline stages a layer count "
                 f"(0: the embedding or the head alone) and add up to the model's {num_layers} decoder layers"
             )
         return ColocatedLayout(
@@ -133,6 +148,7 @@ class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
             ep_size=ep_size,
             num_experts=num_experts,
             stage_layers=stage_layers if self.pp_size > 1 else (),
+            virtual_stages=self.virtual_stages,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,8 +168,9 @@ def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class ColocatedLayout(ExpertSlices):
-    """A validated co-located layout: W ranks in ``pp_size`` pipeline stages of ``stage_layers`` decoder layers
-    (none: one stage of every layer), EP groups of ``ep_size`` ranks inside a stage, E routed experts per MoE layer.
+    """A validated co-located layout: W ranks in ``pp_size`` pipeline stages, each of ``virtual_stages`` chunks of
+    layers (``stage_layers``: the layer count of each virtual stage, in execution order; none: one stage of every
+    layer), EP groups of ``ep_size`` ranks inside a stage, E routed experts per MoE layer.
 
     It also says what a checkpoint records of it (``layout.JobLayout``): the mode, the values a resume must match,
     and one DeepSpeed directory per stage (a stage's ranks are one data-parallel DeepSpeed job whose MoE
@@ -164,6 +181,7 @@ class ColocatedLayout(ExpertSlices):
     ep_size: int
     num_experts: int
     stage_layers: tuple[int, ...] = ()
+    virtual_stages: int = 1
 
     mode: ClassVar[str] = "colocated"
     relayout_hint: ClassVar[str] = "resume with the same --world-size, --ep-size and pipeline stages"
@@ -180,7 +198,7 @@ class ColocatedLayout(ExpertSlices):
 
     @property
     def pp_size(self) -> int:
-        return max(len(self.stage_layers), 1)
+        return max(len(self.stage_layers) // self.virtual_stages, 1)
 
     @property
     def stage_size(self) -> int:
@@ -190,12 +208,14 @@ class ColocatedLayout(ExpertSlices):
     def stage_of(self, rank: int) -> int:
         return rank // self.stage_size
 
-    def stage_layer_range(self, stage: int) -> range:
-        """The decoder layers of pipeline stage ``stage`` (every layer with one stage)."""
+    def chunk_layers(self, stage: int) -> tuple[range, ...]:
+        """The decoder layers of each chunk of pipeline stage ``stage``: chunk k is virtual stage
+        ``k * pp_size + stage``."""
         if not self.stage_layers:
-            raise LayoutError("stage_layer_range needs the layer counts of a pipelined layout")
-        start = sum(self.stage_layers[:stage])
-        return range(start, start + self.stage_layers[stage])
+            raise LayoutError("chunk_layers needs the layer counts of a pipelined layout")
+        starts = [sum(self.stage_layers[:v]) for v in range(len(self.stage_layers))]
+        virtual = [k * self.pp_size + stage for k in range(self.virtual_stages)]
+        return tuple(range(starts[v], starts[v] + self.stage_layers[v]) for v in virtual)
 
     def pipeline_peers(self, rank: int) -> tuple[int, ...]:
         """The ranks, one per stage, that hand ``rank``'s lane's micro-batches on, first stage to last."""
@@ -266,7 +286,9 @@ class ColocatedLayout(ExpertSlices):
             "ep_size": self.ep_size,
             "num_experts": self.num_experts,
         }
-        return saved | ({"stage_layers": list(self.stage_layers)} if self.stage_layers else {})
+        if self.stage_layers:
+            saved["stage_layers"] = list(self.stage_layers)
+        return saved | ({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {})
 
     def checkpoint_dir(self, role: RankRole) -> str:
         # one DeepSpeed job per stage: a stage's ranks save into one directory
@@ -275,7 +297,10 @@ class ColocatedLayout(ExpertSlices):
     def describe(self) -> str:
         ranks = f"{self.world_size} ranks"
         if self.stage_layers:
-            ranks += f" in {self.pp_size} pipeline stages of {self.stage_size} (layers {list(self.stage_layers)})"
+            chunks = f" x {self.virtual_stages} virtual" if self.virtual_stages > 1 else ""
+            ranks += (
+                f" in {self.pp_size}{chunks} pipeline stages of {self.stage_size} (layers {list(self.stage_layers)})"
+            )
         return (
             f"co-located EP+DP: {ranks}, EP {self.ep_size} x EDP {self.expert_data_parallel}, "
             f"{self.experts_per_rank} experts per rank"

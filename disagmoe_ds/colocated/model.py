@@ -138,6 +138,7 @@ class ColocatedModel(nn.Module):
         dispatcher: routes tokens to the expert-parallel ranks and back (not a module: it holds no parameters).
         aux_coef: router aux-loss coefficient, or None when the family/config has no aux loss.
         num_experts: E, the routed experts of an MoE layer.
+        chunks: the layers of each of the stage's chunks (virtual stages), in order; None: one chunk of them all.
     """
 
     def __init__(
@@ -148,6 +149,7 @@ class ColocatedModel(nn.Module):
         aux_coef: float | None,
         *,
         num_experts: int,
+        chunks: tuple[tuple[int, ...], ...] | None = None,
     ):
         super().__init__()
         self.attention = attention
@@ -156,7 +158,7 @@ class ColocatedModel(nn.Module):
         self.dispatcher = dispatcher
         self.aux_coef = aux_coef
         self.config = attention.config
-        self.layers = sorted(int(layer) for layer in attention.layers)  # the stage's (every layer with one stage)
+        self.chunks = chunks or (tuple(sorted(int(layer) for layer in attention.layers)),)
         self.graphs = StageGraphs()  # the parts replayed as CUDA graphs (``capture_graphs``); none: as they are
 
     def capture_graphs(self, *, batch: int, seq_len: int, top_k: int, weight_dtype: torch.dtype, packed: bool) -> None:
@@ -179,15 +181,17 @@ class ColocatedModel(nn.Module):
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         inbound: tuple[torch.Tensor, RouterSums] | None = None,
+        chunk: int = 0,
     ) -> ColocatedOutput | StageOutput:
-        """One micro-batch through this rank's layers; ``inbound``: the residual and router sums the previous
-        pipeline stage handed on (None: this stage embeds the tokens)."""
+        """One micro-batch through the layers of this rank's ``chunk``; ``inbound``: the residual and router sums the
+        previous (virtual) pipeline stage handed on (None: this stage embeds the tokens). The last chunk of the
+        stage that holds the head ends in the loss."""
         h_BSH = self.attention.embed(input_ids) if inbound is None else inbound[0]
         ctx = self.attention.context(h_BSH, position_ids, input_ids)
         stats: list[RouterStats] = []
         num_layers, num_experts = self.config.num_hidden_layers, self.num_experts
         load_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=h_BSH.device)
-        for layer in self.layers:
+        for layer in self.chunks[chunk]:
             part = self.attention.part(layer)
             out = self.graphs.part(self.attention, layer)(h_BSH, ctx, self.config)
             if out.x_TH is None:  # dense layer
@@ -201,7 +205,7 @@ class ColocatedModel(nn.Module):
             shard = self.graphs.shard(self.experts.stage, layer)
             y_RH = shard(*routed.shard_args(out.x_TH.dtype))
             h_BSH = add_routed(out.residual_BSH, out.routed_w_BSC, self.dispatcher.combine(y_RH, meta))
-        if self.attention.head is None:
+        if self.attention.head is None or chunk < len(self.chunks) - 1:
             before = RouterSums.zeros(num_experts, h_BSH.device) if inbound is None else inbound[1]
             return StageOutput(h_BSH, before.plus(stats), load_LE)
         _, lm_loss = self.graphs.head_of(self.attention)(h_BSH, labels)

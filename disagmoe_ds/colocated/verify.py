@@ -88,10 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2, help="W: ranks, each with attention and an expert slice")
     p.add_argument("--ep-size", type=int, default=2, help="expert-parallel ranks per copy of the experts (divides W)")
     p.add_argument("--pp-size", type=int, default=1, help="pipeline stages over the decoder layers (divides W)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="chunks of layers per stage (interleaved 1F1B)")
     p.add_argument(
         "--stage-layers",
         type=lambda text: tuple(int(n) for n in text.split(",")),
-        help="decoder layers per pipeline stage, first to last, e.g. 1,3 [as even as they go]",
+        help="decoder layers per (virtual) pipeline stage, in execution order, e.g. 1,3 [as even as they go]",
     )
     add_section_flags(p, ("micro_batches", "fp8", "transport"), cli="colocated_verify")
     add_run_args(p, zero_help="ZeRO stage")
@@ -104,6 +105,7 @@ def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
         world_size=a.world_size,
         ep_size=a.ep_size,
         pp_size=a.pp_size,
+        virtual_stages=a.virtual_stages,
         stage_layers=a.stage_layers,
         **section_values(a, ("micro_batches", "fp8", "transport")),
         lora=lora_of(a),

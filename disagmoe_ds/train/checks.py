@@ -39,6 +39,7 @@ def check_flag_values(ns: argparse.Namespace) -> None:
         "--world-size": ns.world_size,
         "--ep-size": ns.ep_size,
         "--pp-size": ns.pp_size,
+        "--virtual-stages": ns.virtual_stages,
     }
     for flag, value in positive.items():
         if value is not None and value < 1:

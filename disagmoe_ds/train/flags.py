@@ -23,7 +23,9 @@ COLOCATED_FLAGS = {
     "and the expert count [disagmoe.colocated.ep_size, else the largest that does]",
     "pp_size": "colocated: pipeline stages over the decoder layers, run 1F1B; divides --world-size "
     "[disagmoe.colocated.pp_size, else 1]",
-    "stage_layers": "colocated: decoder layers per pipeline stage, first to last, e.g. 5,6,6,5 "
+    "virtual_stages": "colocated: chunks of layers per pipeline stage, run as Megatron's interleaved 1F1B "
+    "(micro-batches a multiple of --pp-size) [disagmoe.colocated.virtual_stages, else 1]",
+    "stage_layers": "colocated: decoder layers per (virtual) pipeline stage, in execution order, e.g. 5,6,6,5 "
     "[disagmoe.colocated.stage_layers, else as even as they go]",
 }
 

@@ -98,6 +98,7 @@ def mode_config(
         world_size=_first(ns.world_size, placed.get("world_size"), launched_world_size, 1),
         ep_size=_first(ns.ep_size, placed.get("ep_size")),
         pp_size=_first(ns.pp_size, placed.get("pp_size"), 1),
+        virtual_stages=_first(ns.virtual_stages, placed.get("virtual_stages"), 1),
         stage_layers=_layer_counts(_first(ns.stage_layers, placed.get("stage_layers"))),
         **{key: getattr(section, key) for key in shared},
     )
