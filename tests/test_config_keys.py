@@ -23,8 +23,8 @@ KEYS = {
         "resend", "offload", "split_backward", "zero_stage", "cluster", "profile", "lora", "colocated",
     },
     ColocatedConfig: {
-        "world_size", "ep_size", "micro_batches", "comm_timeout_s", "compile", "cuda_graphs", "fp8",
-        "fp8_cast_per_call", "lora",
+        "world_size", "ep_size", "pp_size", "virtual_stages", "stage_layers", "transport", "micro_batches",
+        "comm_timeout_s", "compile", "cuda_graphs", "fp8", "fp8_cast_per_call", "lora",
     },
     LoraSettings: {"rank", "alpha", "dropout", "targets", "train_router", "init_lora_weights"},
 }  # fmt: skip

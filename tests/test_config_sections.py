@@ -38,7 +38,8 @@ def test_every_key_is_in_exactly_one_section():
 
 def test_the_colocated_config_shares_the_sections_both_modes_read():
     shared = {f.name for f in fields(ColocatedConfig)} & {f.name for f in fields(DisagMoEConfig)}
-    assert shared == {f.name for cls in (Accumulation, Watchdog, Kernels, FineTuning) for f in fields(cls)}
+    sections = {f.name for cls in (Accumulation, Watchdog, Kernels, FineTuning) for f in fields(cls)}
+    assert shared == sections | {"transport"}  # the exchange's, and the co-located pipeline's hand-offs
     assert issubclass(ColocatedConfig, Accumulation) and not issubclass(ColocatedConfig, LayoutCounts)
 
 

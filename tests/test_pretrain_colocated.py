@@ -141,9 +141,11 @@ def _disaggregated_checkpoint(root: Path) -> Path:
         ("colocated checkpoint", r"checkpoint .*step6 was written by a colocated job, this run is disaggregated; "
                                  r"resume it with --mode colocated$"),
         ("other layout", r"checkpoint .*step6 has layout \{'world_size': 2, 'ep_size': 2, 'num_experts': 8\}, this "
-                         r"run has \{'world_size': 2, 'ep_size': 1, .*resume with the same --world-size and --ep-size"),
+                         r"run has \{'world_size': 2, 'ep_size': 1, .*resume with the same --world-size, --ep-size "
+                         r"and pipeline stages"),
         ("ep size", r"num_experts \(8\) must be divisible by ep_size \(3\)"),
-        ("layout flag", r"--ffn-gpus sets the disaggregated layout; --mode colocated takes --world-size and --ep-size"),
+        ("layout flag", r"--ffn-gpus sets the disaggregated layout; --mode colocated takes --world-size, --ep-size "
+                        r"and --pp-size"),
         ("colocated flag", r"--ep-size is a --mode colocated flag"),
     ],
 )  # fmt: skip

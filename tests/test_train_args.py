@@ -29,6 +29,7 @@ FLAGS = frozenset(
         "--bias-update-rate", "--sft", "--freeze-router", "--freeze-attention", "--save-dir", "--save-every",
         "--keep-last", "--resume", "--metrics-file", "--tensorboard", "--timeline", "--log-every", "--peak-tflops",
         "--hostfile", "--launcher-args", "--check-hostfile", "--local_rank", "--mode", "--world-size", "--ep-size",
+        "--pp-size", "--virtual-stages", "--stage-layers",
         "--zero", "--export-hf", "--prompt-field", "--response-field", "--messages-field", "--export-hf-merged",
         "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--lora-train-router", "--sft-truncate",
         "--txt-documents", "--eval-data", "--eval-split", "--eval-every", "--eval-steps", "--eval-only",

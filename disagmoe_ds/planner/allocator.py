@@ -363,15 +363,19 @@ def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
     return (max(plans, key=lambda p: p.tokens_per_s) if plans else None), rejected
 
 
+RUNNABLE_VPP = (1, 2, 3, 4)  # the virtual stages per stage best_runnable_colocated tries
+
+
 def best_runnable_colocated(req: PlanRequest) -> BaselinePlan | None:
     """The fastest co-located configuration DisagMoE-DS's co-located mode runs (``run_pretrain.py --mode
-    colocated``): EP x DP under ZeRO in PP stages run 1F1B (Megatron's layer split, ``pipeline_split``), the
-    activations kept, a plain all-to-all; no virtual stages, TP, CP or recompute. None: none fits."""
+    colocated``): EP x DP under ZeRO in PP stages of up to 4 virtual stages each, run (interleaved) 1F1B
+    (Megatron's layer split, ``pipeline_split``), the activations kept, a plain all-to-all; no TP, CP or recompute.
+    None: none fits."""
     W, layers = req.cluster.world_size, req.spec.num_layers
+    stages = [(pp, v) for pp in divisors(W) for v in RUNNABLE_VPP if (v == 1 or pp > 1) and chunk_sizes(layers, pp, v)]
     shapes = [
-        Shape(pp=pp, vpp=1, tp=1, cp=1, ep=e, overlap="partial", dispatcher="alltoall")
-        for pp in divisors(W)
-        if chunk_sizes(layers, pp, 1) is not None
+        Shape(pp=pp, vpp=v, tp=1, cp=1, ep=e, overlap="partial", dispatcher="alltoall")
+        for pp, v in stages
         for e in divisors(req.spec.num_experts)
         if (W // pp) % e == 0
     ]

@@ -87,9 +87,9 @@ def _recompute_keys(work: Workload) -> dict[str, Any]:
 
 def colocated_refusal(candidate: ColocatedCandidate) -> str | None:
     """What of a co-located configuration the runtime's co-located mode does not run (None: it runs it): that mode
-    is EP x DP under ZeRO in pipeline stages run 1F1B (no virtual stages), the activations kept."""
+    is EP x DP under ZeRO in pipeline stages (virtual ones too) run (interleaved) 1F1B, the activations kept."""
     s = candidate.shape
-    degrees = (("VPP", s.vpp), ("TP", s.tp), ("CP", s.cp))
+    degrees = (("TP", s.tp), ("CP", s.cp))
     missing = [f"{name} {degree}" for name, degree in degrees if degree > 1]
     if candidate.work.recompute != "none":
         missing.append(f"{candidate.work.recompute} recompute")
@@ -154,6 +154,7 @@ def _name(chosen: AfPlan | BaselinePlan) -> str:
 def _ep(base: BaselinePlan) -> str:
     shape = base.candidate.shape
     stages = f" x PP {shape.pp}" if shape.pp > 1 else ""
+    stages += f" x v {shape.vpp}" if shape.vpp > 1 else ""
     return f"EP {shape.ep} x EDP {base.candidate.replicas // shape.ep}{stages}"
 
 
@@ -218,7 +219,8 @@ def colocated_ds_config(req: PlanRequest, base: BaselinePlan) -> dict[str, Any]:
     assert colocated_refusal(c) is None, colocated_refusal(c)
     placed: dict[str, Any] = {"world_size": req.cluster.world_size, "ep_size": c.shape.ep}
     if c.shape.pp > 1:  # the stages and their layers as the plan priced them (Megatron's split)
-        placed |= {"pp_size": c.shape.pp, "stage_layers": list(chunk_sizes(req.spec.num_layers, c.shape.pp, 1) or ())}
+        sizes = chunk_sizes(req.spec.num_layers, c.shape.pp, c.shape.vpp) or ()
+        placed |= {"pp_size": c.shape.pp, "virtual_stages": c.shape.vpp, "stage_layers": list(sizes)}
     return _engine_keys(req.work) | {
         "disagmoe": {"colocated": placed, "micro_batches": c.micro_batches} | _lora(c.work) | _fp8(c.work)
     }
