@@ -22,18 +22,22 @@ from disagmoe_ds.fp8 import fp8_grouped_mm, fp8_linear
 from disagmoe_ds.fp8.quantize import round_trip
 from disagmoe_ds.fp8.weight_cache import cast_once_per_step
 
+# Expert rows per group: an empty expert and ragged groups; 8 groups of 64 rows on average (torch's small tile as
+# they are), then 4 of 256 (each shown to torch as 3 groups, ``fp8.gemm.tile_split``).
+COUNTS = {"8 experts": [0, 90, 3, 77, 128, 64, 100, 50], "4 experts, split": [300, 0, 500, 224]}
 
-def results(device: str, cached: bool) -> dict[str, torch.Tensor]:
+
+def results(device: str, cached: bool, counts: list[int]) -> dict[str, torch.Tensor]:
     """Outputs and gradients of one FP8 linear and one FP8 grouped projection on ``device``."""
     torch.manual_seed(0)
-    x = torch.randn(512, 256, dtype=torch.bfloat16)
+    rows = sum(counts)
+    x = torch.randn(rows, 256, dtype=torch.bfloat16)
     w = torch.randn(384, 256, dtype=torch.bfloat16) / 16
-    w_e = torch.randn(8, 192, 384, dtype=torch.bfloat16) / 16  # [e, N, K]: HF's fused expert layout
-    counts = torch.tensor([0, 90, 3, 77, 128, 64, 100, 50])  # an empty expert, ragged groups, 512 rows in all
-    dy = torch.randn(512, 192, dtype=torch.bfloat16)
+    w_e = torch.randn(len(counts), 192, 384, dtype=torch.bfloat16) / 16  # [e, N, K]: HF's fused expert layout
+    dy = torch.randn(rows, 192, dtype=torch.bfloat16)
     x = x.to(device).requires_grad_()
     w, w_e = (torch.nn.Parameter(t.to(device)) for t in (w, w_e))  # the weight cache keeps parameters only
-    offsets = counts.cumsum(0).to(device=device, dtype=torch.int32)
+    offsets = torch.tensor(counts).cumsum(0).to(device=device, dtype=torch.int32)
     with cast_once_per_step() if cached else contextlib.nullcontext():
         for _ in range(2):  # the second pass reads the kept copies
             h = round_trip(fp8_linear(x, w))  # the routed rows, as the lever sends them
@@ -50,14 +54,15 @@ def main(argv: list[str]) -> int:
         print("no CUDA device: nothing to compare", file=sys.stderr)
         return 2
     worst = 0.0
-    print(f"{'weights':>10} {'tensor':>6} {'rel. error':>10}")
-    for cached in (False, True):
-        cpu, cuda = results("cpu", cached), results("cuda", cached)
-        for name, want in cpu.items():
-            got = cuda[name].float().cpu()
-            error = ((got - want.float()).norm() / want.float().norm()).item()
-            worst = max(worst, error)
-            print(f"{'kept' if cached else 'per call':>10} {name:>6} {error:10.2e}")
+    print(f"{'groups':>16} {'weights':>10} {'tensor':>6} {'rel. error':>10}")
+    for groups, counts in COUNTS.items():
+        for cached in (False, True):
+            cpu, cuda = results("cpu", cached, counts), results("cuda", cached, counts)
+            for name, want in cpu.items():
+                got = cuda[name].float().cpu()
+                error = ((got - want.float()).norm() / want.float().norm()).item()
+                worst = max(worst, error)
+                print(f"{groups:>16} {'kept' if cached else 'per call':>10} {name:>6} {error:10.2e}")
     print(f"worst {worst:.2e} (tolerance {args.tol:g}): {'ok' if worst <= args.tol else 'FAILED'}")
     return 0 if worst <= args.tol else 1
 

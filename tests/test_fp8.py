@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe_ds.fp8 import dequantize, fp8_grouped_mm, fp8_linear, quantize
-from disagmoe_ds.fp8.gemm import scaled_grouped_mm, scaled_mm
+from disagmoe_ds.fp8.gemm import scaled_grouped_mm, scaled_mm, tile_split
 from disagmoe_ds.fp8.quantize import E4M3, round_trip
 
 
@@ -73,6 +73,22 @@ def test_the_fp8_gemms_multiply_the_fp8_values_exactly() -> None:
     for g, (start, end) in enumerate([(0, 10), (10, 10), (10, 30)]):
         exact = dequantize(a).double()[start:end] @ dequantize(w).double()[g].t()
         torch.testing.assert_close(out[start:end], exact, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("rows", "experts", "n", "k", "split"),
+    [
+        (32768, 128, 1536, 2048, 2),  # Qwen3-30B-A3B's gate_up at 4,096 tokens: 256 rows a group, torch's slow tile
+        (32768, 128, 2048, 768, 2),  # its down projection
+        (65536, 128, 1536, 2048, 4),  # twice the tokens: 4 groups an expert bring the mean to 128 rows
+        (32768, 256, 4096, 7168, 1),  # DeepSeek-V3's: 128 rows a group, already the small tile
+        (32768, 16, 1536, 2048, 1),  # 16 experts of a rank: 2,048 rows a group, torch's large tile
+        (32768, 128, 3072, 4096, 1),  # N and K past 2,048: the large tile
+        (4096, 1, 1536, 2048, 1),  # one expert: groups cannot lower its rows
+    ],
+)
+def test_the_grouped_gemm_shows_torch_split_groups_only_where_its_tile_is_the_slow_one(rows, experts, n, k, split):
+    assert tile_split(rows, experts, n, k) == split
 
 
 def _q64(x: torch.Tensor, dim: int) -> torch.Tensor:
