@@ -208,6 +208,8 @@ README_ELSEWHERE = {
     "hf_models/Qwen3-30B-A3B --data /data/corpus --seq-len 4096 --save-dir runs/q30 --save-every 500",
     "deepspeed --hostfile hostfiles/2nodes-16gpu run_pretrain.py --deepspeed_config ds_configs/2node-16gpu-bf16.json",
     "python run_pretrain.py --mode colocated --model hf_models/Qwen3-30B-A3B --data /data/corpus --seq-len 4096",
+    "deepspeed --num_gpus 8 run_pretrain.py --mode colocated --pp-size 2 --virtual-stages 2 --ep-size 4 "
+    "--micro-batches 8 --model hf_models/Qwen3-30B-A3B --data /data/corpus --seq-len 4096",
     "deepspeed --num_gpus 8 run_pretrain.py --deepspeed_config ds_configs/1node-8gpu-bf16.json --sequence-parallel 2 "
     "--model hf_models/Qwen3-30B-A3B --data /data/corpus --seq-len 32768",
     "deepspeed --num_gpus 8 run_pretrain.py --deepspeed_config ds_configs/1node-8gpu-bf16.json --tensor-parallel 2 "
