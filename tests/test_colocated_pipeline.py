@@ -21,6 +21,7 @@ import pytest
 from disagmoe_ds.colocated import ColocatedConfig, ColocatedLayout
 from disagmoe_ds.colocated.pipe_schedule import PipelineScheduleError, check_pipeline, schedule
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
+from disagmoe_ds.convert import main as convert
 from disagmoe_ds.errors import ConfigError, LayoutError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +161,8 @@ def test_cuda_graphs_with_stages_are_refused_before_launch(tiny_checkpoint):
 
 def test_a_pipelined_run_resumes_exactly_evaluates_and_exports(tmp_path, tok_cache):
     """run_pretrain.py with 2 stages of 2 ranks (EP 2), 2 chunks each: 4 steps saving at 2 and 4, then a resume
-    from step 2 that must log step 4's loss and eval loss to the digit, and an HF export that transformers loads."""
+    from step 2 that must log step 4's loss and eval loss to the digit, and an HF export that transformers loads and
+    disagmoe-convert gives again from the checkpoint."""
     common = [sys.executable, str(ROOT / "run_pretrain.py"), "--mode", "colocated", "--world-size", "4", "--ep-size"]
     common += [
         "2",
@@ -191,9 +193,15 @@ def test_a_pipelined_run_resumes_exactly_evaluates_and_exports(tmp_path, tok_cac
     ]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_hidden_layers"] == 4
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    # disagmoe-convert reads the stages' checkpoint into the same HF tensors, as a re-layout's first half
+    model = str(ROOT / "hf_models" / "tiny-qwen3-moe-lm")
+    assert convert(["disagmoe-to-hf", "--ckpt", str(save), "--model", model, "--out", str(tmp_path / "hf2")]) == 0
+    exported, converted = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "hf2"))
+    assert exported.keys() == converted.keys() and all(exported[k].equal(converted[k]) for k in exported)
 
 
 def _run(command: list[str]) -> str:

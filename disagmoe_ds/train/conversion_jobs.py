@@ -170,12 +170,14 @@ def _recorded_cfg(mode: str, manifest: dict[str, Any], path: Path) -> DisagMoECo
     if mode != ColocatedLayout.mode:
         raise CheckpointError(f"checkpoint {path} was written by a {mode} job, a mode disagmoe-convert does not know")
     stage_layers, chunks = saved.get("stage_layers"), saved.get("virtual_stages", 1)  # a pipelined job's
+    pp_size = len(stage_layers) // chunks if stage_layers else 1
     return ColocatedConfig(
         world_size=saved["world_size"],
         ep_size=saved["ep_size"],
-        pp_size=len(stage_layers) // chunks if stage_layers else 1,
+        pp_size=pp_size,
         virtual_stages=chunks,
         stage_layers=tuple(stage_layers) if stage_layers else None,
+        micro_batches=pp_size,  # a conversion steps nothing; interleaved stages need a multiple of pp_size
     )
 
 
