@@ -17,6 +17,8 @@ bf16 on GPU, AdamW, clipping). Each method's micro-batches per rank follow from 
 
     afpipe         ``afpipe.build.build_rank`` + ``AFPipeExecutor.train_batch``: M attention + N FFN ranks, depth p
     colocated      ``colocated.build_colocated_rank``: every rank attention + 1/ep of the experts, all-to-all, 1F1B
+    pipeline       the same in ``--pp-size`` stages of ``--virtual-stages`` chunks (1F1B or interleaved), EP inside
+                   a stage (the ``--ep-size`` values that divide a stage's ranks, else all of them)
     autoep         the HF model under DeepSpeed's own AutoEP (``"expert_parallel": {"enabled": true,
                    "autoep_size": EP, "preset_model": <model_type>}``: ``deepspeed.initialize`` swaps every MoE block
                    for its grouped-GEMM layer with HF's routing), each decoder layer compiled with ``--compile``: what
@@ -77,7 +79,7 @@ from disagmoe_ds.planner.runtime_costs import job_costs
 from disagmoe_ds.runtime.deepspeed_role import RoleMPU, role_ds_config
 from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
 
-METHODS = ("afpipe", "colocated", "autoep", "deepspeed-moe")
+METHODS = ("afpipe", "colocated", "pipeline", "autoep", "deepspeed-moe")
 # The section keys bench_e2e.py takes as flags (config.SECTION_FLAGS): AF-Pipe's layout, compile and memory levers.
 BENCH_KEYS = (
     "attention_gpus",
@@ -89,7 +91,7 @@ BENCH_KEYS = (
     "compile",
     *LEVER_KEYS,
 )
-EP_METHODS = ("colocated", "autoep", "deepspeed-moe")
+EP_METHODS = ("colocated", "pipeline", "autoep", "deepspeed-moe")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PEAK_FLOPS = 989e12  # dense bf16 of an H100/H200-class GPU (MFU's denominator, also on CPU runs)
 
@@ -306,11 +308,13 @@ def build_afpipe(a: argparse.Namespace, device: torch.device):
     return runtime.executor, cfg.micro_batches if feeds else 0, runtime.layout.describe()
 
 
-def build_colocated(a: argparse.Namespace, device: torch.device):
+def build_colocated(a: argparse.Namespace, device: torch.device, *, pp_size: int = 1, virtual_stages: int = 1):
     cfg = ColocatedConfig(
         world_size=a.world_size,
         ep_size=a.ep_size,
-        micro_batches=micro_batches(a, a.world_size),
+        pp_size=pp_size,
+        virtual_stages=virtual_stages,
+        micro_batches=micro_batches(a, a.world_size // pp_size),
         compile=a.compile,
         cuda_graphs=a.cuda_graphs,
         lora=lora_of(a, verify=False),
@@ -399,6 +403,7 @@ def build_autoep(a: argparse.Namespace, device: torch.device):
 BUILDERS: dict[str, Callable[[argparse.Namespace, torch.device], tuple[Any, int, str]]] = {
     "afpipe": build_afpipe,
     "colocated": build_colocated,
+    "pipeline": lambda a, device: build_colocated(a, device, pp_size=a.pp_size, virtual_stages=a.virtual_stages),
     "autoep": build_autoep,
     "deepspeed-moe": build_deepspeed_moe,
 }
@@ -617,6 +622,10 @@ def build_parser(gpus: int) -> argparse.ArgumentParser:
         "--ep-size 2 1 runs EP-2 and EP-1 (every rank holds every expert: plain data parallel)",
     )
     add_section_flags(p, BENCH_KEYS, cli="bench")  # AF-Pipe's layout, --compile and levers (config.SECTION_FLAGS)
+    p.add_argument(
+        "--pp-size", type=int, default=2, help="the pipeline method's stages (co-located, EP inside a stage)"
+    )
+    p.add_argument("--virtual-stages", type=int, default=1, help="the pipeline method's chunks per stage")
     p.add_argument("--ds-capacity-factor", type=float, default=0.0, help="DeepSpeed-MoE capacity (0: drop none)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2))
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on GPU, fp32 on CPU")
@@ -674,7 +683,11 @@ def runs(a: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
     """(method, its arguments) in run order: the EP methods once per ``--ep-size``."""
     out = []
     for method in a.methods:
-        for ep in a.ep_sizes if method in EP_METHODS else [a.ep_size]:
+        eps = a.ep_sizes if method in EP_METHODS else [a.ep_size]
+        if method == "pipeline":  # EP inside a stage: the sizes that fit one, else the whole stage
+            stage = a.world_size // a.pp_size
+            eps = [ep for ep in eps if stage % ep == 0] or [stage]
+        for ep in eps:
             out.append((method, argparse.Namespace(**{**vars(a), "ep_size": ep})))
     return out
 

@@ -14,6 +14,8 @@
 #             NCCL against HF, then AF-Pipe with and without it beside co-located EP over all GPUs and AutoEP.
 #             NCCL picks one transport per process, so under "socket" the in-node all-to-all crosses sockets too
 #             (the dedup's worst case); under "nvlink" the exchange does not (its best): run both
+#   pipeline  co-located pipeline stages (4+ GPUs): PP 2 x EP 2 and PP 2 x VPP 2 x EP 2 on NCCL against HF, then the
+#             pipeline's step beside co-located EP x DP over all GPUs, AF-Pipe and AutoEP on the balanced model
 # TRANSPORT: nvlink (NCCL's default between GPUs of one host), iblike (NCCL_P2P_DISABLE=1: NCCL's shared-memory
 # transport through host memory, meant to sit near a cluster's 25-50 GB/s per GPU across nodes; IBLIKE_ENV replaces
 # it, e.g. IBLIKE_ENV="NCCL_MAX_NCHANNELS=2" for NVLink on fewer channels) or socket (NCCL_P2P_DISABLE=1
@@ -23,10 +25,10 @@
 # exchange and e2e, <part>-<transport>.json and timeline-<transport>-<method>.json; profile-{eager,compiled}.json.
 # E2E_DEPTH: AF-Pipe's depth p in the e2e part (default 1; the planner's choice for the GPU count and transport:
 # `disagmoe-plan --model ... --cluster ...` prints it).
-# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers|lanes|dedup [nvlink|iblike|socket] [E2E_MODEL]
+# Usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers|lanes|dedup|pipeline [nvlink|iblike|socket] [E2E_MODEL]
 #        [GLOBAL_BATCH] [E2E_DEPTH]
 set -u
-PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers|lanes|dedup [nvlink|iblike|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]}
+PART=${1:?usage: bash bench/gpu_multi.sh check|exchange|e2e|profile|variants|levers|lanes|dedup|pipeline [nvlink|iblike|socket] [E2E_MODEL] [GLOBAL_BATCH] [E2E_DEPTH]}
 TRANSPORT=${2:-nvlink}
 MODEL=${3:-hf_models/Qwen3-30B-A3B-balanced}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -161,6 +163,23 @@ dedup)
     --global-batch "$BATCH" --warmup 2 --steps 3 --methods colocated autoep --ep-size "$G" --compile \
     --json "$OUT/dedup-colocated-$TRANSPORT.json"
   ;;
-*) echo "PART must be check, exchange, e2e, profile, variants, levers, lanes or dedup" >&2; exit 2 ;;
+pipeline)
+  for case_ in "--model hf_models/tiny-qwen3-moe --pp-size 2 --micro-batches 3 --zero 1 --skew" \
+               "--model hf_models/tiny-deepseek-v3 --pp-size 2 --virtual-stages 2 --micro-batches 4 --zero 2 --dtype bf16"; do
+    # shellcheck disable=SC2086
+    step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.colocated.verify --json --world-size "$G" --ep-size 2 $case_
+  done
+  export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+  for vpp in 1 2; do
+    step 240 python bench/bench_e2e.py --model "$MODEL" --layers 0 --world-size "$G" --seq-len 4096 \
+      --global-batch "$BATCH" --warmup 2 --steps 3 --methods pipeline --pp-size 2 --virtual-stages "$vpp" \
+      --ep-size "$H" --compile --json "$OUT/pipeline-v$vpp-$TRANSPORT.json" \
+      --timeline "$OUT/timeline-$TRANSPORT-pipeline-v$vpp.json"
+  done
+  step 300 python bench/bench_e2e.py --model "$MODEL" --layers 0 --world-size "$G" --seq-len 4096 \
+    --global-batch "$BATCH" --warmup 2 --steps 3 --methods colocated afpipe autoep --ep-size "$G" --compile \
+    --json "$OUT/pipeline-others-$TRANSPORT.json"
+  ;;
+*) echo "PART must be check, exchange, e2e, profile, variants, levers, lanes, dedup or pipeline" >&2; exit 2 ;;
 esac
 grep -E '^###|^link:|"pass"|tokens/s|GB/s|^  rank|^    rank|Error|error:' "$LOG" | cut -c1-300

@@ -66,6 +66,7 @@ def test_bench_e2e_runs_every_ep_size_side_by_side():
         ("afpipe", 2),
         ("colocated", 2),
         ("colocated", 1),
+        ("pipeline", 1),  # 2 stages of 1 rank: EP inside a stage
         ("autoep", 2),
         ("autoep", 1),
         ("deepspeed-moe", 2),
@@ -103,7 +104,7 @@ def test_bench_e2e_runs_deepspeed_autoep_beside_the_colocated_mode(tmp_path):
     assert "autoep" not in qwen2.methods
 
 
-def test_bench_e2e_three_methods_same_tokens(tmp_path):
+def test_bench_e2e_methods_train_the_same_tokens(tmp_path):
     bench = _load("bench_e2e")
     out = tmp_path / "e2e.json"
     argv = ["--device", "cpu", "--model", str(ROOT / "hf_models" / "tiny-qwen2-moe"), "--world-size", "2"]
@@ -111,15 +112,17 @@ def test_bench_e2e_three_methods_same_tokens(tmp_path):
     assert bench.main([*argv, "--json", str(out), "--timeline", str(tmp_path / "trace.json")]) == 0
     report = json.loads(out.read_text())
     rows = {r["method"]: r for r in report["rows"]}
-    assert set(rows) == {"afpipe", "colocated-ep2", "deepspeed-moe-ep2"}
+    assert set(rows) == {"afpipe", "colocated-ep2", "pipeline-ep1", "deepspeed-moe-ep2"}
     # The last step's trace of every method, and each rank's share of it per category.
     for method, row in rows.items():
         assert json.loads((tmp_path / f"trace-{method}.json").read_text())["traceEvents"]
         assert len(row["host_time_share"]) == 2 and all(0 < s["compute"] <= 1 for s in row["host_time_share"].values())
     shares = rows["afpipe"]["host_time_share"].values()
     assert all("wait" in share for share in shares)  # AF-Pipe ranks wait for each other's messages
-    # AF-Pipe has 1 attention lane, the others 2 data-parallel ranks: twice the micro-batches for the same tokens.
-    assert rows["afpipe"]["micro_batches"] == 4 and rows["colocated-ep2"]["micro_batches"] == 2
+    # AF-Pipe has 1 attention lane (so has the pipeline, of 2 stages), the others 2 data-parallel ranks: twice the
+    # micro-batches for the same tokens.
+    assert rows["afpipe"]["micro_batches"] == rows["pipeline-ep1"]["micro_batches"] == 4
+    assert rows["colocated-ep2"]["micro_batches"] == 2
     # 1 A + 1 F with a known micro-batch size: no headers, one communicator call per message, no wait for sizes.
     exchange = rows["afpipe"]["exchange"]
     assert exchange["messages"] == 2 * 4 * 2 * 3 and exchange["size_waits"] == 0  # 2 kinds x K x 2 ends x 3 MoE
