@@ -23,6 +23,7 @@ from disagmoe_ds.colocated.pipe_schedule import PipelineScheduleError, check_pip
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.convert import main as convert
 from disagmoe_ds.errors import ConfigError, LayoutError
+from disagmoe_ds.models.lora_settings import LoraSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIP = 0.05  # below the tiny models' gradient norms, so global-norm clipping is active
@@ -40,10 +41,15 @@ class PipeCase:
     v: int = 1  # virtual stages per stage
     dtype: str = "fp32"
     overrides: tuple[tuple[str, object], ...] = ()
+    lora: bool = False  # adapters on attention and experts, every base weight frozen
+    fp8: bool = False  # the FP8 lever, against the FP8 reference
+    skew: bool = True  # the router pushed onto few experts (ragged and empty expert groups)
 
     def __str__(self) -> str:
         split = "x".join(map(str, self.stages)) if self.stages else "even"
         extra = "-per_layer_aux" if self.overrides else ""
+        extra += "-lora" if self.lora else ""
+        extra += "-fp8" if self.fp8 else ""
         return (
             f"{self.family}{extra}-W{self.W}ep{self.ep}pp{self.pp}v{self.v}-{split}-K{self.K}-z{self.zero}-{self.dtype}"
         )
@@ -54,7 +60,7 @@ PER_LAYER_AUX = (("router_aux_loss_per_layer", True), ("router_aux_loss_coef", 0
 # micro-batches than stages (GPT-OSS: sinks, sliding windows, biased experts), one micro-batch (all warm-up), EP 2
 # inside a stage, ZeRO 0/1/2, HF's pooled aux loss and per-layer balancing, shared experts, hyper-connections with
 # hash routing (DeepSeek-V4), bf16, the embedding and the head alone on the end stages (Megatron's split), and
-# virtual stages (interleaved 1F1B, the last stage handing on to the first), one of them empty.
+# virtual stages (interleaved 1F1B, the last stage handing on to the first), one of them empty; LoRA and FP8.
 CASES = [
     PipeCase("qwen3-moe", W=4, ep=2, pp=2, K=2, zero=1),
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=3, zero=2, stages=(1, 3)),
@@ -66,6 +72,8 @@ CASES = [
     PipeCase("qwen3-moe", W=3, ep=1, pp=3, K=3, zero=1, stages=(0, 4, 0)),
     PipeCase("qwen3-moe", W=2, ep=1, pp=2, K=4, zero=1, v=2),
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=2, zero=2, stages=(0, 1, 2, 1), v=2),
+    PipeCase("qwen3-moe", W=4, ep=2, pp=2, K=2, zero=1, v=2, lora=True),
+    PipeCase("qwen3-moe", W=2, ep=1, pp=2, K=2, zero=1, fp8=True, skew=False),
 ]
 
 
@@ -79,9 +87,11 @@ def test_pipeline_stages_equal_hf(tiny_checkpoint, case: PipeCase):
         stage_layers=case.stages,
         micro_batches=case.K,
         transport="rendezvous",
+        lora=LoraSettings(rank=4, init_lora_weights=False) if case.lora else None,  # a non-zero update at once
+        fp8=case.fp8,
     )
     model = tiny_checkpoint(case.family, **dict(case.overrides))
-    args = ColocatedVerifyArgs(str(model), cfg, zero=case.zero, dtype=case.dtype, seq_len=8, clip=CLIP, skew=True)
+    args = ColocatedVerifyArgs(str(model), cfg, zero=case.zero, dtype=case.dtype, seq_len=8, clip=CLIP, skew=case.skew)
     summary = run_colocated_verify(args, timeout_s=180)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary
