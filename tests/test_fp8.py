@@ -45,6 +45,16 @@ def test_quantize_rounds_to_the_nearest_e4m3_value_at_a_power_of_two_scale(dim: 
     assert torch.all((dequantize(q).double() - x).abs() <= amax / 448 * 2**-3 + x.abs() * 2**-4)
 
 
+def test_a_slice_of_denormal_values_quantizes_to_zeros_not_nan() -> None:
+    """A gradient row whose largest value is a float32 denormal (skewed routing gives such rows): ``amax / 448``
+    underflows to 0, and a scale of 0 would make the row NaN and the step's gradients with it."""
+    x = torch.tensor([[1.4e-45, -0.0, 3e-42], [1.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
+    q = quantize(x, -1)
+    assert torch.isfinite(q.data.float()).all() and torch.equal(q.data[0].float(), torch.zeros(3))
+    assert q.scale[0].item() == torch.finfo(torch.float32).tiny and q.scale[2].item() == 1.0
+    assert torch.equal(dequantize(q)[1], x[1])
+
+
 def test_the_fp8_values_of_rows_quantize_to_themselves_and_pass_the_gradient_straight_through() -> None:
     torch.manual_seed(0)
     x = torch.randn(64, 32) * torch.logspace(-4, 4, 64)[:, None]

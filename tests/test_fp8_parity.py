@@ -40,7 +40,7 @@ LORA = {"lora": LoraSettings(rank=8, init_lora_weights=False)}  # a non-zero upd
 
 # Every mode's FP8 step: K = 2 and one or two lanes, so that the gradient's 1/(lanes x K) is a power of two too.
 DISAGGREGATED = [
-    Job(M=2, N=4, p=2, K=2, resend=True),  # two ep ranks per F-group, depth 2, resend
+    Job(M=2, N=4, p=2, K=2, resend=True, skew=True),  # two ep ranks per F-group, depth 2, resend; skewed routing
     Job(family="deepseek-v3", M=2, N=2, K=2, extra={"split_backward": True, "selective_recompute": True},
         label="split-selective"),  # MLA, shared experts; B/W split, the experts' recomputed middle
     Job(M=2, N=2, K=2, extra=LORA, label="lora"),
@@ -49,7 +49,7 @@ DISAGGREGATED = [
     Job(M=2, N=2, K=2, extra={"tensor_parallel": 2}, label="tp2"),
 ]  # fmt: skip
 COLOCATED = [
-    ColocatedJob(K=2),
+    ColocatedJob(K=2, skew=True),  # skewed routing: empty experts, rows of denormal gradients (scale_of's floor)
     ColocatedJob(K=2, extra=LORA, label="lora"),
     ColocatedJob(K=2, extra={"fp8_cast_per_call": True}, label="cast-per-call"),  # no weight copies kept
 ]
@@ -65,14 +65,14 @@ def _assert_fp8_parity(summary: dict, args: VerifyArgs, lanes: int) -> None:
 @pytest.mark.parametrize("case", DISAGGREGATED, ids=str)
 def test_disaggregated_fp8_step_equals_the_fp8_reference(case: Job) -> None:
     args = VerifyArgs(str(MODELS / f"tiny-{case.family}"), case.config(transport="rendezvous", fp8=True), zero=1,
-                      seq_len=8)  # fmt: skip
+                      seq_len=8, skew=case.skew)  # fmt: skip
     _assert_fp8_parity(run_verify(args, timeout_s=240), args, args.cfg.batch_lanes)
 
 
 @pytest.mark.parametrize("case", COLOCATED, ids=str)
 def test_colocated_fp8_step_equals_the_fp8_reference(case: ColocatedJob) -> None:
     cfg = ColocatedConfig(world_size=case.W, ep_size=case.ep, micro_batches=case.K, fp8=True, **case.extra)
-    args = ColocatedVerifyArgs(str(MODELS / f"tiny-{case.family}"), cfg, zero=1, seq_len=8)
+    args = ColocatedVerifyArgs(str(MODELS / f"tiny-{case.family}"), cfg, zero=1, seq_len=8, skew=case.skew)
     _assert_fp8_parity(run_colocated_verify(args, timeout_s=240), args, cfg.lanes)
 
 

@@ -31,6 +31,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
+SMALLEST_SCALE = torch.finfo(torch.float32).tiny  # 2^-126, a power of two
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,15 @@ def rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two that maps ``amax`` into e4m3's range (float32; 1 where ``amax`` is 0). Exact on
-    every backend: the logarithm's guess is corrected by products with powers of two, which do not round."""
+    """The smallest power of two that maps ``amax`` into e4m3's range (float32; 1 where ``amax`` is 0), at least
+    float32's smallest normal number: below it ``amax / 448`` underflows to 0 (a slice of denormal gradients, say),
+    whose scale 0 would make every value NaN; such a slice quantizes to zeros. Exact on every backend: the
+    logarithm's guess is corrected by products with powers of two, which do not round."""
     amax = amax.float()
     scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))  # right, or off by a factor of 2 at a boundary
     scale = torch.where(amax > E4M3_MAX * scale, scale * 2, scale)
     scale = torch.where(amax <= E4M3_MAX * 0.5 * scale, scale * 0.5, scale)
-    return torch.where(amax > 0, scale, 1.0)  # log2(0) = -inf: an all-zero slice
+    return torch.where(amax > 0, scale.clamp(min=SMALLEST_SCALE), 1.0)  # log2(0) = -inf: an all-zero slice
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor) -> Quantized:
