@@ -10,6 +10,7 @@ gradient and every parameter after 2 steps.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,12 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from disagmoe_ds.colocated import ColocatedConfig, ColocatedLayout
 from disagmoe_ds.colocated.pipe_schedule import PipelineScheduleError, check_pipeline, schedule
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.convert import main as convert
 from disagmoe_ds.errors import ConfigError, LayoutError
+from disagmoe_ds.models.attention_part import AttentionPart
+from disagmoe_ds.models.expert_shard import ExpertShard
 from disagmoe_ds.models.lora_settings import LoraSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,12 +47,14 @@ class PipeCase:
     overrides: tuple[tuple[str, object], ...] = ()
     lora: bool = False  # adapters on attention and experts, every base weight frozen
     fp8: bool = False  # the FP8 lever, against the FP8 reference
+    recompute: tuple[str, str] = ("none", "none")  # what the attention parts and the expert shards rebuild
 
     def __str__(self) -> str:
         split = "x".join(map(str, self.stages)) if self.stages else "even"
         extra = "-per_layer_aux" if self.overrides else ""
         extra += "-lora" if self.lora else ""
         extra += "-fp8" if self.fp8 else ""
+        extra += "" if self.recompute == ("none", "none") else "-recompute-" + "-".join(self.recompute)
         return (
             f"{self.family}{extra}-W{self.W}ep{self.ep}pp{self.pp}v{self.v}-{split}-K{self.K}-z{self.zero}-{self.dtype}"
         )
@@ -59,7 +65,8 @@ PER_LAYER_AUX = (("router_aux_loss_per_layer", True), ("router_aux_loss_coef", 0
 # micro-batches than stages (GPT-OSS: sinks, sliding windows, biased experts), one micro-batch (all warm-up), EP 2
 # inside a stage, ZeRO 0/1/2, HF's pooled aux loss and per-layer balancing, shared experts, hyper-connections with
 # hash routing (DeepSeek-V4), bf16, the embedding and the head alone on the end stages (Megatron's split), and
-# virtual stages (interleaved 1F1B, the last stage handing on to the first), one of them empty; LoRA and FP8.
+# virtual stages (interleaved 1F1B, the last stage handing on to the first), one of them empty; LoRA, FP8 and
+# each side's recompute (full: the part's forward again in its backward; selective: ``models.recompute``).
 CASES = [
     PipeCase("qwen3-moe", W=4, ep=2, pp=2, K=2, zero=1),
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=3, zero=2, stages=(1, 3)),
@@ -73,6 +80,9 @@ CASES = [
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=2, zero=2, stages=(0, 1, 2, 1), v=2),
     PipeCase("qwen3-moe", W=4, ep=2, pp=2, K=2, zero=1, v=2, lora=True),
     PipeCase("qwen3-moe", W=2, ep=1, pp=2, K=2, zero=1, fp8=True),
+    PipeCase("deepseek-v3", W=2, ep=2, pp=1, K=2, zero=1, recompute=("full", "full")),  # one stage, as before
+    PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=2, zero=2, v=2, recompute=("full", "selective")),
+    PipeCase("gpt-oss", W=2, ep=1, pp=2, K=2, zero=1, recompute=("selective", "full")),
 ]
 
 
@@ -88,6 +98,7 @@ def test_pipeline_stages_equal_hf(tiny_checkpoint, case: PipeCase):
         transport="rendezvous",
         lora=LoraSettings(rank=4, init_lora_weights=False) if case.lora else None,  # a non-zero update at once
         fp8=case.fp8,
+        recompute=dict(zip(("attention", "ffn"), case.recompute, strict=True)),
     )
     model = tiny_checkpoint(case.family, **dict(case.overrides))
     args = ColocatedVerifyArgs(str(model), cfg, zero=case.zero, dtype=case.dtype, seq_len=8, clip=CLIP, skew=True)
@@ -159,6 +170,37 @@ def test_bad_pipeline_configs_are_one_line(cfg, error, says):
 def test_stage_layers_must_cover_the_model():
     with pytest.raises(LayoutError, match="add up to the model's 4 decoder layers"):
         ColocatedConfig(world_size=2, pp_size=2, stage_layers=(1, 2)).layout(num_experts=8, num_layers=4)
+
+
+@pytest.mark.parametrize(("policy", "runs"), [("none", 1), ("full", 2)])
+def test_full_recompute_runs_each_part_again_in_its_backward(tiny_checkpoint, tmp_path, monkeypatch, policy, runs):
+    """Every attention part's and expert shard's forward runs once per micro-batch, twice with full recompute: the
+    checkpoint keeps its inputs and re-runs it in the backward (the dispatch between them does not run again)."""
+    for cls in (AttentionPart, ExpertShard):
+        monkeypatch.setattr(cls, "forward", _counted(cls.forward, cls.__name__, tmp_path))
+    cfg = ColocatedConfig(
+        world_size=2,
+        ep_size=1,
+        pp_size=2,
+        micro_batches=2,
+        transport="rendezvous",
+        activation_checkpointing=policy == "full",
+    )
+    args = ColocatedVerifyArgs(str(tiny_checkpoint("qwen3-moe")), cfg, zero=1, dtype="fp32", seq_len=8, steps=1)
+    assert run_colocated_verify(args, timeout_s=120)["pass"]
+    calls = [line.split() for f in tmp_path.glob("calls-*") for line in f.read_text().splitlines()]
+    for name, layers in (("AttentionPart", 4), ("ExpertShard", 3)):  # 4 layers, 3 of them MoE, 2 micro-batches
+        assert sum(kind == name for kind, _ in calls) == runs * layers * 2, name
+
+
+def _counted(forward, name: str, directory: Path):
+    def counting(self, *args, **kwargs):
+        if torch.is_grad_enabled():  # the verify's reference and evaluations run without gradients
+            with open(directory / f"calls-{os.getpid()}", "a", encoding="utf-8") as f:
+                f.write(f"{name} {os.getpid()}\n")
+        return forward(self, *args, **kwargs)
+
+    return counting
 
 
 def test_cuda_graphs_with_stages_are_refused_before_launch(tiny_checkpoint):

@@ -24,7 +24,8 @@ KEYS = {
     },
     ColocatedConfig: {
         "world_size", "ep_size", "pp_size", "virtual_stages", "stage_layers", "transport", "micro_batches",
-        "comm_timeout_s", "compile", "cuda_graphs", "fp8", "fp8_cast_per_call", "lora",
+        "comm_timeout_s", "compile", "cuda_graphs", "fp8", "fp8_cast_per_call", "activation_checkpointing",
+        "selective_recompute", "recompute", "lora",
     },
     LoraSettings: {"rank", "alpha", "dropout", "targets", "train_router", "init_lora_weights"},
 }  # fmt: skip

@@ -15,6 +15,7 @@ from disagmoe_ds.config import (
     FineTuning,
     Kernels,
     LayoutCounts,
+    Recompute,
     Watchdog,
     effective_zero_stage,
 )
@@ -38,7 +39,7 @@ def test_every_key_is_in_exactly_one_section():
 
 def test_the_colocated_config_shares_the_sections_both_modes_read():
     shared = {f.name for f in fields(ColocatedConfig)} & {f.name for f in fields(DisagMoEConfig)}
-    sections = {f.name for cls in (Accumulation, Watchdog, Kernels, FineTuning) for f in fields(cls)}
+    sections = {f.name for cls in (Accumulation, Watchdog, Kernels, Recompute, FineTuning) for f in fields(cls)}
     assert shared == sections | {"transport"}  # the exchange's, and the co-located pipeline's hand-offs
     assert issubclass(ColocatedConfig, Accumulation) and not issubclass(ColocatedConfig, LayoutCounts)
 

@@ -252,7 +252,7 @@ def test_offload_equals_hf(tiny_checkpoint, monkeypatch, family, M, N, p, shares
     assert summary["pass"], summary
 
 
-def test_colocated_mode_warns_that_it_ignores_the_memory_levers():
+def test_colocated_mode_warns_that_it_ignores_afpipes_levers_and_runs_the_recompute():
     import warnings
     from pathlib import Path
 
@@ -262,9 +262,10 @@ def test_colocated_mode_warns_that_it_ignores_the_memory_levers():
     ns = read_command_line(["--mode", "colocated"], root=Path("."), description="")
     with pytest.warns(UserWarning, match='"disagmoe.offload" is ignored in co-located mode'):
         mode_config(ns, "colocated", {"disagmoe": {"offload": {"attention": 0.5}}}, None)
-    levers = {"selective_recompute": True, "resend": True, "split_backward": True}
-    with pytest.warns(UserWarning, match='"disagmoe.selective_recompute", .*"disagmoe.split_backward" are ignored'):
+    levers = {"resend": True, "split_backward": True}
+    with pytest.warns(UserWarning, match='"disagmoe.resend", "disagmoe.split_backward" are ignored'):
         mode_config(ns, "colocated", {"disagmoe": levers}, None)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        mode_config(ns, "colocated", {"disagmoe": {"compile": True}}, None)  # what co-located uses: no warning
+        warnings.simplefilter("error")  # what co-located uses: no warning
+        cfg = mode_config(ns, "colocated", {"disagmoe": {"compile": True, "selective_recompute": True}}, None)
+    assert cfg.recompute_of("attention") == cfg.recompute_of("ffn") == "selective"

@@ -38,6 +38,7 @@ from disagmoe_ds.models.adapters import check_lora
 from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage
+from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.runtime.rank import RankBuilder, RankParts
 from disagmoe_ds.runtime.step import Executor
@@ -63,6 +64,12 @@ class Colocated:
             raise ConfigError(
                 '"disagmoe.cuda_graphs" does not run with co-located pipeline stages yet; turn it off or use one '
                 "stage (pp_size 1)"
+            )
+        recomputes = any(self.cfg.recompute_of(side) != "none" for side in ("attention", "ffn"))
+        if recomputes and self.cfg.cuda_graphs:
+            raise ConfigError(
+                '"disagmoe.cuda_graphs" replays whole parts and cannot recompute inside them in co-located mode; '
+                "turn off the recompute or the CUDA graphs"
             )
 
     def describe(self, layout: ColocatedLayout, config, schedule_costs: Costs | None) -> list[str]:
@@ -130,6 +137,9 @@ class Colocated:
         for i, part in enumerate((attention, stage)):
             # Before ExpertStageMoE marks the expert parameters: materialising replaces meta parameters by new ones.
             place(part, model, device, seed=2 * seed + i, weights=weights)
+        for side, part in (("attention", attention), ("ffn", stage)):
+            if self.cfg.recompute_of(side) == "selective":
+                apply_selective_recompute(part)
         moe = None
         if stage.layers:  # a pipeline stage of dense layers alone holds no experts (nor tells DeepSpeed of any)
             moe = ExpertStageMoE(
@@ -147,8 +157,15 @@ class Colocated:
                 fp8=self.cfg.fp8,
             )
         aux_coef = config.router_aux_loss_coef if aux_loss_enabled(config) else None
+        full = frozenset(side for side in ("attention", "ffn") if self.cfg.recompute_of(side) == "full")
         return ColocatedModel(
-            attention, moe, dispatcher, aux_coef, num_experts=layout.num_experts, chunks=tuple(map(tuple, chunks))
+            attention,
+            moe,
+            dispatcher,
+            aux_coef,
+            num_experts=layout.num_experts,
+            chunks=tuple(map(tuple, chunks)),
+            full_recompute=full,
         )
 
     def grad_scale(self, layout: ColocatedLayout, role: RankRole) -> float:

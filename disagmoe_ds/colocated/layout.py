@@ -31,17 +31,18 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
-from disagmoe_ds.config import SECTION, Accumulation, FineTuning, Kernels, Watchdog, effective_zero_stage
+from disagmoe_ds.config import SECTION, Accumulation, FineTuning, Kernels, Recompute, Watchdog, effective_zero_stage
 from disagmoe_ds.config.sections import TRANSPORT_NAMES
 from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.layout import ExpertSlices, GroupRanks, RankRole
 
 
 @dataclass(frozen=True, kw_only=True)
-class ColocatedConfig(FineTuning, Kernels, Watchdog, Accumulation):
+class ColocatedConfig(FineTuning, Recompute, Kernels, Watchdog, Accumulation):
     """The co-located EP+DP run: its own rank counts, and the sections both modes read (``config``'s
-    ``Accumulation``, ``Watchdog``, ``Kernels``, ``FineTuning``: micro-batches per step per rank, the communication
-    timeout, ``compile``/``cuda_graphs``, LoRA).
+    ``Accumulation``, ``Watchdog``, ``Kernels``, ``Recompute``, ``FineTuning``: micro-batches per step per rank, the
+    communication timeout, ``compile``/``cuda_graphs``, what the attention parts and expert shards rebuild in
+    backward, LoRA).
 
     Attributes:
         world_size: W, ranks in the job; every rank is an attention lane and an expert-parallel rank.

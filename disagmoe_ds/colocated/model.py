@@ -21,13 +21,15 @@ e local experts, L layers, E routed experts.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from deepspeed.moe.layer import MoE
 from deepspeed.utils import groups as ds_groups
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from disagmoe_ds.colocated.handoff import RouterSums, StageOutput
 from disagmoe_ds.comm.dispatch import LocalDispatcher
@@ -139,6 +141,9 @@ class ColocatedModel(nn.Module):
         aux_coef: router aux-loss coefficient, or None when the family/config has no aux loss.
         num_experts: E, the routed experts of an MoE layer.
         chunks: the layers of each of the stage's chunks (virtual stages), in order; None: one chunk of them all.
+        full_recompute: the sides (``attention``, ``ffn``) whose parts keep only their inputs for the backward,
+            which runs their forward again (non-reentrant checkpoints around each attention part and expert shard
+            call; the dispatch and combine between them keep theirs, so no all-to-all runs twice).
     """
 
     def __init__(
@@ -150,6 +155,7 @@ class ColocatedModel(nn.Module):
         *,
         num_experts: int,
         chunks: tuple[tuple[int, ...], ...] | None = None,
+        full_recompute: frozenset[str] = frozenset(),
     ):
         super().__init__()
         self.attention = attention
@@ -159,6 +165,7 @@ class ColocatedModel(nn.Module):
         self.aux_coef = aux_coef
         self.config = attention.config
         self.chunks = chunks or (tuple(sorted(int(layer) for layer in attention.layers)),)
+        self.full_recompute = full_recompute
         self.graphs = StageGraphs()  # the parts replayed as CUDA graphs (``capture_graphs``); none: as they are
 
     def capture_graphs(self, *, batch: int, seq_len: int, top_k: int, weight_dtype: torch.dtype, packed: bool) -> None:
@@ -193,7 +200,7 @@ class ColocatedModel(nn.Module):
         load_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=h_BSH.device)
         for layer in self.chunks[chunk]:
             part = self.attention.part(layer)
-            out = self.graphs.part(self.attention, layer)(h_BSH, ctx, self.config)
+            out = self._run("attention", self.graphs.part(self.attention, layer), h_BSH, ctx, self.config)
             if out.x_TH is None:  # dense layer
                 h_BSH = out.residual_BSH
                 continue
@@ -203,7 +210,7 @@ class ColocatedModel(nn.Module):
             routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
             assert self.experts is not None, "a stage with an MoE layer holds its experts"
             shard = self.graphs.shard(self.experts.stage, layer)
-            y_RH = shard(*routed.shard_args(out.x_TH.dtype))
+            y_RH = self._run("ffn", shard, *routed.shard_args(out.x_TH.dtype))
             h_BSH = add_routed(out.residual_BSH, out.routed_w_BSC, self.dispatcher.combine(y_RH, meta))
         if self.attention.head is None or chunk < len(self.chunks) - 1:
             before = RouterSums.zeros(num_experts, h_BSH.device) if inbound is None else inbound[1]
@@ -218,6 +225,12 @@ class ColocatedModel(nn.Module):
         sums = inbound[1].plus(stats)
         aux = sums.aux_loss(per_layer=per_layer)
         return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux, load_LE, sums)
+
+    def _run(self, side: str, part: Callable[..., Any], *args: Any) -> Any:
+        """``part(*args)``, checkpointed where ``side`` recomputes in full."""
+        if side in self.full_recompute and torch.is_grad_enabled():
+            return checkpoint(part, *args, use_reentrant=False)
+        return part(*args)
 
     def hf_names(self) -> dict[str, tuple[str, int]]:
         """Parameter name (or a frozen FP8 base's, ``fp8.frozen``) -> (HF name, first expert of the slice; 0 for

@@ -32,6 +32,8 @@ from disagmoe_ds.parity.run_flags import add_run_args
 from disagmoe_ds.runtime.rank import RankRuntime
 
 Named = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the slice, value)
+# the section keys taken as flags (config.SECTION_FLAGS: the same flags as run_pretrain.py's)
+KEYS = ("micro_batches", "fp8", "transport", "activation_checkpointing", "selective_recompute", "recompute")
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda text: tuple(int(n) for n in text.split(",")),
         help="decoder layers per (virtual) pipeline stage, in execution order, e.g. 1,3 [as even as they go]",
     )
-    add_section_flags(p, ("micro_batches", "fp8", "transport"), cli="colocated_verify")
+    add_section_flags(p, KEYS, cli="colocated_verify")
     add_run_args(p, zero_help="ZeRO stage")
     return p
 
@@ -107,7 +109,7 @@ def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
         pp_size=a.pp_size,
         virtual_stages=a.virtual_stages,
         stage_layers=a.stage_layers,
-        **section_values(a, ("micro_batches", "fp8", "transport")),
+        **section_values(a, KEYS),
         lora=lora_of(a),
     )
     return run_args(ColocatedVerifyArgs, a, cfg)

@@ -44,6 +44,7 @@ from disagmoe_ds.config.sections import (
     FineTuning,
     Kernels,
     LayoutCounts,
+    Recompute,
     Watchdog,
 )
 from disagmoe_ds.config.zero import ZERO_STAGES, ds_stage, effective_zero_stage
@@ -60,6 +61,7 @@ __all__ = [
     "DisagMoEConfig",
     "FineTuning",
     "Kernels",
+    "Recompute",
     "LayoutCounts",
     "Watchdog",
     "add_section_flags",

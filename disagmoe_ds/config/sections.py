@@ -216,8 +216,9 @@ class Kernels(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class MemoryLevers(Section):
-    """What a worker keeps of a micro-batch between its forward and its backward (the planner's memory variants).
+class Recompute(Section):
+    """What a rank rebuilds of a micro-batch in its backward instead of keeping it (both modes; the planner's
+    recompute policies).
 
     Attributes:
         activation_checkpointing: keep only each chunk's inputs and recompute its activations in backward
@@ -228,6 +229,30 @@ class MemoryLevers(Section):
         recompute: per side (``attention``, ``ffn``), ``"none"``, ``"selective"`` or ``"full"``: the two switches
             above for one side alone (the side's memory and compute differ: say, the attention side keeping its
             activations and the expert side rebuilding them); a side left out recomputes nothing. Replaces them.
+            Co-located, the sides are a rank's attention parts and its expert shards.
+    """
+
+    activation_checkpointing: bool = False
+    selective_recompute: bool = False
+    recompute: dict[str, str] = field(default_factory=dict)
+
+    def _check(self) -> None:
+        self._switches("activation_checkpointing", "selective_recompute")  # exclusive: capabilities.rules
+        _check_per_side("recompute", self.recompute, '{"attention": "none", "ffn": "full"}', _recompute_problem)
+
+    def recompute_of(self, side: str) -> str:
+        """What the ``attention`` or ``ffn`` side rebuilds in backward: ``"none"``, ``"selective"`` or ``"full"``."""
+        if self.recompute:
+            return self.recompute.get(side, "none")
+        return "full" if self.activation_checkpointing else "selective" if self.selective_recompute else "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryLevers(Recompute):
+    """What an AF-Pipe worker keeps of a micro-batch between its forward and its backward (the planner's memory
+    variants): ``Recompute``'s policies, and
+
+    Attributes:
         resend: the expert side keeps nothing between a micro-batch's forward and backward: the attention side
             sends the routed tokens again with the backward's gradients, and the expert side recomputes its
             forward from them (the planner's "resend" variant: F memory for A->F bytes). With p > 1 the rank that
@@ -236,22 +261,12 @@ class MemoryLevers(Section):
             activations wait for their backward in host memory (the planner's "offload" variant; ``afpipe.offload``).
     """
 
-    activation_checkpointing: bool = False
-    selective_recompute: bool = False
-    recompute: dict[str, str] = field(default_factory=dict)
     resend: bool = False
     offload: dict[str, float] = field(default_factory=dict)
 
-    def _check(self) -> None:
-        self._switches("activation_checkpointing", "selective_recompute", "resend")  # exclusive: capabilities.rules
-        _check_per_side("recompute", self.recompute, '{"attention": "none", "ffn": "full"}', _recompute_problem)
+    def _check(self) -> None:  # Recompute's own runs too (Section.__post_init__ runs each class's)
+        self._switches("resend")
         _check_per_side("offload", self.offload, '{"attention": 0.5, "ffn": 0.0}', _offload_problem)
-
-    def recompute_of(self, side: str) -> str:
-        """What the ``attention`` or ``ffn`` side rebuilds in backward: ``"none"``, ``"selective"`` or ``"full"``."""
-        if self.recompute:
-            return self.recompute.get(side, "none")
-        return "full" if self.activation_checkpointing else "selective" if self.selective_recompute else "none"
 
     def offload_share(self, side: str) -> float:
         """The offload share of the ``attention`` or ``ffn`` side (0.0 where the section leaves it out)."""

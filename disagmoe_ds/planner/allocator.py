@@ -369,8 +369,8 @@ RUNNABLE_VPP = (1, 2, 3, 4)  # the virtual stages per stage best_runnable_coloca
 def best_runnable_colocated(req: PlanRequest) -> BaselinePlan | None:
     """The fastest co-located configuration DisagMoE-DS's co-located mode runs (``run_pretrain.py --mode
     colocated``): EP x DP under ZeRO in PP stages of up to 4 virtual stages each, run (interleaved) 1F1B
-    (Megatron's layer split, ``pipeline_split``), the activations kept, a plain all-to-all; no TP, CP or recompute.
-    None: none fits."""
+    (Megatron's layer split, ``pipeline_split``), the cheapest recompute policy that fits, a plain all-to-all; no
+    TP or CP. None: none fits."""
     W, layers = req.cluster.world_size, req.spec.num_layers
     stages = [(pp, v) for pp in divisors(W) for v in RUNNABLE_VPP if (v == 1 or pp > 1) and chunk_sizes(layers, pp, v)]
     shapes = [
@@ -379,7 +379,7 @@ def best_runnable_colocated(req: PlanRequest) -> BaselinePlan | None:
         for e in divisors(req.spec.num_experts)
         if (W // pp) % e == 0
     ]
-    plans = [best_baseline(replace(req, baseline_layout=s, baseline_recompute="none"))[0] for s in shapes]
+    plans = [best_baseline(replace(req, baseline_layout=s, baseline_recompute=None))[0] for s in shapes]
     return max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s, default=None)
 
 

@@ -87,12 +87,9 @@ def _recompute_keys(work: Workload) -> dict[str, Any]:
 
 def colocated_refusal(candidate: ColocatedCandidate) -> str | None:
     """What of a co-located configuration the runtime's co-located mode does not run (None: it runs it): that mode
-    is EP x DP under ZeRO in pipeline stages (virtual ones too) run (interleaved) 1F1B, the activations kept."""
+    is EP x DP under ZeRO in pipeline stages (virtual ones too) run (interleaved) 1F1B, with any recompute policy."""
     s = candidate.shape
-    degrees = (("TP", s.tp), ("CP", s.cp))
-    missing = [f"{name} {degree}" for name, degree in degrees if degree > 1]
-    if candidate.work.recompute != "none":
-        missing.append(f"{candidate.work.recompute} recompute")
+    missing = [f"{name} {degree}" for name, degree in (("TP", s.tp), ("CP", s.cp)) if degree > 1]
     return ", ".join(missing) or None
 
 
@@ -221,9 +218,8 @@ def colocated_ds_config(req: PlanRequest, base: BaselinePlan) -> dict[str, Any]:
     if c.shape.pp > 1:  # the stages and their layers as the plan priced them (Megatron's split)
         sizes = chunk_sizes(req.spec.num_layers, c.shape.pp, c.shape.vpp) or ()
         placed |= {"pp_size": c.shape.pp, "virtual_stages": c.shape.vpp, "stage_layers": list(sizes)}
-    return _engine_keys(req.work) | {
-        "disagmoe": {"colocated": placed, "micro_batches": c.micro_batches} | _lora(c.work) | _fp8(c.work)
-    }
+    section = {"colocated": placed, "micro_batches": c.micro_batches} | _recompute_keys(c.work)
+    return _engine_keys(req.work) | {"disagmoe": section | _lora(c.work) | _fp8(c.work)}
 
 
 def _engine_keys(work: Workload) -> dict[str, Any]:

@@ -74,9 +74,6 @@ def mode_config(
         ds_config, {**section_values(ns, BOTH_MODES_KEYS), "lora": lora_of(ns, verify=False)}
     )
     ignored = {
-        "activation_checkpointing": section.activation_checkpointing,
-        "selective_recompute": section.selective_recompute,
-        "recompute": any(policy != "none" for policy in section.recompute.values()),
         "max_in_flight": section.max_in_flight is not None,
         "offload": any(section.offload.values()),
         "resend": section.resend,
@@ -86,8 +83,8 @@ def mode_config(
     named = [f'"{SECTION}.{key}"' for key, on in ignored.items() if on]
     if named:
         warnings.warn(
-            f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} ignored in co-located mode: each rank runs one "
-            "micro-batch at a time and keeps its activations (they are AF-Pipe's memory levers)",
+            f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} ignored in co-located mode (they are AF-Pipe's "
+            "levers)",
             stacklevel=2,
         )
     shared = {f.name for f in fields(ColocatedConfig)} & {
