@@ -22,7 +22,7 @@ parts, where they are cast in every call. Master weights, gradients and optimize
 keeps the high-precision inputs, and the activations' FP8 operands are transient.
 
 >>> fp8_speedup("projection"), fp8_speedup("gate_up", 768), fp8_speedup("down", 1536), fp8_speedup("down", 14336)
-(1.77, 0.52, 1.34, 1.34)
+(1.77, 1.27, 1.34, 1.34)
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from disagmoe_ds.planner.lora import GemmFlops, LoRA, Params, mixer_projections,
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.workload import Workload
 
-# FP8 over bf16 speedup per GEMM class (GEMM, expert width I or 0, factor). Measured on one H200 (torch 2.11, rowwise
-# e4m3 scales): torch._scaled_mm against bf16 on the attention projections, 1.77-1.85x (issue 42; the low end: the
-# projections' mix was not measured apart); torch._scaled_grouped_mm against bf16 grouped_mm at 32,768 rows in equal
-# groups, the layouts fp8.gemm passes, on Qwen3-30B-A3B's experts (I = 768: FP8 is the slower, 0.52x / 0.53x; its
-# input-grad GEMMs 0.44x / 0.53x) and DeepSeek-V3's (I = 2048: 1.42x / 1.34x, input grads 1.29x / 1.35x);
-# bench/fp8_grouped_gemms.py, docs/performance-log.md section 25 (2026-12-06).
+# FP8 over bf16 speedup per GEMM class (GEMM, expert width I or 0, factor). Measured with torch 2.11, rowwise e4m3
+# scales: torch._scaled_mm against bf16 on the attention projections, 1.77-1.85x (one H200, issue 42; the low end:
+# the projections' mix was not measured apart); fp8.gemm.scaled_grouped_mm against bf16 grouped_mm at 32,768 rows in
+# equal groups on Qwen3-30B-A3B's experts (I = 768, on torch's small tile, one H100: 1.27x / 1.06x, input grads
+# 1.32x / 1.24x; docs/performance-log.md section 26) and DeepSeek-V3's (I = 2048, one H200: 1.42x / 1.34x, input
+# grads 1.29x / 1.35x; section 25); bench/fp8_grouped_gemms.py (2026-12-06).
 # A class the table lacks takes the nearest measured one:
 # * shared experts and dense MLPs: "projection" (the same _scaled_mm on dense, model-sized GEMMs);
 # * every input-grad GEMM and the attention side's weight-grad GEMMs: their forward's factor (only forward GEMMs were
@@ -48,8 +48,8 @@ from disagmoe_ds.planner.workload import Workload
 # * other expert widths: the nearest measured width in log2 (Qwen3-235B-A22B's 1536 and Mixtral's 14336: 2048's).
 FP8_SPEEDUP: tuple[tuple[str, int, float], ...] = (
     ("projection", 0, 1.77),
-    ("gate_up", 768, 0.52),
-    ("down", 768, 0.53),
+    ("gate_up", 768, 1.27),
+    ("down", 768, 1.06),
     ("gate_up", 2048, 1.42),
     ("down", 2048, 1.34),
 )
