@@ -5,9 +5,10 @@
   disagmoe-to-hf   a checkpoint of either mode -> an HF directory with the run's tokenizer, which
                    AutoModelForCausalLM and AutoTokenizer.from_pretrained load; a LoRA run's checkpoint -> its
                    PEFT adapter directory (base: --model, the run's --init-from), or --merged the merged model
-  relayout         a disaggregated checkpoint -> the same state under another layout (GPU split, depth, ZeRO
-                   stage, precision): weights, optimizer state, scheduler, step and data position, so
-                   run_pretrain.py --resume with the new layout continues the run exactly
+  relayout         a checkpoint of either mode -> the same state under another layout of either mode (GPU split,
+                   depth, ZeRO stage, precision; co-located pipeline stages with --mode colocated): weights,
+                   optimizer state, scheduler, step and data position, so run_pretrain.py --resume with the new
+                   layout continues the run exactly
 
 examples:
     disagmoe-convert hf-to-disagmoe --model HF_DIR --out CKPT --attention-gpus 2 --ffn-gpus 2 [--zero 1]
@@ -15,6 +16,8 @@ examples:
     disagmoe-convert relayout --ckpt CKPT --model HF_DIR --out CKPT_1x4 --attention-gpus 1 --ffn-gpus 4
     disagmoe-convert relayout --ckpt CKPT --model HF_DIR --out CKPT_Z3 --attention-gpus 2 --ffn-gpus 2 \\
         --expert-data-parallel 2 --zero-stage 1 3
+    disagmoe-convert relayout --ckpt CKPT --model HF_DIR --out CKPT_PP --mode colocated --world-size 4 --ep-size 2 \\
+        --pp-size 2
 
 Every conversion runs the layout's ranks as processes on this machine's CPU, whatever the layout's size: host
 memory must hold the whole model and every rank's optimizer state. A checkpoint is read under the DeepSpeed config
@@ -28,8 +31,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from disagmoe_ds.config import LAYOUT_KEYS, SIDES, DisagMoEConfig, add_section_flags, load_ds_config
-from disagmoe_ds.errors import DisagMoEError
+from disagmoe_ds.config import LAYOUT_KEYS, SIDES, DisagMoEConfig, add_section_flags, flag_of, load_ds_config
+from disagmoe_ds.errors import ConfigError, DisagMoEError
+from disagmoe_ds.train.flags import COLOCATED_FLAGS, MODES, layer_counts
 
 _LAYOUT = "the layout that --attention-gpus, --ffn-gpus, --depth, --expert-data-parallel and the lane flags give"
 
@@ -75,15 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     re = sub.add_parser(
         "relayout",
         help="checkpoint -> checkpoint of another layout (weights + optimizer state)",
-        description=f"Write a disaggregated checkpoint again for {_LAYOUT}, with its optimizer state, scheduler, step "
-        "and data position.",
+        description=f"Write a checkpoint (either mode) again for {_LAYOUT}, or with --mode colocated for a "
+        "co-located layout (--world-size, --ep-size, --pp-size, --virtual-stages, --stage-layers), with its "
+        "optimizer state, scheduler, step and data position.",
     )
     re.add_argument("--ckpt", required=True, help="source checkpoint root (run_pretrain.py's --save-dir)")
     re.add_argument("--tag", help="tag to convert (default: the newest); the output keeps the tag")
     re.add_argument("--model", required=True, help="the HF directory (weights not needed) the run trained")
     re.add_argument("--out", required=True, help="destination checkpoint root")
+    re.add_argument("--mode", choices=MODES, default="disaggregated", help="the new layout's mode")
+    for name, text in COLOCATED_FLAGS.items():
+        re.add_argument(flag_of(name), type=layer_counts if name == "stage_layers" else int, help=text)
     _add_layout_args(
         re,
+        required=(),
         ds_config_help="DeepSpeed config JSON for the new layout (default: the source's); also used to read a "
         "source that records none",
         zero_stage_default="the source's per-side stages; with --zero, or for a source without them, both sides at "
@@ -95,14 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_layout_args(
-    p: argparse.ArgumentParser, *, ds_config_help: str, zero_stage_default: str, zero_help: str
+    p: argparse.ArgumentParser,
+    *,
+    ds_config_help: str,
+    zero_stage_default: str,
+    zero_help: str,
+    required: tuple[str, ...] = ("attention_gpus", "ffn_gpus"),
 ) -> None:
     add_section_flags(
-        p,
-        (*LAYOUT_KEYS, "zero_stage"),
-        cli="convert",
-        required=("attention_gpus", "ffn_gpus"),
-        notes={"zero_stage": zero_stage_default},
+        p, (*LAYOUT_KEYS, "zero_stage"), cli="convert", required=required, notes={"zero_stage": zero_stage_default}
     )
     p.add_argument("--zero", type=int, choices=(0, 1, 2), help=zero_help)
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="training precision; overrides --ds-config")
@@ -132,10 +142,37 @@ def _run(a: argparse.Namespace) -> Path:
     if a.command == "disagmoe-to-hf":
         return disagmoe_to_hf(source, a.out, merged=a.merged)
     base = ds_file if ds_file is not None else source.job.ds_config
-    recorded = source.job.cfg  # disaggregated: open_checkpoint refuses a co-located one for relayout
-    cfg = _layout_cfg(a, recorded.zero_stage if isinstance(recorded, DisagMoEConfig) else None)
+    recorded = source.job.cfg
+    cfg = _colocated_cfg(a) if a.mode == "colocated" else _relayout_cfg(a, recorded)
     job = Job(source.job.model_dir, cfg, resolve_ds_config(base, zero=a.zero, dtype=a.dtype), source.job.frozen)
     return relayout(source, job, a.out)
+
+
+def _relayout_cfg(a: argparse.Namespace, recorded: object) -> DisagMoEConfig:
+    """The disaggregated target: the layout flags (both GPU counts needed), the source's per-side stages if it
+    has them."""
+    missing = [flag_of(key) for key in ("attention_gpus", "ffn_gpus") if getattr(a, key) is None]
+    if missing:
+        raise ConfigError(f"relayout to a disaggregated layout needs {' and '.join(missing)} (or --mode colocated)")
+    return _layout_cfg(a, recorded.zero_stage if isinstance(recorded, DisagMoEConfig) else None)
+
+
+def _colocated_cfg(a: argparse.Namespace):
+    """The co-located target (pipeline stages included); a conversion steps nothing, so its micro-batches are only
+    what interleaved stages need (a multiple of the stages)."""
+    from disagmoe_ds.colocated.layout import ColocatedConfig  # imports DeepSpeed (seconds)
+
+    if a.world_size is None:
+        raise ConfigError("relayout --mode colocated needs --world-size")
+    pp = a.pp_size or 1
+    return ColocatedConfig(
+        world_size=a.world_size,
+        ep_size=a.ep_size,
+        pp_size=pp,
+        virtual_stages=a.virtual_stages or 1,
+        stage_layers=a.stage_layers,
+        micro_batches=pp,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -210,32 +210,24 @@ def test_cuda_graphs_with_stages_are_refused_before_launch(tiny_checkpoint):
         run_colocated_verify(args, timeout_s=60)
 
 
-def test_a_pipelined_run_resumes_exactly_evaluates_and_exports(tmp_path, tok_cache):
+def test_a_pipelined_run_resumes_exactly_evaluates_exports_and_relays_out(tmp_path, tok_cache):
     """run_pretrain.py with 2 stages of 2 ranks (EP 2), 2 chunks each: 4 steps saving at 2 and 4, then a resume
     from step 2 that must log step 4's loss and eval loss to the digit, and an HF export that transformers loads and
-    disagmoe-convert gives again from the checkpoint."""
-    common = [sys.executable, str(ROOT / "run_pretrain.py"), "--mode", "colocated", "--world-size", "4", "--ep-size"]
-    common += [
-        "2",
-        "--pp-size",
-        "2",
-        "--virtual-stages",
-        "2",
-        "--micro-batches",
-        "2",
-        "--steps",
-        "4",
-        "--log-every",
-        "1",
-    ]
-    common += ["--seq-len", "32", "--micro-batch-size", "2"]
-    common += ["--eval-every", "2", "--eval-split", "0.05", "--eval-steps", "2", "--tokenizer-cache", str(tok_cache)]
+    disagmoe-convert gives again from the checkpoint. Then step 2 re-laid out (optimizer state and data position
+    included) as AF-Pipe on 2 attention + 2 FFN ranks, and that again as 2 plain pipeline stages: each resumes to
+    the same step 4."""
+    model = str(ROOT / "hf_models" / "tiny-qwen3-moe-lm")
+    run = [sys.executable, str(ROOT / "run_pretrain.py"), "--model", model, "--micro-batches", "2", "--steps", "4"]
+    run += ["--log-every", "1", "--seq-len", "32", "--micro-batch-size", "2", "--tokenizer-cache", str(tok_cache)]
+    run += ["--eval-every", "2", "--eval-split", "0.05", "--eval-steps", "2"]
+    pipeline = ["--mode", "colocated", "--world-size", "4", "--ep-size", "2", "--pp-size", "2"]
     save = tmp_path / "ckpt"
-    first = _run([*common, "--save-every", "2", "--save-dir", str(save)])
+    first = _run([*run, *pipeline, "--virtual-stages", "2", "--save-every", "2", "--save-dir", str(save)])
     assert "layout: co-located EP+DP: 4 ranks in 2 x 2 virtual pipeline stages of 2 (layers [1, 1, 1, 1])" in first
     resumed = _run(
-        [*common, "--save-dir", str(save), "--resume", str(save / "step2"), "--export-hf", str(tmp_path / "hf")]
-    )
+        [*run, *pipeline, "--virtual-stages", "2", "--save-dir", str(save), "--resume", str(save / "step2"),
+         "--export-hf", str(tmp_path / "hf")]
+    )  # fmt: skip
     assert _step_line(resumed, 4) == _step_line(first, 4)
     assert sorted(p.name for p in (save / "step4").iterdir() if p.is_dir()) == [
         "colocated_stage0",
@@ -249,10 +241,20 @@ def test_a_pipelined_run_resumes_exactly_evaluates_and_exports(tmp_path, tok_cac
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     # disagmoe-convert reads the stages' checkpoint into the same HF tensors, as a re-layout's first half
-    model = str(ROOT / "hf_models" / "tiny-qwen3-moe-lm")
     assert convert(["disagmoe-to-hf", "--ckpt", str(save), "--model", model, "--out", str(tmp_path / "hf2")]) == 0
     exported, converted = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "hf2"))
     assert exported.keys() == converted.keys() and all(exported[k].equal(converted[k]) for k in exported)
+
+    afpipe, again = tmp_path / "afpipe", tmp_path / "pipeline"
+    relayout = ["relayout", "--tag", "step2", "--model", model]
+    assert (
+        convert([*relayout, "--ckpt", str(save), "--out", str(afpipe), "--attention-gpus", "2", "--ffn-gpus", "2"]) == 0
+    )
+    disaggregated = _run([*run, "--attention-gpus", "2", "--ffn-gpus", "2", "--save-dir", str(afpipe), "--resume"])
+    assert _step_line(disaggregated, 4) == _step_line(first, 4)
+    assert convert([*relayout, "--ckpt", str(afpipe), "--out", str(again), "--mode", "colocated", *pipeline[2:]]) == 0
+    back = _run([*run, *pipeline, "--save-dir", str(again), "--resume", str(again / "step2")])
+    assert _step_line(back, 4) == _step_line(first, 4)
 
 
 def _run(command: list[str]) -> str:

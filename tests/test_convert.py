@@ -28,7 +28,7 @@ from disagmoe_ds.launch.testing import run_ranks
 from disagmoe_ds.models.split import hf_reference_loss
 from disagmoe_ds.parity.reference import DTYPES, VerifyArgs, load_for_verify, make_batches
 from disagmoe_ds.train import run as job
-from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe, relayout
+from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe
 from disagmoe_ds.train.conversion_jobs import Job, open_checkpoint
 from tests.conftest import all_families_only
 from tests.runs import ROOT, SHORT, run_pretrain
@@ -281,28 +281,16 @@ def test_colocated_checkpoint_exports_to_hf(colocated_run, tmp_path, ep_size, ze
     assert abs(loss - run.loss) <= LOSS_TOL[dtype], (loss, run.loss)
 
 
-@pytest.mark.parametrize("command", ["relayout", "hf-to-disagmoe"])
-def test_colocated_checkpoint_is_refused_by_the_other_conversions(colocated_run, tmp_path, capfd, command):
+def test_a_colocated_checkpoint_is_refused_where_hf_weights_belong(colocated_run, tmp_path, capfd):
+    """hf-to-disagmoe reads HF weights; relayout reads checkpoints of either mode (test_colocated_pipeline)."""
     ckpt = colocated_run(2, 0, "fp32").ckpt
-    layout = f"--out {tmp_path / 'out'} --attention-gpus 1 --ffn-gpus 1"
-    argv = {
-        "relayout": f"relayout --ckpt {ckpt} --model {COLOCATED_MODEL} {layout}",
-        "hf-to-disagmoe": f"hf-to-disagmoe --model {ckpt} {layout}",  # the checkpoint where its HF input belongs
-    }[command]
-    message = {
-        "relayout": f"checkpoint {ckpt / 'step2'} was written by a colocated job; disagmoe-convert relayout handles "
-        "disaggregated checkpoints only (export it to HF with disagmoe-convert disagmoe-to-hf",
-        "hf-to-disagmoe": f"{ckpt} is a DisagMoE checkpoint, not an HF directory; hf-to-disagmoe reads HF weights",
-    }[command]
+    argv = f"hf-to-disagmoe --model {ckpt} --out {tmp_path / 'out'} --attention-gpus 1 --ffn-gpus 1"
     capfd.readouterr()
     assert main(argv.split()) == 2
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    message = f"{ckpt} is a DisagMoE checkpoint, not an HF directory; hf-to-disagmoe reads HF weights"
     assert len(lines) == 1 and lines[0].startswith(f"disagmoe-convert: error: {message}"), lines
     assert not (tmp_path / "out").exists()
-    if command == "relayout":  # the API refuses a source opened for export too
-        source = open_checkpoint(ckpt, COLOCATED_MODEL)
-        with pytest.raises(CheckpointError, match="relayout handles disaggregated checkpoints only"):
-            relayout(source, replace(source.job, cfg=DisagMoEConfig()), tmp_path / "out")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.models.hf_writer import TOKENIZER_FILES, copy_into, present_files
 from disagmoe_ds.models.loading import load_model
-from disagmoe_ds.train.conversion_jobs import AnyJob, Job, Source, refuse_checkpoint_as_model, require_disaggregated
+from disagmoe_ds.train.conversion_jobs import AnyJob, Job, Source, refuse_checkpoint_as_model
 
 if TYPE_CHECKING:
     from disagmoe_ds.runtime.rank import RankRuntime
@@ -86,11 +86,11 @@ def disagmoe_to_hf(source: Source, out: str | Path, *, merged: bool = False) -> 
     )
 
 
-def relayout(source: Source, job: Job[DisagMoEConfig], out: str | Path) -> Path:
-    """Write ``source`` under ``job``'s layout with the same masters, optimizer state, scheduler and step."""
+def relayout(source: Source, job: AnyJob, out: str | Path) -> Path:
+    """Write ``source`` (either mode) under ``job``'s layout (either mode) with the same masters, optimizer state,
+    scheduler and step."""
     from disagmoe_ds.launch.local import spawn_local
 
-    require_disaggregated(source.root / source.tag, source.mode, "relayout")
     _check_job(job)
     _refuse_existing(Path(out) / source.tag, "checkpoint tag")
     state = read_state(source, weights="master")
@@ -123,11 +123,16 @@ def _job_model(job: AnyJob, *, require_weights: bool = False) -> nn.Module:
     return model
 
 
-def _check_job(job: Job[DisagMoEConfig]) -> None:
+def _check_job(job: AnyJob) -> None:
     """Fail in this process, before any rank starts, on a layout or DeepSpeed config that cannot run."""
     from disagmoe_ds.afpipe.build import preflight
     from disagmoe_ds.runtime.deepspeed_role import role_ds_config
 
+    if not isinstance(job.cfg, DisagMoEConfig):
+        from disagmoe_ds.colocated.build import preflight_colocated
+
+        preflight_colocated(job.model_dir, job.cfg, job.ds_config, job.cfg.world_size)
+        return
     preflight(job.model_dir, job.cfg, job.ds_config, job.cfg.world_size)  # each side's ZeRO stage too
     for stage in sorted(set(job.cfg.zero_stages(job.ds_config).values())):  # what DeepSpeed would refuse
         role_ds_config(job.ds_config, micro_batches=job.cfg.micro_batches, micro_batch_size=1, dp_size=1, stage=stage)

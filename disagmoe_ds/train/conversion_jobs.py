@@ -111,9 +111,8 @@ def open_checkpoint(
     """Check that ``root`` holds a complete checkpoint of the model in ``model_dir`` and read its job.
 
     A checkpoint is always read under the DeepSpeed config it records; ``ds_config`` is used only for one that
-    records none (saved without ``ds_config``). ``command`` is the conversion that will read it: only
-    disagmoe-to-hf reads co-located checkpoints; the others are refused here, before the co-located runtime (and
-    DeepSpeed) is imported.
+    records none (saved without ``ds_config``). ``command`` is the conversion that will read it (a LoRA checkpoint
+    is read by disagmoe-to-hf alone).
     """
     root = Path(root)
     if not root.is_dir():
@@ -123,8 +122,6 @@ def open_checkpoint(
     manifest = read_manifest(root, tag)
     _check_same_model(manifest, model_dir, root / tag)
     mode = manifest.get("mode", DISAGGREGATED)
-    if command != "disagmoe-to-hf":
-        require_disaggregated(root / tag, mode, command)
     cfg = _recorded_cfg(mode, manifest, root / tag)
     base = manifest.get("ds_config")
     base = ds_config if base is None else base
@@ -179,15 +176,6 @@ def _recorded_cfg(mode: str, manifest: dict[str, Any], path: Path) -> DisagMoECo
         stage_layers=tuple(stage_layers) if stage_layers else None,
         micro_batches=pp_size,  # a conversion steps nothing; interleaved stages need a multiple of pp_size
     )
-
-
-def require_disaggregated(path: Path, mode: str, command: str) -> None:
-    if mode != DISAGGREGATED:
-        raise CheckpointError(
-            f"checkpoint {path} was written by a {mode} job; disagmoe-convert {command} handles disaggregated "
-            f"checkpoints only (export it to HF with disagmoe-convert disagmoe-to-hf, or resume it with "
-            f"run_pretrain.py --mode {mode})"
-        )
 
 
 def refuse_checkpoint_as_model(model_dir: str | Path) -> None:
