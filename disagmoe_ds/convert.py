@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_args(
         re,
         required=(),
+        without_default=("attention_gpus", "ffn_gpus"),  # a disaggregated target names both (_relayout_cfg)
         ds_config_help="DeepSpeed config JSON for the new layout (default: the source's); also used to read a "
         "source that records none",
         zero_stage_default="the source's per-side stages; with --zero, or for a source without them, both sides at "
@@ -110,9 +111,15 @@ def _add_layout_args(
     zero_stage_default: str,
     zero_help: str,
     required: tuple[str, ...] = ("attention_gpus", "ffn_gpus"),
+    without_default: tuple[str, ...] = (),
 ) -> None:
     add_section_flags(
-        p, (*LAYOUT_KEYS, "zero_stage"), cli="convert", required=required, notes={"zero_stage": zero_stage_default}
+        p,
+        (*LAYOUT_KEYS, "zero_stage"),
+        cli="convert",
+        required=required,
+        without_default=without_default,
+        notes={"zero_stage": zero_stage_default},
     )
     p.add_argument("--zero", type=int, choices=(0, 1, 2), help=zero_help)
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="training precision; overrides --ds-config")

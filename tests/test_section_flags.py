@@ -15,7 +15,9 @@ import pytest
 from disagmoe_ds.afpipe import verify
 from disagmoe_ds.colocated import verify as colocated_verify
 from disagmoe_ds.config import CLIS, SECTION_FLAGS, DisagMoEConfig, flag_of
+from disagmoe_ds.convert import _colocated_cfg, _relayout_cfg
 from disagmoe_ds.convert import build_parser as convert_parser
+from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.train.flags import build_parser as pretrain_parser
 from tests.conftest import ROOT
 
@@ -65,6 +67,10 @@ def _section_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Acti
     return out
 
 
+# flags a CLI leaves without a default and asks for where it needs them (relayout: a disaggregated target's ranks)
+WITHOUT_DEFAULT = {"convert": ("attention_gpus", "ffn_gpus")}
+
+
 def _meaning(action: argparse.Action) -> tuple:
     return (tuple(action.option_strings), action.dest, action.type, action.nargs, action.choices, type(action).__name__)
 
@@ -78,7 +84,7 @@ def test_every_section_flag_comes_from_the_table(cli):
         spec = SECTION_FLAGS[key]
         assert action.option_strings == [spec.flag(key)] and action.help.startswith(spec.help)
         expected = spec.defaults.get(cli, None if cli == "run_pretrain" or spec.per_side else _default(key))
-        expected = None if action.required else expected
+        expected = None if action.required or action.dest in WITHOUT_DEFAULT.get(cli, ()) else expected
         assert action.default == (False if spec.type is None and cli != "run_pretrain" else expected), (cli, key)
 
 
@@ -100,11 +106,20 @@ def test_the_same_key_means_the_same_in_every_cli():
     assert set(CLIS) == set(PARSERS)
 
 
-def test_disagmoe_convert_requires_the_relayout_target_ranks():
-    """disagmoe-convert's layout flags come from the table too; a relayout's target rank counts have no default."""
-    actions = _section_actions(convert_parser())
-    assert all(actions[key].required for key in ("attention_gpus", "ffn_gpus"))
-    assert not actions["depth"].required and actions["depth"].default == 1
+def test_disagmoe_convert_requires_the_target_ranks():
+    """disagmoe-convert's layout flags come from the table too; hf-to-disagmoe's target rank counts have no default,
+    and a relayout to a disaggregated layout needs both (a co-located target takes --world-size instead)."""
+    commands = next(a for a in convert_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    to_ds, relayout = (_section_actions(commands[name]) for name in ("hf-to-disagmoe", "relayout"))
+    assert all(to_ds[key].required for key in ("attention_gpus", "ffn_gpus"))
+    assert not to_ds["depth"].required and to_ds["depth"].default == 1
+    assert not any(relayout[key].required for key in ("attention_gpus", "ffn_gpus"))
+    args = commands["relayout"].parse_args(["--ckpt", "c", "--model", "m", "--out", "o", "--ffn-gpus", "2"])
+    with pytest.raises(ConfigError, match="relayout to a disaggregated layout needs --attention-gpus"):
+        _relayout_cfg(args, None)
+    colocated = commands["relayout"].parse_args(["--ckpt", "c", "--model", "m", "--out", "o", "--mode", "colocated"])
+    with pytest.raises(ConfigError, match="relayout --mode colocated needs --world-size"):
+        _colocated_cfg(colocated)
 
 
 def test_the_flags_give_the_sections_values():

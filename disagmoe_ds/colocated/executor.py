@@ -160,9 +160,7 @@ class ColocatedExecutor:
 
     def train_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> StepResult:
         """One optimizer step over this rank's K micro-batches (input_ids/labels[/position_ids] each)."""
-        assert batches is not None, "every co-located rank reads its lane's data"
-        if len(batches) != self.num_micro_batches:
-            raise ValueError(f"{self.name}: got {len(batches)} micro-batches, it accumulates {self.num_micro_batches}")
+        batches = self._checked(batches)
         start = time.perf_counter()
         self.runner.start_step()
         try:
@@ -182,7 +180,7 @@ class ColocatedExecutor:
     def eval_batch(self, batches: list[dict[str, torch.Tensor]] | None = None) -> EvalResult:
         """HF's LM loss of this rank's micro-batches (as ``train_batch`` takes them) summed over their labelled tokens,
         over all ranks: forwards alone, without autograd, the module in eval mode; the step's sums untouched."""
-        assert batches is not None, "every co-located rank reads its lane's data"
+        batches = self._checked(batches)
         sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
         try:
             with evaluating(self.engine.module), self._cast_scope():
@@ -193,6 +191,12 @@ class ColocatedExecutor:
             self.stall_watch.stop()
         dist.all_reduce(sums, group=self.group)
         return EvalResult(sums[0].item(), int(sums[1].item()))
+
+    def _checked(self, batches: list[dict[str, torch.Tensor]] | None) -> list[dict[str, torch.Tensor]]:
+        assert batches is not None, "every co-located rank reads its lane's data"
+        if len(batches) != self.num_micro_batches:
+            raise ValueError(f"{self.name}: got {len(batches)} micro-batches, it accumulates {self.num_micro_batches}")
+        return batches
 
     def _cast_scope(self) -> contextlib.AbstractContextManager[None]:
         return cast_once_per_step() if self.fp8_cast_once else contextlib.nullcontext()

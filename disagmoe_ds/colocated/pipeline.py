@@ -21,7 +21,7 @@ in the stage, and the global norm adds up the stages (``PipelineGradNorm``).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -58,7 +58,9 @@ class Inflow:
     """The receives of one link, in the order its sender sends (``order``: their micro-batches), the next one
     posted as soon as the previous is taken."""
 
-    def __init__(self, transport: Transport, link: Link, order: list[int], buffers: Any):
+    def __init__(
+        self, transport: Transport, link: Link, order: list[int], buffers: Callable[[int], list[torch.Tensor]]
+    ):
         self.transport, self.link, self.order, self.buffers = transport, link, order, buffers
         self.taken = 0
         self.pending: Work | None = None
@@ -211,12 +213,6 @@ class PipelineExecutor(ColocatedExecutor):
             self.stall_watch.stop()
         dist.all_reduce(sums, group=self.group)
         return EvalResult(sums[0].item(), int(sums[1].item()))
-
-    def _checked(self, batches: list[Batch] | None) -> list[Batch]:
-        assert batches is not None, "every rank reads its lane's data"
-        if len(batches) != self.num_micro_batches:
-            raise ValueError(f"{self.name}: got {len(batches)} micro-batches, it accumulates {self.num_micro_batches}")
-        return batches
 
     def _forward(
         self, batches: Sequence[Batch], chunk: int, mb: int, inflows: dict[LinkKey, Inflow], sent: list[Sent]

@@ -165,12 +165,14 @@ def add_section_flags(
     *,
     cli: str,
     required: tuple[str, ...] = (),
+    without_default: tuple[str, ...] = (),
     notes: Mapping[str, str] | None = None,
 ) -> None:
     """``keys``' flags from ``SECTION_FLAGS`` as ``cli`` (one of ``CLIS``) has them, those of ``required`` without a
-    default; each action's destination is its key and its ``section_key`` attribute names it (tests check every
-    CLI's against the table). ``notes``: what a key's default means in this parser, where it differs from the
-    table's note for ``cli`` (a subcommand's own)."""
+    default, those of ``without_default`` too but optional (the caller asks for them where it needs them); each
+    action's destination is its key and its ``section_key`` attribute names it (tests check every CLI's against the
+    table). ``notes``: what a key's default means in this parser, where it differs from the table's note for
+    ``cli`` (a subcommand's own)."""
     if cli not in CLIS:
         raise ValueError(f"unknown CLI {cli!r}; one of {CLIS}")
     for key in keys:
@@ -187,8 +189,8 @@ def add_section_flags(
                 kwargs |= {"nargs": 2, "metavar": ("A", "F")}
             elif spec.name is not None:  # named after the flag, not the key it sets
                 kwargs["metavar"] = spec.name.removeprefix("--").replace("-", "_").upper()
-        if key in required:
-            kwargs |= {"required": True, "default": None}
+        if key in required or key in without_default:
+            kwargs |= {"required": key in required, "default": None}
         action = parser.add_argument(spec.flag(key), **kwargs)
         action.section_key = key  # type: ignore[attr-defined]
 
