@@ -48,6 +48,7 @@ class PipeCase:
     lora: bool = False  # adapters on attention and experts, every base weight frozen
     fp8: bool = False  # the FP8 lever, against the FP8 reference
     recompute: tuple[str, str] = ("none", "none")  # what the attention parts and the expert shards rebuild
+    offload: bool = False  # DeepSpeed's optimizer offload (the host copies sum a chunk's backwards)
 
     def __str__(self) -> str:
         split = "x".join(map(str, self.stages)) if self.stages else "even"
@@ -55,6 +56,7 @@ class PipeCase:
         extra += "-lora" if self.lora else ""
         extra += "-fp8" if self.fp8 else ""
         extra += "" if self.recompute == ("none", "none") else "-recompute-" + "-".join(self.recompute)
+        extra += "-offload" if self.offload else ""
         return (
             f"{self.family}{extra}-W{self.W}ep{self.ep}pp{self.pp}v{self.v}-{split}-K{self.K}-z{self.zero}-{self.dtype}"
         )
@@ -68,7 +70,6 @@ PER_LAYER_AUX = (("router_aux_loss_per_layer", True), ("router_aux_loss_coef", 0
 # virtual stages (interleaved 1F1B, the last stage handing on to the first), one of them empty; LoRA, FP8 and
 # each side's recompute (full: the part's forward again in its backward; selective: ``models.recompute``).
 CASES = [
-    PipeCase("qwen3-moe", W=4, ep=2, pp=2, K=2, zero=1),
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=3, zero=2, stages=(1, 3)),
     PipeCase("gpt-oss", W=4, ep=1, pp=4, K=5, zero=1),
     PipeCase("qwen2-moe", W=4, ep=2, pp=2, K=1, zero=0, stages=(3, 1)),
@@ -79,6 +80,7 @@ CASES = [
     PipeCase("qwen3-moe", W=2, ep=1, pp=2, K=4, zero=1, v=2),
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=2, zero=2, stages=(0, 1, 2, 1), v=2),
     PipeCase("qwen3-moe", W=4, ep=2, pp=2, K=2, zero=1, v=2, lora=True),
+    PipeCase("qwen3-moe", W=4, ep=2, pp=2, K=2, zero=2, v=2, offload=True),
     PipeCase("qwen3-moe", W=2, ep=1, pp=2, K=2, zero=1, fp8=True),
     PipeCase("deepseek-v3", W=2, ep=2, pp=1, K=2, zero=1, recompute=("full", "full")),  # one stage, as before
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=2, zero=2, v=2, recompute=("full", "selective")),
@@ -101,7 +103,16 @@ def test_pipeline_stages_equal_hf(tiny_checkpoint, case: PipeCase):
         recompute=dict(zip(("attention", "ffn"), case.recompute, strict=True)),
     )
     model = tiny_checkpoint(case.family, **dict(case.overrides))
-    args = ColocatedVerifyArgs(str(model), cfg, zero=case.zero, dtype=case.dtype, seq_len=8, clip=CLIP, skew=True)
+    args = ColocatedVerifyArgs(
+        str(model),
+        cfg,
+        zero=case.zero,
+        dtype=case.dtype,
+        seq_len=8,
+        clip=CLIP,
+        skew=True,
+        offload_optimizer=case.offload,
+    )
     summary = run_colocated_verify(args, timeout_s=180)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary

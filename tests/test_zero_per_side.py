@@ -222,8 +222,6 @@ def test_refused_combinations_name_the_fix():
         (_ds(1), {"zero_stage": per_side, "compile": True}, r"ZeRO-3 on the expert side does not work with compile"),
         (_ds(1), {"zero_stage": per_side, "offload": {"ffn": 0.5}}, r"does not work with offload \{\"ffn\": > 0\}"),
         (_ds(1, offload_optimizer={"device": "cpu"}), {"zero_stage": per_side}, r"zero_optimization.offload_optim"),
-        (_ds(2, offload_optimizer={"device": "cpu"}), {}, r"offload_optimizer\" does not work with ZeRO-2 in the dis"),
-        (_ds(1, offload_optimizer={"device": "cpu"}), {"zero_stage": {"ffn": 2}}, r"use ZeRO stage 1 with it"),
     ]
     for ds_config, fields, message in refused:
         with pytest.raises(ConfigError, match=message):
@@ -241,10 +239,12 @@ def test_refused_combinations_name_the_fix():
         preflight_colocated(model, colocated, _ds(3), 2)
 
 
-def test_optimizer_offload_at_zero_1_equals_hf() -> None:
-    """DeepSpeed's ZeRO-Offload (optimizer state and step in host memory) on the sides at ZeRO-1, under rendezvous;
-    ZeRO-2 with it is refused before launch (``test_refused_combinations_name_the_fix``)."""
-    cfg = SidesJob(M=2, N=2, K=3, stages=(1, 1)).config(transport="rendezvous")
+@pytest.mark.parametrize("stages", [(1, 1), (2, 2), (1, 2)], ids=str)
+def test_optimizer_offload_equals_hf(stages) -> None:
+    """DeepSpeed's ZeRO-Offload (optimizer state and step in host memory) on the sides at ZeRO-1 and 2, under
+    rendezvous: with a backward per layer chunk, ZeRO-2's host copies must add up every backward of the step (they
+    took the previous step's gradient into a parameter's first one: grad norm off by 0.81 here before the fix)."""
+    cfg = SidesJob(M=2, N=2, K=3, stages=stages).config(transport="rendezvous")
     model = ROOT / "hf_models" / "tiny-qwen3-moe"
     args = VerifyArgs(str(model), cfg, zero=1, seq_len=8, clip=CLIP, offload_optimizer=True)
     summary = run_verify(args, timeout_s=240)

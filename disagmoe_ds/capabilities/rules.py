@@ -44,7 +44,6 @@ LEVERS: dict[str, str] = {
     "zero3_attention": "ZeRO-3 on the attention side",
     "zero3_ffn": "ZeRO-3 on the expert side",
     "offload_optimizer": '"zero_optimization.offload_optimizer"',
-    "zero2_chunks": "ZeRO-2 on a side whose backward runs layer chunk by chunk (the disaggregated mode)",
     "offload_param": '"zero_optimization.offload_param"',
     "evaluation": "an evaluation (--eval-data or --eval-split)",
     "bias_update_rate": "router bias balancing (--bias-update-rate above 0)",
@@ -182,8 +181,6 @@ LEVER_RULES: tuple[Rule, ...] = (
     Rule("tensor_parallel", "lora", "adapters are not cut into shards yet", "lora"),
     Rule("tensor_parallel", "offload_optimizer", "the TP sum of replicated gradients runs on the device's copies",
          "zero_optimization.offload_optimizer"),
-    Rule("offload_optimizer", "zero2_chunks", "ZeRO-2 moves each backward's gradients to the host copy as the "
-         "micro-batch's only ones, and this mode runs a backward per layer chunk (parity fails)", "ZeRO-2"),
     Rule("evaluation", "cuda_graphs", "the graphs are captured for training steps, with their backward"),
 )  # fmt: skip
 

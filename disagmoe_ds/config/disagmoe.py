@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from disagmoe_ds.capabilities.rules import check
 from disagmoe_ds.config.levers import job_of
@@ -45,8 +45,6 @@ class DisagMoEConfig(
 ):
     """The disaggregated layout and pipeline settings: the ``"disagmoe"`` section, its keys grouped by the typed
     sections it is composed of (their docstrings describe the keys)."""
-
-    backward_per_chunk: ClassVar[bool] = True  # a micro-batch's backward runs layer chunk by chunk (capabilities)
 
     def _check(self) -> None:
         check(job_of(None, self))  # the levers the section turns on beside each other (capabilities.rules)

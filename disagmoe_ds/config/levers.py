@@ -45,6 +45,5 @@ def job_of(
             "zero3_ffn": stages["ffn"] == 3,
             "offload_optimizer": bool(zero.get("offload_optimizer")),
             "offload_param": bool(zero.get("offload_param")),
-            "zero2_chunks": getattr(cfg, "backward_per_chunk", False) and 2 in stages.values(),
         }
     return Job.of(model_type, **levers, **more)

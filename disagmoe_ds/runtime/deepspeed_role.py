@@ -321,6 +321,8 @@ def build_engine(
         engine, *_ = deepspeed.initialize(
             model=module, model_parameters=tensor_parallel_groups(module), config=config, mpu=mpu
         )
+    if engine.zero_optimization_stage() in (1, 2) and engine.zero_cpu_offload():
+        ds_patches.accumulate_offloaded_across_backwards(engine.optimizer)  # a backward per chunk: sum them all
     if engine.zero_optimization_stage() == 2:
         ds_patches.allow_backward_without_gradients(engine.optimizer)
     elif engine.zero_optimization_stage() == 3:

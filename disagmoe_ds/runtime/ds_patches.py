@@ -47,6 +47,12 @@ INTERNALS: dict[str, tuple[str, ...]] = {
     "replace_fp32_clipping": ("clip_fp32_gradients",),  # engine without a ZeRO optimizer
     "step_as_overflow": ("check_grad_overflow", "check_overflow", "overflow", "step"),  # ZeRO-1/2 optimizer
     "accumulate_across_backwards": ("partition_grads", "micro_step_id", "grad_partitions_flat_buffer", "step"),
+    "accumulate_offloaded_across_backwards": (  # ZeRO-1/2 optimizer with cpu_offload
+        "async_accumulate_grad_in_cpu_via_gpu",
+        "accumulated_grads_in_cpu",
+        "micro_step_id",
+        "step",
+    ),
     "barriers_within": ("barrier",),  # deepspeed.comm
 }
 
@@ -175,6 +181,32 @@ def accumulate_across_backwards(optimizer: DeepSpeedZeroOptimizer_Stage3) -> Non
         return result
 
     optimizer.partition_grads, optimizer.step = accumulating, step_then_zero
+
+
+def accumulate_offloaded_across_backwards(optimizer: DeepSpeedZeroOptimizer) -> None:
+    """Make ZeRO-2 with optimizer offload sum the gradients of every backward between two ``step()`` calls in its
+    host copies.
+
+    Each backward's reduced gradient of a parameter goes to the parameter's host buffer: copied there while
+    ``micro_step_id`` is 0 (the step's first backward), added to it after. The AF-Pipe runs a backward per layer
+    chunk, so most parameters get their first gradient of a step in a later backward, which added the previous
+    step's buffer to it. So every backward adds, into buffers that are zero at the start of each step (allocated
+    zero; zeroed again after each ``step``), as ``accumulate_across_backwards`` does for ZeRO-3.
+    """
+    require(optimizer, "accumulate_offloaded_across_backwards")
+    to_host, step = optimizer.async_accumulate_grad_in_cpu_via_gpu, optimizer.step
+
+    def accumulating(param: torch.nn.Parameter) -> None:
+        optimizer.micro_step_id = max(optimizer.micro_step_id, 1)
+        to_host(param)
+
+    def step_then_zero(*args: object, **kwargs: object) -> object:
+        result = step(*args, **kwargs)
+        for buffer in optimizer.accumulated_grads_in_cpu.values():
+            buffer.zero_()
+        return result
+
+    optimizer.async_accumulate_grad_in_cpu_via_gpu, optimizer.step = accumulating, step_then_zero
 
 
 @contextmanager
