@@ -28,6 +28,7 @@ from disagmoe_ds.errors import ConfigError, LayoutError
 from disagmoe_ds.models.attention_part import AttentionPart
 from disagmoe_ds.models.expert_shard import ExpertShard
 from disagmoe_ds.models.lora_settings import LoraSettings
+from disagmoe_ds.planner.rank_state import rank_state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIP = 0.05  # below the tiny models' gradient norms, so global-norm clipping is active
@@ -152,6 +153,19 @@ def test_layout_places_stages_outermost_and_ep_inside_a_stage():
     assert lay.manifest_layout()["stage_layers"] == [1, 2]
     one = ColocatedLayout(world_size=4, ep_size=2, num_experts=8)  # one stage: today's layout and checkpoints
     assert one.pp_size == 1 and "stage_layers" not in one.manifest_layout() and one.checkpoint_dir(one.role_of(3))
+
+
+def test_a_ranks_training_state_is_its_stages_share():
+    """The planner's training state of a co-located rank (the banner's line, the CPU memory check): half the layers'
+    with 2 stages, the same with 2 chunks each (a stage holds chunks k * 2 + s), every layer's with one stage."""
+    config = json.loads((ROOT / "hf_models" / "tiny-qwen3-moe" / "config.json").read_text())
+
+    def state(**layout) -> float:
+        lay = ColocatedLayout(world_size=4, ep_size=1, num_experts=8, **layout)
+        return rank_state_bytes(config, lay, precision="fp32", zero_stage_a=0, zero_stage_f=0)["colocated"]
+
+    whole, stages, chunks = state(), state(stage_layers=(2, 2)), state(stage_layers=(1, 1, 1, 1), virtual_stages=2)
+    assert stages == chunks and 0.3 * whole < stages < 0.7 * whole  # half the layers, the embedding or the head
 
 
 @pytest.mark.parametrize(

@@ -60,20 +60,20 @@ class Colocated:
         if self.cfg.lora is not None:
             check_lora(config, self.cfg.lora, needs=("expert",))  # DeepSpeed's MoE engine needs an expert group
         self.cfg.zero_stage_of("ffn", ds_config)  # checked: one stage for both kinds of parameters
-        if layout.pp_size > 1 and self.cfg.cuda_graphs:
-            raise ConfigError(
-                '"disagmoe.cuda_graphs" does not run with co-located pipeline stages yet; turn it off or use one '
-                "stage (pp_size 1)"
-            )
-        recomputes = any(self.cfg.recompute_of(side) != "none" for side in ("attention", "ffn"))
-        if recomputes and self.cfg.cuda_graphs:
-            raise ConfigError(
-                '"disagmoe.cuda_graphs" replays whole parts and cannot recompute inside them in co-located mode; '
-                "turn off the recompute or the CUDA graphs"
-            )
+        if self.cfg.cuda_graphs:  # graphs are captured for one micro-batch at a time, every part whole
+            if layout.pp_size > 1:
+                raise ConfigError(
+                    '"disagmoe.cuda_graphs" does not run with co-located pipeline stages yet; turn it off or use one '
+                    "stage (pp_size 1)"
+                )
+            if any(self.cfg.recompute_of(side) != "none" for side in ("attention", "ffn")):
+                raise ConfigError(
+                    '"disagmoe.cuda_graphs" replays whole parts and cannot recompute inside them in co-located mode; '
+                    "turn off the recompute or the CUDA graphs"
+                )
 
     def describe(self, layout: ColocatedLayout, config, schedule_costs: Costs | None) -> list[str]:
-        del config, schedule_costs  # nothing to schedule: one micro-batch at a time
+        del config, schedule_costs  # no AF-Pipe schedule: one micro-batch at a time, or the pipeline's order
         if layout.ep_size > 1:
             exchange = f"dispatch and combine all-to-alls over {layout.ep_size} ranks on the critical path"
         else:
@@ -125,8 +125,9 @@ class Colocated:
         seed: int,
         weights: PretrainedWeights | None,
     ) -> ColocatedModel:
-        """Attention side of every layer, the expert slice of ``role``, the dispatcher. Parts cut from a meta model
-        are filled from ``weights``, or else initialised from ``2 * seed`` (attention) and ``2 * seed + 1``."""
+        """Attention side of the stage's layers (every layer with one stage), the expert slice of ``role``, the
+        dispatcher. Parts cut from a meta model are filled from ``weights``, or else initialised from ``2 * seed``
+        (attention) and ``2 * seed + 1``."""
         config = cast(PretrainedConfig, model.config)
         chunks = layout.chunk_layers(role.group) if layout.pp_size > 1 else (range(config.num_hidden_layers),)
         layers = tuple(layer for chunk in chunks for layer in chunk)

@@ -38,7 +38,10 @@ class ColocatedShape(Protocol):
     def expert_data_parallel(self) -> int: ...
 
     @property
-    def stage_layers(self) -> tuple[int, ...]: ...  # layers per pipeline stage (empty: one stage of them all)
+    def stage_layers(self) -> tuple[int, ...]: ...  # layers per virtual pipeline stage (empty: one stage of them all)
+
+    @property
+    def virtual_stages(self) -> int: ...  # chunks per stage: virtual stage k * pp + s is stage s's chunk k
 
 
 def rank_state_bytes(
@@ -84,17 +87,21 @@ def rank_state_bytes(
 
 
 def _colocated_state_bytes(spec: ModelSpec, layout: ColocatedShape, work: Workload) -> float:
-    """A co-located rank of the heaviest pipeline stage: the dense parameters of its layers (ZeRO over the stage's
-    D ranks) and E/ep experts of each of its MoE layers (ZeRO over their D/ep replicas), with DeepSpeed's bf16
-    gradients; one stage holds every layer."""
+    """A co-located rank of the heaviest pipeline stage: the dense parameters of its chunks' layers (ZeRO over the
+    stage's D ranks) and E/ep experts of each of its MoE layers (ZeRO over their D/ep replicas), with DeepSpeed's
+    bf16 gradients; one stage holds every layer."""
     if work.zero_of("attention") != work.zero_of("ffn"):
         raise ConfigError(
             f"a co-located rank has one DeepSpeed engine over both kinds of parameters: zero_stage_a "
             f"({work.zero_of('attention')}) and zero_stage_f ({work.zero_of('ffn')}) must be equal"
         )
     counts = layout.stage_layers or (spec.num_layers,)
-    starts = [sum(counts[:s]) for s in range(len(counts))]
-    stages = [tuple(range(start, start + n)) for start, n in zip(starts, counts)]
+    starts = [sum(counts[:v]) for v in range(len(counts))]
+    pp = len(counts) // layout.virtual_stages
+    stages = [  # each stage's layers: its chunks' (virtual stages s, s + pp, ...)
+        tuple(layer for v in range(s, len(counts), pp) for layer in range(starts[v], starts[v] + counts[v]))
+        for s in range(pp)
+    ]
     return max(
         baseline_state_bytes(
             Precision.named(work.precision),
