@@ -92,6 +92,7 @@ class StageLinks:
     def __init__(self, transport: Transport, layout: ColocatedLayout, rank: int):
         self.transport = transport
         D, stage, P = layout.stage_size, layout.stage_of(rank), layout.pp_size
+        peers = layout.pipeline_peers(rank)  # this lane's rank in every stage
         self.send_to: dict[LinkKey, Link] = {}
         self.recv_from: dict[LinkKey, Link] = {}
         self.comms: list[Comm] = []
@@ -103,9 +104,9 @@ class StageLinks:
                 comm = transport.new_comm(f"pipeline {kind} {a}->{b}", ranks, edges)
                 self.comms.append(comm)
                 if stage == a:
-                    self.send_to[(kind, b)] = Link(comm, rank + (b - a) * D)
+                    self.send_to[(kind, b)] = Link(comm, peers[b])
                 if stage == b:
-                    self.recv_from[(kind, a)] = Link(comm, rank + (a - b) * D)
+                    self.recv_from[(kind, a)] = Link(comm, peers[a])
 
     def warm_up(self, device: torch.device) -> None:
         self.transport.warm_up(self.comms, device)

@@ -38,10 +38,9 @@ class ColocatedShape(Protocol):
     def expert_data_parallel(self) -> int: ...
 
     @property
-    def stage_layers(self) -> tuple[int, ...]: ...  # layers per virtual pipeline stage (empty: one stage of them all)
+    def pp_size(self) -> int: ...
 
-    @property
-    def virtual_stages(self) -> int: ...  # chunks per stage: virtual stage k * pp + s is stage s's chunk k
+    def chunk_layers(self, stage: int) -> tuple[range, ...]: ...  # the layers of each chunk of a pipeline stage
 
 
 def rank_state_bytes(
@@ -95,13 +94,9 @@ def _colocated_state_bytes(spec: ModelSpec, layout: ColocatedShape, work: Worklo
             f"a co-located rank has one DeepSpeed engine over both kinds of parameters: zero_stage_a "
             f"({work.zero_of('attention')}) and zero_stage_f ({work.zero_of('ffn')}) must be equal"
         )
-    counts = layout.stage_layers or (spec.num_layers,)
-    starts = [sum(counts[:v]) for v in range(len(counts))]
-    pp = len(counts) // layout.virtual_stages
-    stages = [  # each stage's layers: its chunks' (virtual stages s, s + pp, ...)
-        tuple(layer for v in range(s, len(counts), pp) for layer in range(starts[v], starts[v] + counts[v]))
-        for s in range(pp)
-    ]
+    stages = [tuple(range(spec.num_layers))]  # one stage of every layer, or each stage's chunks' layers
+    if layout.pp_size > 1:
+        stages = [tuple(i for chunk in layout.chunk_layers(s) for i in chunk) for s in range(layout.pp_size)]
     return max(
         baseline_state_bytes(
             Precision.named(work.precision),

@@ -184,8 +184,8 @@ def accumulate_across_backwards(optimizer: DeepSpeedZeroOptimizer_Stage3) -> Non
 
 
 def accumulate_offloaded_across_backwards(optimizer: DeepSpeedZeroOptimizer) -> None:
-    """Make ZeRO-2 with optimizer offload sum the gradients of every backward between two ``step()`` calls in its
-    host copies.
+    """Make ZeRO-1/2 with optimizer offload sum the gradients of every backward between two ``step()`` calls in
+    its host copies.
 
     Each backward's reduced gradient of a parameter goes to the parameter's host buffer: copied there while
     ``micro_step_id`` is 0 (the step's first backward), added to it after. The AF-Pipe runs a backward per layer
