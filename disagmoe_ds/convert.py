@@ -178,6 +178,7 @@ def _colocated_cfg(a: argparse.Namespace):
         pp_size=pp,
         virtual_stages=a.virtual_stages or 1,
         stage_layers=a.stage_layers,
+        tensor_parallel=a.tensor_parallel or 1,  # the head shards a rank saves; Ulysses changes no saved tensor
         micro_batches=pp,
     )
 

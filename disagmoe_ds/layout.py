@@ -326,14 +326,14 @@ class Layout(RankCounts, ExpertSlices):
         replicas = [self.edp_group_ranks(g, e) for g in range(self.depth) for e in range(self.ep_size)]
         s, t = self.sequence_parallel, self.tensor_parallel
         shards = [ranks[r::t] for ranks in lanes for r in range(t)]
-        batch = _runs(lanes, s * t)  # the lanes of one micro-batch
+        batch = consecutive_runs(lanes, s * t)  # the lanes of one micro-batch
         nodes = range(self.exchange_peers)
         replica_ids = range(self.expert_data_parallel)
         exchange_nodes = [self.node_ranks(g, r, n) for g in range(self.depth) for r in replica_ids for n in nodes]
         return GroupRanks(
             data_parallel=(*shards, *replicas),
             sequence_parallel=tuple(run[r::t] for run in batch for r in range(t)) if s > 1 else (),
-            tensor_parallel=_runs(lanes, t),
+            tensor_parallel=consecutive_runs(lanes, t),
             lane_slices=batch if s > 1 and t > 1 else (),
             exchange_nodes=tuple(exchange_nodes) if self.node_dedup > 1 else (),
         )
@@ -377,6 +377,7 @@ class Layout(RankCounts, ExpertSlices):
         )
 
 
-def _runs(lanes: list[tuple[int, ...]], size: int) -> tuple[tuple[int, ...], ...]:
-    """Every A-group's lanes in runs of ``size`` consecutive ranks (none for size 1)."""
+def consecutive_runs(lanes: list[tuple[int, ...]], size: int) -> tuple[tuple[int, ...], ...]:
+    """Every group of lanes (an A-group's, a pipeline stage's) in runs of ``size`` consecutive ranks (none for size
+    1)."""
     return tuple(ranks[i : i + size] for ranks in lanes for i in range(0, len(ranks), size)) if size > 1 else ()

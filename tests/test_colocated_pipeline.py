@@ -50,6 +50,8 @@ class PipeCase:
     fp8: bool = False  # the FP8 lever, against the FP8 reference
     recompute: tuple[str, str] = ("none", "none")  # what the attention parts and the expert shards rebuild
     offload: bool = False  # DeepSpeed's optimizer offload (the host copies sum a chunk's backwards)
+    sp: int = 1  # Ulysses ranks of a stage sharing a micro-batch
+    tp: int = 1  # TP ranks of a stage sharing a micro-batch and each attention module's heads
 
     def __str__(self) -> str:
         split = "x".join(map(str, self.stages)) if self.stages else "even"
@@ -58,6 +60,7 @@ class PipeCase:
         extra += "-fp8" if self.fp8 else ""
         extra += "" if self.recompute == ("none", "none") else "-recompute-" + "-".join(self.recompute)
         extra += "-offload" if self.offload else ""
+        extra += "".join(f"-{name}{n}" for name, n in (("sp", self.sp), ("tp", self.tp)) if n > 1)
         return (
             f"{self.family}{extra}-W{self.W}ep{self.ep}pp{self.pp}v{self.v}-{split}-K{self.K}-z{self.zero}-{self.dtype}"
         )
@@ -69,7 +72,10 @@ PER_LAYER_AUX = (("router_aux_loss_per_layer", True), ("router_aux_loss_coef", 0
 # inside a stage, ZeRO 0/1/2, HF's pooled aux loss and per-layer balancing, shared experts, hyper-connections with
 # hash routing (DeepSeek-V4), bf16, the embedding and the head alone on the end stages (Megatron's split), and
 # virtual stages (interleaved 1F1B, the last stage handing on to the first), one of them empty; LoRA, FP8 and
-# each side's recompute (full: the part's forward again in its backward; selective: ``models.recompute``).
+# each side's recompute (full: the part's forward again in its backward; selective: ``models.recompute``). TP and
+# Ulysses lanes inside a stage: TP with two batch lanes (its DP groups one per TP rank) under ZeRO 0's own clipping,
+# across pipeline stages (MLA), with FP8, with sinks (GPT-OSS), SP x TP over EP 4, and SP with LoRA and virtual
+# stages.
 CASES = [
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=3, zero=2, stages=(1, 3)),
     PipeCase("gpt-oss", W=4, ep=1, pp=4, K=5, zero=1),
@@ -86,6 +92,12 @@ CASES = [
     PipeCase("deepseek-v3", W=2, ep=2, pp=1, K=2, zero=1, recompute=("full", "full")),  # one stage, as before
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=2, zero=2, v=2, recompute=("full", "selective")),
     PipeCase("gpt-oss", W=2, ep=1, pp=2, K=2, zero=1, recompute=("selective", "full")),
+    PipeCase("qwen3-moe", W=4, ep=2, pp=1, K=2, zero=0, tp=2),
+    PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=2, zero=1, stages=(1, 3), tp=2),
+    PipeCase("qwen3-moe", W=2, ep=2, pp=1, K=2, zero=2, tp=2, fp8=True),
+    PipeCase("gpt-oss", W=2, ep=2, pp=1, K=2, zero=1, tp=2),
+    PipeCase("qwen3-moe", W=4, ep=4, pp=1, K=2, zero=2, sp=2, tp=2),
+    PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=2, zero=0, v=2, sp=2, lora=True),
 ]
 
 
@@ -102,6 +114,8 @@ def test_pipeline_stages_equal_hf(tiny_checkpoint, case: PipeCase):
         lora=LoraSettings(rank=4, init_lora_weights=False) if case.lora else None,  # a non-zero update at once
         fp8=case.fp8,
         recompute=dict(zip(("attention", "ffn"), case.recompute, strict=True)),
+        sequence_parallel=case.sp,
+        tensor_parallel=case.tp,
     )
     model = tiny_checkpoint(case.family, **dict(case.overrides))
     args = ColocatedVerifyArgs(
@@ -185,6 +199,8 @@ def test_a_ranks_training_state_is_its_stages_share():
         ),
         (dict(world_size=4, virtual_stages=2), LayoutError, "need pp_size > 1"),
         (dict(world_size=4, pp_size=2, transport="carrier pigeon"), ConfigError, "transport must be one of"),
+        (dict(world_size=4, pp_size=2, sequence_parallel=4), LayoutError, "must divide the 2 ranks of a pipeline"),
+        (dict(world_size=4, ep_size=2, tensor_parallel=4), LayoutError, r"tensor_parallel \(4\) must divide ep_size"),
     ],
 )
 def test_bad_pipeline_configs_are_one_line(cfg, error, says):
@@ -280,6 +296,44 @@ def test_a_pipelined_run_resumes_exactly_evaluates_exports_and_relays_out(tmp_pa
     assert convert([*relayout, "--ckpt", str(afpipe), "--out", str(again), "--mode", "colocated", *pipeline[2:]]) == 0
     back = _run([*run, *pipeline, "--save-dir", str(again), "--resume", str(again / "step2")])
     assert _step_line(back, 4) == _step_line(first, 4)
+
+
+def test_a_tensor_parallel_run_resumes_exactly_exports_and_relays_out(tmp_path, tok_cache):
+    """run_pretrain.py on 2 ranks holding each micro-batch as TP 2 (the ds_config's "colocated" section): 4 steps
+    saving at 2, a resume from step 2 that logs step 4 to the digit and exports HF weights that disagmoe-convert
+    gives again from the head shards; step 2 re-laid out as AF-Pipe with Ulysses 2 (the same tokens per step) resumes
+    to the same step 4."""
+    model = str(ROOT / "hf_models" / "tiny-qwen3-moe-lm")
+    ds_config = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())
+    ds_config["disagmoe"] = {"colocated": {"world_size": 2, "tensor_parallel": 2}}
+    (tmp_path / "tp.json").write_text(json.dumps(ds_config))
+    run = [sys.executable, str(ROOT / "run_pretrain.py"), "--model", model, "--micro-batches", "2", "--steps", "4"]
+    run += ["--log-every", "1", "--seq-len", "32", "--micro-batch-size", "2", "--tokenizer-cache", str(tok_cache)]
+    tp = ["--deepspeed_config", str(tmp_path / "tp.json"), "--mode", "colocated"]
+    save = tmp_path / "ckpt"
+    first = _run([*run, *tp, "--save-every", "2", "--save-dir", str(save)])
+    assert "layout: co-located EP+DP: 2 ranks, EP 2 x EDP 1, TP 2" in first
+    resumed = _run(
+        [*run, *tp, "--save-dir", str(save), "--resume", str(save / "step2"), "--export-hf", str(tmp_path / "hf")]
+    )
+    assert _step_line(resumed, 4) == _step_line(first, 4)
+    assert sorted(p.name for p in (save / "step4").iterdir() if p.is_dir()) == [
+        "colocated_tp0",
+        "colocated_tp1",
+        "tokenizer",
+    ]
+    from safetensors.torch import load_file
+
+    assert convert(["disagmoe-to-hf", "--ckpt", str(save), "--model", model, "--out", str(tmp_path / "hf2")]) == 0
+    exported, converted = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "hf2"))
+    assert exported.keys() == converted.keys() and all(exported[k].equal(converted[k]) for k in exported)
+
+    afpipe = tmp_path / "afpipe"
+    layout = ["--attention-gpus", "2", "--ffn-gpus", "2", "--sequence-parallel", "2"]
+    relayout = ["relayout", "--tag", "step2", "--model", model, "--ckpt", str(save), "--out", str(afpipe), *layout]
+    assert convert(relayout) == 0
+    disaggregated = _run([*run, *layout, "--save-dir", str(afpipe), "--resume"])
+    assert _step_line(disaggregated, 4) == _step_line(first, 4)
 
 
 def _run(command: list[str]) -> str:

@@ -15,11 +15,9 @@ The steps and their order are ``runtime.rank.RankBuilder``'s, shared with the co
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -46,18 +44,10 @@ from disagmoe_ds.models.moe_pattern import moe_layer_pattern
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 from disagmoe_ds.models.recompute import apply_selective_recompute
-from disagmoe_ds.models.sequence_parallel import SequenceParallel, install_ulysses
 from disagmoe_ds.models.split import aux_loss_enabled
-from disagmoe_ds.models.tensor_parallel import (
-    TensorParallel,
-    TensorParallelGrads,
-    broadcast_from_first,
-    check_lane,
-    glu_blocks,
-    shard_attention,
-    shard_mlp,
-)
+from disagmoe_ds.models.tensor_parallel import check_lane
 from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm
+from disagmoe_ds.runtime.lanes import lane_of, split_attention, tensor_parallel_grads
 from disagmoe_ds.runtime.rank import RankBuilder, RankParts
 from disagmoe_ds.runtime.step import Executor
 from disagmoe_ds.schedule import (
@@ -141,7 +131,7 @@ class Disaggregated:
             stage = ExpertStage(model, layers, experts.start, experts.stop)
         place(stage, model, device, seed=seed, weights=weights)
         if isinstance(stage, AttentionStage):
-            _split_attention(stage, groups)
+            split_attention(stage, groups)
         if self.cfg.recompute_of("attention" if role.is_attention else "ffn") == "selective":
             apply_selective_recompute(stage)
         return stage
@@ -193,20 +183,9 @@ class Disaggregated:
             name=f"rank {parts.rank} {worker} {'lane' if role.is_attention else 'ffn'} {role.index}",
             comm_timeout_s=cfg.comm_timeout_s,
             offloader=self._offloader(parts, schedule, worker),
-            before_step=self._tensor_parallel_grads(parts),
+            before_step=tensor_parallel_grads(parts.engine, parts.module, parts.groups) if role.is_attention else None,
             fp8_cast_once=cfg.fp8_cast_once,
         )
-
-    @staticmethod
-    def _tensor_parallel_grads(parts: RankParts[Layout]) -> Callable[[], None] | None:
-        """With TP: the replicated gradients' sum over the TP group, once per step (ZeRO-2: in each backward, by the
-        hooks it installs, and nothing before the step)."""
-        lane = sequence_parallel_of(parts.groups) if parts.role.is_attention else None
-        if not isinstance(lane, TensorParallel):
-            return None
-        per_backward = parts.engine.zero_optimization_stage() == 2
-        grads = TensorParallelGrads(parts.module, lane, per_backward=per_backward)
-        return None if per_backward else grads.reduce
 
     def _offloader(self, parts: RankParts[Layout], schedule: Schedule, worker: Worker) -> ActivationOffloader | None:
         """The side's offload share of this rank's chunk layers (None: nothing offloaded), prefetching in the order
@@ -288,7 +267,7 @@ class Disaggregated:
             num_micro_batches=cfg.micro_batches,
             micro_batch_size=parts.micro_batch_size,
             aux_coef=stage.config.router_aux_loss_coef if aux_loss_enabled(stage.config) else None,
-            sp=sequence_parallel_of(parts.groups),
+            sp=lane_of(parts.groups),
         )
 
 
@@ -310,40 +289,6 @@ def _exchange(parts: RankParts[Layout]) -> ExchangeComms:
     """The exchange communicators, which ``build_process_groups`` makes for every disaggregated layout."""
     assert parts.groups.exchange is not None
     return parts.groups.exchange
-
-
-def _split_attention(stage: AttentionStage, groups: ProcessGroups) -> None:
-    """An attention stage on lanes that share micro-batches: its attention modules and gated MLPs cut to the rank's
-    part from one full copy (TP), Ulysses around its attention cores (SP), or both."""
-    lane = sequence_parallel_of(groups)
-    parts = [stage.part(int(layer)) for layer in stage.layers]
-    if isinstance(lane, TensorParallel):
-        broadcast_from_first(stage, lane, groups.tensor_parallel_ranks[0])
-        for part in parts:
-            shard_attention(part.mixer, lane)
-            for mlp in glu_blocks(part.mlp):
-                shard_mlp(mlp, lane)
-    if groups.sequence_parallel is not None:  # Ulysses around the cores (of the TP rank's heads, with TP)
-        install_ulysses(
-            [part.mixer for part in parts], _place(groups.sequence_parallel, groups.sequence_parallel_ranks)
-        )
-
-
-def sequence_parallel_of(groups: ProcessGroups) -> SequenceParallel | None:
-    """An attention rank's place in the lanes that hold its micro-batch in slices: its SP group, or its TP group
-    (``TensorParallel``, over all s x t lanes of the micro-batch with Ulysses too); None when it holds the whole."""
-    if groups.tensor_parallel is not None:
-        shards = _place(groups.tensor_parallel, groups.tensor_parallel_ranks)
-        lane = shards if groups.lane_slices is None else _place(groups.lane_slices, groups.lane_slices_ranks)
-        return TensorParallel(lane.group, lane.size, lane.rank, shards)
-    if groups.sequence_parallel is None:
-        return None
-    return _place(groups.sequence_parallel, groups.sequence_parallel_ranks)
-
-
-def _place(group: dist.ProcessGroup, ranks: tuple[int, ...]) -> SequenceParallel:
-    """This rank's place in ``group`` (its global ``ranks``, increasing)."""
-    return SequenceParallel(group, len(ranks), ranks.index(dist.get_rank()))
 
 
 def split_layers(schedule: Schedule, worker: Worker) -> frozenset[int]:

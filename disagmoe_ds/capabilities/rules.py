@@ -135,7 +135,7 @@ LINES: tuple[Line, ...] = (
     Line("sequence_parallel", True, LayoutError, _family_line("sequence_parallel")),
     Line("tensor_parallel", True, LayoutError, _family_line("tensor_parallel")),
     Line("tensor_parallel", False, ConfigError, lambda job, rules: (
-        f'"disagmoe.tensor_parallel" {job.levers["tensor_parallel"]} does not work with {_labels(rules)} yet; '
+        f'tensor_parallel {job.levers["tensor_parallel"]} does not work with {_labels(rules)} yet; '
         f"{_TP_FIX}")),
     Line("cuda_graphs", True, ConfigError, lambda job, rules: (
         f'"cuda_graphs" does not work with the {job.model_type} model yet: {rules[0].why}; turn it off')),

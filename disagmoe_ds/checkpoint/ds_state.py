@@ -151,17 +151,16 @@ class _Part:
 
 def _parts(rt) -> list[_Part]:
     """A disaggregated rank holds one stage. A co-located rank holds its pipeline stage's attention side (a replica
-    on every rank of the stage: lane 0's is read) and an expert slice (replicated over its edp group: the first
-    replica's is read)."""
+    on every rank of the stage: lane 0's is read; with TP, head shards: lanes 0..t-1 hold one of each TP rank) and
+    an expert slice (replicated over its edp group: the first replica's is read)."""
     role = rt.role
-    if isinstance(rt.layout, Layout):
-        if role.is_attention:
-            shards = {n: shard for n, p in rt.module.named_parameters() if (shard := shard_of(p)) is not None}
-            t = rt.layout.tensor_parallel  # lanes 0..t-1: one of each TP rank
-            return [_Part(rt.module, attention_name_to_hf, None, role.index == 0, role.index < t, shards)]
+    if isinstance(rt.layout, Layout) and not role.is_attention:
         return [_expert_part(rt.module, writer=role.edp_rank == 0)]
-    attention = _Part(rt.module.attention, attention_name_to_hf, None, role.index == 0)
-    if rt.module.experts is None:  # a pipeline stage of dense layers
+    attention_module = rt.module if isinstance(rt.layout, Layout) else rt.module.attention
+    shards = {n: shard for n, p in attention_module.named_parameters() if (shard := shard_of(p)) is not None}
+    t = rt.layout.tensor_parallel
+    attention = _Part(attention_module, attention_name_to_hf, None, role.index == 0, role.index < t, shards)
+    if isinstance(rt.layout, Layout) or rt.module.experts is None:  # co-located: a pipeline stage of dense layers
         return [attention]
     return [attention, _expert_part(rt.module.experts.stage, writer=role.edp_rank == 0)]
 

@@ -2,14 +2,16 @@
 
 The steps and their order are ``runtime.rank.RankBuilder``'s, shared with the disaggregated mode; this mode's own:
 
-    layout   ``ColocatedConfig.layout`` (W ranks in pipeline stages, EP groups of ep_size inside a stage);
-    groups   per stage, data parallel (its ranks), expert parallel and expert data parallel, registered as
-             DeepSpeed's expert groups (``colocated.groups``); with stages, the links between them
-             (``pipeline.StageLinks``);
-    module   the attention side of the stage's layers (the embedding on the first, the head on the last), the
-             rank's expert slice of them dressed as DeepSpeed MoE, and its dispatcher (``ColocatedModel``);
-    engine   no gradient scale, the norm over attention and expert parameters of every stage
-             (``ColocatedGradNorm``, ``PipelineGradNorm``);
+    layout   ``ColocatedConfig.layout`` (W ranks in pipeline stages, EP groups of ep_size inside a stage, s x t
+             lanes of a stage holding a micro-batch in slices);
+    groups   per stage, data parallel (its ranks, or those of each TP rank), expert parallel and expert data
+             parallel, registered as DeepSpeed's expert groups (``colocated.groups``), the lanes' SP and TP groups;
+             with stages, the links between them (``pipeline.StageLinks``);
+    module   the attention side of the stage's layers (the embedding on the first, the head on the last; cut for
+             TP, Ulysses around its cores: ``runtime.lanes``), the rank's expert slice of them dressed as DeepSpeed
+             MoE, and its dispatcher (``ColocatedModel``);
+    engine   gradients scaled by 1 / t (the loss shares count t times and DeepSpeed averages over D / t replicas),
+             the norm over attention and expert parameters of every stage (``ColocatedGradNorm``);
     executor forward and backward of each micro-batch in turn (``ColocatedExecutor``), or in 1F1B order with the
              other stages (``PipelineExecutor``).
 """
@@ -28,7 +30,7 @@ from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
 from disagmoe_ds.colocated.groups import register_with_deepspeed
 from disagmoe_ds.colocated.layout import ColocatedConfig, ColocatedLayout
 from disagmoe_ds.colocated.model import ColocatedModel, ExpertStageMoE
-from disagmoe_ds.colocated.pipeline import PipelineExecutor, PipelineGradNorm, StageLinks
+from disagmoe_ds.colocated.pipeline import PipelineExecutor, StageLinks
 from disagmoe_ds.comm.dispatch import AllToAllDispatcher, LocalDispatcher
 from disagmoe_ds.comm.transport import make_transport
 from disagmoe_ds.errors import ConfigError
@@ -40,6 +42,8 @@ from disagmoe_ds.models.partial_load import PretrainedWeights, place
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage
 from disagmoe_ds.models.recompute import apply_selective_recompute
 from disagmoe_ds.models.split import aux_loss_enabled
+from disagmoe_ds.models.tensor_parallel import check_lane
+from disagmoe_ds.runtime.lanes import lane_of, split_attention, tensor_parallel_grads
 from disagmoe_ds.runtime.rank import RankBuilder, RankParts
 from disagmoe_ds.runtime.step import Executor
 from disagmoe_ds.schedule import Costs
@@ -56,7 +60,7 @@ class Colocated:
         return self.cfg.layout(num_experts=num_experts_of(config), num_layers=config.num_hidden_layers)
 
     def check(self, layout: ColocatedLayout, config, ds_config: dict[str, Any], *, seq_len: int | None) -> None:
-        del seq_len  # any ep_size (ExpertShard), any length
+        check_lane(config, layout.sequence_parallel, layout.tensor_parallel, seq_len)  # any ep_size (ExpertShard)
         if self.cfg.lora is not None:
             check_lora(config, self.cfg.lora, needs=("expert",))  # DeepSpeed's MoE engine needs an expert group
         self.cfg.zero_stage_of("ffn", ds_config)  # checked: one stage for both kinds of parameters
@@ -138,6 +142,7 @@ class Colocated:
         for i, part in enumerate((attention, stage)):
             # Before ExpertStageMoE marks the expert parameters: materialising replaces meta parameters by new ones.
             place(part, model, device, seed=2 * seed + i, weights=weights)
+        split_attention(attention, groups)  # TP shards and Ulysses on lanes that share micro-batches
         for side, part in (("attention", attention), ("ffn", stage)):
             if self.cfg.recompute_of(side) == "selective":
                 apply_selective_recompute(part)
@@ -167,19 +172,22 @@ class Colocated:
             num_experts=layout.num_experts,
             chunks=tuple(map(tuple, chunks)),
             full_recompute=full,
+            lane=lane_of(groups),
         )
 
     def grad_scale(self, layout: ColocatedLayout, role: RankRole) -> float:
-        del layout, role
-        return 1.0  # already the mean over all W * K micro-batches (colocated.executor)
+        del role
+        # Without TP already the mean over all D * K micro-batches of a stage (colocated.executor); with it the loss
+        # shares count t times and DeepSpeed averages over a TP rank's D / t ranks, experts included.
+        return 1.0 / layout.tensor_parallel
 
     def grad_norm(self, layout: ColocatedLayout, groups: ProcessGroups) -> ColocatedGradNorm:
-        if layout.pp_size > 1:  # every stage's parameters: the norm spans the world
-            return PipelineGradNorm(
-                _world(), attention_replicas=layout.stage_size, expert_replicas=layout.expert_data_parallel
-            )
+        del groups  # every stage's parameters: the norm spans the world
         return ColocatedGradNorm(
-            groups.data_parallel, attention_replicas=layout.world_size, expert_replicas=layout.expert_data_parallel
+            _world(),
+            attention_replicas=layout.stage_size,
+            expert_replicas=layout.expert_data_parallel,
+            shard_replicas=layout.stage_size // layout.tensor_parallel,
         )
 
     def executor(self, parts: RankParts[ColocatedLayout]) -> ColocatedExecutor:
@@ -193,9 +201,11 @@ class Colocated:
             micro_batch_size=parts.micro_batch_size,
             routing=parts.routing,
             fp8_cast_once=self.cfg.fp8_cast_once,
+            lane=lane_of(parts.groups),
+            before_step=tensor_parallel_grads(parts.engine, cast(ColocatedModel, parts.module).attention, parts.groups),
         )
         if self.links is None:
-            return ColocatedExecutor(group=parts.groups.data_parallel, **common)
+            return ColocatedExecutor(group=_world(), **common)
         common["name"] = f"rank {parts.rank} colocated stage {role.group} ep {role.ep_rank} edp {role.edp_rank}"
         return PipelineExecutor(
             layout=parts.layout, rank=parts.rank, links=self.links, world=_world(), dtype=parts.dtype, **common

@@ -22,57 +22,65 @@ import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from deepspeed.moe.utils import is_moe_param
 
-from disagmoe_ds.data.packing import labelled_tokens
 from disagmoe_ds.fp8.weight_cache import cast_once_per_step
 from disagmoe_ds.launch.watchdog import StallWatch
 from disagmoe_ds.models.model_facts import RoutingFacts
+from disagmoe_ds.models.sequence_parallel import SequenceParallel, slice_batch
+from disagmoe_ds.models.tensor_parallel import shard_of
 from disagmoe_ds.runtime import ds_patches
-from disagmoe_ds.runtime.deepspeed_role import GradNorm, clip_by_norm, zero_grads_of_untouched
-from disagmoe_ds.runtime.step import EvalResult, StepResult, evaluating, summed_lm_loss
+from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm, GradNorm, clip_by_norm, zero_grads_of_untouched
+from disagmoe_ds.runtime.step import EvalResult, StepResult, evaluating
 from disagmoe_ds.schedule import TimelineEvent
 from disagmoe_ds.schedule.trace import Category
 
 
 class ColocatedGradNorm:
-    """The global gradient norm of a rank that holds replicated attention parameters and one expert slice (a
-    ``deepspeed_role.GradNorm``).
+    """The global gradient norm of a co-located rank (a ``deepspeed_role.GradNorm``), over every stage.
 
-    ZeRO 1/2: DeepSpeed's MoE norm path is already global (expert partitions are summed over the data-parallel
-    group, then averaged over identical EDP values); it is read back after the step. ZeRO 0 (fp32): DeepSpeed's
-    ``clip_grad_norm_`` averages per-rank *norms*, which is not the norm when ranks hold different expert slices,
-    so the engine's clipping is replaced: every rank contributes ``|g_attn|^2 / W + |g_experts|^2 / EDP`` to one
-    all-reduce, counting every unique parameter once.
+    Its norm domains, the ranks holding one copy of a parameter: a stage's D ranks for the replicated attention
+    parameters, with TP the D / t ranks of its TP rank for the attention-head shards, and its EDP replicas for an
+    expert slice. ZeRO 1/2: DeepSpeed's norm of each parameter group, global within the rank's DeepSpeed job (its
+    stage, or the stage's ranks of its TP rank), combined over the world by those domains (``GlobalGradNorm``: the
+    first group is the replicated parameters, every later one holds shards or expert slices, each the same over the
+    job). ZeRO 0: DeepSpeed's ``clip_grad_norm_`` averages per-rank *norms*, which is not the norm when ranks hold
+    different slices, so the engine's clipping is replaced: every rank contributes each kind's ``|g|^2 / domain`` to
+    one all-reduce over ``group`` (every rank of the job), counting every unique parameter once.
     """
 
-    def __init__(self, group: dist.ProcessGroup, *, attention_replicas: int, expert_replicas: int):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        attention_replicas: int,
+        expert_replicas: int,
+        shard_replicas: int | None = None,
+    ):
         self.group = group
-        self.attention_replicas = attention_replicas
-        self.expert_replicas = expert_replicas
+        self.replicas = (attention_replicas, shard_replicas or attention_replicas, expert_replicas)
+        self._jobs = GlobalGradNorm(attention_replicas, shard_domain=shard_replicas or attention_replicas)
         self._own_norm: float | None = None
         self._engine: DeepSpeedEngine | None = None
 
     def install(self, engine: DeepSpeedEngine) -> None:
         self._engine = engine
-        if not engine.zero_optimization():
+        if engine.zero_optimization():
+            self._jobs.install(engine)
+        else:
             ds_patches.replace_fp32_clipping(engine, lambda: self._clip_fp32(engine))
 
     @property
     def last_norm(self) -> float | None:
         """The norm of the last step (None with ZeRO 0 and clipping off: nothing computed it)."""
         assert self._engine is not None, "installed when the engine is built"
-        if not self._engine.zero_optimization():
-            return self._own_norm
-        norm = self._engine.get_global_grad_norm()
-        return float(norm) if norm is not None else None
+        return self._jobs.last_norm if self._engine.zero_optimization() else self._own_norm
 
     def _clip_fp32(self, engine) -> None:
         params = [p for p in engine.module.parameters() if p.grad is not None]
-        squares = torch.zeros(2, dtype=torch.float64, device=params[0].grad.device)
+        squares = torch.zeros(3, dtype=torch.float64, device=params[0].grad.device)
         for p in params:
-            squares[int(is_moe_param(p))] += p.grad.detach().double().pow(2).sum()
-        squares /= torch.tensor(
-            [self.attention_replicas, self.expert_replicas], dtype=torch.float64, device=squares.device
-        )
+            kind = 2 if is_moe_param(p) else int(shard_of(p) is not None)
+            squares[kind] += p.grad.detach().double().pow(2).sum()
+        squares /= torch.tensor(self.replicas, dtype=torch.float64, device=squares.device)
         total = squares.sum()
         dist.all_reduce(total, group=self.group)
         self._own_norm = total.sqrt().item()
@@ -129,8 +137,12 @@ class ColocatedExecutor:
         micro_batch_size: int = 1,
         routing: RoutingFacts | None = None,
         fp8_cast_once: bool = False,
+        lane: SequenceParallel | None = None,
+        before_step: Callable[[], None] | None = None,
     ):
         self.engine = engine
+        self.lane = lane  # the lanes holding this rank's micro-batches in slices: it trains on its slice of each
+        self.before_step = before_step  # after the step's backwards, before DeepSpeed reduces (tensor parallel sums)
         self.fp8_cast_once = fp8_cast_once  # each FP8 weight cast once per step (``fp8.weight_cache``)
         self.micro_batch_size, self.routing = micro_batch_size, routing  # what ``warm_up`` captures graphs for
         self.runner = ColocatedRunner(engine, num_micro_batches=num_micro_batches)
@@ -186,7 +198,7 @@ class ColocatedExecutor:
             with evaluating(self.engine.module), self._cast_scope():
                 for mb, batch in enumerate(batches):
                     out = self._timed(f"eval {mb}", "compute", partial(self.engine, **batch))
-                    sums += summed_lm_loss(out.lm_loss, labelled_tokens(batch["labels"]))
+                    sums += out.lm_token_sums(batch)
         finally:
             self.stall_watch.stop()
         dist.all_reduce(sums, group=self.group)
@@ -196,13 +208,15 @@ class ColocatedExecutor:
         assert batches is not None, "every co-located rank reads its lane's data"
         if len(batches) != self.num_micro_batches:
             raise ValueError(f"{self.name}: got {len(batches)} micro-batches, it accumulates {self.num_micro_batches}")
-        return batches
+        return batches if self.lane is None else [slice_batch(batch, self.lane) for batch in batches]
 
     def _cast_scope(self) -> contextlib.AbstractContextManager[None]:
         return cast_once_per_step() if self.fp8_cast_once else contextlib.nullcontext()
 
     def _step(self) -> None:
         zero_grads_of_untouched(self.engine)  # an expert slice nobody routed to: every replica reduces the same buffers
+        if self.before_step is not None:
+            self.before_step()
         self.engine.step()
 
     def _timed(self, name: str, category: Category, fn: Callable[[], Any]) -> Any:

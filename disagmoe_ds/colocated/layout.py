@@ -32,23 +32,24 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from disagmoe_ds.config import SECTION, Accumulation, FineTuning, Kernels, Recompute, Watchdog, effective_zero_stage
-from disagmoe_ds.config.sections import TRANSPORT_NAMES
+from disagmoe_ds.config.sections import TRANSPORT_NAMES, LaneSlices
 from disagmoe_ds.errors import ConfigError, LayoutError
-from disagmoe_ds.layout import ExpertSlices, GroupRanks, RankRole
+from disagmoe_ds.layout import ExpertSlices, GroupRanks, RankRole, consecutive_runs
 
 
 @dataclass(frozen=True, kw_only=True)
-class ColocatedConfig(FineTuning, Recompute, Kernels, Watchdog, Accumulation):
+class ColocatedConfig(LaneSlices, FineTuning, Recompute, Kernels, Watchdog, Accumulation):
     """The co-located EP+DP run: its own rank counts, and the sections both modes read (``config``'s
     ``Accumulation``, ``Watchdog``, ``Kernels``, ``Recompute``, ``FineTuning``: micro-batches per step per rank, the
     communication timeout, ``compile``/``cuda_graphs``, what the attention parts and expert shards rebuild in
-    backward, LoRA).
+    backward, LoRA), and ``LaneSlices``: s x t consecutive ranks of a stage holding one micro-batch in slices
+    (Ulysses, and TP with sequence parallelism on the attention side; their tokens go to the experts as any rank's).
 
     Attributes:
         world_size: W, ranks in the job; every rank is an attention lane and an expert-parallel rank.
         ep_size: expert-parallel ranks that together hold one copy of a stage's experts; divides the stage's ranks
-            and the expert count. None: the largest such size (``gcd(W / pp_size, num_experts)``), fixed by
-            ``layout``.
+            and the expert count, and is a multiple of ``tensor_parallel`` (an expert slice's replicas then share a
+            TP rank). None: the largest such size (``gcd(W / pp_size, num_experts)``), fixed by ``layout``.
         pp_size: pipeline stages over the decoder layers (1F1B); each holds W / pp_size ranks.
         virtual_stages: v, chunks of layers per stage (Megatron-Core's interleaved 1F1B): the layers are split into
             pp_size x v virtual stages, virtual stage ``k * pp_size + s`` being stage s's chunk k; micro_batches
@@ -85,6 +86,16 @@ class ColocatedConfig(FineTuning, Recompute, Kernels, Watchdog, Accumulation):
             raise LayoutError(
                 f"pp_size ({self.pp_size}) must divide world_size ({self.world_size}): every pipeline stage holds "
                 f"the same number of ranks; pick a pp_size that divides it"
+            )
+        if self.stage_size % self.lane_slices:
+            raise LayoutError(
+                f"sequence_parallel x tensor_parallel ({self.lane_slices}) must divide the {self.stage_size} ranks of "
+                "a pipeline stage: that many consecutive ranks hold one micro-batch in slices"
+            )
+        if self.ep_size is not None and self.ep_size % self.tensor_parallel:
+            raise LayoutError(
+                f"tensor_parallel ({self.tensor_parallel}) must divide ep_size ({self.ep_size}): the replicas of an "
+                "expert slice then hold the same attention shards (one DeepSpeed job per TP rank)"
             )
         if self.ep_size is not None and self.stage_size % self.ep_size:
             ranks = f"world_size ({self.world_size})"
@@ -123,20 +134,30 @@ class ColocatedConfig(FineTuning, Recompute, Kernels, Watchdog, Accumulation):
 
     @property
     def lanes(self) -> int:
-        """Data-parallel attention ranks (how many distinct batches one step consumes): a stage's ranks."""
+        """Attention ranks of a stage (its lanes)."""
         return self.stage_size
 
     @property
+    def lane_slices(self) -> int:
+        """Consecutive lanes that hold one micro-batch, each a slice of its sequence: s x t."""
+        return self.sequence_parallel * self.tensor_parallel
+
+    @property
     def batch_lanes(self) -> int:
-        """The lanes that read distinct micro-batches: a stage's ranks (as ``layout.RankCounts``'s, with no sequence
-        parallelism); lane d of every stage reads the same ones."""
-        return self.stage_size
+        """The lanes that read distinct micro-batches (as ``layout.RankCounts``'s): a stage's ranks / (s t); lane d
+        of every stage reads the same ones."""
+        return self.stage_size // self.lane_slices
 
     def batch_lane_of(self, lane: int) -> int:
-        return lane
+        return lane // self.lane_slices
 
     def layout(self, *, num_experts: int, num_layers: int) -> ColocatedLayout:
         ep_size = self.ep_size if self.ep_size is not None else math.gcd(self.stage_size, num_experts)
+        if ep_size % self.tensor_parallel:
+            raise LayoutError(
+                f"tensor_parallel ({self.tensor_parallel}) must divide ep_size ({ep_size}, the largest dividing a "
+                f"stage's {self.stage_size} ranks and the {num_experts} experts): pick a tensor_parallel that does"
+            )
         stages = self.pp_size * self.virtual_stages
         stage_layers = self.stage_layers if self.stage_layers is not None else even_split(num_layers, stages)
         if sum(stage_layers) != num_layers or min(stage_layers) < 0:
@@ -150,6 +171,8 @@ class ColocatedConfig(FineTuning, Recompute, Kernels, Watchdog, Accumulation):
             num_experts=num_experts,
             stage_layers=stage_layers if self.pp_size > 1 else (),
             virtual_stages=self.virtual_stages,
+            sequence_parallel=self.sequence_parallel,
+            tensor_parallel=self.tensor_parallel,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -171,7 +194,13 @@ def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
 class ColocatedLayout(ExpertSlices):
     """A validated co-located layout: W ranks in ``pp_size`` pipeline stages, each of ``virtual_stages`` chunks of
     layers (``stage_layers``: the layer count of each virtual stage, in execution order; none: one stage of every
-    layer), EP groups of ``ep_size`` ranks inside a stage, E routed experts per MoE layer.
+    layer), EP groups of ``ep_size`` ranks inside a stage, E routed experts per MoE layer; s x t consecutive lanes
+    of a stage hold one micro-batch in slices (``sequence_parallel`` s, ``tensor_parallel`` t: s TP groups of t
+    consecutive lanes, the lanes of one TP rank across them an SP group, as an AF-Pipe A-group's).
+
+    With t > 1 a stage's ranks of one TP rank (every t-th) are one data-parallel DeepSpeed job (they hold the same
+    attention shards; ``t`` divides ``ep_size``, so an expert slice's replicas are among them) with its own
+    checkpoint directory.
 
     It also says what a checkpoint records of it (``layout.JobLayout``): the mode, the values a resume must match,
     and one DeepSpeed directory per stage (a stage's ranks are one data-parallel DeepSpeed job whose MoE
@@ -183,6 +212,8 @@ class ColocatedLayout(ExpertSlices):
     num_experts: int
     stage_layers: tuple[int, ...] = ()
     virtual_stages: int = 1
+    sequence_parallel: int = 1
+    tensor_parallel: int = 1
 
     mode: ClassVar[str] = "colocated"
     relayout_hint: ClassVar[str] = "resume with the same --world-size, --ep-size and pipeline stages"
@@ -192,6 +223,11 @@ class ColocatedLayout(ExpertSlices):
             raise LayoutError(f"{self.pp_size} pipeline stages must divide world_size ({self.world_size})")
         if self.stage_size % self.ep_size:
             raise LayoutError(f"ep_size ({self.ep_size}) must divide a stage's ranks ({self.stage_size})")
+        if self.stage_size % (self.sequence_parallel * self.tensor_parallel) or self.ep_size % self.tensor_parallel:
+            raise LayoutError(
+                f"sequence_parallel x tensor_parallel ({self.sequence_parallel * self.tensor_parallel}) must divide a "
+                f"stage's ranks ({self.stage_size}) and tensor_parallel ep_size ({self.ep_size})"
+            )
         self._check_even_split(
             f"ep_size ({self.ep_size}): every expert-parallel rank holds the same number of experts",
             "choose an ep_size that divides it",
@@ -251,14 +287,29 @@ class ColocatedLayout(ExpertSlices):
         return tuple(range(first + ep_rank, first + self.stage_size, self.ep_size))
 
     def group_ranks(self) -> GroupRanks:
-        """Per stage, its ranks as one data-parallel group (the attention side), then the EP groups, then the EDP
-        groups: with one stage, the ranks of DeepSpeed's ``_create_expert_and_data_parallel(ep_size)`` (E + D)."""
-        stages = range(self.pp_size)
+        """Per stage, its ranks as one data-parallel group (with TP, those of each TP rank), then the EP groups,
+        then the EDP groups (with one stage and no TP, the ranks of DeepSpeed's
+        ``_create_expert_and_data_parallel(ep_size)``: E + D), then the lanes' groups as ``layout.Layout``'s: SP
+        groups, TP groups, and with both the s x t lanes of each micro-batch."""
+        stages = [tuple(range(s * self.stage_size, (s + 1) * self.stage_size)) for s in range(self.pp_size)]
+        s, t = self.sequence_parallel, self.tensor_parallel
+        batch = consecutive_runs(stages, s * t)  # the lanes of one micro-batch
         return GroupRanks(
-            data_parallel=tuple(tuple(range(s * self.stage_size, (s + 1) * self.stage_size)) for s in stages),
-            expert_parallel=tuple(self.ep_group_ranks(r, s) for s in stages for r in range(self.expert_data_parallel)),
-            expert_data_parallel=tuple(self.edp_group_ranks(e, s) for s in stages for e in range(self.ep_size)),
+            data_parallel=tuple(ranks[r::t] for ranks in stages for r in range(t)),
+            expert_parallel=tuple(
+                self.ep_group_ranks(r, st) for st in range(self.pp_size) for r in range(self.expert_data_parallel)
+            ),
+            expert_data_parallel=tuple(
+                self.edp_group_ranks(e, st) for st in range(self.pp_size) for e in range(self.ep_size)
+            ),
+            sequence_parallel=tuple(run[r::t] for run in batch for r in range(t)) if s > 1 else (),
+            tensor_parallel=consecutive_runs(stages, t),
+            lane_slices=batch if s > 1 and t > 1 else (),
         )
+
+    def tp_rank_of(self, role: RankRole) -> int:
+        """Which attention-head shard a rank holds (0 without tensor parallelism)."""
+        return role.index % self.tensor_parallel
 
     def role_of(self, rank: int) -> RankRole:
         """A co-located rank is lane ``rank % D`` of its stage's attention group (``group``: the stage; every
@@ -289,11 +340,14 @@ class ColocatedLayout(ExpertSlices):
         }
         if self.stage_layers:
             saved["stage_layers"] = list(self.stage_layers)
+        if self.tensor_parallel > 1:  # the shards' shapes differ
+            saved["tensor_parallel"] = self.tensor_parallel
         return saved | ({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {})
 
     def checkpoint_dir(self, role: RankRole) -> str:
-        # one DeepSpeed job per stage: a stage's ranks save into one directory
-        return f"colocated_stage{role.group}" if self.stage_layers else "colocated"
+        # one DeepSpeed job per stage (and TP rank): its ranks save into one directory
+        job = f"colocated_stage{role.group}" if self.stage_layers else "colocated"
+        return job + (f"_tp{self.tp_rank_of(role)}" if self.tensor_parallel > 1 else "")
 
     def describe(self) -> str:
         ranks = f"{self.world_size} ranks"
@@ -302,7 +356,10 @@ class ColocatedLayout(ExpertSlices):
             ranks += (
                 f" in {self.pp_size}{chunks} pipeline stages of {self.stage_size} (layers {list(self.stage_layers)})"
             )
+        lanes = "".join(
+            f", {name} {n}" for name, n in (("SP", self.sequence_parallel), ("TP", self.tensor_parallel)) if n > 1
+        )
         return (
-            f"co-located EP+DP: {ranks}, EP {self.ep_size} x EDP {self.expert_data_parallel}, "
+            f"co-located EP+DP: {ranks}, EP {self.ep_size} x EDP {self.expert_data_parallel}{lanes}, "
             f"{self.experts_per_rank} experts per rank"
         )

@@ -7,6 +7,12 @@ expert shards spread over the ranks of the expert-parallel group and reached thr
 stage without the head returns its last layer's residual and the router sums so far for the next stage
 (``colocated.handoff``); one after the first starts from the residual and sums the previous stage handed on.
 
+On lanes that hold a micro-batch in slices (``lane``: Ulysses and/or TP with sequence parallelism, built by
+``runtime.lanes``) a rank runs its slice: the context of its positions with the whole sequence's masks, each
+layer's router statistics as its share (``SequenceParallel.share_of``: the lanes' counts, its own probabilities),
+the head's loss as its share of the micro-batch's, all scaled by s x t (DeepSpeed averages over every lane, s x t of
+which hold one micro-batch: ``models.sequence_parallel``); its own tokens go to the experts.
+
 ``ExpertStageMoE`` makes DeepSpeed treat the expert slice as MoE parameters: the engine sees a
 ``deepspeed.moe.layer.MoE`` instance (``has_moe_layers``), and every expert parameter carries ``allreduce=False``
 and ``group_name``, so DeepSpeed reduces (and ZeRO partitions) them over the expert-data-parallel group and puts
@@ -22,7 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -34,14 +40,18 @@ from torch.utils.checkpoint import checkpoint
 from disagmoe_ds.colocated.handoff import RouterSums, StageOutput
 from disagmoe_ds.comm.dispatch import LocalDispatcher
 from disagmoe_ds.comm.routing import count_ids
+from disagmoe_ds.data.packing import labelled_tokens
 from disagmoe_ds.errors import CheckpointError
 from disagmoe_ds.fp8.frozen import held_weights
 from disagmoe_ds.models.aux_loss import RouterStats, aux_loss_from_stats, balance_per_layer, router_stats
+from disagmoe_ds.models.context import LayerContext
 from disagmoe_ds.models.expert_shard import ExpertShard
 from disagmoe_ds.models.graphs import StageGraphs, graph_stages, warm_up_positions
 from disagmoe_ds.models.hyper_connections import add_routed
 from disagmoe_ds.models.naming import attention_name_to_hf, expert_name_to_hf
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage
+from disagmoe_ds.models.sequence_parallel import IGNORE_INDEX, SequenceParallel
+from disagmoe_ds.runtime.step import summed_lm_loss
 
 # DeepSpeed's MoE checkpointing finds expert ``i`` of a layer by this infix and renumbers it globally on save.
 _DS_EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
@@ -120,7 +130,8 @@ def _stack_experts(module: ExpertStageMoE, state_dict: dict, prefix: str, *args)
 
 @dataclass
 class ColocatedOutput:
-    """One micro-batch's losses (``loss`` = LM loss + coef * aux loss, as HF computes it) and expert load."""
+    """One micro-batch's losses (``loss`` = LM loss + coef * aux loss, as HF computes it; on a slice, its share
+    times s x t) and expert load."""
 
     loss: torch.Tensor
     lm_loss: torch.Tensor
@@ -129,6 +140,15 @@ class ColocatedOutput:
     # does not report its load (bench_e2e's DeepSpeed-MoE model)
     load_LE: torch.Tensor | None = None
     sums: RouterSums | None = None  # a pipeline's last stage: every MoE layer's router sums (for the aux gradients)
+    # float64 [LM loss summed over this rank's labelled tokens, their count] (``step.summed_lm_loss``); None from a
+    # module that does not report it (bench_e2e's): its labels give it
+    token_sums: torch.Tensor | None = None
+
+    def lm_token_sums(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``token_sums``, or from ``batch``'s labels where the module gave none."""
+        if self.token_sums is not None:
+            return self.token_sums
+        return summed_lm_loss(self.lm_loss, labelled_tokens(batch["labels"]))
 
 
 class ColocatedModel(nn.Module):
@@ -144,6 +164,7 @@ class ColocatedModel(nn.Module):
         full_recompute: the sides (``attention``, ``ffn``) whose parts keep only their inputs for the backward,
             which runs their forward again (non-reentrant checkpoints around each attention part and expert shard
             call; the dispatch and combine between them keep theirs, so no all-to-all runs twice).
+        lane: the lanes that hold this rank's micro-batches in slices (None: it holds them whole).
     """
 
     def __init__(
@@ -156,8 +177,10 @@ class ColocatedModel(nn.Module):
         num_experts: int,
         chunks: tuple[tuple[int, ...], ...] | None = None,
         full_recompute: frozenset[str] = frozenset(),
+        lane: SequenceParallel | None = None,
     ):
         super().__init__()
+        self.lane = lane
         self.attention = attention
         self.experts = experts
         self.num_experts = num_experts
@@ -182,19 +205,29 @@ class ColocatedModel(nn.Module):
             graphs.capture_shards(experts, rows=batch * seq_len, top_k=top_k, weight_dtype=weight_dtype)
         self.graphs = graphs
 
+    @property
+    def share_scale(self) -> float:
+        """What this rank's share of a micro-batch's loss counts: s x t on a slice (1 holding it whole)."""
+        return 1.0 if self.lane is None else float(self.lane.size)
+
     def forward(
         self,
         input_ids: torch.Tensor,
-        labels: torch.Tensor,
+        labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inbound: tuple[torch.Tensor, RouterSums] | None = None,
         chunk: int = 0,
+        *,
+        shift_labels: torch.Tensor | None = None,
+        num_items: torch.Tensor | None = None,
+        full_position_ids: torch.Tensor | None = None,
     ) -> ColocatedOutput | StageOutput:
         """One micro-batch through the layers of this rank's ``chunk``; ``inbound``: the residual and router sums the
         previous (virtual) pipeline stage handed on (None: this stage embeds the tokens). The last chunk of the
-        stage that holds the head ends in the loss."""
+        stage that holds the head ends in the loss. On a slice the batch is ``sequence_parallel.slice_batch``'s
+        (``shift_labels``, ``num_items``, ``full_position_ids``) in place of ``labels``."""
         h_BSH = self.attention.embed(input_ids) if inbound is None else inbound[0]
-        ctx = self.attention.context(h_BSH, position_ids, input_ids)
+        ctx = self._context(h_BSH, input_ids, position_ids, full_position_ids)
         stats: list[RouterStats] = []
         num_layers, num_experts = self.config.num_hidden_layers, self.num_experts
         load_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=h_BSH.device)
@@ -206,7 +239,8 @@ class ColocatedModel(nn.Module):
                 continue
             load_LE[layer] = count_ids(out.topk_idx_TK, num_experts)
             if out.router_logits_TE is not None:  # a learned choice (not a token-routed layer)
-                stats.append(router_stats(out.router_logits_TE, cast(int, part.router.top_k)))
+                layer_stats = router_stats(out.router_logits_TE, cast(int, part.router.top_k))
+                stats.append(layer_stats if self.lane is None else self.lane.share_of(layer_stats))
             routed, meta = self.dispatcher.dispatch(out.x_TH, out.topk_w_TK, out.topk_idx_TK)
             assert self.experts is not None, "a stage with an MoE layer holds its experts"
             shard = self.graphs.shard(self.experts.stage, layer)
@@ -215,16 +249,46 @@ class ColocatedModel(nn.Module):
         if self.attention.head is None or chunk < len(self.chunks) - 1:
             before = RouterSums.zeros(num_experts, h_BSH.device) if inbound is None else inbound[1]
             return StageOutput(h_BSH, before.plus(stats), load_LE)
-        _, lm_loss = self.graphs.head_of(self.attention)(h_BSH, labels)
+        lm_loss, token_sums = self._lm_loss(h_BSH, labels, shift_labels, num_items)
         if self.aux_coef is None:
-            return ColocatedOutput(lm_loss, lm_loss, None, load_LE)
+            return ColocatedOutput(lm_loss, lm_loss, None, load_LE, token_sums=token_sums)
         per_layer = balance_per_layer(self.config)
-        if inbound is None:
-            aux = aux_loss_from_stats(stats, per_layer=per_layer)
-            return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux, load_LE)
-        sums = inbound[1].plus(stats)
-        aux = sums.aux_loss(per_layer=per_layer)
-        return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux, load_LE, sums)
+        sums = None if inbound is None else inbound[1].plus(stats)
+        aux = aux_loss_from_stats(stats, per_layer=per_layer) if sums is None else sums.aux_loss(per_layer=per_layer)
+        aux = aux * self.share_scale
+        return ColocatedOutput(lm_loss + self.aux_coef * aux, lm_loss, aux, load_LE, sums, token_sums)
+
+    def _context(
+        self,
+        h_BSH: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        full_position_ids: torch.Tensor | None,
+    ) -> LayerContext:
+        """The attention context: HF's of the micro-batch, or on a slice the rotary embeddings of its positions with
+        the whole sequence's masks (``full_position_ids``: its positions, None: the default ones)."""
+        if self.lane is None:
+            return self.attention.context(h_BSH, position_ids, input_ids)
+        assert position_ids is not None, "a slice's batch carries its positions (sequence_parallel.slice_batch)"
+        ctx = self.lane.context(self.attention, h_BSH, position_ids, full_position_ids)
+        return replace(ctx, token_ids=input_ids) if self.attention.token_routed else ctx
+
+    def _lm_loss(
+        self,
+        h_BSH: torch.Tensor,
+        labels: torch.Tensor | None,
+        shift_labels: torch.Tensor | None,
+        num_items: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's LM loss of the micro-batch (on a slice: its share, scaled by s x t) and this rank's token sums."""
+        if self.lane is None:
+            assert labels is not None
+            _, lm_loss = self.graphs.head_of(self.attention)(h_BSH, labels)
+            return lm_loss, summed_lm_loss(lm_loss, labelled_tokens(labels))
+        assert self.attention.head is not None and shift_labels is not None and num_items is not None
+        _, lm_loss = self.attention.head(h_BSH, None, shift_labels, num_items)
+        token_sums = summed_lm_loss(lm_loss, num_items, (shift_labels != IGNORE_INDEX).sum())
+        return lm_loss * self.share_scale, token_sums
 
     def _run(self, side: str, part: Callable[..., Any], *args: Any) -> Any:
         """``part(*args)``, checkpointed where ``side`` recomputes in full."""

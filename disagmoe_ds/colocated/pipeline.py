@@ -15,7 +15,7 @@ posted as soon as the previous one is taken, in the order its sender sends), and
 
 Gradients: a chunk below the head backpropagates ``(h_out * dh).sum()`` plus the aux loss's share through its router
 sums (``handoff.AuxGrads``), the head ``loss / K``; DeepSpeed averages each parameter's gradient over its replicas
-in the stage, and the global norm adds up the stages (``PipelineGradNorm``).
+in the stage, and the global norm adds up the stages (``ColocatedGradNorm``).
 """
 
 from __future__ import annotations
@@ -28,19 +28,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepspeed import DeepSpeedEngine
 
-from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
+from disagmoe_ds.colocated.executor import ColocatedExecutor
 from disagmoe_ds.colocated.handoff import AuxGrads, RouterSums, StageOutput
 from disagmoe_ds.colocated.layout import ColocatedLayout
 from disagmoe_ds.colocated.model import ColocatedModel, ColocatedOutput
 from disagmoe_ds.colocated.pipe_schedule import Pass, destination, schedule, source
 from disagmoe_ds.comm.transport import Comm, Op, Transport, Work
-from disagmoe_ds.data.packing import labelled_tokens
 from disagmoe_ds.models.aux_loss import balance_per_layer
 from disagmoe_ds.models.moe_pattern import aux_layer_pattern
-from disagmoe_ds.runtime.deepspeed_role import GlobalGradNorm
-from disagmoe_ds.runtime.step import EvalResult, StepResult, evaluating, summed_lm_loss
+from disagmoe_ds.runtime.step import EvalResult, StepResult, evaluating
 
 Batch = dict[str, torch.Tensor]
 LinkKey = tuple[str, int]  # the messages' kind ("F": residuals, "B": gradients) and the stage at the other end
@@ -112,27 +109,6 @@ class StageLinks:
         self.transport.warm_up(self.comms, device)
 
 
-class PipelineGradNorm(ColocatedGradNorm):
-    """The global gradient norm of a pipeline stage's rank: ZeRO 1/2 combine each stage's norm (DeepSpeed's, global
-    over the stage) over the world (``GlobalGradNorm``, one count per stage); ZeRO 0 counts every unique parameter
-    once over the world as ``ColocatedGradNorm`` does over one stage."""
-
-    def __init__(self, world: dist.ProcessGroup, *, attention_replicas: int, expert_replicas: int):
-        super().__init__(world, attention_replicas=attention_replicas, expert_replicas=expert_replicas)
-        self._stages = GlobalGradNorm(domain_size=attention_replicas)
-
-    def install(self, engine: DeepSpeedEngine) -> None:
-        if engine.zero_optimization():
-            self._stages.install(engine)
-        super().install(engine)
-
-    @property
-    def last_norm(self) -> float | None:
-        if self._engine is not None and self._engine.zero_optimization():
-            return self._stages.last_norm
-        return self._own_norm
-
-
 class PipelineExecutor(ColocatedExecutor):
     """``train_batch`` for one rank of a co-located pipeline (the ``AFPipeExecutor.train_batch`` contract).
 
@@ -161,6 +137,7 @@ class PipelineExecutor(ColocatedExecutor):
         self.layers_before = [sum(learned[: chunk.start]) for chunk in layout.chunk_layers(self.stage)]
         self.num_experts, self.residual_dims = layout.num_experts, module.attention.residual_dims
         self.aux_coef, self.per_layer = module.aux_coef, balance_per_layer(module.config)
+        self.share_scale = module.share_scale
         self.dtype = dtype  # the residual's, handed on
 
     def train_batch(self, batches: list[Batch] | None = None) -> StepResult:
@@ -208,7 +185,7 @@ class PipelineExecutor(ColocatedExecutor):
                     forward = partial(self._forward, batches, chunk, mb, inflows, sent)
                     out, _ = self._timed(f"eval {mb}", "compute", forward)
                     if isinstance(out, ColocatedOutput):
-                        sums += summed_lm_loss(out.lm_loss, labelled_tokens(batches[mb]["labels"]))
+                        sums += out.lm_token_sums(batches[mb])
                 _wait(sent)
         finally:
             self.stall_watch.stop()
@@ -227,7 +204,8 @@ class PipelineExecutor(ColocatedExecutor):
         else:
             h_leaf, wire = inflows[("F", src[0])].take(mb)
             h_leaf.requires_grad_(torch.is_grad_enabled())
-            sums = RouterSums.from_wire(wire, tokens=batch["input_ids"].numel(), layers=self.layers_before[chunk])
+            tokens = batch["input_ids"].numel() * (1 if self.lane is None else self.lane.size)  # the micro-batch's
+            sums = RouterSums.from_wire(wire, tokens=tokens, layers=self.layers_before[chunk])
             out = self.engine(**batch, inbound=(h_leaf, sums), chunk=chunk)
         if isinstance(out, StageOutput):
             dst = destination(self.stages, self.chunks, self.stage, ("F", chunk, mb))
@@ -258,7 +236,8 @@ class PipelineExecutor(ColocatedExecutor):
         """What the head sends back of the aux loss's gradient (zeros where the model has no aux loss)."""
         if self.aux_coef is None or out.sums is None:
             return AuxGrads(torch.zeros(self.num_experts, dtype=torch.float32, device=out.loss.device), 0.0)
-        return out.sums.grads(self.aux_coef, per_layer=self.per_layer, micro_batches=self.num_micro_batches)
+        coef = self.aux_coef * self.share_scale  # a slice's share counts s x t (``ColocatedModel.share_scale``)
+        return out.sums.grads(coef, per_layer=self.per_layer, micro_batches=self.num_micro_batches)
 
     def _inflows(self, batches: Sequence[Batch], passes: Sequence[Pass]) -> dict[LinkKey, Inflow]:
         """The step's receives, per link in the order of ``passes`` (the order their senders send in), each link's

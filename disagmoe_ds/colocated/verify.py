@@ -25,13 +25,13 @@ from disagmoe_ds.config import SECTION, add_section_flags, section_values
 from disagmoe_ds.fp8.frozen import held_values
 from disagmoe_ds.launch.local import spawn_local
 from disagmoe_ds.models.lora_settings import lora_of
+from disagmoe_ds.models.tensor_parallel import shard_of
 from disagmoe_ds.parity.compare import RankRecord, capture_grads, compare
 from disagmoe_ds.parity.harness import build_for_verify, cli, run_args, train_steps
 from disagmoe_ds.parity.reference import VerifyArgs, make_batches, reference
 from disagmoe_ds.parity.run_flags import add_run_args
 from disagmoe_ds.runtime.rank import RankRuntime
 
-Named = dict[str, tuple[int, torch.Tensor]]  # HF name -> (first expert of the slice, value)
 # the section keys taken as flags (config.SECTION_FLAGS: the same flags as run_pretrain.py's)
 KEYS = ("micro_batches", "fp8", "transport", "activation_checkpointing", "selective_recompute", "recompute")
 
@@ -53,23 +53,32 @@ def rank_main(rank: int, args: ColocatedVerifyArgs) -> RankRecord:
     runtime = build_for_verify(build_colocated_rank, args)
     grads = capture_grads(runtime, _written)
     vocab = runtime.module.config.vocab_size
-    lane = runtime.role.index  # a pipeline stage's lane d reads lane d's batches, as every stage does
+    # the s x t ranks of a batch lane (and of every pipeline stage) read that lane's batches; each keeps its slice
+    lane = args.cfg.batch_lane_of(runtime.role.index)
     losses, norms = train_steps(runtime, args, lambda step: make_batches(args, vocab, step, lane=lane))
     values = {n: p.detach() for n, p in runtime.module.named_parameters()} | held_values(runtime.module)  # FP8 base
     params = _written(runtime, values)
     return {"rank": rank, "losses": losses, "grad_norms": norms, "params": params, "grads": grads}
 
 
-def _written(runtime: RankRuntime, tensors: dict[str, torch.Tensor]) -> Named:
-    """One copy of every parameter: attention side from each stage's lane 0, expert slices from its first
-    replica."""
+def _written(runtime: RankRuntime, tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """One copy of every parameter under HF names: expert slices from their first replica, attention-head shards
+    (tensor parallel) as ``(rank, tensor, dim)`` from each stage's first TP group, and what a stage replicates from
+    its lane 0."""
     hf_names = cast(ColocatedModel, runtime.module).hf_names()
+    shards = {n: shard_of(p) for n, p in runtime.module.named_parameters()}
     role = runtime.role
-    out = {}
+    out: dict[str, tuple] = {}
     for name, value in tensors.items():
         hf_name, first = hf_names[name]
-        is_expert = name.startswith("experts.")
-        if (is_expert and role.edp_rank == 0) or (not is_expert and role.index == 0):
+        shard = shards.get(name)
+        if name.startswith("experts."):
+            if role.edp_rank == 0:
+                out[hf_name] = (first, value.float().clone())
+        elif shard is not None:
+            if role.index < shard.size:
+                out[hf_name] = (shard.rank, value.float().clone(), shard.dim)
+        elif role.index == 0:
             out[hf_name] = (first, value.float().clone())
     return out
 
@@ -78,7 +87,7 @@ def run_colocated_verify(args: ColocatedVerifyArgs, *, timeout_s: float = 600.0)
     """Start the ranks on this machine (CPU, gloo), then compare with the reference."""
     preflight_colocated(args.model, args.cfg, args.ds_config(), args.cfg.world_size)
     ranks = spawn_local(rank_main, args.cfg.world_size, args=(args,), timeout_s=timeout_s)
-    return compare(ranks, reference(args, args.cfg.lanes), args)
+    return compare(ranks, reference(args, args.cfg.batch_lanes), args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda text: tuple(int(n) for n in text.split(",")),
         help="decoder layers per (virtual) pipeline stage, in execution order, e.g. 1,3 [as even as they go]",
     )
+    p.add_argument("--sequence-parallel", type=int, default=1, help="Ulysses ranks sharing a micro-batch in a stage")
+    p.add_argument("--tensor-parallel", type=int, default=1, help="ranks sharing attention heads in a stage")
     add_section_flags(p, KEYS, cli="colocated_verify")
     add_run_args(p, zero_help="ZeRO stage")
     return p
@@ -109,6 +120,8 @@ def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
         pp_size=a.pp_size,
         virtual_stages=a.virtual_stages,
         stage_layers=a.stage_layers,
+        sequence_parallel=a.sequence_parallel,
+        tensor_parallel=a.tensor_parallel,
         **section_values(a, KEYS),
         lora=lora_of(a),
     )

@@ -63,12 +63,14 @@ SECTION_FLAGS: dict[str, Flag] = {
     ),
     "sequence_parallel": Flag(
         "attention ranks that hold one micro-batch's sequence in slices (DeepSpeed-Ulysses around the attention "
-        "core); divides the lanes of an attention group, the attention heads and --seq-len"
+        "core); divides the lanes of an attention group (--mode colocated: the ranks of a pipeline stage), the "
+        "attention heads and --seq-len"
     ),
     "tensor_parallel": Flag(
         "attention ranks that hold one micro-batch's sequence in slices and each attention module's heads in shards "
-        "(tensor parallel with sequence parallel); divides the lanes of an attention group, the query and KV heads "
-        "and --seq-len; with --sequence-parallel s, s x t ranks hold a micro-batch (Ulysses over a TP rank's heads)"
+        "(tensor parallel with sequence parallel); divides the lanes of an attention group (--mode colocated: the "
+        "ranks of a pipeline stage, and --ep-size), the query and KV heads and --seq-len; with --sequence-parallel s, "
+        "s x t ranks hold a micro-batch (Ulysses over a TP rank's heads)"
     ),
     "micro_batches": Flag(
         "micro-batches per optimizer step on each data-parallel lane (DeepSpeed's gradient accumulation steps)",

@@ -334,11 +334,12 @@ class Colocation(Section):
     """Whether ``run_pretrain.py`` runs the job co-located, so that one ds_config file says which mode it is for.
 
     Attributes:
-        colocated: ``{"world_size": W, "ep_size": E, "pp_size": P, "virtual_stages": v, "stage_layers": [...]}``
-            (each key optional): run the job co-located, EP+DP in P pipeline stages of v chunks, as ``--mode
-            colocated --world-size W --ep-size E --pp-size P --virtual-stages v --stage-layers ...`` would (those
-            flags override it); the disaggregated layout keys are then not used. None: the mode is ``--mode``'s
-            (disaggregated by default).
+        colocated: ``{"world_size": W, "ep_size": E, "pp_size": P, "virtual_stages": v, "stage_layers": [...],
+            "sequence_parallel": s, "tensor_parallel": t}`` (each key optional): run the job co-located, EP+DP in P
+            pipeline stages of v chunks, s x t ranks of a stage holding a micro-batch in slices, as ``--mode
+            colocated --world-size W --ep-size E --pp-size P --virtual-stages v --stage-layers ...
+            --sequence-parallel s --tensor-parallel t`` would (those flags override it); the disaggregated layout
+            keys are then not used. None: the mode is ``--mode``'s (disaggregated by default).
     """
 
     colocated: dict[str, Any] | None = None
@@ -349,7 +350,8 @@ class Colocation(Section):
         if not isinstance(self.colocated, dict):
             raise ConfigError(f'"{SECTION}.colocated" must be an object like {{"world_size": 8, "ep_size": 8}}, '
                               f"got {self.colocated!r}")  # fmt: skip
-        known = ("world_size", "ep_size", "pp_size", "virtual_stages", "stage_layers")
+        known = ("world_size", "ep_size", "pp_size", "virtual_stages", "stage_layers", "sequence_parallel",
+                 "tensor_parallel")  # fmt: skip
         unknown = sorted(map(str, set(self.colocated) - set(known)))
         if unknown:  # the values are ColocatedConfig's, checked there
             raise ConfigError(f'unknown key(s) in "{SECTION}.colocated": {", ".join(unknown)}; known: '

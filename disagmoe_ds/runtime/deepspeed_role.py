@@ -28,12 +28,13 @@ import logging
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Protocol
+from typing import Any, Protocol
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
+from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from torch import nn
@@ -143,7 +144,8 @@ class GlobalGradNorm:
     replicas of an expert shard) contributes ``norm**2 / domain_size`` to one world all-reduce, so every unique
     parameter is counted exactly once. ``shard_domain``: an attention rank with tensor parallelism, whose engine's
     second parameter group holds its head shards (``tensor_parallel_groups``), replicated over fewer ranks (the
-    lanes of its TP rank) than the first group; ZeRO 1/2's norm of each group then counts with its own domain.
+    lanes of its TP rank) than the first group (a co-located rank's later groups, its expert slices, too); ZeRO
+    1/2's norm of each group then counts with its own domain.
     """
 
     def __init__(self, domain_size: int, shard_domain: int | None = None):
@@ -155,8 +157,9 @@ class GlobalGradNorm:
         return self._combined([role_norm], [self.domain_size])
 
     def combine_groups(self, group_norms: list[torch.Tensor]) -> torch.Tensor:
-        assert self.shard_domain is not None and len(group_norms) == 2, "replicated and sharded groups"
-        return self._combined(group_norms, [self.domain_size, self.shard_domain])
+        """The norms of the replicated parameters' group, then of groups that each hold shards (or expert slices)."""
+        assert self.shard_domain is not None, "replicated and sharded groups"
+        return self._combined(group_norms, [self.domain_size] + [self.shard_domain] * (len(group_norms) - 1))
 
     def _combined(self, norms: list[torch.Tensor], domains: list[int]) -> torch.Tensor:
         total = sum(n.detach().double().reshape(1).to(norms[0].device) ** 2 / d for n, d in zip(norms, domains))
@@ -270,18 +273,25 @@ def _scheduler_start_unlogged() -> Iterator[None]:
         ds_logger.removeFilter(keep)
 
 
-ParamGroups = list[nn.Parameter] | list[dict[str, list[nn.Parameter]]]  # ``deepspeed.initialize``'s model_parameters
+ParamGroups = list[nn.Parameter] | list[dict[str, Any]]  # ``deepspeed.initialize``'s model_parameters
 
 
 def tensor_parallel_groups(module: nn.Module) -> ParamGroups:
     """The trained parameters for ``deepspeed.initialize``: one list, or with attention heads in shards
-    (``models.tensor_parallel``) two groups, the replicated parameters then the shards (their norms count over
-    different replicas: ``GlobalGradNorm``)."""
+    (``models.tensor_parallel``) the replicated parameters, then the shards, then (a co-located rank) one group per
+    expert group, already split as DeepSpeed's MoE engine would (it would add an empty expert group after the
+    shards'). Their norms count over different replicas: ``GlobalGradNorm``."""
     params = [p for p in module.parameters() if p.requires_grad]
     shards = [p for p in params if shard_of(p) is not None]
     if not shards:
         return params
-    return [{"params": [p for p in params if shard_of(p) is None]}, {"params": shards}]
+    experts: dict[str, list[nn.Parameter]] = {}
+    for p in params:
+        if is_moe_param(p):
+            experts.setdefault(p.group_name, []).append(p)  # type: ignore[attr-defined]  # set by DeepSpeed MoE
+    replicated = [p for p in params if shard_of(p) is None and not is_moe_param(p)]
+    groups: list[dict[str, Any]] = [{"params": replicated, "name": "replicated"}, {"params": shards, "name": "shards"}]
+    return groups + [{"params": ps, "name": name, "moe": True} for name, ps in experts.items()]
 
 
 def build_engine(

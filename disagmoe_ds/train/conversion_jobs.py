@@ -174,6 +174,7 @@ def _recorded_cfg(mode: str, manifest: dict[str, Any], path: Path) -> DisagMoECo
         pp_size=pp_size,
         virtual_stages=chunks,
         stage_layers=tuple(stage_layers) if stage_layers else None,
+        tensor_parallel=saved.get("tensor_parallel", 1),
         micro_batches=pp_size,  # a conversion steps nothing; interleaved stages need a multiple of pp_size
     )
 

@@ -28,6 +28,7 @@ from disagmoe_ds.train.flags import (
     BOTH_MODES_KEYS,
     COLOCATED_FLAGS,
     DEFAULT_MICRO_BATCH_SIZE,
+    LANE_KEYS,
     LAYOUT_FLAGS,
     SECTION_KEYS,
 )
@@ -68,7 +69,10 @@ def mode_config(
         flags = section_values(ns, SECTION_KEYS)
         return DisagMoEConfig.from_ds_config(ds_config, {**flags, "lora": lora_of(ns, verify=False)})
     _refuse_flags(
-        ns, LAYOUT_FLAGS, "sets the disaggregated layout; --mode colocated takes --world-size, --ep-size and --pp-size"
+        ns,
+        [name for name in LAYOUT_FLAGS if name not in LANE_KEYS],
+        "sets the disaggregated layout; --mode colocated takes --world-size, --ep-size, --pp-size and the lanes' "
+        "--sequence-parallel and --tensor-parallel",
     )
     section = DisagMoEConfig.from_ds_config(
         ds_config, {**section_values(ns, BOTH_MODES_KEYS), "lora": lora_of(ns, verify=False)}
@@ -87,9 +91,8 @@ def mode_config(
             "levers)",
             stacklevel=2,
         )
-    shared = {f.name for f in fields(ColocatedConfig)} & {
-        f.name for f in fields(DisagMoEConfig)
-    }  # both modes' sections
+    # both modes' section keys; the lanes' are the co-located layout's own (the section's are the attention side's)
+    shared = ({f.name for f in fields(ColocatedConfig)} & {f.name for f in fields(DisagMoEConfig)}) - set(LANE_KEYS)
     placed = section.colocated or {}
     return ColocatedConfig(
         world_size=_first(ns.world_size, placed.get("world_size"), launched_world_size, 1),
@@ -97,6 +100,7 @@ def mode_config(
         pp_size=_first(ns.pp_size, placed.get("pp_size"), 1),
         virtual_stages=_first(ns.virtual_stages, placed.get("virtual_stages"), 1),
         stage_layers=_layer_counts(_first(ns.stage_layers, placed.get("stage_layers"))),
+        **{key: _first(getattr(ns, key), placed.get(key), 1) for key in LANE_KEYS},
         **{key: getattr(section, key) for key in shared},
     )
 
