@@ -14,8 +14,9 @@
 #             NCCL against HF, then AF-Pipe with and without it beside co-located EP over all GPUs and AutoEP.
 #             NCCL picks one transport per process, so under "socket" the in-node all-to-all crosses sockets too
 #             (the dedup's worst case); under "nvlink" the exchange does not (its best): run both
-#   pipeline  co-located pipeline stages (4+ GPUs): PP 2 x EP 2 and PP 2 x VPP 2 x EP 2 on NCCL against HF, then the
-#             pipeline's step beside co-located EP x DP over all GPUs, AF-Pipe and AutoEP on the balanced model
+#   pipeline  co-located pipeline stages (4+ GPUs): PP 2 x EP 2, PP 2 x VPP 2 x EP 2, TP 2 and PP 2 x SP 2 on NCCL
+#             against HF, then the pipeline's and TP 2's steps beside co-located EP x DP over all GPUs, AF-Pipe and
+#             AutoEP on the balanced model
 # TRANSPORT: nvlink (NCCL's default between GPUs of one host), iblike (NCCL_P2P_DISABLE=1: NCCL's shared-memory
 # transport through host memory, meant to sit near a cluster's 25-50 GB/s per GPU across nodes; IBLIKE_ENV replaces
 # it, e.g. IBLIKE_ENV="NCCL_MAX_NCHANNELS=2" for NVLink on fewer channels) or socket (NCCL_P2P_DISABLE=1
@@ -165,7 +166,9 @@ dedup)
   ;;
 pipeline)
   for case_ in "--model hf_models/tiny-qwen3-moe --pp-size 2 --micro-batches 3 --zero 1 --skew" \
-               "--model hf_models/tiny-deepseek-v3 --pp-size 2 --virtual-stages 2 --micro-batches 4 --zero 2 --dtype bf16"; do
+               "--model hf_models/tiny-deepseek-v3 --pp-size 2 --virtual-stages 2 --micro-batches 4 --zero 2 --dtype bf16" \
+               "--model hf_models/tiny-qwen3-moe --tensor-parallel 2 --micro-batches 2 --zero 1" \
+               "--model hf_models/tiny-qwen3-moe --sequence-parallel 2 --pp-size 2 --micro-batches 2 --zero 2"; do
     # shellcheck disable=SC2086
     step 90 torchrun --nproc_per_node "$G" -m disagmoe_ds.colocated.verify --json --world-size "$G" --ep-size 2 $case_
   done
@@ -176,6 +179,9 @@ pipeline)
       --ep-size "$H" --compile --json "$OUT/pipeline-v$vpp-$TRANSPORT.json" \
       --timeline "$OUT/timeline-$TRANSPORT-pipeline-v$vpp.json"
   done
+  step 240 python bench/bench_e2e.py --model "$MODEL" --layers 0 --world-size "$G" --seq-len 4096 \
+    --global-batch "$BATCH" --warmup 2 --steps 3 --methods colocated --tensor-parallel 2 --ep-size "$G" --compile \
+    --json "$OUT/colocated-tp2-$TRANSPORT.json"
   step 300 python bench/bench_e2e.py --model "$MODEL" --layers 0 --world-size "$G" --seq-len 4096 \
     --global-batch "$BATCH" --warmup 2 --steps 3 --methods colocated afpipe autoep --ep-size "$G" --compile \
     --json "$OUT/pipeline-others-$TRANSPORT.json"

@@ -25,7 +25,7 @@ KEYS = {
     ColocatedConfig: {
         "world_size", "ep_size", "pp_size", "virtual_stages", "stage_layers", "transport", "micro_batches",
         "comm_timeout_s", "compile", "cuda_graphs", "fp8", "fp8_cast_per_call", "activation_checkpointing",
-        "selective_recompute", "recompute", "lora",
+        "selective_recompute", "recompute", "lora", "sequence_parallel", "tensor_parallel",
     },
     LoraSettings: {"rank", "alpha", "dropout", "targets", "train_router", "init_lora_weights"},
 }  # fmt: skip

@@ -181,17 +181,18 @@ def test_written_configs_pass_run_pretrains_preflight(tmp_path, capsys, flags, m
 
 
 def test_an_unrunnable_co_located_verdict_is_said_in_one_line(tmp_path, capsys):
-    """Qwen3-30B-A3B at 4K on 2 nodes: the verdict's co-located layout has TP and CP, which the runtime's
-    co-located mode (EP x DP in 1F1B stages) does not run; the files are for the faster of AF-Pipe and what it runs,
-    said so with the other's step."""
+    """Qwen3-30B-A3B at 4K on 2 nodes: the verdict's co-located layout has ring CP, which the runtime's co-located
+    mode (EP x DP in 1F1B stages with Ulysses and TP lanes) does not run; the files are for the faster of AF-Pipe
+    and what it runs, said so with the other's step."""
     ds = tmp_path / "ds.json"
     written, err = _write(capsys, ds, "--model", Q30, "--seq-len", "4096", "--nodes", "2")
     notes = [line for line in err.splitlines() if line.startswith("note:")]
     assert len(notes) == 1, err
-    layout = r"EP \d+ x EDP \d+( x PP \d+( x v \d+)?)?"
+    layout = r"EP \d+ x EDP \d+( x PP \d+( x v \d+)?)?(, SP \d+)?(, TP \d+)?"
     match = re.fullmatch(
-        r"note: the verdict's co-located layout \(TP 2 CP 2 EP 2 PP 2 .*: [\d.]+ s/step\) needs TP 2, CP 2, "
-        r"which DisagMoE-DS does not run \(its co-located mode is EP x DP under ZeRO in 1F1B pipeline stages\); the "
+        r"note: the verdict's co-located layout \(TP 2 CP 2 EP 2 PP 2 .*: [\d.]+ s/step\) needs ring CP 2, which "
+        r"DisagMoE-DS does not run \(its co-located mode is EP x DP under ZeRO in 1F1B pipeline stages, with Ulysses "
+        r"and TP lanes\); the "
         rf"files are for (?P<chosen>the AF-Pipe plan|co-located {layout}) instead: (?P<chosen_s>[\d.]+) s/step "
         rf"predicted \((?P<other>the AF-Pipe plan|the best co-located layout it runs, {layout}): "
         r"(?P<other_s>[\d.]+) s\)",
@@ -205,7 +206,7 @@ def test_an_unrunnable_co_located_verdict_is_said_in_one_line(tmp_path, capsys):
 
 def test_a_pipelined_co_located_plan_is_written_as_it_was_priced_and_passes_preflight(tmp_path, capsys):
     """Qwen3-30B-A3B at 4K on 2 nodes, --write-mode colocated: the best co-located layout the runtime runs has
-    pipeline stages; the file holds them with the planner's layer split, and run_pretrain.py accepts it."""
+    pipeline stages and lanes; the file holds them with the planner's layer split, and run_pretrain.py accepts it."""
     ds = tmp_path / "ds.json"
     written, _ = _write(capsys, ds, "--model", Q30, "--seq-len", "4096", "--nodes", "2", "--write-mode", "colocated")
     placed = written[SECTION]["colocated"]
@@ -213,6 +214,8 @@ def test_a_pipelined_co_located_plan_is_written_as_it_was_priced_and_passes_pref
     args = _preflight(ds, "--model", Q30, "--seq-len", 4096)
     assert args.mode == "colocated" and args.cfg.pp_size == placed["pp_size"]
     assert list(args.cfg.stage_layers) == placed["stage_layers"]
+    lanes = (args.cfg.sequence_parallel, args.cfg.tensor_parallel)  # TP 2 (Ulysses stands in for CP where it pays)
+    assert lanes == (placed.get("sequence_parallel", 1), placed.get("tensor_parallel", 1)) and lanes != (1, 1)
 
 
 def test_a_lora_plan_passes_run_pretrains_preflight(tmp_path, capsys, tiny_checkpoint):

@@ -1,8 +1,9 @@
 """How close the co-located layouts DisagMoE-DS runs come to the strongest practice, cell by cell of the planner's
 study (docs/planner.md section 15): per model, nodes and sequence length, the strongest co-located configuration
 (``allocator.best_baseline``: Megatron-Core's layouts, TP/CP/EP/PP/VPP, calibrated), the best one the runtime runs
-(``allocator.best_runnable_colocated``: PP, virtual stages, EP inside a stage, recompute; no TP or CP) and the best it
-ran as plain EP x DP (no stages, no recompute), with their predicted step times. Pure Python, about 2 minutes.
+(``allocator.best_runnable_colocated``: PP, virtual stages, EP inside a stage, TP and Ulysses lanes, recompute; no ring
+CP) and the best it ran as plain EP x DP (no stages, no recompute), with their predicted step times. Pure Python,
+about 5 minutes.
 
     python tools/runnable_colocated.py [--models Qwen3-30B-A3B,DeepSeek-V3]
 """
@@ -35,7 +36,8 @@ def describe(plan: BaselinePlan | None, strongest: BaselinePlan | None) -> str:
         return "does not fit"
     s, recompute = plan.candidate.shape, plan.candidate.work.recompute
     ratio = f", {strongest.step_time_s / plan.step_time_s:.2f}x" if strongest is not None else ""
-    return f"{plan.step_time_s:.3g} s (TP {s.tp} CP {s.cp} EP {s.ep} PP {s.pp} x v {s.vpp}, {recompute}{ratio})"
+    cp = f"Ulysses {s.cp}" if s.ulysses else f"CP {s.cp}"
+    return f"{plan.step_time_s:.3g} s (TP {s.tp} {cp} EP {s.ep} PP {s.pp} x v {s.vpp}, {recompute}{ratio})"
 
 
 def main() -> None:

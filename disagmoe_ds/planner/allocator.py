@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
 
+from disagmoe_ds.capabilities.rules import Job, refusals
 from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.af_simulation import Memo, bound_tokens_per_s, forms, simulate_candidate
@@ -369,18 +370,27 @@ RUNNABLE_VPP = (1, 2, 3, 4)  # the virtual stages per stage best_runnable_coloca
 def best_runnable_colocated(req: PlanRequest) -> BaselinePlan | None:
     """The fastest co-located configuration DisagMoE-DS's co-located mode runs (``run_pretrain.py --mode
     colocated``): EP x DP under ZeRO in PP stages of up to 4 virtual stages each, run (interleaved) 1F1B
-    (Megatron's layer split, ``pipeline_split``), the cheapest recompute policy that fits, a plain all-to-all; no
-    TP or CP. None: none fits."""
-    W, layers = req.cluster.world_size, req.spec.num_layers
+    (Megatron's layer split, ``pipeline_split``), s x t ranks of a stage holding each micro-batch (Ulysses over s,
+    TP with sequence parallel over t, which divides EP: ``req.lane_options`` the family allows), the cheapest
+    recompute policy that fits, a plain all-to-all; no ring CP. None: none fits."""
+    W, layers, spec = req.cluster.world_size, req.spec.num_layers, req.spec
     stages = [(pp, v) for pp in divisors(W) for v in RUNNABLE_VPP if (v == 1 or pp > 1) and chunk_sizes(layers, pp, v)]
+    lanes = [(s, t) for s, t in req.lane_options if not _lane_refused(req, s, t)]
     shapes = [
-        Shape(pp=pp, vpp=v, tp=1, cp=1, ep=e, overlap="partial", dispatcher="alltoall")
+        Shape(pp=pp, vpp=v, tp=t, cp=s, ep=e, overlap="partial", dispatcher="alltoall", ulysses=s > 1)
         for pp, v in stages
-        for e in divisors(req.spec.num_experts)
-        if (W // pp) % e == 0
+        for s, t in lanes
+        for e in divisors(spec.num_experts)
+        if (W // pp) % e == 0 and (W // pp) % (s * t) == 0 and e % t == 0
     ]
     plans = [best_baseline(replace(req, baseline_layout=s, baseline_recompute=None))[0] for s in shapes]
     return max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s, default=None)
+
+
+def _lane_refused(req: PlanRequest, s: int, t: int) -> bool:
+    """Whether the runtime refuses lanes of s x t for this family and job (``capabilities.rules``)."""
+    job = Job.of(req.spec.model_type, sequence_parallel=s, tensor_parallel=t, lora=req.work.lora.enabled)
+    return bool(refusals(job))
 
 
 def plan(req: PlanRequest) -> PlanResult:

@@ -87,9 +87,11 @@ def _recompute_keys(work: Workload) -> dict[str, Any]:
 
 def colocated_refusal(candidate: ColocatedCandidate) -> str | None:
     """What of a co-located configuration the runtime's co-located mode does not run (None: it runs it): that mode
-    is EP x DP under ZeRO in pipeline stages (virtual ones too) run (interleaved) 1F1B, with any recompute policy."""
+    is EP x DP under ZeRO in pipeline stages (virtual ones too) run (interleaved) 1F1B, with any recompute policy,
+    its lanes Ulysses over s and TP over t where t divides EP (``allocator.best_runnable_colocated``)."""
     s = candidate.shape
-    missing = [f"{name} {degree}" for name, degree in (("TP", s.tp), ("CP", s.cp)) if degree > 1]
+    missing = [f"ring CP {s.cp}"] if s.cp > 1 and not s.ulysses else []
+    missing += [f"TP {s.tp} beside EP {s.ep} (TP must divide EP)"] if s.ep % s.tp else []
     return ", ".join(missing) or None
 
 
@@ -139,8 +141,8 @@ def _not_run_line(base: BaselinePlan, chosen: AfPlan | BaselinePlan, other: AfPl
     return (
         f"the verdict's co-located layout ({baseline_name(base)}: {base.step_time_s:.4g} s/step) needs "
         f"{colocated_refusal(base.candidate)}, which DisagMoE-DS does not run (its co-located mode is EP x DP under "
-        f"ZeRO in 1F1B pipeline stages); the files are for {_name(chosen)} instead: {chosen.step_time_s:.4g} s/step "
-        f"predicted ({beside})"
+        f"ZeRO in 1F1B pipeline stages, with Ulysses and TP lanes); the files are for {_name(chosen)} instead: "
+        f"{chosen.step_time_s:.4g} s/step predicted ({beside})"
     )
 
 
@@ -152,7 +154,8 @@ def _ep(base: BaselinePlan) -> str:
     shape = base.candidate.shape
     stages = f" x PP {shape.pp}" if shape.pp > 1 else ""
     stages += f" x v {shape.vpp}" if shape.vpp > 1 else ""
-    return f"EP {shape.ep} x EDP {base.candidate.replicas // shape.ep}{stages}"
+    lanes = "".join(f", {name} {n}" for name, n in (("SP", shape.cp), ("TP", shape.tp)) if n > 1)
+    return f"EP {shape.ep} x EDP {base.candidate.replicas * shape.tp * shape.cp // shape.ep}{stages}{lanes}"
 
 
 def written_ds_config(result: PlanResult, chosen: AfPlan | BaselinePlan, cluster: str | None = None) -> dict[str, Any]:
@@ -215,6 +218,8 @@ def colocated_ds_config(req: PlanRequest, base: BaselinePlan) -> dict[str, Any]:
     c = base.candidate
     assert colocated_refusal(c) is None, colocated_refusal(c)
     placed: dict[str, Any] = {"world_size": req.cluster.world_size, "ep_size": c.shape.ep}
+    lanes = {"sequence_parallel": c.shape.cp, "tensor_parallel": c.shape.tp}
+    placed |= {name: degree for name, degree in lanes.items() if degree > 1}
     if c.shape.pp > 1:  # the stages and their layers as the plan priced them (Megatron's split)
         sizes = chunk_sizes(req.spec.num_layers, c.shape.pp, c.shape.vpp) or ()
         placed |= {"pp_size": c.shape.pp, "virtual_stages": c.shape.vpp, "stage_layers": list(sizes)}
