@@ -19,7 +19,7 @@ from disagmoe_ds.config import (
     Watchdog,
     effective_zero_stage,
 )
-from disagmoe_ds.config.sections import Section
+from disagmoe_ds.config.sections import LaneSlices, Section
 from disagmoe_ds.errors import ConfigError
 
 SECTIONS = [cls for cls in DisagMoEConfig.__mro__[1:] if issubclass(cls, Section) and cls is not Section]
@@ -39,7 +39,9 @@ def test_every_key_is_in_exactly_one_section():
 
 def test_the_colocated_config_shares_the_sections_both_modes_read():
     shared = {f.name for f in fields(ColocatedConfig)} & {f.name for f in fields(DisagMoEConfig)}
-    sections = {f.name for cls in (Accumulation, Watchdog, Kernels, Recompute, FineTuning) for f in fields(cls)}
+    sections = {
+        f.name for cls in (Accumulation, Watchdog, Kernels, Recompute, FineTuning, LaneSlices) for f in fields(cls)
+    }
     assert shared == sections | {"transport"}  # the exchange's, and the co-located pipeline's hand-offs
     assert issubclass(ColocatedConfig, Accumulation) and not issubclass(ColocatedConfig, LayoutCounts)
 
