@@ -74,7 +74,7 @@ PER_LAYER_AUX = (("router_aux_loss_per_layer", True), ("router_aux_loss_coef", 0
 # virtual stages (interleaved 1F1B, the last stage handing on to the first), one of them empty; LoRA, FP8 and
 # each side's recompute (full: the part's forward again in its backward; selective: ``models.recompute``). TP and
 # Ulysses lanes inside a stage: TP with two batch lanes (its DP groups one per TP rank) under ZeRO 0's own clipping,
-# across pipeline stages (MLA), with FP8, with sinks (GPT-OSS), SP x TP over EP 4, and SP with LoRA and virtual
+# across pipeline stages (MLA), with FP8, SP x TP with sinks (GPT-OSS) and over EP 4, and SP with LoRA and virtual
 # stages.
 CASES = [
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=3, zero=2, stages=(1, 3)),
@@ -95,7 +95,7 @@ CASES = [
     PipeCase("qwen3-moe", W=4, ep=2, pp=1, K=2, zero=0, tp=2),
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=2, zero=1, stages=(1, 3), tp=2),
     PipeCase("qwen3-moe", W=2, ep=2, pp=1, K=2, zero=2, tp=2, fp8=True),
-    PipeCase("gpt-oss", W=2, ep=2, pp=1, K=2, zero=1, tp=2),
+    PipeCase("gpt-oss", W=4, ep=2, pp=1, K=2, zero=1, sp=2, tp=2),
     PipeCase("qwen3-moe", W=4, ep=4, pp=1, K=2, zero=2, sp=2, tp=2),
     PipeCase("deepseek-v3", W=4, ep=2, pp=2, K=2, zero=0, v=2, sp=2, lora=True),
 ]

@@ -30,7 +30,8 @@ def SPJob(**fields: Any) -> LaneJob:  # noqa: N802 (a case type, as the other pa
 
 # GQA with KV heads split (s 2) and replicated (s 4 over 2 KV heads), MLA (DeepSeek-V3: values narrower than keys),
 # Mixtral with two SP groups per A-group, depth 2 with 2 ep ranks, packed documents (the whole sequence's block
-# mask), ZeRO 1 and 2, per-layer balancing, resend at depth 2, and messages at a capacity under skewed routing.
+# mask), ZeRO 1 and 2, per-layer balancing, resend at depth 2, messages at a capacity under skewed routing, and
+# GPT-OSS (eager attention with per-head sinks, sliding windows).
 CASES = [
     SPJob(M=4, N=4, p=2, s=2, zero=1),
     SPJob(M=4, N=2, s=4, zero=0, factor=1.25),
@@ -38,6 +39,7 @@ CASES = [
     SPJob(family="mixtral", M=4, N=2, s=2, B=2, zero=1),
     SPJob(overrides=PER_LAYER_AUX, label="per_layer_aux", M=4, N=4, p=2, s=2, zero=2, packed=True, resend=True),
     SPJob(family="deepseek-v3", M=4, N=4, p=2, s=2, zero=1),
+    SPJob(family="gpt-oss", M=2, N=2, s=2, zero=1),
     all_families_only(SPJob(family="mixtral", M=4, N=4, p=2, s=2, B=2, zero=2, packed=True)),
 ]
 
@@ -82,7 +84,7 @@ def _slice_attention(rank: int, family: str) -> tuple[float, float, float]:
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3", "gpt-oss"])  # GQA, MLA, sinks and windows
 def test_ulysses_attention_on_slices_equals_the_whole_sequence(family):
     for out_diff, grad_diff, input_grad_diff in run_ranks(_slice_attention, 2, args=(family,), timeout_s=120):
         assert max(out_diff, grad_diff, input_grad_diff) < 1e-5, (out_diff, grad_diff, input_grad_diff)
@@ -114,7 +116,7 @@ def test_layouts_and_models_sequence_parallelism_cannot_split_are_refused():
         check_sequence_parallel(qwen, 8)
     with pytest.raises(LayoutError, match="sequence length"):
         check_sequence_parallel(qwen, 2, seq_len=9)
-    refused = [("gpt-oss", "sinks"), ("qwen3-next", "recurrent"), ("deepseek-v32", "indexer")]
+    refused = [("qwen3-next", "recurrent"), ("deepseek-v32", "indexer")]
     for family, reason in [*refused, ("deepseek-v4", "compressors pool windows of the whole sequence")]:
         with pytest.raises(LayoutError, match=reason):
             check_sequence_parallel(AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}"), 2)
@@ -142,9 +144,9 @@ def test_fine_tuning_with_sequence_parallelism_resumes_exactly_and_exports(tok_c
     [
         (["--seq-len", 33], r"sequence_parallel 2 must divide the sequence length \(33\)"),
         (["--attention-gpus", 3], r"lanes per A-group \(3\) must be divisible by sequence_parallel \(2\)"),
-        (["--model", ROOT / "hf_models" / "tiny-gpt-oss"], r"gpt_oss is not supported: its attention sinks"),
+        (["--model", ROOT / "hf_models" / "tiny-qwen3-next"], r"qwen3_next is not supported: its Gated DeltaNet"),
     ],
-    ids=["sequence", "lanes", "sinks"],
+    ids=["sequence", "lanes", "recurrent"],
 )
 def test_run_pretrain_refuses_what_it_cannot_slice_before_launch(tok_cache, capfd, argv, message):
     from tests.runs import assert_refused_before_launch

@@ -211,7 +211,6 @@ FACTS: dict[str, FamilyFacts] = {
             sinks=True,
             windows="even",
             not_with=(
-                ("sequence_parallel", "its attention sinks are per head and not split with the heads"),
                 ("fp8", "its experts run HF's own module (transposed, interleaved, biased), not the FP8 grouped GEMMs"),
             ),
         ),

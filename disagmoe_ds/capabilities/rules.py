@@ -12,8 +12,8 @@ Where they are checked: the job's preflight checks every lever once (``runtime.r
 levers (``DisagMoEConfig``), an A-lane's degrees (``models.sequence_parallel``, ``models.tensor_parallel``), the
 evaluation flags (``train.checks``) and the balancing rate (``train.balance``).
 
->>> print(refusals(Job.of("gpt_oss", sequence_parallel=2))[0])
-sequence_parallel 2: gpt_oss is not supported: its attention sinks are per head and not split with the heads
+>>> print(refusals(Job.of("qwen3_next", sequence_parallel=2))[0])
+sequence_parallel 2: qwen3_next is not supported: its Gated DeltaNet layers are recurrent over the sequence
 >>> [rule.beside for rule in fired(Job.of(None, cuda_graphs=True, split_backward=True, compile=True))]
 ['split_backward']
 """

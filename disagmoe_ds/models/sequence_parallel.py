@@ -19,6 +19,7 @@ averages gradients over every lane, s of which hold one micro-batch, so each ran
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,10 +136,6 @@ def check_sequence_parallel(config, size: int, seq_len: int | None = None) -> No
         )
     if seq_len is not None and seq_len % size:
         raise LayoutError(f"sequence_parallel {size} must divide the sequence length ({seq_len})")
-    if getattr(config, "_attn_implementation", "sdpa") == "eager":
-        raise LayoutError(
-            f"sequence_parallel {size} needs attn_implementation sdpa or flash (eager builds S x S masks)"
-        )
 
 
 class _Ulysses:
@@ -165,10 +162,38 @@ class _Ulysses:
                 process_group=self.sp.group,
                 seq_length_is_variable=True,
             )
-        out, weights = self.ulysses(module, q, k, v, mask, *args, **kwargs)
+        traded = _TradedHeads(module, self.sp, q.shape[1], k.shape[1])
+        if kwargs.get("s_aux") is not None:  # GPT-OSS's sinks as the flash kernels take them
+            kwargs["s_aux"] = traded.sinks
+        out, weights = self.ulysses(traded, q, k, v, mask, *args, **kwargs)
         if v_dim != q.shape[-1]:
             out = out.view(*out.shape[:2], q.shape[1], q.shape[-1])[..., :v_dim]
         return out, weights
+
+
+class _TradedHeads:
+    """An attention module as the core attention sees it after Ulysses' trade: this rank's H/s query heads over its
+    KV heads (kv/s, or one where DeepSpeed replicates fewer than s), so eager attention repeats them by the right
+    ``num_key_value_groups``, and GPT-OSS's per-head sinks sliced to those heads. Everything else is the module's."""
+
+    def __init__(self, module: nn.Module, sp: SequenceParallel, q_heads: int, kv_heads: int) -> None:
+        self._module = module
+        self.num_key_value_groups = (q_heads // sp.size) // max(kv_heads // sp.size, 1)
+        sinks = getattr(module, "sinks", None)
+        self.sinks = None if sinks is None else sinks.chunk(sp.size)[sp.rank]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _core_attention(module: nn.Module, implementation: str):
+    """HF's attention function of ``implementation`` for ``module``: eager is the modeling file's own (GPT-OSS, with
+    its sinks, has no SDPA), the others are registered."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if implementation == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[implementation]
 
 
 def install_ulysses(attention_modules: list[nn.Module], sp: SequenceParallel) -> None:
@@ -182,7 +207,7 @@ def install_ulysses(attention_modules: list[nn.Module], sp: SequenceParallel) ->
         )
     for module in attention_modules:
         config: Any = copy.copy(module.config)
-        core = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+        core = _core_attention(module, config._attn_implementation)
         config._attn_implementation = ATTENTION_KEY
         module.config = config
         object.__setattr__(module, "_disagmoe_ulysses", _Ulysses(core, sp))  # not a submodule: no state
