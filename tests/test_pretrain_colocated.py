@@ -144,8 +144,8 @@ def _disaggregated_checkpoint(root: Path) -> Path:
                          r"run has \{'world_size': 2, 'ep_size': 1, .*resume with the same --world-size, --ep-size "
                          r"and pipeline stages"),
         ("ep size", r"num_experts \(8\) must be divisible by ep_size \(3\)"),
-        ("layout flag", r"--ffn-gpus sets the disaggregated layout; --mode colocated takes --world-size, --ep-size "
-                        r"and --pp-size"),
+        ("layout flag", r"--ffn-gpus sets the disaggregated layout; --mode colocated takes --world-size, --ep-size, "
+                        r"--pp-size and the lanes' --sequence-parallel and --tensor-parallel"),
         ("colocated flag", r"--ep-size is a --mode colocated flag"),
     ],
 )  # fmt: skip
