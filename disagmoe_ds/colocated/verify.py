@@ -33,7 +33,8 @@ from disagmoe_ds.parity.run_flags import add_run_args
 from disagmoe_ds.runtime.rank import RankRuntime
 
 # the section keys taken as flags (config.SECTION_FLAGS: the same flags as run_pretrain.py's)
-KEYS = ("micro_batches", "fp8", "transport", "activation_checkpointing", "selective_recompute", "recompute")
+KEYS = ("micro_batches", "fp8", "transport", "activation_checkpointing", "selective_recompute", "recompute",
+        "sequence_parallel", "tensor_parallel")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda text: tuple(int(n) for n in text.split(",")),
         help="decoder layers per (virtual) pipeline stage, in execution order, e.g. 1,3 [as even as they go]",
     )
-    p.add_argument("--sequence-parallel", type=int, default=1, help="Ulysses ranks sharing a micro-batch in a stage")
-    p.add_argument("--tensor-parallel", type=int, default=1, help="ranks sharing attention heads in a stage")
     add_section_flags(p, KEYS, cli="colocated_verify")
     add_run_args(p, zero_help="ZeRO stage")
     return p
@@ -120,8 +119,6 @@ def parse_args(argv: list[str] | None) -> ColocatedVerifyArgs:
         pp_size=a.pp_size,
         virtual_stages=a.virtual_stages,
         stage_layers=a.stage_layers,
-        sequence_parallel=a.sequence_parallel,
-        tensor_parallel=a.tensor_parallel,
         **section_values(a, KEYS),
         lora=lora_of(a),
     )
