@@ -190,9 +190,9 @@ def test_an_unrunnable_co_located_verdict_is_said_in_one_line(tmp_path, capsys):
     assert len(notes) == 1, err
     layout = r"EP \d+ x EDP \d+( x PP \d+( x v \d+)?)?(, SP \d+)?(, TP \d+)?"
     match = re.fullmatch(
-        r"note: the verdict's co-located layout \(TP 2 CP 2 EP 2 PP 2 .*: [\d.]+ s/step\) needs ring CP 2, which "
-        r"DisagMoE-DS does not run \(its co-located mode is EP x DP under ZeRO in 1F1B pipeline stages, with Ulysses "
-        r"and TP lanes\); the "
+        r"note: the verdict's co-located layout \(TP 2 CP 2 EP 2 PP 2 .*: [\d.]+ s/step\) is not one DisagMoE-DS "
+        r"runs \(ring CP 2; its co-located mode is EP x DP under ZeRO in 1F1B pipeline stages, with Ulysses and TP "
+        r"lanes\); the "
         rf"files are for (?P<chosen>the AF-Pipe plan|co-located {layout}) instead: (?P<chosen_s>[\d.]+) s/step "
         rf"predicted \((?P<other>the AF-Pipe plan|the best co-located layout it runs, {layout}): "
         r"(?P<other_s>[\d.]+) s\)",
@@ -202,6 +202,17 @@ def test_an_unrunnable_co_located_verdict_is_said_in_one_line(tmp_path, capsys):
     _holds_only_what_the_runtime_reads(written)
     mode = "disaggregated" if match["chosen"] == "the AF-Pipe plan" else "colocated"
     assert _preflight(ds, "--model", Q30, "--seq-len", 4096).mode == mode
+
+
+def test_a_verdict_with_lanes_the_job_refuses_is_not_written(tmp_path, capsys):
+    """A LoRA job whose verdict is co-located TP 2: the runtime refuses TP with LoRA (``capabilities.rules``), so the
+    files are for a layout it runs, and the note gives the rule's own reason."""
+    flags = ("--model", str(MODELS / "tiny-qwen3-moe"), "--seq-len", "128", "--cluster", _cluster(tmp_path / "c.json"),
+             "--baseline-layout", "tp=2,pp=1,vpp=1,ep=2,cp=1", "--lora-rank", "8",
+             "--write-mode", "colocated")  # fmt: skip
+    written, err = _write(capsys, tmp_path / "ds.json", *flags)
+    assert "is not one DisagMoE-DS runs (tensor_parallel 2 does not work with lora yet" in err, err
+    assert written[SECTION]["colocated"].get("tensor_parallel", 1) == 1
 
 
 def test_a_pipelined_co_located_plan_is_written_as_it_was_priced_and_passes_preflight(tmp_path, capsys):

@@ -375,7 +375,8 @@ def best_runnable_colocated(req: PlanRequest) -> BaselinePlan | None:
     recompute policy that fits, a plain all-to-all; no ring CP. None: none fits."""
     W, layers, spec = req.cluster.world_size, req.spec.num_layers, req.spec
     stages = [(pp, v) for pp in divisors(W) for v in RUNNABLE_VPP if (v == 1 or pp > 1) and chunk_sizes(layers, pp, v)]
-    lanes = [(s, t) for s, t in req.lane_options if not _lane_refused(req, s, t)]
+    lora = req.work.lora.enabled
+    lanes = [(s, t) for s, t in req.lane_options if not lane_refusals(spec.model_type, s, t, lora=lora)]
     shapes = [
         Shape(pp=pp, vpp=v, tp=t, cp=s, ep=e, overlap="partial", dispatcher="alltoall", ulysses=s > 1)
         for pp, v in stages
@@ -387,10 +388,10 @@ def best_runnable_colocated(req: PlanRequest) -> BaselinePlan | None:
     return max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s, default=None)
 
 
-def _lane_refused(req: PlanRequest, s: int, t: int) -> bool:
-    """Whether the runtime refuses lanes of s x t for this family and job (``capabilities.rules``)."""
-    job = Job.of(req.spec.model_type, sequence_parallel=s, tensor_parallel=t, lora=req.work.lora.enabled)
-    return bool(refusals(job))
+def lane_refusals(model_type: str, s: int, t: int, *, lora: bool) -> list[str]:
+    """Why the runtime refuses lanes of Ulysses s x TP t for this family and job, one line each
+    (``capabilities.rules``); empty: it runs them."""
+    return [str(e) for e in refusals(Job.of(model_type, sequence_parallel=s, tensor_parallel=t, lora=lora))]
 
 
 def plan(req: PlanRequest) -> PlanResult:

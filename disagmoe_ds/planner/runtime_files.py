@@ -10,7 +10,7 @@ from typing import Any
 from disagmoe_ds.capabilities.rules import LEVERS, Job, fired
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import RankRole
-from disagmoe_ds.planner.allocator import best_runnable_colocated
+from disagmoe_ds.planner.allocator import best_runnable_colocated, lane_refusals
 from disagmoe_ds.planner.colocated import ColocatedCandidate
 from disagmoe_ds.planner.pipeline_split import chunk_sizes
 from disagmoe_ds.planner.plans import AfPlan, BaselinePlan, PlanRequest, PlanResult
@@ -85,13 +85,16 @@ def _recompute_keys(work: Workload) -> dict[str, Any]:
     return dict(_recompute_levers(work))
 
 
-def colocated_refusal(candidate: ColocatedCandidate) -> str | None:
+def colocated_refusal(candidate: ColocatedCandidate, model_type: str) -> str | None:
     """What of a co-located configuration the runtime's co-located mode does not run (None: it runs it): that mode
     is EP x DP under ZeRO in pipeline stages (virtual ones too) run (interleaved) 1F1B, with any recompute policy,
-    its lanes Ulysses over s and TP over t where t divides EP (``allocator.best_runnable_colocated``)."""
+    its lanes Ulysses over s and TP over t where t divides EP and the family and job allow them
+    (``allocator.best_runnable_colocated``)."""
     s = candidate.shape
     missing = [f"ring CP {s.cp}"] if s.cp > 1 and not s.ulysses else []
     missing += [f"TP {s.tp} beside EP {s.ep} (TP must divide EP)"] if s.ep % s.tp else []
+    ulysses = s.cp if s.ulysses else 1
+    missing += lane_refusals(model_type, ulysses, s.tp, lora=candidate.work.lora.enabled)
     return ", ".join(missing) or None
 
 
@@ -106,7 +109,8 @@ def launch_choice(result: PlanResult, mode: str = "auto") -> tuple[AfPlan | Base
         if af is None:
             raise ConfigError("no AF-Pipe plan fits, so there is no disaggregated ds_config or hostfile to write")
         return _launchable(af), None
-    if base is not None and colocated_refusal(base.candidate) is None:
+    model_type = result.request.spec.model_type
+    if base is not None and colocated_refusal(base.candidate, model_type) is None:
         return base, None
     runnable = best_runnable_colocated(result.request)
     faster = af if runnable is None or (af is not None and af.tokens_per_s > runnable.tokens_per_s) else runnable
@@ -116,7 +120,7 @@ def launch_choice(result: PlanResult, mode: str = "auto") -> tuple[AfPlan | Base
         raise ConfigError(f"no co-located EP x DP layout the runtime runs fits memory{nor}: there is no ds_config or "
                           "hostfile to write")  # fmt: skip
     other = af if chosen is runnable else runnable
-    return _launchable(chosen), None if base is None else _not_run_line(base, chosen, other)
+    return _launchable(chosen), None if base is None else _not_run_line(base, chosen, other, model_type)
 
 
 def _launchable(chosen: AfPlan | BaselinePlan) -> AfPlan | BaselinePlan:
@@ -131,7 +135,9 @@ def _launchable(chosen: AfPlan | BaselinePlan) -> AfPlan | BaselinePlan:
     return chosen
 
 
-def _not_run_line(base: BaselinePlan, chosen: AfPlan | BaselinePlan, other: AfPlan | BaselinePlan | None) -> str:
+def _not_run_line(
+    base: BaselinePlan, chosen: AfPlan | BaselinePlan, other: AfPlan | BaselinePlan | None, model_type: str
+) -> str:
     """One line: the verdict's co-located layout does not run here, what was written instead and the alternative."""
     if other is None:
         beside = "no co-located layout it runs fits" if isinstance(chosen, AfPlan) else "no AF-Pipe plan fits"
@@ -139,10 +145,10 @@ def _not_run_line(base: BaselinePlan, chosen: AfPlan | BaselinePlan, other: AfPl
         name = _name(other) if isinstance(other, AfPlan) else f"the best co-located layout it runs, {_ep(other)}"
         beside = f"{name}: {other.step_time_s:.4g} s"
     return (
-        f"the verdict's co-located layout ({baseline_name(base)}: {base.step_time_s:.4g} s/step) needs "
-        f"{colocated_refusal(base.candidate)}, which DisagMoE-DS does not run (its co-located mode is EP x DP under "
-        f"ZeRO in 1F1B pipeline stages, with Ulysses and TP lanes); the files are for {_name(chosen)} instead: "
-        f"{chosen.step_time_s:.4g} s/step predicted ({beside})"
+        f"the verdict's co-located layout ({baseline_name(base)}: {base.step_time_s:.4g} s/step) is not one "
+        f"DisagMoE-DS runs ({colocated_refusal(base.candidate, model_type)}; its co-located mode is EP x DP under ZeRO "
+        f"in 1F1B pipeline stages, with Ulysses and TP lanes); the files are for {_name(chosen)} "
+        f"instead: {chosen.step_time_s:.4g} s/step predicted ({beside})"
     )
 
 
@@ -216,7 +222,8 @@ def colocated_ds_config(req: PlanRequest, base: BaselinePlan) -> dict[str, Any]:
     """A ds_config for a co-located layout the runtime runs (``colocated_refusal`` None): its "disagmoe" section's
     ``"colocated"`` makes ``run_pretrain.py`` run co-located on the cluster's ranks at the layout's EP size."""
     c = base.candidate
-    assert colocated_refusal(c) is None, colocated_refusal(c)
+    refusal = colocated_refusal(c, req.spec.model_type)
+    assert refusal is None, refusal
     placed: dict[str, Any] = {"world_size": req.cluster.world_size, "ep_size": c.shape.ep}
     lanes = {"sequence_parallel": c.shape.cp, "tensor_parallel": c.shape.tp}
     placed |= {name: degree for name, degree in lanes.items() if degree > 1}
