@@ -5,7 +5,7 @@ recommends), then that layout's shape at CPU size, with the model's tiny sibling
 degree above 1 is 2 (PP, virtual stages, TP, Ulysses, EP, AF-Pipe's depth, node dedup, and data or expert replicas
 where the 8 ranks leave room: the attention lanes' replicas give way first, then the experts') and every other key
 of the section (recompute, ZeRO per side, offload shares, resend) is kept as written.
-Prints a table; about 15 minutes on 2 cores.
+Prints a table; about 30 minutes on 2 cores (the DeepSeek-V3 plans take most of it).
 
     python tools/rehearse_study.py [--models Qwen3-30B-A3B] [--seq-len 4096]
 """
