@@ -33,15 +33,15 @@ MAX_RANKS = 8  # what 2 CPU cores run in a few seconds a step
 
 def sibling(model: Path) -> Path:
     """The tiny model of ``model``'s family shipped in hf_models/."""
-    family = _model_type(model)
-    tiny = sorted(d for d in model.parent.glob("tiny-*") if _model_type(d) == family)
+    family = _config(model)["model_type"]
+    tiny = sorted(d for d in model.parent.glob("tiny-*") if _config(d)["model_type"] == family)
     if not tiny:
         raise SystemExit(f"no tiny sibling of {model.name} ({family}) in {model.parent}")
     return tiny[0]
 
 
-def _model_type(model: Path) -> str:
-    return json.loads((model / "config.json").read_text())["model_type"]
+def _config(model: Path) -> dict:
+    return json.loads((model / "config.json").read_text())
 
 
 def _two(n: int) -> int:
@@ -120,7 +120,7 @@ def rehearse(model: str, nodes: int, seq_len: int, work: Path) -> str:
             return f"| {model} | {nodes} | {seq_len // 1024}K | nothing written | | |"
     written = json.loads(written_file.read_text())
     tiny = sibling(hf)
-    small = rehearsal(written, json.loads((tiny / "config.json").read_text())["num_hidden_layers"])
+    small = rehearsal(written, _config(tiny)["num_hidden_layers"])
     small_file.write_text(json.dumps(small, indent=2))
     run = [sys.executable, str(ROOT / "run_pretrain.py"), "--deepspeed_config", str(small_file), "--model", str(tiny),
            "--seq-len", "32", "--dtype", "fp32", "--steps", "2", "--log-every", "1", "--metrics-file", str(metrics),

@@ -36,8 +36,7 @@ def describe(plan: BaselinePlan | None, strongest: BaselinePlan | None) -> str:
         return "does not fit"
     s, recompute = plan.candidate.shape, plan.candidate.work.recompute
     ratio = f", {strongest.step_time_s / plan.step_time_s:.2f}x" if strongest is not None else ""
-    cp = f"Ulysses {s.cp}" if s.ulysses else f"CP {s.cp}"
-    return f"{plan.step_time_s:.3g} s (TP {s.tp} {cp} EP {s.ep} PP {s.pp} x v {s.vpp}, {recompute}{ratio})"
+    return f"{plan.step_time_s:.3g} s (TP {s.tp} {s.context} EP {s.ep} PP {s.pp} x v {s.vpp}, {recompute}{ratio})"
 
 
 def main() -> None:

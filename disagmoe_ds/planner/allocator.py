@@ -371,21 +371,31 @@ def best_runnable_colocated(req: PlanRequest) -> BaselinePlan | None:
     """The fastest co-located configuration DisagMoE-DS's co-located mode runs (``run_pretrain.py --mode
     colocated``): EP x DP under ZeRO in PP stages of up to 4 virtual stages each, run (interleaved) 1F1B
     (Megatron's layer split, ``pipeline_split``), s x t ranks of a stage holding each micro-batch (Ulysses over s,
-    TP with sequence parallel over t, which divides EP: ``req.lane_options`` the family allows), the cheapest
-    recompute policy that fits, a plain all-to-all; no ring CP. None: none fits."""
-    W, layers, spec = req.cluster.world_size, req.spec.num_layers, req.spec
+    TP with sequence parallel over t: ``req.lane_options``; ``colocated_refusal`` says which of them the runtime
+    runs), the cheapest recompute policy that fits, a plain all-to-all. None: none fits."""
+    W, layers, spec, lora = req.cluster.world_size, req.spec.num_layers, req.spec, req.work.lora.enabled
     stages = [(pp, v) for pp in divisors(W) for v in RUNNABLE_VPP if (v == 1 or pp > 1) and chunk_sizes(layers, pp, v)]
-    lora = req.work.lora.enabled
-    lanes = [(s, t) for s, t in req.lane_options if not lane_refusals(spec.model_type, s, t, lora=lora)]
     shapes = [
         Shape(pp=pp, vpp=v, tp=t, cp=s, ep=e, overlap="partial", dispatcher="alltoall", ulysses=s > 1)
         for pp, v in stages
-        for s, t in lanes
+        for s, t in req.lane_options
         for e in divisors(spec.num_experts)
-        if (W // pp) % e == 0 and (W // pp) % (s * t) == 0 and e % t == 0
+        if (W // pp) % e == 0 and (W // pp) % (s * t) == 0
     ]
-    plans = [best_baseline(replace(req, baseline_layout=s, baseline_recompute=None))[0] for s in shapes]
+    runnable = [s for s in shapes if colocated_refusal(s, spec.model_type, lora=lora) is None]
+    plans = [best_baseline(replace(req, baseline_layout=s, baseline_recompute=None))[0] for s in runnable]
     return max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s, default=None)
+
+
+def colocated_refusal(shape: Shape, model_type: str, *, lora: bool) -> str | None:
+    """What of a co-located configuration the runtime's co-located mode does not run (None: it runs it): that mode
+    is EP x DP under ZeRO in pipeline stages (virtual ones too) run (interleaved) 1F1B, with any recompute policy,
+    its lanes Ulysses over s and TP over t where t divides EP and the family and job allow them."""
+    missing = [f"ring CP {shape.cp}"] if shape.cp > 1 and not shape.ulysses else []
+    missing += [f"TP {shape.tp} beside EP {shape.ep} (TP must divide EP)"] if shape.ep % shape.tp else []
+    ulysses = shape.cp if shape.ulysses else 1
+    missing += lane_refusals(model_type, ulysses, shape.tp, lora=lora)
+    return ", ".join(missing) or None
 
 
 def lane_refusals(model_type: str, s: int, t: int, *, lora: bool) -> list[str]:

@@ -39,10 +39,14 @@ class Shape:
     fp32_grads: bool = True  # Megatron's fp32 main grads; False: 2 B gradients (DeepSpeed, FSDP2's 16 B/param total)
     ulysses: bool = False  # the cp ranks split the sequence as DeepSpeed-Ulysses (all-to-alls exposed), not ring CP
 
+    @property
+    def context(self) -> str:
+        """The sequence split, "CP n" (ring) or "Ulysses n"."""
+        return f"Ulysses {self.cp}" if self.ulysses else f"CP {self.cp}"
+
     def describe(self) -> str:
-        cp = f"Ulysses {self.cp}" if self.ulysses else f"CP {self.cp}"
         return (
-            f"TP {self.tp} {cp} EP {self.ep} PP {self.pp} x v {self.vpp}, a2a overlap {self.overlap}, "
+            f"TP {self.tp} {self.context} EP {self.ep} PP {self.pp} x v {self.vpp}, a2a overlap {self.overlap}, "
             f"{self.dispatcher} dispatcher"
         )
 

@@ -10,7 +10,7 @@ from typing import Any
 from disagmoe_ds.capabilities.rules import LEVERS, Job, fired
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import RankRole
-from disagmoe_ds.planner.allocator import best_runnable_colocated, lane_refusals
+from disagmoe_ds.planner.allocator import best_runnable_colocated, colocated_refusal
 from disagmoe_ds.planner.colocated import ColocatedCandidate
 from disagmoe_ds.planner.pipeline_split import chunk_sizes
 from disagmoe_ds.planner.plans import AfPlan, BaselinePlan, PlanRequest, PlanResult
@@ -85,23 +85,15 @@ def _recompute_keys(work: Workload) -> dict[str, Any]:
     return dict(_recompute_levers(work))
 
 
-def colocated_refusal(candidate: ColocatedCandidate, model_type: str) -> str | None:
-    """What of a co-located configuration the runtime's co-located mode does not run (None: it runs it): that mode
-    is EP x DP under ZeRO in pipeline stages (virtual ones too) run (interleaved) 1F1B, with any recompute policy,
-    its lanes Ulysses over s and TP over t where t divides EP and the family and job allow them
-    (``allocator.best_runnable_colocated``)."""
-    s = candidate.shape
-    missing = [f"ring CP {s.cp}"] if s.cp > 1 and not s.ulysses else []
-    missing += [f"TP {s.tp} beside EP {s.ep} (TP must divide EP)"] if s.ep % s.tp else []
-    ulysses = s.cp if s.ulysses else 1
-    missing += lane_refusals(model_type, ulysses, s.tp, lora=candidate.work.lora.enabled)
-    return ", ".join(missing) or None
+def _refusal(candidate: ColocatedCandidate, model_type: str) -> str | None:
+    """``allocator.colocated_refusal`` of a candidate's shape and job."""
+    return colocated_refusal(candidate.shape, model_type, lora=candidate.work.lora.enabled)
 
 
 def launch_choice(result: PlanResult, mode: str = "auto") -> tuple[AfPlan | BaselinePlan, str | None]:
     """The plan the files are written for under ``--write-mode mode``, and the line that says why where it is not
     the verdict's. ``auto``: the verdict's system; where that is a co-located layout the runtime does not run
-    (``colocated_refusal``), the faster of the AF-Pipe plan and the best co-located layout it runs.
+    (``allocator.colocated_refusal``), the faster of the AF-Pipe plan and the best co-located layout it runs.
     ``disaggregated``: the AF-Pipe plan. ``colocated``: the verdict's co-located layout where the runtime runs it,
     else the best one it runs."""
     af, base = result.af, result.baseline
@@ -110,7 +102,7 @@ def launch_choice(result: PlanResult, mode: str = "auto") -> tuple[AfPlan | Base
             raise ConfigError("no AF-Pipe plan fits, so there is no disaggregated ds_config or hostfile to write")
         return _launchable(af), None
     model_type = result.request.spec.model_type
-    if base is not None and colocated_refusal(base.candidate, model_type) is None:
+    if base is not None and _refusal(base.candidate, model_type) is None:
         return base, None
     runnable = best_runnable_colocated(result.request)
     faster = af if runnable is None or (af is not None and af.tokens_per_s > runnable.tokens_per_s) else runnable
@@ -146,7 +138,7 @@ def _not_run_line(
         beside = f"{name}: {other.step_time_s:.4g} s"
     return (
         f"the verdict's co-located layout ({baseline_name(base)}: {base.step_time_s:.4g} s/step) is not one "
-        f"DisagMoE-DS runs ({colocated_refusal(base.candidate, model_type)}; its co-located mode is EP x DP under ZeRO "
+        f"DisagMoE-DS runs ({_refusal(base.candidate, model_type)}; its co-located mode is EP x DP under ZeRO "
         f"in 1F1B pipeline stages, with Ulysses and TP lanes); the files are for {_name(chosen)} "
         f"instead: {chosen.step_time_s:.4g} s/step predicted ({beside})"
     )
@@ -219,10 +211,11 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
 
 
 def colocated_ds_config(req: PlanRequest, base: BaselinePlan) -> dict[str, Any]:
-    """A ds_config for a co-located layout the runtime runs (``colocated_refusal`` None): its "disagmoe" section's
-    ``"colocated"`` makes ``run_pretrain.py`` run co-located on the cluster's ranks at the layout's EP size."""
+    """A ds_config for a co-located layout the runtime runs (``allocator.colocated_refusal`` None): its "disagmoe"
+    section's ``"colocated"`` makes ``run_pretrain.py`` run co-located on the cluster's ranks at the layout's EP
+    size."""
     c = base.candidate
-    refusal = colocated_refusal(c, req.spec.model_type)
+    refusal = _refusal(c, req.spec.model_type)
     assert refusal is None, refusal
     placed: dict[str, Any] = {"world_size": req.cluster.world_size, "ep_size": c.shape.ep}
     lanes = {"sequence_parallel": c.shape.cp, "tensor_parallel": c.shape.tp}
