@@ -76,11 +76,11 @@ SINK_ATTENTION = (
     "GPT-OSS's attention has learnable sinks (Transformer Engine's softmax_type 'learnable'); TE turns FlashAttention "
     "off for it and its cuDNN FusedAttention takes it only from cuDNN 9.13.1, below which the run falls back to "
     "UnfusedDotProductAttention: every layer's 64 x S x S scores are written and read (the 128-token windows masked, "
-    "not skipped), about 10 passes over 2.1 GB per layer and 4K micro-batch forward and backward, some 8-10 ms on an "
-    "H100 beside the flash core's 0.5 ms. The planner prices the flash core with windows; an unfused core would add "
-    "about 80 ms to each 9-layer stage's 80-100 ms per micro-batch, about 15-16 s a step against the published 13.7 s "
-    "(the planner's 9.1 s is two thirds of it). Which backend and cuDNN the run had is not published, so the row "
-    "stays out"
+    "not skipped), about 10 passes over 2.1 GB per layer and 4K micro-batch forward and backward: by estimate some "
+    "8-10 ms on an H100 beside the flash core's 0.5 ms. The planner prices the flash core with windows; an unfused "
+    "core would add about 80 ms to each 9-layer stage's 80-100 ms per micro-batch, about 15-16 s a step against the "
+    "published 13.7 s (the planner's 9.1 s is two thirds of it). Which backend and cuDNN the run had is not "
+    "published, so the row stays out"
 )
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
