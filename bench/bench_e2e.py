@@ -70,6 +70,7 @@ from disagmoe_ds.colocated import ColocatedConfig, build_colocated_rank
 from disagmoe_ds.colocated.executor import ColocatedExecutor, ColocatedGradNorm
 from disagmoe_ds.colocated.model import ColocatedOutput
 from disagmoe_ds.config import LEVER_KEYS, SECTION, DisagMoEConfig, add_section_flags, section_values
+from disagmoe_ds.models.attention_kernel import use_attention
 from disagmoe_ds.models.families import Family, family_of, is_moe_layer
 from disagmoe_ds.models.grouped_experts import GATED_FUSED_FAMILIES
 from disagmoe_ds.models.loading import load_config
@@ -89,6 +90,7 @@ BENCH_KEYS = (
     "sequence_parallel",
     "tensor_parallel",
     "compile",
+    "attention",
     *LEVER_KEYS,
 )
 EP_METHODS = ("colocated", "pipeline", "autoep", "deepspeed-moe")
@@ -228,13 +230,15 @@ def bench_config(a: argparse.Namespace):
 
 
 def make_model(a: argparse.Namespace, device: torch.device) -> nn.Module:
-    """The benchmark model (``--layers`` of ``--model``), random weights under ``--seed``, built on the device."""
+    """The benchmark model (``--layers`` of ``--model``), random weights under ``--seed``, built on the device, with
+    the attention function ``--attention`` picks (every method runs the same one)."""
     from transformers import AutoModelForCausalLM
 
     config = bench_config(a)
     torch.manual_seed(a.seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[a.dtype])
+    use_attention(model, a.attention, device)
     return model.train()
 
 
@@ -319,6 +323,9 @@ def build_colocated(a: argparse.Namespace, device: torch.device, *, pp_size: int
         micro_batches=micro_batches(a, a.world_size // pp_size // (a.sequence_parallel * a.tensor_parallel)),
         compile=a.compile,
         cuda_graphs=a.cuda_graphs,
+        fp8=a.fp8,
+        fp8_cast_per_call=a.fp8_cast_per_call,
+        attention=a.attention,
         lora=lora_of(a, verify=False),
     )
     runtime = build_colocated_rank(

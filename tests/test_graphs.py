@@ -73,6 +73,7 @@ def test_a_capture_copies_in_only_what_changed_and_zeroes_an_unused_gradient_onc
 def _parts(family: str, compiled: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from disagmoe_ds.models.attention_kernel import use_attention
     from disagmoe_ds.models.model_facts import num_experts_of, routing_facts
     from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage
     from tests.conftest import ROOT
@@ -81,6 +82,7 @@ def _parts(family: str, compiled: bool):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
+    use_attention(model, "auto", torch.device("cuda"))  # GPT-OSS: flex_attention, as its jobs run on CUDA
     layers = tuple(range(config.num_hidden_layers))
     attention = AttentionStage(model, layers, with_embedding=False, with_head=True)
     experts = ExpertStage(model, layers, 0, num_experts_of(config))
@@ -126,8 +128,27 @@ def _run(config, attention, experts, graphs, inputs, *, one_by_one: bool = False
     return [torch.stack(recorded)], [(outs, h.grad) for h, outs in results], grads
 
 
+@pytest.mark.parametrize(("family", "dtype", "graphed"), [("qwen3-moe", torch.bfloat16, True),
+                         ("qwen3-moe", torch.float32, False), ("gpt-oss", torch.bfloat16, False)])  # fmt: skip
+def test_only_shards_that_run_on_the_device_alone_are_graphed(family, dtype, graphed):
+    """HF's experts module (GPT-OSS's; fp32 on CUDA) finds its pairs on the host: it runs as it is, beside graphs
+    (the GPU test below runs GPT-OSS so)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from disagmoe_ds.models.model_facts import num_experts_of
+    from disagmoe_ds.models.parts import ExpertStage
+    from tests.conftest import ROOT
+
+    config = AutoConfig.from_pretrained(ROOT / "hf_models" / f"tiny-{family}")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    experts = ExpertStage(model, tuple(range(config.num_hidden_layers)), 0, num_experts_of(config))
+    shard = experts.shard(int(next(iter(experts.layers))))
+    assert shard.capturable(dtype, torch.device("cuda")) is graphed  # graph_stages leaves it out where False
+
+
 @cuda
-@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3", "mixtral", "gpt-oss"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("one_by_one", [False, True], ids=["two-in-flight", "one-by-one"])
 def test_graphed_parts_are_bit_identical(family, compiled, one_by_one):

@@ -25,7 +25,7 @@ FLAGS = frozenset(
         "--tokenizer-cache", "--seq-len", "--attention-gpus", "--ffn-gpus", "--depth", "--micro-batches",
         "--expert-data-parallel", "--node-dedup", "--sequence-parallel", "--tensor-parallel", "--steps",
         "--micro-batch-size", "--lr",
-        "--dtype", "--seed", "--fp8",
+        "--dtype", "--seed", "--fp8", "--attention",
         "--bias-update-rate", "--sft", "--freeze-router", "--freeze-attention", "--save-dir", "--save-every",
         "--keep-last", "--resume", "--metrics-file", "--tensorboard", "--timeline", "--log-every", "--peak-tflops",
         "--hostfile", "--launcher-args", "--check-hostfile", "--local_rank", "--mode", "--world-size", "--ep-size",

@@ -29,6 +29,7 @@ VERIFY_KEYS = (
     "micro_batches",
     "activation_checkpointing",
     "transport",
+    "attention",
     *LEVER_KEYS,
     "comm_timeout_s",
 )

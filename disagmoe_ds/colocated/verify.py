@@ -33,8 +33,8 @@ from disagmoe_ds.parity.run_flags import add_run_args
 from disagmoe_ds.runtime.rank import RankRuntime
 
 # the section keys taken as flags (config.SECTION_FLAGS: the same flags as run_pretrain.py's)
-KEYS = ("micro_batches", "fp8", "transport", "activation_checkpointing", "selective_recompute", "recompute",
-        "sequence_parallel", "tensor_parallel")  # fmt: skip
+KEYS = ("micro_batches", "fp8", "attention", "transport", "activation_checkpointing", "selective_recompute",
+        "recompute", "sequence_parallel", "tensor_parallel")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 from disagmoe_ds.config.disagmoe import DisagMoEConfig
 from disagmoe_ds.config.sections import RECOMPUTE, SIDES, TRANSPORT_NAMES
+from disagmoe_ds.models.attention_kernel import ATTENTION_KERNELS
 
 
 # ----- the flag table -----
@@ -87,6 +88,12 @@ SECTION_FLAGS: dict[str, Flag] = {
         "seconds a rank may wait for a peer; stacks at half of it", type=float, name="--comm-timeout"
     ),
     "compile": Flag("torch.compile the parts", type=None),
+    "attention": Flag(
+        "HF's attention function for the attention parts: auto is HF's choice (SDPA where the model has it), but "
+        "flex_attention on CUDA where HF would run eager (GPT-OSS's sinks)",
+        type=str,
+        choices=ATTENTION_KERNELS,
+    ),
     "fp8": Flag(
         "FP8 GEMMs (rowwise scales) for the routed experts and the attention side's projections, forward and backward",
         type=None,

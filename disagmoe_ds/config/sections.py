@@ -11,6 +11,7 @@ from typing import Any
 from disagmoe_ds.config.zero import SECTION, ZERO_STAGES, effective_zero_stage
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout, RankCounts
+from disagmoe_ds.models.attention_kernel import ATTENTION_KERNELS
 from disagmoe_ds.models.lora_settings import LoraSettings
 
 # The keys of comm.transport.TRANSPORTS (a test holds them equal): named here so that reading a config loads no torch.
@@ -199,15 +200,23 @@ class Kernels(Section):
             ``fp8_cast_per_call``; linear layers cast theirs in every call.
         fp8_cast_per_call: with ``fp8``, cast the expert weights in every call instead (an HBM pass over them per
             micro-batch and pass; no copies kept), for a rank whose memory has no room for the step's copies.
+        attention: HF's attention function the attention parts run (``models.attention_kernel``): ``"auto"`` (HF's
+            own choice, SDPA where the model has it; on CUDA flex_attention where HF would run eager, as for
+            GPT-OSS's sinks), or ``"eager"``, ``"sdpa"``, ``"flex_attention"`` where the model's HF class runs it.
     """
 
     compile: bool = False
     cuda_graphs: bool = False
     fp8: bool = False
     fp8_cast_per_call: bool = False
+    attention: str = "auto"
 
     def _check(self) -> None:
         self._switches("compile", "cuda_graphs", "fp8", "fp8_cast_per_call")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError(
+                f"{self._named('attention')} must be one of {list(ATTENTION_KERNELS)}, got {self.attention!r}"
+            )
 
     @property
     def fp8_cast_once(self) -> bool:

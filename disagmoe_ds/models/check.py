@@ -15,6 +15,7 @@ import sys
 import torch
 from torch import nn
 
+from disagmoe_ds.models.attention_kernel import ATTENTION_KERNELS, use_attention
 from disagmoe_ds.models.loading import load_model
 from disagmoe_ds.models.parts import compile_stage
 from disagmoe_ds.models.skew import skew_router
@@ -32,11 +33,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def compare(
     model_dir: str, shards: int, dtype: str, seq_len: int, batch: int, seed: int, device: str = "cpu",
-    compile: bool = False, skew: bool = False,
+    compile: bool = False, skew: bool = False, attention: str = "auto",
 ) -> dict:  # fmt: skip
     """``compile``: the split runs as a ``"compile": true`` job's parts do (``compile_stage``: inductor, and on
-    CUDA in bf16 the experts' Triton kernels); ``skew``: every token's first choice is expert 0 (``skew_router``)."""
+    CUDA in bf16 the experts' Triton kernels); ``skew``: every token's first choice is expert 0 (``skew_router``);
+    ``attention``: the attention function, as a job's ``"disagmoe.attention"`` picks it, of both (that it equals
+    HF's default is ``bench/check_sink_attention.py``'s question)."""
     ref, src = (load_model(model_dir, dtype=DTYPES[dtype], seed=seed) for _ in range(2))
+    for model in (ref, src):
+        use_attention(model, attention, torch.device(device))
     if skew:
         skew_router(ref)
         skew_router(src)
@@ -66,6 +71,7 @@ def compare(
         "shards": shards,
         "dtype": dtype,
         "compiled": compile,
+        "attention": src.config._attn_implementation,
         "skewed": skew,
         "reference_loss": out_ref.loss.item(),
         **diffs,
@@ -91,10 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--compile", action="store_true", help="compile the split's parts as a compiled job does")
     parser.add_argument("--skew", action="store_true", help="route every token to expert 0 first (both models)")
+    parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="auto", help="the attention function of both")
     parser.add_argument("--json", action="store_true", help="print the summary on one line")
     args = parser.parse_args(argv)
     summary = compare(
-        args.model, args.shards, args.dtype, args.seq_len, args.batch, args.seed, args.device, args.compile, args.skew
+        args.model,
+        args.shards,
+        args.dtype,
+        args.seq_len,
+        args.batch,
+        args.seed,
+        args.device,
+        args.compile,
+        args.skew,
+        args.attention,
     )
     print(json.dumps(summary, indent=None if args.json else 2))
     return 0 if summary["pass"] else 1

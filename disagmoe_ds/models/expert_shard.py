@@ -62,7 +62,7 @@ class ExpertShard(nn.Module):
         always do), so a backward always gives the whole shard a gradient, in the same order, however the tokens
         were routed.
         """
-        grouped = supports_grouped(self.family, self.experts, x_RH)
+        grouped = supports_grouped(self.family, self.experts, x_RH.dtype, x_RH.device)
         if bounded and grouped:
             return self._pairs(x_RH, local_idx_RK, w_RK, num_pairs, bounded=True)
         if num_pairs is None or bounded:
@@ -74,7 +74,7 @@ class ExpertShard(nn.Module):
     def _pairs(
         self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor, num_pairs: int | None, bounded=False
     ):
-        if supports_grouped(self.family, self.experts, x_RH):
+        if supports_grouped(self.family, self.experts, x_RH.dtype, x_RH.device):
             e = self.experts
             return grouped_gated_experts(
                 x_RH,
@@ -92,6 +92,11 @@ class ExpertShard(nn.Module):
                 self.fp8,
             )
         return self.forward_hf(x_RH, local_idx_RK, w_RK)
+
+    def capturable(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether its forward on rows of ``dtype`` on ``device`` runs on the device alone, as a CUDA graph needs: the
+        grouped GEMMs do; HF's module (GPT-OSS's experts, fp32 on CUDA) finds its pairs on the host (``nonzero``)."""
+        return supports_grouped(self.family, self.experts, dtype, device)
 
     def _untouched(self, x_RH: torch.Tensor, local_idx_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
         """An exact zero [1, H] that depends on every parameter as a routed pair does: one zero row to local expert

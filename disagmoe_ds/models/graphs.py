@@ -160,7 +160,8 @@ def graph_stages(
     slots: Callable[[int], int], *, attention: AttentionStage | None = None, experts: ExpertStage | None = None
 ) -> StageGraphs:
     """Graphs of every attention part and the head (layer ``num_hidden_layers``) of ``attention``, and of every
-    expert shard of ``experts``; ``slots(layer)``: how many copies each keeps."""
+    expert shard of ``experts`` that runs on the device alone (``ExpertShard.capturable``); ``slots(layer)``: how
+    many copies each keeps."""
     graphs = StageGraphs()
     if attention is not None:
         graphs.attention = {
@@ -169,9 +170,12 @@ def graph_stages(
         }
         if attention.head is not None:
             graphs.head = GraphedHead(attention.head, slots=slots(attention.config.num_hidden_layers))
-    if experts is not None:
+    if experts is not None and len(experts.layers):
+        device, dtype = _where(experts)
+        shards = {int(i): experts.shard(int(i)) for i in experts.layers}
         graphs.shards = {
-            int(i): GraphedShard(experts.shard(int(i)), slots=slots(int(i)), name=f"expert shard of layer {i}")
-            for i in experts.layers
+            i: GraphedShard(shard, slots=slots(i), name=f"expert shard of layer {i}")
+            for i, shard in shards.items()
+            if shard.capturable(dtype, device)  # the others run as they are
         }
     return graphs

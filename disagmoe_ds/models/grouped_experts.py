@@ -53,14 +53,15 @@ def _grouped_mm(x_PD: torch.Tensor, w_eDN: torch.Tensor, offsets_e: torch.Tensor
     return F.grouped_mm(x_PD, w_eDN, offs=offsets_e)
 
 
-def supports_grouped(family: str, experts: nn.Module, x_RH: torch.Tensor) -> bool:
-    """Grouped GEMMs need 16-byte aligned rows and, on CUDA, bf16 (the fp32 path keeps HF's module)."""
+def supports_grouped(family: str, experts: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """Grouped GEMMs on rows of ``dtype`` on ``device`` need 16-byte aligned rows and, on CUDA, bf16 (the fp32 path
+    keeps HF's module)."""
     if family not in GATED_FUSED_FAMILIES:
         return False
-    itemsize = x_RH.element_size()
+    itemsize = dtype.itemsize
     down: torch.Tensor = getattr(experts, "down_proj")  # noqa: B009  # a parameter, or a frozen FP8 base's buffer
     aligned = all(d * itemsize % 16 == 0 for d in down.shape[1:])
-    return aligned and (x_RH.device.type == "cpu" or x_RH.dtype == torch.bfloat16)
+    return aligned and (device.type == "cpu" or dtype == torch.bfloat16)
 
 
 def grouped_gated_experts(

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.models.attention_kernel import ATTENTION_KERNELS, attention_for
 from disagmoe_ds.planner.inputs import check_at_least_one
 from disagmoe_ds.planner.model import ModelSpec, load_model_spec
 from disagmoe_ds.planner.profile_fit import FORMAT, fit_profile, load_profile, part_flops, predicted_times
@@ -139,7 +140,7 @@ def run_profile(args: argparse.Namespace) -> dict[str, Any]:
 
     spec = load_model_spec(args.model)
     config = transformers.AutoConfig.from_pretrained(args.model)
-    config._attn_implementation = args.attn_implementation or ("eager" if spec.model_type == "gpt_oss" else "sdpa")
+    config._attn_implementation = attention_for(config, args.attn_implementation, args.device.split(":")[0])
     # what a full HF model picks by default on GPU (grouped GEMM); the per-expert loop elsewhere
     config._experts_implementation = args.experts_implementation or (
         "grouped_mm" if args.device.startswith("cuda") else "eager"
@@ -251,8 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--attn-implementation",
-        default=None,
-        help="HF attention implementation (default sdpa; eager for gpt_oss, which lacks sdpa)",
+        default="auto",
+        choices=ATTENTION_KERNELS,
+        help='HF attention implementation, as a job\'s "disagmoe.attention" (auto: what the job runs)',
     )
     parser.add_argument(
         "--experts-implementation",

@@ -38,6 +38,7 @@ from disagmoe_ds.jsonfile import JsonObject
 from disagmoe_ds.launch.env import process_device
 from disagmoe_ds.layout import JobLayout, RankRole
 from disagmoe_ds.models.adapters import add_adapters
+from disagmoe_ds.models.attention_kernel import attention_refusal, use_attention
 from disagmoe_ds.models.fp8_base import check_fp8_base, keep_base_fp8
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.models.lora_settings import LoraSettings
@@ -73,6 +74,9 @@ class ModeConfig(Protocol):
 
     @property
     def fp8(self) -> bool: ...
+
+    @property
+    def attention(self) -> str: ...
 
     @property
     def lora(self) -> LoraSettings | None: ...
@@ -226,6 +230,7 @@ class RankBuilder(Generic[LayoutT, ConfigT]):
             # another stream than that one cannot run a backward into it (the legacy stream would wait on capture).
             torch.cuda.set_stream(torch.cuda.Stream(device))
         model, pretrained = rank_model(model_dir, dtype=dtype, model=model, weights=weights)
+        use_attention(model, cfg.attention, device)  # before the cut: the parts share the model's config
         if cfg.lora is not None and pretrained is not None and pretrained.block is not None:
             check_fp8_base(cfg.fp8)
             keep_base_fp8(model, pretrained)  # before the cut: each rank allocates and reads its base in FP8
@@ -298,6 +303,9 @@ class RankBuilder(Generic[LayoutT, ConfigT]):
         layout = mode.layout(config)
         layout.check_world_size(world_size)
         check(job_of(config.model_type, cfg, ds_config))  # every lever beside the others and the family, once
+        problem = attention_refusal(config, cfg.attention)
+        if problem is not None:
+            raise ConfigError(problem)
         mode.check(layout, config, ds_config, seq_len=seq_len)
         return layout
 

@@ -40,10 +40,10 @@ def layer_counts(text: str) -> tuple[int, ...]:
 
 # Section keys as flags (config.SECTION_FLAGS), each replacing the key of its name in the ds_config's "disagmoe"
 # section: the layout's in --mode disaggregated only (but the lanes', which in --mode colocated replace
-# disagmoe.colocated's), micro_batches and fp8 in both modes.
+# disagmoe.colocated's), micro_batches, fp8 and attention in both modes.
 LAYOUT_FLAGS = LAYOUT_KEYS
 LANE_KEYS = ("sequence_parallel", "tensor_parallel")
-BOTH_MODES_KEYS = ("micro_batches", "fp8")
+BOTH_MODES_KEYS = ("micro_batches", "fp8", "attention")
 SECTION_KEYS = (*LAYOUT_KEYS, *BOTH_MODES_KEYS)
 
 _EPILOG = """\
