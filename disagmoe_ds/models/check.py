@@ -2,8 +2,8 @@
 
     python -m disagmoe_ds.models.check --model hf_models/tiny-qwen3-moe --shards 2
 
-Prints a JSON summary (max abs diff of logits, loss and every gradient) and exits 0 only if all are within
-tolerance.
+Prints a JSON summary (max abs diff of logits, loss and every gradient; in bf16 also both models' logits against the
+fp32 model's) and exits 0 only if all are within tolerance.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ TOLERANCE = {
     "fp32": {"logits": 1e-5, "loss": 1e-5, "grads": 1e-5},
     "bf16": {"logits": 1e-1, "loss": 1e-2, "grads": 5e-2},
 }
+# bf16 logits beyond their bound still pass where the split is no further from the fp32 model than HF in bf16 is,
+# within this factor: HF's eager bf16 softmaxes and norms round where a compiled part keeps fp32 (tiny GPT-OSS at 256
+# tokens: HF bf16 is 0.13-0.22 from fp32, the compiled split 0.13-0.15, and so 0.12-0.22 from HF bf16).
+AS_CLOSE_TO_FP32 = 1.25
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -65,6 +69,17 @@ def compare(
         "grads": max(_grad_diff(n, grads[n], p.grad) for n, p in ref_grads.items()),
     }
     ok = all(v <= TOLERANCE[dtype][k] for k, v in diffs.items())
+    to_fp32 = {}
+    if dtype == "bf16":
+        exact = _fp32_logits(model_dir, seed, device, attention, skew, input_ids)
+        to_fp32 = {
+            name: (out.logits.float() - exact).abs().max().item()
+            for name, out in (("hf", out_ref), ("split", out_split))
+        }
+        loose = {k: v <= TOLERANCE[dtype][k] for k, v in diffs.items() if k != "logits"}
+        ok = all(loose.values()) and (
+            diffs["logits"] <= TOLERANCE[dtype]["logits"] or to_fp32["split"] <= AS_CLOSE_TO_FP32 * to_fp32["hf"]
+        )
     return {
         "model": model_dir,
         "device": device,
@@ -75,8 +90,22 @@ def compare(
         "skewed": skew,
         "reference_loss": out_ref.loss.item(),
         **diffs,
+        **({"logits_to_fp32": to_fp32} if to_fp32 else {}),
         "pass": ok,
     }
+
+
+def _fp32_logits(
+    model_dir: str, seed: int, device: str, attention: str, skew: bool, input_ids: torch.Tensor
+) -> torch.Tensor:
+    """The logits of HF's model in fp32 (same weights, routing and attention function) on ``input_ids``."""
+    exact = load_model(model_dir, dtype=torch.float32, seed=seed)
+    use_attention(exact, attention, torch.device(device))
+    if skew:
+        skew_router(exact)
+    nn.Module.to(exact, device)
+    with torch.no_grad():
+        return exact(input_ids=input_ids).logits.float()
 
 
 def _grad_diff(name: str, mine: torch.Tensor | None, ref: torch.Tensor | None) -> float:
