@@ -32,7 +32,7 @@ from disagmoe_ds.config import SECTION, DisagMoEConfig
 from disagmoe_ds.convert import main as convert_main
 from disagmoe_ds.errors import CheckpointError, ConfigError
 from disagmoe_ds.launch.testing import run_ranks
-from disagmoe_ds.layout import Layout
+from disagmoe_ds.layout import Layout, RankRole
 from disagmoe_ds.models.model_facts import num_experts_of
 from disagmoe_ds.parity.compare import assemble, hf_named
 from disagmoe_ds.parity.reference import TOLERANCE, VerifyArgs, load_for_verify
@@ -222,6 +222,8 @@ def test_refused_combinations_name_the_fix():
         (_ds(1), {"zero_stage": per_side, "compile": True}, r"ZeRO-3 on the expert side does not work with compile"),
         (_ds(1), {"zero_stage": per_side, "offload": {"ffn": 0.5}}, r"does not work with offload \{\"ffn\": > 0\}"),
         (_ds(1, offload_optimizer={"device": "cpu"}), {"zero_stage": per_side}, r"zero_optimization.offload_optim"),
+        (_ds(1), {"zero_stage": per_side, "offload_optimizer": {"ffn": True}}, r"disagmoe.offload_optimizer"),
+        (_ds(1), {"offload_optimizer": {"ffn": 1}}, r'"disagmoe.offload_optimizer.ffn" must be true or false'),
     ]
     for ds_config, fields, message in refused:
         with pytest.raises(ConfigError, match=message):
@@ -235,18 +237,42 @@ def test_refused_combinations_name_the_fix():
     colocated = ColocatedConfig(world_size=2, ep_size=2)
     with pytest.raises(ConfigError, match=r"co-located rank has one engine .*set \"zero_optimization.stage\""):
         preflight_colocated(model, colocated, {**_ds(1), SECTION: {"zero_stage": {"ffn": 2}}}, 2)
+    with pytest.raises(ConfigError, match=r"co-located rank has one engine .*zero_optimization.offload_optimizer"):
+        preflight_colocated(model, colocated, {**_ds(1), SECTION: {"offload_optimizer": {"ffn": True}}}, 2)
     with pytest.raises(ConfigError, match=r'"zero_optimization.stage" 3 is not supported; .* one engine'):
         preflight_colocated(model, colocated, _ds(3), 2)
 
 
-@pytest.mark.parametrize("stages", [(1, 1), (2, 2), (1, 2)], ids=str)
-def test_optimizer_offload_equals_hf(stages) -> None:
+@pytest.mark.parametrize(("stages", "per_side"), [((1, 1), None), ((2, 2), None), ((1, 2), {"ffn": True})], ids=str)
+def test_optimizer_offload_equals_hf(stages, per_side) -> None:
     """DeepSpeed's ZeRO-Offload (optimizer state and step in host memory) on the sides at ZeRO-1 and 2, under
     rendezvous: with a backward per layer chunk, ZeRO-2's host copies must add up every backward of the step (they
-    took the previous step's gradient into a parameter's first one: grad norm off by 0.81 here before the fix)."""
-    cfg = SidesJob(M=2, N=2, K=3, stages=stages).config(transport="rendezvous")
+    took the previous step's gradient into a parameter's first one: grad norm off by 0.81 here before the fix).
+    ``per_side``: on the expert side alone (``"disagmoe.offload_optimizer"``), the attention side stepping on its
+    device, under one global clip."""
+    fields = {"offload_optimizer": per_side} if per_side else {}
+    cfg = SidesJob(M=2, N=2, K=3, stages=stages).config(transport="rendezvous", **fields)
     model = ROOT / "hf_models" / "tiny-qwen3-moe"
-    args = VerifyArgs(str(model), cfg, zero=1, seq_len=8, clip=CLIP, offload_optimizer=True)
+    args = VerifyArgs(str(model), cfg, zero=1, seq_len=8, clip=CLIP, offload_optimizer=per_side is None)
     summary = run_verify(args, timeout_s=240)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary
+
+
+def test_each_sides_engines_get_that_sides_optimizer_offload():
+    """The per-side switch reaches each side's engine config; a side left out follows the ds_config's offload."""
+    mode = build.Disaggregated(DisagMoEConfig(attention_gpus=1, ffn_gpus=1, offload_optimizer={"attention": False}))
+    ds = _ds(1, offload_optimizer={"device": "cpu", "pin_memory": True})
+    attention, ffn = (RankRole(role, 0, 0) for role in ("attention", "ffn"))
+    offloads = {role.role: mode.offload_optimizer(role, ds) for role in (attention, ffn)}
+    assert offloads == {"attention": False, "ffn": True}
+    configs = {
+        side: role_ds_config(ds, micro_batches=1, micro_batch_size=1, dp_size=1, stage=1, offload_optimizer=on)
+        for side, on in offloads.items()
+    }
+    assert "offload_optimizer" not in configs["attention"]["zero_optimization"]
+    assert configs["ffn"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    only_ffn = build.Disaggregated(DisagMoEConfig(attention_gpus=1, ffn_gpus=1, offload_optimizer={"ffn": True}))
+    assert [only_ffn.offload_optimizer(role, _ds(2)) for role in (attention, ffn)] == [False, True]
+    with pytest.raises(ConfigError, match=r"ZeRO-Offload of the expert side's optimizer needs ZeRO stage 1 or 2"):
+        only_ffn.offload_optimizer(ffn, _ds(0))

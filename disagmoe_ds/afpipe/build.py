@@ -139,6 +139,9 @@ class Disaggregated:
     def zero_stage(self, role: RankRole, ds_config: JsonObject) -> int:
         return self.cfg.zero_stage_of("attention" if role.is_attention else "ffn", ds_config)
 
+    def offload_optimizer(self, role: RankRole, ds_config: JsonObject) -> bool:
+        return self.cfg.offload_optimizer_of("attention" if role.is_attention else "ffn", ds_config)
+
     def grad_scale(self, layout: Layout, role: RankRole) -> float:
         # Expert grads sum over the tokens of all lanes; DeepSpeed averages over the edp replicas only. With TP the
         # loss shares count t times (as with SP) and DeepSpeed averages an attention rank's over d / t replicas.

@@ -43,7 +43,8 @@ LEVERS: dict[str, str] = {
     "capacity_factor": '"disagmoe.capacity_factor"',
     "zero3_attention": "ZeRO-3 on the attention side",
     "zero3_ffn": "ZeRO-3 on the expert side",
-    "offload_optimizer": '"zero_optimization.offload_optimizer"',
+    "offload_optimizer": '"zero_optimization.offload_optimizer" or "disagmoe.offload_optimizer"',
+    "offload_optimizer_attention": "optimizer offload on the attention side",
     "offload_param": '"zero_optimization.offload_param"',
     "evaluation": "an evaluation (--eval-data or --eval-split)",
     "bias_update_rate": "router bias balancing (--bias-update-rate above 0)",
@@ -126,7 +127,8 @@ LINES: tuple[Line, ...] = (
         "gradients first; that is not done for ZeRO-3 on the expert side or for optimizer offload yet: remove "
         '"capacity_factor" (messages then carry their sizes in headers) or use ZeRO 0-2 without offload')),
     Line("offload_optimizer", False, ConfigError, lambda job, rules: (
-        f'"zero_optimization.offload_optimizer" does not work with {_labels(rules)} in the disaggregated mode yet: '
+        f"optimizer offload (\"zero_optimization.offload_optimizer\" or \"disagmoe.offload_optimizer\") does not "
+        f"work with {_labels(rules)} in the disaggregated mode yet: "
         f"{rules[0].why}; use ZeRO stage 1 with it (per side: \"disagmoe\": {{\"zero_stage\": "
         '{"attention": 1, "ffn": 1}}) or drop the offload')),
     Line("zero3_ffn", False, ConfigError, lambda job, rules: (
@@ -175,12 +177,14 @@ LEVER_RULES: tuple[Rule, ...] = (
     Rule("zero3_ffn", "offload_param", "not tested with DeepSpeed's parameter offload",
          "zero_optimization.offload_param"),
     Rule("zero3_ffn", "offload_optimizer", "not tested with DeepSpeed's optimizer offload",
-         "zero_optimization.offload_optimizer"),
+         "optimizer offload (zero_optimization.offload_optimizer or disagmoe.offload_optimizer)"),
     Rule("tensor_parallel", "zero3_attention", "the shards' gathers would meet ZeRO-3's, not built yet",
          "ZeRO stage 3 on the attention side"),
     Rule("tensor_parallel", "lora", "adapters are not cut into shards yet", "lora"),
-    Rule("tensor_parallel", "offload_optimizer", "the TP sum of replicated gradients runs on the device's copies",
-         "zero_optimization.offload_optimizer"),
+    Rule("tensor_parallel", "offload_optimizer_attention",
+         "the TP sum of replicated gradients runs on the device's copies",
+         "optimizer offload on the attention side (zero_optimization.offload_optimizer or "
+         "disagmoe.offload_optimizer.attention)"),
     Rule("evaluation", "cuda_graphs", "the graphs are captured for training steps, with their backward"),
 )  # fmt: skip
 

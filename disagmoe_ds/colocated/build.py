@@ -101,6 +101,10 @@ class Colocated:
         del role  # one engine over both kinds of parameters: one stage
         return self.cfg.zero_stage_of("attention", ds_config)
 
+    def offload_optimizer(self, role: RankRole, ds_config: dict[str, Any]) -> bool:
+        del role
+        return self.cfg.offload_optimizer_of("attention", ds_config)
+
     def groups(
         self,
         layout: ColocatedLayout,

@@ -125,12 +125,15 @@ class ColocatedConfig(LaneSlices, FineTuning, Recompute, Kernels, Watchdog, Accu
         """Either side's ZeRO stage: ``zero_optimization.stage``, the stage of the one engine a rank has over both
         kinds of parameters (``config.effective_zero_stage``); a per-side stage in the section is refused."""
         del side
-        if ds_config.get(SECTION, {}).get("zero_stage"):
-            raise ConfigError(
-                f'"{SECTION}.zero_stage" sets a ZeRO stage per side of a disaggregated job; a co-located rank has one '
-                'engine over both kinds of parameters: set "zero_optimization.stage" (--zero) instead'
-            )
+        _refuse_per_side(ds_config, "zero_stage", '"zero_optimization.stage" (--zero)')
         return effective_zero_stage(ds_config)
+
+    def offload_optimizer_of(self, side: str, ds_config: dict[str, Any]) -> bool:
+        """Whether the one engine keeps its optimizer on the host (``zero_optimization.offload_optimizer``); a
+        per-side switch in the section is refused."""
+        del side
+        _refuse_per_side(ds_config, "offload_optimizer", '"zero_optimization.offload_optimizer"')
+        return bool(ds_config.get("zero_optimization", {}).get("offload_optimizer"))
 
     @property
     def lanes(self) -> int:
@@ -362,4 +365,13 @@ class ColocatedLayout(ExpertSlices):
         return (
             f"co-located EP+DP: {ranks}, EP {self.ep_size} x EDP {self.expert_data_parallel}{lanes}, "
             f"{self.experts_per_rank} experts per rank"
+        )
+
+
+def _refuse_per_side(ds_config: dict[str, Any], key: str, instead: str) -> None:
+    """A per-side ZeRO setting of the section, which a co-located rank's one engine cannot take."""
+    if ds_config.get(SECTION, {}).get(key):
+        raise ConfigError(
+            f'"{SECTION}.{key}" is set per side of a disaggregated job; a co-located rank has one engine over both '
+            f"kinds of parameters: set {instead} instead"
         )

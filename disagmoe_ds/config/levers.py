@@ -10,9 +10,12 @@ from disagmoe_ds.config.sections import SIDES
 
 
 class LeverConfig(Protocol):
-    """What ``job_of`` needs of either mode's config: its ZeRO stage per side (its levers are read by name)."""
+    """What ``job_of`` needs of either mode's config: its ZeRO stage and optimizer offload per side (its levers are
+    read by name)."""
 
     def zero_stage_of(self, side: str, ds_config: dict[str, Any]) -> int: ...
+
+    def offload_optimizer_of(self, side: str, ds_config: dict[str, Any]) -> bool: ...
 
 
 def job_of(
@@ -43,7 +46,8 @@ def job_of(
         levers |= {
             "zero3_attention": stages["attention"] == 3,
             "zero3_ffn": stages["ffn"] == 3,
-            "offload_optimizer": bool(zero.get("offload_optimizer")),
+            "offload_optimizer": any(cfg.offload_optimizer_of(side, ds_config) for side in SIDES),
+            "offload_optimizer_attention": cfg.offload_optimizer_of("attention", ds_config),
             "offload_param": bool(zero.get("offload_param")),
         }
     return Job.of(model_type, **levers, **more)

@@ -284,18 +284,36 @@ class MemoryLevers(Recompute):
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroPerSide(Section):
-    """Each side's ZeRO stage (the planner's "ZeRO a/f").
+    """Each side's ZeRO stage (the planner's "ZeRO a/f") and where its optimizer state lives.
 
     Attributes:
         zero_stage: per side (``attention``, ``ffn``), the ZeRO stage of that side's engines, replacing
             ``zero_optimization.stage`` there; the expert side also takes stage 3 (its parameters sharded over the
             expert replicas).
+        offload_optimizer: per side, true: DeepSpeed's ZeRO-Offload for that side's engines (the fp32 master
+            weights, the Adam moments and the step in host memory, ``zero_optimization.offload_optimizer`` with
+            device cpu), false: none, replacing the ds_config's ``offload_optimizer`` there. The expert side holds
+            most of a large MoE model's parameters and the attention side most of its activations: this moves the
+            former's 12 bytes a parameter to the host and keeps the latter's step on the GPU. ZeRO 1 or 2 there.
     """
 
     zero_stage: dict[str, int] = field(default_factory=dict)
+    offload_optimizer: dict[str, bool] = field(default_factory=dict)
 
     def _check(self) -> None:
         _check_per_side("zero_stage", self.zero_stage, '{"attention": 1, "ffn": 2}', _zero_stage_problem)
+        _check_per_side("offload_optimizer", self.offload_optimizer, '{"ffn": true}', _switch_problem)
+
+    def offload_optimizer_of(self, side: str, ds_config: dict[str, Any]) -> bool:
+        """Whether the ``attention`` or ``ffn`` side's engines keep their optimizer on the host: the per-side
+        switch, else whether ``zero_optimization.offload_optimizer`` is set."""
+        on = self.offload_optimizer.get(side, bool(ds_config.get("zero_optimization", {}).get("offload_optimizer")))
+        if on and self.zero_stage_of(side, ds_config) == 0:
+            raise ConfigError(
+                f"ZeRO-Offload of the {'expert' if side == 'ffn' else 'attention'} side's optimizer needs ZeRO stage 1 "
+                f'or 2 there: set "{SECTION}.zero_stage.{side}" (or "zero_optimization.stage") to 1 or 2'
+            )
+        return on
 
     def zero_stage_of(self, side: str, ds_config: dict[str, Any]) -> int:
         """The ZeRO stage of the ``attention`` or ``ffn`` side's engines under ``ds_config``: its per-side stage,
@@ -405,6 +423,11 @@ def _offload_problem(side: str, share: Any) -> str | None:
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         return f"is the share of layers offloaded to host memory, in [0, 1]; got {share!r}"
     return None
+
+
+def _switch_problem(side: str, value: Any) -> str | None:
+    del side
+    return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
 
 
 def _zero_stage_problem(side: str, stage: Any) -> str | None:

@@ -80,10 +80,17 @@ MONITOR_SECTIONS = ("tensorboard", "wandb", "csv_monitor", "comet")  # DeepSpeed
 
 
 def role_ds_config(
-    ds_config: JsonObject, *, micro_batches: int, micro_batch_size: int, dp_size: int, stage: int | None = None
+    ds_config: JsonObject,
+    *,
+    micro_batches: int,
+    micro_batch_size: int,
+    dp_size: int,
+    stage: int | None = None,
+    offload_optimizer: bool | None = None,
 ) -> JsonObject:
     """The user's ds_config adapted to one role engine, at ZeRO ``stage``: its side's effective stage (the mode's
-    ``zero_stage_of``, which checked it), or None for the ds_config's own, checked here.
+    ``zero_stage_of``, which checked it), or None for the ds_config's own, checked here; ``offload_optimizer``: its
+    side's ZeRO-Offload (host memory, the ds_config's settings of it where it has them), or None for the ds_config's.
 
     Gradient accumulation is owned by the AF-Pipe executor (one ``step()`` per batch after many partial
     backwards), so ``managed_gradient_accumulation`` is off and the batch sizes are made consistent. At stage 3
@@ -109,6 +116,10 @@ def role_ds_config(
         stage = effective_zero_stage(config)
     zero = config.setdefault("zero_optimization", {})
     zero["stage"] = stage
+    if offload_optimizer is False:
+        zero.pop("offload_optimizer", None)
+    elif offload_optimizer:
+        zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": "cpu"}
     if stage == 3:
         zero.setdefault("stage3_param_persistence_threshold", 0)
     return config
@@ -303,6 +314,7 @@ def build_engine(
     data_parallel_group: dist.ProcessGroup,
     grad_scale: float = 1.0,
     zero_stage: int | None = None,
+    offload_optimizer: bool | None = None,
 ) -> DeepSpeedEngine:
     """``deepspeed.initialize`` over one rank's module (a role stage, or a co-located model), with the corrections
     described in the module docstring; the caller installs the rank's ``GradNorm``.
@@ -311,6 +323,7 @@ def build_engine(
         data_parallel_group: the replicas of the module's parameters (the ``RoleMPU``'s group).
         grad_scale: every gradient is multiplied by it as autograd produces it (``scale_gradients``).
         zero_stage: the rank's side's ZeRO stage (default: the ds_config's); 3 shards the module's parameters.
+        offload_optimizer: the rank's side's ZeRO-Offload of the optimizer to host memory (default: the ds_config's).
     """
     mpu = RoleMPU(data_parallel_group)
     config = role_ds_config(
@@ -319,6 +332,7 @@ def build_engine(
         micro_batch_size=micro_batch_size,
         dp_size=mpu.get_data_parallel_world_size(),
         stage=zero_stage,
+        offload_optimizer=offload_optimizer,
     )
     scale_gradients(module, grad_scale)
     # DeepSpeed's ZeRO gathers call it under its old name; torch then warns once per rank about DeepSpeed's code.

@@ -63,6 +63,8 @@ class ModeConfig(Protocol):
 
     def zero_stage_of(self, side: str, ds_config: JsonObject) -> int: ...
 
+    def offload_optimizer_of(self, side: str, ds_config: JsonObject) -> bool: ...
+
     @property
     def comm_timeout_s(self) -> float: ...
 
@@ -168,6 +170,10 @@ class RankMode(Protocol[LayoutT]):
         """The ZeRO stage of the rank's engine (its side's, in the disaggregated mode)."""
         ...
 
+    def offload_optimizer(self, role: RankRole, ds_config: JsonObject) -> bool:
+        """Whether the rank's engine keeps its optimizer in host memory (its side's, in the disaggregated mode)."""
+        ...
+
     def grad_scale(self, layout: LayoutT, role: RankRole) -> float:
         """The factor on the rank's gradients before DeepSpeed averages them over the data-parallel group."""
         ...
@@ -262,6 +268,7 @@ class RankBuilder(Generic[LayoutT, ConfigT]):
             data_parallel_group=groups.data_parallel,
             grad_scale=mode.grad_scale(layout, role),
             zero_stage=mode.zero_stage(role, ds_config),
+            offload_optimizer=mode.offload_optimizer(role, ds_config),
         )
         grad_norm = mode.grad_norm(layout, groups)
         grad_norm.install(engine)
