@@ -42,6 +42,7 @@ from disagmoe_ds.planner.plans import (
 )
 from disagmoe_ds.planner.recompute import Recompute
 from disagmoe_ds.planner.stages import af_roofline
+from disagmoe_ds.planner.training_state import ffn_host_state_bytes
 from disagmoe_ds.planner.variants import POLICIES, dominated, memory_variants, offload_share, savings, search_options
 from disagmoe_ds.planner.workload import Workload
 
@@ -156,6 +157,9 @@ def _fit_memory(
     short of 2p + 1 micro-batches, with the smallest offload shares that fill it; None if neither fits."""
     out: list[tuple[Workload, RankMemory, RankMemory, int]] = []
     usable, usable_f = req.rates.usable_hbm, req.rates.side("ffn").usable_hbm
+    host_state = req.cluster.gpus_per_node * _host_state(req.spec, layout, work)  # a node of F ranks
+    if host_state > req.cluster.host_bytes:
+        return None
     mem_a, mem_f = _memory(req.spec, layout, work)
     cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable_f))
     if cap >= 1:
@@ -170,12 +174,17 @@ def _fit_memory(
             off = replace(work, offload=(shares[0], shares[1]))
             mem_a, mem_f = _memory(req.spec, layout, off)
             off_cap = min(mem_a.max_in_flight(usable), mem_f.max_in_flight(usable_f))
-            host = (
+            host = host_state + (
                 req.cluster.gpus_per_node * ring * max(mem_a.offloaded_per_micro_batch, mem_f.offloaded_per_micro_batch)
             )
             if off_cap >= ring and host <= req.cluster.host_bytes:
                 out.append((off, mem_a, mem_f, off_cap))
     return out or None
+
+
+def _host_state(spec: ModelSpec, layout: Layout, work: Workload) -> float:
+    """Host bytes of the busiest F rank's optimizer state where it is in host memory (0 where it is not)."""
+    return max(ffn_host_state_bytes(spec, layout, work, g) for g in range(layout.depth))
 
 
 def _memory(spec: ModelSpec, layout: Layout, work: Workload) -> tuple[RankMemory, RankMemory]:
@@ -195,6 +204,7 @@ def _side_works(work: Workload) -> tuple[Workload, Workload]:
         ffn_zero_stage=None,
         offload=(work.offload[0], 0.0),
         split_backward=False,
+        ffn_optimizer_on_host=False,
     )
     f = replace(
         work.with_recompute(*[work.recompute_of("ffn")] * 2),

@@ -61,6 +61,7 @@ _EFFICIENCY_FLAGS = {
     "nvlink": "achievable share of NVLink bandwidth",
     "memory": "usable share of GPU memory",
     "hbm": "achievable share of HBM bandwidth (the optimizer step)",
+    "host": "achievable share of a node's host memory bandwidth (an optimizer stepping there)",
 }
 
 

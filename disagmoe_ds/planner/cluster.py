@@ -30,6 +30,8 @@ _MIB = 1 << 20
 PCIE_GEN5_X16 = 63e9
 # Host memory of a DGX H100/H800-class node: 2 TiB (32 x 64 GiB DIMMs).
 DGX_HOST_BYTES = float(2 << 40)
+# Its memory bandwidth: two Xeon Platinum 8480C sockets of 8 DDR5-4800 channels (38.4 GB/s each) = 614 GB/s.
+DGX_HOST_MEM_BW = 2 * 8 * 38.4e9
 # HBM bandwidth per GPU (NVIDIA's data sheets): H100 and H800 SXM, 80 GB of HBM3, 3.35 TB/s; H200 SXM, 141 GB of
 # HBM3e, 4.8 TB/s. A cluster JSON without hbm_bw gets the one of its memory size (``default_hbm_bw``).
 HBM_BW_H100 = 3.35e12
@@ -63,6 +65,7 @@ class Cluster:
         pcie_bw: host link of one GPU, bytes/s, one direction (activation offload; the GPU's NIC traffic
             crosses the same x16 link to its PCIe switch under GPUDirect RDMA).
         host_bytes: host memory of one node in bytes (where offloaded activations go).
+        host_mem_bw: host memory bandwidth of one node, bytes/s (where an offloaded optimizer steps).
         hbm_bw: memory bandwidth of one GPU, bytes/s (None: ``default_hbm_bw(hbm_bytes)``).
         message_host_s: host seconds a rank spends issuing one exchange operation (a grouped send, a posted
             receive, an all-to-all call), on the critical path of a rank whose host is the busier side. 0 by
@@ -80,6 +83,7 @@ class Cluster:
     hosts: tuple[str, ...] = ()
     pcie_bw: float = PCIE_GEN5_X16
     host_bytes: float = DGX_HOST_BYTES
+    host_mem_bw: float = DGX_HOST_MEM_BW
     hbm_bw: float | None = None
     message_host_s: float = 0.0
 
@@ -90,7 +94,7 @@ class Cluster:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"cluster field {f} must be a positive integer, got {value!r}")
-        for f in ("peak_flops", "hbm_bytes", "nvlink_bw", "nic_bw", "pcie_bw", "host_bytes", "hbm_bw"):
+        for f in ("peak_flops", "hbm_bytes", "nvlink_bw", "nic_bw", "pcie_bw", "host_bytes", "host_mem_bw", "hbm_bw"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"cluster field {f} must be a positive number, got {value!r}")
@@ -134,7 +138,7 @@ class Cluster:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown cluster field(s) {unknown}; allowed: {sorted(known)}")
-        optional = ("hosts", "pcie_bw", "host_bytes", "hbm_bw", "message_host_s")
+        optional = ("hosts", "pcie_bw", "host_bytes", "host_mem_bw", "hbm_bw", "message_host_s")
         missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if missing:
             raise ConfigError(f"cluster JSON lacks field(s) {missing}")
@@ -160,7 +164,20 @@ def _h200(nodes: int) -> Cluster:
 def _a100(nodes: int) -> Cluster:
     # A100 SXM 80 GB: 312 TFLOP/s dense bf16, 81920 MiB, 2.04 TB/s HBM2e, NVLink 600 GB/s total (300 one way),
     # 8 x 200 Gb/s HDR NICs per node (DGX A100), PCIe Gen4 x16 (16 GT/s x 16 lanes x 128b/130b = 31.5 GB/s).
-    return Cluster("a100", nodes, 8, 312e12, 81920 * _MIB, 300e9, 8, 25e9, pcie_bw=31.5e9, hbm_bw=2.039e12)
+    # Host: two EPYC 7742 sockets of 8 DDR4-3200 channels (25.6 GB/s each).
+    return Cluster(
+        "a100",
+        nodes,
+        8,
+        312e12,
+        81920 * _MIB,
+        300e9,
+        8,
+        25e9,
+        pcie_bw=31.5e9,
+        host_mem_bw=2 * 8 * 25.6e9,
+        hbm_bw=2.039e12,
+    )
 
 
 PRESETS = {"h800": _h800, "h100": _h100, "h200": _h200, "a100": _a100}
@@ -202,6 +219,9 @@ class Efficiency:
     memory 0.9: usable share of HBM after the CUDA context, NCCL buffers and allocator fragmentation.
     pcie 0.8: achieved share of the PCIe line rate by large pinned-memory DMA copies (~50 of 63 GB/s on Gen5).
     hbm 0.9: achieved share of HBM bandwidth by streaming kernels (``STREAMING_HBM_SHARE``).
+    host 0.5: achieved share of a node's host memory bandwidth by the optimizer steps of its GPUs' offloaded state
+        (DeepSpeed's CPU Adam, one process per GPU, beside the DMA of gradients and parameters). An assumption, not
+        measured on these machines: a streaming kernel reaches 70-80% of a two-socket server's DRAM bandwidth.
     """
 
     compute: float = 0.5
@@ -210,6 +230,7 @@ class Efficiency:
     nvlink: float = 0.8
     memory: float = 0.9
     pcie: float = 0.8
+    host: float = 0.5
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -252,6 +273,7 @@ class Rates:
     hbm_bw: float  # bytes/s one GPU's streaming kernels move to and from its memory (the optimizer step)
     source: str
     pcie_bw: float = PCIE_GEN5_X16 * 0.8  # bytes/s per GPU and direction over its host link
+    host_mem_bw: float = DGX_HOST_MEM_BW * 0.5 / 8  # bytes/s of host memory one GPU's offloaded optimizer streams
     message_host_s: float = 0.0  # host seconds per exchange operation (``Cluster.message_host_s``)
     # the busiest rank's expert load over the mean: 1 is forced-balanced routing; real (dropless) routing is
     # above 1, and every MoE layer waits for its busiest rank (``part_times.expert_call_s``, the all-to-all)
@@ -277,6 +299,7 @@ class Rates:
             usable_hbm=cluster.hbm_bytes * eff.memory,
             hbm_bw=cluster.memory_bw * eff.hbm,
             pcie_bw=cluster.pcie_bw * eff.pcie,
+            host_mem_bw=cluster.host_mem_bw * eff.host / cluster.gpus_per_node,
             message_host_s=cluster.message_host_s,
             source=f"peak x efficiency (compute {eff.compute:g}, network {eff.network:g}, nvlink {eff.nvlink:g})",
         )

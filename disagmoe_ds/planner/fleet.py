@@ -40,7 +40,7 @@ from disagmoe_ds.planner.workload import Workload
 # what a node of each type must share for one placement to hold both
 _SAME_PER_NODE = ("gpus_per_node", "nics_per_node")
 # the hardware fields the whole fleet, run as one homogeneous cluster, gets at its weaker type's value
-_WEAKEST = ("peak_flops", "hbm_bytes", "nvlink_bw", "nic_bw", "pcie_bw", "host_bytes", "hbm_bw")
+_WEAKEST = ("peak_flops", "hbm_bytes", "nvlink_bw", "nic_bw", "pcie_bw", "host_bytes", "host_mem_bw", "hbm_bw")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ optimizer state it holds (its ZeRO shard) through HBM a few times, so it takes
 It starts after the global gradient norm (clipping needs it), so after the last backward of every rank:
 
 * AF-Pipe: the A lanes and the F ranks step in parallel once the pipeline has drained; the step waits for the
-  slower side, usually an F rank holding the state of many experts (``af_optimizer_s``);
+  slower side, usually an F rank holding the state of many experts (``af_optimizer_s``); with the F side's optimizer
+  in host memory its step is the copies over PCIe and the host's pass over the state (``host_optimizer_step_s``);
 * co-located: every rank steps its own shard; the rank of the heaviest stage decides (``baseline_optimizer_s``).
 
 Under FP8 a rank's step also carries the casts of its expert weights, once a step (``fp8_costs.weight_cast_s``).
@@ -55,6 +56,20 @@ BYTES_PER_PARAM = {
 }
 
 
+# Host memory bytes per parameter of a step with the optimizer in host memory (ZeRO-Offload, CPU Adam): the gradient
+# copied down into an fp32 host buffer (the DMA writes 4), Adam over fp32 parameter, gradient and moments (reads 16,
+# writes 12), the bf16 parameter written for the copy up (2) and read by it (2).
+HOST_STEP_BYTES = 4 + 16 + 12 + 2 + 2
+# PCIe bytes per parameter of that step: the fp32 gradient down, the bf16 parameter up (bf16 training).
+PCIE_STEP_BYTES = 4 + 2
+
+
+def host_optimizer_step_s(params: float, *, rates: Rates) -> float:
+    """Seconds of the step of a rank whose optimizer state for ``params`` parameters is in host memory: the copies
+    over its PCIe link, then the host's step (its share of the node's host memory bandwidth), not overlapped."""
+    return params * PCIE_STEP_BYTES / rates.pcie_bw + params * HOST_STEP_BYTES / rates.host_mem_bw
+
+
 def state_params(params: float, *, replicas: int, zero_stage: int) -> float:
     """Parameters whose optimizer state one rank holds: ZeRO-1 and up shard it over the group's replicas."""
     return params / replicas if zero_stage >= 1 else params
@@ -73,11 +88,12 @@ def af_optimizer_s(spec: ModelSpec, layout: Layout, work: Workload, rates: Rates
     a_trained = rank_params(a_params.trained, work)
     a = state_params(a_trained, replicas=param_replicas(layout, work), zero_stage=work.zero_of("attention"))
     f = state_params(f_params.trained, replicas=layout.expert_data_parallel, zero_stage=work.zero_of("ffn"))
-    return (
-        optimizer_step_s(a, precision=work.precision, rates=rates),
-        optimizer_step_s(f, precision=work.precision, rates=rates.side("ffn"))
-        + _expert_casts_s(f_params, work, rates.side("ffn")),
-    )
+    f_rates = rates.side("ffn")
+    if work.ffn_optimizer_on_host:
+        f_step = host_optimizer_step_s(f, rates=f_rates)
+    else:
+        f_step = optimizer_step_s(f, precision=work.precision, rates=f_rates)
+    return optimizer_step_s(a, precision=work.precision, rates=rates), f_step + _expert_casts_s(f_params, work, f_rates)
 
 
 def _expert_casts_s(experts: Params, work: Workload, rates: Rates) -> float:

@@ -64,6 +64,7 @@ def runtime_refusal(work: Workload) -> str | None:
             offload=any(share > 0 for share in work.offload),
             offload_ffn=work.offload[1] > 0,
             zero3_ffn=work.zero_of("ffn") == 3,
+            offload_optimizer=work.ffn_optimizer_on_host,
         )
     )
 
@@ -206,6 +207,7 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
             "offload": {"attention": round(w.offload[0], 6), "ffn": round(w.offload[1], 6)},
             "zero_stage": {"attention": w.zero_of("attention"), "ffn": w.zero_of("ffn")},
         }
+        section |= {"offload_optimizer": {"ffn": True}} if w.ffn_optimizer_on_host else {}
     section |= {name: degree for name, degree in degrees.items() if degree > 1}
     return _engine_keys(req.work) | {"disagmoe": section | _lora(w) | _fp8(w)}
 

@@ -77,6 +77,8 @@ class Precision:
         return frozen + params.fp8 * FP8_BASE_BYTES + params.trained * self.per_param(zero_stage=zero_stage, dp=dp)
 
 
+# ZeRO-Offload copies each gradient partition into an fp32 host buffer, where the CPU optimizer reads it.
+HOST_GRAD_BYTES = 4
 # A weight in FP8 blocks: one e4m3 byte per parameter and a float32 scale per 128 x 128 block (DeepSeek-V3's layout).
 FP8_BASE_BYTES = 1 + 4 / (128 * 128)
 _PRECISIONS = {"bf16": Precision("bf16", 2, 2, 4, 8), "fp32": Precision("fp32", 4, 4, 0, 8)}
@@ -139,10 +141,23 @@ def attention_state_bytes(spec: ModelSpec, layout: Layout, work: Workload, group
 
 
 def ffn_state_bytes(spec: ModelSpec, layout: Layout, work: Workload, group: int) -> float:
-    """Training state of a rank of F-group ``group``: ZeRO over the expert-DP replicas."""
+    """Training state of a rank of F-group ``group`` on its GPU: ZeRO over the expert-DP replicas; with the optimizer
+    on the host (``Workload.ffn_optimizer_on_host``) without the master weights and moments."""
     params = ffn_rank_params(spec, layout, group, work.lora)
     precision = Precision.named(work.precision)
+    if work.ffn_optimizer_on_host:
+        precision = replace(precision, master=0.0, optim=0.0)
     return precision.state_bytes(params, zero_stage=work.zero_of("ffn"), dp=layout.expert_data_parallel)
+
+
+def ffn_host_state_bytes(spec: ModelSpec, layout: Layout, work: Workload, group: int) -> float:
+    """What an F rank of ``group`` keeps in host memory with its optimizer there: the master weights, the moments
+    and an fp32 gradient of its ZeRO shard of the trained parameters (0 without)."""
+    if not work.ffn_optimizer_on_host:
+        return 0.0
+    precision = Precision.named(work.precision)
+    trained = ffn_rank_params(spec, layout, group, work.lora).trained / layout.expert_data_parallel
+    return trained * (precision.master + precision.optim + HOST_GRAD_BYTES)
 
 
 def baseline_state_bytes(

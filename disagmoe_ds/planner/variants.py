@@ -3,8 +3,9 @@
 A variant is a ``Workload``: the recompute policy (one for both sides, or with ``per_side_recompute`` one per
 side: say the attention side keeping its activations while the expert side rebuilds them), ``resend`` (F keeps
 nothing between a micro-batch's forward and backward: the tokens come again with the backward and F re-runs the
-expert forward), per-side ZeRO stages (memory at rest), ``offload`` shares (activations in host memory) and
-``split_backward`` (a schedule change only, tried at simulation time). Every saving costs something (FLOPs, wire
+expert forward), per-side ZeRO stages (memory at rest), ``offload`` shares (activations in host memory), the
+expert side's optimizer in host memory (``optimizer_offload``: its state leaves the GPU, its step runs on the host)
+and ``split_backward`` (a schedule change only, tried at simulation time). Every saving costs something (FLOPs, wire
 bytes, collective bytes or PCIe bytes; resend both FLOPs and wire bytes; ``stages.py``, ``task_costs.py``), so a
 layout tries a variant only if no variant with a subset of its savings already holds twice the ring (2 (2p + 1)
 micro-batches) in flight: beyond that memory buys no speed. A per-side variant is also not tried where a side it
@@ -27,7 +28,16 @@ from disagmoe_ds.planner.memory import RankMemory
 from disagmoe_ds.planner.recompute import Recompute
 from disagmoe_ds.planner.workload import Workload
 
-VARIANTS = ("selective", "resend", "offload", "split_backward", "zero2", "zero3", "per_side_recompute")
+VARIANTS = (
+    "selective",
+    "resend",
+    "offload",
+    "split_backward",
+    "zero2",
+    "zero3",
+    "per_side_recompute",
+    "optimizer_offload",
+)
 PAPER: frozenset[str] = frozenset()  # the paper's AF-Pipe: recompute none or full for both sides, one ZeRO stage
 POLICIES: tuple[Recompute, ...] = ("none", "selective", "full")  # each saves what the one before it does, and more
 OFFLOAD_STEP = 0.05  # offload shares are rounded up to this grid
@@ -52,6 +62,8 @@ def memory_variants(base: Workload, recompute: Iterable[Recompute], allowed: fro
         out.append(replace(base.with_recompute(a, f), resend=False, attention_zero_stage=az, ffn_zero_stage=fz))
     if base.fp8_cast_once:  # each variant again without the step's FP8 weight copies
         out += [replace(work, fp8_cast_per_call=True) for work in out]
+    if "optimizer_offload" in allowed:  # ZeRO-Offload runs at stage 1 or 2 (the runtime refuses it at 3)
+        out += [replace(work, ffn_optimizer_on_host=True) for work in out if work.zero_of("ffn") in (1, 2)]
     return sorted(out, key=_escalation)
 
 
@@ -76,6 +88,7 @@ def savings(work: Workload) -> frozenset[str]:
     out |= {f"A zero {s}" for s in range(2, work.zero_of("attention") + 1)}
     out |= {f"F zero {s}" for s in range(2, work.zero_of("ffn") + 1)}
     out |= {"FP8 cast per call"} if work.fp8_cast_per_call else set()
+    out |= {"F optimizer on host"} if work.ffn_optimizer_on_host else set()
     return frozenset(out)
 
 
@@ -113,6 +126,7 @@ def variants_used(work: Workload) -> frozenset[str]:
     used |= {"offload"} if any(work.offload) else set()
     used |= {"zero2"} if any(s == 2 > z for s in sides) else set()
     used |= {"zero3"} if sides[1] == 3 > z else set()
+    used |= {"optimizer_offload"} if work.ffn_optimizer_on_host else set()
     return frozenset(used)
 
 

@@ -37,6 +37,10 @@ class Workload:
             e4m3 (``fp8_costs.py``), the expert weights cast once a step and their FP8 copies held for it.
         fp8_cast_per_call: with ``fp8``, the expert weights cast in every call instead (no copies held; the
             runtime's ``fp8_cast_per_call``), a memory variant.
+        ffn_optimizer_on_host: the expert side's fp32 master weights, Adam moments and step in host memory
+            (DeepSpeed's ZeRO-Offload on that side alone, the runtime's ``"offload_optimizer": {"ffn": true}``), a
+            memory variant: 12 bytes a trained expert parameter (over the replicas) leave the GPU, and the step
+            streams them on the host after copying the gradients down and before copying the parameters up.
     """
 
     seq_len: int
@@ -59,6 +63,7 @@ class Workload:
     fp8: bool = False
     fp8_cast_per_call: bool = False
     lora_fp8_base: bool = False
+    ffn_optimizer_on_host: bool = False
 
     def __post_init__(self) -> None:
         # validated once; the targets kept in canonical order so that equal runs hash equal
@@ -139,6 +144,7 @@ class Workload:
         off_a, off_f = self.offload
         parts += [f"offload A {off_a:.0%} F {off_f:.0%}"] if off_a or off_f else []
         parts += ["split backward"] if self.split_backward else []
+        parts += ["F optimizer on host"] if self.ffn_optimizer_on_host else []
         parts += [f"SP {self.sequence_parallel} x TP {self.tensor_parallel}"] if self.lane_size > 1 else []
         return ", ".join(parts + [f"ZeRO {self.zero_of('attention')}/{self.zero_of('ffn')}"])
 
