@@ -7,7 +7,7 @@
 #   profile   the planner's part profile (eager and compiled parts) on GPU 0, for predicting the e2e rows
 #   variants  on NCCL against HF: the mailbox's late sends (bench/verify_late_sends.py), the memory levers
 #             (split backward at ZeRO 1 and 2, selective recompute, ZeRO-3 on the expert side) and, from 3 GPUs,
-#             SP and TP lanes of 2 ranks
+#             SP and TP lanes of 2 ranks (GPT-OSS's: flex_attention with its sinks on the traded heads)
 #   levers    each memory lever's AF-Pipe step beside plain AF-Pipe on the balanced model, compiled, with timelines
 #   lanes     plain, SP 2 and TP 2 A-lanes at a long sequence (LANES_SEQ), step time and peak memory (4+ GPUs)
 #   dedup     the node-deduplicated exchange (4+ GPUs, the expert side's G/2 ranks as two "nodes" of G/4): parity on
@@ -129,7 +129,9 @@ variants)
     levers+=("--attention-gpus 2 --ffn-gpus $((G - 2)) --model hf_models/tiny-qwen3-moe --sequence-parallel 2 --zero 2"
              "--attention-gpus 2 --ffn-gpus $((G - 2)) --model hf_models/tiny-qwen3-moe --tensor-parallel 2 --zero 2"
              "--attention-gpus 2 --ffn-gpus $((G - 2)) --model hf_models/tiny-deepseek-v3 --tensor-parallel 2 \
-              --zero 1 --dtype bf16")
+              --zero 1 --dtype bf16"
+             "--attention-gpus 2 --ffn-gpus $((G - 2)) --model hf_models/tiny-gpt-oss --sequence-parallel 2 --zero 1"
+             "--attention-gpus 2 --ffn-gpus $((G - 2)) --model hf_models/tiny-gpt-oss --tensor-parallel 2 --zero 1")
   fi
   for lever in "${levers[@]}"; do
     # shellcheck disable=SC2086
