@@ -39,8 +39,8 @@ def attention_for(config: PretrainedConfig, choice: str, device_type: str) -> st
 
 
 def attention_refusal(config: PretrainedConfig, choice: str, device_type: str | None = None) -> str | None:
-    """Why ``choice`` (one of ``ATTENTION_KERNELS``) cannot run ``config``'s model (on
-    ``device_type``, where known), or None."""
+    """Why ``choice`` (one of ``ATTENTION_KERNELS``) cannot run ``config``'s model on ``device_type`` (None: not
+    known yet), or None."""
     supports = _supported(config)
     key = '"disagmoe.attention"'
     if choice != "auto" and choice not in supports:

@@ -28,9 +28,9 @@ TOLERANCE = {
     "fp32": {"logits": 1e-5, "loss": 1e-5, "grads": 1e-5},
     "bf16": {"logits": 1e-1, "loss": 1e-2, "grads": 5e-2},
 }
-# bf16 logits beyond their bound still pass where the split is no further from the fp32 model than HF in bf16 is,
-# within this factor: HF's eager bf16 softmaxes and norms round where a compiled part keeps fp32 (tiny GPT-OSS at 256
-# tokens: HF bf16 is 0.13-0.22 from fp32, the compiled split 0.13-0.15, and so 0.12-0.22 from HF bf16).
+# bf16 logits past their bound still pass where the split's are no further from the fp32 model's than HF's bf16 ones,
+# within this factor: HF's eager bf16 rounds softmaxes and norms that a compiled part keeps in fp32 (tiny GPT-OSS at
+# 256 tokens: HF bf16 0.13-0.22 from fp32, the compiled split 0.13-0.15, so 0.12-0.22 apart).
 AS_CLOSE_TO_FP32 = 1.25
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -68,18 +68,16 @@ def compare(
         "loss": abs(ref_loss.item() - out_split.loss.item()),
         "grads": max(_grad_diff(n, grads[n], p.grad) for n, p in ref_grads.items()),
     }
-    ok = all(v <= TOLERANCE[dtype][k] for k, v in diffs.items())
+    within = {k: v <= TOLERANCE[dtype][k] for k, v in diffs.items()}
     to_fp32 = {}
-    if dtype == "bf16":
+    if dtype == "bf16":  # logits past their bound pass where no further from the fp32 model's than HF's bf16 ones
         exact = _fp32_logits(model_dir, seed, device, attention, skew, input_ids)
         to_fp32 = {
             name: (out.logits.float() - exact).abs().max().item()
             for name, out in (("hf", out_ref), ("split", out_split))
         }
-        loose = {k: v <= TOLERANCE[dtype][k] for k, v in diffs.items() if k != "logits"}
-        ok = all(loose.values()) and (
-            diffs["logits"] <= TOLERANCE[dtype]["logits"] or to_fp32["split"] <= AS_CLOSE_TO_FP32 * to_fp32["hf"]
-        )
+        within["logits"] = within["logits"] or to_fp32["split"] <= AS_CLOSE_TO_FP32 * to_fp32["hf"]
+    ok = all(within.values())
     return {
         "model": model_dir,
         "device": device,
