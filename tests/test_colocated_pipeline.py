@@ -126,7 +126,7 @@ def test_pipeline_stages_equal_hf(tiny_checkpoint, case: PipeCase):
         seq_len=8,
         clip=CLIP,
         skew=True,
-        offload_optimizer=case.offload,
+        zero_offload=case.offload,
     )
     summary = run_colocated_verify(args, timeout_s=180)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"

@@ -261,7 +261,7 @@ def test_optimizer_offload_equals_hf(stages, per_side) -> None:
     fields = {"offload_optimizer": per_side} if per_side else {}
     cfg = SidesJob(M=2, N=2, K=3, stages=stages).config(transport="rendezvous", **fields)
     model = ROOT / "hf_models" / "tiny-qwen3-moe"
-    args = VerifyArgs(str(model), cfg, zero=1, seq_len=8, clip=CLIP, offload_optimizer=per_side is None)
+    args = VerifyArgs(str(model), cfg, zero=1, seq_len=8, clip=CLIP, zero_offload=per_side is None)
     summary = run_verify(args, timeout_s=240)
     assert all(n > CLIP for n in summary["reference_grad_norms"]), "clipping must be active in this test"
     assert summary["pass"], summary

@@ -41,6 +41,14 @@ class Flag:
         return self.name or flag_of(key)
 
 
+def switch(text: str) -> bool:
+    """A true/false command-line value (true, false, 1, 0, on, off)."""
+    value = {"true": True, "1": True, "on": True, "false": False, "0": False, "off": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
 # The CLIs that make flags from this table; "run_pretrain" overrides a ds_config, so its flags default to None (the
 # ds_config's value), the others build a config from the flags alone and default to the section's default.
 CLIS = ("run_pretrain", "verify", "colocated_verify", "convert", "bench")
@@ -132,6 +140,12 @@ SECTION_FLAGS: dict[str, Flag] = {
         "ZeRO stage of the attention and the FFN side (F may be 3: expert parameters sharded), replacing --zero",
         per_side=True,
     ),
+    "offload_optimizer": Flag(
+        "whether the attention and the FFN side keep their optimizer state and step in host memory (DeepSpeed's "
+        "ZeRO-Offload on that side's engines; true or false each, e.g. false true)",
+        type=switch,
+        per_side=True,
+    ),
 }
 
 
@@ -157,6 +171,7 @@ LEVER_KEYS = (
     "split_backward",
     "offload",
     "zero_stage",
+    "offload_optimizer",
 )
 
 

@@ -48,13 +48,13 @@ class VerifyArgs:
     skew: bool = False
     timeline: str | None = None
     packed: bool = False  # two documents per sequence: position ids restart mid-sequence (block-diagonal mask)
-    offload_optimizer: bool = False  # DeepSpeed's ZeRO-Offload: the optimizer state and step in host memory
+    zero_offload: bool = False  # DeepSpeed's ZeRO-Offload on every engine: optimizer state and step in host memory
 
     def ds_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
             "disagmoe": self.cfg.to_dict(),
             "zero_optimization": {"stage": self.zero}
-            | ({"offload_optimizer": {"device": "cpu"}} if self.offload_optimizer else {}),
+            | ({"offload_optimizer": {"device": "cpu"}} if self.zero_offload else {}),
             "gradient_clipping": self.clip,
             # torch's AdamW, the reference's optimizer (DeepSpeed's FusedAdam would also JIT-compile on GPUs)
             "optimizer": {

@@ -30,8 +30,9 @@ def add_run_args(p: argparse.ArgumentParser, *, zero_help: str) -> None:
     )  # fmt: skip
     p.add_argument("--packed", action="store_true", help="two documents per sequence (position ids restart)")
     p.add_argument(
-        "--offload-optimizer", action="store_true",
-        help="DeepSpeed's ZeRO-Offload: the optimizer state and its step in host memory (needs --zero 1 or more)",
+        "--zero-offload", action="store_true",
+        help="DeepSpeed's ZeRO-Offload on every engine: the optimizer state and its step in host memory (needs --zero "
+        "1 or more; --offload-optimizer A F sets it per side)",
     )  # fmt: skip
     p.add_argument("--timeline", metavar="PATH", help="write the last step's Chrome/Perfetto trace of all ranks")
     p.add_argument("--json", action="store_true", help="print the JSON summary on one line")
