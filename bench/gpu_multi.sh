@@ -6,7 +6,8 @@
 #             model, compiled from cold caches, with timelines
 #   profile   the planner's part profile (eager and compiled parts) on GPU 0, for predicting the e2e rows
 #   variants  on NCCL against HF: the mailbox's late sends (bench/verify_late_sends.py), the memory levers
-#             (split backward at ZeRO 1 and 2, selective recompute, ZeRO-3 on the expert side) and, from 3 GPUs,
+#             (split backward at ZeRO 1 and 2, selective recompute, ZeRO-3 on the expert side, the expert side's
+#             optimizer in host memory) and, from 3 GPUs,
 #             SP and TP lanes of 2 ranks (GPT-OSS's: flex_attention with its sinks on the traded heads)
 #   levers    each memory lever's AF-Pipe step beside plain AF-Pipe on the balanced model, compiled, with timelines
 #   lanes     plain, SP 2 and TP 2 A-lanes at a long sequence (LANES_SEQ), step time and peak memory (4+ GPUs)
@@ -124,7 +125,9 @@ variants)
           "--attention-gpus $H --ffn-gpus $H --model hf_models/tiny-mixtral --split-backward --zero 2 --dtype bf16"
           "--attention-gpus $H --ffn-gpus $H --model hf_models/tiny-deepseek-v3 --selective-recompute --zero 1 --skew"
           "--attention-gpus 1 --ffn-gpus $((G - 1)) --expert-data-parallel $edp --model hf_models/tiny-qwen3-moe \
-           --zero-stage 1 3 --skew")
+           --zero-stage 1 3 --skew"
+          "--attention-gpus $H --ffn-gpus $H --model hf_models/tiny-qwen3-moe --zero-stage 1 2 \
+           --offload-optimizer false true")
   if [ "$G" -ge 3 ]; then  # A-lanes of 2 ranks (2 attention GPUs and at least one expert GPU)
     levers+=("--attention-gpus 2 --ffn-gpus $((G - 2)) --model hf_models/tiny-qwen3-moe --sequence-parallel 2 --zero 2"
              "--attention-gpus 2 --ffn-gpus $((G - 2)) --model hf_models/tiny-qwen3-moe --tensor-parallel 2 --zero 2"
