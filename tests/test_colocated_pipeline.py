@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -251,22 +249,22 @@ def test_cuda_graphs_with_stages_are_refused_before_launch(tiny_checkpoint):
         run_colocated_verify(args, timeout_s=60)
 
 
-def test_a_pipelined_run_resumes_exactly_evaluates_exports_and_relays_out(tmp_path, tok_cache):
+def test_a_pipelined_run_resumes_exactly_evaluates_exports_and_relays_out(tmp_path, tok_cache, capfd):
     """run_pretrain.py with 2 stages of 2 ranks (EP 2), 2 chunks each: 4 steps saving at 2 and 4, then a resume
     from step 2 that must log step 4's loss and eval loss to the digit, and an HF export that transformers loads and
     disagmoe-convert gives again from the checkpoint. Then step 2 re-laid out (optimizer state and data position
     included) as AF-Pipe on 2 attention + 2 FFN ranks, and that again as 2 plain pipeline stages: each resumes to
     the same step 4."""
     model = str(ROOT / "hf_models" / "tiny-qwen3-moe-lm")
-    run = [sys.executable, str(ROOT / "run_pretrain.py"), "--model", model, "--micro-batches", "2", "--steps", "4"]
+    run = ["--model", model, "--micro-batches", "2", "--steps", "4"]
     run += ["--log-every", "1", "--seq-len", "32", "--micro-batch-size", "2", "--tokenizer-cache", str(tok_cache)]
     run += ["--eval-every", "2", "--eval-split", "0.05", "--eval-steps", "2"]
     pipeline = ["--mode", "colocated", "--world-size", "4", "--ep-size", "2", "--pp-size", "2"]
     save = tmp_path / "ckpt"
-    first = _run([*run, *pipeline, "--virtual-stages", "2", "--save-every", "2", "--save-dir", str(save)])
+    first = _run(capfd, [*run, *pipeline, "--virtual-stages", "2", "--save-every", "2", "--save-dir", str(save)])
     assert "layout: co-located EP+DP: 4 ranks in 2 x 2 virtual pipeline stages of 2 (layers [1, 1, 1, 1])" in first
     resumed = _run(
-        [*run, *pipeline, "--virtual-stages", "2", "--save-dir", str(save), "--resume", str(save / "step2"),
+        capfd, [*run, *pipeline, "--virtual-stages", "2", "--save-dir", str(save), "--resume", str(save / "step2"),
          "--export-hf", str(tmp_path / "hf")]
     )  # fmt: skip
     assert _step_line(resumed, 4) == _step_line(first, 4)
@@ -291,14 +289,16 @@ def test_a_pipelined_run_resumes_exactly_evaluates_exports_and_relays_out(tmp_pa
     assert (
         convert([*relayout, "--ckpt", str(save), "--out", str(afpipe), "--attention-gpus", "2", "--ffn-gpus", "2"]) == 0
     )
-    disaggregated = _run([*run, "--attention-gpus", "2", "--ffn-gpus", "2", "--save-dir", str(afpipe), "--resume"])
+    disaggregated = _run(
+        capfd, [*run, "--attention-gpus", "2", "--ffn-gpus", "2", "--save-dir", str(afpipe), "--resume"]
+    )
     assert _step_line(disaggregated, 4) == _step_line(first, 4)
     assert convert([*relayout, "--ckpt", str(afpipe), "--out", str(again), "--mode", "colocated", *pipeline[2:]]) == 0
-    back = _run([*run, *pipeline, "--save-dir", str(again), "--resume", str(again / "step2")])
+    back = _run(capfd, [*run, *pipeline, "--save-dir", str(again), "--resume", str(again / "step2")])
     assert _step_line(back, 4) == _step_line(first, 4)
 
 
-def test_a_tensor_parallel_run_resumes_exactly_exports_and_relays_out(tmp_path, tok_cache):
+def test_a_tensor_parallel_run_resumes_exactly_exports_and_relays_out(tmp_path, tok_cache, capfd):
     """run_pretrain.py on 2 ranks holding each micro-batch as TP 2 (the ds_config's "colocated" section): 4 steps
     saving at 2, a resume from step 2 that logs step 4 to the digit and exports HF weights that disagmoe-convert
     gives again from the head shards; step 2 re-laid out as AF-Pipe with Ulysses 2 (the same tokens per step) resumes
@@ -307,14 +307,15 @@ def test_a_tensor_parallel_run_resumes_exactly_exports_and_relays_out(tmp_path, 
     ds_config = json.loads((ROOT / "ds_configs" / "tiny-cpu.json").read_text())
     ds_config["disagmoe"] = {"colocated": {"world_size": 2, "tensor_parallel": 2}}
     (tmp_path / "tp.json").write_text(json.dumps(ds_config))
-    run = [sys.executable, str(ROOT / "run_pretrain.py"), "--model", model, "--micro-batches", "2", "--steps", "4"]
+    run = ["--model", model, "--micro-batches", "2", "--steps", "4"]
     run += ["--log-every", "1", "--seq-len", "32", "--micro-batch-size", "2", "--tokenizer-cache", str(tok_cache)]
     tp = ["--deepspeed_config", str(tmp_path / "tp.json"), "--mode", "colocated"]
     save = tmp_path / "ckpt"
-    first = _run([*run, *tp, "--save-every", "2", "--save-dir", str(save)])
+    first = _run(capfd, [*run, *tp, "--save-every", "2", "--save-dir", str(save)])
     assert "layout: co-located EP+DP: 2 ranks, EP 2 x EDP 1, TP 2" in first
     resumed = _run(
-        [*run, *tp, "--save-dir", str(save), "--resume", str(save / "step2"), "--export-hf", str(tmp_path / "hf")]
+        capfd,
+        [*run, *tp, "--save-dir", str(save), "--resume", str(save / "step2"), "--export-hf", str(tmp_path / "hf")],
     )
     assert _step_line(resumed, 4) == _step_line(first, 4)
     assert sorted(p.name for p in (save / "step4").iterdir() if p.is_dir()) == [
@@ -332,14 +333,20 @@ def test_a_tensor_parallel_run_resumes_exactly_exports_and_relays_out(tmp_path, 
     layout = ["--attention-gpus", "2", "--ffn-gpus", "2", "--sequence-parallel", "2"]
     relayout = ["relayout", "--tag", "step2", "--model", model, "--ckpt", str(save), "--out", str(afpipe), *layout]
     assert convert(relayout) == 0
-    disaggregated = _run([*run, *layout, "--save-dir", str(afpipe), "--resume"])
+    disaggregated = _run(capfd, [*run, *layout, "--save-dir", str(afpipe), "--resume"])
     assert _step_line(disaggregated, 4) == _step_line(first, 4)
 
 
-def _run(command: list[str]) -> str:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+def _run(capfd, argv: list[str]) -> str:
+    """``run_pretrain.py argv`` in this process (``tests.runs.run_pretrain``: its ranks are forked from here, which
+    spares each job the interpreter's start and torch's, DeepSpeed's and transformers' imports); its stdout."""
+    from tests.runs import run_pretrain
+
+    capfd.readouterr()
+    rc = run_pretrain.main(argv)
+    out, err = capfd.readouterr()
+    assert rc == 0, out[-3000:] + err[-3000:]
+    return out
 
 
 def _step_line(log: str, step: int) -> str:

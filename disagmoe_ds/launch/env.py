@@ -52,6 +52,17 @@ def disable_shm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def preload_engine_imports() -> None:
+    """Import once what every DeepSpeed engine imports on its first build: its optimizer check
+    (``deepspeed.runtime.zero.utils.is_zero_supported_optimizer``) imports DeepSpeed's Muon optimizer, whose kernels'
+    ``torch.compile`` wrappers import torch._inductor (about 1.6 s of CPU). Called in the parent of forked ranks,
+    which then inherit it instead of each importing it again; it starts no thread or process."""
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except ImportError:  # a DeepSpeed without it: its optimizer check skips it too
+        pass
+
+
 def init_from_env(backend: str | None = None, *, comm_timeout_s: float | None = None) -> None:
     """Initialise torch.distributed through DeepSpeed from the launcher's environment and bind the device.
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disagmoe_ds.launch.env import disable_shm_op, init_from_env
+from disagmoe_ds.launch.env import disable_shm_op, init_from_env, preload_engine_imports
 
 # After the first failure, how long to keep listening for other ranks' reports: a rank that died often
 # makes its peers fail too, and the root cause may arrive a moment after the first report.
@@ -109,6 +109,7 @@ def spawn_local(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     # DeepSpeed probes its ops (compiling a test program per op) on first look; probe once here, not per rank.
     disable_shm_op()
+    preload_engine_imports()  # and what each rank's engine would import: once here, inherited through fork
     for attempt in range(_PORT_ATTEMPTS):
         try:
             return _spawn_once(fn, world_size, args, timeout_s, backend, comm_timeout_s, env)
