@@ -21,18 +21,7 @@ export PYTHONPATH=/tmp/site:$PWD
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__, deepspeed.__version__)"
 } > "$OUT/env.txt" 2>&1
-step() {  # step LIMIT_S COMMAND...: run it under timeout (capped by the budget left); log it and its exit code
-  local limit=$1 left=$((BUDGET_S - SECONDS)); shift
-  [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -lt 20 ]; then
-    echo "### skipped, ${left} s of the budget left: $*" >> "$LOG"
-    return
-  fi
-  echo "### [${SECONDS} s] $*" >> "$LOG"
-  local t0=$SECONDS
-  timeout "$limit" "$@" >> "$LOG" 2>&1
-  echo "### exit $? after $((SECONDS - t0)) s" >> "$LOG"
-}
+source "$(dirname "$0")/gpu_step.sh"  # step LIMIT_S COMMAND...
 step 60 python bench/check_sink_attention.py --seq-len 512
 for dt in fp32 bf16 "bf16 --compile"; do
   check="python -m disagmoe_ds.models.check --model hf_models/tiny-gpt-oss --seq-len 256 --dtype $dt --device cuda"

@@ -20,18 +20,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__, deepspeed.__version__)"
 } > "$OUT/env.txt" 2>&1
-step() {  # step LIMIT_S COMMAND...: run it under timeout (capped by the budget left); log it and its exit code
-  local limit=$1 left=$((BUDGET_S - SECONDS)); shift
-  [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -lt 20 ]; then
-    echo "### skipped, ${left} s of the budget left: $*" >> "$LOG"
-    return
-  fi
-  echo "### [${SECONDS} s] $*" >> "$LOG"
-  local t0=$SECONDS
-  timeout "$limit" "$@" >> "$LOG" 2>&1
-  echo "### exit $? after $((SECONDS - t0)) s" >> "$LOG"
-}
+source "$(dirname "$0")/gpu_step.sh"  # step LIMIT_S COMMAND...
 for model in $MODELS; do
   # no hf-eager: DeepSeek-V3's per-expert loop took 6 s a step
   step 200 python bench/bench_layer.py --model "$model" --seq-len $SEQS --batch 2 \
