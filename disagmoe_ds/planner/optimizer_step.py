@@ -31,7 +31,7 @@ from disagmoe_ds.planner.colocated_costs import Shape
 from disagmoe_ds.planner.fp8_costs import cast_expert_weights, weight_cast_s
 from disagmoe_ds.planner.lora import Params
 from disagmoe_ds.planner.model import ModelSpec
-from disagmoe_ds.planner.training_state import baseline_stage_params, busiest_group_params
+from disagmoe_ds.planner.training_state import HOST_GRAD_BYTES, baseline_stage_params, busiest_group_params
 from disagmoe_ds.planner.workload import Workload
 
 # HBM bytes one mixed-precision Adam step moves per parameter of a rank's shard, as DeepSpeed's ZeRO-1/2 bf16
@@ -59,9 +59,9 @@ BYTES_PER_PARAM = {
 # Host memory bytes per parameter of a step with the optimizer in host memory (ZeRO-Offload, CPU Adam): the gradient
 # copied down into an fp32 host buffer (the DMA writes 4), Adam over fp32 parameter, gradient and moments (reads 16,
 # writes 12), the bf16 parameter written for the copy up (2) and read by it (2).
-HOST_STEP_BYTES = 4 + 16 + 12 + 2 + 2
+HOST_STEP_BYTES = HOST_GRAD_BYTES + 16 + 12 + 2 + 2
 # PCIe bytes per parameter of that step: the fp32 gradient down, the bf16 parameter up (bf16 training).
-PCIE_STEP_BYTES = 4 + 2
+PCIE_STEP_BYTES = HOST_GRAD_BYTES + 2
 
 
 def host_optimizer_step_s(params: float, *, rates: Rates) -> float:
