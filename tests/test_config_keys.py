@@ -20,7 +20,8 @@ KEYS = {
         "sequence_parallel", "tensor_parallel", "max_in_flight", "comm_timeout_s", "compile", "attention",
         "cuda_graphs", "fp8", "fp8_cast_per_call",
         "activation_checkpointing", "selective_recompute", "recompute", "comm_stream", "transport", "capacity_factor",
-        "resend", "offload", "split_backward", "zero_stage", "offload_optimizer", "cluster", "profile", "lora",
+        "resend", "offload", "split_backward", "zero_stage", "offload_optimizer", "cluster", "ffn_cluster", "profile",
+        "lora",
         "colocated",
     },
     ColocatedConfig: {

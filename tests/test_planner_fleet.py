@@ -10,14 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from disagmoe_ds.config.sections import CostModel
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.cli import main
-from disagmoe_ds.planner.cluster import Efficiency, preset
-from disagmoe_ds.planner.fleet import Fleet, FleetResult, fleet_request, plan_fleet, report
+from disagmoe_ds.planner.cluster import Efficiency, Fleet, preset
+from disagmoe_ds.planner.fleet import FleetResult, fleet_request, fleets_of_hostfile, plan_fleet, report
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.part_times import expert_call_s
 from disagmoe_ds.planner.plans import PlanRequest
+from disagmoe_ds.planner.runtime_costs import runtime_task_costs
 from disagmoe_ds.planner.stages import af_roofline
 from disagmoe_ds.planner.workload import Workload
 
@@ -91,7 +94,42 @@ def test_the_hostfile_puts_the_attention_type_first_and_the_ds_config_runs(tmp_p
     argv += ["1", "--ffn-cluster", "a100", "--ffn-nodes", "1", "--write-hostfile", str(hosts)]
     assert main([*argv, "--write-ds-config", str(ds)]) == 0
     lines = [line for line in hosts.read_text().splitlines() if not line.startswith("#")]
-    assert lines == ["h200-0 slots=8", "a100-0 slots=8"]
+    assert lines == ["h200-0 slots=8 gpu=h200", "a100-0 slots=8 gpu=a100"]
     cfg = DisagMoEConfig.from_ds_config(json.loads(ds.read_text()))
-    assert (cfg.attention_gpus, cfg.ffn_gpus) == (8, 8)
+    assert (cfg.attention_gpus, cfg.ffn_gpus) == (8, 8) and cfg.side_clusters == ("h200", "a100")
     assert "wrote hostfile" in capsys.readouterr().err
+
+
+def test_a_hostfile_with_gpu_types_is_the_fleet_either_way_round(tmp_path):
+    hosts = tmp_path / "mixed"
+    hosts.write_text("# two types\nold-0 slots=8 gpu=a100\nnew-0 slots=8 gpu=h200\nold-1 slots=8 gpu=A100\n")
+    first, second = fleets_of_hostfile(hosts)
+    assert (first.attention.name, first.attention.hosts, first.ffn.name, first.ffn.hosts) == (
+        "a100",
+        ("old-0", "old-1"),
+        "h200",
+        ("new-0",),
+    )
+    assert (second.attention, second.ffn) == (first.ffn, first.attention)
+    assert second.whole().hosts == ("new-0", "old-0", "old-1")  # the written hostfile's order: attention first
+    for text, message in [
+        ("a slots=8 gpu=h200\nb slots=8 gpu=h200\n", "a fleet has two GPU types .* found h200"),
+        ("a slots=8 gpu=h200\nb slots=4 gpu=a100\n", "b list other than the 8 slots of a a100 node"),
+        ("a slots=8 gpu=h200\nb slots=8 gpu=v100\n", "gpu=v100"),
+    ]:
+        hosts.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            fleets_of_hostfile(hosts)
+
+
+def test_the_runtime_schedule_prices_each_side_on_its_type():
+    config = json.loads((MODEL / "config.json").read_text()) | {"num_hidden_layers": 4}
+    layout = Layout(attention_gpus=8, ffn_gpus=8, num_layers=4, num_experts=config["num_experts"])
+    kw = dict(seq_len=4096, micro_batch_size=1, cluster="h200")
+    same, mixed = runtime_task_costs(config, layout, **kw), runtime_task_costs(config, layout, **kw, ffn_cluster="a100")
+    assert mixed.per_layer["A_fwd"] == same.per_layer["A_fwd"]
+    assert all(m > 2 * s for m, s in zip(mixed.per_layer["F_fwd"], same.per_layer["F_fwd"]) if s)
+    with pytest.raises(ConfigError, match=r"attention_gpus \(4\) must be a multiple of a node's 8 GPUs"):
+        runtime_task_costs(config, replace(layout, attention_gpus=4), **kw, ffn_cluster="a100")
+    with pytest.raises(ConfigError, match="measures one GPU type"):
+        CostModel(cluster="h200", ffn_cluster="a100", profile=str(MODEL / "config.json"))

@@ -85,3 +85,41 @@ def test_expert_ranks_that_share_a_message_must_share_a_host() -> None:
     check_node_groups(Path("hf"), {"a": 4, "b": 4}, [(2, 3), (4, 5)])  # ranks 0-3 on a, 4-7 on b
     with pytest.raises(ConfigError, match=r"node_dedup 2 puts expert ranks \(2, 3\) on one node, but they are on a, b"):
         check_node_groups(Path("hf"), {"a": 3, "b": 5}, [(2, 3), (4, 5)])
+
+
+def test_gpu_types_are_read_for_every_host_or_none() -> None:
+    from disagmoe_ds.train.hostfile import gpu_types
+
+    lines = ["a slots=8 gpu=H200", "b slots=8 gpu=a100  # older"]
+    assert parse_hostfile(lines, "hf") == {"a": 8, "b": 8}
+    assert gpu_types(lines, "hf") == {"a": "h200", "b": "a100"}
+    assert gpu_types(["a slots=8", "b slots=8"], "hf") == {}
+    with pytest.raises(ConfigError, match="hostfile hf: b carry no gpu=TYPE where the other hosts do"):
+        gpu_types(["a slots=8 gpu=h200", "b slots=8"], "hf")
+    with pytest.raises(ConfigError, match="is malformed"):
+        parse_hostfile(["a slots=8 gpu="], "hf")
+
+
+def test_each_side_lands_on_its_gpu_type(tmp_path: Path, monkeypatch, capsys) -> None:
+    """run_pretrain.py's hostfile check on a fleet of two GPU types: the ds_config prices the attention side on
+    ``cluster`` and the experts on ``ffn_cluster``; a hostfile listing the expert type first is one line, before
+    launch."""
+    import json
+
+    import run_pretrain
+
+    config = json.loads((ROOT / "ds_configs" / "2node-16gpu-bf16.json").read_text())
+    config["disagmoe"] |= {"cluster": "h200", "ffn_cluster": "a100"}
+    ds = tmp_path / "fleet.json"
+    ds.write_text(json.dumps(config))
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: [(None, None, None, "", ("10.0.0.1", 0))])
+    good, swapped = tmp_path / "good", tmp_path / "swapped"
+    good.write_text("worker-0 slots=8 gpu=h200\nworker-1 slots=8 gpu=a100\n")
+    swapped.write_text("worker-1 slots=8 gpu=a100\nworker-0 slots=8 gpu=h200\n")
+    assert run_pretrain.main(["--check-hostfile", str(good), "--deepspeed_config", str(ds)]) == 0
+    assert run_pretrain.main(["--check-hostfile", str(swapped), "--deepspeed_config", str(ds)]) == 2
+    assert capsys.readouterr().err == (
+        f"run_pretrain.py: error: hostfile {swapped}: worker-1 (gpu=a100) holds ranks 0-7, attention ranks the job "
+        'prices on h200 ("disagmoe.cluster"); list the h200 hosts first (the attention ranks come first), or change '
+        '"disagmoe.cluster"\n'
+    )

@@ -336,24 +336,39 @@ class CostModel(Section):
     """What the schedule generator's task costs assume.
 
     Attributes:
-        cluster: a planner preset (``h800``, ``h100``, ``h200``) or a cluster JSON (``docs/planner.md``), so the
-            order it emits is the one the planner simulated.
+        cluster: a planner preset (``h800``, ``h100``, ``h200``, ``a100``) or a cluster JSON (``docs/planner.md``), so
+            the order it emits is the one the planner simulated; on a fleet of two GPU types, the attention side's.
+        ffn_cluster: the expert side's GPU type where it differs (``disagmoe-plan fleet``): its tasks are priced on
+            it; None: ``cluster``. A hostfile whose hosts carry ``gpu=TYPE`` is checked against both before launch.
         profile: a ``disagmoe-plan profile`` JSON whose measured part times replace peak x efficiency there.
     """
 
     cluster: str = "h200"
+    ffn_cluster: str | None = None
     profile: str | None = None
 
     def _check(self) -> None:
-        if self.cluster not in CLUSTER_PRESETS and not Path(self.cluster).is_file():
-            raise ConfigError(
-                f"{self._named('cluster')} must be one of the presets {sorted(CLUSTER_PRESETS)} or a cluster JSON "
-                f"file; {self.cluster!r} is neither"
-            )
+        for key in ("cluster", "ffn_cluster"):
+            value = getattr(self, key)
+            if value is not None and value not in CLUSTER_PRESETS and not Path(value).is_file():
+                raise ConfigError(
+                    f"{self._named(key)} must be one of the presets {sorted(CLUSTER_PRESETS)} or a cluster JSON "
+                    f"file; {value!r} is neither"
+                )
         if self.profile is not None and not Path(self.profile).is_file():
             raise ConfigError(
                 f"{self._named('profile')} {self.profile!r} is not a file; write one with disagmoe-plan profile"
             )
+        if self.profile is not None and self.ffn_cluster not in (None, self.cluster):
+            raise ConfigError(
+                f"{self._named('profile')} measures one GPU type, but {self._named('ffn_cluster')} gives the experts "
+                "another; drop the profile (each side is then priced on its own type's peak rates)"
+            )
+
+    @property
+    def side_clusters(self) -> tuple[str, str]:
+        """The attention side's and the expert side's cluster."""
+        return self.cluster, self.ffn_cluster or self.cluster
 
 
 @dataclass(frozen=True, kw_only=True)

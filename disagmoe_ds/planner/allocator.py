@@ -359,7 +359,7 @@ def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
     candidates, rejected = colocated_candidates(
         req.spec,
         req.cluster,
-        req.rates,
+        req.baseline_rates,
         req.work,
         global_batch=req.global_batch,
         overlap=req.baseline_overlap,
@@ -393,7 +393,8 @@ def best_runnable_colocated(req: PlanRequest) -> BaselinePlan | None:
         if (W // pp) % e == 0 and (W // pp) % (s * t) == 0
     ]
     runnable = [s for s in shapes if colocated_refusal(s, spec.model_type, lora=lora) is None]
-    plans = [best_baseline(replace(req, baseline_layout=s, baseline_recompute=None))[0] for s in runnable]
+    ours = replace(req, baseline_recompute=None, baseline_sinks="flex")
+    plans = [best_baseline(replace(ours, baseline_layout=s))[0] for s in runnable]
     return max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s, default=None)
 
 

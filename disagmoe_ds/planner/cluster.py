@@ -208,6 +208,48 @@ def save_cluster(cluster: Cluster, path: str | Path) -> None:
     Path(path).write_text(json.dumps(cluster.to_dict(), indent=2) + "\n", encoding="utf-8")
 
 
+# what a node of each type must share for one placement to hold both
+_SAME_PER_NODE = ("gpus_per_node", "nics_per_node")
+# the hardware fields the whole fleet, run as one homogeneous cluster, gets at its weaker type's value
+_WEAKEST = ("peak_flops", "hbm_bytes", "nvlink_bw", "nic_bw", "pcie_bw", "host_bytes", "host_mem_bw", "hbm_bw")
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The attention type's nodes and the expert type's nodes."""
+
+    attention: Cluster
+    ffn: Cluster
+
+    def __post_init__(self) -> None:
+        for name in _SAME_PER_NODE:
+            a, f = getattr(self.attention, name), getattr(self.ffn, name)
+            if a != f:
+                raise ConfigError(f"the fleet's node types differ in {name} ({a} and {f}): one placement needs them")
+
+    @property
+    def name(self) -> str:
+        return f"{self.attention.nodes} x {self.attention.name} + {self.ffn.nodes} x {self.ffn.name}"
+
+    def whole(self) -> Cluster:
+        """Both types' nodes in one cluster, the attention type's first (its hardware fields name the A side's; the
+        expert side's come from ``Rates.ffn``)."""
+        hosts = tuple(_host(c, node) for c in (self.attention, self.ffn) for node in range(c.nodes))
+        host_bytes = min(self.attention.host_bytes, self.ffn.host_bytes)
+        nodes = self.attention.nodes + self.ffn.nodes
+        return replace(self.attention, name=self.name, nodes=nodes, hosts=hosts, host_bytes=host_bytes)
+
+    def weakest(self) -> Cluster:
+        """The whole fleet as one homogeneous cluster: every rate and memory at the weaker type's value."""
+        weaker = {f: min(getattr(self.attention, f), getattr(self.ffn, f)) for f in _WEAKEST}
+        return replace(self.whole(), name=f"{self.name}, at the weaker type", **weaker)
+
+
+def _host(cluster: Cluster, node: int) -> str:
+    """A node's host name: the cluster's own, else its type and number (``h200-0``), so a hostfile says which."""
+    return cluster.hosts[node] if cluster.hosts else f"{cluster.name}-{node}"
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Fractions of peak that real kernels and collectives reach (defaults, overridable on the command line).
@@ -280,6 +322,9 @@ class Rates:
     routing_imbalance: float = 1.0
     # a fleet of two GPU types (``fleet.py``): the expert side's own rates; None where both sides share these
     ffn: Rates | None = None
+    # (keys a query attends, the attention core's speed relative to ``attention_*``'s core model), ascending: a model
+    # with learned sinks run through flex_attention (``gemm_efficiency.FLEX_SINK_CORE``); empty: as the core model says
+    sink_core: tuple[tuple[int, float], ...] = ()
 
     def side(self, name: str) -> Rates:
         """The rates of the ``"attention"`` or ``"ffn"`` side's GPUs."""

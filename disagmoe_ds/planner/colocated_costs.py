@@ -13,7 +13,7 @@ from disagmoe_ds.planner.attention_lanes import ulysses_forward_bytes
 from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.fp8_costs import lever, projection_rerun_share
 from disagmoe_ds.planner.model import ACT_BYTES, FP8_ROW_SCALE_BYTES, ModelSpec
-from disagmoe_ds.planner.part_times import attention_call_s, expert_call_s, head_call_s
+from disagmoe_ds.planner.part_times import attention_call_s, expert_call_s, head_call_s, priced_core_flops
 from disagmoe_ds.planner.pipeline_split import chunk_layers
 from disagmoe_ds.planner.simulate import BaselineChunkCosts
 from disagmoe_ds.planner.tensor_parallel import kv_bytes_per_token, tp_exposed_s, tp_options
@@ -108,7 +108,7 @@ def tp_cp_exposed_s(
     """(forward, backward) seconds of TP and CP communication of one layer not hidden behind its compute."""
     t, c = shape.tp, shape.cp
     tokens = work.tokens_per_micro_batch / (t * c)
-    core_flops = tokens * spec.attention_core_flops(work.seq_len, layer)
+    core_flops = tokens * priced_core_flops(spec, rates, work.seq_len, layer)
     core = rates.attention_fwd.seconds(0.0, core_flops, calls=0)
     tp_fwd, tp_bwd = tp_exposed_s(spec, rates, work, layer=layer, tp=t, groups=c)
     cp_rate = rates.nvlink_bw if t * c <= cluster.gpus_per_node else rates.nic_bw_per_gpu(cluster)

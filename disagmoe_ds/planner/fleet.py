@@ -16,6 +16,10 @@ tokens/s with the best of them. Both node types must have the same GPUs and NICs
 
     disagmoe-plan fleet --model hf_models/DeepSeek-V3 --seq-len 4096 \\
         --attention-cluster h200 --attention-nodes 8 --ffn-cluster a100 --ffn-nodes 8
+    disagmoe-plan fleet --model hf_models/DeepSeek-V3 --seq-len 4096 --hostfile hostfiles/mixed
+
+With ``--hostfile`` the fleet is the hostfile's: hosts carrying ``gpu=TYPE`` (a preset), two types, both ways of
+giving them the sides planned, the better first; the written hostfile lists its hosts, the attention type's first.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 
 from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.planner.allocator import best_af, best_baseline
-from disagmoe_ds.planner.cluster import PRESETS, Cluster, Efficiency, load_cluster
+from disagmoe_ds.planner.cluster import PRESETS, Cluster, Efficiency, Fleet, load_cluster
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.inputs import description
 from disagmoe_ds.planner.model import load_model_spec
@@ -36,47 +40,7 @@ from disagmoe_ds.planner.plans import PAYS_THRESHOLD, BaselinePlan, PlanRequest,
 from disagmoe_ds.planner.runtime_files import hostfile, written_ds_config
 from disagmoe_ds.planner.study import af_summary, baseline_summary
 from disagmoe_ds.planner.workload import Workload
-
-# what a node of each type must share for one placement to hold both
-_SAME_PER_NODE = ("gpus_per_node", "nics_per_node")
-# the hardware fields the whole fleet, run as one homogeneous cluster, gets at its weaker type's value
-_WEAKEST = ("peak_flops", "hbm_bytes", "nvlink_bw", "nic_bw", "pcie_bw", "host_bytes", "host_mem_bw", "hbm_bw")
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """The attention type's nodes and the expert type's nodes."""
-
-    attention: Cluster
-    ffn: Cluster
-
-    def __post_init__(self) -> None:
-        for name in _SAME_PER_NODE:
-            a, f = getattr(self.attention, name), getattr(self.ffn, name)
-            if a != f:
-                raise ConfigError(f"the fleet's node types differ in {name} ({a} and {f}): one placement needs them")
-
-    @property
-    def name(self) -> str:
-        return f"{self.attention.nodes} x {self.attention.name} + {self.ffn.nodes} x {self.ffn.name}"
-
-    def whole(self) -> Cluster:
-        """Both types' nodes in one cluster, the attention type's first (its hardware fields name the A side's; the
-        expert side's come from ``Rates.ffn``)."""
-        hosts = tuple(_host(c, node) for c in (self.attention, self.ffn) for node in range(c.nodes))
-        host_bytes = min(self.attention.host_bytes, self.ffn.host_bytes)
-        nodes = self.attention.nodes + self.ffn.nodes
-        return replace(self.attention, name=self.name, nodes=nodes, hosts=hosts, host_bytes=host_bytes)
-
-    def weakest(self) -> Cluster:
-        """The whole fleet as one homogeneous cluster: every rate and memory at the weaker type's value."""
-        weaker = {f: min(getattr(self.attention, f), getattr(self.ffn, f)) for f in _WEAKEST}
-        return replace(self.whole(), name=f"{self.name}, at the weaker type", **weaker)
-
-
-def _host(cluster: Cluster, node: int) -> str:
-    """A node's host name: the cluster's own, else its type and number (``h200-0``), so a hostfile says which."""
-    return cluster.hosts[node] if cluster.hosts else f"{cluster.name}-{node}"
+from disagmoe_ds.train.hostfile import gpu_types, parse_hostfile
 
 
 @dataclass(frozen=True)
@@ -125,6 +89,30 @@ def plan_fleet(base: PlanRequest, fleet: Fleet, eff: Efficiency) -> FleetResult:
     return FleetResult(fleet, PlanResult(req, af, None, rejected), tuple(alternatives))
 
 
+def fleets_of_hostfile(path: Path) -> tuple[Fleet, Fleet]:
+    """The fleet a hostfile describes (each host ``HOST slots=N gpu=TYPE``, TYPE a preset), either way round."""
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else None
+    if lines is None:
+        raise ConfigError(f"--hostfile {path} does not exist")
+    slots, types = parse_hostfile(lines, str(path)), gpu_types(lines, str(path))
+    kinds = list(dict.fromkeys(types.values()))
+    if len(kinds) != 2:
+        found = ", ".join(kinds) or "none"
+        raise ConfigError(f"--hostfile {path}: a fleet has two GPU types (each host's gpu=TYPE); found {found}")
+    sides = []
+    for kind in kinds:
+        hosts = tuple(host for host, gpu in types.items() if gpu == kind)
+        cluster = replace(_cluster(kind, len(hosts), f"--hostfile {path}: gpu={kind}"), hosts=hosts)
+        uneven = [host for host in hosts if slots[host] != cluster.gpus_per_node]
+        if uneven:
+            raise ConfigError(
+                f"--hostfile {path}: {', '.join(uneven)} list other than the {cluster.gpus_per_node} slots of a "
+                f"{kind} node; the planner places whole nodes"
+            )
+        sides.append(cluster)
+    return Fleet(sides[0], sides[1]), Fleet(sides[1], sides[0])
+
+
 def report(result: FleetResult) -> str:
     """The fleet, the AF-Pipe plan, each alternative and the verdict."""
     af = result.af
@@ -164,39 +152,61 @@ def main(argv: list[str]) -> int:
     p.add_argument("--global-batch-size", type=int, default=None, help="sequences per step (default 8 per GPU)")
     for side in ("attention", "ffn"):
         what = "attention side's" if side == "attention" else "expert side's"
-        p.add_argument(f"--{side}-cluster", required=True, help=f"the {what} nodes: {', '.join(PRESETS)} or a JSON")
+        p.add_argument(f"--{side}-cluster", help=f"the {what} nodes: {', '.join(PRESETS)} or a JSON")
         p.add_argument(f"--{side}-nodes", type=int, default=None, help=f"how many of the {what} nodes")
+    p.add_argument(
+        "--hostfile",
+        metavar="PATH",
+        help="instead of the four flags above: a DeepSpeed hostfile whose hosts carry gpu=TYPE (two presets); "
+        "both ways of giving the types the sides are planned",
+    )
     p.add_argument("--fp8", action="store_true", help="both systems with the FP8 lever (as the main command's --fp8)")
     p.add_argument("--write-hostfile", metavar="PATH", help="the AF-Pipe plan's hostfile: the attention nodes first")
     p.add_argument(
         "--write-ds-config",
         metavar="PATH",
-        help="the AF-Pipe plan's ds_config (its schedule costed on the attention type's cluster)",
+        help='the AF-Pipe plan\'s ds_config ("cluster": the attention type, "ffn_cluster": the experts\')',
     )
     args = p.parse_args(argv)
     try:
-        fleet = Fleet(
-            _cluster(args.attention_cluster, args.attention_nodes, "--attention-cluster"),
-            _cluster(args.ffn_cluster, args.ffn_nodes, "--ffn-cluster"),
-        )
-        spec = load_model_spec(Path(args.model))
-        world = fleet.attention.world_size + fleet.ffn.world_size
-        eff = Efficiency()
-        base = PlanRequest(
-            spec=spec,
-            cluster=fleet.whole(),
-            rates=shape_rates(fleet.attention, eff, spec),
-            work=Workload(args.seq_len, args.micro_batch_size, fp8=args.fp8),
-            global_batch=args.global_batch_size or 8 * world * args.micro_batch_size,
-        )
-        result = plan_fleet(base, fleet, eff)
+        results = [plan_fleet(_request(args, fleet), fleet, Efficiency()) for fleet in _fleets(args)]
     except ConfigError as err:
         print(f"disagmoe-plan fleet: error: {err}", file=sys.stderr)
         return 2
-    print(report(result), end="")
-    for note in _write(args, result):
+    results.sort(key=lambda r: r.af.af.tokens_per_s if r.af.af is not None else 0.0, reverse=True)
+    print("\n".join(report(r) for r in results), end="")
+    for note in _write(args, results[0]):
         print(note, file=sys.stderr)
     return 0
+
+
+def _fleets(args: argparse.Namespace) -> tuple[Fleet, ...]:
+    """The fleet of the hostfile (both ways round) or of the four flags."""
+    clusters = (args.attention_cluster, args.ffn_cluster)
+    if args.hostfile:
+        if any(clusters):
+            raise ConfigError("--hostfile gives the fleet: drop --attention-cluster and --ffn-cluster")
+        return fleets_of_hostfile(Path(args.hostfile))
+    if not all(clusters):
+        raise ConfigError("give --attention-cluster and --ffn-cluster (with their --*-nodes), or --hostfile")
+    return (
+        Fleet(
+            _cluster(args.attention_cluster, args.attention_nodes, "--attention-cluster"),
+            _cluster(args.ffn_cluster, args.ffn_nodes, "--ffn-cluster"),
+        ),
+    )
+
+
+def _request(args: argparse.Namespace, fleet: Fleet) -> PlanRequest:
+    spec = load_model_spec(Path(args.model))
+    world = fleet.attention.world_size + fleet.ffn.world_size
+    return PlanRequest(
+        spec=spec,
+        cluster=fleet.whole(),
+        rates=shape_rates(fleet.attention, Efficiency(), spec),
+        work=Workload(args.seq_len, args.micro_batch_size, fp8=args.fp8),
+        global_batch=args.global_batch_size or 8 * world * args.micro_batch_size,
+    )
 
 
 def _write(args: argparse.Namespace, result: FleetResult) -> list[str]:
@@ -206,11 +216,15 @@ def _write(args: argparse.Namespace, result: FleetResult) -> list[str]:
     if result.af.af is None:
         return ["note: no AF-Pipe plan fits the fleet: nothing written"]
     notes = []
+    fleet = result.fleet
     if args.write_hostfile:
-        Path(args.write_hostfile).write_text(hostfile(result.af), encoding="utf-8")
+        types = [fleet.attention.name] * fleet.attention.nodes + [fleet.ffn.name] * fleet.ffn.nodes
+        Path(args.write_hostfile).write_text(hostfile(result.af, gpu_types=types), encoding="utf-8")
         notes.append(f"wrote hostfile {args.write_hostfile}")
     if args.write_ds_config:
-        config = written_ds_config(result.af, result.af.af, cluster=args.attention_cluster)
+        clusters = (args.attention_cluster, args.ffn_cluster) if not args.hostfile else (None, None)
+        attention, ffn = (given or side.name for given, side in zip(clusters, (fleet.attention, fleet.ffn)))
+        config = written_ds_config(result.af, result.af.af, cluster=attention, ffn_cluster=ffn)
         Path(args.write_ds_config).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         notes.append(f"wrote ds_config {args.write_ds_config} (AF-Pipe)")
     return notes

@@ -27,6 +27,7 @@ from disagmoe_ds.planner.fp8_costs import (
     projection_flops,
     projection_rerun_share,
 )
+from disagmoe_ds.planner.gemm_efficiency import interpolated
 from disagmoe_ds.planner.lora import FULL, GemmFlops, LoRA, a_side_gemm_flops, expert_gemm_flops, head_gemm_flops
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.recompute import Recompute, a_side_recompute_flops, expert_recompute_flops_per_assignment
@@ -47,7 +48,7 @@ def attention_call_s(
     """(forward, backward) seconds of one A part of ``layer`` on ``tokens`` tokens; the backward includes what
     ``recompute`` re-runs (full: the forward; selective: Q/K/V projections, core and gate/up GEMMs, or with
     ``whole_blocks`` every projection of the attention block and the shared/dense SwiGLU: AF-Pipe's runtime)."""
-    core = tokens * spec.attention_core_flops(seq_len, layer)
+    core = tokens * priced_core_flops(spec, rates, seq_len, layer)
     gemm = _a_side_gemms(spec, layer, lora, fp8)
     passes = a_side_passes(spec, rates, layer=layer, tokens=tokens, lora=lora, fp8=fp8)
     fwd = rates.attention_fwd.seconds(tokens * gemm.fwd, core) + passes.fwd
@@ -56,10 +57,26 @@ def attention_call_s(
         return fwd, bwd + fwd
     if recompute == "selective":
         rc_linear, rc_core = a_side_recompute_flops(spec, seq_len, layer, whole_blocks=whole_blocks)
+        rc_core *= core_slowdown(spec, rates, seq_len, layer)
         rerun = rates.attention_fwd.seconds(tokens * rc_linear * projection_rerun_share(fp8), tokens * rc_core, calls=0)
         rerun += passes.fwd * rc_linear / projection_flops(spec, layer) if fp8 else 0.0
         return fwd, bwd + rerun
     return fwd, bwd
+
+
+def priced_core_flops(spec: ModelSpec, rates: Rates, seq_len: int, layer: int) -> float:
+    """``layer``'s attention-core FLOPs per token as ``rates``' core model prices them: the model's FLOPs times the
+    kernel's slowdown (``core_slowdown``)."""
+    return spec.attention_core_flops(seq_len, layer) * core_slowdown(spec, rates, seq_len, layer)
+
+
+def core_slowdown(spec: ModelSpec, rates: Rates, seq_len: int, layer: int) -> float:
+    """How much longer ``layer``'s attention core takes than ``rates``' core model says: the inverse of
+    ``Rates.sink_core``'s relative speed at the keys a query attends (the window, or the sequence); 1 without it."""
+    if not rates.sink_core:
+        return 1.0
+    window = spec.windows[layer]
+    return 1 / interpolated(min(window, seq_len) if window else seq_len, rates.sink_core)
 
 
 def _a_side_gemms(spec: ModelSpec, layer: int, lora: LoRA, fp8: Fp8 | None) -> GemmFlops:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, Literal, TypeVar
 
 from disagmoe_ds.layout import Layout
@@ -48,6 +48,8 @@ class PlanRequest:
             where the model and the A-group allow it.
         attention_gpus: a fixed split, M attention GPUs on the first nodes (a fleet of two GPU types, ``fleet.py``,
             whose expert side's rates are ``rates.ffn``); None: searched.
+        baseline_sinks: the co-located baseline's kernel for learned attention sinks (``baseline_rates``); None: by
+            ``baseline``.
     """
 
     spec: ModelSpec
@@ -70,6 +72,15 @@ class PlanRequest:
     sequence_parallel: tuple[int, ...] = DEGREES
     tensor_parallel: tuple[int, ...] = DEGREES
     attention_gpus: int | None = None
+    baseline_sinks: Literal["fused", "flex"] | None = None
+
+    @property
+    def baseline_rates(self) -> Rates:
+        """The co-located baseline's rates. A model with learned sinks runs them through flex_attention in this
+        project's runtimes and in HF's model (``rates.sink_core``, what a DeepSpeed user has); a Megatron-style baseline
+        ("strongest", "ep") runs Transformer Engine's fused cuDNN kernel (cuDNN 9.13.1 on), priced as any fused core."""
+        kernel = self.baseline_sinks or ("flex" if self.baseline == "deepspeed" else "fused")
+        return self.rates if kernel == "flex" else replace(self.rates, sink_core=())
 
     @property
     def lane_options(self) -> list[tuple[int, int]]:

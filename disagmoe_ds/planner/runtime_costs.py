@@ -20,9 +20,10 @@ import math
 from dataclasses import replace
 from typing import Any, Protocol
 
+from disagmoe_ds.errors import ConfigError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.lora_settings import GROUPS, LoraSettings
-from disagmoe_ds.planner.cluster import PRESETS, Efficiency, Rates, load_cluster
+from disagmoe_ds.planner.cluster import PRESETS, Cluster, Efficiency, Fleet, Rates, load_cluster
 from disagmoe_ds.planner.lora import FULL, LoRA
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.placement import Placement
@@ -40,6 +41,8 @@ class CostedSettings(Protocol):
 
     @property
     def cluster(self) -> str: ...
+    @property
+    def ffn_cluster(self) -> str | None: ...
     @property
     def profile(self) -> str | None: ...
     @property
@@ -76,6 +79,7 @@ def job_costs(
         seq_len=seq_len,
         micro_batch_size=micro_batch_size,
         cluster=settings.cluster,
+        ffn_cluster=settings.ffn_cluster,
         profile=settings.profile,
         resend=settings.resend,
         split_backward=settings.split_backward,
@@ -108,6 +112,7 @@ def runtime_task_costs(
     seq_len: int,
     micro_batch_size: int,
     cluster: str = "h200",
+    ffn_cluster: str | None = None,
     profile: str | None = None,
     resend: bool = False,
     split_backward: bool = False,
@@ -121,7 +126,9 @@ def runtime_task_costs(
 
     Args:
         config: the model's Hugging Face config as a dict (the layers the job trains).
-        cluster: a planner preset (``h800``, ``h100``, ``h200``; nodes from the world size) or a cluster JSON.
+        cluster: a planner preset (``h800``, ``h100``, ``h200``, ``a100``; nodes from the world size) or a cluster JSON.
+        ffn_cluster: the expert side's, on a fleet of two GPU types (``cluster.Fleet``: each side's nodes from its
+            GPUs, the attention side's first); None: ``cluster``.
         profile: a ``disagmoe-plan profile`` JSON: measured part times instead of peak x efficiency.
         resend: the backward's n2m_grad also carries the m2n payload (``DisagMoEConfig.resend``).
         split_backward: each backward's weight-gradient half becomes a task of its own (``Costs.a_wgt`` ...), as the
@@ -134,12 +141,22 @@ def runtime_task_costs(
             passes and the m2n rows in e4m3 (``fp8_costs.py``); the expert weights cast in every call with the second.
     """
     spec = ModelSpec.from_config(config)
-    nodes = math.ceil(layout.world_size / GPUS_PER_PRESET_NODE)
-    machines = load_cluster(cluster, nodes if not cluster.endswith(".json") else None)
     eff = Efficiency()
-    if profile:  # a profile's measured links replace a preset's nominal ones, never a cluster JSON's
+    if ffn_cluster not in (None, cluster):
+        fleet = Fleet(_machines(cluster, layout.attention_gpus), _machines(ffn_cluster, layout.ffn_gpus))
+        per_node = fleet.attention.gpus_per_node
+        if layout.attention_gpus % per_node:
+            raise ConfigError(
+                f"a fleet of two GPU types gives each side whole nodes: attention_gpus ({layout.attention_gpus}) must "
+                f"be a multiple of a node's {per_node} GPUs (its ranks come first, then the experts')"
+            )
+        machines = fleet.whole()
+        rates = replace(Rates.from_cluster(fleet.attention, eff), ffn=Rates.from_cluster(fleet.ffn, eff))
+    elif profile:  # a profile's measured links replace a preset's nominal ones, never a cluster JSON's
+        machines = _machines(cluster, layout.world_size)
         rates = rates_from_profile(load_profile(profile), machines, eff, measured_links=cluster in PRESETS)
     else:
+        machines = _machines(cluster, layout.world_size)
         rates = Rates.from_cluster(machines, eff)
     placement = Placement.contiguous(machines.nodes, machines.gpus_per_node)
     nics = placement.nic_splits(machines, layout.attention_gpus)[0]
@@ -154,6 +171,11 @@ def runtime_task_costs(
     ).with_lora(lora)
     task_costs = af_task_costs(spec, layout, work, placement=placement, rates=rates, nics=nics)
     return attention_wgrad_folded(task_costs) if compiled else task_costs
+
+
+def _machines(cluster: str, gpus: int) -> Cluster:
+    """A preset's nodes for ``gpus`` GPUs, or a cluster JSON as written."""
+    return load_cluster(cluster, None if cluster.endswith(".json") else math.ceil(gpus / GPUS_PER_PRESET_NODE))
 
 
 def attention_wgrad_folded(task_costs: AfTaskCosts) -> AfTaskCosts:

@@ -5,6 +5,7 @@ plan, or a co-located one the runtime runs); and what of a plan's variant the ru
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 from disagmoe_ds.capabilities.rules import LEVERS, Job, fired
@@ -157,14 +158,16 @@ def _ep(base: BaselinePlan) -> str:
     return f"EP {shape.ep} x EDP {base.candidate.replicas * shape.tp * shape.cp // shape.ep}{stages}{lanes}"
 
 
-def written_ds_config(result: PlanResult, chosen: AfPlan | BaselinePlan, cluster: str | None = None) -> dict[str, Any]:
-    """The ds_config of ``chosen`` (``launch_choice``)."""
+def written_ds_config(
+    result: PlanResult, chosen: AfPlan | BaselinePlan, cluster: str | None = None, ffn_cluster: str | None = None
+) -> dict[str, Any]:
+    """The ds_config of ``chosen`` (``launch_choice``); ``ffn_cluster``: the expert side's GPU type on a fleet."""
     if isinstance(chosen, AfPlan):
-        return ds_config(result, cluster)
+        return ds_config(result, cluster, ffn_cluster)
     return colocated_ds_config(result.request, chosen)
 
 
-def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
+def ds_config(result: PlanResult, cluster: str | None = None, ffn_cluster: str | None = None) -> dict[str, Any]:
     """A ds_config for the AF-Pipe plan whose "disagmoe" section ``run_pretrain.py`` reads as it is: the layout, the
     in-flight cap, the cluster (preset or JSON path) the runtime's schedule costs assume and, where the runtime runs
     it (``runtime_refusal``), the plan's variant: recompute (full: activation checkpointing; sides that differ: the
@@ -200,6 +203,7 @@ def ds_config(result: PlanResult, cluster: str | None = None) -> dict[str, Any]:
         "max_in_flight": af.in_flight,
         "cluster": cluster or req.cluster.name,
     }
+    section |= {"ffn_cluster": ffn_cluster} if ffn_cluster not in (None, section["cluster"]) else {}
     if runtime_refusal(w) is None:
         section |= _recompute_keys(w) | {
             "resend": w.resend,
@@ -256,10 +260,12 @@ def _fp8(work: Workload) -> dict[str, Any]:
     return {"fp8": True} | ({"fp8_cast_per_call": True} if work.fp8_cast_per_call else {})
 
 
-def hostfile(result: PlanResult, chosen: AfPlan | BaselinePlan | None = None) -> str:
+def hostfile(result: PlanResult, chosen: AfPlan | BaselinePlan | None = None, gpu_types: Sequence[str] = ()) -> str:
     """DeepSpeed hostfile, one line per node in launch order, for ``chosen`` (default: the AF-Pipe plan). The
     launcher numbers ranks node by node in this order, and the runtime's layout rank is that number: for AF-Pipe
-    the nodes holding attention ranks come first (a contiguous placement)."""
+    the nodes holding attention ranks come first (a contiguous placement). ``gpu_types``: each node's GPU type (a
+    fleet), written as ``gpu=TYPE`` for ``run_pretrain.py``'s check."""
+    gpu = [f" gpu={t}" for t in gpu_types] or [""] * result.request.cluster.nodes
     cl = result.request.cluster
     chosen = chosen or result.af
     assert chosen is not None
@@ -267,14 +273,17 @@ def hostfile(result: PlanResult, chosen: AfPlan | BaselinePlan | None = None) ->
         ep = chosen.candidate.shape.ep
         lines = [f"# disagmoe-plan: {_name(chosen)}: every rank holds the attention side and 1/{ep} of the "
                  f"experts; an EP group is {ep} consecutive ranks"]  # fmt: skip
-        return "\n".join(lines + [f"{cl.host(node)} slots={cl.gpus_per_node}" for node in range(cl.nodes)]) + "\n"
+        return "\n".join(lines + [f"{cl.host(n)} slots={cl.gpus_per_node}{gpu[n]}" for n in range(cl.nodes)]) + "\n"
     c = chosen.candidate
     m = c.layout.attention_gpus
     lines = [f"# disagmoe-plan: {c.layout.describe()}", f"# placement: {c.placement.describe(m)}"]
     for node in range(cl.nodes):
         ranks = [c.placement.launcher_to_layout_rank(node, k, attention_gpus=m) for k in range(cl.gpus_per_node)]
         roles = ", ".join(_role(c.layout.role_of(r)) for r in ranks)
-        lines += [f"# {cl.host(node)}: layout ranks {ranks}: {roles}", f"{cl.host(node)} slots={cl.gpus_per_node}"]
+        lines += [
+            f"# {cl.host(node)}: layout ranks {ranks}: {roles}",
+            f"{cl.host(node)} slots={cl.gpus_per_node}{gpu[node]}",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -3,25 +3,30 @@
 The format is DeepSpeed's (``launcher/runner.py::_parse_hostfile``): one ``HOST slots=N`` per line, ``#``
 starts a comment line, blank lines are ignored, a host may appear once. We are a little stricter than
 DeepSpeed, which also accepts trailing text after ``slots=N`` (``worker-0 slots=8x`` launches 8 ranks) and
-silently falls back to the local machine when the file does not exist.
+silently falls back to the local machine when the file does not exist. The one trailing field we read is a GPU type,
+``HOST slots=N gpu=TYPE`` (DeepSpeed ignores it): on a fleet of two GPU types the disaggregated job's attention ranks
+must land on the hosts of its ``cluster`` and the expert ranks on those of its ``ffn_cluster`` (``check_gpu_types``).
 
 >>> parse_hostfile(["# two nodes", "worker-0 slots=8", "", "worker-1 slots=8  # the second"], "hf")
 {'worker-0': 8, 'worker-1': 8}
+>>> gpu_types(["a slots=8 gpu=h200", "b slots=8 gpu=a100 # older"], "hf")
+{'a': 'h200', 'b': 'a100'}
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from disagmoe_ds.errors import ConfigError
 
-_ENTRY = re.compile(r"^(\S+)\s+slots=(\d+)\s*(#.*)?$")
-_FORMAT = "each line must be 'HOST slots=N' (N >= 1); '#' starts a comment"
+_ENTRY = re.compile(r"^(\S+)\s+slots=(\d+)(?:\s+gpu=(\S+))?\s*(#.*)?$")
+_FORMAT = "each line must be 'HOST slots=N' (N >= 1) or 'HOST slots=N gpu=TYPE'; '#' starts a comment"
 # Launcher flags that pick a subset of the hostfile's slots: the total then is not the world size.
 _SLOT_FILTERS = ("-i", "--include", "-e", "--exclude", "--num_nodes", "--num_gpus")
 
@@ -43,6 +48,46 @@ def parse_hostfile(lines: Sequence[str], name: str) -> dict[str, int]:
     if not hosts:
         raise ConfigError(f"hostfile {name} lists no host; {_FORMAT}")
     return hosts
+
+
+def gpu_types(lines: Sequence[str], name: str) -> dict[str, str]:
+    """Host -> GPU type for a hostfile whose hosts carry ``gpu=TYPE`` (lower case); empty where none does, a
+    ``ConfigError`` where only some do (``parse_hostfile`` has checked the lines)."""
+    entries = [_ENTRY.match(raw.strip()) for raw in lines]
+    found = {m.group(1): m.group(3) for m in entries if m is not None}
+    typed = {host: gpu.lower() for host, gpu in found.items() if gpu}
+    if typed and len(typed) < len(found):
+        untyped = ", ".join(host for host in found if host not in typed)
+        raise ConfigError(f"hostfile {name}: {untyped} carry no gpu=TYPE where the other hosts do; give every host one")
+    return typed
+
+
+def check_gpu_types(path: Path, hosts: dict[str, int], sides: Sequence[str], clusters: Mapping[str, str]) -> None:
+    """Each rank's host has the GPU type its side is priced on: ``sides[rank]`` names the side ("attention" or
+    "ffn"), ``clusters`` its cluster (a preset, or a cluster JSON whose ``name`` is the type). The launcher numbers
+    ranks host by host in file order; a hostfile without GPU types passes."""
+    types = gpu_types(path.read_text().splitlines(), str(path))
+    if not types:
+        return
+    wanted = {side: _type_of(cluster) for side, cluster in clusters.items()}
+    start = 0
+    for host, slots in hosts.items():
+        for side in dict.fromkeys(sides[start : start + slots]):
+            if types[host] != wanted[side]:
+                key = "cluster" if side == "attention" else "ffn_cluster"
+                raise ConfigError(
+                    f"hostfile {path}: {host} (gpu={types[host]}) holds ranks {start}-{start + slots - 1}, {side} "
+                    f'ranks the job prices on {wanted[side]} ("disagmoe.{key}"); list the {wanted["attention"]} hosts '
+                    f'first (the attention ranks come first), or change "disagmoe.{key}"'
+                )
+        start += slots
+
+
+def _type_of(cluster: str) -> str:
+    """A cluster setting's GPU type: a preset's name, or a cluster JSON's ``name``."""
+    if not cluster.endswith(".json"):
+        return cluster.lower()
+    return str(json.loads(Path(cluster).read_text(encoding="utf-8")).get("name", Path(cluster).stem)).lower()
 
 
 def check_hostfile(path: Path, *, world_size: int | None = None) -> dict[str, int]:

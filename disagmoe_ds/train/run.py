@@ -19,9 +19,11 @@ import torch.distributed as dist
 
 from disagmoe_ds.checkpoint.export import export_hf
 from disagmoe_ds.checkpoint.resume import Freezing, ResumePoint, check_resume, effective_freezing, locate, restore, save
+from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.data.loader import to_device
 from disagmoe_ds.errors import ConfigError, DisagMoEError
 from disagmoe_ds.launch import RankFailedError, detect_launcher, init_from_env, spawn_local
+from disagmoe_ds.layout import JobLayout
 from disagmoe_ds.models.fp8_base import base_fp8_line
 from disagmoe_ds.models.loading import load_config
 from disagmoe_ds.plot import write_loss_plot
@@ -34,6 +36,7 @@ from disagmoe_ds.train.data import TrainData, check_data_args, eval_batches, lan
 from disagmoe_ds.train.evaluation import EvalLoss, Evaluator, is_eval_step, weights_of
 from disagmoe_ds.train.failures import job_key, report_launched_failure, report_rank_failure
 from disagmoe_ds.train.hostfile import (
+    check_gpu_types,
     check_hostfile,
     check_node_groups,
     deepspeed_command,
@@ -163,18 +166,26 @@ def check_or_relaunch(args: TrainArgs, ns: argparse.Namespace, argv: list[str], 
     """``--check-hostfile``: validate and exit. ``--hostfile``: validate, then become ``deepspeed --hostfile``."""
     if ns.check_hostfile is not None:
         hosts = check_hostfile(ns.check_hostfile, world_size=args.cfg.world_size)
-        check_node_groups(
-            ns.check_hostfile, hosts, preflight_run(args, args.cfg.world_size).layout.group_ranks().exchange_nodes
-        )
+        check_placement(ns.check_hostfile, hosts, args, preflight_run(args, args.cfg.world_size).layout)
         print(f"{ns.check_hostfile}: ok, {describe(hosts)} = {args.cfg.world_size} ranks")
         return 0
     subset = filters_slots(ns.launcher_args)
     hosts = check_hostfile(ns.hostfile, world_size=None if subset else args.cfg.world_size)
     plan = preflight_run(args, args.cfg.world_size)
     if not subset:  # the slots are the ranks' hosts
-        check_node_groups(ns.hostfile, hosts, plan.layout.group_ranks().exchange_nodes)
+        check_placement(ns.hostfile, hosts, args, plan.layout)
     command = deepspeed_command(ns.hostfile, ns.launcher_args, str(script), strip_launch_flags(argv))
     os.execvp(command[0], command)
+
+
+def check_placement(path: Path, hosts: dict[str, int], args: TrainArgs, layout: JobLayout) -> None:
+    """What a hostfile's hosts must hold for this job: ``node_dedup``'s node groups on one host each and, on a
+    disaggregated job whose hosts carry GPU types, each side's ranks on its type's hosts."""
+    check_node_groups(path, hosts, layout.group_ranks().exchange_nodes)
+    if isinstance(args.cfg, DisagMoEConfig):  # a co-located rank holds both sides
+        sides = ["attention" if layout.role_of(r).is_attention else "ffn" for r in range(layout.world_size)]
+        attention, ffn = args.cfg.side_clusters
+        check_gpu_types(path, hosts, sides, {"attention": attention, "ffn": ffn})
 
 
 def train(rank: int, plan: JobPlan, data: TrainData | None) -> bool:
