@@ -9,6 +9,8 @@
                    depth, ZeRO stage, precision; co-located pipeline stages with --mode colocated): weights,
                    optimizer state, scheduler, step and data position, so run_pretrain.py --resume with the new
                    layout continues the run exactly
+  to-fp8           an HF directory -> the same model in FP8 blocks (DeepSeek-V3's checkpoint layout): a LoRA run
+                   over it (--init-from) keeps its frozen base in FP8 on the ranks, about half a bf16 base's memory
 
 examples:
     disagmoe-convert hf-to-disagmoe --model HF_DIR --out CKPT --attention-gpus 2 --ffn-gpus 2 [--zero 1]
@@ -18,9 +20,11 @@ examples:
         --expert-data-parallel 2 --zero-stage 1 3
     disagmoe-convert relayout --ckpt CKPT --model HF_DIR --out CKPT_PP --mode colocated --world-size 4 --ep-size 2 \\
         --pp-size 2
+    disagmoe-convert to-fp8 --model HF_DIR --out HF_DIR_FP8 [--block 128 128] [--device cuda]
 
-Every conversion runs the layout's ranks as processes on this machine's CPU, whatever the layout's size: host
-memory must hold the whole model and every rank's optimizer state. A checkpoint is read under the DeepSpeed config
+Every conversion of a DisagMoE checkpoint runs the layout's ranks as processes on this machine's CPU, whatever the
+layout's size: host memory must hold the whole model and every rank's optimizer state (to-fp8 streams one weight
+file at a time). A checkpoint is read under the DeepSpeed config
 it was trained with, after its files are checked against their recorded sizes and checksums. Nothing is
 overwritten: an --out that exists is refused. `disagmoe-convert COMMAND --help` lists a command's options.
 """
@@ -101,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
         zero_help="ZeRO stage of both sides, in place of the source's per-side stages; overrides the --ds-config's "
         "zero_optimization.stage",
     )
+    fp8 = sub.add_parser(
+        "to-fp8",
+        help="HF directory -> the same model in FP8 blocks (a LoRA base kept in FP8)",
+        description="Write an HF directory's decoder-layer projections as e4m3 with a float32 scale per block "
+        "(DeepSeek-V3's layout and quantization_config); embeddings, LM head, norms and routers as they are.",
+    )
+    fp8.add_argument("--model", required=True, help="HF model directory with safetensors weights")
+    fp8.add_argument("--out", required=True, help="new HF directory")
+    fp8.add_argument(
+        "--block", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLS"), help="block shape (DeepSeek's)"
+    )
+    fp8.add_argument("--device", default="cpu", help="where to quantize (cuda: faster on a large model)")
     return p
 
 
@@ -137,6 +153,15 @@ def _layout_cfg(a: argparse.Namespace, source_stages: dict[str, int] | None = No
 
 def _run(a: argparse.Namespace) -> Path:
     # Imported once the command line is read: --help loads neither torch nor DeepSpeed.
+    if a.command == "to-fp8":  # torch and safetensors only
+        from disagmoe_ds.checkpoint.fp8_blocks import to_fp8_blocks
+
+        out = Path(a.out)
+        if out.exists():
+            raise ConfigError(f"--out {out} exists; nothing is overwritten")
+        count = to_fp8_blocks(Path(a.model), out, block=tuple(a.block), device=a.device)
+        print(f"disagmoe-convert: {count} weights in FP8 blocks of {a.block[0]} x {a.block[1]}")
+        return out
     from disagmoe_ds.train.conversion import disagmoe_to_hf, hf_to_disagmoe, relayout
     from disagmoe_ds.train.conversion_jobs import Job, open_checkpoint, resolve_ds_config
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from disagmoe_ds.afpipe.verify_run import run_verify
+from disagmoe_ds.checkpoint.fp8_blocks import to_fp8_blocks
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
 from disagmoe_ds.config import DisagMoEConfig
@@ -35,27 +36,10 @@ BLOCK = [16, 16]
 LORA = LoraSettings(rank=4, init_lora_weights=False)  # a non-zero update from the start
 
 
-def quantized_name(key: str) -> bool:
-    """The checkpoint tensors DeepSeek-V3 ships in FP8: the decoder layers' projections (not the router)."""
-    return ".layers." in key and key.endswith("proj.weight") or key.endswith("kv_a_proj_with_mqa.weight")
-
-
 def write_fp8_checkpoint(out: Path, block=BLOCK, seed: int = 2, **overrides) -> Path:
     """The tiny DeepSeek-V3 in the FP8 block layout (``quantization_config`` as DeepSeek-V3's, ``block`` its)."""
     plain = write_tiny_checkpoint("deepseek-v3", out.with_name(out.name + "-plain"), seed=seed, **overrides)
-    tensors = {}
-    for key, value in load_file(plain / "model.safetensors").items():
-        if quantized_name(key):
-            q = quantize_blocks(value, tuple(block))
-            tensors[key], tensors[key + "_scale_inv"] = q.data, q.scale_inv
-        else:
-            tensors[key] = value
-    out.mkdir(parents=True)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((plain / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
-                                     "activation_scheme": "dynamic"}  # fmt: skip
-    (out / "config.json").write_text(json.dumps(config))
+    to_fp8_blocks(plain, out, tuple(block))
     return out
 
 
@@ -292,3 +276,31 @@ def test_lora_on_an_fp8_base_in_bf16_with_the_memory_levers_equals_peft(fp8_chec
                          offload={"attention": 1.0, "ffn": 1.0})  # fmt: skip
     result = run_verify(VerifyArgs(model=str(fp8_checkpoint), cfg=cfg, zero=2, dtype="bf16"), timeout_s=240)
     assert result["pass"], result["max_abs_diff"]
+
+
+def test_any_family_converted_to_fp8_blocks_keeps_its_lora_base_in_fp8(tmp_path, ranks_kept_fp8) -> None:
+    """``disagmoe-convert to-fp8`` on a sharded Qwen3-MoE checkpoint: its projections (the routed experts per expert)
+    in blocks with the index rewritten, the rest as it was; LoRA over it equals PEFT on the dequantized base, with
+    every rank holding its base in FP8."""
+    from disagmoe_ds.convert import main as convert
+
+    plain = write_tiny_checkpoint("qwen3-moe", tmp_path / "plain", seed=3, max_shard_size="60KB")
+    out = tmp_path / "fp8"
+    assert convert(["to-fp8", "--model", str(plain), "--out", str(out), "--block", *map(str, BLOCK)]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1  # sharded, each tensor in its source's shard
+    stored = {k: v for f in set(index.values()) for k, v in load_file(out / f).items()}
+    assert set(index) == set(stored)
+    router = "model.layers.1.mlp.gate.weight"
+    expert = next(k for k in stored if ".experts." in k and k.endswith("proj.weight"))
+    assert stored[expert].dtype == E4M3 and expert + "_scale_inv" in stored
+    assert stored[router].dtype == torch.float32 and router + "_scale_inv" not in stored
+    assert stored["model.embed_tokens.weight"].dtype == torch.float32
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == BLOCK
+    cfg = DisagMoEConfig(attention_gpus=1, ffn_gpus=2, micro_batches=2, transport="rendezvous", lora=LORA)
+    result = run_verify(VerifyArgs(model=str(out), cfg=cfg, zero=1, seq_len=8), timeout_s=240)
+    assert result["tolerance"] == TOLERANCE["fp32"] and result["pass"], result["max_abs_diff"]
+    assert ranks_kept_fp8() == cfg.world_size
+    with pytest.raises(CheckpointError, match="is quantized already"):
+        to_fp8_blocks(out, tmp_path / "twice")
+    assert convert(["to-fp8", "--model", str(plain), "--out", str(out)]) == 2  # nothing is overwritten
