@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from disagmoe_ds.fp8 import fp8_grouped_mm, fp8_linear
+from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
 from disagmoe_ds.fp8.quantize import round_trip
 from disagmoe_ds.fp8.weight_cache import cast_once_per_step
 
