@@ -15,9 +15,9 @@ inputs, one rounding at the output. Shape suffixes: P pairs, I expert intermedia
 The FP8 experts' middle (``swiglu_fp8_forward`` / ``swiglu_fp8_backward``, used by ``models.fp8_experts``) computes
 the same rows without the routing weight and also writes them as the next GEMM's FP8 operand, what
 ``fp8.quantize.quantize(rows, -1)`` makes of them: a program per block of rows walks each row twice, once for its
-amax, once for its e4m3 values (recomputed, not read back). The power-of-two scale comes from the amax's bits and the
-e4m3 rounding (to nearest, ties to even, saturating at 448) is done in fp32 arithmetic, so the final cast holds
-exact values and cannot round: Triton's interpreter (the CPU tests) casts to FP8 with another rounding than the GPU.
+amax, once for its e4m3 values (recomputed, not read back). The power-of-two scale comes from the amax's bits and
+each e4m3 byte is built bit by bit (rounded to nearest, ties to even, in fp32 arithmetic; saturating at 448; NaN kept),
+with no FP8 cast: Triton's interpreter (the CPU tests) casts to FP8 with another rounding than the GPU and loses NaN.
 """
 
 from __future__ import annotations
@@ -106,27 +106,42 @@ if triton is not None:
         return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _scale_exponent(amax):
-        """log2 of ``quantize.scale_of(amax)`` (amax >= 0, finite): the smallest power of two s with 448 s >= amax,
-        at least 2^-126; 0 (a scale of 1) where amax is 0. From amax's bits: amax = f 2^e with f in [1, 2) needs
-        s = 2^(e - 8) where f <= 1.75 (448 = 1.75 * 2^8), else 2^(e - 7); no logarithm, so no rounding anywhere."""
-        bits = amax.to(tl.int32, bitcast=True)
-        exponent = (bits >> 23) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        return tl.where(amax > 0, tl.maximum(exponent, -126), 0)
+    def _row_stats(amax, nan, values):
+        """The running ``(amax, nan)`` of rows (``nan``: 1 where a row holds a NaN) after a block of their values."""
+        size = tl.abs(values)
+        return tl.maximum(amax, tl.max(size, 1)), tl.maximum(nan, tl.max((size != size).to(tl.int32), 1))
 
     @triton.jit
-    def _e4m3_values(x, inv_scale):
-        """``x * inv_scale`` (exact: a power of two) saturated at +-448 and rounded to the nearest e4m3 value, ties
-        to even, as float32 values that e4m3 holds exactly: the cast that follows cannot round, whatever rounding
-        mode it has (Triton's interpreter does not round to nearest even; the GPU's cvt.rn does)."""
-        t = tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
-        mag = tl.abs(t)
-        step = (
-            tl.maximum((mag.to(tl.int32, bitcast=True) >> 23) - 127, -6) - 3
-        )  # e4m3: 3 mantissa bits, normal from 2^-6
-        steps = mag * _pow2(-step)  # in [0, 16): its nearest integer, ties to even, by float32's own rounding
-        rounded = ((steps + 12582912.0) - 12582912.0) * _pow2(step)  # 12582912 = 1.5 * 2^23
-        return tl.where(t.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # the sign of -0.0 too, as torch's cast
+    def _scale_exponent(amax, nan):
+        """log2 of ``quantize.scale_of(amax)`` (amax >= 0): the smallest power of two s with 448 s >= amax, at least
+        2^-126; 0 (a scale of 1) where amax is 0 or the row holds a NaN (``nan``: torch's NaN amax), 128 (an infinite
+        scale, ``_pow2``) where amax is infinite. From amax's bits: amax = f 2^e with f in [1, 2) needs s = 2^(e - 8)
+        where f <= 1.75 (448 = 1.75 * 2^8), else 2^(e - 7); no logarithm, so no rounding anywhere."""
+        bits = amax.to(tl.int32, bitcast=True)
+        exponent = (bits >> 23) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        exponent = tl.where(amax > 0, tl.maximum(exponent, -126), 0)
+        return tl.where(nan > 0, 0, tl.where(bits == 0x7F800000, 128, exponent))  # 0x7F800000: +inf
+
+    @triton.jit
+    def _inverse_scale(exponent):
+        """1 / 2^``exponent``, exact; 0 for an infinite scale (x / inf: 0, or NaN for an infinite x, as torch's)."""
+        return tl.where(exponent == 128, 0.0, _pow2(-exponent))
+
+    @triton.jit
+    def _e4m3_bits(x, inv_scale):
+        """The e4m3 byte of ``x * inv_scale`` (exact: a power of two), saturated at +-448 and rounded to nearest, ties
+        to even, as ``cast`` makes it (NaN stays NaN), written bit by bit: no FP8 cast, whose rounding differs
+        between Triton's interpreter (the CPU tests) and the GPU, and whose NaN the interpreter loses."""
+        scaled = x * inv_scale
+        nan = scaled != scaled
+        mag = tl.minimum(tl.abs(scaled), 448.0)
+        exponent = tl.maximum((mag.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # e4m3's normals start at 2^-6
+        steps = mag * _pow2(3 - exponent)  # in [0, 16): 3 mantissa bits; its nearest integer, ties to even, below
+        steps = ((steps + 12582912.0) - 12582912.0).to(tl.int32)  # 12582912 = 1.5 * 2^23: float32's own rounding
+        normal = steps >= 8  # 1.mmm, or a subnormal rounded up into the normals (or a normal into the next binade)
+        code = tl.where(normal, ((exponent + 7 + (steps >> 4)) << 3) | (steps & 7), steps)
+        sign = (scaled.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7  # -0.0 too, as torch's cast
+        return (tl.where(nan, 0x7F, code) | sign).to(tl.uint8)
 
     @triton.jit
     def _swiglu_fp8_forward_kernel(
@@ -138,6 +153,7 @@ if triton is not None:
         row_gu = pairs.to(tl.int64)[:, None] * (2 * inter)
         row_h = pairs.to(tl.int64)[:, None] * inter
         amax = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        nan = tl.zeros((BLOCK_P,), dtype=tl.int32)
         for start in range(0, inter, BLOCK_I):  # the hidden row as the model's dtype holds it, and its amax
             cols = start + tl.arange(0, BLOCK_I)
             mask = pair_ok[:, None] & (cols < inter)[None, :]
@@ -145,17 +161,17 @@ if triton is not None:
             up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             hidden = _silu_mul(gate, up).to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + row_h + cols[None, :], hidden, mask=mask)
-            amax = tl.maximum(amax, tl.max(tl.abs(hidden.to(tl.float32)), 1))
-        exponent = _scale_exponent(amax)
+            amax, nan = _row_stats(amax, nan, hidden.to(tl.float32))
+        exponent = _scale_exponent(amax, nan)
         tl.store(scale_ptr + pairs, _pow2(exponent), mask=pair_ok)
-        inv_scale = _pow2(-exponent)[:, None]
+        inv_scale = _inverse_scale(exponent)[:, None]
         for start in range(0, inter, BLOCK_I):  # again, recomputed (cheaper than reading back), in e4m3
             cols = start + tl.arange(0, BLOCK_I)
             mask = pair_ok[:, None] & (cols < inter)[None, :]
             gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             hidden = _silu_mul(gate, up).to(h_ptr.dtype.element_ty).to(tl.float32)
-            q = _e4m3_values(hidden, inv_scale).to(q_ptr.dtype.element_ty)
+            q = _e4m3_bits(hidden, inv_scale)
             tl.store(q_ptr + row_h + cols[None, :], q, mask=mask)
 
     @triton.jit
@@ -168,6 +184,7 @@ if triton is not None:
         row_gu = pairs.to(tl.int64)[:, None] * (2 * inter)
         row_h = pairs.to(tl.int64)[:, None] * inter
         amax = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        nan = tl.zeros((BLOCK_P,), dtype=tl.int32)
         for start in range(0, inter, BLOCK_I):  # the gradient row (2I wide) in the model's dtype, and its amax
             cols = start + tl.arange(0, BLOCK_I)
             mask = pair_ok[:, None] & (cols < inter)[None, :]
@@ -178,11 +195,12 @@ if triton is not None:
             d_gate, d_up = d_gate.to(dgu_ptr.dtype.element_ty), d_up.to(dgu_ptr.dtype.element_ty)
             tl.store(dgu_ptr + row_gu + cols[None, :], d_gate, mask=mask)
             tl.store(dgu_ptr + row_gu + inter + cols[None, :], d_up, mask=mask)
-            amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(d_gate.to(tl.float32)), tl.abs(d_up.to(tl.float32))), 1))
+            amax, nan = _row_stats(amax, nan, d_gate.to(tl.float32))
+            amax, nan = _row_stats(amax, nan, d_up.to(tl.float32))
         if QUANTIZE:
-            exponent = _scale_exponent(amax)
+            exponent = _scale_exponent(amax, nan)
             tl.store(scale_ptr + pairs, _pow2(exponent), mask=pair_ok)
-            inv_scale = _pow2(-exponent)[:, None]
+            inv_scale = _inverse_scale(exponent)[:, None]
             for start in range(0, inter, BLOCK_I):
                 cols = start + tl.arange(0, BLOCK_I)
                 mask = pair_ok[:, None] & (cols < inter)[None, :]
@@ -192,8 +210,8 @@ if triton is not None:
                 d_gate, d_up, _ = _swiglu_grads(gate, up, d_hidden)
                 d_gate = d_gate.to(dgu_ptr.dtype.element_ty).to(tl.float32)
                 d_up = d_up.to(dgu_ptr.dtype.element_ty).to(tl.float32)
-                q_gate = _e4m3_values(d_gate, inv_scale).to(q_ptr.dtype.element_ty)
-                q_up = _e4m3_values(d_up, inv_scale).to(q_ptr.dtype.element_ty)
+                q_gate = _e4m3_bits(d_gate, inv_scale)
+                q_up = _e4m3_bits(d_up, inv_scale)
                 tl.store(q_ptr + row_gu + cols[None, :], q_gate, mask=mask)
                 tl.store(q_ptr + row_gu + inter + cols[None, :], q_up, mask=mask)
 
@@ -256,7 +274,8 @@ def swiglu_fp8_forward(gate_up_PF: torch.Tensor, tiles: dict | None = None) -> t
     data_PI = torch.empty(num_pairs, inter, dtype=E4M3, device=gate_up_PF.device)
     scale_P1 = torch.empty(num_pairs, 1, dtype=torch.float32, device=gate_up_PF.device)
     grid = (triton.cdiv(num_pairs, t["BLOCK_P"]),)
-    _swiglu_fp8_forward_kernel[grid](gate_up_PF, hidden_PI, data_PI, scale_P1, num_pairs, inter, **t)
+    bytes_PI = data_PI.view(torch.uint8)  # the kernel writes e4m3 bytes, not values (``_e4m3_bits``)
+    _swiglu_fp8_forward_kernel[grid](gate_up_PF, hidden_PI, bytes_PI, scale_P1, num_pairs, inter, **t)
     return hidden_PI, Quantized(data_PI, scale_P1)
 
 
@@ -274,7 +293,8 @@ def swiglu_fp8_backward(
     if quantized:
         data_PF = torch.empty(num_pairs, 2 * inter, dtype=E4M3, device=gate_up_PF.device)
         q = Quantized(data_PF, torch.empty(num_pairs, 1, dtype=torch.float32, device=gate_up_PF.device))
-    outs = (d_gate_up_PF, d_gate_up_PF) if q is None else (q.data, q.scale)  # unread without QUANTIZE
+    # e4m3 bytes (``_e4m3_bits``); without QUANTIZE nothing is written there
+    outs = (d_gate_up_PF, d_gate_up_PF) if q is None else (q.data.view(torch.uint8), q.scale)
     grid = (triton.cdiv(num_pairs, t["BLOCK_P"]),)
     _swiglu_fp8_backward_kernel[grid](
         gate_up_PF, d_hidden_PI.contiguous(), d_gate_up_PF, *outs, num_pairs, inter, QUANTIZE=quantized, **t
