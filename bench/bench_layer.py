@@ -26,12 +26,18 @@ attention; weights random, only the config is read) and times forward + backward
                   can beat, so its ``vs_hf_compiled`` is the most any can gain over compiled HF
     ours-fp8-compiled  ours-compiled with ``"fp8": true``: the experts' grouped GEMMs and the attention side's
                   projections in FP8 (``disagmoe_ds.fp8``: e4m3, rowwise power-of-two scales, all three GEMMs;
-                  the router and the LM head stay high precision), the quantization compiled into the parts;
-                  every weight cast to FP8 in every call: a step of one micro-batch
+                  the router and the LM head stay high precision; projections too narrow to pay stay bf16,
+                  ``fp8.shapes``), the quantization compiled into the parts, on CUDA the experts' middle writing
+                  the FP8 operands of the GEMMs after it (``models.fp8_experts``); every weight cast to FP8 in
+                  every call: a step of one micro-batch
     ours-fp8-once-compiled  ours-fp8-compiled inside one optimizer step's scope (``fp8.weight_cache``): the
                   expert weights' FP8 copies made once (in the warm-up) and reused, as every micro-batch of a step
                   after its first runs them; a step of K micro-batches costs about (K - 1) of these and one
                   ours-fp8-compiled
+    ours-fp8-once-unfused-compiled  ours-fp8-once-compiled with the experts' FP8 operands quantized in passes of
+                  their own after the Triton middle (as before ``models.fp8_experts``)
+    ours-fp8-once-all-compiled  ours-fp8-once-compiled with every aligned projection in FP8, narrow ones too
+                  (``"fp8_bf16_width": 0``, as before the shape rule)
     hf-fp8-compiled  hf-compiled with torchao's FP8 training on the layer's attention projections and shared
                   experts (``Float8TrainingOpConfig``, rowwise; not the router): the strongest FP8 a user of HF
                   has (CUDA and torchao only). Not its routed experts: torchao's FP8 grouped GEMM needs each
@@ -72,6 +78,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -79,6 +86,7 @@ import torch.nn.functional as F
 
 from disagmoe_ds.comm.routing import combine, count_ids, pack, plan_dispatch
 from disagmoe_ds.fp8.quantize import round_trip
+from disagmoe_ds.fp8.shapes import BF16_WIDTH
 from disagmoe_ds.fp8.weight_cache import cast_once_per_step
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.context import build_context
@@ -105,6 +113,8 @@ PATHS = (
     "floor",
     "ours-fp8-compiled",
     "ours-fp8-once-compiled",
+    "ours-fp8-once-unfused-compiled",
+    "ours-fp8-once-all-compiled",
     "hf-fp8-compiled",
 )
 CUDA_ONLY = ("hf-graphed", "ours-graphed", "hf-fp8-compiled")
@@ -306,6 +316,14 @@ def _without_triton(stage: ExpertStage) -> None:
             shard.elementwise = shard.elementwise.without_triton()
 
 
+def _unfused_fp8_middle(stage: ExpertStage) -> None:
+    """The stage's FP8 shards run the same Triton middle, but not as ``fp8_experts``' node: its output and its
+    gradient quantized in passes of their own (``grouped_experts.fused_fp8_middle`` fuses a ``TritonSwiGLUOr`` only)."""
+    for shard in stage.modules():
+        if isinstance(shard, ExpertShard) and isinstance(shard.elementwise.gated, grouped_experts.TritonSwiGLUOr):
+            shard.elementwise = replace(shard.elementwise, gated=functools.partial(shard.elementwise.gated.__call__))
+
+
 def torchao_fp8(layer: torch.nn.Module) -> None:
     """torchao's rowwise FP8 training on an HF decoder layer, in place: the parameters of its attention projections
     and shared experts become torchao's training tensors, whose GEMMs run in FP8; the router and the routed experts
@@ -338,11 +356,13 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
         "selective-compiled",
         "ours-fp8-compiled",
         "ours-fp8-once-compiled",
+        "ours-fp8-once-unfused-compiled",
+        "ours-fp8-once-all-compiled",
     ):
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
         expert_stage = ExpertStage(model, (0,), 0, spec.num_experts)
         if name.startswith("ours-fp8"):
-            fp8_stage(attention)
+            fp8_stage(attention, 0 if name == "ours-fp8-once-all-compiled" else BF16_WIDTH)
             fp8_stage(expert_stage)
         if name == "selective-compiled":
             apply_selective_recompute(attention)
@@ -353,6 +373,8 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
                 compile_stage(expert_stage)
             if name == "inductor-compiled":
                 _without_triton(expert_stage)
+            if name == "ours-fp8-once-unfused-compiled":
+                _unfused_fp8_middle(expert_stage)
         params = [*attention.parameters(), *expert_stage.parameters()]
         part, shard = attention.part(0), expert_stage.shard(0)
         if name == "ours-graphed":
@@ -400,7 +422,7 @@ def bench_model(
         step = args = None
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        scope = cast_once_per_step() if name == "ours-fp8-once-compiled" else contextlib.nullcontext()
+        scope = cast_once_per_step() if name.startswith("ours-fp8-once") else contextlib.nullcontext()
         with scope:
             try:
                 step, args = build_path(

@@ -7,6 +7,13 @@ the order of the sums and the bf16 output's rounding: this runs a linear and a g
 backward on both devices, from the same bf16 inputs, per call and inside ``cast_once_per_step``, and prints each
 result's relative error (norm of the difference over the norm of the CPU result). Exit status 1 past ``--tol``.
 
+Then the FP8 experts' fused middle (``triton_swiglu.swiglu_fp8_forward`` / ``_backward``, ``models.fp8_experts``),
+compiled for the GPU (the CPU tests run it in Triton's interpreter, whose FP8 cast rounds otherwise): its e4m3 rows
+and scales must be what ``fp8.quantize`` makes of the same rows bit for bit, on CUDA (its compiled kernels) and on the
+CPU (eager), on random rows and on rows built to probe ties, scales on a power of two, e4m3 subnormals and signed
+zeros; and the experts through it (``grouped_gated_experts`` with the compiled middle) must equal the unfused FP8
+path on CUDA bit for bit, forward and every gradient, and the CPU emulation within ``--tol``. Exit status 1 otherwise.
+
     python bench/check_fp8_cuda.py [--tol 0.01]
 """
 
@@ -17,10 +24,12 @@ import contextlib
 import sys
 
 import torch
+import torch.nn.functional as F
 
-from disagmoe_ds.fp8 import fp8_grouped_mm, fp8_linear
-from disagmoe_ds.fp8.quantize import round_trip
+from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
+from disagmoe_ds.fp8.quantize import E4M3_MAX, Quantized, quantize, round_trip
 from disagmoe_ds.fp8.weight_cache import cast_once_per_step
+from disagmoe_ds.models import grouped_experts, triton_swiglu
 
 # Expert rows per group: an empty expert and ragged groups; 8 groups of 64 rows on average (torch's small tile as
 # they are), then 4 of 256 (each shown to torch as 3 groups, ``fp8.gemm.tile_split``).
@@ -46,6 +55,105 @@ def results(device: str, cached: bool, counts: list[int]) -> dict[str, torch.Ten
     return {"y": y, "dx": dx, "dw": dw, "dw_e": dw_e}
 
 
+def probe_rows(inter: int) -> torch.Tensor:
+    """[16, inter] float32 rows of edge cases for a quantization (each exact in bf16), the rest random."""
+    torch.manual_seed(1)
+    x = torch.randn(16, inter) * torch.logspace(-30, 30, 16)[:, None]
+    x[0, :8] = torch.tensor([448.0, 1.0625, 17.0, 19.0, -0.0, 3 * 2**-10, 2**-10, -(2**-10)])  # ties, at scale 1
+    x[1, 0] = E4M3_MAX * (1 + 2**-7)  # just past a power of two
+    x[2, 0], x[3, 0] = E4M3_MAX * 2.0**-20, E4M3_MAX * 2.0**7  # on one
+    x[4], x[5, :2] = 0.0, torch.tensor([2.0**-133, -(2.0**-130)])  # all zero; bf16 denormals only
+    return x.bfloat16().float()
+
+
+def same_bits(got: Quantized, want: Quantized) -> bool:
+    """The same e4m3 bytes (-0.0 is not 0.0) and scales, NaN where the other has NaN (its bits are the platform's)."""
+    nan = got.data.cpu().float().isnan()
+    if not torch.equal(nan, want.data.cpu().float().isnan()):
+        return False
+    data = (got.data.cpu().view(torch.uint8)[~nan], want.data.cpu().view(torch.uint8)[~nan])
+    return torch.equal(*data) and torch.equal(got.scale.cpu(), want.scale.cpu())
+
+
+def middle_bits(device: str = "cuda", sizes: tuple[tuple[int, int], ...] = ((3000, 768), (257, 2048))) -> list[str]:
+    """Where the fused middle's FP8 rows differ from ``quantize``'s of its own rows (on ``device``, compiled there,
+    and on the CPU, eager); ``sizes``: (pairs, I), by default both tile shapes of ``triton_swiglu._tiles``."""
+    failed = []
+    for pairs, inter in sizes:
+        torch.manual_seed(0)
+        gate_up = torch.randn(pairs, 2 * inter) * torch.logspace(-3, 3, pairs)[:, None]
+        probes = probe_rows(inter)  # silu(64) * (x / 64) = x: the hidden rows are the probes, exactly
+        gate_up[:16, :inter], gate_up[:16, inter:] = 64.0, probes / 64
+        gate_up = gate_up.bfloat16().to(device)
+        d_hidden = torch.randn(pairs, inter).bfloat16().to(device)
+        d_hidden[:16] = probes.bfloat16().to(device)  # with gate 64 and up 1: d_gate_up = [x, 64 x]
+        gate_up[16:32, :inter], gate_up[16:32, inter:] = 64.0, 1.0
+        d_hidden[16:32] = probes.bfloat16().to(device)
+        ones = torch.ones(pairs, dtype=torch.bfloat16, device=device)
+        hidden, hidden_q = triton_swiglu.swiglu_fp8_forward(gate_up)
+        d_gate_up, d_q = triton_swiglu.swiglu_fp8_backward(gate_up, d_hidden)
+        assert d_q is not None
+        checks = {
+            "hidden rows": torch.equal(hidden, triton_swiglu.swiglu_forward(gate_up, ones)),
+            "d_gate_up rows": torch.equal(d_gate_up, triton_swiglu.swiglu_backward(gate_up, ones, d_hidden)[0]),
+            f"hidden e4m3 ({device})": same_bits(hidden_q, quantize(hidden, -1)),
+            "hidden e4m3 (cpu)": same_bits(hidden_q, quantize(hidden.cpu(), -1)),
+            f"d_gate_up e4m3 ({device})": same_bits(d_q, quantize(d_gate_up, -1)),
+            "d_gate_up e4m3 (cpu)": same_bits(d_q, quantize(d_gate_up.cpu(), -1)),
+        }
+        for name, ok in checks.items():
+            print(f"{pairs:>6} x {inter:<5} {name:>24}: {'identical' if ok else 'DIFFERENT'}")
+            failed += [] if ok else [f"{pairs}x{inter} {name}"]
+    return failed
+
+
+def _gated_fp32(gate_up_PF: torch.Tensor, w_P: torch.Tensor, act_fn: torch.nn.Module) -> torch.Tensor:
+    """The Triton middle's math on the CPU: fp32 from the bf16 inputs, one rounding (eager's rounds in bf16)."""
+    gate, up = gate_up_PF.float().chunk(2, dim=-1)
+    return (act_fn(gate) * up * w_P.float().unsqueeze(1)).to(gate_up_PF.dtype)
+
+
+def experts(device: str, fused: bool = True, rows: int = 2048, inter: int = 768) -> dict[str, torch.Tensor]:
+    """Output and gradients of the FP8 experts (the compiled middle where the Triton kernels run, else the CPU
+    emulation's; ``fused``: through ``fp8_experts`` where the kernels run)."""
+    torch.manual_seed(0)
+    hidden, num_experts = 512, 8
+    x = round_trip(torch.randn(rows, hidden).bfloat16()).to(device).requires_grad_()  # the routed rows, FP8 values
+    idx = torch.randint(0, num_experts + 1, (rows, 2)).to(device)  # id 8: another rank's expert
+    w = torch.rand(rows, 2).bfloat16().to(device).requires_grad_()
+    gate_up = torch.nn.Parameter((torch.randn(num_experts, 2 * inter, hidden) / 16).bfloat16().to(device))
+    down = torch.nn.Parameter((torch.randn(num_experts, hidden, inter) / 16).bfloat16().to(device))
+    emulated = grouped_experts.Elementwise(_gated_fp32, grouped_experts._sum_slots_eager)
+    middle = grouped_experts.compiled_elementwise() if triton_swiglu.runs_on(x) else emulated
+    fuses, grouped_experts.fused_fp8_middle = (
+        grouped_experts.fused_fp8_middle,
+        (grouped_experts.fused_fp8_middle if fused else lambda *args: False),
+    )
+    try:
+        y = grouped_experts.grouped_gated_experts(x, idx, w, gate_up, down, F.silu, elementwise=middle, fp8=True)
+        dy = torch.randn(y.shape).bfloat16().to(device)
+        dx, dw, d_gate_up, d_down = torch.autograd.grad(y, [x, w, gate_up, down], dy)
+    finally:
+        grouped_experts.fused_fp8_middle = fuses
+    return {"y": y, "dx": dx, "dw": dw, "d_gate_up": d_gate_up, "d_down": d_down}
+
+
+def experts_match(tol: float) -> list[str]:
+    """Where the fused experts differ from the unfused path (CUDA, bit for bit) or the CPU emulation (past ``tol``)."""
+    failed = []
+    fused, unfused, again, cpu = experts("cuda"), experts("cuda", False), experts("cuda", False), experts("cpu")
+    for name, got in fused.items():
+        deterministic = torch.equal(unfused[name], again[name])
+        identical = torch.equal(got, unfused[name])
+        want = cpu[name].float()
+        error = ((got.float().cpu() - want).norm() / want.norm()).item()
+        print(f"experts {name:>9}: {'identical' if identical else 'DIFFERENT'} to the unfused path"
+              f"{'' if deterministic else ' (which is not deterministic)'}, {error:.2e} from the CPU")  # fmt: skip
+        failed += [] if identical or not deterministic else [f"experts {name} (bits)"]
+        failed += [] if error <= tol else [f"experts {name} ({error:.2e} from the CPU)"]
+    return failed
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tol", type=float, default=0.01, help="largest relative error accepted (default 0.01)")
@@ -64,7 +172,9 @@ def main(argv: list[str]) -> int:
                 worst = max(worst, error)
                 print(f"{groups:>16} {'kept' if cached else 'per call':>10} {name:>6} {error:10.2e}")
     print(f"worst {worst:.2e} (tolerance {args.tol:g}): {'ok' if worst <= args.tol else 'FAILED'}")
-    return 0 if worst <= args.tol else 1
+    failed = middle_bits() + experts_match(args.tol)
+    print(f"fused FP8 middle: {'ok' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    return 0 if worst <= args.tol and not failed else 1
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The FP8 session on one GPU, in two calls of under 10 minutes, torchao and DeepSpeed from ./.whl:
-#   1. (layer) check_fp8_cuda.py (torch's FP8 kernels against the CPU emulation), then bench_layer.py per model and
-#      batch (1 and 2 x SEQ tokens): HF's layer compiled in bf16 and with torchao's rowwise FP8 training, ours
-#      compiled in bf16 and with "fp8": true (weights cast in every call, and once a step)
+#   1. (layer) check_fp8_cuda.py (torch's FP8 kernels against the CPU emulation; the experts' fused FP8 middle bit
+#      for bit against the unfused path and fp8.quantize), then bench_layer.py per model and batch (1 and 2 x SEQ
+#      tokens): HF's layer compiled in bf16 and with torchao's rowwise FP8 training, ours compiled in bf16 and with
+#      "fp8": true (weights cast once a step: fused middle and shape rule; the middle unfused; every projection in
+#      FP8; and weights cast in every call)
 #   2. (e2e) bench_e2e.py, the co-located mode on one GPU, 4 real-size layers, 8 x 1 x SEQ tokens a step, bf16 and --fp8
 #      (full training and LoRA rank 16), as far as the budget allows
 # Every step runs under `timeout`, capped by BUDGET_S seconds from the start (default 560). Writes to $OUT: env.txt,
 # session.txt (each command, its output, exit code and seconds), layer-<model>-b<batch>.json, e2e-<variant>.json.
-# Usage: [BATCHES="1 2"] [LIMIT_S=150] bash bench/gpu_fp8.sh layer|e2e ["MODELS"] [SEQ]
+# Usage: [BATCHES="1 2"] [LIMIT_S=240] [PATHS="..."] bash bench/gpu_fp8.sh layer|e2e ["MODELS"] [SEQ]
+# The fused middle and the shape rule on one GPU, in one call:
+#   BATCHES=1 bash bench/gpu_fp8.sh layer hf_models/Qwen3-30B-A3B
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PART=$1
@@ -21,12 +25,13 @@ export PYTHONPATH=/tmp/site:$PWD
   python -c "import torch, transformers, deepspeed, torchao; print(torch.__version__, transformers.__version__, deepspeed.__version__, torchao.__version__)"
 } > "$OUT/env.txt" 2>&1
 source "$(dirname "$0")/gpu_step.sh"  # step LIMIT_S COMMAND...
-[ "$PART" = layer ] && step 120 python bench/check_fp8_cuda.py  # torch's FP8 kernels against the CPU emulation
+[ "$PART" = layer ] && step 180 python bench/check_fp8_cuda.py  # torch's FP8 kernels against the CPU emulation
+PATHS=${PATHS:-"hf-compiled ours-compiled ours-fp8-once-compiled ours-fp8-once-unfused-compiled \
+ours-fp8-once-all-compiled ours-fp8-compiled hf-fp8-compiled"}
 [ "$PART" = layer ] && for model in $MODELS; do
   for batch in ${BATCHES:-1 2}; do
-    step "${LIMIT_S:-150}" python bench/bench_layer.py --model "$model" --seq-len "$SEQ" --batch $batch --layer 3 \
-      --paths hf-compiled ours-compiled ours-fp8-compiled ours-fp8-once-compiled hf-fp8-compiled \
-      --json "$OUT/layer-$(basename "$model")-b$batch.json"
+    step "${LIMIT_S:-240}" python bench/bench_layer.py --model "$model" --seq-len "$SEQ" --batch $batch --layer 3 \
+      --paths $PATHS --json "$OUT/layer-$(basename "$model")-b$batch.json"
   done
 done
 E2E="bench/bench_e2e.py --model hf_models/Qwen3-30B-A3B --layers 4 --world-size 1 --seq-len $SEQ --global-batch 8 --micro-batch-size 1 --methods colocated --compile --warmup 2 --steps 3"
@@ -37,5 +42,5 @@ if [ "$PART" = e2e ]; then
   step 140 torchrun --nproc_per_node 1 $E2E --fp8 --lora-rank 16 --json "$OUT/e2e-fp8-lora.json"
 fi
 echo "### done after ${SECONDS} s" >> "$LOG"
-awk '/^###/ {table = 0; print; next} /^(model|method|variant) / {table = 1} table' "$LOG" | cut -c1-300
+awk '/^###/ {table = 0; print; next} /^(worst|fused FP8 middle)/ {print; next} /^(model|method|variant) / {table = 1} table' "$LOG" | cut -c1-300
 exit 0

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagmoe_ds.fp8 import dequantize, fp8_grouped_mm, fp8_linear, quantize
 from disagmoe_ds.fp8.gemm import scaled_grouped_mm, scaled_mm, tile_split
-from disagmoe_ds.fp8.quantize import E4M3, round_trip
+from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
+from disagmoe_ds.fp8.quantize import E4M3, dequantize, quantize, round_trip
 
 
 def _e4m3_round(v: float) -> float:

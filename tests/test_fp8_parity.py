@@ -45,7 +45,8 @@ MODELS = ROOT / "hf_models"
 FLIP_SHARE = 0.25
 LORA = {"lora": LoraSettings(rank=8, init_lora_weights=False)}  # a non-zero update from the start
 
-# Every mode's FP8 step: K = 2 and one or two lanes, so that the gradient's 1/(lanes x K) is a power of two too.
+# Every mode's FP8 step: K = 2 and one or two lanes, so that the gradient's 1/(lanes x K) is a power of two too; and
+# "fp8_bf16_width": 0, every projection in FP8 (the tiny models' are all narrower than the shape rule's 2,048).
 DISAGGREGATED = [
     Job(M=2, N=4, p=2, K=2, resend=True, skew=True),  # two ep ranks per F-group, depth 2, resend; skewed routing
     Job(family="deepseek-v3", M=2, N=2, K=2, extra={"split_backward": True, "selective_recompute": True},
@@ -80,14 +81,16 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("case", DISAGGREGATED, ids=str)
 def test_disaggregated_fp8_step_equals_the_fp8_reference(case: Job) -> None:
-    args = VerifyArgs(str(MODELS / f"tiny-{case.family}"), case.config(transport="rendezvous", fp8=True), zero=1,
-                      steps=1, seq_len=8, skew=case.skew)  # fmt: skip
+    cfg = case.config(transport="rendezvous", fp8=True, fp8_bf16_width=0)
+    args = VerifyArgs(str(MODELS / f"tiny-{case.family}"), cfg, zero=1, steps=1, seq_len=8, skew=case.skew)
     _assert_fp8_parity(run_verify(args, timeout_s=240), args, args.cfg.batch_lanes)
 
 
 @pytest.mark.parametrize("case", COLOCATED, ids=str)
 def test_colocated_fp8_step_equals_the_fp8_reference(case: ColocatedJob) -> None:
-    cfg = ColocatedConfig(world_size=case.W, ep_size=case.ep, micro_batches=case.K, fp8=True, **case.extra)
+    cfg = ColocatedConfig(
+        world_size=case.W, ep_size=case.ep, micro_batches=case.K, fp8=True, fp8_bf16_width=0, **case.extra
+    )
     args = ColocatedVerifyArgs(str(MODELS / f"tiny-{case.family}"), cfg, zero=1, steps=1, seq_len=8, skew=case.skew)
     _assert_fp8_parity(run_colocated_verify(args, timeout_s=240), args, cfg.lanes)
 
@@ -131,7 +134,7 @@ def test_the_lever_swaps_classes_and_keeps_every_name() -> None:
         "lora": LoraLinear(nn.Linear(32, 32), rank=4, scaling=2.0, dropout=0.0),
     })  # fmt: skip
     names = list(block.state_dict())
-    assert convert_linears(block, skip=[block["router"]]) == 2
+    assert convert_linears(block, skip=[block["router"]], bf16_width=0) == 2
     assert list(block.state_dict()) == names
     kinds = {name: (type(m).__name__, getattr(m, "fp8", False)) for name, m in block.items()}
     assert kinds == {"q_proj": ("Fp8Linear", True), "gate": ("Linear", False), "router": ("Linear", False),
@@ -144,7 +147,26 @@ def test_the_lever_swaps_classes_and_keeps_every_name() -> None:
         pass
 
     with pytest.raises(TypeError, match="no FP8 switch"):
-        convert_linears(nn.Sequential(Custom(32, 32)))
+        convert_linears(nn.Sequential(Custom(32, 32)), bf16_width=0)
+
+
+def test_projections_too_narrow_for_fp8_to_pay_stay_in_bf16_judged_by_their_whole_shape() -> None:
+    """The shape rule (performance-log section 26): Qwen3-30B-A3B's attention projections (H = 2,048) stay bf16,
+    DeepSeek-V3's output projection (16,384 -> 7,168) goes FP8; a TP shard is judged by the projection it was cut
+    from, as the reference and the planner see it; ``bf16_width`` 0 converts every aligned one."""
+    from disagmoe_ds.models.tensor_parallel import Shard
+
+    def block() -> nn.ModuleDict:
+        shapes = {"q_proj": (2048, 4096), "k_proj": (2048, 512), "o_proj": (16384, 7168), "wide": (4096, 4096)}
+        return nn.ModuleDict({name: nn.Linear(*shape, bias=False, device="meta") for name, shape in shapes.items()})
+
+    narrow = block()
+    assert convert_linears(narrow) == 2
+    assert {name for name, m in narrow.items() if isinstance(m, Fp8Linear)} == {"o_proj", "wide"}
+    assert convert_linears(block(), bf16_width=0) == 4
+    shard = nn.Linear(4096, 2048, bias=False, device="meta")  # a column shard of "wide": 2,048 of its 4,096 outputs
+    shard.weight.disagmoe_tp = Shard(0, 1, 2)
+    assert convert_linears(nn.ModuleDict({"q_proj": shard})) == 1
 
 
 def test_families_whose_projections_fp8_does_not_cover_are_refused_in_one_line() -> None:

@@ -81,15 +81,39 @@ def test_the_projections_drop_by_the_dense_factor_and_the_router_does_not():
     h, q, kv = spec.hidden_size, 32 * 128, 4 * 128  # 32 query heads, 4 KV heads of 128; no shared experts
     projections, router = 2 * (h * q + 2 * h * kv + q * h), 2 * h * spec.num_experts
     assert fp8_speedup("projection") == 1.77
-    passes = a_side_passes(spec, rates, layer=layer, tokens=tokens, lora=Workload(1, 1).lora, fp8=Fp8())
+    every = Fp8(bf16_width=0)  # every projection in FP8, narrow as Qwen3-30B-A3B's are (the shape rule's test below)
+    passes = a_side_passes(spec, rates, layer=layer, tokens=tokens, lora=Workload(1, 1).lora, fp8=every)
     fwd, _ = attention_call_s(spec, rates, seq_len=4096, layer=layer, tokens=tokens, recompute="none")
-    fwd8, _ = attention_call_s(spec, rates, seq_len=4096, layer=layer, tokens=tokens, recompute="none", fp8=Fp8())
+    fwd8, _ = attention_call_s(spec, rates, seq_len=4096, layer=layer, tokens=tokens, recompute="none", fp8=every)
     saved = rates.attention_fwd.per_flop * tokens * projections * (1 - 1 / 1.77)
     assert fwd - (fwd8 - passes.fwd) == pytest.approx(saved)
     assert router == spec.router_flops()  # priced at the bf16 rate: the difference above is the projections' alone
     wgrad = attention_wgrad_s(spec, rates, layer=layer, tokens=tokens)
-    wgrad8 = attention_wgrad_s(spec, rates, layer=layer, tokens=tokens, fp8=Fp8())
+    wgrad8 = attention_wgrad_s(spec, rates, layer=layer, tokens=tokens, fp8=every)
     assert wgrad - (wgrad8 - passes.wgrad) == pytest.approx(saved)  # the weight grads are FP8 on the attention side
+
+
+@pytest.mark.parametrize("name", ["Qwen3-30B-A3B", "DeepSeek-V3"])
+def test_the_planner_prices_fp8_only_on_projections_the_runtime_puts_in_fp8(name):
+    """The shape rule the runtime applies (``fp8.shapes.fp8_pays``, ``"fp8_bf16_width"``): Qwen3-30B-A3B's attention
+    (H = 2,048) stays bf16, so FP8 saves nothing on it and adds only the exchange's pass over the routed rows;
+    DeepSeek-V3's projections save by exactly those past 2,048 wide, each priced at the dense factor."""
+    from disagmoe_ds.fp8.shapes import fp8_pays
+    from disagmoe_ds.planner.lora import mixer_projections, mlp_projections
+
+    spec = _spec(name)
+    rates, tokens, layer = shape_rates(preset("h800", 4), Efficiency(), spec), 4096.0, spec.num_layers - 1
+    wide = [(k, n) for k, n in mixer_projections(spec, layer) + mlp_projections(spec, layer) if fp8_pays(k, n)]
+    assert (name == "DeepSeek-V3") == bool(wide)  # DeepSeek-V3's output projection, 16,384 -> 7,168, and its kv_b
+    passes = a_side_passes(spec, rates, layer=layer, tokens=tokens, lora=Workload(1, 1).lora, fp8=Fp8())
+    fwd, _ = attention_call_s(spec, rates, seq_len=4096, layer=layer, tokens=tokens, recompute="none")
+    fwd8, _ = attention_call_s(spec, rates, seq_len=4096, layer=layer, tokens=tokens, recompute="none", fp8=Fp8())
+    saved = rates.attention_fwd.per_flop * tokens * sum(2 * k * n for k, n in wide) * (1 - 1 / 1.77)
+    assert fwd - (fwd8 - passes.fwd) == pytest.approx(saved)
+    exchange, weights = tokens * spec.hidden_size, sum(k * n for k, n in wide)
+    assert passes.fwd * rates.hbm_bw == pytest.approx(
+        PASS_BYTES * (tokens * sum(k for k, _ in wide) + exchange + weights)
+    )
 
 
 def test_a_quantize_pass_reads_two_bytes_and_writes_one_per_element_at_hbm_bandwidth():
@@ -144,10 +168,12 @@ def _step(name: str, nodes: int, seq_len: int, *flags: str) -> tuple[AfPlan, Bas
 def test_an_fp8_plan_steps_faster_than_the_bf16_plan_on_the_studys_cluster():
     """DeepSeek-V3 on 32 nodes at 16K: both systems' steps drop. AF-Pipe's expert side, whose training state takes
     most of its memory, has no room for the step's FP8 weight copies and casts in every call; the baseline keeps them.
+    AF-Pipe gains less (2%, the baseline 8%) since the shape rule keeps DeepSeek-V3's narrow projections (q_a, kv_a,
+    the shared expert: one side at most 2,048 wide) in bf16 (it gained over 5% when they were priced in FP8).
     """
     af, base = _step("DeepSeek-V3", 32, 16384)
     af8, base8 = _step("DeepSeek-V3", 32, 16384, "--fp8")
-    assert af8.step_time_s < 0.95 * af.step_time_s and base8.step_time_s < 0.97 * base.step_time_s
+    assert af8.step_time_s < 0.99 * af.step_time_s and base8.step_time_s < 0.95 * base.step_time_s
     assert af8.candidate.work.fp8_cast_per_call and not base8.candidate.work.fp8_cast_per_call
 
 

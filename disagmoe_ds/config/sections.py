@@ -10,6 +10,7 @@ from typing import Any
 
 from disagmoe_ds.config.zero import SECTION, ZERO_STAGES, effective_zero_stage
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.fp8.shapes import BF16_WIDTH
 from disagmoe_ds.layout import Layout, RankCounts
 from disagmoe_ds.models.attention_kernel import ATTENTION_KERNELS
 from disagmoe_ds.models.lora_settings import LoraSettings
@@ -200,6 +201,10 @@ class Kernels(Section):
             ``fp8_cast_per_call``; linear layers cast theirs in every call.
         fp8_cast_per_call: with ``fp8``, cast the expert weights in every call instead (an HBM pass over them per
             micro-batch and pass; no copies kept), for a rank whose memory has no room for the step's copies.
+        fp8_bf16_width: with ``fp8``, the attention side's projections whose input or output width (of the whole
+            projection, not a TP shard) is at most this stay in the model's dtype, where FP8's quantizations cost
+            more than its GEMM saves (``fp8.shapes``: 2,048 by default, a rule measured at one shape); 0: every
+            aligned projection in FP8. The planner prices the same.
         attention: HF's attention function the attention parts run (``models.attention_kernel``): ``"auto"`` (HF's
             own choice, SDPA where the model has it; on CUDA flex_attention where HF would run eager, as for
             GPT-OSS's sinks), or ``"eager"``, ``"sdpa"``, ``"flex_attention"`` where the model's HF class runs it.
@@ -209,10 +214,14 @@ class Kernels(Section):
     cuda_graphs: bool = False
     fp8: bool = False
     fp8_cast_per_call: bool = False
+    fp8_bf16_width: int = BF16_WIDTH
     attention: str = "auto"
 
     def _check(self) -> None:
         self._switches("compile", "cuda_graphs", "fp8", "fp8_cast_per_call")
+        width = self.fp8_bf16_width
+        if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+            raise ConfigError(f"{self._named('fp8_bf16_width')} must be a width >= 0, got {width!r}")
         if self.attention not in ATTENTION_KERNELS:
             raise ConfigError(
                 f"{self._named('attention')} must be one of {list(ATTENTION_KERNELS)}, got {self.attention!r}"

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from disagmoe_ds.fp8.modules import convert_linears
 from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
 from disagmoe_ds.fp8.quantize import round_trip
+from disagmoe_ds.fp8.shapes import BF16_WIDTH
 
 _PARTS = "_fp8_lora_parts"  # a merged LoRA weight's (base, update), kept on the tensor and its views
 _VIEWS = (torch.Tensor.__getitem__, torch.Tensor.transpose)
@@ -81,10 +82,11 @@ def compute_experts_in_fp8(experts: nn.Module) -> None:
     experts.forward = fp8_forward
 
 
-def to_fp8_reference(model: nn.Module, router_attr: str) -> nn.Module:
+def to_fp8_reference(model: nn.Module, router_attr: str, bf16_width: int = BF16_WIDTH) -> nn.Module:
     """``model`` (an HF causal LM, or PEFT's base model of one; ``router_attr``: its family's router attribute) with
-    every decoder layer's projections in FP8 as the lever puts the ranks' (``fp8.modules.convert_linears``: not the
-    router, not the LM head, not PEFT's adapters) and its experts modules' GEMMs under ``Fp8Experts``. In place."""
+    every decoder layer's projections in FP8 as the lever puts the ranks' (``fp8.modules.convert_linears`` at
+    ``bf16_width``: not the router, not the LM head, not PEFT's adapters, not those too narrow to pay) and its experts
+    modules' GEMMs under ``Fp8Experts``. In place."""
     layers = model.get_submodule("model.layers")  # the decoder layers (nn.Module's attributes are typed loosely)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"{type(model).__name__}.model.layers is no ModuleList: not an HF causal LM")
@@ -93,7 +95,7 @@ def to_fp8_reference(model: nn.Module, router_attr: str) -> nn.Module:
         skip = [m for name, m in layer.named_modules() if name.rsplit(".", 1)[-1] in _PEFT_ADAPTERS]
         if experts is not None:
             skip += [experts, getattr(layer.mlp, router_attr)]
-        convert_linears(layer, skip=skip)
+        convert_linears(layer, skip=skip, bf16_width=bf16_width)
         if experts is not None:
             compute_experts_in_fp8(experts)
     return model

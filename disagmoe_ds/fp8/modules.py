@@ -5,10 +5,11 @@ hooks and state_dict names, only its ``forward`` differs, so checkpoints, ZeRO's
 forward (which calls the same modules again) are unchanged. The project's own ``nn.Linear`` subclasses keep their
 forward and compute their base product with ``linear`` (``models.lora.LoraLinear``: the base GEMM in FP8, its two
 adapter GEMMs in the model's dtype; ``models.tensor_parallel``'s cut output projection), switched by their ``fp8``
-attribute. Which projections: ``fp8_eligible``. The LM head and the router never pass through here.
+attribute. Which projections: ``fp8_eligible`` (by shape: ``shapes.fp8_pays``). The LM head and the router never
+pass through here.
 
 >>> lin = nn.Linear(32, 16, bias=False)
->>> convert_linears(nn.Sequential(lin)), type(lin).__name__, [n for n, _ in lin.named_parameters()]
+>>> convert_linears(nn.Sequential(lin), bf16_width=0), type(lin).__name__, [n for n, _ in lin.named_parameters()]
 (1, 'Fp8Linear', ['weight'])
 """
 
@@ -21,9 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe_ds.fp8.projections import fp8_linear
-
-# torch._scaled_mm's operands: both GEMM dimensions of a weight multiples of 16 bytes of FP8.
-ALIGNMENT = 16
+from disagmoe_ds.fp8.shapes import BF16_WIDTH, fp8_pays
 
 
 class Fp8Linear(nn.Linear):
@@ -40,21 +39,41 @@ def linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch
     return fp8_linear(x, weight, bias) if getattr(module, "fp8", False) else F.linear(x, weight, bias)
 
 
-def fp8_eligible(name: str, module: nn.Linear) -> bool:
+def fp8_eligible(name: str, module: nn.Linear, bf16_width: int = BF16_WIDTH) -> bool:
     """A projection the lever puts in FP8: not a gate (a router, a shared expert's sigmoid gate: a 1- or E-wide
-    output whose small logits decide the routing) and both dimensions aligned for the FP8 kernels."""
-    dims_aligned = module.in_features % ALIGNMENT == 0 and module.out_features % ALIGNMENT == 0
-    return not name.rsplit(".", 1)[-1].endswith("gate") and dims_aligned
+    output whose small logits decide the routing) and wide enough to pay, both dimensions aligned for the FP8 kernels
+    (``shapes.fp8_pays``: past ``bf16_width``, a rule measured at one shape; the planner prices the same)."""
+    is_gate = name.rsplit(".", 1)[-1].endswith("gate")
+    return not is_gate and aligned(module) and fp8_pays(*whole_features(module), bf16_width)
 
 
-def convert_linears(root: nn.Module, skip: Iterable[nn.Module] = ()) -> int:
-    """Switch every eligible ``nn.Linear`` under ``root`` to FP8, except those under a module of ``skip``; returns
-    how many. A plain one becomes an ``Fp8Linear``, a subclass with an ``fp8`` switch gets it set; any other
-    subclass is refused (it would silently stay in high precision)."""
+def aligned(module: nn.Linear) -> bool:
+    """Both dimensions of the GEMM this module runs (a TP shard's own) aligned for the FP8 kernels."""
+    return fp8_pays(module.in_features, module.out_features, bf16_width=0)
+
+
+def whole_features(module: nn.Linear) -> tuple[int, int]:
+    """``(in_features, out_features)`` of the model's projection: of the whole one where ``module`` is a tensor-parallel
+    shard (``models.tensor_parallel`` marks its cut weight with ``disagmoe_tp``, a ``Shard``), so that every rank, the
+    single-process reference and the planner apply the shape rule to the same shape."""
+    out_features, in_features = module.weight.shape
+    shard = getattr(module.weight, "disagmoe_tp", None)
+    if shard is not None:
+        out_features, in_features = (
+            (out_features * shard.size, in_features) if shard.dim == 0 else (out_features, in_features * shard.size)
+        )
+    return in_features, out_features
+
+
+def convert_linears(root: nn.Module, skip: Iterable[nn.Module] = (), bf16_width: int = BF16_WIDTH) -> int:
+    """Switch every eligible ``nn.Linear`` under ``root`` to FP8 (``fp8_eligible`` at ``bf16_width``, the config's
+    ``"fp8_bf16_width"``), except those under a module of ``skip``; returns how many. A plain one becomes an
+    ``Fp8Linear``, a subclass with an ``fp8`` switch gets it set; any other subclass is refused (it would silently
+    stay in high precision)."""
     skipped = {id(m) for s in skip for m in s.modules()}
     converted = 0
     for name, sub in root.named_modules():
-        if not isinstance(sub, nn.Linear) or id(sub) in skipped or not fp8_eligible(name, sub):
+        if not isinstance(sub, nn.Linear) or id(sub) in skipped or not fp8_eligible(name, sub, bf16_width):
             continue
         if type(sub) is nn.Linear:
             sub.__class__ = Fp8Linear

@@ -39,6 +39,7 @@ from disagmoe_ds.capabilities.facts import FACTS
 from disagmoe_ds.fp8.blocks import BlockScaled, block_grouped_mm
 from disagmoe_ds.fp8.projections import fp8_grouped_mm
 from disagmoe_ds.models import triton_swiglu
+from disagmoe_ds.models.fp8_experts import fp8_swiglu_experts
 from disagmoe_ds.models.lora import ExpertAdapters
 
 GatedFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]  # (gate_up_PF, w_P, act_fn) -> hidden_PI
@@ -140,6 +141,9 @@ def _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapt
     intermediate: its rowwise quantization would otherwise round ``w * h`` instead of ``h`` (another rounding than
     the reference's, a non-power-of-two w changing which e4m3 value each element lands on)."""
     gate_up_eFH, down_eHI = weights
+    if fp8 and adapters is None and fused_fp8_middle(elementwise, act_fn, x_PH, weights):
+        out_PH = fp8_swiglu_experts(x_PH, gate_up_eFH, down_eHI, offsets_e, recompute)
+        return (out_PH * w_P.unsqueeze(1)).to(out_PH.dtype)
     gate_up, down = (None, None) if adapters is None else (adapters.gate_up, adapters.down)
     scaling = 0.0 if adapters is None else adapters.scaling
 
@@ -154,6 +158,14 @@ def _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapt
         hidden_PI = middle(x_PH, w_mid_P)
     out_PH = _adapted_mm(hidden_PI, down_eHI, down, scaling, offsets_e, fp8)
     return (out_PH * w_P.unsqueeze(1)).to(out_PH.dtype) if fp8 else out_PH
+
+
+def fused_fp8_middle(elementwise: Elementwise, act_fn: nn.Module, x_PH: torch.Tensor, weights: tuple) -> bool:
+    """Whether the FP8 experts run ``fp8_experts.fp8_swiglu_experts`` (the Triton middle writing the GEMMs' FP8
+    operands): where the unfused path would run the Triton SwiGLU (``TritonSwiGLUOr``: SiLU, no clamp, Triton on the
+    rows' device) between two FP8 grouped GEMMs of trained weights (no frozen block-scaled base)."""
+    plain = not any(isinstance(w, BlockScaled) for w in weights)
+    return plain and isinstance(elementwise.gated, TritonSwiGLUOr) and elementwise.gated.applies(act_fn, x_PH)
 
 
 def _adapted_mm(x_PD, w_eND, factors, scaling, offsets_e, fp8=False, fp8_rows=False):
@@ -353,9 +365,13 @@ class TritonSwiGLUOr:
     fallback: GatedFn
 
     def __call__(self, gate_up_PF: torch.Tensor, w_P: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
-        if is_silu(act_fn) and gate_up_PF.is_cuda and triton_swiglu.available():
+        if self.applies(act_fn, gate_up_PF):
             return triton_swiglu.SwiGLU.apply(gate_up_PF, w_P)
         return self.fallback(gate_up_PF, w_P, act_fn)
+
+    def applies(self, act_fn: nn.Module, rows: torch.Tensor) -> bool:
+        """The Triton kernels run for ``act_fn`` on ``rows``' device (SiLU; CUDA with Triton)."""
+        return is_silu(act_fn) and triton_swiglu.runs_on(rows)
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from disagmoe_ds.fp8.modules import convert_linears
+from disagmoe_ds.fp8.shapes import BF16_WIDTH
 from disagmoe_ds.models import hyper_connections as hc
 from disagmoe_ds.models.attention_part import AttentionPart, Head
 from disagmoe_ds.models.context import LayerContext, build_context
@@ -127,13 +128,14 @@ def compile_stage(module: nn.Module) -> None:
             sub.elementwise = compiled_elementwise()
 
 
-def fp8_stage(module: nn.Module) -> None:
+def fp8_stage(module: nn.Module, bf16_width: int = BF16_WIDTH) -> None:
     """The FP8 lever on ``module``'s parts, in place (parameter names unchanged): every attention part's projections
-    (``fp8.modules.convert_linears``: attention, dense and shared-expert MLPs, LoRA's base products; not the router)
-    and every expert shard's GEMMs. The head (LM head) stays in the model's dtype. After ``add_adapters``, whose
+    (``fp8.modules.convert_linears``: attention, dense and shared-expert MLPs, LoRA's base products; not the router;
+    not those with a width of at most ``bf16_width``, the config's ``"fp8_bf16_width"``) and every expert shard's
+    GEMMs. The head (LM head) stays in the model's dtype. After ``add_adapters``, whose
     ``LoraLinear`` wraps plain ``nn.Linear`` modules only."""
     for sub in module.modules():
         if isinstance(sub, AttentionPart):
-            convert_linears(sub, skip=[sub.router] if sub.is_moe else [])
+            convert_linears(sub, skip=[sub.router] if sub.is_moe else [], bf16_width=bf16_width)
         elif isinstance(sub, ExpertShard):
             sub.fp8 = True

@@ -11,6 +11,13 @@ the H200 (``docs/performance.md`` section 10), so the GEMMs stay CUTLASS.
 
 Math as ``grouped_experts._gated_eager`` under ``torch.compile``: everything in fp32 from the bf16 (or fp32)
 inputs, one rounding at the output. Shape suffixes: P pairs, I expert intermediate, F = 2I (gate columns first).
+
+The FP8 experts' middle (``swiglu_fp8_forward`` / ``swiglu_fp8_backward``, used by ``models.fp8_experts``) computes
+the same rows without the routing weight and also writes them as the next GEMM's FP8 operand, what
+``fp8.quantize.quantize(rows, -1)`` makes of them: a program per block of rows walks each row twice, once for its
+amax, once for its e4m3 values (recomputed, not read back). The power-of-two scale comes from the amax's bits and
+each e4m3 byte is built bit by bit (rounded to nearest, ties to even, in fp32 arithmetic; saturating at 448; NaN kept),
+with no FP8 cast: Triton's interpreter (the CPU tests) casts to FP8 with another rounding than the GPU and loses NaN.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from disagmoe_ds.fp8.quantize import E4M3, Quantized
 
 try:
     import triton
@@ -32,7 +41,24 @@ def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
+def runs_on(t: torch.Tensor) -> bool:
+    """The kernels run on ``t``'s device: CUDA with Triton (the interpreter's tests replace this to run on the CPU)."""
+    return t.is_cuda and available()
+
+
 if triton is not None:
+
+    @triton.jit
+    def _silu_mul(gate, up):
+        """``silu(gate) * up`` in fp32: the one expression of every forward kernel here (the same bits in each)."""
+        return gate * tl.sigmoid(gate) * up
+
+    @triton.jit
+    def _swiglu_grads(gate, up, d_act):
+        """``(d_gate, d_up, silu(gate))`` for the gradient ``d_act`` of ``silu(gate) * up`` (the weight applied)."""
+        sig = tl.sigmoid(gate)
+        act = gate * sig
+        return d_act * up * sig * (1.0 + gate * (1.0 - sig)), d_act * act, act
 
     @triton.jit
     def _swiglu_forward_kernel(
@@ -46,7 +72,7 @@ if triton is not None:
         gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + pairs, mask=pairs < num_pairs, other=0.0).to(tl.float32)
-        hidden = gate * tl.sigmoid(gate) * up * w[:, None]
+        hidden = _silu_mul(gate, up) * w[:, None]
         h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * inter + cols[None, :]
         tl.store(h_ptrs, hidden.to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -67,14 +93,127 @@ if triton is not None:
             gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             d_hidden = tl.load(dh_ptr + row_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(gate)
-            act = gate * sig
+            d_gate, d_up, act = _swiglu_grads(gate, up, d_hidden * w[:, None])
             d_w += tl.sum(d_hidden * act * up, 1)
-            d_act = d_hidden * w[:, None]
-            d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
             tl.store(dgu_ptr + row_gu + cols[None, :], d_gate.to(dgu_ptr.dtype.element_ty), mask=mask)
-            tl.store(dgu_ptr + row_gu + inter + cols[None, :], (d_act * act).to(dgu_ptr.dtype.element_ty), mask=mask)
+            tl.store(dgu_ptr + row_gu + inter + cols[None, :], d_up.to(dgu_ptr.dtype.element_ty), mask=mask)
         tl.store(dw_ptr + pairs, d_w.to(dw_ptr.dtype.element_ty), mask=pair_ok)
+
+    # ----- the FP8 middle: the same math, each output row also quantized as fp8.quantize(x, -1) quantizes it -----
+    @triton.jit
+    def _pow2(exponent):
+        """2^``exponent`` (int32, within float32's normal exponents) as float32, exact: built from its bits."""
+        return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _row_stats(amax, nan, values):
+        """The running ``(amax, nan)`` of rows (``nan``: 1 where a row holds a NaN) after a block of their values."""
+        size = tl.abs(values)
+        return tl.maximum(amax, tl.max(size, 1)), tl.maximum(nan, tl.max((size != size).to(tl.int32), 1))
+
+    @triton.jit
+    def _scale_exponent(amax, nan):
+        """log2 of ``quantize.scale_of(amax)`` (amax >= 0): the smallest power of two s with 448 s >= amax, at least
+        2^-126; 0 (a scale of 1) where amax is 0 or the row holds a NaN (``nan``: torch's NaN amax), 128 (an infinite
+        scale, ``_pow2``) where amax is infinite. From amax's bits: amax = f 2^e with f in [1, 2) needs s = 2^(e - 8)
+        where f <= 1.75 (448 = 1.75 * 2^8), else 2^(e - 7); no logarithm, so no rounding anywhere."""
+        bits = amax.to(tl.int32, bitcast=True)
+        exponent = (bits >> 23) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        exponent = tl.where(amax > 0, tl.maximum(exponent, -126), 0)
+        return tl.where(nan > 0, 0, tl.where(bits == 0x7F800000, 128, exponent))  # 0x7F800000: +inf
+
+    @triton.jit
+    def _inverse_scale(exponent):
+        """1 / 2^``exponent``, exact; 0 for an infinite scale (x / inf: 0, or NaN for an infinite x, as torch's)."""
+        return tl.where(exponent == 128, 0.0, _pow2(-exponent))
+
+    @triton.jit
+    def _e4m3_bits(x, inv_scale):
+        """The e4m3 byte of ``x * inv_scale`` (exact: a power of two), saturated at +-448 and rounded to nearest, ties
+        to even, as ``cast`` makes it (NaN stays NaN), written bit by bit: no FP8 cast, whose rounding differs
+        between Triton's interpreter (the CPU tests) and the GPU, and whose NaN the interpreter loses."""
+        scaled = x * inv_scale
+        nan = scaled != scaled
+        mag = tl.minimum(tl.abs(scaled), 448.0)
+        exponent = tl.maximum((mag.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # e4m3's normals start at 2^-6
+        steps = mag * _pow2(3 - exponent)  # in [0, 16): 3 mantissa bits; its nearest integer, ties to even, below
+        steps = ((steps + 12582912.0) - 12582912.0).to(tl.int32)  # 12582912 = 1.5 * 2^23: float32's own rounding
+        normal = steps >= 8  # 1.mmm, or a subnormal rounded up into the normals (or a normal into the next binade)
+        code = tl.where(normal, ((exponent + 7 + (steps >> 4)) << 3) | (steps & 7), steps)
+        sign = (scaled.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7  # -0.0 too, as torch's cast
+        return (tl.where(nan, 0x7F, code) | sign).to(tl.uint8)
+
+    @triton.jit
+    def _swiglu_fp8_forward_kernel(
+        gu_ptr, h_ptr, q_ptr, scale_ptr, num_pairs, inter,
+        BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr,
+    ):  # fmt: skip
+        pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        pair_ok = pairs < num_pairs
+        row_gu = pairs.to(tl.int64)[:, None] * (2 * inter)
+        row_h = pairs.to(tl.int64)[:, None] * inter
+        amax = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        nan = tl.zeros((BLOCK_P,), dtype=tl.int32)
+        for start in range(0, inter, BLOCK_I):  # the hidden row as the model's dtype holds it, and its amax
+            cols = start + tl.arange(0, BLOCK_I)
+            mask = pair_ok[:, None] & (cols < inter)[None, :]
+            gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            hidden = _silu_mul(gate, up).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row_h + cols[None, :], hidden, mask=mask)
+            amax, nan = _row_stats(amax, nan, hidden.to(tl.float32))
+        exponent = _scale_exponent(amax, nan)
+        tl.store(scale_ptr + pairs, _pow2(exponent), mask=pair_ok)
+        inv_scale = _inverse_scale(exponent)[:, None]
+        for start in range(0, inter, BLOCK_I):  # again, recomputed (cheaper than reading back), in e4m3
+            cols = start + tl.arange(0, BLOCK_I)
+            mask = pair_ok[:, None] & (cols < inter)[None, :]
+            gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            hidden = _silu_mul(gate, up).to(h_ptr.dtype.element_ty).to(tl.float32)
+            q = _e4m3_bits(hidden, inv_scale)
+            tl.store(q_ptr + row_h + cols[None, :], q, mask=mask)
+
+    @triton.jit
+    def _swiglu_fp8_backward_kernel(
+        gu_ptr, dh_ptr, dgu_ptr, q_ptr, scale_ptr, num_pairs, inter,
+        BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr, QUANTIZE: tl.constexpr,
+    ):  # fmt: skip
+        pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        pair_ok = pairs < num_pairs
+        row_gu = pairs.to(tl.int64)[:, None] * (2 * inter)
+        row_h = pairs.to(tl.int64)[:, None] * inter
+        amax = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        nan = tl.zeros((BLOCK_P,), dtype=tl.int32)
+        for start in range(0, inter, BLOCK_I):  # the gradient row (2I wide) in the model's dtype, and its amax
+            cols = start + tl.arange(0, BLOCK_I)
+            mask = pair_ok[:, None] & (cols < inter)[None, :]
+            gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            d_hidden = tl.load(dh_ptr + row_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            d_gate, d_up, _ = _swiglu_grads(gate, up, d_hidden)
+            d_gate, d_up = d_gate.to(dgu_ptr.dtype.element_ty), d_up.to(dgu_ptr.dtype.element_ty)
+            tl.store(dgu_ptr + row_gu + cols[None, :], d_gate, mask=mask)
+            tl.store(dgu_ptr + row_gu + inter + cols[None, :], d_up, mask=mask)
+            amax, nan = _row_stats(amax, nan, d_gate.to(tl.float32))
+            amax, nan = _row_stats(amax, nan, d_up.to(tl.float32))
+        if QUANTIZE:
+            exponent = _scale_exponent(amax, nan)
+            tl.store(scale_ptr + pairs, _pow2(exponent), mask=pair_ok)
+            inv_scale = _inverse_scale(exponent)[:, None]
+            for start in range(0, inter, BLOCK_I):
+                cols = start + tl.arange(0, BLOCK_I)
+                mask = pair_ok[:, None] & (cols < inter)[None, :]
+                gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                d_hidden = tl.load(dh_ptr + row_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                d_gate, d_up, _ = _swiglu_grads(gate, up, d_hidden)
+                d_gate = d_gate.to(dgu_ptr.dtype.element_ty).to(tl.float32)
+                d_up = d_up.to(dgu_ptr.dtype.element_ty).to(tl.float32)
+                q_gate = _e4m3_bits(d_gate, inv_scale)
+                q_up = _e4m3_bits(d_up, inv_scale)
+                tl.store(q_ptr + row_gu + cols[None, :], q_gate, mask=mask)
+                tl.store(q_ptr + row_gu + inter + cols[None, :], q_up, mask=mask)
 
 
 def _tiles(inter: int) -> dict:
@@ -122,3 +261,42 @@ class SwiGLU(torch.autograd.Function):
         gate_up_PF, w_P = ctx.saved_tensors
         d_gate_up_PF, d_w_P = swiglu_backward(gate_up_PF, w_P, d_hidden_PI)
         return d_gate_up_PF, d_w_P
+
+
+def swiglu_fp8_forward(gate_up_PF: torch.Tensor, tiles: dict | None = None) -> tuple[torch.Tensor, Quantized]:
+    """``silu(gate) * up`` per pair (no routing weight: the FP8 experts apply it after the down projection), ``[P, I]``
+    in ``gate_up_PF``'s dtype, and those rows quantized for the down GEMM: ``quantize(hidden_PI, -1)``, bit for bit,
+    from the same kernel (one pass for the row's amax, one for its e4m3 values) instead of a separate quantization."""
+    gate_up_PF = gate_up_PF.contiguous()
+    num_pairs, inter = gate_up_PF.shape[0], gate_up_PF.shape[1] // 2
+    t = _tiles(inter) if tiles is None else tiles
+    hidden_PI = gate_up_PF.new_empty(num_pairs, inter)
+    data_PI = torch.empty(num_pairs, inter, dtype=E4M3, device=gate_up_PF.device)
+    scale_P1 = torch.empty(num_pairs, 1, dtype=torch.float32, device=gate_up_PF.device)
+    grid = (triton.cdiv(num_pairs, t["BLOCK_P"]),)
+    bytes_PI = data_PI.view(torch.uint8)  # the kernel writes e4m3 bytes, not values (``_e4m3_bits``)
+    _swiglu_fp8_forward_kernel[grid](gate_up_PF, hidden_PI, bytes_PI, scale_P1, num_pairs, inter, **t)
+    return hidden_PI, Quantized(data_PI, scale_P1)
+
+
+def swiglu_fp8_backward(
+    gate_up_PF: torch.Tensor, d_hidden_PI: torch.Tensor, quantized: bool = True, tiles: dict | None = None
+) -> tuple[torch.Tensor, Quantized | None]:
+    """``d_gate_up_PF`` of ``swiglu_fp8_forward`` for the gradient ``d_hidden_PI`` (in ``gate_up_PF``'s dtype, for
+    the gate/up weight gradient) and, where ``quantized``, those rows quantized for the gate/up input-gradient GEMM
+    (``quantize(d_gate_up_PF, -1)``, bit for bit: a second pass over the row, its 2I columns, at the row's scale)."""
+    gate_up_PF = gate_up_PF.contiguous()
+    num_pairs, inter = gate_up_PF.shape[0], gate_up_PF.shape[1] // 2
+    t = _tiles(inter) if tiles is None else tiles
+    d_gate_up_PF = torch.empty_like(gate_up_PF)
+    q = None
+    if quantized:
+        data_PF = torch.empty(num_pairs, 2 * inter, dtype=E4M3, device=gate_up_PF.device)
+        q = Quantized(data_PF, torch.empty(num_pairs, 1, dtype=torch.float32, device=gate_up_PF.device))
+    # e4m3 bytes (``_e4m3_bits``); without QUANTIZE nothing is written there
+    outs = (d_gate_up_PF, d_gate_up_PF) if q is None else (q.data.view(torch.uint8), q.scale)
+    grid = (triton.cdiv(num_pairs, t["BLOCK_P"]),)
+    _swiglu_fp8_backward_kernel[grid](
+        gate_up_PF, d_hidden_PI.contiguous(), d_gate_up_PF, *outs, num_pairs, inter, QUANTIZE=quantized, **t
+    )
+    return d_gate_up_PF, q

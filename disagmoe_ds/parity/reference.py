@@ -113,7 +113,8 @@ def reference(args: VerifyArgs, lanes: int) -> dict[str, Any]:
 
         model = peft_format.peft_model(model, lora, peft_format.initial_adapters(model, lora, seed=args.seed))
     if getattr(args.cfg, "fp8", False):
-        to_fp8_reference(model if lora is None else model.get_base_model(), family_of(model.config).router_attr)
+        base = model if lora is None else model.get_base_model()
+        to_fp8_reference(base, family_of(model.config).router_attr, args.cfg.fp8_bf16_width)
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0, eps=ADAM_EPS)

@@ -4,7 +4,8 @@ faster (``FP8_SPEEDUP``), and the quantize passes it adds (pure Python).
 What the lever (``"disagmoe": {"fp8": true}``, ``disagmoe_ds.fp8``) computes in FP8, with rowwise e4m3 scales:
 
 * the attention side's projections, dense MLPs and shared experts: forward, input-grad and weight-grad GEMMs; not the
-  router, the shared-expert gate, the LM head or the attention core (SDPA);
+  router, the shared-expert gate, the LM head or the attention core (SDPA), nor a projection too narrow for FP8 to
+  pay (``fp8.shapes.fp8_pays`` at ``Workload.fp8_bf16_width``: the runtime's rule, read from the same function);
 * the routed experts' gate_up and down grouped GEMMs, forward and input-grad. Their weight-grad GEMMs run in bf16 on
   the high-precision operands (``fp8.gemm.grouped_weight_grad``), so they are priced at its rate, with no passes.
 
@@ -30,8 +31,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from disagmoe_ds.fp8.shapes import BF16_WIDTH, fp8_pays
 from disagmoe_ds.planner.cluster import Rates
-from disagmoe_ds.planner.lora import GemmFlops, LoRA, Params, mixer_projections, mlp_projections
+from disagmoe_ds.planner.lora import GemmFlops, LoRA, Params, Projection, mixer_projections, mlp_projections
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.workload import Workload
 
@@ -73,15 +75,17 @@ def fastest_speedup() -> float:
 class Fp8:
     """The FP8 lever on one rank's part: ``shards`` ranks hold one layer's FP8 weights between them (the TP degree on
     the attention side, the EP degree for the routed experts); ``per_call``: the expert weights are cast in every
-    call (``Workload.fp8_cast_per_call``), not once a step."""
+    call (``Workload.fp8_cast_per_call``), not once a step; ``bf16_width``: the attention side's projections with a
+    width of at most this stay bf16 (``Workload.fp8_bf16_width``)."""
 
     shards: int = 1
     per_call: bool = False
+    bf16_width: int = BF16_WIDTH
 
 
 def lever(work: Workload, shards: int) -> Fp8 | None:
     """The FP8 lever of ``work`` on a part whose weights ``shards`` ranks split (None: bf16)."""
-    return Fp8(shards, work.fp8_cast_per_call) if work.fp8 else None
+    return Fp8(shards, work.fp8_cast_per_call, work.fp8_bf16_width) if work.fp8 else None
 
 
 @dataclass(frozen=True)
@@ -101,37 +105,55 @@ NO_PASSES = Passes()
 
 
 # ----- the attention side -----
-def projection_flops(spec: ModelSpec, layer: int) -> float:
+def projection_flops(spec: ModelSpec, layer: int, bf16_width: int = BF16_WIDTH) -> float:
     """Forward FLOPs per token of ``layer``'s GEMMs in FP8: its token mixer's projections and the shared or dense
-    MLP's gate, up and down (not the router, not Qwen2's shared-expert gate)."""
+    MLP's gate, up and down (not the router, not Qwen2's shared-expert gate), less those that stay bf16 at
+    ``bf16_width`` (``fp8_pays``)."""
     width = spec.shared_intermediate if spec.moe_layers[layer] else spec.dense_intermediate
-    return spec.attention_projection_flops(layer) + 6 * spec.hidden_size * width
+    narrow = sum(2 * k * n for k, n in layer_projections(spec, layer) if not fp8_pays(k, n, bf16_width))
+    return spec.attention_projection_flops(layer) + 6 * spec.hidden_size * width - narrow
 
 
-def projection_saved_flops(spec: ModelSpec, layer: int) -> float:
+def layer_projections(spec: ModelSpec, layer: int) -> tuple[Projection, ...]:
+    """Every projection of ``layer``'s A part the lever may put in FP8 (``(in, out)``, whole, not a TP shard's)."""
+    return mixer_projections(spec, layer) + mlp_projections(spec, layer)
+
+
+def projection_saved_flops(spec: ModelSpec, layer: int, bf16_width: int = BF16_WIDTH) -> float:
     """The forward FLOPs per token FP8 takes off ``layer``'s A part in bf16-equivalent terms."""
-    return projection_flops(spec, layer) * (1 - 1 / fp8_speedup("projection"))
+    return projection_flops(spec, layer, bf16_width) * (1 - 1 / fp8_speedup("projection"))
 
 
-def a_side_fp8_gemms(spec: ModelSpec, layer: int, lora: LoRA, gemm: GemmFlops) -> GemmFlops:
-    """``gemm`` (``lora.a_side_gemm_flops``) in bf16-equivalent FLOPs: the projections at 1/factor in the forward, the
-    input-grad and, where the base weights train, the weight-grad."""
-    saved = projection_saved_flops(spec, layer)
+def a_side_fp8_gemms(spec: ModelSpec, layer: int, lora: LoRA, gemm: GemmFlops, fp8: Fp8) -> GemmFlops:
+    """``gemm`` (``lora.a_side_gemm_flops``) in bf16-equivalent FLOPs: the FP8 projections at 1/factor in the forward,
+    the input-grad and, where the base weights train, the weight-grad."""
+    saved = projection_saved_flops(spec, layer, fp8.bf16_width)
     return GemmFlops(gemm.fwd - saved, gemm.dgrad - saved, gemm.wgrad - (0.0 if lora.enabled else saved))
 
 
-def projection_rerun_share(fp8: Fp8 | None) -> float:
-    """bf16-equivalent FLOPs per FLOP of a selective recompute's re-run projections."""
-    return 1.0 if fp8 is None else 1 / fp8_speedup("projection")
+def projection_rerun_share(spec: ModelSpec, layer: int, fp8: Fp8 | None) -> float:
+    """bf16-equivalent FLOPs per FLOP of a selective recompute's re-run projections of ``layer`` (those FP8 leaves in
+    bf16 count whole)."""
+    if fp8 is None:
+        return 1.0
+    return 1 - projection_saved_flops(spec, layer, fp8.bf16_width) / projection_flops(spec, layer, bf16_width=0)
+
+
+def shared_rerun_share(spec: ModelSpec, fp8: Fp8 | None) -> float:
+    """bf16-equivalent FLOPs per FLOP of the shared experts' GEMMs (1 where they stay bf16)."""
+    h, width = spec.hidden_size, spec.shared_intermediate
+    if fp8 is None or not fp8_pays(h, width, fp8.bf16_width):
+        return 1.0
+    return 1 / fp8_speedup("projection")
 
 
 def a_side_passes(spec: ModelSpec, rates: Rates, *, layer: int, tokens: float, lora: LoRA, fp8: Fp8 | None) -> Passes:
-    """The quantize passes of one A part call on ``tokens`` tokens: per projection of in K and out N, the forward's x
-    (K) and weight, the input-grad's dy (N) and weight, the weight-grad's dy and x (N + K, where the base trains);
-    on an MoE layer also the routed rows (H) quantized for the exchange."""
+    """The quantize passes of one A part call on ``tokens`` tokens: per FP8 projection of in K and out N, the
+    forward's x (K) and weight, the input-grad's dy (N) and weight, the weight-grad's dy and x (N + K, where the base
+    trains); on an MoE layer also the routed rows (H) quantized for the exchange."""
     if fp8 is None:
         return NO_PASSES
-    projections = mixer_projections(spec, layer) + mlp_projections(spec, layer)
+    projections = [(k, n) for k, n in layer_projections(spec, layer) if fp8_pays(k, n, fp8.bf16_width)]
     ins, outs = sum(k for k, _ in projections), sum(n for _, n in projections)
     weights = sum(k * n for k, n in projections) / fp8.shards
     exchange = spec.hidden_size if spec.moe_layers[layer] else 0

@@ -58,8 +58,10 @@ def attention_call_s(
     if recompute == "selective":
         rc_linear, rc_core = a_side_recompute_flops(spec, seq_len, layer, whole_blocks=whole_blocks)
         rc_core *= core_slowdown(spec, rates, seq_len, layer)
-        rerun = rates.attention_fwd.seconds(tokens * rc_linear * projection_rerun_share(fp8), tokens * rc_core, calls=0)
-        rerun += passes.fwd * rc_linear / projection_flops(spec, layer) if fp8 else 0.0
+        share = projection_rerun_share(spec, layer, fp8)
+        rerun = rates.attention_fwd.seconds(tokens * rc_linear * share, tokens * rc_core, calls=0)
+        fp8_flops = projection_flops(spec, layer, fp8.bf16_width) if fp8 else 0.0
+        rerun += passes.fwd * min(1.0, rc_linear / fp8_flops) if fp8_flops else 0.0
         return fwd, bwd + rerun
     return fwd, bwd
 
@@ -82,7 +84,7 @@ def core_slowdown(spec: ModelSpec, rates: Rates, seq_len: int, layer: int) -> fl
 def _a_side_gemms(spec: ModelSpec, layer: int, lora: LoRA, fp8: Fp8 | None) -> GemmFlops:
     """``layer``'s A-part GEMM FLOPs, bf16-equivalent under the FP8 lever."""
     gemm = a_side_gemm_flops(spec, layer, lora)
-    return gemm if fp8 is None else a_side_fp8_gemms(spec, layer, lora, gemm)
+    return gemm if fp8 is None else a_side_fp8_gemms(spec, layer, lora, gemm, fp8)
 
 
 def _expert_gemms(spec: ModelSpec, lora: LoRA, fp8: Fp8 | None) -> GemmFlops:

@@ -43,7 +43,7 @@ def tp_exposed_s(
     core_flops = tokens * spec.attention_core_flops(seq_len, layer)
     linear_flops = tokens * spec.attention_side_flops(seq_len, layer) - core_flops
     if work.fp8:  # FP8 projections are shorter and hide less
-        linear_flops -= tokens * projection_saved_flops(spec, layer)
+        linear_flops -= tokens * projection_saved_flops(spec, layer, work.fp8_bf16_width)
     linear = rates.attention_fwd.seconds(linear_flops, calls=0)
     blocks = 1 + (1 if spec.shared_intermediate or not spec.moe_layers[layer] else 0)
     tp_bytes = blocks * 2 * (tp - 1) / tp * group_tokens * ACT_BYTES * spec.hidden_size
