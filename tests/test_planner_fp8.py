@@ -18,6 +18,7 @@ from disagmoe_ds.planner.cluster import Efficiency, preset
 from disagmoe_ds.planner.colocated_costs import alltoall_s
 from disagmoe_ds.planner.fp8_costs import PASS_BYTES, Fp8, a_side_passes, expert_passes, fp8_speedup
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
+from disagmoe_ds.planner.lora import LoRA
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.part_times import attention_call_s, attention_wgrad_s, expert_call_s, expert_wgrad_s
 from disagmoe_ds.planner.plans import AfPlan, BaselinePlan
@@ -121,8 +122,13 @@ def test_a_quantize_pass_reads_two_bytes_and_writes_one_per_element_at_hbm_bandw
     rates, h, i = shape_rates(preset("h800", 4), Efficiency(), spec), 2048, 768
     assert PASS_BYTES == 3
     one, two = (expert_passes(spec, rates, assignments=a, fp8=Fp8(4)) for a in (1.0, 2.0))
-    # per assignment: the received row dequantized and gate_up's and down's inputs quantized (2H + I)
-    assert one.fwd * rates.hbm_bw == pytest.approx(3 * (2 * h + i))  # no weights: they are cast once a step
+    # per assignment: the received row dequantized and gate_up's input quantized (2H); down's input comes out of the
+    # SwiGLU middle in FP8 (models.fp8_experts), and in the input-grad only down's output grad is quantized (H)
+    assert one.fwd * rates.hbm_bw == pytest.approx(3 * 2 * h)  # no weights: they are cast once a step
+    assert one.bwd * rates.hbm_bw == pytest.approx(3 * h)
+    # LoRA on the experts takes the unfused path: the middle's quantizations are passes of their own (I, 2I)
+    adapted = expert_passes(spec, rates, assignments=1.0, fp8=Fp8(4), lora=LoRA(rank=8))
+    assert (adapted.fwd * rates.hbm_bw, adapted.bwd * rates.hbm_bw) == pytest.approx((3 * (2 * h + i), 3 * (h + 2 * i)))
 
 
 def test_the_expert_weights_are_cast_once_a_step_and_their_copies_held_for_it():

@@ -38,6 +38,7 @@ from transformers.activations import SiLUActivation
 from disagmoe_ds.capabilities.facts import FACTS
 from disagmoe_ds.fp8.blocks import BlockScaled, block_grouped_mm
 from disagmoe_ds.fp8.projections import fp8_grouped_mm
+from disagmoe_ds.fp8.quantize import fused_on_cuda
 from disagmoe_ds.models import triton_swiglu
 from disagmoe_ds.models.fp8_experts import fp8_swiglu_experts
 from disagmoe_ds.models.lora import ExpertAdapters
@@ -121,7 +122,12 @@ def grouped_gated_experts(
     w_P = w_RK.reshape(-1).index_select(0, order_P)
     if kept is not None:  # the slots past the real pairs: no weight, so no weight gradient from their garbage rows
         w_P = torch.where(torch.arange(num_pairs, device=w_P.device) < kept, w_P, 0)
-    if adapters is not None or fp8 or isinstance(gate_up_eFH, BlockScaled) or isinstance(down_eHI, BlockScaled):
+    if fp8:  # the routing weight scales each pair's output in the un-permute's sum (``_WeightedUnpermute``)
+        weights = gate_up_eFH, down_eHI
+        out_PH = _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapters, recompute, fp8)
+        w_RK = w_RK.detach() if slots.keep_RK is None else w_RK.detach() * slots.keep_RK
+        return _WeightedUnpermute.apply(out_PH, w_P, w_RK, slots)
+    if adapters is not None or isinstance(gate_up_eFH, BlockScaled) or isinstance(down_eHI, BlockScaled):
         weights = gate_up_eFH, down_eHI
         out_PH = _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapters, recompute, fp8)
     elif recompute:
@@ -139,11 +145,11 @@ def _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapt
 
     In FP8 the routing weight scales the down projection's output, as HF's experts apply it, instead of the
     intermediate: its rowwise quantization would otherwise round ``w * h`` instead of ``h`` (another rounding than
-    the reference's, a non-power-of-two w changing which e4m3 value each element lands on)."""
+    the reference's, a non-power-of-two w changing which e4m3 value each element lands on). The output returned is
+    then unweighted: the caller's un-permute applies the weight in its sum (``_WeightedUnpermute``)."""
     gate_up_eFH, down_eHI = weights
     if fp8 and adapters is None and fused_fp8_middle(elementwise, act_fn, x_PH, weights):
-        out_PH = fp8_swiglu_experts(x_PH, gate_up_eFH, down_eHI, offsets_e, recompute)
-        return (out_PH * w_P.unsqueeze(1)).to(out_PH.dtype)
+        return fp8_swiglu_experts(x_PH, gate_up_eFH, down_eHI, offsets_e, recompute)
     gate_up, down = (None, None) if adapters is None else (adapters.gate_up, adapters.down)
     scaling = 0.0 if adapters is None else adapters.scaling
 
@@ -156,8 +162,7 @@ def _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapt
         hidden_PI = torch.utils.checkpoint.checkpoint(middle, x_PH, w_mid_P, use_reentrant=False)
     else:
         hidden_PI = middle(x_PH, w_mid_P)
-    out_PH = _adapted_mm(hidden_PI, down_eHI, down, scaling, offsets_e, fp8)
-    return (out_PH * w_P.unsqueeze(1)).to(out_PH.dtype) if fp8 else out_PH
+    return _adapted_mm(hidden_PI, down_eHI, down, scaling, offsets_e, fp8)
 
 
 def fused_fp8_middle(elementwise: Elementwise, act_fn: nn.Module, x_PH: torch.Tensor, weights: tuple) -> bool:
@@ -234,14 +239,15 @@ class _Slots:
         any_kept = kept > 0 if isinstance(kept, torch.Tensor) else None
         return cls(rows_P, torch.where(keep, slot, 0).view(-1, K), keep.to(dtype).view(-1, K), sum_fn, any_kept)
 
-    def sum_slots(self, y_PH: torch.Tensor) -> torch.Tensor:
-        """Row r's sum over its kept pairs of ``y_PH[slot]``."""
+    def sum_slots(self, y_PH: torch.Tensor, weight_RK: torch.Tensor | None = None) -> torch.Tensor:
+        """Row r's sum over its kept pairs of ``y_PH[slot]``, each times ``weight_RK`` where given (which must then
+        be zero where a pair is dropped)."""
         # Detached: both callers run without autograd (a Function's forward or backward); a compiled sum_fn would
         # otherwise compile again for each requires_grad flag and run out of recompiles (eager from then on).
         y_PH = y_PH.detach()
         if self.any_kept is not None:  # nothing else reads these rows: a GEMM's output, or the gradient of its input
             y_PH[:1].masked_fill_(~self.any_kept, 0)
-        return self.sum_fn(y_PH, self.slot_RK, self.keep_RK)
+        return self.sum_fn(y_PH, self.slot_RK, self.keep_RK if weight_RK is None else weight_RK)
 
 
 class _Permute(torch.autograd.Function):
@@ -268,6 +274,35 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RH: torch.Tensor):
         return grad_RH.index_select(0, ctx.slots.rows_P), None
+
+
+class _WeightedUnpermute(torch.autograd.Function):
+    """Each row's sum of its pairs' outputs times their routing weights, accumulated in float32 (the FP8 experts'
+    combine: the weight applied in the sum's one kernel, not in a float32 pass over the H-wide outputs before it).
+    ``w_P``: the pairs' weights in the sorted order (their gradient's way back to the router); ``w_RK``: the same
+    weights per row and choice, detached and masked where a pair is dropped (the sum's coefficients)."""
+
+    @staticmethod
+    def forward(ctx, y_PH: torch.Tensor, w_P: torch.Tensor, w_RK: torch.Tensor, slots: _Slots) -> torch.Tensor:
+        ctx.save_for_backward(y_PH, w_P)
+        ctx.slots = slots
+        return slots.sum_slots(y_PH, w_RK)
+
+    @staticmethod
+    def backward(ctx, grad_RH: torch.Tensor):
+        y_PH, w_P = ctx.saved_tensors
+        d_y_PH, d_w_P = _weighted_pair_grads(grad_RH, ctx.slots.rows_P, y_PH, w_P)
+        return d_y_PH, d_w_P, None, None
+
+
+@fused_on_cuda
+def _weighted_pair_grads(
+    grad_RH: torch.Tensor, rows_P: torch.Tensor, y_PH: torch.Tensor, w_P: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``sum_k w y`` for each pair: its row's gradient times its weight, and the dot product of that
+    gradient with its output (float32; one gather and one reduction, fused on CUDA)."""
+    g_PH = grad_RH.index_select(0, rows_P).float()
+    return (g_PH * w_P.unsqueeze(1)).to(y_PH.dtype), (g_PH * y_PH.float()).sum(-1).to(w_P.dtype)
 
 
 class _RecomputedMiddle(torch.autograd.Function):
@@ -305,6 +340,8 @@ def _sum_slots_eager(y_PH: torch.Tensor, slot_RK: torch.Tensor, keep_RK: torch.T
     gathered_RKH = y_PH.index_select(0, slot_RK.reshape(-1)).view(*slot_RK.shape, -1)
     if keep_RK is None:
         return gathered_RKH.sum(1)
+    if keep_RK.dtype != y_PH.dtype:  # routing weights (float32): the weighted sum in float32, rounded once
+        return torch.bmm(keep_RK.float().unsqueeze(1), gathered_RKH.float()).squeeze(1).to(y_PH.dtype)
     return torch.bmm(keep_RK.unsqueeze(1), gathered_RKH).squeeze(1)  # masked sum in one pass
 
 

@@ -175,17 +175,22 @@ def expert_rerun_share(spec: ModelSpec, fp8: Fp8 | None) -> float:
     return 1.0 if fp8 is None else 1 / fp8_speedup("gate_up", spec.expert_intermediate)
 
 
-def expert_passes(spec: ModelSpec, rates: Rates, *, assignments: float, fp8: Fp8 | None) -> Passes:
+def expert_passes(
+    spec: ModelSpec, rates: Rates, *, assignments: float, fp8: Fp8 | None, lora: LoRA | None = None
+) -> Passes:
     """The quantize passes of one expert call of ``assignments`` (token, expert) rows: the forward dequantizes the
     received e4m3 rows (one per assignment: exact for Megatron's dispatcher, an upper bound where a token comes once
-    per rank) and quantizes gate_up's and down's inputs (H + I), the input-grad their output grads (2I + H); the
-    weight-grad runs in bf16 and quantizes nothing. The rank's E/ep experts' weights are cast once a step
-    (``weight_cast_s``), or with ``per_call`` in every call, for the forward and again for the input-grad."""
+    per rank) and quantizes gate_up's input (H), the input-grad down's output grad (H); the weight-grad runs in bf16
+    and quantizes nothing. The SwiGLU middle writes down's input and gate_up's output grad in FP8 itself
+    (``models.fp8_experts``), except under LoRA adapters on the experts, whose path quantizes them in passes of their
+    own (I forward, 2I input-grad). The rank's E/ep experts' weights are cast once a step (``weight_cast_s``), or with
+    ``per_call`` in every call, for the forward and again for the input-grad."""
     if fp8 is None:
         return NO_PASSES
     h, i = spec.hidden_size, spec.expert_intermediate
+    middle = i if lora is not None and lora.enabled and "experts" in lora.targets else 0
     weights = spec.num_experts / fp8.shards * 3 * h * i if fp8.per_call else 0.0
-    return _seconds(rates, assignments * (2 * h + i) + weights, assignments * (2 * i + h) + weights, 0.0)
+    return _seconds(rates, assignments * (2 * h + middle) + weights, assignments * (h + 2 * middle) + weights, 0.0)
 
 
 def cast_expert_weights(experts: Params, lora: LoRA) -> float:

@@ -128,7 +128,7 @@ def expert_call_s(
     if assignments == 0:
         return 0.0, 0.0
     gemm = _expert_gemms(spec, lora, fp8)
-    passes = expert_passes(spec, rates, assignments=assignments, fp8=fp8)
+    passes = expert_passes(spec, rates, assignments=assignments, fp8=fp8, lora=lora)
     fwd = rates.experts_fwd.seconds(assignments * gemm.fwd) + passes.fwd
     bwd = rates.experts_bwd.seconds(assignments * _bwd_units(gemm)) + passes.bwd
     if recompute == "full":
@@ -148,7 +148,7 @@ def expert_wgrad_s(
     """The experts' weight-gradient GEMMs (full fine-tuning: half their backward, every expert FLOP is a GEMM;
     LoRA: the adapters' only), with their quantize passes under FP8."""
     assignments = _assignments(spec, rates, layer=layer, tokens=tokens)
-    passes = expert_passes(spec, rates, assignments=assignments, fp8=fp8)
+    passes = expert_passes(spec, rates, assignments=assignments, fp8=fp8, lora=lora)
     return rates.experts_bwd.per_flop * assignments * _expert_gemms(spec, lora, fp8).wgrad / 2 + passes.wgrad
 
 
