@@ -114,7 +114,7 @@ def test_a_hostfile_with_gpu_types_is_the_fleet_either_way_round(tmp_path):
     assert second.whole().hosts == ("new-0", "old-0", "old-1")  # the written hostfile's order: attention first
     for text, message in [
         ("a slots=8 gpu=h200\nb slots=8 gpu=h200\n", "a fleet has two GPU types .* found h200"),
-        ("a slots=8 gpu=h200\nb slots=4 gpu=a100\n", "b list other than the 8 slots of a a100 node"),
+        ("a slots=8 gpu=h200\nb slots=4 gpu=a100\n", "b: slots other than the 8 GPUs of a gpu=a100 node"),
         ("a slots=8 gpu=h200\nb slots=8 gpu=v100\n", "gpu=v100"),
     ]:
         hosts.write_text(text)

@@ -91,9 +91,9 @@ def plan_fleet(base: PlanRequest, fleet: Fleet, eff: Efficiency) -> FleetResult:
 
 def fleets_of_hostfile(path: Path) -> tuple[Fleet, Fleet]:
     """The fleet a hostfile describes (each host ``HOST slots=N gpu=TYPE``, TYPE a preset), either way round."""
-    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else None
-    if lines is None:
+    if not path.is_file():
         raise ConfigError(f"--hostfile {path} does not exist")
+    lines = path.read_text(encoding="utf-8").splitlines()
     slots, types = parse_hostfile(lines, str(path)), gpu_types(lines, str(path))
     kinds = list(dict.fromkeys(types.values()))
     if len(kinds) != 2:
@@ -106,8 +106,8 @@ def fleets_of_hostfile(path: Path) -> tuple[Fleet, Fleet]:
         uneven = [host for host in hosts if slots[host] != cluster.gpus_per_node]
         if uneven:
             raise ConfigError(
-                f"--hostfile {path}: {', '.join(uneven)} list other than the {cluster.gpus_per_node} slots of a "
-                f"{kind} node; the planner places whole nodes"
+                f"--hostfile {path}: {', '.join(uneven)}: slots other than the {cluster.gpus_per_node} GPUs of a "
+                f"gpu={kind} node; the planner places whole nodes"
             )
         sides.append(cluster)
     return Fleet(sides[0], sides[1]), Fleet(sides[1], sides[0])
