@@ -39,6 +39,18 @@ def test_throughput_record() -> None:
     assert no_peak.record(1, StepResult(2.0, 1.9, 1.0, None, 1.0), lr=0.0, seconds=1.0, imbalance=[]).mfu is None
 
 
+def test_rank_0_peak_memory_is_shown_on_a_gpu_only(monkeypatch) -> None:
+    from disagmoe_ds.train.progress import summary_fields
+
+    tp = Throughput(tokens_per_step=1000, flops_per_token=6e9, world_size=4, peak_tflops=None)
+    cpu = tp.record(1, StepResult(2.0, 1.9, 1.0, None, 1.0), lr=0.0, seconds=1.0, imbalance=[])
+    assert cpu.peak_gib is None and "mem" not in summary_fields(cpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
+    gpu = tp.record(1, StepResult(2.0, 1.9, 1.0, None, 1.0), lr=0.0, seconds=1.0, imbalance=[])
+    assert gpu.peak_gib == 3.0 and summary_fields(gpu)["mem"] == "3.0G" and gpu.to_json()["peak_gib"] == 3.0
+
+
 def test_peak_is_unknown_on_cpu_unless_given() -> None:
     assert peak_tflops(torch.device("cpu"), None) is None
     assert peak_tflops(torch.device("cpu"), 123.0) == 123.0

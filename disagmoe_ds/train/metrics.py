@@ -75,6 +75,7 @@ class StepRecord:
     mfu: float | None
     expert_imbalance: list[float | None]  # per layer, max load / mean load; None for dense layers
     eval_loss: float | None = None  # after this step, on held-out data (``train.evaluation``); None: not evaluated
+    peak_gib: float | None = None  # rank 0's peak GPU memory allocated so far, GiB; None on a CPU rank
 
     @property
     def max_imbalance(self) -> float | None:
@@ -123,4 +124,5 @@ class Throughput:
             mfu=tflops / self.peak_tflops if self.peak_tflops else None,
             expert_imbalance=imbalance,
             eval_loss=eval_loss,
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         )

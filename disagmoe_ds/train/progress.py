@@ -1,8 +1,8 @@
 """What rank 0 shows and writes: the start banner, a progress bar (or log lines), JSON lines, TensorBoard.
 
-On a terminal a tqdm bar carries loss, the last evaluation loss, aux loss, tokens/s, TFLOP/s per GPU, MFU and the
-worst layer's expert imbalance; without one (a log file, CI) the same fields go to one plain line every
-``--log-every`` steps and after every evaluation.
+On a terminal a tqdm bar carries loss, the last evaluation loss, aux loss, tokens/s, TFLOP/s per GPU, MFU, the
+worst layer's expert imbalance and, on a GPU, rank 0's peak memory; without one (a log file, CI) the same fields go
+to one plain line every ``--log-every`` steps and after every evaluation.
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def summary_fields(rec: StepRecord, eval_loss: float | None = None) -> dict[str,
         "TFLOP/s/gpu": _fmt(rec.tflops_per_gpu, ".3g"),
         "MFU": "n/a" if rec.mfu is None else f"{rec.mfu:.1%}",
         "imb": _fmt(rec.max_imbalance, ".2f"),
+        **({"mem": f"{rec.peak_gib:.1f}G"} if rec.peak_gib is not None else {}),  # rank 0's peak, on a GPU
     }
 
 
