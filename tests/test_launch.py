@@ -41,6 +41,7 @@ def _raise_in_rank_1(rank: int) -> int:
     return rank
 
 
+@pytest.mark.serial
 def test_exception_surfaces_with_traceback_fast() -> None:
     start = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 1 raised") as info:
@@ -57,6 +58,7 @@ def _hang_in_rank_0(rank: int) -> int:
     return rank
 
 
+@pytest.mark.serial
 def test_hang_ends_with_timeout_naming_the_rank() -> None:
     timeout_s = 4.0
     start = time.monotonic()
@@ -74,6 +76,7 @@ def _exit_in_rank_2(rank: int) -> int:
     return rank
 
 
+@pytest.mark.serial
 def test_dead_rank_fails_fast() -> None:
     start = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 2 exited with code 7 before returning") as info:
@@ -109,6 +112,7 @@ time.sleep(0.5)  # a stopped watch never fires
 """
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize(("ticks", "stall", "fires"), [(20, 1.5, True), (20, 0.0, False)])
 def test_stall_watch_prints_the_stalled_stack_once(ticks, stall, fires):
     """Steady progress (ticks every 50 ms for 1 s, period 0.4 s) never fires; a 1.5 s stall prints the stack."""
