@@ -89,7 +89,6 @@ def test_lora_on_a_fresh_init_is_refused_before_launch(tok_cache, capfd) -> None
     assert_refused_before_launch(tok_cache, capfd, ["--lora-rank", 8], message)
 
 
-@pytest.mark.serial
 def test_kill_9_of_the_parent_stops_its_ranks_with_a_checkpoint(tok_cache, tmp_path) -> None:
     """No launcher: SIGKILL of the process that forked the ranks (it can pass nothing on) leaves them orphaned; they
     notice after their step, save it and exit, instead of training to the end with nobody reading their output."""
@@ -162,7 +161,6 @@ def test_a_run_this_machine_cannot_hold_is_refused_before_launch(
     assert_refused_before_launch(tok_cache, capfd, ["--save-dir", tmp_path / "ck"], message)
 
 
-@pytest.mark.serial
 def test_a_rank_killed_under_deepspeed_is_named_as_the_root_cause(tok_cache, tmp_path) -> None:
     """``kill -9`` of rank 3 under ``deepspeed``: the line names rank 3, not the peer whose collective then failed
     with "Connection reset by peer"."""

@@ -44,7 +44,6 @@ from tests.runs import (
 )
 
 
-@pytest.mark.serial
 def test_sigint_to_the_parent_alone_stops_saves_and_exits_130(tok_cache, tmp_path) -> None:
     """No launcher: the parent that forked the ranks gets the signal; the ranks never see a SIGINT."""
     proc = start_job([sys.executable], tmp_path, tok_cache)
@@ -99,7 +98,6 @@ def test_the_default_job_and_help_print_nothing_a_user_cannot_act_on(default_run
         assert not [noise for noise in THIRD_PARTY_NOISE if noise in text], text[-2000:]
 
 
-@pytest.mark.serial
 def test_deepspeed_launcher_matches_the_local_run_and_sigint_to_it_alone_stops(default_run, tok_cache, tmp_path):
     """``deepspeed --num_gpus 4`` on CPU: 4 ranks through DeepSpeed's launcher, the same first two steps. Then SIGINT
     to the ``deepspeed`` command alone: it dies at once and leaves its per-node launcher running; the ranks notice

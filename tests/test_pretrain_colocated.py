@@ -108,7 +108,6 @@ def test_one_rank_by_default(tok_cache, tmp_path) -> None:
     assert [r["step"] for r in records(metrics)] == [1, 2]
 
 
-@pytest.mark.serial
 def test_torchrun_gives_the_world_size_and_sigint_to_it_alone_stops(two_rank_run, tok_cache, tmp_path) -> None:
     """Under a launcher the world size is the launcher's: the same first two steps as the local 2-rank run. Then
     SIGINT to torchrun alone: it passes the signal to its ranks, which stop after their step and save; torchrun
