@@ -28,7 +28,13 @@ setup(
     ],
     extras_require={
         # triton: tests run its kernels in its interpreter on CPU machines (CUDA wheels of torch ship it already)
-        "test": ["pytest>=8", "ruff>=0.6", "mypy>=1.10", "triton>=3.2; platform_system == 'Linux'"],
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",  # the README's test command runs on 2 workers (-n 2)
+            "ruff>=0.6",
+            "mypy>=1.10",
+            "triton>=3.2; platform_system == 'Linux'",
+        ],
         "flash": ["flash-attn>=2.6"],
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard>=2.14"],

@@ -10,10 +10,25 @@ import torch
 import torch.distributed as dist
 
 from disagmoe_ds.capabilities.facts import FACTS
+from disagmoe_ds.launch.local import PORT_RANGE_ENV
 from disagmoe_ds.models import expert_shard
 from disagmoe_ds.models.loading import fill_token_tables
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Under pytest-xdist (the README's `-n 2`) each worker is a process of its own: "gw0", "gw1", ...
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    # Rendezvous ports (free_port) from a range of this worker's own, below the kernel's ephemeral ports
+    # (32768 and up) and clear of 29500+ (the launchers' default): two workers' jobs never pick the same port.
+    # Inherited by the subprocesses the tests start (run_pretrain.py picks its own port the same way).
+    _span = 9000 // _workers
+    _low = 20000 + int(XDIST_WORKER.removeprefix("gw")) * _span
+    os.environ[PORT_RANGE_ENV] = f"{_low}-{_low + _span - 1}"
+    # The workers split the cores, as ranks do (train.job): intra-op pools of 2 threads each on 2 shared cores
+    # only spin against each other.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 TINY_FAMILIES = tuple(facts.tiny for facts in FACTS.values())  # hf_models/tiny-<family>, one per family
 
 
@@ -65,7 +80,12 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tok_cache(tmp_path_factory) -> Path:
     """The tokenizer cache of every run_pretrain.py run of the session (``--tokenizer-cache``): each vocabulary is
-    trained on the bundled corpus once."""
+    trained on the bundled corpus once. Under xdist the workers share it (the run's common temporary directory):
+    a tokenizer is trained into a temporary file and renamed into place, so a concurrent reader never sees half."""
+    if XDIST_WORKER:
+        shared = tmp_path_factory.getbasetemp().parent / "tokenizers"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("tokenizers")
 
 

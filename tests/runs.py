@@ -91,6 +91,8 @@ STEPS = 1000
 STARTUP_S = 150  # 4 ranks importing torch and DeepSpeed on 2 shared cores, then two steps
 # From the signal to the last process gone: the current step (~0.3 s), the save (~1 s), teardown, on busy cores.
 STOP_BOUND_S = 30
+# Both hold beside a concurrent xdist worker (these tests are not 'serial'): whole tests, start-up and stop included,
+# took 12-60 s on 2 cores at load average 4-10.
 
 
 def start_job(launcher: list[str], tmp: Path, tok_cache: Path, *extra: object) -> subprocess.Popen:

@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.serial  # a wall-clock bound: the README runs these without a concurrent neighbour
+
 HELPS = {
     "run_pretrain.py": [sys.executable, str(ROOT / "run_pretrain.py"), "--help"],
     "disagmoe-verify": [sys.executable, "-m", "disagmoe_ds.afpipe.verify", "--help"],

@@ -41,6 +41,7 @@ def _raise_in_rank_1(rank: int) -> int:
     return rank
 
 
+@pytest.mark.serial
 def test_exception_surfaces_with_traceback_fast() -> None:
     start = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 1 raised") as info:
@@ -57,6 +58,7 @@ def _hang_in_rank_0(rank: int) -> int:
     return rank
 
 
+@pytest.mark.serial
 def test_hang_ends_with_timeout_naming_the_rank() -> None:
     timeout_s = 4.0
     start = time.monotonic()
@@ -74,6 +76,7 @@ def _exit_in_rank_2(rank: int) -> int:
     return rank
 
 
+@pytest.mark.serial
 def test_dead_rank_fails_fast() -> None:
     start = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 2 exited with code 7 before returning") as info:
@@ -109,6 +112,7 @@ time.sleep(0.5)  # a stopped watch never fires
 """
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize(("ticks", "stall", "fires"), [(20, 1.5, True), (20, 0.0, False)])
 def test_stall_watch_prints_the_stalled_stack_once(ticks, stall, fires):
     """Steady progress (ticks every 50 ms for 1 s, period 0.4 s) never fires; a 1.5 s stall prints the stack."""
@@ -117,3 +121,32 @@ def test_stall_watch_prints_the_stalled_stack_once(ticks, stall, fires):
     assert out.returncode == 0, out.stderr
     assert ("stalled_wait" in out.stderr) == fires, out.stderr
     assert out.stderr.count("Timeout (") == int(fires)
+
+
+def test_free_port_keeps_to_its_range_and_skips_a_taken_port(monkeypatch) -> None:
+    """DISAGMOE_PORT_RANGE (one range per xdist worker, tests/conftest.py): every pick lies in it, a bound port is
+    never picked, a range with no free port and a malformed one are refused by name."""
+    import socket
+
+    from disagmoe_ds.launch.local import PORT_RANGE_ENV, free_port
+
+    def bindable(port: int) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+            return True
+
+    # Two free neighbours below the kernel's ephemeral ports and the workers' ranges (20000-28999).
+    taken = next(port for port in range(15000, 16000, 2) if bindable(port) and bindable(port + 1))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", taken))
+        monkeypatch.setenv(PORT_RANGE_ENV, f"{taken}-{taken + 1}")
+        assert {free_port() for _ in range(20)} == {taken + 1}
+        monkeypatch.setenv(PORT_RANGE_ENV, f"{taken}-{taken}")
+        with pytest.raises(RuntimeError, match=f"no free port in {PORT_RANGE_ENV}={taken}-{taken}"):
+            free_port()
+    monkeypatch.setenv(PORT_RANGE_ENV, "20000")
+    with pytest.raises(ValueError, match="must be LO-HI"):
+        free_port()

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from disagmoe_ds.data import SentencePieceTokenizer, bundled_corpus, train_or_load_tokenizer
+from disagmoe_ds.launch.local import free_port
 from tests.runs import (
     ROOT,
     STOP_BOUND_S,
@@ -163,7 +164,7 @@ def test_a_run_this_machine_cannot_hold_is_refused_before_launch(
 def test_a_rank_killed_under_deepspeed_is_named_as_the_root_cause(tok_cache, tmp_path) -> None:
     """``kill -9`` of rank 3 under ``deepspeed``: the line names rank 3, not the peer whose collective then failed
     with "Connection reset by peer"."""
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", "29519"]
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", str(free_port())]
     proc = start_job(launcher, tmp_path, tok_cache)
     try:
         wait_for_steps(proc, tmp_path, 2)

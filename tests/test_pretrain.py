@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagmoe_ds.launch.local import free_port
 from disagmoe_ds.train import run as job
 from tests.conftest import all_families_only, write_tiny_checkpoint
 from tests.runs import (
@@ -101,7 +102,7 @@ def test_deepspeed_launcher_matches_the_local_run_and_sigint_to_it_alone_stops(d
     """``deepspeed --num_gpus 4`` on CPU: 4 ranks through DeepSpeed's launcher, the same first two steps. Then SIGINT
     to the ``deepspeed`` command alone: it dies at once and leaves its per-node launcher running; the ranks notice
     the launcher orphaned, stop after their step, save, and exit 130, which the per-node launcher passes on."""
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", "29517"]
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", str(free_port())]
     sigint_the_launcher_alone(launcher, tmp_path, tok_cache, processes=5)  # the per-node launcher and the 4 ranks
     # Steps 1-2 sit in the warm-up, whose learning rates do not depend on --steps.
     assert same(records(tmp_path / "m.jsonl")[:2], default_run[1][:2])

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from disagmoe_ds.launch.local import free_port
 from tests.runs import (
     ROOT,
     SHORT,
@@ -28,6 +29,8 @@ from tests.runs import (
     same,
     sigint_the_launcher_alone,
 )
+
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]  # and a free --master_port
 
 MODEL = ROOT / "hf_models" / "tiny-qwen3-moe-lm"  # the embedded default: 8 experts, 4 MoE layers
 TWO_RANKS = ("--mode", "colocated", "--world-size", 2)
@@ -109,7 +112,7 @@ def test_torchrun_gives_the_world_size_and_sigint_to_it_alone_stops(two_rank_run
     """Under a launcher the world size is the launcher's: the same first two steps as the local 2-rank run. Then
     SIGINT to torchrun alone: it passes the signal to its ranks, which stop after their step and save; torchrun
     exits non-zero (its SignalException)."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519"]
+    launcher = [*TORCHRUN_2, "--master_port", str(free_port())]
     sigint_the_launcher_alone(launcher, tmp_path, tok_cache, "--mode", "colocated", processes=2)  # the 2 ranks
     # Steps 1-2 sit in the warm-up, whose learning rates do not depend on --steps.
     assert same(records(tmp_path / "m.jsonl")[:2], two_rank_run[0][:2])
@@ -186,7 +189,7 @@ def test_a_failure_under_torchrun_is_one_line_from_the_failing_rank(tok_cache, t
     output is one line naming rank 1's exception and where every rank's traceback went; the launcher's own
     report follows it."""
     (tmp_path / "sitecustomize.py").write_text(_FAIL_IN_RANK_1)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29523"]
+    launcher = [*TORCHRUN_2, "--master_port", str(free_port())]
     argv = ["--mode", "colocated", "--steps", 4, *SHORT, "--tokenizer-cache", tok_cache]
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "TMPDIR": str(tmp_path)}
     command = [*launcher, str(ROOT / "run_pretrain.py"), *map(str, argv)]

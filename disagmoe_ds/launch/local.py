@@ -17,6 +17,7 @@ import math
 import multiprocessing as mp
 import os
 import pickle
+import secrets
 import signal
 import socket
 import sys
@@ -152,11 +153,36 @@ def _spawn_once(
     return [child.value for child in children]
 
 
+# "LO-HI": rendezvous ports come from this range only. The test suite gives each of its parallel workers its own range
+# below the ephemeral ports, so two workers' jobs never pick the same port.
+PORT_RANGE_ENV = "DISAGMOE_PORT_RANGE"
+
+
 def free_port() -> int:
-    # The port is free now; another process could take it before rank 0 binds it (then rank 0 fails loudly).
+    """A TCP port on 127.0.0.1 that is free now: the kernel's pick, or one of ``$DISAGMOE_PORT_RANGE`` (tried from a
+    random start). Another process could take it before rank 0 binds it (then rank 0 fails loudly)."""
+    span = os.environ.get(PORT_RANGE_ENV)
+    if not span:
+        return _bind_free(0)
+    try:
+        lo, hi = (int(end) for end in span.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORT_RANGE_ENV}={span!r} must be LO-HI, two port numbers") from None
+    if not 0 < lo <= hi < 65536:
+        raise ValueError(f"{PORT_RANGE_ENV}={span!r} must be LO-HI with 0 < LO <= HI < 65536")
+    start = secrets.randbelow(hi - lo + 1)  # not the random module: a test may have seeded it
+    for i in range(hi - lo + 1):
+        try:
+            return _bind_free(lo + (start + i) % (hi - lo + 1))
+        except OSError:  # taken (or in TIME_WAIT from an earlier job)
+            continue
+    raise RuntimeError(f"no free port in {PORT_RANGE_ENV}={span}")
+
+
+def _bind_free(port: int) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        sock.bind(("127.0.0.1", port))
+        return int(sock.getsockname()[1])
 
 
 def _start(
