@@ -5,9 +5,8 @@ values before validation, so a bad value fails with the same message wherever it
 
 The section is flat JSON (the keys users write), but each key belongs to one typed section below, a small frozen
 dataclass with one concept that checks its own keys: ``LayoutCounts`` (with ``LaneSlices``), ``Accumulation``,
-``Pipeline``,
-``Watchdog``, ``Exchange``, ``Kernels``, ``MemoryLevers``, ``ZeroPerSide``, ``CostModel``, ``FineTuning`` and
-``Colocation`` (which mode the file is for).
+``Pipeline``, ``Watchdog``, ``Exchange``, ``Kernels`` (with ``Fp8Compute``), ``MemoryLevers``, ``ZeroPerSide``,
+``CostModel``, ``FineTuning`` and ``Colocation`` (which mode the file is for).
 ``DisagMoEConfig`` is composed of them as bases, so its fields are still exactly the section's keys (what
 ``from_ds_config``, ``dataclasses.replace`` and ``to_dict`` work on) and ``cfg.micro_batches`` is typed; a function
 that needs one concept can be typed by that section alone. The co-located mode's ``ColocatedConfig`` is composed of

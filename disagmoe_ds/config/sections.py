@@ -183,16 +183,10 @@ class Exchange(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Kernels(Section):
-    """How the parts run on a GPU (both modes; ``compile`` and ``cuda_graphs`` CUDA only).
+class Fp8Compute(Section):
+    """Which GEMMs compute in FP8 (both modes).
 
     Attributes:
-        compile: fuse the attention parts and the experts' elementwise work with ``torch.compile``.
-        cuda_graphs: replay every attention part, the head and (with one ep rank or, disaggregated, a
-            ``capacity_factor``, whose messages have fixed rows) every expert shard as CUDA graphs, one launch per
-            forward and per backward, so the host no longer holds the GPU back at small micro-batches
-            (``models.graphs``). Costs memory: each part keeps the activations of as many micro-batches as the
-            schedule has in flight for it, in pools of its own.
         fp8: the routed experts' grouped GEMMs and the attention side's projections (attention, dense and shared
             MLPs; not the router, not the LM head) in FP8 with rowwise power-of-two scales, forward and both backward
             GEMMs (``disagmoe_ds.fp8``); weights, gradients and optimizer state keep their dtype. On CUDA torch's FP8
@@ -205,6 +199,36 @@ class Kernels(Section):
             projection, not a TP shard) is at most this stay in the model's dtype, where FP8's quantizations cost
             more than its GEMM saves (``fp8.shapes``: 2,048 by default, a rule measured at one shape); 0: every
             aligned projection in FP8. The planner prices the same.
+    """
+
+    fp8: bool = False
+    fp8_cast_per_call: bool = False
+    fp8_bf16_width: int = BF16_WIDTH
+
+    def _check(self) -> None:
+        self._switches("fp8", "fp8_cast_per_call")
+        width = self.fp8_bf16_width
+        if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+            raise ConfigError(f"{self._named('fp8_bf16_width')} must be a width >= 0, got {width!r}")
+
+    @property
+    def fp8_cast_once(self) -> bool:
+        """The FP8 weights are cast once per optimizer step (``fp8.weight_cache``)."""
+        return self.fp8 and not self.fp8_cast_per_call
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kernels(Fp8Compute):
+    """How the parts run on a GPU (both modes; ``compile`` and ``cuda_graphs`` CUDA only), FP8 among it
+    (``Fp8Compute``).
+
+    Attributes:
+        compile: fuse the attention parts and the experts' elementwise work with ``torch.compile``.
+        cuda_graphs: replay every attention part, the head and (with one ep rank or, disaggregated, a
+            ``capacity_factor``, whose messages have fixed rows) every expert shard as CUDA graphs, one launch per
+            forward and per backward, so the host no longer holds the GPU back at small micro-batches
+            (``models.graphs``). Costs memory: each part keeps the activations of as many micro-batches as the
+            schedule has in flight for it, in pools of its own.
         attention: HF's attention function the attention parts run (``models.attention_kernel``): ``"auto"`` (HF's
             own choice, SDPA where the model has it; on CUDA flex_attention where HF would run eager, as for
             GPT-OSS's sinks), or ``"eager"``, ``"sdpa"``, ``"flex_attention"`` where the model's HF class runs it.
@@ -212,25 +236,14 @@ class Kernels(Section):
 
     compile: bool = False
     cuda_graphs: bool = False
-    fp8: bool = False
-    fp8_cast_per_call: bool = False
-    fp8_bf16_width: int = BF16_WIDTH
     attention: str = "auto"
 
     def _check(self) -> None:
-        self._switches("compile", "cuda_graphs", "fp8", "fp8_cast_per_call")
-        width = self.fp8_bf16_width
-        if isinstance(width, bool) or not isinstance(width, int) or width < 0:
-            raise ConfigError(f"{self._named('fp8_bf16_width')} must be a width >= 0, got {width!r}")
+        self._switches("compile", "cuda_graphs")
         if self.attention not in ATTENTION_KERNELS:
             raise ConfigError(
                 f"{self._named('attention')} must be one of {list(ATTENTION_KERNELS)}, got {self.attention!r}"
             )
-
-    @property
-    def fp8_cast_once(self) -> bool:
-        """The FP8 weights are cast once per optimizer step (``fp8.weight_cache``)."""
-        return self.fp8 and not self.fp8_cast_per_call
 
 
 @dataclass(frozen=True, kw_only=True)

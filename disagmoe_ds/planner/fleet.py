@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from disagmoe_ds.errors import ConfigError
+from disagmoe_ds.launch.hostfile import gpu_types, parse_hostfile
 from disagmoe_ds.planner.allocator import best_af, best_baseline
 from disagmoe_ds.planner.cluster import PRESETS, Cluster, Efficiency, Fleet, load_cluster
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
@@ -40,7 +41,6 @@ from disagmoe_ds.planner.plans import PAYS_THRESHOLD, BaselinePlan, PlanRequest,
 from disagmoe_ds.planner.runtime_files import hostfile, written_ds_config
 from disagmoe_ds.planner.study import af_summary, baseline_summary
 from disagmoe_ds.planner.workload import Workload
-from disagmoe_ds.train.hostfile import gpu_types, parse_hostfile
 
 
 @dataclass(frozen=True)

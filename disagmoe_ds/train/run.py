@@ -23,6 +23,15 @@ from disagmoe_ds.config import DisagMoEConfig
 from disagmoe_ds.data.loader import to_device
 from disagmoe_ds.errors import ConfigError, DisagMoEError
 from disagmoe_ds.launch import RankFailedError, detect_launcher, init_from_env, spawn_local
+from disagmoe_ds.launch.hostfile import (
+    check_gpu_types,
+    check_hostfile,
+    check_node_groups,
+    deepspeed_command,
+    describe,
+    filters_slots,
+    strip_launch_flags,
+)
 from disagmoe_ds.layout import JobLayout
 from disagmoe_ds.models.fp8_base import base_fp8_line
 from disagmoe_ds.models.loading import load_config
@@ -35,15 +44,6 @@ from disagmoe_ds.train.balance import bias_update_rate, expert_load, imbalance, 
 from disagmoe_ds.train.data import TrainData, check_data_args, eval_batches, lane_loader, prepare_data
 from disagmoe_ds.train.evaluation import EvalLoss, Evaluator, is_eval_step, weights_of
 from disagmoe_ds.train.failures import job_key, report_launched_failure, report_rank_failure
-from disagmoe_ds.train.hostfile import (
-    check_gpu_types,
-    check_hostfile,
-    check_node_groups,
-    deepspeed_command,
-    describe,
-    filters_slots,
-    strip_launch_flags,
-)
 from disagmoe_ds.train.interrupt import STOPPED_EXIT, StopRequest, parent_waits_for_ranks
 from disagmoe_ds.train.job import launched_rank_and_world, local_backend, rank_device, seed_step, share_cores
 from disagmoe_ds.train.metrics import Throughput, model_facts, peak_tflops

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.train.hostfile import (
+from disagmoe_ds.launch.hostfile import (
     check_hostfile,
     deepspeed_command,
     filters_slots,
@@ -80,7 +80,7 @@ def test_relaunch_command() -> None:
 
 def test_expert_ranks_that_share_a_message_must_share_a_host() -> None:
     """``node_dedup``'s groups against the hosts' consecutive ranks: one line naming the group and the hosts."""
-    from disagmoe_ds.train.hostfile import check_node_groups
+    from disagmoe_ds.launch.hostfile import check_node_groups
 
     check_node_groups(Path("hf"), {"a": 4, "b": 4}, [(2, 3), (4, 5)])  # ranks 0-3 on a, 4-7 on b
     with pytest.raises(ConfigError, match=r"node_dedup 2 puts expert ranks \(2, 3\) on one node, but they are on a, b"):
@@ -88,7 +88,7 @@ def test_expert_ranks_that_share_a_message_must_share_a_host() -> None:
 
 
 def test_gpu_types_are_read_for_every_host_or_none() -> None:
-    from disagmoe_ds.train.hostfile import gpu_types
+    from disagmoe_ds.launch.hostfile import gpu_types
 
     lines = ["a slots=8 gpu=H200", "b slots=8 gpu=a100  # older"]
     assert parse_hostfile(lines, "hf") == {"a": 8, "b": 8}
