@@ -104,7 +104,7 @@ def test_missing_ds_config_is_one_line() -> None:
         _parse("--deepspeed_config", "/nope.json")
 
 
-@pytest.mark.parametrize("module", ["settings", "hostfile", "balance"])
+@pytest.mark.parametrize("module", ["settings", "balance"])
 def test_doctests(module: str) -> None:
     assert doctest.testmod(importlib.import_module(f"disagmoe_ds.train.{module}")).failed == 0
 
