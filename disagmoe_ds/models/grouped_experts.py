@@ -122,14 +122,12 @@ def grouped_gated_experts(
     w_P = w_RK.reshape(-1).index_select(0, order_P)
     if kept is not None:  # the slots past the real pairs: no weight, so no weight gradient from their garbage rows
         w_P = torch.where(torch.arange(num_pairs, device=w_P.device) < kept, w_P, 0)
-    if fp8:  # the routing weight scales each pair's output in the un-permute's sum (``_WeightedUnpermute``)
+    if adapters is not None or fp8 or isinstance(gate_up_eFH, BlockScaled) or isinstance(down_eHI, BlockScaled):
         weights = gate_up_eFH, down_eHI
         out_PH = _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapters, recompute, fp8)
-        w_RK = w_RK.detach() if slots.keep_RK is None else w_RK.detach() * slots.keep_RK
-        return _WeightedUnpermute.apply(out_PH, w_P, w_RK, slots)
-    if adapters is not None or isinstance(gate_up_eFH, BlockScaled) or isinstance(down_eHI, BlockScaled):
-        weights = gate_up_eFH, down_eHI
-        out_PH = _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapters, recompute, fp8)
+        if fp8:  # the routing weight scales each pair's output in the un-permute's sum
+            w_RK = w_RK.detach() if slots.keep_RK is None else w_RK.detach() * slots.keep_RK
+            return _WeightedUnpermute.apply(out_PH, w_P, w_RK, slots)
     elif recompute:
         out_PH = _RecomputedMiddle.apply(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise.gated)
     else:

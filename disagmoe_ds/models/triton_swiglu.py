@@ -61,6 +61,15 @@ if triton is not None:
         return d_act * up * sig * (1.0 + gate * (1.0 - sig)), d_act * act, act
 
     @triton.jit
+    def _gate_up_tile(gu_ptr, row_gu, pair_ok, cols, inter):
+        """``(mask, gate, up)``: the gate and up columns ``cols`` of a block of pairs' gate/up rows (``row_gu``: their
+        offsets), in fp32, 0 where masked."""
+        mask = pair_ok[:, None] & (cols < inter)[None, :]
+        gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return mask, gate, up
+
+    @triton.jit
     def _swiglu_forward_kernel(
         gu_ptr, w_ptr, h_ptr, num_pairs, inter,
         BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -89,9 +98,7 @@ if triton is not None:
         d_w = tl.zeros((BLOCK_P,), dtype=tl.float32)
         for start in range(0, inter, BLOCK_I):
             cols = start + tl.arange(0, BLOCK_I)
-            mask = pair_ok[:, None] & (cols < inter)[None, :]
-            gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            mask, gate, up = _gate_up_tile(gu_ptr, row_gu, pair_ok, cols, inter)
             d_hidden = tl.load(dh_ptr + row_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             d_gate, d_up, act = _swiglu_grads(gate, up, d_hidden * w[:, None])
             d_w += tl.sum(d_hidden * act * up, 1)
@@ -156,9 +163,7 @@ if triton is not None:
         nan = tl.zeros((BLOCK_P,), dtype=tl.int32)
         for start in range(0, inter, BLOCK_I):  # the hidden row as the model's dtype holds it, and its amax
             cols = start + tl.arange(0, BLOCK_I)
-            mask = pair_ok[:, None] & (cols < inter)[None, :]
-            gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            mask, gate, up = _gate_up_tile(gu_ptr, row_gu, pair_ok, cols, inter)
             hidden = _silu_mul(gate, up).to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + row_h + cols[None, :], hidden, mask=mask)
             amax, nan = _row_stats(amax, nan, hidden.to(tl.float32))
@@ -167,9 +172,7 @@ if triton is not None:
         inv_scale = _inverse_scale(exponent)[:, None]
         for start in range(0, inter, BLOCK_I):  # again, recomputed (cheaper than reading back), in e4m3
             cols = start + tl.arange(0, BLOCK_I)
-            mask = pair_ok[:, None] & (cols < inter)[None, :]
-            gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            mask, gate, up = _gate_up_tile(gu_ptr, row_gu, pair_ok, cols, inter)
             hidden = _silu_mul(gate, up).to(h_ptr.dtype.element_ty).to(tl.float32)
             q = _e4m3_bits(hidden, inv_scale)
             tl.store(q_ptr + row_h + cols[None, :], q, mask=mask)
@@ -187,9 +190,7 @@ if triton is not None:
         nan = tl.zeros((BLOCK_P,), dtype=tl.int32)
         for start in range(0, inter, BLOCK_I):  # the gradient row (2I wide) in the model's dtype, and its amax
             cols = start + tl.arange(0, BLOCK_I)
-            mask = pair_ok[:, None] & (cols < inter)[None, :]
-            gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            mask, gate, up = _gate_up_tile(gu_ptr, row_gu, pair_ok, cols, inter)
             d_hidden = tl.load(dh_ptr + row_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             d_gate, d_up, _ = _swiglu_grads(gate, up, d_hidden)
             d_gate, d_up = d_gate.to(dgu_ptr.dtype.element_ty), d_up.to(dgu_ptr.dtype.element_ty)
@@ -203,9 +204,7 @@ if triton is not None:
             inv_scale = _inverse_scale(exponent)[:, None]
             for start in range(0, inter, BLOCK_I):
                 cols = start + tl.arange(0, BLOCK_I)
-                mask = pair_ok[:, None] & (cols < inter)[None, :]
-                gate = tl.load(gu_ptr + row_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(gu_ptr + row_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                mask, gate, up = _gate_up_tile(gu_ptr, row_gu, pair_ok, cols, inter)
                 d_hidden = tl.load(dh_ptr + row_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 d_gate, d_up, _ = _swiglu_grads(gate, up, d_hidden)
                 d_gate = d_gate.to(dgu_ptr.dtype.element_ty).to(tl.float32)
