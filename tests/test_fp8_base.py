@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,52 @@ def test_products_with_a_block_scaled_weight_are_those_with_its_values() -> None
     g = torch.randn_like(y)
     assert torch.equal(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(y_ref, x_ref, g)[0])
     assert not w.data.requires_grad and not w_e.data.requires_grad
+
+
+KERNEL_SCRIPT = r"""
+import torch, torch.nn.functional as F
+from disagmoe_ds.fp8 import triton_block_mm
+from disagmoe_ds.fp8.blocks import block_grouped_mm, quantize_blocks
+torch.manual_seed(0)
+tiles = {"BLOCK_M": 16, "BLOCK_OUT": 16, "BLOCK_RED": 16, "num_warps": 1, "num_stages": 1}
+# an empty group, ragged groups, partial edge blocks (40 = 2.5 blocks), rows past the last offset
+for e, n, k, counts in [(3, 64, 48, [5, 0, 20]), (2, 40, 36, [17, 3])]:
+    w = quantize_blocks(torch.randn(e, n, k), (16, 16))
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = int(offsets[-1])
+    for transposed, x in ((True, torch.randn(rows + 2, k)), (False, torch.randn(rows + 2, n))):
+        weight = w.dequantize().transpose(1, 2) if transposed else w.dequantize()
+        want = F.grouped_mm(x, weight, offs=offsets)[:rows]
+        got = triton_block_mm.grouped_block_mm(x, w.data, w.scale_inv, w.block, offsets, transposed=transposed,
+                                               tiles=tiles)
+        torch.testing.assert_close(got[:rows], want, rtol=1e-5, atol=1e-5)
+        assert not got[rows:].any()
+# the autograd products take the kernel where it runs (forced here) and agree with the dequantizing path
+w = quantize_blocks(torch.randn(3, 32, 48), (16, 16))
+offsets = torch.tensor([9, 9, 30], dtype=torch.int32)
+x = torch.randn(30, 48, requires_grad=True)
+dy = torch.randn(30, 32)
+generic = block_grouped_mm(x, w, offsets)
+dx_generic, = torch.autograd.grad(generic, x, dy)
+triton_block_mm.TILES.update(tiles)
+triton_block_mm.runs = lambda t, block: triton_block_mm.fits(block)
+kernel = block_grouped_mm(x, w, offsets)
+dx_kernel, = torch.autograd.grad(kernel, x, dy)
+torch.testing.assert_close(kernel, generic, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(dx_kernel, dx_generic, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_the_block_scaled_grouped_kernel_equals_the_products_with_the_dequantized_weight() -> None:
+    """``fp8.triton_block_mm`` (the experts' FP8 base products on CUDA, reading e4m3 tiles as stored) in Triton's
+    interpreter: both directions against ``F.grouped_mm`` with the dequantized weight, and through
+    ``block_grouped_mm``'s autograd against the dequantizing path (only the order of the sums differs)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")
 
 
 def test_the_config_s_block_size_is_read_and_other_formats_refused() -> None:

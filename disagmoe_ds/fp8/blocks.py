@@ -8,10 +8,10 @@ instead of two. The products with it are differentiable in the activations only 
     forward   y  = x W^T
     input     dx = dy W
 
-each computed from the FP8 data in every call: the weight is dequantized transiently inside the call, in the
-activations' dtype, and freed when the call returns; nothing but the e4m3 data and the scales is kept between calls.
-A block-scaled FP8 GEMM kernel would avoid even that transient copy; CUDA's ``torch._scaled_mm`` blockwise recipe
-(1 x 128 activation tiles, 128 x 128 weight blocks) is not used yet: not measured here.
+each computed from the FP8 data in every call; nothing but the e4m3 data and the scales is kept between calls. The
+routed experts' grouped products run on CUDA in one Triton kernel that reads the e4m3 tiles and scales them in
+registers (``fp8.triton_block_mm``); elsewhere (the dense projections, the CPU) the weight is dequantized
+transiently inside the call, in the activations' dtype, and freed when the call returns.
 
 The float32 reference of a weight is ``dequantize`` (each e4m3 value times its block's float32 scale, rounded once
 to float32); a product in float32 multiplies exactly those values. transformers' own CPU dequantization agrees where
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from disagmoe_ds.fp8 import triton_block_mm
 from disagmoe_ds.fp8.projections import viewed, wanted
 from disagmoe_ds.fp8.quantize import E4M3, E4M3_MAX, fused_on_cuda
 
@@ -123,6 +124,8 @@ class _BlockGroupedLinear(torch.autograd.Function):
     def forward(ctx: Any, x_PK, data, scale_inv, block: tuple[int, int], offsets) -> torch.Tensor:
         ctx.save_for_backward(offsets, data, scale_inv)
         ctx.block = block
+        if triton_block_mm.runs(x_PK, block):
+            return triton_block_mm.grouped_block_mm(x_PK, data, scale_inv, block, offsets, transposed=True)
         w_eKN = _dequantized(data, scale_inv, block, x_PK.dtype).transpose(-2, -1)
         return F.grouped_mm(x_PK, w_eKN, offs=offsets)
 
@@ -130,6 +133,8 @@ class _BlockGroupedLinear(torch.autograd.Function):
     def backward(ctx: Any, dy_PN: torch.Tensor):
         offsets, data, scale_inv = ctx.saved_tensors  # unpacked once: a checkpointed region allows no more
         dx = None
-        if wanted(ctx, 0):
+        if wanted(ctx, 0) and triton_block_mm.runs(dy_PN, ctx.block):
+            dx = triton_block_mm.grouped_block_mm(dy_PN, data, scale_inv, ctx.block, offsets, transposed=False)
+        elif wanted(ctx, 0):
             dx = F.grouped_mm(dy_PN, _dequantized(data, scale_inv, ctx.block, dy_PN.dtype), offs=offsets)
         return dx, None, None, None, None
