@@ -5,7 +5,8 @@
 #      tokens): HF's layer compiled in bf16 and with torchao's rowwise FP8 training, ours compiled in bf16 and with
 #      "fp8": true (weights cast once a step: fused middle and shape rule; the middle unfused; every projection in
 #      FP8; and weights cast in every call)
-#   2. (e2e) bench_e2e.py, the co-located mode on one GPU, 4 real-size layers, 8 x 1 x SEQ tokens a step, bf16 and --fp8
+#   2. (e2e) 300 steps of the default job's model on the bundled corpus in bf16 and in FP8 (every projection: no
+#      shape rule), the same seed: the final losses; then bench_e2e.py, the co-located mode on one GPU, 4 real-size layers, 8 x 1 x SEQ tokens a step, bf16 and --fp8
 #      (full training and LoRA rank 16), as far as the budget allows
 #   3. (base) bench_block_mm.py (the FP8 base's expert kernel against dequantizing, one DeepSeek-V3 layer's shard), then
 #      LoRA rank 16 over the first 4 layers of DeepSeek-V3 (random weights, bench/random_slice.py), its base in bf16
@@ -39,7 +40,23 @@ ours-fp8-once-all-compiled ours-fp8-compiled hf-fp8-compiled"}
   done
 done
 E2E="bench/bench_e2e.py --model hf_models/Qwen3-30B-A3B --layers 4 --world-size 1 --seq-len $SEQ --global-batch 8 --micro-batch-size 1 --methods colocated --compile --warmup 2 --steps 3"
-if [ "$PART" = e2e ]; then
+if [ "$PART" = e2e ]; then  # first the convergence check: the default job's model, every projection in FP8
+  python -c "import json; c = json.load(open('ds_configs/tiny-cpu.json')); c['disagmoe']['fp8_bf16_width'] = 0; \
+json.dump(c, open('/tmp/fp8-every-width.json', 'w'))"
+  for precision in bf16 fp8; do
+    step 150 python run_pretrain.py --mode colocated --world-size 1 --steps 300 --dtype bf16 --zero 1 \
+      --deepspeed_config /tmp/fp8-every-width.json $([ $precision = fp8 ] && echo --fp8) --log-every 50 \
+      --metrics-file "$OUT/converge-$precision.jsonl"
+  done
+  python - "$OUT" >> "$LOG" <<'PY'
+import json, sys
+final = {}
+for p in ("bf16", "fp8"):
+    losses = [json.loads(line)["loss"] for line in open(f"{sys.argv[1]}/converge-{p}.jsonl")]
+    final[p] = sum(losses[-20:]) / 20
+    print(f"converge {p}: {len(losses)} steps, first {losses[0]:.4f}, max {max(losses):.4f}, last 20 {final[p]:.4f}")
+print(f"converge FP8 / bf16 final loss: {final['fp8'] / final['bf16']:.4f}")
+PY
   step 140 torchrun --nproc_per_node 1 $E2E --json "$OUT/e2e-bf16.json"
   step 140 torchrun --nproc_per_node 1 $E2E --fp8 --json "$OUT/e2e-fp8.json"
   step 140 torchrun --nproc_per_node 1 $E2E --lora-rank 16 --json "$OUT/e2e-bf16-lora.json"
@@ -58,5 +75,5 @@ if [ "$PART" = base ]; then
   step 180 python bench/check_fp8_cuda.py
 fi
 echo "### done after ${SECONDS} s" >> "$LOG"
-awk '/^###/ {table = 0; print; next} /^(worst|fused FP8 middle|rank 0: the LoRA|step |done:|kernel against|  *(forward|input grad) )/ {print; next} /^(model|method|variant) / {table = 1} table' "$LOG" | cut -c1-300
+awk '/^###/ {table = 0; print; next} /^(worst|fused FP8 middle|rank 0: the LoRA|step |done:|kernel against|converge|  *(forward|input grad) )/ {print; next} /^(model|method|variant) / {table = 1} table' "$LOG" | cut -c1-300
 exit 0
