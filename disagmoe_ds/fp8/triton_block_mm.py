@@ -44,8 +44,9 @@ def fits(block: tuple[int, int], tiles: dict | None = None) -> bool:
 
 
 def runs(x: torch.Tensor, block: tuple[int, int]) -> bool:
-    """The kernel takes this call: CUDA with Triton, and tiles that fit the blocks."""
-    return x.is_cuda and available() and fits(block)
+    """The kernel takes this call: CUDA with Triton, 16-bit activations (a float32 run keeps torch's exact float32
+    products: ``tl.dot`` would take TF32) and tiles that fit the blocks."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and available() and fits(block)
 
 
 if triton is not None:
