@@ -82,7 +82,7 @@ def test_products_with_a_block_scaled_weight_are_those_with_its_values() -> None
 KERNEL_SCRIPT = r"""
 import torch, torch.nn.functional as F
 from disagmoe_ds.fp8 import triton_block_mm
-from disagmoe_ds.fp8.blocks import block_grouped_mm, quantize_blocks
+from disagmoe_ds.fp8.blocks import block_grouped_mm, block_linear, quantize_blocks
 torch.manual_seed(0)
 tiles = {"BLOCK_M": 16, "BLOCK_OUT": 16, "BLOCK_RED": 16, "num_warps": 1, "num_stages": 1}
 # an empty group, ragged groups, partial edge blocks (40 = 2.5 blocks), rows past the last offset
@@ -110,14 +110,26 @@ kernel = block_grouped_mm(x, w, offsets)
 dx_kernel, = torch.autograd.grad(kernel, x, dy)
 torch.testing.assert_close(kernel, generic, rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(dx_kernel, dx_generic, rtol=1e-5, atol=1e-5)
+# and a dense projection as one group of every row, the leading dimensions kept
+w = quantize_blocks(torch.randn(40, 48), (16, 16))
+x = torch.randn(2, 5, 48, requires_grad=True)
+g = torch.randn(2, 5, 40)
+y = block_linear(x, w)
+dx, = torch.autograd.grad(y, x, g)
+x_ref = x.detach().clone().requires_grad_()
+y_ref = F.linear(x_ref, w.dequantize())
+dx_ref, = torch.autograd.grad(y_ref, x_ref, g)
+torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
 print("ok")
 """
 
 
 def test_the_block_scaled_grouped_kernel_equals_the_products_with_the_dequantized_weight() -> None:
-    """``fp8.triton_block_mm`` (the experts' FP8 base products on CUDA, reading e4m3 tiles as stored) in Triton's
+    """``fp8.triton_block_mm`` (the FP8 base's products on CUDA, reading e4m3 tiles as stored) in Triton's
     interpreter: both directions against ``F.grouped_mm`` with the dequantized weight, and through
-    ``block_grouped_mm``'s autograd against the dequantizing path (only the order of the sums differs)."""
+    ``block_grouped_mm``'s and ``block_linear``'s autograd against the dequantizing path (only the order of the sums
+    differs)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=env, capture_output=True, text=True, timeout=300)

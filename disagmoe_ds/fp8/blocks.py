@@ -8,10 +8,10 @@ instead of two. The products with it are differentiable in the activations only 
     forward   y  = x W^T
     input     dx = dy W
 
-each computed from the FP8 data in every call; nothing but the e4m3 data and the scales is kept between calls. The
-routed experts' grouped products run on CUDA in one Triton kernel that reads the e4m3 tiles and scales them in
-registers (``fp8.triton_block_mm``); elsewhere (the dense projections, the CPU) the weight is dequantized
-transiently inside the call, in the activations' dtype, and freed when the call returns.
+each computed from the FP8 data in every call; nothing but the e4m3 data and the scales is kept between calls. On
+CUDA in 16-bit activations one Triton kernel reads the e4m3 tiles and scales them in registers
+(``fp8.triton_block_mm``); elsewhere (the CPU, float32 runs) the weight is dequantized transiently inside the call, in
+the activations' dtype, and freed when the call returns.
 
 The float32 reference of a weight is ``dequantize`` (each e4m3 value times its block's float32 scale, rounded once
 to float32); a product in float32 multiplies exactly those values. transformers' own CPU dequantization agrees where
@@ -110,13 +110,18 @@ class _BlockLinear(torch.autograd.Function):
     def forward(ctx: Any, x, data, scale_inv, block: tuple[int, int]) -> torch.Tensor:
         ctx.save_for_backward(data, scale_inv)
         ctx.block = block
+        if triton_block_mm.runs(x, block):
+            return triton_block_mm.block_mm(x, data, scale_inv, block, transposed=True)
         return F.linear(x, _dequantized(data, scale_inv, block, x.dtype))
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
         data, scale_inv = ctx.saved_tensors  # unpacked once: a checkpointed region allows no more
-        dx = dy @ _dequantized(data, scale_inv, ctx.block, dy.dtype) if wanted(ctx, 0) else None
-        return dx, None, None, None
+        if not wanted(ctx, 0):
+            return None, None, None, None
+        if triton_block_mm.runs(dy, ctx.block):
+            return triton_block_mm.block_mm(dy, data, scale_inv, ctx.block, transposed=False), None, None, None
+        return dy @ _dequantized(data, scale_inv, ctx.block, dy.dtype), None, None, None
 
 
 class _BlockGroupedLinear(torch.autograd.Function):

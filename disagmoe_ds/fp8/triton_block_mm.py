@@ -133,3 +133,11 @@ def grouped_block_mm(
         **t,
     )  # fmt: skip
     return c
+
+
+def block_mm(x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], *, transposed: bool):
+    """``grouped_block_mm`` with one weight [N, K] for every row of ``x`` [..., K or N] (a dense projection)."""
+    rows = x.reshape(-1, x.shape[-1])
+    every_row = torch.full((1,), rows.shape[0], dtype=torch.int32, device=x.device)
+    out = grouped_block_mm(rows, data[None], scale_inv[None], block, every_row, transposed=transposed)
+    return out.view(*x.shape[:-1], out.shape[-1])
