@@ -14,7 +14,7 @@
 #      tokens/s, peak memory) for each; needs about 45 GB of disk; then check_fp8_cuda.py
 # Every step runs under `timeout`, capped by BUDGET_S seconds from the start (default 560). Writes to $OUT: env.txt,
 # session.txt (each command, its output, exit code and seconds), layer-<model>-b<batch>.json, e2e-<variant>.json.
-# Usage: [BATCHES="1 2"] [LIMIT_S=240] [PATHS="..."] bash bench/gpu_fp8.sh layer|e2e|base ["MODELS"] [SEQ]
+# Usage: [BATCHES="1 2"] [LIMIT_S=240] [PATHS="..."] [CONVERGE=0] [VARIANTS="bf16 fp8"] bash bench/gpu_fp8.sh layer|e2e|base ["MODELS"] [SEQ]
 # The fused middle and the shape rule on one GPU, in one call:
 #   BATCHES=1 bash bench/gpu_fp8.sh layer hf_models/Qwen3-30B-A3B
 set -u
@@ -40,7 +40,7 @@ ours-fp8-once-all-compiled ours-fp8-compiled hf-fp8-compiled"}
   done
 done
 E2E="bench/bench_e2e.py --model hf_models/Qwen3-30B-A3B --layers 4 --world-size 1 --seq-len $SEQ --global-batch 8 --micro-batch-size 1 --methods colocated --compile --warmup 2 --steps 3"
-if [ "$PART" = e2e ]; then  # first the convergence check: the default job's model, every projection in FP8
+if [ "$PART" = e2e ] && [ "${CONVERGE:-1}" = 1 ]; then  # the convergence check: the default job's model, every projection in FP8
   python -c "import json; c = json.load(open('ds_configs/tiny-cpu.json')); c['disagmoe']['fp8_bf16_width'] = 0; \
 json.dump(c, open('/tmp/fp8-every-width.json', 'w'))"
   for precision in bf16 fp8; do
@@ -57,10 +57,12 @@ for p in ("bf16", "fp8"):
     print(f"converge {p}: {len(losses)} steps, first {losses[0]:.4f}, max {max(losses):.4f}, last 20 {final[p]:.4f}")
 print(f"converge FP8 / bf16 final loss: {final['fp8'] / final['bf16']:.4f}")
 PY
-  step 140 torchrun --nproc_per_node 1 $E2E --json "$OUT/e2e-bf16.json"
-  step 140 torchrun --nproc_per_node 1 $E2E --fp8 --json "$OUT/e2e-fp8.json"
-  step 140 torchrun --nproc_per_node 1 $E2E --lora-rank 16 --json "$OUT/e2e-bf16-lora.json"
-  step 140 torchrun --nproc_per_node 1 $E2E --fp8 --lora-rank 16 --json "$OUT/e2e-fp8-lora.json"
+fi
+if [ "$PART" = e2e ]; then
+  for variant in ${VARIANTS:-bf16 fp8 bf16-lora fp8-lora}; do
+    flags=$(case $variant in fp8) echo --fp8;; bf16-lora) echo --lora-rank 16;; fp8-lora) echo --fp8 --lora-rank 16;; esac)
+    step 140 torchrun --nproc_per_node 1 $E2E $flags --json "$OUT/e2e-$variant.json"
+  done
 fi
 if [ "$PART" = base ]; then
   step 120 python bench/bench_block_mm.py --sweep --json "$OUT/block-mm.json"
