@@ -65,7 +65,8 @@ if [ "$PART" = e2e ]; then
   done
 fi
 if [ "$PART" = base ]; then
-  step 120 python bench/bench_block_mm.py --sweep --json "$OUT/block-mm.json"
+  step 120 python bench/bench_block_mm.py --sweep --json "$OUT/block-mm.json"  # one GPU: every expert, 128 rows each
+  step 60 python bench/bench_block_mm.py --experts 8 --rows-per-expert 4096 --json "$OUT/block-mm-ep32.json"  # EP 32
   SLICE=/tmp/slice-4
   step 150 python bench/random_slice.py --model "${SLICE_MODEL:-hf_models/DeepSeek-V3}" --layers 4 --out $SLICE
   step 150 python -m disagmoe_ds.convert to-fp8 --model $SLICE --out $SLICE-fp8 --device "${DEVICE:-cuda}"
