@@ -33,8 +33,8 @@ TILES = {"BLOCK_M": 64, "BLOCK_OUT": 128, "BLOCK_RED": 64, "num_warps": 4, "num_
 
 @functools.cache
 def available() -> bool:
-    """Triton imports and a CUDA device is there."""
-    return triton is not None and torch.cuda.is_available()
+    """Triton imports and the CUDA device converts e4m3 in registers (compute capability 8.9 and up: Ada, Hopper)."""
+    return triton is not None and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
 def fits(block: tuple[int, int], tiles: dict | None = None) -> bool:
