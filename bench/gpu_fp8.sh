@@ -11,7 +11,8 @@
 #   3. (base) bench_block_mm.py (the FP8 base's expert kernel against dequantizing, one DeepSeek-V3 layer's shard), then
 #      LoRA rank 16 over the first 4 layers of DeepSeek-V3 (random weights, bench/random_slice.py), its base in bf16
 #      and converted to FP8 blocks (disagmoe-convert to-fp8): run_pretrain.py's log (the base's bytes per parameter,
-#      tokens/s, peak memory) for each; needs about 45 GB of disk; then check_fp8_cuda.py
+#      tokens/s, peak memory) for each; needs about 45 GB of disk; then check_fp8_cuda.py (QUICK=1: no tile sweep, EP 32
+#      row or check)
 # Every step runs under `timeout`, capped by BUDGET_S seconds from the start (default 560). Writes to $OUT: env.txt,
 # session.txt (each command, its output, exit code and seconds), layer-<model>-b<batch>.json, e2e-<variant>.json.
 # Usage: [BATCHES="1 2"] [LIMIT_S=240] [PATHS="..."] [CONVERGE=0] [VARIANTS="bf16 fp8"] bash bench/gpu_fp8.sh layer|e2e|base ["MODELS"] [SEQ]
@@ -65,17 +66,17 @@ if [ "$PART" = e2e ]; then
   done
 fi
 if [ "$PART" = base ]; then
-  step 120 python bench/bench_block_mm.py --sweep --json "$OUT/block-mm.json"  # one GPU: every expert, 128 rows each
-  step 60 python bench/bench_block_mm.py --experts 8 --rows-per-expert 4096 --json "$OUT/block-mm-ep32.json"  # EP 32
+  step 120 python bench/bench_block_mm.py $([ "${QUICK:-0}" = 1 ] || echo --sweep) --json "$OUT/block-mm.json"  # 256 experts
+  [ "${QUICK:-0}" = 1 ] || step 60 python bench/bench_block_mm.py --experts 8 --rows-per-expert 4096 --json "$OUT/block-mm-ep32.json"  # EP 32
   SLICE=/tmp/slice-4
   step 150 python bench/random_slice.py --model "${SLICE_MODEL:-hf_models/DeepSeek-V3}" --layers 4 --out $SLICE
   step 150 python -m disagmoe_ds.convert to-fp8 --model $SLICE --out $SLICE-fp8 --device "${DEVICE:-cuda}"
   for base in $SLICE-fp8 $SLICE; do
-    step 200 python run_pretrain.py --init-from $base --lora-rank 16 --mode colocated --world-size 1 --zero 1 \
+    step 200 python run_pretrain.py --init-from $base --lora-rank 16 --mode colocated --world-size 1 --dtype bf16 --zero 1 \
       --seq-len "$SEQ" --micro-batch-size 1 --micro-batches 4 --steps 6 --log-every 1 \
       --metrics-file "$OUT/base-$(basename $base).jsonl"
   done
-  step 180 python bench/check_fp8_cuda.py
+  [ "${QUICK:-0}" = 1 ] || step 180 python bench/check_fp8_cuda.py
 fi
 echo "### done after ${SECONDS} s" >> "$LOG"
 awk '/^###/ {table = 0; print; next} /^(worst|fused FP8 middle|rank 0: the LoRA|step |done:|kernel against|converge|  *(forward|input grad) )/ {print; next} /^(model|method|variant) / {table = 1} table' "$LOG" | cut -c1-300

@@ -28,7 +28,7 @@ except ImportError:  # CPU-only installs: the generic path dequantizes
     triton = None
 
 # (rows, output columns, reduction) of a program's tile; warps; software pipeline stages
-TILES = {"BLOCK_M": 64, "BLOCK_OUT": 128, "BLOCK_RED": 64, "num_warps": 4, "num_stages": 4}
+TILES = {"BLOCK_M": 64, "BLOCK_OUT": 128, "BLOCK_RED": 128, "num_warps": 4, "num_stages": 3}  # bench_block_mm.py
 
 
 @functools.cache
@@ -85,8 +85,9 @@ if triton is not None:
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
         red = tl.arange(0, BLOCK_RED)
-        a_tile = a_ptr + rows[:, None] * stride_am + red[None, :] * stride_ar
-        w_tile = w_ptr + group * stride_we + red[:, None] * stride_wr + cols[None, :] * stride_wo
+        # 64-bit offsets: a layer's expert weights and a step's rows pass 2**31 elements (256 x 4096 x 7168)
+        a_tile = a_ptr + rows.to(tl.int64)[:, None] * stride_am + red[None, :] * stride_ar
+        w_tile = w_ptr + group.to(tl.int64) * stride_we + red[:, None] * stride_wr + cols[None, :] * stride_wo
         s_col = s_ptr + group * stride_se + (tl.program_id(1) * BLOCK_OUT // BLOCK_SCALE_OUT) * stride_so
         acc = tl.zeros((BLOCK_M, BLOCK_OUT), dtype=tl.float32)
         for r0 in range(0, RED, BLOCK_RED):
@@ -97,7 +98,7 @@ if triton is not None:
             acc += tl.dot(a, (w.to(tl.float32) * scale).to(a.dtype))  # the generic path's dequantized operand
             a_tile += BLOCK_RED * stride_ar
             w_tile += BLOCK_RED * stride_wr
-        c = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_co
+        c = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_co
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < row_end) & (cols[None, :] < OUT))
 
 
