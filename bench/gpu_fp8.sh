@@ -6,8 +6,8 @@
 #      "fp8": true (weights cast once a step: fused middle and shape rule; the middle unfused; every projection in
 #      FP8; and weights cast in every call)
 #   2. (e2e) 300 steps of the default job's model on the bundled corpus in bf16 and in FP8 (every projection: no
-#      shape rule), the same seed: the final losses; then bench_e2e.py, the co-located mode on one GPU, 4 real-size layers, 8 x 1 x SEQ tokens a step, bf16 and --fp8
-#      (full training and LoRA rank 16), as far as the budget allows
+#      shape rule), the same seed: the final losses; then bench_e2e.py, the co-located mode on one GPU, 4 real-size
+#      layers, 8 x 1 x SEQ tokens a step, bf16 and --fp8 (full training and LoRA rank 16), as far as the budget allows
 #   3. (base) bench_block_mm.py (the FP8 base's expert kernel against dequantizing, one DeepSeek-V3 layer's shard), then
 #      LoRA rank 16 over the first 4 layers of DeepSeek-V3 (random weights, bench/random_slice.py), its base in bf16
 #      and converted to FP8 blocks (disagmoe-convert to-fp8): run_pretrain.py's log (the base's bytes per parameter,
@@ -15,7 +15,8 @@
 #      row or check)
 # Every step runs under `timeout`, capped by BUDGET_S seconds from the start (default 560). Writes to $OUT: env.txt,
 # session.txt (each command, its output, exit code and seconds), layer-<model>-b<batch>.json, e2e-<variant>.json.
-# Usage: [BATCHES="1 2"] [LIMIT_S=240] [PATHS="..."] [CONVERGE=0] [VARIANTS="bf16 fp8"] bash bench/gpu_fp8.sh layer|e2e|base ["MODELS"] [SEQ]
+# Usage: [BATCHES="1 2"] [LIMIT_S=240] [PATHS="..."] [CONVERGE=0] [VARIANTS="bf16 fp8"] [QUICK=1]
+#        bash bench/gpu_fp8.sh layer|e2e|base ["MODELS"] [SEQ]
 # The fused middle and the shape rule on one GPU, in one call:
 #   BATCHES=1 bash bench/gpu_fp8.sh layer hf_models/Qwen3-30B-A3B
 set -u
