@@ -2,8 +2,9 @@
 
 A checkpoint to start GPU runs from (--init-from) where the real weights are too large to bring or not needed: the
 tensors are the model's own initialisation, in the config's dtype, built on the device (a 4-layer DeepSeek-V3 slice,
-15B parameters, in 40 s on one H100, writing included). The config's quantization_config is dropped (the weights written are bf16; an
-FP8 copy is what ``disagmoe-convert to-fp8`` makes), and the bundled corpus's tokenizer is written beside them.
+15B parameters, in 40 s on one H100, writing included). The config's quantization_config is dropped (the weights
+written are bf16; an FP8 copy is what ``disagmoe-convert to-fp8`` makes), and the bundled corpus's tokenizer is
+written beside them.
 
     python bench/random_slice.py --model hf_models/DeepSeek-V3 --layers 4 --out /tmp/dsv3-4 --device cuda
 """
