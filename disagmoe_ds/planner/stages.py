@@ -268,7 +268,7 @@ def af_roofline(
     lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
     a_compute, f_compute = _group_compute_s(spec, layout, work, rates, micro_batches, lane_bw)
     hop_s = sum(node_hop_s(spec, layout, work, rates.side("ffn").nvlink_bw))
-    f_compute += micro_batches * hop_s * max(_moe_layers(spec, layout, g) for g in range(layout.depth))
+    f_compute += micro_batches * hop_s * _most_moe_layers(spec, layout) if hop_s else 0.0
     a_pcie = (a_nic / m + micro_batches * offloaded[0]) / rates.pcie_bw if offloaded[0] else 0.0
     f_rates = rates.side("ffn")
     f_pcie = (f_nic / n + micro_batches * offloaded[1]) / f_rates.pcie_bw if offloaded[1] else 0.0
@@ -306,8 +306,10 @@ def _step_volumes(
     return c_a, c_f, a_nic, f_nic, a_nvl, f_nvl
 
 
-def _moe_layers(spec: ModelSpec, layout: Layout, group: int) -> int:
-    return sum(spec.moe_layers[i] for i in layout.layers_of_group(group))
+@lru_cache(maxsize=65536)
+def _most_moe_layers(spec: ModelSpec, layout: Layout) -> int:
+    """The MoE layers of the group that has the most."""
+    return max(sum(spec.moe_layers[i] for i in layout.layers_of_group(g)) for g in range(layout.depth))
 
 
 def _per(amount: float, rate: float) -> float:
