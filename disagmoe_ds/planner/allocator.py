@@ -306,12 +306,18 @@ def shortlist(ranked: list[AfCandidate], top: int) -> list[AfCandidate]:
     simulate, so allowing more options never loses a plan a smaller set finds: the search is monotone in the
     options (a global top few is not: new families push the old winner out of the shortlist unsimulated)."""
     used = [search_options(c.work) for c in ranked]
+    fills = [fills_ring(c) for c in ranked]
+    subsets = {u: [v for v in set(used) if v <= u] for u in set(used)}  # a handful of option sets
+    filling_sets = {u for u, f in zip(used, fills, strict=True) if f}
+    # counts of the families seen so far (ranked order: up to c), all and ring-filling, per option set
+    seen, seen_filling = Counter[frozenset[str]](), Counter[frozenset[str]]()
     out = []
-    for i, c in enumerate(ranked):
-        below = [j for j in range(i + 1) if used[j] <= used[i]]  # ranked order: the subset's families up to c
-        if not fills_ring(c) and any(fills_ring(ranked[j]) for j in range(len(ranked)) if used[j] <= used[i]):
+    for c, u, f in zip(ranked, used, fills, strict=True):
+        seen[u] += 1
+        seen_filling[u] += f
+        if not f and any(v in filling_sets for v in subsets[u]):
             continue
-        if sum(1 for j in below if fills_ring(ranked[j]) or not fills_ring(c)) <= top:
+        if sum((seen_filling if f else seen)[v] for v in subsets[u]) <= top:
             out.append(c)
     return out
 
