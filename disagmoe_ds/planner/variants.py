@@ -23,6 +23,7 @@ import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import replace
+from functools import lru_cache
 
 from disagmoe_ds.planner.memory import RankMemory
 from disagmoe_ds.planner.recompute import Recompute
@@ -77,6 +78,7 @@ def _rank(policy: Recompute) -> int:
     return POLICIES.index(policy)
 
 
+@lru_cache(maxsize=65536)  # a search ranks each workload's families many times
 def savings(work: Workload) -> frozenset[str]:
     """The memory savings a workload switches on, as comparable labels (a side's full recompute saves what its
     selective one does, and more). "resend" stands for all of F's activations (it re-runs the expert forward, so it
