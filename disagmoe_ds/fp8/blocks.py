@@ -105,23 +105,40 @@ def _dequantized(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     return dequantize_blocks(data, scale_inv, block).to(dtype)
 
 
+def _times_weight(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    offsets: torch.Tensor | None,
+    *,
+    transposed: bool,
+) -> torch.Tensor:
+    """``x W^T`` (``transposed``) or ``x W`` for the frozen ``W`` = ``data * scale_inv``: one weight [N, K]
+    (``offsets`` None) or row groups of ``x`` times weights [e, N, K]. The Triton kernel where it runs, else the
+    weight dequantized for this call."""
+    if triton_block_mm.runs(x, block):
+        if offsets is None:
+            return triton_block_mm.block_mm(x, data, scale_inv, block, transposed=transposed)
+        return triton_block_mm.grouped_block_mm(x, data, scale_inv, block, offsets, transposed=transposed)
+    w = _dequantized(data, scale_inv, block, x.dtype)
+    if offsets is None:
+        return F.linear(x, w) if transposed else x @ w
+    return F.grouped_mm(x, w.transpose(-2, -1) if transposed else w, offs=offsets)
+
+
 class _BlockLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, data, scale_inv, block: tuple[int, int]) -> torch.Tensor:
         ctx.save_for_backward(data, scale_inv)
         ctx.block = block
-        if triton_block_mm.runs(x, block):
-            return triton_block_mm.block_mm(x, data, scale_inv, block, transposed=True)
-        return F.linear(x, _dequantized(data, scale_inv, block, x.dtype))
+        return _times_weight(x, data, scale_inv, block, None, transposed=True)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
         data, scale_inv = ctx.saved_tensors  # unpacked once: a checkpointed region allows no more
-        if not wanted(ctx, 0):
-            return None, None, None, None
-        if triton_block_mm.runs(dy, ctx.block):
-            return triton_block_mm.block_mm(dy, data, scale_inv, ctx.block, transposed=False), None, None, None
-        return dy @ _dequantized(data, scale_inv, ctx.block, dy.dtype), None, None, None
+        dx = _times_weight(dy, data, scale_inv, ctx.block, None, transposed=False) if wanted(ctx, 0) else None
+        return dx, None, None, None
 
 
 class _BlockGroupedLinear(torch.autograd.Function):
@@ -129,17 +146,10 @@ class _BlockGroupedLinear(torch.autograd.Function):
     def forward(ctx: Any, x_PK, data, scale_inv, block: tuple[int, int], offsets) -> torch.Tensor:
         ctx.save_for_backward(offsets, data, scale_inv)
         ctx.block = block
-        if triton_block_mm.runs(x_PK, block):
-            return triton_block_mm.grouped_block_mm(x_PK, data, scale_inv, block, offsets, transposed=True)
-        w_eKN = _dequantized(data, scale_inv, block, x_PK.dtype).transpose(-2, -1)
-        return F.grouped_mm(x_PK, w_eKN, offs=offsets)
+        return _times_weight(x_PK, data, scale_inv, block, offsets, transposed=True)
 
     @staticmethod
     def backward(ctx: Any, dy_PN: torch.Tensor):
         offsets, data, scale_inv = ctx.saved_tensors  # unpacked once: a checkpointed region allows no more
-        dx = None
-        if wanted(ctx, 0) and triton_block_mm.runs(dy_PN, ctx.block):
-            dx = triton_block_mm.grouped_block_mm(dy_PN, data, scale_inv, ctx.block, offsets, transposed=False)
-        elif wanted(ctx, 0):
-            dx = F.grouped_mm(dy_PN, _dequantized(data, scale_inv, ctx.block, dy_PN.dtype), offs=offsets)
+        dx = _times_weight(dy_PN, data, scale_inv, ctx.block, offsets, transposed=False) if wanted(ctx, 0) else None
         return dx, None, None, None, None
