@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     params = sum(t.numel() for t in model.parameters())
     model.save_pretrained(a.out, max_shard_size="4GB")
-    tokenizer = train_or_load_tokenizer(bundled_corpus(), min(config.vocab_size, 8192), a.out / ".tokenizer")
+    cache = Path(__file__).resolve().parents[1] / ".cache" / "tokenizers"  # run_pretrain.py's --tokenizer-cache
+    tokenizer = train_or_load_tokenizer(bundled_corpus(), min(config.vocab_size, 8192), cache)
     tokenizer.save_hf(a.out)
     seconds = time.perf_counter() - start
     print(f"{a.out}: {a.layers} layers of {a.model}, {params:,} parameters ({dtype}), {seconds:.0f} s")
