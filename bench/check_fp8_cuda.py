@@ -12,7 +12,9 @@ compiled for the GPU (the CPU tests run it in Triton's interpreter, whose FP8 ca
 and scales must be what ``fp8.quantize`` makes of the same rows bit for bit, on CUDA (its compiled kernels) and on the
 CPU (eager), on random rows and on rows built to probe ties, scales on a power of two, e4m3 subnormals and signed
 zeros; and the experts through it (``grouped_gated_experts`` with the compiled middle) must equal the unfused FP8
-path on CUDA bit for bit, forward and every gradient, and the CPU emulation within ``--tol``. Exit status 1 otherwise.
+path on CUDA bit for bit, forward and every gradient, and the CPU emulation within ``--tol``. Last the experts'
+weight-gradient operands (``fp8.group_columns``): the Triton kernel's bytes and scales must be torch's. Exit status 1
+otherwise.
 
     python bench/check_fp8_cuda.py [--tol 0.01]
 """
@@ -26,6 +28,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from disagmoe_ds.fp8 import group_columns
 from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
 from disagmoe_ds.fp8.quantize import E4M3_MAX, Quantized, quantize, round_trip
 from disagmoe_ds.fp8.weight_cache import cast_once_per_step
@@ -154,6 +157,27 @@ def experts_match(tol: float) -> list[str]:
     return failed
 
 
+def group_column_bits() -> list[str]:
+    """The experts' weight-gradient operands (``fp8.group_columns``): the Triton kernel's bytes and scales against
+    torch's on the same CUDA rows (the kernel's padding, an empty expert, rows after the last one)."""
+    torch.manual_seed(2)
+    failed = []
+    for counts in COUNTS.values():
+        x = torch.cat([probe_rows(384).cuda(), torch.randn(sum(counts) - 11, 384, device="cuda")]).bfloat16()
+        offsets = torch.tensor(counts).cumsum(0).to(device="cuda", dtype=torch.int32)
+        got = group_columns.quantize_group_columns(x, offsets)
+        runs_on, group_columns.runs_on = group_columns.runs_on, lambda t: False
+        try:
+            want = group_columns.quantize_group_columns(x, offsets)
+        finally:
+            group_columns.runs_on = runs_on
+        end = int(want.offsets[-1])
+        same = torch.equal(got.data[:, :end].view(torch.uint8), want.data[:, :end].view(torch.uint8))
+        if not (same and torch.equal(got.scale, want.scale) and torch.equal(got.offsets, want.offsets)):
+            failed.append(f"group columns {counts}")
+    return failed
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tol", type=float, default=0.01, help="largest relative error accepted (default 0.01)")
@@ -172,7 +196,7 @@ def main(argv: list[str]) -> int:
                 worst = max(worst, error)
                 print(f"{groups:>16} {'kept' if cached else 'per call':>10} {name:>6} {error:10.2e}")
     print(f"worst {worst:.2e} (tolerance {args.tol:g}): {'ok' if worst <= args.tol else 'FAILED'}")
-    failed = middle_bits() + experts_match(args.tol)
+    failed = middle_bits() + experts_match(args.tol) + group_column_bits()
     print(f"fused FP8 middle: {'ok' if not failed else 'FAILED: ' + ', '.join(failed)}")
     return 0 if worst <= args.tol and not failed else 1
 

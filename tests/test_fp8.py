@@ -4,6 +4,10 @@ forward and backward (each GEMM of the rowwise recipe recomputed in float64 from
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe_ds.fp8.gemm import scaled_grouped_mm, scaled_mm, tile_split
+from disagmoe_ds.fp8.group_columns import quantize_group_columns
 from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
 from disagmoe_ds.fp8.quantize import E4M3, dequantize, quantize, round_trip
 
@@ -139,8 +144,64 @@ def test_fp8_grouped_mm_runs_the_rowwise_recipe_per_expert_group() -> None:
                                    atol=1e-4)  # fmt: skip
         torch.testing.assert_close(x.grad[start:end].double(), _q64(dyg, -1) @ _q64(wg.t(), -1).t(), rtol=1e-5,
                                    atol=1e-4)  # fmt: skip
-        dw = dyg.double().t() @ xg.double()  # the experts' dW in high precision
+        # dW: both operands per channel over the expert's own tokens (none: zeros)
+        dw = _q64(dyg.t(), -1) @ _q64(xg.t(), -1).t() if end > start else torch.zeros(48, 64, dtype=torch.float64)
         torch.testing.assert_close(w.grad[g].double(), dw, rtol=1e-5, atol=1e-4)
+
+
+GROUPS = [(0, 5), (5, 5), (5, 30), (30, 47)]  # ragged, an empty one, rows after the last (47..49: in none)
+
+
+def test_an_expert_gradient_operand_is_each_group_s_columns_quantized_transposed_and_16_aligned() -> None:
+    """``quantize_group_columns``: group g's rows are ``quantize(x_g, 0)`` (one scale per column over the group's
+    rows), transposed, starting at a multiple of 16, zeros up to the next group."""
+    torch.manual_seed(0)
+    x = torch.randn(50, 24) * torch.logspace(-3, 3, 24)
+    x[30:47, 3] = 0.0  # a column of zeros in one group: scale 1
+    offsets = torch.tensor([end for _, end in GROUPS], dtype=torch.int32)
+    q = quantize_group_columns(x, offsets)
+    assert q.data.dtype == E4M3 and q.offsets.tolist() == [16, 16, 48, 80] and q.data.shape[1] >= 80
+    values, start = q.dequantize(), 0
+    for g, (first, end) in enumerate(GROUPS):
+        rows = end - first
+        if rows:
+            want = quantize(x[first:end], 0)
+            assert torch.equal(q.scale[g], want.scale[0])
+            assert torch.equal(values[:, start : start + rows], dequantize(want).t())
+        assert not values[:, start + rows : int(q.offsets[g])].any()  # the padding
+        start = int(q.offsets[g])
+    assert q.scale[3, 3] == 1.0
+
+
+GROUP_KERNEL_SCRIPT = r"""
+import torch
+from disagmoe_ds.fp8 import group_columns
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    x = (torch.randn(50, 40) * torch.logspace(-30, 30, 40)).to(dtype)
+    x[0, 0], x[6, 1], x[7, 2] = float("nan"), float("inf"), -0.0  # a NaN column, an infinite one
+    x[30:47, 3] = 0.0
+    offsets = torch.tensor([5, 5, 30, 47], dtype=torch.int32)
+    want = group_columns.quantize_group_columns(x, offsets)
+    group_columns.runs_on = lambda t: True
+    got = group_columns.quantize_group_columns(x, offsets)
+    group_columns.runs_on = lambda t: False
+    end = int(want.offsets[-1])
+    assert torch.equal(got.data.view(torch.uint8)[:, :end], want.data.view(torch.uint8)[:, :end]), dtype
+    assert torch.equal(got.scale, want.scale) and torch.equal(got.offsets, want.offsets)
+print("ok")
+"""
+
+
+def test_the_group_column_kernel_writes_torch_s_bytes() -> None:
+    """The Triton kernel (CUDA) in Triton's interpreter: the bytes, scales and offsets of the torch path, NaN,
+    infinities, zeros, float32 and bf16 inputs included."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", GROUP_KERNEL_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")
 
 
 def test_the_quantizations_compile_to_the_same_bits() -> None:

@@ -29,7 +29,7 @@ from disagmoe_ds.capabilities.rules import DEGREES, LEVERS, fired, refusals
 from disagmoe_ds.capabilities.rules import Job as LeverJob
 from disagmoe_ds.colocated.layout import ColocatedConfig
 from disagmoe_ds.colocated.verify import ColocatedVerifyArgs, run_colocated_verify
-from disagmoe_ds.fp8 import gemm, projections
+from disagmoe_ds.fp8 import projections
 from disagmoe_ds.fp8.modules import Fp8Linear, convert_linears
 from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
 from disagmoe_ds.fp8.quantize import round_trip
@@ -98,7 +98,7 @@ def test_colocated_fp8_step_equals_the_fp8_reference(case: ColocatedJob) -> None
 def _count_gemms(monkeypatch) -> dict[str, int]:
     calls = {"scaled_mm": 0, "scaled_grouped_mm": 0, "grouped_weight_grad": 0}
     for name in calls:
-        original = getattr(gemm, name)
+        original = getattr(projections, name)
 
         def counted(*a, _name=name, _original=original, **k):
             calls[_name] += 1

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 KERNELS = r"""
 import torch, triton, triton.language as tl
+from disagmoe_ds.fp8 import triton_e4m3 as e4m3
 from disagmoe_ds.fp8.quantize import E4M3_MAX, quantize
 from disagmoe_ds.models import triton_swiglu as ts
 from tests.test_fp8 import _e4m3_round
@@ -29,10 +30,10 @@ def quantize_rows(x_ptr, q_ptr, scale_ptr, cols, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * cols + offs[None, :], mask=offs[None, :] < cols, other=0.0)  # one row: [1, BLOCK]
-    amax, nan = ts._row_stats(tl.zeros((1,), dtype=tl.float32), tl.zeros((1,), dtype=tl.int32), x)
-    exponent = ts._scale_exponent(amax, nan)
-    tl.store(scale_ptr + row + tl.arange(0, 1), ts._pow2(exponent))
-    q = ts._e4m3_bits(x, ts._inverse_scale(exponent)[:, None])
+    amax, nan = e4m3.amax_stats(tl.zeros((1,), dtype=tl.float32), tl.zeros((1,), dtype=tl.int32), 1, x)
+    exponent = e4m3.scale_exponent(amax, nan)
+    tl.store(scale_ptr + row + tl.arange(0, 1), e4m3.pow2(exponent))
+    q = e4m3.e4m3_bits(x, e4m3.inverse_scale(exponent)[:, None])
     tl.store(q_ptr + row * cols + offs[None, :], q, mask=offs[None, :] < cols)
 
 # the quantization helpers on rows that probe them: ties, scales on their boundaries, e4m3 subnormals, signed zeros

@@ -5,7 +5,8 @@ rowwise float8 training and of its FP8 grouped GEMM for MoE, applied to all thre
 
     forward   y  = x W^T          x per row (token),        W per output channel
     input     dx = dy W           dy per row (token),       W per input channel
-    weight    dW = dy^T x         dy and x per channel, over the tokens; the experts' grouped dW in high precision
+    weight    dW = dy^T x         dy and x per channel, over the tokens (the experts': over each one's tokens,
+                                  ``group_columns``)
 
 The master weights, their gradients and the optimizer state stay in the model's dtype; only the GEMM operands are
 FP8, quantized again in every forward and backward from the high-precision values autograd saved.
@@ -71,13 +72,3 @@ def tile_split(rows: int, experts: int, n: int, k: int) -> int:
         if rows // (r * experts - (r - 1)) <= 128:
             return r if n % r == 0 and (n * k // r) % 16 == 0 else 1  # each view's rows 16-byte aligned
     return 1
-
-
-def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``dy_g^T x_g`` for each row group g of ``dy`` [P, N] and ``x`` [P, K]: [e, N, K], in the operands' own dtype.
-
-    The experts' weight gradient stays in high precision (torchao's ``rowwise_with_gw_hp`` recipe): torch's FP8
-    kernel for this layout (both operands 2-D, the groups along the reduction) needs every group's rows padded to a
-    multiple of 16, which dropless groups are not, and quantizing each operand per group and channel cost more than
-    the GEMM (performance-log §24)."""
-    return F.grouped_mm(dy.t(), x, offs=offsets)

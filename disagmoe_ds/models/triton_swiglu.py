@@ -15,9 +15,7 @@ inputs, one rounding at the output. Shape suffixes: P pairs, I expert intermedia
 The FP8 experts' middle (``swiglu_fp8_forward`` / ``swiglu_fp8_backward``, used by ``models.fp8_experts``) computes
 the same rows without the routing weight and also writes them as the next GEMM's FP8 operand, what
 ``fp8.quantize.quantize(rows, -1)`` makes of them: a program per block of rows walks each row twice, once for its
-amax, once for its e4m3 values (recomputed, not read back). The power-of-two scale comes from the amax's bits and
-each e4m3 byte is built bit by bit (rounded to nearest, ties to even, in fp32 arithmetic; saturating at 448; NaN kept),
-with no FP8 cast: Triton's interpreter (the CPU tests) casts to FP8 with another rounding than the GPU and loses NaN.
+amax, once for its e4m3 values (recomputed, not read back), with ``fp8.triton_e4m3``'s bit-exact recipe.
 """
 
 from __future__ import annotations
@@ -31,6 +29,8 @@ from disagmoe_ds.fp8.quantize import E4M3, Quantized
 try:
     import triton
     import triton.language as tl
+
+    from disagmoe_ds.fp8.triton_e4m3 import amax_stats, e4m3_bits, inverse_scale, pow2, scale_exponent
 except ImportError:  # CPU-only installs: the middle stays compiled by inductor
     triton = None
 
@@ -108,49 +108,6 @@ if triton is not None:
 
     # ----- the FP8 middle: the same math, each output row also quantized as fp8.quantize(x, -1) quantizes it -----
     @triton.jit
-    def _pow2(exponent):
-        """2^``exponent`` (int32, within float32's normal exponents) as float32, exact: built from its bits."""
-        return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _row_stats(amax, nan, values):
-        """The running ``(amax, nan)`` of rows (``nan``: 1 where a row holds a NaN) after a block of their values."""
-        size = tl.abs(values)
-        return tl.maximum(amax, tl.max(size, 1)), tl.maximum(nan, tl.max((size != size).to(tl.int32), 1))
-
-    @triton.jit
-    def _scale_exponent(amax, nan):
-        """log2 of ``quantize.scale_of(amax)`` (amax >= 0): the smallest power of two s with 448 s >= amax, at least
-        2^-126; 0 (a scale of 1) where amax is 0 or the row holds a NaN (``nan``: torch's NaN amax), 128 (an infinite
-        scale, ``_pow2``) where amax is infinite. From amax's bits: amax = f 2^e with f in [1, 2) needs s = 2^(e - 8)
-        where f <= 1.75 (448 = 1.75 * 2^8), else 2^(e - 7); no logarithm, so no rounding anywhere."""
-        bits = amax.to(tl.int32, bitcast=True)
-        exponent = (bits >> 23) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        exponent = tl.where(amax > 0, tl.maximum(exponent, -126), 0)
-        return tl.where(nan > 0, 0, tl.where(bits == 0x7F800000, 128, exponent))  # 0x7F800000: +inf
-
-    @triton.jit
-    def _inverse_scale(exponent):
-        """1 / 2^``exponent``, exact; 0 for an infinite scale (x / inf: 0, or NaN for an infinite x, as torch's)."""
-        return tl.where(exponent == 128, 0.0, _pow2(-exponent))
-
-    @triton.jit
-    def _e4m3_bits(x, inv_scale):
-        """The e4m3 byte of ``x * inv_scale`` (exact: a power of two), saturated at +-448 and rounded to nearest, ties
-        to even, as ``cast`` makes it (NaN stays NaN), written bit by bit: no FP8 cast, whose rounding differs
-        between Triton's interpreter (the CPU tests) and the GPU, and whose NaN the interpreter loses."""
-        scaled = x * inv_scale
-        nan = scaled != scaled
-        mag = tl.minimum(tl.abs(scaled), 448.0)
-        exponent = tl.maximum((mag.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # e4m3's normals start at 2^-6
-        steps = mag * _pow2(3 - exponent)  # in [0, 16): 3 mantissa bits; its nearest integer, ties to even, below
-        steps = ((steps + 12582912.0) - 12582912.0).to(tl.int32)  # 12582912 = 1.5 * 2^23: float32's own rounding
-        normal = steps >= 8  # 1.mmm, or a subnormal rounded up into the normals (or a normal into the next binade)
-        code = tl.where(normal, ((exponent + 7 + (steps >> 4)) << 3) | (steps & 7), steps)
-        sign = (scaled.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7  # -0.0 too, as torch's cast
-        return (tl.where(nan, 0x7F, code) | sign).to(tl.uint8)
-
-    @triton.jit
     def _swiglu_fp8_forward_kernel(
         gu_ptr, h_ptr, q_ptr, scale_ptr, num_pairs, inter,
         BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -166,15 +123,15 @@ if triton is not None:
             mask, gate, up = _gate_up_tile(gu_ptr, row_gu, pair_ok, cols, inter)
             hidden = _silu_mul(gate, up).to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + row_h + cols[None, :], hidden, mask=mask)
-            amax, nan = _row_stats(amax, nan, hidden.to(tl.float32))
-        exponent = _scale_exponent(amax, nan)
-        tl.store(scale_ptr + pairs, _pow2(exponent), mask=pair_ok)
-        inv_scale = _inverse_scale(exponent)[:, None]
+            amax, nan = amax_stats(amax, nan, 1, hidden.to(tl.float32))
+        exponent = scale_exponent(amax, nan)
+        tl.store(scale_ptr + pairs, pow2(exponent), mask=pair_ok)
+        inv_scale = inverse_scale(exponent)[:, None]
         for start in range(0, inter, BLOCK_I):  # again, recomputed (cheaper than reading back), in e4m3
             cols = start + tl.arange(0, BLOCK_I)
             mask, gate, up = _gate_up_tile(gu_ptr, row_gu, pair_ok, cols, inter)
             hidden = _silu_mul(gate, up).to(h_ptr.dtype.element_ty).to(tl.float32)
-            q = _e4m3_bits(hidden, inv_scale)
+            q = e4m3_bits(hidden, inv_scale)
             tl.store(q_ptr + row_h + cols[None, :], q, mask=mask)
 
     @triton.jit
@@ -196,12 +153,12 @@ if triton is not None:
             d_gate, d_up = d_gate.to(dgu_ptr.dtype.element_ty), d_up.to(dgu_ptr.dtype.element_ty)
             tl.store(dgu_ptr + row_gu + cols[None, :], d_gate, mask=mask)
             tl.store(dgu_ptr + row_gu + inter + cols[None, :], d_up, mask=mask)
-            amax, nan = _row_stats(amax, nan, d_gate.to(tl.float32))
-            amax, nan = _row_stats(amax, nan, d_up.to(tl.float32))
+            amax, nan = amax_stats(amax, nan, 1, d_gate.to(tl.float32))
+            amax, nan = amax_stats(amax, nan, 1, d_up.to(tl.float32))
         if QUANTIZE:
-            exponent = _scale_exponent(amax, nan)
-            tl.store(scale_ptr + pairs, _pow2(exponent), mask=pair_ok)
-            inv_scale = _inverse_scale(exponent)[:, None]
+            exponent = scale_exponent(amax, nan)
+            tl.store(scale_ptr + pairs, pow2(exponent), mask=pair_ok)
+            inv_scale = inverse_scale(exponent)[:, None]
             for start in range(0, inter, BLOCK_I):
                 cols = start + tl.arange(0, BLOCK_I)
                 mask, gate, up = _gate_up_tile(gu_ptr, row_gu, pair_ok, cols, inter)
@@ -209,8 +166,8 @@ if triton is not None:
                 d_gate, d_up, _ = _swiglu_grads(gate, up, d_hidden)
                 d_gate = d_gate.to(dgu_ptr.dtype.element_ty).to(tl.float32)
                 d_up = d_up.to(dgu_ptr.dtype.element_ty).to(tl.float32)
-                q_gate = _e4m3_bits(d_gate, inv_scale)
-                q_up = _e4m3_bits(d_up, inv_scale)
+                q_gate = e4m3_bits(d_gate, inv_scale)
+                q_up = e4m3_bits(d_up, inv_scale)
                 tl.store(q_ptr + row_gu + cols[None, :], q_gate, mask=mask)
                 tl.store(q_ptr + row_gu + inter + cols[None, :], q_up, mask=mask)
 
@@ -273,7 +230,7 @@ def swiglu_fp8_forward(gate_up_PF: torch.Tensor, tiles: dict | None = None) -> t
     data_PI = torch.empty(num_pairs, inter, dtype=E4M3, device=gate_up_PF.device)
     scale_P1 = torch.empty(num_pairs, 1, dtype=torch.float32, device=gate_up_PF.device)
     grid = (triton.cdiv(num_pairs, t["BLOCK_P"]),)
-    bytes_PI = data_PI.view(torch.uint8)  # the kernel writes e4m3 bytes, not values (``_e4m3_bits``)
+    bytes_PI = data_PI.view(torch.uint8)  # the kernel writes e4m3 bytes, not values (``fp8.triton_e4m3.e4m3_bits``)
     _swiglu_fp8_forward_kernel[grid](gate_up_PF, hidden_PI, bytes_PI, scale_P1, num_pairs, inter, **t)
     return hidden_PI, Quantized(data_PI, scale_P1)
 
@@ -292,7 +249,7 @@ def swiglu_fp8_backward(
     if quantized:
         data_PF = torch.empty(num_pairs, 2 * inter, dtype=E4M3, device=gate_up_PF.device)
         q = Quantized(data_PF, torch.empty(num_pairs, 1, dtype=torch.float32, device=gate_up_PF.device))
-    # e4m3 bytes (``_e4m3_bits``); without QUANTIZE nothing is written there
+    # e4m3 bytes (``fp8.triton_e4m3.e4m3_bits``); without QUANTIZE nothing is written there
     outs = (d_gate_up_PF, d_gate_up_PF) if q is None else (q.data.view(torch.uint8), q.scale)
     grid = (triton.cdiv(num_pairs, t["BLOCK_P"]),)
     _swiglu_fp8_backward_kernel[grid](
