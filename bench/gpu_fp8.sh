@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The FP8 session on one GPU, in two calls of under 10 minutes, torchao and DeepSpeed from ./.whl:
 #   1. (layer) check_fp8_cuda.py (torch's FP8 kernels against the CPU emulation; the experts' fused FP8 middle bit
-#      for bit against the unfused path and fp8.quantize), then bench_layer.py per model and batch (1 and 2 x SEQ
+#      for bit against the unfused path and fp8.quantize), bench_weight_grad.py (the experts' dW in FP8 against
+#      bf16), then bench_layer.py per model and batch (1 and 2 x SEQ
 #      tokens): HF's layer compiled in bf16 and with torchao's rowwise FP8 training, ours compiled in bf16 and with
 #      "fp8": true (weights cast once a step: fused middle and shape rule; the middle unfused; every projection in
 #      FP8; and weights cast in every call)
@@ -33,6 +34,7 @@ export PYTHONPATH=/tmp/site:$PWD
 } > "$OUT/env.txt" 2>&1
 source "$(dirname "$0")/gpu_step.sh"  # step LIMIT_S COMMAND...
 [ "$PART" = layer ] && step 180 python bench/check_fp8_cuda.py  # torch's FP8 kernels against the CPU emulation
+[ "$PART" = layer ] && step 120 python bench/bench_weight_grad.py --json "$OUT/weight-grad.json"  # the experts' FP8 dW
 PATHS=${PATHS:-"hf-compiled ours-compiled ours-fp8-once-compiled ours-fp8-once-unfused-compiled \
 ours-fp8-once-all-compiled ours-fp8-compiled hf-fp8-compiled"}
 [ "$PART" = layer ] && for model in $MODELS; do
@@ -81,5 +83,5 @@ if [ "$PART" = base ]; then
 fi
 rm -f "$OUT"/*.svg  # run_pretrain's loss plots: the files that come back are few, and the .jsonl hold the same losses
 echo "### done after ${SECONDS} s" >> "$LOG"
-awk '/^###/ {table = 0; print; next} /^(worst|fused FP8 middle|rank 0: the LoRA|step |done:|kernel against|converge|  *(forward|input grad) )/ {print; next} /^(model|method|variant) / {table = 1} table' "$LOG" | cut -c1-300
+awk '/^###/ {table = 0; print; next} /^(worst|fused FP8 middle|FP8 weight gradient|rank 0: the LoRA|step |done:|kernel against|converge|  *(forward|input grad) )/ {print; next} /^(model|method|variant|  *model) / {table = 1} table' "$LOG" | cut -c1-300
 exit 0
