@@ -16,7 +16,7 @@
 #      row or check)
 # Every step runs under `timeout`, capped by BUDGET_S seconds from the start (default 560). Writes to $OUT: env.txt,
 # session.txt (each command, its output, exit code and seconds), layer-<model>-b<batch>.json, e2e-<variant>.json.
-# Usage: [BATCHES="1 2"] [LIMIT_S=240] [PATHS="..."] [CONVERGE=0] [VARIANTS="bf16 fp8"] [QUICK=1]
+# Usage: [BATCHES="1 2"] [LIMIT_S=240] [PATHS="..."] [CHECKS=0] [CONVERGE=0] [VARIANTS="bf16 fp8"] [QUICK=1]
 #        bash bench/gpu_fp8.sh layer|e2e|base ["MODELS"] [SEQ]
 # The fused middle and the shape rule on one GPU, in one call:
 #   BATCHES=1 bash bench/gpu_fp8.sh layer hf_models/Qwen3-30B-A3B
@@ -33,8 +33,10 @@ export PYTHONPATH=/tmp/site:$PWD
   python -c "import torch, transformers, deepspeed, torchao; print(torch.__version__, transformers.__version__, deepspeed.__version__, torchao.__version__)"
 } > "$OUT/env.txt" 2>&1
 source "$(dirname "$0")/gpu_step.sh"  # step LIMIT_S COMMAND...
-[ "$PART" = layer ] && step 180 python bench/check_fp8_cuda.py  # torch's FP8 kernels against the CPU emulation
-[ "$PART" = layer ] && step 120 python bench/bench_weight_grad.py --json "$OUT/weight-grad.json"  # the experts' FP8 dW
+if [ "$PART" = layer ] && [ "${CHECKS:-1}" = 1 ]; then
+  step 180 python bench/check_fp8_cuda.py  # torch's FP8 kernels against the CPU emulation
+  step 120 python bench/bench_weight_grad.py --json "$OUT/weight-grad.json"  # the experts' FP8 dW against bf16
+fi
 PATHS=${PATHS:-"hf-compiled ours-compiled ours-fp8-once-compiled ours-fp8-once-unfused-compiled \
 ours-fp8-once-all-compiled ours-fp8-compiled hf-fp8-compiled"}
 [ "$PART" = layer ] && for model in $MODELS; do
