@@ -131,13 +131,12 @@ if triton is not None:
             tl.store(out, q, mask=(local < out_count)[:, None] & col_ok[None, :])
 
 
-def _quantize_triton(x_PC, offsets_G, ends, width, tiles: dict | None = None) -> GroupColumns:
-    t = {**TILES, **(tiles or {})}
+def _quantize_triton(x_PC, offsets_G, ends, width) -> GroupColumns:
     groups, columns = offsets_G.shape[0], x_PC.shape[1]
     data = torch.empty(columns, width, dtype=torch.uint8, device=x_PC.device)  # past the last end: never read
     scale = torch.empty(groups, columns, dtype=torch.float32, device=x_PC.device)
-    grid = (groups, triton.cdiv(columns, t["BLOCK_C"]))
+    grid = (groups, triton.cdiv(columns, TILES["BLOCK_C"]))
     _group_columns_kernel[grid](
-        x_PC, offsets_G, ends, data, scale, columns, x_PC.stride(0), data.stride(0), **t
+        x_PC, offsets_G, ends, data, scale, columns, x_PC.stride(0), data.stride(0), **TILES
     )  # fmt: skip
     return GroupColumns(data.view(E4M3), scale, ends)
