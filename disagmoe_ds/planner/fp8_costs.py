@@ -56,6 +56,7 @@ FP8_SPEEDUP: tuple[tuple[str, int, float], ...] = (
     ("down", 2048, 1.34),
 )
 PASS_BYTES = 3  # one quantize: read a bf16 element, write an e4m3 one (a dequantize the other way round)
+GROUP_PASS_BYTES = 5  # the experts' dW operands (fp8.group_columns): read twice (the amax, then the bytes), written once
 CAST_COPIES = 2  # a weight's FP8 copies for a step: rowwise (forward) and of its transpose (input-grad), 1 B each
 
 
@@ -181,7 +182,8 @@ def expert_passes(
     """The quantize passes of one expert call of ``assignments`` (token, expert) rows: the forward dequantizes the
     received e4m3 rows (one per assignment: exact for Megatron's dispatcher, an upper bound where a token comes once
     per rank) and quantizes gate_up's input (H), the input-grad down's output grad (H); the weight-grad, where the
-    experts train, both operands of each GEMM per expert and channel (down's: H and I; gate_up's: 2I and H). The
+    experts train, both operands of each GEMM per expert and channel (down's: H and I; gate_up's: 2I and H), each
+    read twice by its kernel (``GROUP_PASS_BYTES``). The
     SwiGLU middle writes down's input and gate_up's output grad in FP8 itself
     (``models.fp8_experts``), except under LoRA adapters on the experts, whose path quantizes them in passes of their
     own (I forward, 2I input-grad). The rank's E/ep experts' weights are cast once a step (``weight_cast_s``), or with
@@ -191,7 +193,8 @@ def expert_passes(
     h, i = spec.hidden_size, spec.expert_intermediate
     middle = i if lora is not None and lora.enabled and "experts" in lora.targets else 0
     weights = spec.num_experts / fp8.shards * 3 * h * i if fp8.per_call else 0.0
-    wgrad = 0.0 if lora is not None and lora.enabled else assignments * (2 * h + 3 * i)
+    trains = lora is None or not lora.enabled
+    wgrad = assignments * (2 * h + 3 * i) * GROUP_PASS_BYTES / PASS_BYTES if trains else 0.0  # in PASS_BYTES units
     return _seconds(rates, assignments * (2 * h + middle) + weights, assignments * (h + 2 * middle) + weights, wgrad)
 
 
