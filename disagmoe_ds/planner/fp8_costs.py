@@ -56,7 +56,7 @@ FP8_SPEEDUP: tuple[tuple[str, int, float], ...] = (
     ("down", 2048, 1.34),
 )
 PASS_BYTES = 3  # one quantize: read a bf16 element, write an e4m3 one (a dequantize the other way round)
-GROUP_PASS_BYTES = 5  # the experts' dW operands (fp8.group_columns): read twice (the amax, then the bytes), written once
+GROUP_PASS_BYTES = 5  # the experts' dW operands (fp8.group_columns): read twice (amax, then bytes), written once
 CAST_COPIES = 2  # a weight's FP8 copies for a step: rowwise (forward) and of its transpose (input-grad), 1 B each
 
 
