@@ -14,11 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from disagmoe_ds.fp8.group_columns import grouped_weight_grad, quantize_group_columns
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_block_mm import timed  # noqa: E402  (median ms, peak GiB, last result)
 
 # (model, projection, N = dW's rows, K = its columns, experts, routed rows per expert)
 SHAPES = [
@@ -29,20 +33,6 @@ SHAPES = [
     ("Qwen3-30B-A3B, one GPU", "gate_up", 1536, 2048, 128, 256),
     ("Qwen3-30B-A3B, one GPU", "down", 2048, 768, 128, 256),
 ]
-
-
-def timed(fn, iters: int) -> float:
-    """Median ms of ``fn`` over ``iters`` calls after one untimed call."""
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -70,10 +60,10 @@ def row(model: str, name: str, n: int, k: int, experts: int, per_expert: int, it
         )
 
     ms = {
-        "bf16": timed(lambda: F.grouped_mm(dy.t(), x, offs=offsets), iters),
-        "quantize": timed(lambda: (quantize_group_columns(dy, offsets), quantize_group_columns(x, offsets)), iters),
-        "fp8_gemm": timed(gemm, iters),
-        "fp8": timed(lambda: grouped_weight_grad(dy, x, offsets), iters),
+        "bf16": timed(lambda: F.grouped_mm(dy.t(), x, offs=offsets), iters)[0],
+        "quantize": timed(lambda: (quantize_group_columns(dy, offsets), quantize_group_columns(x, offsets)), iters)[0],
+        "fp8_gemm": timed(gemm, iters)[0],
+        "fp8": timed(lambda: grouped_weight_grad(dy, x, offsets), iters)[0],
     }
     return {"model": model, "projection": name, "n": n, "k": k, "experts": experts, "rows": rows, "ms": ms,
             "error": error}  # fmt: skip
