@@ -268,7 +268,7 @@ def af_roofline(
     lane_bw = lane_bytes_per_s(layout, work, placement=placement, rates=rates, nics=nics)
     a_compute, f_compute = _group_compute_s(spec, layout, work, rates, micro_batches, lane_bw)
     hop_s = sum(node_hop_s(spec, layout, work, rates.side("ffn").nvlink_bw))
-    f_compute += micro_batches * hop_s * _most_moe_layers(spec, layout) if hop_s else 0.0
+    f_compute += (micro_batches * hop_s * _most_moe_layers(spec, layout)) if hop_s else 0.0
     a_pcie = (a_nic / m + micro_batches * offloaded[0]) / rates.pcie_bw if offloaded[0] else 0.0
     f_rates = rates.side("ffn")
     f_pcie = (f_nic / n + micro_batches * offloaded[1]) / f_rates.pcie_bw if offloaded[1] else 0.0
