@@ -36,8 +36,6 @@ attention; weights random, only the config is read) and times forward + backward
                   ours-fp8-compiled
     ours-fp8-once-unfused-compiled  ours-fp8-once-compiled with the experts' FP8 operands quantized in passes of
                   their own after the Triton middle (as before ``models.fp8_experts``)
-    ours-fp8-once-bf16dw-compiled  ours-fp8-once-compiled with the routed experts' weight gradients in bf16 (as
-                  before ``fp8.group_columns``)
     ours-fp8-once-all-compiled  ours-fp8-once-compiled with every aligned projection in FP8, narrow ones too
                   (``"fp8_bf16_width": 0``, as before the shape rule)
     hf-fp8-compiled  hf-compiled with torchao's FP8 training on the layer's attention projections and shared
@@ -87,11 +85,10 @@ import torch
 import torch.nn.functional as F
 
 from disagmoe_ds.comm.routing import combine, count_ids, pack, plan_dispatch
-from disagmoe_ds.fp8 import projections
 from disagmoe_ds.fp8.quantize import round_trip
 from disagmoe_ds.fp8.shapes import BF16_WIDTH
 from disagmoe_ds.fp8.weight_cache import cast_once_per_step
-from disagmoe_ds.models import fp8_experts, grouped_experts
+from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.context import build_context
 from disagmoe_ds.models.expert_shard import ExpertShard
 from disagmoe_ds.models.families import family_of, router_of
@@ -117,7 +114,6 @@ PATHS = (
     "ours-fp8-compiled",
     "ours-fp8-once-compiled",
     "ours-fp8-once-unfused-compiled",
-    "ours-fp8-once-bf16dw-compiled",
     "ours-fp8-once-all-compiled",
     "hf-fp8-compiled",
 )
@@ -328,21 +324,6 @@ def _unfused_fp8_middle(stage: ExpertStage) -> None:
             shard.elementwise = replace(shard.elementwise, gated=functools.partial(shard.elementwise.gated.__call__))
 
 
-@contextlib.contextmanager
-def bf16_expert_weight_grads() -> Iterator[None]:
-    """The FP8 experts' weight gradients as bf16 ``F.grouped_mm`` on their high-precision operands, while open."""
-
-    def bf16(dy_PN: torch.Tensor, x_PK: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return F.grouped_mm(dy_PN.t(), x_PK, offs=offsets)
-
-    saved = projections.grouped_weight_grad, fp8_experts.grouped_weight_grad
-    projections.grouped_weight_grad = fp8_experts.grouped_weight_grad = bf16
-    try:
-        yield
-    finally:
-        projections.grouped_weight_grad, fp8_experts.grouped_weight_grad = saved
-
-
 def torchao_fp8(layer: torch.nn.Module) -> None:
     """torchao's rowwise FP8 training on an HF decoder layer, in place: the parameters of its attention projections
     and shared experts become torchao's training tensors, whose GEMMs run in FP8; the router and the routed experts
@@ -376,7 +357,6 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
         "ours-fp8-compiled",
         "ours-fp8-once-compiled",
         "ours-fp8-once-unfused-compiled",
-        "ours-fp8-once-bf16dw-compiled",
         "ours-fp8-once-all-compiled",
     ):
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
@@ -443,8 +423,7 @@ def bench_model(
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         scope = cast_once_per_step() if name.startswith("ours-fp8-once") else contextlib.nullcontext()
-        dw = bf16_expert_weight_grads() if name == "ours-fp8-once-bf16dw-compiled" else contextlib.nullcontext()
-        with scope, dw:
+        with scope:
             try:
                 step, args = build_path(
                     name, model_dir, spec, seq_len, batch, device=device, backend=backend, layer=layer

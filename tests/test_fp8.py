@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disagmoe_ds.fp8 import group_columns
 from disagmoe_ds.fp8.gemm import scaled_grouped_mm, scaled_mm, tile_split
 from disagmoe_ds.fp8.group_columns import quantize_group_columns
 from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
@@ -144,9 +145,21 @@ def test_fp8_grouped_mm_runs_the_rowwise_recipe_per_expert_group() -> None:
                                    atol=1e-4)  # fmt: skip
         torch.testing.assert_close(x.grad[start:end].double(), _q64(dyg, -1) @ _q64(wg.t(), -1).t(), rtol=1e-5,
                                    atol=1e-4)  # fmt: skip
-        # dW: both operands per channel over the expert's own tokens (none: zeros)
-        dw = _q64(dyg.t(), -1) @ _q64(xg.t(), -1).t() if end > start else torch.zeros(48, 64, dtype=torch.float64)
+        dw = dyg.double().t() @ xg.double()  # the experts' dW in high precision
         torch.testing.assert_close(w.grad[g].double(), dw, rtol=1e-5, atol=1e-4)
+
+
+def test_the_measured_fp8_expert_weight_grad_scales_both_operands_per_expert_and_channel() -> None:
+    """``group_columns.grouped_weight_grad`` (benchmarked, not trained with): both operands per channel over each
+    expert's own tokens; an expert without tokens gets zeros."""
+    torch.manual_seed(0)
+    dy, x = torch.randn(40, 48), torch.randn(40, 64)
+    offsets = torch.tensor([12, 12, 32], dtype=torch.int32)
+    got = group_columns.grouped_weight_grad(dy, x, offsets)
+    for g, (start, end) in enumerate([(0, 12), (12, 12), (12, 32)]):
+        dyg, xg = dy[start:end], x[start:end]
+        dw = _q64(dyg.t(), -1) @ _q64(xg.t(), -1).t() if end > start else torch.zeros(48, 64, dtype=torch.float64)
+        torch.testing.assert_close(got[g].double(), dw, rtol=1e-5, atol=1e-4)
 
 
 GROUPS = [(0, 5), (5, 5), (5, 30), (30, 47)]  # ragged, an empty one, rows after the last (47..49: in none)

@@ -61,7 +61,7 @@ EXPERT_SHARES = [
 
 
 @pytest.mark.parametrize(("name", "width", "share"), EXPERT_SHARES)
-def test_the_expert_gemms_drop_by_the_tables_factors_weight_grads_too(name, width, share):
+def test_the_expert_gemms_drop_by_the_tables_factors_and_their_weight_grads_do_not(name, width, share):
     spec = _spec(name)
     assert spec.expert_intermediate == width
     rates, tokens, layer = shape_rates(preset("h800", 4), Efficiency(), spec), 8192.0, spec.num_layers - 1
@@ -72,8 +72,8 @@ def test_the_expert_gemms_drop_by_the_tables_factors_weight_grads_too(name, widt
     wgrad = expert_wgrad_s(spec, rates, layer=layer, tokens=tokens)
     wgrad8 = expert_wgrad_s(spec, rates, layer=layer, tokens=tokens, fp8=fp8)
     assert (fwd8 - passes.fwd) / fwd == pytest.approx(share)
-    assert (wgrad8 - passes.wgrad) / wgrad == pytest.approx(share)  # dW in FP8 too, at the forward's factors
-    assert (bwd8 - passes.bwd) / bwd == pytest.approx(share)  # input grads at the forward's factor
+    assert passes.wgrad == 0 and wgrad8 == pytest.approx(wgrad)  # the experts' dW stays bf16: no passes
+    assert (bwd8 - passes.bwd - wgrad) / (bwd - wgrad) == pytest.approx(share)  # input grads at the forward's factor
 
 
 def test_the_projections_drop_by_the_dense_factor_and_the_router_does_not():
@@ -125,12 +125,9 @@ def test_a_quantize_pass_reads_two_bytes_and_writes_one_per_element_at_hbm_bandw
     # per assignment: the received row dequantized and gate_up's input quantized (2H); down's input comes out of the
     # SwiGLU middle in FP8 (models.fp8_experts), and in the input-grad only down's output grad is quantized (H)
     assert one.fwd * rates.hbm_bw == pytest.approx(3 * 2 * h)  # no weights: they are cast once a step
-    # the weight grads' operands per expert and channel: down's dy (H) and input (I), gate_up's dy (2I) and input (H),
-    # each read twice (its amax, then its bytes) and written once
-    assert one.bwd * rates.hbm_bw == pytest.approx(3 * h + 5 * (2 * h + 3 * i))
+    assert one.bwd * rates.hbm_bw == pytest.approx(3 * h)
     # LoRA on the experts takes the unfused path: the middle's quantizations are passes of their own (I, 2I)
     adapted = expert_passes(spec, rates, assignments=1.0, fp8=Fp8(4), lora=LoRA(rank=8))
-    # (and its frozen base has no weight grads)
     assert (adapted.fwd * rates.hbm_bw, adapted.bwd * rates.hbm_bw) == pytest.approx((3 * (2 * h + i), 3 * (h + 2 * i)))
 
 
@@ -177,11 +174,12 @@ def _step(name: str, nodes: int, seq_len: int, *flags: str) -> tuple[AfPlan, Bas
 def test_an_fp8_plan_steps_faster_than_the_bf16_plan_on_the_studys_cluster():
     """DeepSeek-V3 on 32 nodes at 16K: both systems' steps drop. AF-Pipe's expert side, whose training state takes
     most of its memory, has no room for the step's FP8 weight copies and casts in every call; the baseline keeps them.
-    AF-Pipe gains less (4%, the baseline 10%; docs/planner.md section 10) since the shape rule keeps DeepSeek-V3's
-    narrow projections (q_a, kv_a, the shared expert: one side at most 2,048 wide) in bf16."""
+    AF-Pipe gains less (2%, the baseline 8%) since the shape rule keeps DeepSeek-V3's narrow projections (q_a, kv_a,
+    the shared expert: one side at most 2,048 wide) in bf16 (it gained over 5% when they were priced in FP8).
+    """
     af, base = _step("DeepSeek-V3", 32, 16384)
     af8, base8 = _step("DeepSeek-V3", 32, 16384, "--fp8")
-    assert af8.step_time_s < 0.97 * af.step_time_s and base8.step_time_s < 0.93 * base.step_time_s
+    assert af8.step_time_s < 0.99 * af.step_time_s and base8.step_time_s < 0.95 * base.step_time_s
     assert af8.candidate.work.fp8_cast_per_call and not base8.candidate.work.fp8_cast_per_call
 
 
@@ -206,7 +204,7 @@ def test_a_written_ds_config_carries_fp8_and_the_runtime_accepts_it(tmp_path, ca
 def test_help_explains_the_flag_and_refused_families_are_refused(capsys):
     text = " ".join(build_parser().format_help().split())
     assert "--fp8 price the runtime's FP8 lever in both systems" in text
-    assert 'writes "fp8": true' in text and "(forward, input and weight grads)" in text
+    assert 'writes "fp8": true' in text and "weight grads stay at the bf16 rate" in text
     rc = main(["--model", str(MODELS / "GPT-OSS-120B"), "--seq-len", "4096", "--nodes", "2", "--fp8"])
     assert rc == 2 and '--fp8: "disagmoe.fp8" does not work with the gpt_oss model' in capsys.readouterr().err
 

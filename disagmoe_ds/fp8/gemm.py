@@ -5,8 +5,7 @@ rowwise float8 training and of its FP8 grouped GEMM for MoE, applied to all thre
 
     forward   y  = x W^T          x per row (token),        W per output channel
     input     dx = dy W           dy per row (token),       W per input channel
-    weight    dW = dy^T x         dy and x per channel, over the tokens (the experts': over each one's tokens,
-                                  ``group_columns``)
+    weight    dW = dy^T x         dy and x per channel, over the tokens; the experts' grouped dW in high precision
 
 The master weights, their gradients and the optimizer state stay in the model's dtype; only the GEMM operands are
 FP8, quantized again in every forward and backward from the high-precision values autograd saved.
@@ -72,3 +71,13 @@ def tile_split(rows: int, experts: int, n: int, k: int) -> int:
         if rows // (r * experts - (r - 1)) <= 128:
             return r if n % r == 0 and (n * k // r) % 16 == 0 else 1  # each view's rows 16-byte aligned
     return 1
+
+
+def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``dy_g^T x_g`` for each row group g of ``dy`` [P, N] and ``x`` [P, K]: [e, N, K], in the operands' own dtype.
+
+    The experts' weight gradient stays in high precision (torchao's ``rowwise_with_gw_hp`` recipe): torch 2.11's FP8
+    kernel for this layout (both operands 2-D, the groups along the reduction) runs slower than bf16 ``grouped_mm``
+    at our shapes before any quantization is paid (DeepSeek-V3's gate_up 9.8 against 6.6 ms on an H100), so the FP8
+    dW of ``fp8.group_columns`` lost at every shape timed (0.21-0.71x, performance-log section 31)."""
+    return F.grouped_mm(dy.t(), x, offs=offsets)

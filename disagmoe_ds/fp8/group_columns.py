@@ -8,6 +8,10 @@ channel)), the recipe of DeepSeek-V3's and torchao's FP8 MoE training for this G
 CUDA one Triton kernel reads the operand twice (amax per column, then its e4m3 bytes, ``fp8.triton_e4m3``'s recipe)
 and writes it once; elsewhere torch computes the same bytes. Values and scales are ``fp8.quantize``'s: a power-of-two
 scale per slice, e4m3 rounded to nearest even.
+
+Measured, not run in training: torch 2.11's FP8 grouped GEMM for this layout is slower than its bf16 one at our
+shapes, so this dW lost to bf16 at every shape timed (0.21-0.71x on an H100, performance-log section 31) and the
+runtime keeps ``fp8.gemm.grouped_weight_grad`` in bf16. ``bench/bench_weight_grad.py`` re-times it on a newer torch.
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from disagmoe_ds.fp8.gemm import scaled_grouped_mm, scaled_mm
-from disagmoe_ds.fp8.group_columns import grouped_weight_grad
+from disagmoe_ds.fp8.gemm import grouped_weight_grad, scaled_grouped_mm, scaled_mm
 from disagmoe_ds.fp8.quantize import Quantized, dequantize, quantize
 from disagmoe_ds.fp8.weight_cache import quantized_weight
 

@@ -8,8 +8,8 @@ produce them, which compute the row (its amax) and then its e4m3 values in one l
 and a cast reading them back (0.84 ms of quantizations in the FP8 step of performance-log section 26, five of them;
 these were two). The values are those of the separate passes, bit for bit: the same bf16 rows, the same power-of-two
 scales, e4m3 rounded to nearest even. What autograd keeps is unchanged: the routed rows as their e4m3 bytes, the
-gate/up output for the middle's backward, the bf16 ``hidden_PI`` for the down weight's gradient (whose FP8 GEMM,
-``fp8.group_columns.grouped_weight_grad``, scales it per expert and channel, not per row).
+gate/up output for the middle's backward, the bf16 ``hidden_PI`` for the down weight's gradient (high precision, as
+``fp8.gemm.grouped_weight_grad`` computes every expert dW and as the FP8 reference does).
 
 ``recompute``: keep the routed rows (e4m3) and ``hidden_PI`` only and re-run the gate/up GEMM in the backward, as the
 unfused path's ``torch.utils.checkpoint`` around it does. Shape suffixes: P pairs, H hidden, I intermediate, F = 2I,
@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from disagmoe_ds.fp8.gemm import scaled_grouped_mm
-from disagmoe_ds.fp8.group_columns import grouped_weight_grad
+from disagmoe_ds.fp8.gemm import grouped_weight_grad, scaled_grouped_mm
 from disagmoe_ds.fp8.projections import viewed, wanted
 from disagmoe_ds.fp8.quantize import Quantized, dequantize, quantize
 from disagmoe_ds.fp8.weight_cache import quantized_weight

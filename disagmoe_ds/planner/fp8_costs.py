@@ -6,8 +6,8 @@ What the lever (``"disagmoe": {"fp8": true}``, ``disagmoe_ds.fp8``) computes in 
 * the attention side's projections, dense MLPs and shared experts: forward, input-grad and weight-grad GEMMs; not the
   router, the shared-expert gate, the LM head or the attention core (SDPA), nor a projection too narrow for FP8 to
   pay (``fp8.shapes.fp8_pays`` at ``Workload.fp8_bf16_width``: the runtime's rule, read from the same function);
-* the routed experts' gate_up and down grouped GEMMs, forward, input-grad and weight-grad (``fp8.group_columns``:
-  both operands scaled per expert and channel, one pass each).
+* the routed experts' gate_up and down grouped GEMMs, forward and input-grad. Their weight-grad GEMMs run in bf16 on
+  the high-precision operands (``fp8.gemm.grouped_weight_grad``), so they are priced at its rate, with no passes.
 
 An FP8 GEMM costs its bf16 time over its class's factor: its FLOPs enter the same time models (shape table or
 profile) divided by the factor, as bf16-equivalent FLOPs. The token exchange's bytes are ``ModelSpec.wire_bytes_per_
@@ -45,8 +45,8 @@ from disagmoe_ds.planner.workload import Workload
 # grads 1.29x / 1.35x; section 25); bench/fp8_grouped_gemms.py (2026-12-06).
 # A class the table lacks takes the nearest measured one:
 # * shared experts and dense MLPs: "projection" (the same _scaled_mm on dense, model-sized GEMMs);
-# * every input-grad and weight-grad GEMM: their forward's factor (only forward GEMMs were measured; a backward GEMM
-#   has the forward's FLOPs, with its dimensions permuted);
+# * every input-grad GEMM and the attention side's weight-grad GEMMs: their forward's factor (only forward GEMMs were
+#   measured; a backward GEMM has the forward's rows and FLOPs, with its other two dimensions swapped);
 # * other expert widths: the nearest measured width in log2 (Qwen3-235B-A22B's 1536 and Mixtral's 14336: 2048's).
 FP8_SPEEDUP: tuple[tuple[str, int, float], ...] = (
     ("projection", 0, 1.77),
@@ -56,7 +56,6 @@ FP8_SPEEDUP: tuple[tuple[str, int, float], ...] = (
     ("down", 2048, 1.34),
 )
 PASS_BYTES = 3  # one quantize: read a bf16 element, write an e4m3 one (a dequantize the other way round)
-GROUP_PASS_BYTES = 5  # the experts' dW operands (fp8.group_columns): read twice (amax, then bytes), written once
 CAST_COPIES = 2  # a weight's FP8 copies for a step: rowwise (forward) and of its transpose (input-grad), 1 B each
 
 
@@ -163,12 +162,12 @@ def a_side_passes(spec: ModelSpec, rates: Rates, *, layer: int, tokens: float, l
 
 
 # ----- the routed experts -----
-def expert_fp8_gemms(spec: ModelSpec, lora: LoRA, gemm: GemmFlops) -> GemmFlops:
+def expert_fp8_gemms(spec: ModelSpec, gemm: GemmFlops) -> GemmFlops:
     """``gemm`` (``lora.expert_gemm_flops``, per assignment) in bf16-equivalent FLOPs: gate_up (4 H I) and down
-    (2 H I) at 1/factor in the forward, the input-grad and, where the experts train, the weight-grad."""
+    (2 H I) at 1/factor in the forward and the input-grad; the weight-grad at the bf16 rate."""
     h, i = spec.hidden_size, spec.expert_intermediate
     saved = 4 * h * i * (1 - 1 / fp8_speedup("gate_up", i)) + 2 * h * i * (1 - 1 / fp8_speedup("down", i))
-    return GemmFlops(gemm.fwd - saved, gemm.dgrad - saved, gemm.wgrad - (0.0 if lora.enabled else saved))
+    return GemmFlops(gemm.fwd - saved, gemm.dgrad - saved, gemm.wgrad)
 
 
 def expert_rerun_share(spec: ModelSpec, fp8: Fp8 | None) -> float:
@@ -181,10 +180,8 @@ def expert_passes(
 ) -> Passes:
     """The quantize passes of one expert call of ``assignments`` (token, expert) rows: the forward dequantizes the
     received e4m3 rows (one per assignment: exact for Megatron's dispatcher, an upper bound where a token comes once
-    per rank) and quantizes gate_up's input (H), the input-grad down's output grad (H); the weight-grad, where the
-    experts train, both operands of each GEMM per expert and channel (down's: H and I; gate_up's: 2I and H), each
-    read twice by its kernel (``GROUP_PASS_BYTES``). The
-    SwiGLU middle writes down's input and gate_up's output grad in FP8 itself
+    per rank) and quantizes gate_up's input (H), the input-grad down's output grad (H); the weight-grad runs in bf16
+    and quantizes nothing. The SwiGLU middle writes down's input and gate_up's output grad in FP8 itself
     (``models.fp8_experts``), except under LoRA adapters on the experts, whose path quantizes them in passes of their
     own (I forward, 2I input-grad). The rank's E/ep experts' weights are cast once a step (``weight_cast_s``), or with
     ``per_call`` in every call, for the forward and again for the input-grad."""
@@ -193,9 +190,7 @@ def expert_passes(
     h, i = spec.hidden_size, spec.expert_intermediate
     middle = i if lora is not None and lora.enabled and "experts" in lora.targets else 0
     weights = spec.num_experts / fp8.shards * 3 * h * i if fp8.per_call else 0.0
-    trains = lora is None or not lora.enabled
-    wgrad = assignments * (2 * h + 3 * i) * GROUP_PASS_BYTES / PASS_BYTES if trains else 0.0  # in PASS_BYTES units
-    return _seconds(rates, assignments * (2 * h + middle) + weights, assignments * (h + 2 * middle) + weights, wgrad)
+    return _seconds(rates, assignments * (2 * h + middle) + weights, assignments * (h + 2 * middle) + weights, 0.0)
 
 
 def cast_expert_weights(experts: Params, lora: LoRA) -> float:

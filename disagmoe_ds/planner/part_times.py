@@ -90,7 +90,7 @@ def _a_side_gemms(spec: ModelSpec, layer: int, lora: LoRA, fp8: Fp8 | None) -> G
 def _expert_gemms(spec: ModelSpec, lora: LoRA, fp8: Fp8 | None) -> GemmFlops:
     """One assignment's expert GEMM FLOPs, bf16-equivalent under the FP8 lever."""
     gemm = expert_gemm_flops(spec, lora)
-    return gemm if fp8 is None else expert_fp8_gemms(spec, lora, gemm)
+    return gemm if fp8 is None else expert_fp8_gemms(spec, gemm)
 
 
 def _bwd_units(gemm: GemmFlops) -> float:
