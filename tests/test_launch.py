@@ -34,6 +34,24 @@ def test_results_come_back_in_rank_order() -> None:
     assert [r[4].tolist() for r in results] == [[0.0, 0.0], [0.5, 0.5], [1.0, 1.0]]
 
 
+_SET_IN_THE_PARENT = False  # a forked rank sees the parent's value, a spawned one imports this module afresh
+
+
+def _inherits_the_parent(rank: int) -> bool:
+    return _SET_IN_THE_PARENT
+
+
+def test_ranks_are_spawned_where_this_process_initialised_cuda(monkeypatch) -> None:
+    """A forked child cannot use CUDA once its parent initialised it (an import of torchao does, through
+    transformers): the ranks then start with ``spawn``, and the job runs the same."""
+    monkeypatch.setattr(sys.modules[__name__], "_SET_IN_THE_PARENT", True)
+    assert spawn_local(_inherits_the_parent, 2) == [True, True]  # forked
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert spawn_local(_inherits_the_parent, 2, timeout_s=120) == [False, False]  # spawned
+    results = spawn_local(_rank_info, 2, args=(0.5,), timeout_s=120)
+    assert [r[:4] for r in results] == [(rank, rank, "env", [1.0]) for rank in range(2)]
+
+
 def _raise_in_rank_1(rank: int) -> int:
     if rank == 1:
         raise KeyError("boom in rank 1")

@@ -1,7 +1,8 @@
 """Run a function on a small job of ranks forked from this process (tests, disagmoe-verify, no-launcher runs).
 
 Each rank is a ``fork`` child: it inherits the parent's imports (torch, deepspeed: ~5 s saved per rank), so
-starting a rank costs ~0.3 s. The parent watches every child and fails fast: the first rank that raises or
+starting a rank costs ~0.3 s (where this process has initialised CUDA, which a forked child could not use, the ranks
+are spawned instead). The parent watches every child and fails fast: the first rank that raises or
 dies ends the job, and a job that outlives its timeout is killed with a stack dump of every live rank.
 
 Results travel as plain pickles through a pipe (not through ``multiprocessing`` queues, whose torch
@@ -27,7 +28,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from multiprocessing.context import ForkContext, ForkProcess
+from multiprocessing.context import ForkContext, SpawnContext
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -61,7 +63,7 @@ class _Child:
     """The parent's view of one rank."""
 
     rank: int
-    process: ForkProcess
+    process: BaseProcess
     conn: Connection  # read end of the rank's result pipe
     stack_path: str
     reported: bool = False
@@ -140,7 +142,10 @@ def _spawn_once(
         "LOCAL_SIZE": str(world_size),
         **(env or {}),
     }
-    ctx = mp.get_context("fork")
+    # A forked child cannot use CUDA once this process has initialised it, which an import may do: transformers
+    # imports torchao where it is installed, and torchao asks torch whether Triton runs on the device. Then the ranks
+    # are spawned: each imports everything again (seconds a rank), and ``fn`` and ``args`` must pickle.
+    ctx = mp.get_context("spawn") if torch.cuda.is_initialized() else mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="disagmoe-ranks-") as stack_dir:
         children = []
         try:
@@ -186,7 +191,7 @@ def _bind_free(port: int) -> int:
 
 
 def _start(
-    ctx: ForkContext,
+    ctx: ForkContext | SpawnContext,
     fn: Callable[..., Any],
     rank: int,
     args: Sequence[Any],
@@ -216,7 +221,7 @@ def _rank_main(
     conn: Connection,
     stack_path: str,
 ) -> None:
-    """Body of one forked rank: init, run, report, tear down."""
+    """Body of one rank: init, run, report, tear down."""
     os.environ.update(rank_env)
     stack_file = open(stack_path, "w")  # stays open: faulthandler writes to it on _DUMP_SIGNAL
     faulthandler.register(_DUMP_SIGNAL, file=stack_file, all_threads=True)
