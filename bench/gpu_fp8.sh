@@ -50,7 +50,7 @@ if [ "$PART" = e2e ] && [ "${CONVERGE:-1}" = 1 ]; then  # the convergence check:
   python -c "import json; c = json.load(open('ds_configs/tiny-cpu.json')); c['disagmoe']['fp8_bf16_width'] = 0; \
 json.dump(c, open('/tmp/fp8-every-width.json', 'w'))"
   for precision in bf16 fp8; do
-    step 150 python run_pretrain.py --mode colocated --world-size 1 --steps 300 --dtype bf16 --zero 1 \
+    step 200 python run_pretrain.py --mode colocated --world-size 1 --steps 300 --dtype bf16 --zero 1 \
       --deepspeed_config /tmp/fp8-every-width.json $([ $precision = fp8 ] && echo --fp8) --log-every 50 \
       --metrics-file "$OUT/converge-$precision.jsonl"
   done
