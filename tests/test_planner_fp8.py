@@ -174,11 +174,11 @@ def _step(name: str, nodes: int, seq_len: int, *flags: str) -> tuple[AfPlan, Bas
 def test_an_fp8_plan_steps_faster_than_the_bf16_plan_on_the_studys_cluster():
     """DeepSeek-V3 on 32 nodes at 16K: both systems' steps drop. AF-Pipe's expert side, whose training state takes
     most of its memory, has no room for the step's FP8 weight copies and casts in every call; the baseline keeps them.
-    AF-Pipe gains less (4%, the baseline 8%; docs/planner.md section 10) since the shape rule keeps DeepSeek-V3's
+    AF-Pipe gains less (2.4%, the baseline 8.5%, at this test's plans) since the shape rule keeps DeepSeek-V3's
     narrow projections (q_a, kv_a, the shared expert: one side at most 2,048 wide) in bf16."""
     af, base = _step("DeepSeek-V3", 32, 16384)
     af8, base8 = _step("DeepSeek-V3", 32, 16384, "--fp8")
-    assert af8.step_time_s < 0.99 * af.step_time_s and base8.step_time_s < 0.95 * base.step_time_s
+    assert af8.step_time_s < 0.985 * af.step_time_s and base8.step_time_s < 0.93 * base.step_time_s
     assert af8.candidate.work.fp8_cast_per_call and not base8.candidate.work.fp8_cast_per_call
 
 
