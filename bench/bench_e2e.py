@@ -6,7 +6,7 @@
     # one GPU: the co-located mode beside DeepSpeed's AutoEP, real-size layers (torchrun: a forked NCCL rank of a
     # one-GPU local job could not initialise CUDA on that machine)
     PYTHONPATH=$PWD torchrun --nproc_per_node 1 bench/bench_e2e.py --model hf_models/Qwen3-30B-A3B --layers 4 \
-        --world-size 1 --methods colocated autoep --compile
+        --world-size 1 --methods colocated autoep autoep-fused --compile
     # CPU, gloo, a tiny model (what the tests run)
     PYTHONPATH=$PWD python bench/bench_e2e.py --device cpu --model hf_models/tiny-qwen3-moe --world-size 2 \\
         --seq-len 16 --global-batch 4 --warmup 1 --steps 2
@@ -23,6 +23,9 @@ bf16 on GPU, AdamW, clipping). Each method's micro-batches per rank follow from 
                    "autoep_size": EP, "preset_model": <model_type>}``: ``deepspeed.initialize`` swaps every MoE block
                    for its grouped-GEMM layer with HF's routing), each decoder layer compiled with ``--compile``: what
                    a DeepSpeed user would run instead of us. Its loss is the LM loss alone (AutoEP has no aux loss)
+    autoep-fused   autoep with its opt-in kernels (CUDA only): ``"gate_up_impl": "fused"`` (the gate and up
+                   projections as one grouped GEMM) and ``"combine_impl": "fused_weighted_sum"`` (Triton's weighted
+                   restore of the routed rows)
     deepspeed-moe  the HF model with every MoE block's router and experts replaced by ``deepspeed.moe.layer.MoE``
                    (DeepSpeed's ``TopKGate`` + ``Experts`` of HF-sized gated MLPs), the shared experts kept, trained
                    by the co-located executor (same step, same clipping)
@@ -80,7 +83,7 @@ from disagmoe_ds.planner.runtime_costs import job_costs
 from disagmoe_ds.runtime.deepspeed_role import RoleMPU, role_ds_config
 from disagmoe_ds.runtime.timeline import start_clock, write_job_timeline
 
-METHODS = ("afpipe", "colocated", "pipeline", "autoep", "deepspeed-moe")
+METHODS = ("afpipe", "colocated", "pipeline", "autoep", "autoep-fused", "deepspeed-moe")
 # The section keys bench_e2e.py takes as flags (config.SECTION_FLAGS): AF-Pipe's layout, compile and memory levers.
 BENCH_KEYS = (
     "attention_gpus",
@@ -93,7 +96,7 @@ BENCH_KEYS = (
     "attention",
     *LEVER_KEYS,
 )
-EP_METHODS = ("colocated", "pipeline", "autoep", "deepspeed-moe")
+EP_METHODS = ("colocated", "pipeline", "autoep", "autoep-fused", "deepspeed-moe")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PEAK_FLOPS = 989e12  # dense bf16 of an H100/H200-class GPU (MFU's denominator, also on CPU runs)
 
@@ -382,7 +385,7 @@ def _has_autoep_preset(model_dir: str) -> bool:
     return load_config(model_dir).model_type in PRESET_MODELS
 
 
-def build_autoep(a: argparse.Namespace, device: torch.device):
+def build_autoep(a: argparse.Namespace, device: torch.device, fused: bool = False):
 
     _autoep_on_this_transformers()
     cfg = ColocatedConfig(world_size=a.world_size, ep_size=a.ep_size, micro_batches=micro_batches(a, a.world_size))
@@ -397,6 +400,8 @@ def build_autoep(a: argparse.Namespace, device: torch.device):
         "preset_model": preset,
         "moe_layer_pattern": r"model\.model\.layers\.\d+\.mlp",  # the preset's, under ``HFCausalLM.model``
     }
+    if fused:  # DeepSpeed 0.19.8's faster opt-in kernels; the Triton combine refuses anything but CUDA
+        config["expert_parallel"] |= {"gate_up_impl": "fused", "combine_impl": "fused_weighted_sum"}
     executor = _hf_executor(a, module, config, cfg.micro_batches, "autoep")
     if a.compile:  # every decoder layer, AutoEP's MoE layers inside them
         for layer in module.model.model.layers:
@@ -405,7 +410,8 @@ def build_autoep(a: argparse.Namespace, device: torch.device):
     return (
         executor,
         cfg.micro_batches,
-        f"AutoEP ({preset}): {a.world_size} ranks, EP {a.ep_size}, {replaced} MoE layers",
+        f"AutoEP ({preset}{', fused kernels' if fused else ''}): {a.world_size} ranks, EP {a.ep_size}, "
+        f"{replaced} MoE layers",
     )
 
 
@@ -414,6 +420,7 @@ BUILDERS: dict[str, Callable[[argparse.Namespace, torch.device], tuple[Any, int,
     "colocated": build_colocated,
     "pipeline": lambda a, device: build_colocated(a, device, pp_size=a.pp_size, virtual_stages=a.virtual_stages),
     "autoep": build_autoep,
+    "autoep-fused": lambda a, device: build_autoep(a, device, fused=True),
     "deepspeed-moe": build_deepspeed_moe,
 }
 
@@ -678,8 +685,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.ep_size = a.ep_sizes[0]
     a.attention_gpus = a.attention_gpus or max(a.world_size // 2, 1)
     a.ffn_gpus = a.ffn_gpus or a.world_size - a.attention_gpus
-    if not a.methods:  # all (AutoEP where DeepSpeed has a preset for the model), or colocated alone on one rank
-        a.methods = [m for m in METHODS if m != "autoep" or _has_autoep_preset(a.model)] if a.world_size > 1 else []
+    if not a.methods:  # all but autoep-fused (CUDA only), AutoEP where DeepSpeed has a preset; colocated on one rank
+        a.methods = [m for m in METHODS if m != "autoep-fused" and (m != "autoep" or _has_autoep_preset(a.model))]
+        a.methods = a.methods if a.world_size > 1 else []
         a.methods = a.methods or ["colocated"]
     if "afpipe" in a.methods and a.attention_gpus + a.ffn_gpus != a.world_size:
         p.error(

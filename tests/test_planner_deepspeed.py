@@ -23,13 +23,17 @@ from disagmoe_ds.planner.workload import Workload
 MODELS = Path(__file__).resolve().parents[1] / "hf_models"
 
 
-def test_deepspeed_runs_no_pipeline_a_plain_all_to_all_and_bf16_grads():
+def test_deepspeed_runs_no_pipeline_autoeps_transports_and_bf16_grads():
     spec, cluster = load_model_spec(MODELS / "Qwen3-30B-A3B"), preset("h800", 4)
     found = list(deepspeed_shapes(spec, cluster, 16384, ep=None))
-    assert found and all((s.pp, s.vpp, s.dispatcher, s.fp32_grads, s.ulysses) == (1, 1, "alltoall", False, True)
-                         for s in found)  # fmt: skip
+    assert found and all((s.pp, s.vpp, s.fp32_grads, s.ulysses) == (1, 1, False, True) for s in found)
+    # AutoEP's DeepEP transport ("comm_backend": "deepep") beside its all-to-all, never with AutoTP
+    assert {s.dispatcher for s in found if s.tp == 1 and s.ep > 1} == {"alltoall", "deepep"}
+    assert {s.dispatcher for s in found if s.tp > 1 or s.ep == 1} == {"alltoall"}
     assert {s.tp for s in found} >= {1, 2, 4} and {s.cp for s in found} >= {1, 2, 4}  # with and without AutoTP
     assert all(32 % (s.tp * s.cp) == 0 for s in found)  # Ulysses splits a TP rank's 32 / t query heads
+    # DeepSpeed 0.19's AutoEP refuses AutoTP with Ulysses, and AutoTP over an expert-parallel group of one rank
+    assert all(s.cp == 1 and s.ep > 1 for s in found if s.tp > 1) and any(s.ep == 1 for s in found if s.tp == 1)
 
 
 def test_ulysses_all_to_alls_are_exposed_where_ring_cp_hides_behind_the_core():

@@ -241,16 +241,21 @@ def shapes(
 def deepspeed_shapes(spec: ModelSpec, cluster: Cluster, rows: int, *, ep: int | None) -> Iterator[Shape]:
     """What a DeepSpeed user runs on an HF MoE model: AutoEP's expert parallelism over ZeRO data parallelism, no
     pipeline stages, DeepSpeed-Ulysses over c ranks (its all-to-alls exposed: ``colocated_costs.tp_cp_exposed_s``) and
-    AutoTP over t (t = 1 too: without AutoTP), the plain all-to-all dispatcher with nothing overlapped but the shared
-    experts, and bf16 gradients (DeepSpeed's, not Megatron's fp32 main grads)."""
+    AutoTP over t (t = 1 too: without AutoTP), AutoEP's all-to-all or, without AutoTP, its DeepEP transport
+    (``"comm_backend": "deepep"``: one copy per destination node; it refuses folded TP), nothing overlapped but the
+    shared experts, and bf16 gradients (DeepSpeed's, not Megatron's fp32 main grads). Only what DeepSpeed 0.19's
+    AutoEP accepts (``module_inject.auto_ep_folding.validate_folding_global``): AutoTP with Ulysses is refused, and
+    AutoTP needs an expert-parallel group of more than one rank."""
     world = cluster.world_size
     for t in tp_options(spec, cluster.gpus_per_node):  # 1 first: without AutoTP
-        for c in CONTEXT_PARALLEL:
+        for c in CONTEXT_PARALLEL if t == 1 else (1,):
             fits = world % (t * c) == 0 and rows // (t * c) >= min(rows, MIN_ROWS_PER_RANK)
             if not fits or (c > 1 and lane_refusal(spec, c, t, tokens=rows, gpus_per_node=cluster.gpus_per_node)):
                 continue
-            for e in (e for e in divisors(spec.num_experts) if world % e == 0 and e in (ep or e,)):
-                yield Shape(1, 1, t, c, e, "partial", "alltoall", fp32_grads=False, ulysses=True)
+            for e in divisors(spec.num_experts):
+                if world % e == 0 and e in (ep or e,) and (t == 1 or e > 1):
+                    for dispatcher in ("alltoall", "deepep") if t == 1 and e > 1 else ("alltoall",):
+                        yield Shape(1, 1, t, c, e, "partial", dispatcher, fp32_grads=False, ulysses=True)
 
 
 def colocated_candidates(
