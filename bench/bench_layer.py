@@ -38,6 +38,8 @@ attention; weights random, only the config is read) and times forward + backward
                   their own after the Triton middle (as before ``models.fp8_experts``)
     ours-fp8-once-all-compiled  ours-fp8-once-compiled with every aligned projection in FP8, narrow ones too
                   (``"fp8_bf16_width": 0``, as before the shape rule)
+    ours-fp8-once-experts-compiled  ours-fp8-once-compiled with the attention side's projections all in bf16: the
+                  routed experts' GEMMs alone in FP8
     hf-fp8-compiled  hf-compiled with torchao's FP8 training on the layer's attention projections and shared
                   experts (``Float8TrainingOpConfig``, rowwise; not the router): the strongest FP8 a user of HF
                   has (CUDA and torchao only). Not its routed experts: torchao's FP8 grouped GEMM needs each
@@ -115,6 +117,7 @@ PATHS = (
     "ours-fp8-once-compiled",
     "ours-fp8-once-unfused-compiled",
     "ours-fp8-once-all-compiled",
+    "ours-fp8-once-experts-compiled",
     "hf-fp8-compiled",
 )
 CUDA_ONLY = ("hf-graphed", "ours-graphed", "hf-fp8-compiled")
@@ -358,11 +361,13 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
         "ours-fp8-once-compiled",
         "ours-fp8-once-unfused-compiled",
         "ours-fp8-once-all-compiled",
+        "ours-fp8-once-experts-compiled",
     ):
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
         expert_stage = ExpertStage(model, (0,), 0, spec.num_experts)
         if name.startswith("ours-fp8"):
-            fp8_stage(attention, 0 if name == "ours-fp8-once-all-compiled" else BF16_WIDTH)
+            widths = {"ours-fp8-once-all-compiled": 0, "ours-fp8-once-experts-compiled": 1 << 30}
+            fp8_stage(attention, widths.get(name, BF16_WIDTH))  # the widths past which a projection runs in FP8
             fp8_stage(expert_stage)
         if name == "selective-compiled":
             apply_selective_recompute(attention)
