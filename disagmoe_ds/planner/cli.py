@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("strongest", "ep", "deepspeed"),
         help="co-located baseline: strongest (TP, CP, selective recompute, all-to-all overlapped with the other "
         "micro-batch), ep (plain EP+DP interleaved 1F1B) or deepspeed (what DeepSpeed runs on an HF MoE model: "
-        "AutoEP over ZeRO data parallelism, Ulysses, AutoTP, no pipeline stages)",
+        "AutoEP over ZeRO data parallelism with its all-to-all or DeepEP transport, Ulysses or AutoTP, no pipeline "
+        "stages)",
     )
     for flag, what in (("sequence-parallel", "DeepSpeed-Ulysses ranks"), ("tensor-parallel", "tensor-parallel ranks")):
         p.add_argument(
