@@ -25,7 +25,7 @@ bf16 on GPU, AdamW, clipping). Each method's micro-batches per rank follow from 
                    a DeepSpeed user would run instead of us. Its loss is the LM loss alone (AutoEP has no aux loss)
     autoep-fused   autoep with its opt-in kernels (CUDA only): ``"gate_up_impl": "fused"`` (the gate and up
                    projections as one grouped GEMM) and ``"combine_impl": "fused_weighted_sum"`` (Triton's weighted
-                   restore of the routed rows)
+                   restore of the routed rows); slower than the defaults on an H100 (performance-log section 32)
     deepspeed-moe  the HF model with every MoE block's router and experts replaced by ``deepspeed.moe.layer.MoE``
                    (DeepSpeed's ``TopKGate`` + ``Experts`` of HF-sized gated MLPs), the shared experts kept, trained
                    by the co-located executor (same step, same clipping)
