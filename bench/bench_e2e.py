@@ -473,6 +473,7 @@ def run_method(rank: int, method: str, a: argparse.Namespace) -> dict[str, Any] 
         row["host_time_share"] = _gather_breakdown(executor.name, breakdown)
     if mailbox is not None:  # collective
         row["exchange"] = _gather_exchange(mailbox.stats(), exchanged)
+    executor.engine.destroy()  # its ZeRO gradient hooks keep the model and optimizer alive past this method otherwise
     return row if dist.get_rank() == 0 else None
 
 

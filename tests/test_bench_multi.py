@@ -136,3 +136,24 @@ def test_bench_e2e_methods_train_the_same_tokens(tmp_path):
         mfu = row["tokens_per_s"] * flops.step_flops_per_token(8) / (2 * bench.PEAK_FLOPS)
         assert math.isclose(row["mfu"], mfu) and row["mfu"] > 0
         assert abs(row["loss"] - math.log(128)) < 0.5  # random init on a vocabulary of 128
+
+
+def _parameters_alive_after(rank: int, method: str, run) -> int:
+    import gc
+
+    sys.modules["bench_e2e"].run_method(rank, method, run)
+    gc.collect()
+    return sum(isinstance(o, torch.nn.Parameter) for o in gc.get_objects())
+
+
+def test_bench_e2e_releases_each_methods_model_before_the_next_builds():
+    """Under a launcher every method runs in the same processes: one left alive (ZeRO's gradient hooks hold the
+    engine) would take the next one's GPU memory (AutoEP after ours ran out of memory on one H100)."""
+    from disagmoe_ds.launch import spawn_local
+
+    bench = _load("bench_e2e")
+    argv = ["--device", "cpu", "--model", str(ROOT / "hf_models" / "tiny-qwen3-moe"), "--world-size", "2"]
+    argv += ["--seq-len", "8", "--global-batch", "4", "--warmup", "0", "--steps", "1", "--ep-size", "2"]
+    for method, run in bench.runs(bench.parse_args([*argv, "--methods", "afpipe", "colocated", "autoep"])):
+        alive = spawn_local(_parameters_alive_after, 2, args=(method, run), backend="gloo", timeout_s=120)
+        assert alive == [0, 0], (method, alive)
