@@ -138,12 +138,17 @@ def test_bench_e2e_methods_train_the_same_tokens(tmp_path):
         assert abs(row["loss"] - math.log(128)) < 0.5  # random init on a vocabulary of 128
 
 
-def _parameters_alive_after(rank: int, method: str, run) -> int:
+def _parameters_left_by(rank: int, method: str, run) -> int:
+    """Parameters alive after ``run_method`` that were not before it (a forked rank inherits its parent's)."""
     import gc
 
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, torch.nn.Parameter) for o in gc.get_objects())
+
+    before = alive()
     sys.modules["bench_e2e"].run_method(rank, method, run)
-    gc.collect()
-    return sum(isinstance(o, torch.nn.Parameter) for o in gc.get_objects())
+    return alive() - before
 
 
 def test_bench_e2e_releases_each_methods_model_before_the_next_builds():
@@ -155,5 +160,5 @@ def test_bench_e2e_releases_each_methods_model_before_the_next_builds():
     argv = ["--device", "cpu", "--model", str(ROOT / "hf_models" / "tiny-qwen3-moe"), "--world-size", "2"]
     argv += ["--seq-len", "8", "--global-batch", "4", "--warmup", "0", "--steps", "1", "--ep-size", "2"]
     for method, run in bench.runs(bench.parse_args([*argv, "--methods", "afpipe", "colocated", "autoep"])):
-        alive = spawn_local(_parameters_alive_after, 2, args=(method, run), backend="gloo", timeout_s=120)
-        assert alive == [0, 0], (method, alive)
+        left = spawn_local(_parameters_left_by, 2, args=(method, run), backend="gloo", timeout_s=120)
+        assert left == [0, 0], (method, left)
