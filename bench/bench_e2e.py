@@ -686,10 +686,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.ep_size = a.ep_sizes[0]
     a.attention_gpus = a.attention_gpus or max(a.world_size // 2, 1)
     a.ffn_gpus = a.ffn_gpus or a.world_size - a.attention_gpus
-    if not a.methods:  # all but autoep-fused (CUDA only), AutoEP where DeepSpeed has a preset; colocated on one rank
+    if not a.methods and a.world_size == 1:
+        a.methods = ["colocated"]
+    elif not a.methods:  # all but autoep-fused (CUDA only), AutoEP where DeepSpeed has a preset for the model
         a.methods = [m for m in METHODS if m != "autoep-fused" and (m != "autoep" or _has_autoep_preset(a.model))]
-        a.methods = a.methods if a.world_size > 1 else []
-        a.methods = a.methods or ["colocated"]
     if "afpipe" in a.methods and a.attention_gpus + a.ffn_gpus != a.world_size:
         p.error(
             f"AF-Pipe needs attention + FFN ranks = world size ({a.attention_gpus} + {a.ffn_gpus} != {a.world_size})"
