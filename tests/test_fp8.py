@@ -275,6 +275,36 @@ def test_a_step_casts_each_expert_weight_once_until_the_weights_change(monkeypat
     assert len(cached) == 9  # outside the scope nothing is kept
 
 
+def test_a_weight_handed_over_transposed_is_cast_once_too(monkeypatch) -> None:
+    """HF hands GPT-OSS's experts (stored ``[e, in, out]``) to the grouped GEMM transposed: that view is the parameter
+    with its last two dimensions swapped, so its copies are kept for the step like any whole parameter's (they were
+    cast in every call: twice the bf16 layer's time on an H100), bit for bit the per-call cast's, and one orientation
+    of the parameter is one copy whichever way it is asked for."""
+    from disagmoe_ds.fp8 import weight_cache
+
+    cached = []
+    monkeypatch.setattr(weight_cache, "quantize", lambda x, dim: cached.append(x.shape) or quantize(x, dim))
+    torch.manual_seed(0)
+    w_in_out = nn.Parameter(torch.randn(3, 32, 48))
+    x, offsets = torch.randn(40, 32, requires_grad=True), torch.tensor([10, 20, 40], dtype=torch.int32)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        fp8_grouped_mm(x, w_in_out.transpose(1, 2), offsets).square().sum().backward()
+        grads = (x.grad.clone(), w_in_out.grad.clone())
+        x.grad = w_in_out.grad = None
+        return grads
+
+    per_call = step()
+    with weight_cache.cast_once_per_step():
+        for _ in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(step(), per_call, strict=True))
+        assert len(cached) == 2 + 2  # the per-call step's two casts, then the scope's two
+        kept = weight_cache.quantized_weight(w_in_out, transposed=True)
+        assert kept is weight_cache.quantized_weight(w_in_out.transpose(1, 2)) and len(cached) == 4
+        weight_cache.quantized_weight(w_in_out[:, :16].transpose(1, 2))  # a slice: cast, not kept
+        assert len(cached) == 5
+
+
 def test_routed_rows_in_fp8_are_kept_in_fp8_for_the_weight_gradient() -> None:
     """Rows that are FP8 values already (the routed tokens, as the lever sends them) are kept for dW as their e4m3
     bytes and scales, not as the [P, K] input, and give bit for bit the gradients of keeping the input."""

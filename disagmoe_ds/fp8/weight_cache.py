@@ -7,8 +7,9 @@ micro-batch, as much as the FP8 GEMMs save on an expert shard (performance-log Â
 (an executor's step or evaluation) each parameter's copies are made on first use and kept until the step changes the
 weights (``weights_changed``, the executors' optimizer step) or the scope ends. Outside it nothing is kept.
 
-What is kept: an expert projection's parameter used whole (the tensor an FP8 grouped GEMM gets is the parameter or a
-view of it with the same shape and strides; linear layers cast in every call, ``fp8.projections``). A slice, or a
+What is kept: an expert projection's parameter used whole (the tensor an FP8 grouped GEMM gets is the parameter, a
+view of it with the same shape and strides, or its last two dimensions swapped, as HF hands GPT-OSS's ``[e, in, out]``
+weights over; linear layers cast in every call, ``fp8.projections``). A slice, or a
 weight computed in the call (a LoRA merge, a dequantized frozen base), is cast each time, and so is every weight
 inside a compiled region or a CUDA graph capture. Memory: two FP8 bytes per such parameter for the step (the
 planner prices them, ``planner.memory``).
@@ -50,10 +51,11 @@ def quantized_weight(weight: torch.Tensor, transposed: bool = False) -> Quantize
     """``quantize(weight, -1)`` (``transposed``: of ``weight``'s last two dimensions swapped), kept for the step where
     ``weight`` is a whole parameter inside ``cast_once_per_step``."""
     rows = weight.transpose(-2, -1) if transposed else weight
-    owner = None if _kept is None or _inside_a_graph() else _whole_parameter(weight)
-    if _kept is None or owner is None:
+    found = None if _kept is None or _inside_a_graph() else _whole_parameter(weight)
+    if _kept is None or found is None:
         return quantize(rows, -1)
-    key = (id(owner), transposed)
+    owner, swapped = found
+    key = (id(owner), transposed != swapped)  # the rows' orientation relative to the parameter's
     kept = _kept.get(key)
     if kept is not None and kept[0]() is owner:
         return kept[1]
@@ -68,9 +70,13 @@ def _inside_a_graph() -> bool:
     return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _whole_parameter(weight: torch.Tensor) -> nn.Parameter | None:
-    """The parameter ``weight`` is, or is an identical view of; None for anything else."""
+def _whole_parameter(weight: torch.Tensor) -> tuple[nn.Parameter, bool] | None:
+    """The parameter ``weight`` is, or is an identical view of (False), or is that parameter with its last two
+    dimensions swapped (True); None for anything else (a slice, a computed weight)."""
     owner = weight if weight._base is None else weight._base
-    if not isinstance(owner, nn.Parameter) or owner.shape != weight.shape or owner.stride() != weight.stride():
+    if not isinstance(owner, nn.Parameter) or weight.storage_offset() != owner.storage_offset():
         return None
-    return owner
+    for swapped, view in ((False, owner), (True, owner.transpose(-2, -1))):
+        if view.shape == weight.shape and view.stride() == weight.stride():
+            return owner, swapped
+    return None
