@@ -27,19 +27,21 @@ attention; weights random, only the config is read) and times forward + backward
     ours-fp8-compiled  ours-compiled with ``"fp8": true``: the experts' grouped GEMMs and the attention side's
                   projections in FP8 (``disagmoe_ds.fp8``: e4m3, rowwise power-of-two scales, all three GEMMs;
                   the router and the LM head stay high precision; projections too narrow to pay stay bf16,
-                  ``fp8.shapes``), the quantization compiled into the parts, on CUDA the experts' middle writing
-                  the FP8 operands of the GEMMs after it (``models.fp8_experts``); every weight cast to FP8 in
-                  every call: a step of one micro-batch
-    ours-fp8-once-compiled  ours-fp8-compiled inside one optimizer step's scope (``fp8.weight_cache``): the
-                  expert weights' FP8 copies made once (in the warm-up) and reused, as every micro-batch of a step
-                  after its first runs them; a step of K micro-batches costs about (K - 1) of these and one
-                  ours-fp8-compiled
-    ours-fp8-once-unfused-compiled  ours-fp8-once-compiled with the experts' FP8 operands quantized in passes of
-                  their own after the Triton middle (as before ``models.fp8_experts``)
-    ours-fp8-once-all-compiled  ours-fp8-once-compiled with every aligned projection in FP8, narrow ones too
-                  (``"fp8_bf16_width": 0``, as before the shape rule)
-    ours-fp8-once-experts-compiled  ours-fp8-once-compiled with the attention side's projections all in bf16: the
-                  routed experts' GEMMs alone in FP8
+                  ``fp8.shapes``; the experts in FP8 at any width), the quantization compiled into the parts, on
+                  CUDA the experts' middle writing the FP8 operands of the GEMMs after it
+                  (``models.fp8_experts``); every weight cast to FP8 in every call: a step of one micro-batch
+    ours-fp8-once-compiled  the lever as a run configures it by default: ours-fp8-compiled inside one optimizer
+                  step's scope (``fp8.weight_cache``: the expert weights' FP8 copies made once, in the warm-up, and
+                  reused, as every micro-batch of a step after its first runs them; a step of K micro-batches costs
+                  about (K - 1) of these and one ours-fp8-compiled), the experts in FP8 only where their width pays
+                  (``"fp8_expert_bf16_width"``; their rows FP8 values either way, as the lever sends them)
+    ours-fp8-once-unfused-compiled  ours-fp8-once-compiled with the experts in FP8 at any width and their FP8
+                  operands quantized in passes of their own after the Triton middle (as before
+                  ``models.fp8_experts``)
+    ours-fp8-once-all-compiled  ours-fp8-once-compiled with every aligned projection and the experts in FP8,
+                  narrow ones too (both widths 0, as before the shape rules)
+    ours-fp8-once-experts-compiled  ours-fp8-once-compiled with the attention side's projections all in bf16 and
+                  the routed experts' GEMMs in FP8 at any width: FP8 on the experts alone
     hf-fp8-compiled  hf-compiled with torchao's FP8 training on the layer's attention projections and shared
                   experts (``Float8TrainingOpConfig``, rowwise; not the router): the strongest FP8 a user of HF
                   has (CUDA and torchao only). Not its routed experts: torchao's FP8 grouped GEMM needs each
@@ -88,7 +90,7 @@ import torch.nn.functional as F
 
 from disagmoe_ds.comm.routing import combine, count_ids, pack, plan_dispatch
 from disagmoe_ds.fp8.quantize import round_trip
-from disagmoe_ds.fp8.shapes import BF16_WIDTH
+from disagmoe_ds.fp8.shapes import BF16_WIDTH, EXPERT_BF16_WIDTH
 from disagmoe_ds.fp8.weight_cache import cast_once_per_step
 from disagmoe_ds.models import grouped_experts
 from disagmoe_ds.models.context import build_context
@@ -201,13 +203,13 @@ def _hf_graphed_step(model, h_BSH, ctx, grad_BSH):
 
 
 def _ours_step(parts, h_BSH, ctx, grad_BSH):
-    attention_part, shard, params, config = parts
+    attention_part, shard, params, config, fp8_rows = parts
     fresh_grads(h_BSH, *params)
     HeldActivations.begin()
     out = attention_part(h_BSH, ctx, config)
     plan = plan_dispatch(out.topk_idx_TK, 1, shard.num_local)
     ((x_RH, w_RK),) = pack(out.x_TH, out.topk_w_TK, plan)
-    x_RH = round_trip(x_RH) if getattr(shard, "fp8", False) else x_RH  # the rows the FP8 lever sends
+    x_RH = round_trip(x_RH) if fp8_rows else x_RH  # the rows the FP8 lever sends
     y_RH = shard(x_RH, plan.local_idx_RK[0], w_RK, plan.pairs[0])
     HeldActivations.end()
     (out.residual_BSH + combine([y_RH], plan).view_as(out.residual_BSH)).backward(grad_BSH)
@@ -365,10 +367,10 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
     ):
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
         expert_stage = ExpertStage(model, (0,), 0, spec.num_experts)
-        if name.startswith("ours-fp8"):
+        if name.startswith("ours-fp8"):  # the widths past which a projection runs in FP8, and the experts
             widths = {"ours-fp8-once-all-compiled": 0, "ours-fp8-once-experts-compiled": 1 << 30}
-            fp8_stage(attention, widths.get(name, BF16_WIDTH))  # the widths past which a projection runs in FP8
-            fp8_stage(expert_stage)
+            fp8_stage(attention, widths.get(name, BF16_WIDTH))
+            fp8_stage(expert_stage, expert_bf16_width=EXPERT_BF16_WIDTH if name == "ours-fp8-once-compiled" else 0)
         if name == "selective-compiled":
             apply_selective_recompute(attention)
             apply_selective_recompute(expert_stage)
@@ -384,7 +386,8 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
         part, shard = attention.part(0), expert_stage.shard(0)
         if name == "ours-graphed":
             part, shard = graphed_layer(attention, expert_stage, h_BSH, ctx)
-        return _ours_step, ((part, shard, params, model.config), h_BSH, ctx, grad_BSH)
+        parts = (part, shard, params, model.config, name.startswith("ours-fp8"))
+        return _ours_step, (parts, h_BSH, ctx, grad_BSH)
     if name == "floor":
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
         with torch.no_grad():

@@ -47,7 +47,7 @@ ours-fp8-once-all-compiled ours-fp8-compiled hf-fp8-compiled"}
 done
 E2E="bench/bench_e2e.py --model hf_models/Qwen3-30B-A3B --layers 4 --world-size 1 --seq-len $SEQ --global-batch 8 --micro-batch-size 1 --methods colocated --compile --warmup 2 --steps 3"
 if [ "$PART" = e2e ] && [ "${CONVERGE:-1}" = 1 ]; then  # the convergence check: the default job's model, every projection in FP8
-  python -c "import json; c = json.load(open('ds_configs/tiny-cpu.json')); c['disagmoe']['fp8_bf16_width'] = 0; \
+  python -c "import json; c = json.load(open('ds_configs/tiny-cpu.json')); c['disagmoe'].update(fp8_bf16_width=0, fp8_expert_bf16_width=0); \
 json.dump(c, open('/tmp/fp8-every-width.json', 'w'))"
   for precision in bf16 fp8; do
     step 200 python run_pretrain.py --mode colocated --world-size 1 --steps 300 --dtype bf16 --zero 1 \

@@ -111,7 +111,8 @@ def test_pipeline_stages_equal_hf(tiny_checkpoint, case: PipeCase):
         transport="rendezvous",
         lora=LoraSettings(rank=4, init_lora_weights=False) if case.lora else None,  # a non-zero update at once
         fp8=case.fp8,
-        fp8_bf16_width=0,  # the tiny models' projections in FP8 too (the shape rule would keep them bf16)
+        fp8_bf16_width=0,  # the tiny models' projections and experts in FP8 too (the shape rules would keep them bf16)
+        fp8_expert_bf16_width=0,
         recompute=dict(zip(("attention", "ffn"), case.recompute, strict=True)),
         sequence_parallel=case.sp,
         tensor_parallel=case.tp,

@@ -18,7 +18,7 @@ KEYS = {
     DisagMoEConfig: {
         "attention_gpus", "ffn_gpus", "depth", "micro_batches", "expert_data_parallel", "node_dedup",
         "sequence_parallel", "tensor_parallel", "max_in_flight", "comm_timeout_s", "compile", "attention",
-        "cuda_graphs", "fp8", "fp8_cast_per_call", "fp8_bf16_width",
+        "cuda_graphs", "fp8", "fp8_cast_per_call", "fp8_bf16_width", "fp8_expert_bf16_width",
         "activation_checkpointing", "selective_recompute", "recompute", "comm_stream", "transport", "capacity_factor",
         "resend", "offload", "split_backward", "zero_stage", "offload_optimizer", "cluster", "ffn_cluster", "profile",
         "lora",
@@ -27,7 +27,8 @@ KEYS = {
     ColocatedConfig: {
         "world_size", "ep_size", "pp_size", "virtual_stages", "stage_layers", "transport", "micro_batches",
         "comm_timeout_s", "compile", "attention", "cuda_graphs", "fp8", "fp8_cast_per_call", "fp8_bf16_width",
-        "activation_checkpointing", "selective_recompute", "recompute", "lora", "sequence_parallel", "tensor_parallel",
+        "fp8_expert_bf16_width", "activation_checkpointing", "selective_recompute", "recompute", "lora",
+        "sequence_parallel", "tensor_parallel",
     },
     LoraSettings: {"rank", "alpha", "dropout", "targets", "train_router", "init_lora_weights"},
 }  # fmt: skip

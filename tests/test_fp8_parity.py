@@ -33,6 +33,7 @@ from disagmoe_ds.fp8 import projections
 from disagmoe_ds.fp8.modules import Fp8Linear, convert_linears
 from disagmoe_ds.fp8.projections import fp8_grouped_mm, fp8_linear
 from disagmoe_ds.fp8.quantize import round_trip
+from disagmoe_ds.fp8.shapes import EXPERT_BF16_WIDTH
 from disagmoe_ds.models.lora import LoraLinear
 from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.parity.reference import TOLERANCE, VerifyArgs, reference
@@ -46,7 +47,9 @@ FLIP_SHARE = 0.25
 LORA = {"lora": LoraSettings(rank=8, init_lora_weights=False)}  # a non-zero update from the start
 
 # Every mode's FP8 step: K = 2 and one or two lanes, so that the gradient's 1/(lanes x K) is a power of two too; and
-# "fp8_bf16_width": 0, every projection in FP8 (the tiny models' are all narrower than the shape rule's 2,048).
+# "fp8_bf16_width" and "fp8_expert_bf16_width" 0, every projection and expert in FP8 (the tiny models' are all narrower
+# than the shape rules' widths), but where a case names the experts' width.
+EVERY_WIDTH = {"fp8_bf16_width": 0, "fp8_expert_bf16_width": 0}
 DISAGGREGATED = [
     Job(M=2, N=4, p=2, K=2, resend=True, skew=True),  # two ep ranks per F-group, depth 2, resend; skewed routing
     Job(family="deepseek-v3", M=2, N=2, K=2, extra={"split_backward": True, "selective_recompute": True},
@@ -60,6 +63,8 @@ COLOCATED = [
     ColocatedJob(K=2, skew=True),  # skewed routing: empty experts, rows of denormal gradients (scale_of's floor)
     ColocatedJob(K=2, extra=LORA, label="lora"),
     ColocatedJob(K=2, extra={"fp8_cast_per_call": True}, label="cast-per-call"),  # no weight copies kept
+    # the experts' rule (default width): bf16 grouped GEMMs on the FP8 rows, as the reference's experts
+    ColocatedJob(K=2, extra={"fp8_expert_bf16_width": EXPERT_BF16_WIDTH}, label="bf16-experts"),
 ]
 
 
@@ -81,7 +86,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("case", DISAGGREGATED, ids=str)
 def test_disaggregated_fp8_step_equals_the_fp8_reference(case: Job) -> None:
-    cfg = case.config(transport="rendezvous", fp8=True, fp8_bf16_width=0)
+    cfg = case.config(transport="rendezvous", fp8=True, **EVERY_WIDTH)
     args = VerifyArgs(str(MODELS / f"tiny-{case.family}"), cfg, zero=1, steps=1, seq_len=8, skew=case.skew)
     _assert_fp8_parity(run_verify(args, timeout_s=240), args, args.cfg.batch_lanes)
 
@@ -89,7 +94,7 @@ def test_disaggregated_fp8_step_equals_the_fp8_reference(case: Job) -> None:
 @pytest.mark.parametrize("case", COLOCATED, ids=str)
 def test_colocated_fp8_step_equals_the_fp8_reference(case: ColocatedJob) -> None:
     cfg = ColocatedConfig(
-        world_size=case.W, ep_size=case.ep, micro_batches=case.K, fp8=True, fp8_bf16_width=0, **case.extra
+        world_size=case.W, ep_size=case.ep, micro_batches=case.K, fp8=True, **(EVERY_WIDTH | case.extra)
     )
     args = ColocatedVerifyArgs(str(MODELS / f"tiny-{case.family}"), cfg, zero=1, steps=1, seq_len=8, skew=case.skew)
     _assert_fp8_parity(run_colocated_verify(args, timeout_s=240), args, cfg.lanes)
@@ -198,6 +203,44 @@ def test_an_expert_shard_on_hf_s_module_computes_as_its_grouped_path_in_fp8() ->
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     shard.fp8 = False
     assert (shard(x, idx, w) - grouped).abs().max() > 1e-4  # FP8's error: the switch is what changed it
+
+
+def test_the_experts_run_fp8_only_where_their_width_pays() -> None:
+    """The experts' shape rule (``fp8.shapes.experts_fp8_pay``, performance-log section 33): DeepSeek-V3's and
+    Mixtral's experts run FP8, Qwen3-30B-A3B's and Qwen3-235B-A22B's stay bf16 (FP8 measured slower there), as do the
+    tiny models' unless ``"fp8_expert_bf16_width"`` is 0; ``fp8_stage`` switches an expert stage's shards by it."""
+    from disagmoe_ds.models.loading import load_config, load_model
+    from disagmoe_ds.models.parts import ExpertStage, experts_in_fp8, fp8_stage
+
+    verdicts = {name: experts_in_fp8(load_config(MODELS / name)) for name in
+                ("DeepSeek-V3", "Mixtral-8x7B", "Qwen3-30B-A3B", "Qwen3-235B-A22B", "tiny-qwen3-moe")}  # fmt: skip
+    assert verdicts == {"DeepSeek-V3": True, "Mixtral-8x7B": True, "Qwen3-30B-A3B": False, "Qwen3-235B-A22B": False,
+                        "tiny-qwen3-moe": False}  # fmt: skip
+    model = load_model(MODELS / "tiny-qwen3-moe", dtype=torch.float32, seed=0)
+    for width, fp8 in ((EXPERT_BF16_WIDTH, False), (0, True)):
+        stage = ExpertStage(model, (1, 2), 0, 4)
+        fp8_stage(stage, expert_bf16_width=width)
+        assert [stage.shard(i).fp8 for i in (1, 2)] == [fp8, fp8]
+
+
+def test_the_run_says_before_launch_which_gemms_run_fp8() -> None:
+    from types import SimpleNamespace
+
+    from disagmoe_ds.config import DisagMoEConfig
+    from disagmoe_ds.models.loading import load_config
+    from disagmoe_ds.train.progress import _fp8_lines
+
+    def line(model: str, **cfg) -> str:
+        args = SimpleNamespace(cfg=DisagMoEConfig(**cfg), dtype="bf16")
+        (text,) = _fp8_lines(args, load_config(MODELS / model)) or ["-"]
+        return text
+
+    assert line("DeepSeek-V3", fp8=True).startswith(
+        "fp8: the routed experts' GEMMs in FP8 (harmonic width H*I/(H+I) = 1,593"
+    )
+    assert 'in bf16 (harmonic width H*I/(H+I) = 559 <= "fp8_expert_bf16_width" 1,536' in line("Qwen3-30B-A3B", fp8=True)
+    assert "GEMMs in FP8" in line("Qwen3-30B-A3B", fp8=True, fp8_expert_bf16_width=0)
+    assert line("Qwen3-30B-A3B") == "-"
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])

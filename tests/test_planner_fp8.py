@@ -16,7 +16,7 @@ from disagmoe_ds.config.levers import job_of
 from disagmoe_ds.planner.cli import build_parser, main
 from disagmoe_ds.planner.cluster import Efficiency, preset
 from disagmoe_ds.planner.colocated_costs import alltoall_s
-from disagmoe_ds.planner.fp8_costs import PASS_BYTES, Fp8, a_side_passes, expert_passes, fp8_speedup
+from disagmoe_ds.planner.fp8_costs import PASS_BYTES, Fp8, a_side_passes, expert_lever, expert_passes, fp8_speedup
 from disagmoe_ds.planner.gemm_efficiency import shape_rates
 from disagmoe_ds.planner.lora import LoRA
 from disagmoe_ds.planner.model import load_model_spec
@@ -117,6 +117,22 @@ def test_the_planner_prices_fp8_only_on_projections_the_runtime_puts_in_fp8(name
     )
 
 
+@pytest.mark.parametrize("name", ["Qwen3-30B-A3B", "Qwen3-235B-A22B", "DeepSeek-V3", "Mixtral-8x7B"])
+def test_the_planner_prices_fp8_experts_only_where_the_runtime_runs_them(name):
+    """The experts' shape rule (``fp8.shapes.experts_fp8_pay``): the planner's verdict is the runtime's, from the
+    same config, and experts left in bf16 cost under ``--fp8`` what they cost in bf16."""
+    from disagmoe_ds.models.loading import load_config
+    from disagmoe_ds.models.parts import experts_in_fp8
+
+    spec, work = _spec(name), Workload(4096, 1, fp8=True)
+    lever = expert_lever(spec, work, 8)
+    assert (
+        (lever is not None) == experts_in_fp8(load_config(MODELS / name)) == (name in ("DeepSeek-V3", "Mixtral-8x7B"))
+    )
+    assert expert_lever(spec, Workload(4096, 1, fp8=True, fp8_expert_bf16_width=0), 8) is not None
+    assert expert_lever(spec, Workload(4096, 1), 8) is None
+
+
 def test_a_quantize_pass_reads_two_bytes_and_writes_one_per_element_at_hbm_bandwidth():
     spec = _spec("Qwen3-30B-A3B")
     rates, h, i = shape_rates(preset("h800", 4), Efficiency(), spec), 2048, 768
@@ -133,7 +149,8 @@ def test_a_quantize_pass_reads_two_bytes_and_writes_one_per_element_at_hbm_bandw
 
 def test_the_expert_weights_are_cast_once_a_step_and_their_copies_held_for_it():
     """The F rank's step carries two passes over its expert weights (rowwise and transposed, 3 B each) and its memory
-    their two FP8 bytes a parameter; the A rank's step and the bf16 plan are unchanged."""
+    their two FP8 bytes a parameter; the A rank's step and the bf16 plan are unchanged. Qwen3-30B-A3B's experts run
+    FP8 here only with ``"fp8_expert_bf16_width"`` 0: by the default rule they stay bf16, with nothing of it."""
     from disagmoe_ds.layout import Layout
     from disagmoe_ds.planner.memory import ffn_rank_memory
     from disagmoe_ds.planner.optimizer_step import af_optimizer_s
@@ -142,8 +159,11 @@ def test_the_expert_weights_are_cast_once_a_step_and_their_copies_held_for_it():
     spec = _spec("Qwen3-30B-A3B")
     rates = shape_rates(preset("h800", 4), Efficiency(), spec)
     layout = Layout(attention_gpus=16, ffn_gpus=16, depth=4, num_layers=48, num_experts=128)
-    work, work8 = Workload(4096, 1), Workload(4096, 1, fp8=True)
+    work, work8 = Workload(4096, 1), Workload(4096, 1, fp8=True, fp8_expert_bf16_width=0)
     weights = ffn_rank_params(spec, layout, 0).trained  # 12 layers x 32 experts, all trained
+    by_rule = Workload(4096, 1, fp8=True)
+    assert af_optimizer_s(spec, layout, by_rule, rates) == af_optimizer_s(spec, layout, work, rates)
+    assert ffn_rank_memory(spec, layout, by_rule) == ffn_rank_memory(spec, layout, work)
     (a, f), (a8, f8) = af_optimizer_s(spec, layout, work, rates), af_optimizer_s(spec, layout, work8, rates)
     assert a8 == a and (f8 - f) * rates.hbm_bw == pytest.approx(2 * 3 * weights)
     mem, mem8 = ffn_rank_memory(spec, layout, work), ffn_rank_memory(spec, layout, work8)
@@ -152,7 +172,7 @@ def test_the_expert_weights_are_cast_once_a_step_and_their_copies_held_for_it():
     per_micro_batch = mem.activations_per_micro_batch - mem8.activations_per_micro_batch
     assignments = 4 * 4096 * spec.top_k / 4  # an A-group's 4 lanes of 4,096 tokens, over its F-group's EP 4
     assert per_micro_batch == pytest.approx(12 * assignments * (2048 - 4))  # its 12 layers
-    selective = Workload(4096, 1, fp8=True, recompute="selective")
+    selective = Workload(4096, 1, fp8=True, fp8_expert_bf16_width=0, recompute="selective")
     selective16 = Workload(4096, 1, recompute="selective")
     assert ffn_rank_memory(spec, layout, selective).activations_per_micro_batch == pytest.approx(
         ffn_rank_memory(spec, layout, selective16).activations_per_micro_batch

@@ -10,7 +10,7 @@ from typing import Any
 
 from disagmoe_ds.config.zero import SECTION, ZERO_STAGES, effective_zero_stage
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.fp8.shapes import BF16_WIDTH
+from disagmoe_ds.fp8.shapes import BF16_WIDTH, EXPERT_BF16_WIDTH
 from disagmoe_ds.layout import Layout, RankCounts
 from disagmoe_ds.models.attention_kernel import ATTENTION_KERNELS
 from disagmoe_ds.models.lora_settings import LoraSettings
@@ -199,17 +199,24 @@ class Fp8Compute(Section):
             projection, not a TP shard) is at most this stay in the model's dtype, where FP8's quantizations cost
             more than its GEMM saves (``fp8.shapes``: 2,048 by default, a rule measured at one shape); 0: every
             aligned projection in FP8. The planner prices the same.
+        fp8_expert_bf16_width: with ``fp8``, the routed experts keep bf16 grouped GEMMs where their harmonic width
+            ``H I / (H + I)`` is at most this (``fp8.shapes.experts_fp8_pay``: 1,536 by default, between the widths
+            where FP8 was measured losing and paying; Qwen3-30B-A3B's experts stay bf16, DeepSeek-V3's and
+            Mixtral's run FP8); 0: always FP8. The routed tokens travel in FP8 either way. The planner prices the
+            same.
     """
 
     fp8: bool = False
     fp8_cast_per_call: bool = False
     fp8_bf16_width: int = BF16_WIDTH
+    fp8_expert_bf16_width: int = EXPERT_BF16_WIDTH
 
     def _check(self) -> None:
         self._switches("fp8", "fp8_cast_per_call")
-        width = self.fp8_bf16_width
-        if isinstance(width, bool) or not isinstance(width, int) or width < 0:
-            raise ConfigError(f"{self._named('fp8_bf16_width')} must be a width >= 0, got {width!r}")
+        for key in ("fp8_bf16_width", "fp8_expert_bf16_width"):
+            width = getattr(self, key)
+            if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+                raise ConfigError(f"{self._named(key)} must be a width >= 0, got {width!r}")
 
     @property
     def fp8_cast_once(self) -> bool:

@@ -16,6 +16,7 @@ tokens in FP8 in every layout (``comm.messages.Tokens``, ``comm.dispatch``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -70,23 +71,26 @@ def _product(
     return fp8(base) + high(update)
 
 
-def compute_experts_in_fp8(experts: nn.Module) -> None:
-    """Make ``experts`` (an HF experts module, whose forward takes the routed hidden states first) run its forward
-    under ``Fp8Experts``, on the FP8 values of its input rows."""
+def compute_experts_on_fp8_rows(experts: nn.Module, fp8_gemms: bool = True) -> None:
+    """Make ``experts`` (an HF experts module, whose forward takes the routed hidden states first) run its forward on
+    the FP8 values of its input rows (as the lever sends them), under ``Fp8Experts`` where ``fp8_gemms``."""
     forward = experts.forward
 
     def fp8_forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        with Fp8Experts():
+        with Fp8Experts() if fp8_gemms else contextlib.nullcontext():
             return forward(round_trip(hidden_states), *args, **kwargs)
 
     experts.forward = fp8_forward
 
 
-def to_fp8_reference(model: nn.Module, router_attr: str, bf16_width: int = BF16_WIDTH) -> nn.Module:
+def to_fp8_reference(
+    model: nn.Module, router_attr: str, bf16_width: int = BF16_WIDTH, fp8_experts: bool = True
+) -> nn.Module:
     """``model`` (an HF causal LM, or PEFT's base model of one; ``router_attr``: its family's router attribute) with
     every decoder layer's projections in FP8 as the lever puts the ranks' (``fp8.modules.convert_linears`` at
-    ``bf16_width``: not the router, not the LM head, not PEFT's adapters, not those too narrow to pay) and its experts
-    modules' GEMMs under ``Fp8Experts``. In place."""
+    ``bf16_width``: not the router, not the LM head, not PEFT's adapters, not those too narrow to pay), its experts
+    modules on FP8 rows and, with ``fp8_experts`` (``models.parts.experts_in_fp8``), their GEMMs under
+    ``Fp8Experts``. In place."""
     layers = model.get_submodule("model.layers")  # the decoder layers (nn.Module's attributes are typed loosely)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"{type(model).__name__}.model.layers is no ModuleList: not an HF causal LM")
@@ -97,5 +101,5 @@ def to_fp8_reference(model: nn.Module, router_attr: str, bf16_width: int = BF16_
             skip += [experts, getattr(layer.mlp, router_attr)]
         convert_linears(layer, skip=skip, bf16_width=bf16_width)
         if experts is not None:
-            compute_experts_in_fp8(experts)
+            compute_experts_on_fp8_rows(experts, fp8_experts)
     return model

@@ -1,4 +1,5 @@
-"""Which linear projections the FP8 lever computes in FP8, by shape (pure Python: the planner prices the same rule).
+"""Which linear projections and routed experts the FP8 lever computes in FP8, by shape (pure Python: the planner prices
+the same rules).
 
 FP8 pays where a GEMM's saving, which grows with M x K x N, exceeds what the recipe adds around it: the rowwise
 quantizations of its operands and their neighbours' casts, which grow with M x (K + N). So narrow projections lose.
@@ -8,8 +9,20 @@ backward of the four projections) took 0.87 ms against bf16's 0.60. ``BF16_WIDTH
 an input or output width of at most 2,048, in bf16, and nothing wider: conservative, as no wider projection was
 measured losing, and not a fitted boundary (the four were timed together, not one by one).
 
+The routed experts follow the same reasoning with their own measure, the harmonic width ``H I / (H + I)`` of hidden
+size H and expert width I (a grouped GEMM's FLOPs per row grow with H x I, the quantizations around it with H + I),
+measured on seven models' layers (performance-log section 33, one H100, one GPU's experts at 1 x 4,096 tokens, the
+FP8 layer against bf16): FP8 paid at DeepSeek-V3's 1,593 (1.20x) and Mixtral-8x7B's 3,186 (1.13x) and lost at every
+width below, Qwen3-235B-A22B's 1,117 (0.98x), GLM-4.5-Air's 1,048 (0.99x), DeepSeek-MoE-16B's 834 (0.90x),
+Qwen3-30B-A3B's 559 (0.80x) and Qwen3.5-35B-A3B's 410 (0.93x). No width between 1,117 and 1,593 was measured;
+``EXPERT_BF16_WIDTH`` keeps the experts bf16 up to 1,536, short of the smallest width seen paying. Under expert
+parallelism each expert sees ep times more rows, where FP8's grouped GEMMs gain more (section 26): the rule is
+conservative there.
+
 >>> fp8_pays(2048, 4096), fp8_pays(16384, 7168), fp8_pays(64, 96, bf16_width=0)
 (False, True, True)
+>>> experts_fp8_pay(7168, 2048), experts_fp8_pay(2048, 768), experts_fp8_pay(64, 32, bf16_width=0)
+(True, False, True)
 """
 
 from __future__ import annotations
@@ -18,6 +31,8 @@ from __future__ import annotations
 ALIGNMENT = 16
 # A projection whose in_features or out_features is at most this stays in bf16 (the ``"fp8_bf16_width"`` default).
 BF16_WIDTH = 2048
+# Routed experts whose harmonic width is at most this stay in bf16 (the ``"fp8_expert_bf16_width"`` default).
+EXPERT_BF16_WIDTH = 1536
 
 
 def fp8_pays(in_features: int, out_features: int, bf16_width: int = BF16_WIDTH) -> bool:
@@ -25,3 +40,9 @@ def fp8_pays(in_features: int, out_features: int, bf16_width: int = BF16_WIDTH) 
     width) and aligned for the FP8 kernels."""
     aligned = in_features % ALIGNMENT == 0 and out_features % ALIGNMENT == 0
     return aligned and min(in_features, out_features) > bf16_width
+
+
+def experts_fp8_pay(hidden: int, intermediate: int, bf16_width: int = EXPERT_BF16_WIDTH) -> bool:
+    """Whether routed experts of hidden size ``hidden`` and width ``intermediate`` run their grouped GEMMs in FP8:
+    their harmonic width ``hidden * intermediate / (hidden + intermediate)`` past ``bf16_width`` (0: always)."""
+    return hidden * intermediate > bf16_width * (hidden + intermediate)

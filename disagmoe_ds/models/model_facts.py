@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from disagmoe_ds.capabilities.facts import FACTS
 from disagmoe_ds.models.families import family_of, route
 from disagmoe_ds.models.hf_model import causal_lm
 from disagmoe_ds.models.moe_pattern import moe_layer_pattern, token_routed_layers
@@ -17,6 +18,13 @@ from disagmoe_ds.models.moe_pattern import moe_layer_pattern, token_routed_layer
 def num_experts_of(config) -> int:
     """E, the routed experts of every MoE layer, from the HF config."""
     return getattr(config, family_of(config).num_experts_attr)
+
+
+def expert_widths(config) -> tuple[int, int]:
+    """(H, I): the hidden size and a routed expert's intermediate size, from the HF config."""
+    facts = FACTS[config.model_type]
+    width = config.moe_intermediate_size if facts.moe_intermediate else config.intermediate_size
+    return config.hidden_size, width
 
 
 def residual_shape(config) -> tuple[int, int, int]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from disagmoe_ds.fp8.modules import convert_linears
-from disagmoe_ds.fp8.shapes import BF16_WIDTH
+from disagmoe_ds.fp8.shapes import BF16_WIDTH, EXPERT_BF16_WIDTH, experts_fp8_pay
 from disagmoe_ds.models import hyper_connections as hc
 from disagmoe_ds.models.attention_part import AttentionPart, Head
 from disagmoe_ds.models.context import LayerContext, build_context
@@ -25,6 +25,7 @@ from disagmoe_ds.models.expert_shard import ExpertShard, slice_experts
 from disagmoe_ds.models.families import family_of, is_moe_layer
 from disagmoe_ds.models.grouped_experts import compiled_elementwise
 from disagmoe_ds.models.hf_model import causal_lm
+from disagmoe_ds.models.model_facts import expert_widths
 from disagmoe_ds.models.moe_pattern import token_routed_layers
 
 
@@ -128,14 +129,22 @@ def compile_stage(module: nn.Module) -> None:
             sub.elementwise = compiled_elementwise()
 
 
-def fp8_stage(module: nn.Module, bf16_width: int = BF16_WIDTH) -> None:
+def fp8_stage(module: nn.Module, bf16_width: int = BF16_WIDTH, expert_bf16_width: int = EXPERT_BF16_WIDTH) -> None:
     """The FP8 lever on ``module``'s parts, in place (parameter names unchanged): every attention part's projections
     (``fp8.modules.convert_linears``: attention, dense and shared-expert MLPs, LoRA's base products; not the router;
     not those with a width of at most ``bf16_width``, the config's ``"fp8_bf16_width"``) and every expert shard's
-    GEMMs. The head (LM head) stays in the model's dtype. After ``add_adapters``, whose
+    GEMMs where the experts are wide enough (``fp8.shapes.experts_fp8_pay`` at ``expert_bf16_width``, the config's
+    ``"fp8_expert_bf16_width"``). The head (LM head) stays in the model's dtype. After ``add_adapters``, whose
     ``LoraLinear`` wraps plain ``nn.Linear`` modules only."""
     for sub in module.modules():
         if isinstance(sub, AttentionPart):
             convert_linears(sub, skip=[sub.router] if sub.is_moe else [], bf16_width=bf16_width)
-        elif isinstance(sub, ExpertShard):
-            sub.fp8 = True
+        elif isinstance(sub, ExpertStage) and experts_in_fp8(sub.config, expert_bf16_width):
+            for layer in sub.layers:
+                sub.shard(int(layer)).fp8 = True
+
+
+def experts_in_fp8(config: Any, expert_bf16_width: int = EXPERT_BF16_WIDTH) -> bool:
+    """Whether the FP8 lever runs the routed experts' GEMMs of the model of HF ``config`` in FP8 (its experts' widths
+    past ``expert_bf16_width``, ``fp8.shapes.experts_fp8_pay``); their rows travel in FP8 either way."""
+    return experts_fp8_pay(*expert_widths(config), expert_bf16_width)

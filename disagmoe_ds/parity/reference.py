@@ -15,6 +15,7 @@ from disagmoe_ds.models.fp8_base import fp8_block_size
 from disagmoe_ds.models.loading import build_meta_model, load_config, load_model
 from disagmoe_ds.models.lora_settings import LoraSettings
 from disagmoe_ds.models.partial_load import PretrainedWeights, place
+from disagmoe_ds.models.parts import experts_in_fp8
 from disagmoe_ds.models.skew import skew_router
 from disagmoe_ds.models.split import hf_reference_loss
 
@@ -114,7 +115,8 @@ def reference(args: VerifyArgs, lanes: int) -> dict[str, Any]:
         model = peft_format.peft_model(model, lora, peft_format.initial_adapters(model, lora, seed=args.seed))
     if getattr(args.cfg, "fp8", False):
         base = model if lora is None else model.get_base_model()
-        to_fp8_reference(base, family_of(model.config).router_attr, args.cfg.fp8_bf16_width)
+        fp8_experts = experts_in_fp8(model.config, args.cfg.fp8_expert_bf16_width)
+        to_fp8_reference(base, family_of(model.config).router_attr, args.cfg.fp8_bf16_width, fp8_experts)
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0, eps=ADAM_EPS)

@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="price the runtime's FP8 lever in both systems: the attention side's projections, dense and shared MLPs "
         '(those with no side of at most 2,048, the runtime\'s shape rule "fp8_bf16_width")'
-        " and the routed experts' forward and input-grad GEMMs at the FP8/bf16 speedups measured on an H200 (the "
+        " and the routed experts' forward and input-grad GEMMs (where their harmonic width H*I/(H+I) passes 1,536, "
+        '"fp8_expert_bf16_width": narrower experts stay bf16) at the FP8/bf16 speedups measured on an H200 (the '
         "experts' weight grads stay at the bf16 rate), each quantize as one pass over its operand at HBM bandwidth "
         "(the expert weights once a step, their two FP8 copies held for it: 2 bytes a parameter), and the m2n rows "
         "and co-located dispatch in e4m3 (H + 4 bytes a row); --write-ds-config "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from disagmoe_ds.planner.attention_lanes import ulysses_forward_bytes
 from disagmoe_ds.planner.cluster import Cluster, Rates
-from disagmoe_ds.planner.fp8_costs import lever, shared_rerun_share
+from disagmoe_ds.planner.fp8_costs import expert_lever, lever, shared_rerun_share
 from disagmoe_ds.planner.model import ACT_BYTES, FP8_ROW_SCALE_BYTES, ModelSpec
 from disagmoe_ds.planner.part_times import attention_call_s, expert_call_s, head_call_s, priced_core_flops
 from disagmoe_ds.planner.pipeline_split import chunk_layers
@@ -137,7 +137,7 @@ def colocated_costs(
     both = dispatch + combine
     shared = rates.attention_fwd.per_flop * tokens * spec.shared_flops() * shared_rerun_share(spec, lever(work, t))
     alone = max(0.0, both - min(both, overlap * both + shared))
-    lora, a_fp8, f_fp8 = work.lora, lever(work, t), lever(work, shape.ep)
+    lora, a_fp8, f_fp8 = work.lora, lever(work, t), expert_lever(spec, work, shape.ep)
     chunks = chunk_layers(spec.num_layers, shape.pp, shape.vpp)
     assert chunks is not None, f"{spec.num_layers} layers do not split over {shape.describe()}"
     rows: dict[str, list[float]] = {k: [] for k in ("fc", "bc", "fx", "bx", "fa", "ba", "fo", "bo")}

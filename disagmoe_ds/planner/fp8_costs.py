@@ -6,8 +6,11 @@ What the lever (``"disagmoe": {"fp8": true}``, ``disagmoe_ds.fp8``) computes in 
 * the attention side's projections, dense MLPs and shared experts: forward, input-grad and weight-grad GEMMs; not the
   router, the shared-expert gate, the LM head or the attention core (SDPA), nor a projection too narrow for FP8 to
   pay (``fp8.shapes.fp8_pays`` at ``Workload.fp8_bf16_width``: the runtime's rule, read from the same function);
-* the routed experts' gate_up and down grouped GEMMs, forward and input-grad. Their weight-grad GEMMs run in bf16 on
-  the high-precision operands (``fp8.gemm.grouped_weight_grad``), so they are priced at its rate, with no passes.
+* the routed experts' gate_up and down grouped GEMMs, forward and input-grad, where the experts are wide enough to
+  pay (``fp8.shapes.experts_fp8_pay`` at ``Workload.fp8_expert_bf16_width``: ``expert_lever``); narrower experts are
+  priced in bf16 (their rows still travel in FP8: the received rows' dequantize, one pass, is not priced). Their
+  weight-grad GEMMs run in bf16 on the high-precision operands (``fp8.gemm.grouped_weight_grad``), so they are priced
+  at its rate, with no passes.
 
 An FP8 GEMM costs its bf16 time over its class's factor: its FLOPs enter the same time models (shape table or
 profile) divided by the factor, as bf16-equivalent FLOPs. The token exchange's bytes are ``ModelSpec.wire_bytes_per_
@@ -31,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from disagmoe_ds.fp8.shapes import BF16_WIDTH, fp8_pays
+from disagmoe_ds.fp8.shapes import BF16_WIDTH, experts_fp8_pay, fp8_pays
 from disagmoe_ds.planner.cluster import Rates
 from disagmoe_ds.planner.lora import GemmFlops, LoRA, Params, Projection, mixer_projections, mlp_projections
 from disagmoe_ds.planner.model import ModelSpec
@@ -86,6 +89,16 @@ class Fp8:
 def lever(work: Workload, shards: int) -> Fp8 | None:
     """The FP8 lever of ``work`` on a part whose weights ``shards`` ranks split (None: bf16)."""
     return Fp8(shards, work.fp8_cast_per_call, work.fp8_bf16_width) if work.fp8 else None
+
+
+def expert_lever(spec: ModelSpec, work: Workload, shards: int) -> Fp8 | None:
+    """The FP8 lever of ``work`` on ``spec``'s routed experts, ``shards`` ranks splitting them (None: bf16 GEMMs)."""
+    return lever(work, shards) if experts_in_fp8(spec, work) else None
+
+
+def experts_in_fp8(spec: ModelSpec, work: Workload) -> bool:
+    """Whether ``work``'s FP8 lever runs ``spec``'s routed experts' GEMMs in FP8 (the runtime's shape rule)."""
+    return work.fp8 and experts_fp8_pay(spec.hidden_size, spec.expert_intermediate, work.fp8_expert_bf16_width)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from functools import lru_cache
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import data_lanes, rank_params, rank_tokens
 from disagmoe_ds.planner.colocated_costs import Shape
-from disagmoe_ds.planner.fp8_costs import CAST_COPIES, cast_expert_weights
+from disagmoe_ds.planner.fp8_costs import CAST_COPIES, cast_expert_weights, experts_in_fp8
 from disagmoe_ds.planner.lora import (
     FULL,
     LoRA,
@@ -154,7 +154,7 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
         share = work.offload[1]
         working += _offload_window(act, len(moe), share)
         working += _gathered(layout.experts_per_rank * expert_split(spec, lora).total, zero, work.precision)
-        state = ffn_state_bytes(spec, layout, work, g) + _fp8_copies(ffn_rank_params(spec, layout, g, lora), work)
+        state = ffn_state_bytes(spec, layout, work, g) + _fp8_copies(spec, ffn_rank_params(spec, layout, g, lora), work)
         mem = RankMemory(state, act * (1 - share), working, in_flight, act * share)
         worst = mem if worst is None or mem.total > worst.total else worst
     assert worst is not None
@@ -212,7 +212,7 @@ def _baseline_rank_memory(
             zero_stage=work.zero_stage,
             dense_dp=world_size // (pp * tp),
             expert_dp=world_size // (pp * ep),
-        ) + _fp8_copies(experts, work)
+        ) + _fp8_copies(spec, experts, work)
         mem = RankMemory(state, act, _working(full, saved, work.recompute) + logits, chunks_alive)
         worst = mem if worst is None or mem.total > worst.total else worst
     assert worst is not None
@@ -265,12 +265,13 @@ def _gathered(layer_params: float, zero_stage: int, precision: str) -> float:
 def _fp8_rows_saving(spec: ModelSpec, work: Workload) -> float:
     """Bytes per assignment the FP8 lever saves on the F side: the gate/up input is kept for dW as its e4m3 rows and
     their scales (``fp8.projections.fp8_grouped_mm``'s ``fp8_rows``), H + 4 bytes instead of 2H, unless LoRA's adapter
-    GEMMs or a selective recompute's checkpoint keep the bf16 rows anyway."""
-    if not work.fp8 or work.lora.enabled or work.recompute_of("ffn") == "selective":
+    GEMMs, a selective recompute's checkpoint or bf16 expert GEMMs (the shape rule) keep the bf16 rows anyway."""
+    if not experts_in_fp8(spec, work) or work.lora.enabled or work.recompute_of("ffn") == "selective":
         return 0.0
     return ACT_BYTES * spec.hidden_size - (spec.hidden_size + FP8_ROW_SCALE_BYTES)
 
 
-def _fp8_copies(experts: Params, work: Workload) -> float:
+def _fp8_copies(spec: ModelSpec, experts: Params, work: Workload) -> float:
     """Under FP8, the bytes of the FP8 copies of a rank's expert weights, kept for the step (``fp8.weight_cache``)."""
-    return cast_expert_weights(experts, work.lora) * CAST_COPIES if work.fp8_cast_once else 0.0
+    cast_once = work.fp8_cast_once and experts_in_fp8(spec, work)
+    return cast_expert_weights(experts, work.lora) * CAST_COPIES if cast_once else 0.0

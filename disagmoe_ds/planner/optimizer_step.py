@@ -28,7 +28,7 @@ from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import param_replicas, rank_params
 from disagmoe_ds.planner.cluster import HBM_BW_H200, Efficiency, Rates
 from disagmoe_ds.planner.colocated_costs import Shape
-from disagmoe_ds.planner.fp8_costs import cast_expert_weights, weight_cast_s
+from disagmoe_ds.planner.fp8_costs import cast_expert_weights, experts_in_fp8, weight_cast_s
 from disagmoe_ds.planner.lora import Params
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.training_state import HOST_GRAD_BYTES, baseline_stage_params, busiest_group_params
@@ -93,13 +93,15 @@ def af_optimizer_s(spec: ModelSpec, layout: Layout, work: Workload, rates: Rates
         f_step = host_optimizer_step_s(f, rates=f_rates)
     else:
         f_step = optimizer_step_s(f, precision=work.precision, rates=f_rates)
-    return optimizer_step_s(a, precision=work.precision, rates=rates), f_step + _expert_casts_s(f_params, work, f_rates)
+    f_step += _expert_casts_s(spec, f_params, work, f_rates)
+    return optimizer_step_s(a, precision=work.precision, rates=rates), f_step
 
 
-def _expert_casts_s(experts: Params, work: Workload, rates: Rates) -> float:
+def _expert_casts_s(spec: ModelSpec, experts: Params, work: Workload, rates: Rates) -> float:
     """Under FP8, the step's casts of a rank's expert weights (``fp8_costs.weight_cast_s``), paid once a step like
     the optimizer step (at the first micro-batch; priced here, with it)."""
-    return weight_cast_s(cast_expert_weights(experts, work.lora), rates) if work.fp8_cast_once else 0.0
+    cast_once = work.fp8_cast_once and experts_in_fp8(spec, work)
+    return weight_cast_s(cast_expert_weights(experts, work.lora), rates) if cast_once else 0.0
 
 
 def baseline_optimizer_s(spec: ModelSpec, work: Workload, shape: Shape, *, world_size: int, rates: Rates) -> float:
@@ -111,6 +113,7 @@ def baseline_optimizer_s(spec: ModelSpec, work: Workload, shape: Shape, *, world
         _, dense, experts = baseline_stage_params(spec, pp=pp, vpp=shape.vpp, ep=ep, stage=stage, lora=work.lora)
         params = state_params(dense.trained / tp, replicas=world_size // (pp * tp), zero_stage=work.zero_stage)
         params += state_params(experts.trained, replicas=world_size // (pp * ep), zero_stage=work.zero_stage)
-        step = optimizer_step_s(params, precision=work.precision, rates=rates) + _expert_casts_s(experts, work, rates)
+        step = optimizer_step_s(params, precision=work.precision, rates=rates)
+        step += _expert_casts_s(spec, experts, work, rates)
         worst = max(worst, step)
     return worst

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.fp8.shapes import BF16_WIDTH
+from disagmoe_ds.fp8.shapes import BF16_WIDTH, EXPERT_BF16_WIDTH
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.models.lora_settings import GROUPS, LoraSettings
 from disagmoe_ds.planner.cluster import PRESETS, Cluster, Efficiency, Fleet, Rates, load_cluster
@@ -62,6 +62,8 @@ class CostedSettings(Protocol):
     def fp8_cast_per_call(self) -> bool: ...
     @property
     def fp8_bf16_width(self) -> int: ...
+    @property
+    def fp8_expert_bf16_width(self) -> int: ...
 
 
 def job_costs(
@@ -92,6 +94,7 @@ def job_costs(
         fp8=settings.fp8,
         fp8_cast_per_call=settings.fp8_cast_per_call,
         fp8_bf16_width=settings.fp8_bf16_width,
+        fp8_expert_bf16_width=settings.fp8_expert_bf16_width,
     )
 
 
@@ -126,6 +129,7 @@ def runtime_task_costs(
     fp8: bool = False,
     fp8_cast_per_call: bool = False,
     fp8_bf16_width: int = BF16_WIDTH,
+    fp8_expert_bf16_width: int = EXPERT_BF16_WIDTH,
 ) -> AfTaskCosts:
     """Seconds per task and transfer of one micro-batch for ``layout``, ranks placed contiguously (attention first).
 
@@ -142,9 +146,10 @@ def runtime_task_costs(
             their weight gradients stay in the backward (no A-side W task); the experts' GEMMs still split.
         ffn_zero_stage: the expert side's ZeRO stage where the job sets one; at 3 its backward stays whole.
         lora: the job's LoRA adapters: frozen base weights skip their weight gradients (``lora.GemmFlops``).
-        fp8, fp8_cast_per_call, fp8_bf16_width: the FP8 lever (``DisagMoEConfig.fp8``): its GEMMs at the FP8 rates,
-            its quantize passes and the m2n rows in e4m3 (``fp8_costs.py``); the expert weights cast in every call
-            with the second; the attention side's projections up to the third's width in bf16.
+        fp8, fp8_cast_per_call, fp8_bf16_width, fp8_expert_bf16_width: the FP8 lever (``DisagMoEConfig.fp8``): its
+            GEMMs at the FP8 rates, its quantize passes and the m2n rows in e4m3 (``fp8_costs.py``); the expert
+            weights cast in every call with the second; the attention side's projections up to the third's width and
+            the experts up to the fourth's in bf16.
     """
     spec = ModelSpec.from_config(config)
     eff = Efficiency()
@@ -175,6 +180,7 @@ def runtime_task_costs(
         fp8=fp8,
         fp8_cast_per_call=fp8_cast_per_call,
         fp8_bf16_width=fp8_bf16_width,
+        fp8_expert_bf16_width=fp8_expert_bf16_width,
     ).with_lora(lora)
     task_costs = af_task_costs(spec, layout, work, placement=placement, rates=rates, nics=nics)
     return attention_wgrad_folded(task_costs) if compiled else task_costs

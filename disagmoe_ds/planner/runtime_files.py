@@ -10,7 +10,7 @@ from typing import Any
 
 from disagmoe_ds.capabilities.rules import LEVERS, Job, fired
 from disagmoe_ds.errors import ConfigError
-from disagmoe_ds.fp8.shapes import BF16_WIDTH
+from disagmoe_ds.fp8.shapes import BF16_WIDTH, EXPERT_BF16_WIDTH
 from disagmoe_ds.layout import RankRole
 from disagmoe_ds.planner.allocator import best_runnable_colocated, colocated_refusal
 from disagmoe_ds.planner.colocated import ColocatedCandidate
@@ -258,8 +258,15 @@ def _fp8(work: Workload) -> dict[str, Any]:
     """The runtime's FP8 lever of a plan priced with FP8 (``--fp8``), else nothing."""
     if not work.fp8:
         return {}
-    width = {} if work.fp8_bf16_width == BF16_WIDTH else {"fp8_bf16_width": work.fp8_bf16_width}
-    return {"fp8": True} | ({"fp8_cast_per_call": True} if work.fp8_cast_per_call else {}) | width
+    widths = {
+        key: width
+        for key, width, default in (
+            ("fp8_bf16_width", work.fp8_bf16_width, BF16_WIDTH),
+            ("fp8_expert_bf16_width", work.fp8_expert_bf16_width, EXPERT_BF16_WIDTH),
+        )
+        if width != default
+    }
+    return {"fp8": True} | ({"fp8_cast_per_call": True} if work.fp8_cast_per_call else {}) | widths
 
 
 def hostfile(result: PlanResult, chosen: AfPlan | BaselinePlan | None = None, gpu_types: Sequence[str] = ()) -> str:

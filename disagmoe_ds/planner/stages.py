@@ -44,7 +44,7 @@ from disagmoe_ds.planner.attention_lanes import (
     rank_tokens,
 )
 from disagmoe_ds.planner.cluster import Rates
-from disagmoe_ds.planner.fp8_costs import Fp8, lever
+from disagmoe_ds.planner.fp8_costs import Fp8, expert_lever
 from disagmoe_ds.planner.lora import LoRA
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.part_times import expert_call_s, head_call_s
@@ -158,7 +158,8 @@ def _group_compute_per_micro_batch(
 ) -> tuple[float, float]:
     f_tokens = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.ffn_ranks_per_group
     a_layers = _attention_layer_s(spec, work, rates, lane_bw)
-    f_layers = _expert_layer_s(spec, f_tokens, f_rc, rates.side("ffn"), work.lora, lever(work, layout.ep_size))
+    f_fp8 = expert_lever(spec, work, layout.ep_size)
+    f_layers = _expert_layer_s(spec, f_tokens, f_rc, rates.side("ffn"), work.lora, f_fp8)
     a_worst = f_worst = 0.0
     for g in range(layout.depth):
         layers = layout.layers_of_group(g)

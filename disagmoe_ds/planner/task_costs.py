@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import data_lanes, lane_attention_call_s, lane_bytes_per_s, rank_tokens
 from disagmoe_ds.planner.cluster import Rates
-from disagmoe_ds.planner.fp8_costs import lever
+from disagmoe_ds.planner.fp8_costs import expert_lever, lever
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.part_times import (
     attention_wgrad_s,
@@ -68,7 +68,7 @@ def af_task_costs(
     f_tokens = group_tokens / layout.ffn_ranks_per_group
     per_layer: dict[str, list[float]] = {k: [] for k in ("A_fwd", "A_bwd", "F_fwd", "F_bwd")}
     wgrad: dict[str, list[float]] = {"A": [], "F": []}
-    lora, a_fp8, f_fp8 = work.lora, lever(work, work.tensor_parallel), lever(work, layout.ep_size)
+    lora, a_fp8, f_fp8 = work.lora, lever(work, work.tensor_parallel), expert_lever(spec, work, layout.ep_size)
     for i in range(spec.num_layers):
         a_fwd, a_bwd = lane_attention_call_s(spec, rates, work, layer=i, lane_bw=lane_bw)
         f_fwd, f_bwd = expert_call_s(

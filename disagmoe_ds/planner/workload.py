@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from disagmoe_ds.fp8.shapes import BF16_WIDTH
+from disagmoe_ds.fp8.shapes import BF16_WIDTH, EXPERT_BF16_WIDTH
 from disagmoe_ds.planner.lora import TARGETS, LoRA
 from disagmoe_ds.planner.recompute import Recompute
 
@@ -40,6 +40,9 @@ class Workload:
             runtime's ``fp8_cast_per_call``), a memory variant.
         fp8_bf16_width: with ``fp8``, the attention side's projections with a width of at most this stay bf16 (the
             runtime's ``fp8_bf16_width``, ``fp8.shapes.fp8_pays``).
+        fp8_expert_bf16_width: with ``fp8``, the routed experts keep bf16 GEMMs where their harmonic width is at most
+            this (the runtime's ``fp8_expert_bf16_width``, ``fp8.shapes.experts_fp8_pay``); their rows still travel
+            in FP8.
         ffn_optimizer_on_host: the expert side's fp32 master weights, Adam moments and step in host memory
             (DeepSpeed's ZeRO-Offload on that side alone, the runtime's ``"offload_optimizer": {"ffn": true}``), a
             memory variant: 12 bytes a trained expert parameter (over the replicas) leave the GPU, and the step
@@ -66,6 +69,7 @@ class Workload:
     fp8: bool = False
     fp8_cast_per_call: bool = False
     fp8_bf16_width: int = BF16_WIDTH
+    fp8_expert_bf16_width: int = EXPERT_BF16_WIDTH
     lora_fp8_base: bool = False
     ffn_optimizer_on_host: bool = False
 

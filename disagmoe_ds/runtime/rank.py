@@ -81,6 +81,9 @@ class ModeConfig(Protocol):
     def fp8_bf16_width(self) -> int: ...
 
     @property
+    def fp8_expert_bf16_width(self) -> int: ...
+
+    @property
     def attention(self) -> str: ...
 
     @property
@@ -260,7 +263,7 @@ class RankBuilder(Generic[LayoutT, ConfigT]):
         if cfg.lora is not None:  # the same adapters in every layout: drawn from the run's seed, not the rank's
             add_adapters(module, cfg.lora, seed=seed)
         if cfg.fp8:  # after the adapters: they wrap plain nn.Linear modules
-            fp8_stage(module, cfg.fp8_bf16_width)
+            fp8_stage(module, cfg.fp8_bf16_width, cfg.fp8_expert_bf16_width)
         if cfg.compile:
             compile_stage(module)
         engine = build_engine(

@@ -17,6 +17,8 @@ from tqdm import tqdm
 from disagmoe_ds.checkpoint.resume import ResumePoint
 from disagmoe_ds.models.aux_loss import balance_per_layer
 from disagmoe_ds.models.lora_settings import GROUPS
+from disagmoe_ds.models.model_facts import expert_widths
+from disagmoe_ds.models.parts import experts_in_fp8
 from disagmoe_ds.models.split import aux_loss_enabled
 from disagmoe_ds.planner.lora import LoRA, adapter_params
 from disagmoe_ds.planner.model import ModelSpec
@@ -61,7 +63,26 @@ def banner(
         f"balancing: {aux}; {bias}; imb = the busiest expert's load over the mean, worst MoE layer (1.0 is even; "
         "healthy below about 1.5; experts / top-k when every token picks the same experts)",
         *_short_run_note(args),
+        *_fp8_lines(args, config),
         checkpoint_line(args, resume),
+    ]
+
+
+def _fp8_lines(args: TrainArgs, config) -> list[str]:
+    """What the FP8 lever computes in FP8 on this model (the shape rules, ``fp8.shapes``), said before launch."""
+    cfg = args.cfg
+    if not getattr(cfg, "fp8", False):
+        return []
+    h, i = expert_widths(config)
+    width = f"harmonic width H*I/(H+I) = {h * i / (h + i):,.0f}"
+    experts = (
+        f"in FP8 ({width} > {cfg.fp8_expert_bf16_width:,})"
+        if experts_in_fp8(config, cfg.fp8_expert_bf16_width)
+        else f'in bf16 ({width} <= "fp8_expert_bf16_width" {cfg.fp8_expert_bf16_width:,}: FP8 measured slower there)'
+    )
+    return [
+        f"fp8: the routed experts' GEMMs {experts}; the attention side's projections in FP8 where both widths exceed "
+        f'"fp8_bf16_width" {cfg.fp8_bf16_width:,}; the routed tokens travel in FP8; router and LM head in {args.dtype}'
     ]
 
 
