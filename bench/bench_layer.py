@@ -3,8 +3,9 @@
     PYTHONPATH=$PWD python bench/bench_layer.py --model hf_models/Qwen3-30B-A3B --seq-len 4096 --batch 2
 
 For each model and sequence length it builds ONE decoder layer at real size (bf16 on CUDA, fp32 on CPU; SDPA
-attention; weights random, only the config is read) and times forward + backward of each path in ``--paths``
-(default all):
+attention; weights random, only the config is read; with hyper-connections, DeepSeek-V4's, the layer's input is its
+streams, [B, S, hc, H], and a hash-routed layer gets random token ids) and times forward + backward of each path in
+``--paths`` (default all):
 
     hf-eager      HF ``XDecoderLayer`` with the per-expert Python loop (``experts_implementation="eager"``)
     hf-grouped    HF ``XDecoderLayer`` with ``grouped_mm`` experts
@@ -93,11 +94,13 @@ from disagmoe_ds.fp8.quantize import round_trip
 from disagmoe_ds.fp8.shapes import BF16_WIDTH, EXPERT_BF16_WIDTH
 from disagmoe_ds.fp8.weight_cache import cast_once_per_step
 from disagmoe_ds.models import grouped_experts
+from disagmoe_ds.models import hyper_connections as hc
 from disagmoe_ds.models.context import build_context
 from disagmoe_ds.models.expert_shard import ExpertShard
 from disagmoe_ds.models.families import family_of, router_of
 from disagmoe_ds.models.graphs import graph_stages
 from disagmoe_ds.models.loading import load_config
+from disagmoe_ds.models.moe_pattern import token_routed_layers
 from disagmoe_ds.models.one_layer import one_layer_model
 from disagmoe_ds.models.parts import AttentionStage, ExpertStage, compile_stage, fp8_stage
 from disagmoe_ds.models.recompute import apply_selective_recompute
@@ -189,6 +192,7 @@ def _hf_step(model, h_BSH, ctx, grad_BSH):
     HeldActivations.begin()
     out = model.model.layers[0](
         h_BSH,
+        **({} if ctx.token_ids is None else {"input_ids": ctx.token_ids}),  # a hash-routed layer's token ids
         attention_mask=ctx.mask_for(model.config, 0),
         position_embeddings=ctx.position_embeddings,
         position_ids=ctx.position_ids,
@@ -212,7 +216,7 @@ def _ours_step(parts, h_BSH, ctx, grad_BSH):
     x_RH = round_trip(x_RH) if fp8_rows else x_RH  # the rows the FP8 lever sends
     y_RH = shard(x_RH, plan.local_idx_RK[0], w_RK, plan.pairs[0])
     HeldActivations.end()
-    (out.residual_BSH + combine([y_RH], plan).view_as(out.residual_BSH)).backward(grad_BSH)
+    hc.add_routed(out.residual_BSH, out.routed_w_BSC, combine([y_RH], plan)).backward(grad_BSH)
 
 
 def _floor_step(weights, inputs, grads, sdpa_gqa):
@@ -347,10 +351,13 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
     experts = "eager" if name == "hf-eager" else "grouped_mm"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = one_layer_model(load_config(model_dir), device=device, dtype=dtype, experts=experts, layer=layer)
+    hyper = family_of(model.config).hyper  # hyper-connections: the layer's residual has streams, [B, S, hc, H]
     h_BSH = torch.randn(batch, seq_len, model.config.hidden_size, device=device, dtype=model.dtype) * 0.5
-    h_BSH.requires_grad_()
+    h_BSH = hc.expand(h_BSH, None if hyper is None else hyper.streams(model.config)).requires_grad_()
     grad_BSH = torch.randn_like(h_BSH) * 1e-3
     ctx = build_context(model.config, model.model.rotary_emb, h_BSH, None)
+    if any(token_routed_layers(model.config.to_dict())):  # DeepSeek-V4's hash-routed layers route by token id
+        ctx = replace(ctx, token_ids=torch.randint(model.config.vocab_size, (batch, seq_len), device=device))
     if name.endswith(("compiled", "graphed")):
         torch._dynamo.reset()
     if name in (

@@ -69,7 +69,11 @@ def _check_rows(rows, key, names, out, graphs):
 
 @pytest.mark.parametrize(
     "model, paths",
-    [("tiny-qwen3-moe", bench_layer.paths_for("cpu")), ("tiny-deepseek-v3", ("hf-compiled", "ours-compiled", "floor"))],
+    [
+        ("tiny-qwen3-moe", bench_layer.paths_for("cpu")),
+        ("tiny-deepseek-v3", ("hf-compiled", "ours-compiled", "floor")),
+        ("tiny-deepseek-v4", ("hf-compiled", "ours", "ours-compiled")),  # hyper-connection streams, a hash-routed layer
+    ],
 )
 def test_layer_every_path_against_compiled_hf(tmp_path, capsys, graphs, model, paths):
     out_json = tmp_path / "layer.json"
