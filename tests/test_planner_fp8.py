@@ -234,6 +234,9 @@ def test_each_fp8_memory_variant_comes_again_without_the_weight_copies_and_the_r
     bf16 = memory_variants(Workload(4096, 1), ("none", "full"), frozenset({"resend"}))
     fp8 = memory_variants(Workload(4096, 1, fp8=True), ("none", "full"), frozenset({"resend"}))
     assert len(fp8) == 2 * len(bf16) and sum(w.fp8_cast_per_call for w in fp8) == len(bf16)
+    # experts left in bf16 by the shape rule keep no FP8 copies: no variant without them
+    bf16_experts = memory_variants(Workload(4096, 1, fp8=True), ("none", "full"), frozenset({"resend"}), False)
+    assert len(bf16_experts) == len(bf16) and not any(w.fp8_cast_per_call for w in bf16_experts)
     assert "FP8 cast per call" in savings(next(w for w in fp8 if w.fp8_cast_per_call))
     section = {"attention_gpus": 1, "ffn_gpus": 1, "fp8": True, "fp8_cast_per_call": True}
     cfg = DisagMoEConfig.from_ds_config({"disagmoe": section})

@@ -25,6 +25,7 @@ from disagmoe_ds.planner.af_simulation import Memo, bound_tokens_per_s, forms, s
 from disagmoe_ds.planner.attention_lanes import data_lanes, lane_spans
 from disagmoe_ds.planner.colocated import colocated_candidates, divisors, simulate_colocated
 from disagmoe_ds.planner.colocated_costs import Shape
+from disagmoe_ds.planner.fp8_costs import experts_in_fp8
 from disagmoe_ds.planner.grad_sync import af_sync_s
 from disagmoe_ds.planner.memory import RankMemory, attention_rank_memory, ffn_rank_memory
 from disagmoe_ds.planner.model import ModelSpec
@@ -116,7 +117,7 @@ def _lane_candidates(req: PlanRequest, layout: Layout, base: Workload, rejected:
     roomy: list[Workload] = []
     out: list[AfCandidate] = []
     enough = 2 * (2 * layout.depth + 1)  # twice the ring in flight: more memory buys no speed
-    for work in _variants(base, req.recompute_options, req.af_variants):
+    for work in _variants(base, req.recompute_options, req.af_variants, experts_in_fp8(req.spec, base)):
         if dominated(work, roomy) or _needless_recompute(req, layout, work, enough):
             continue
         fitted = _fit_memory(req, layout, work, micro_batches)
@@ -146,8 +147,10 @@ def _needless_recompute(req: PlanRequest, layout: Layout, work: Workload, enough
 
 
 @lru_cache(maxsize=256)  # one ladder per lane shape, asked for by every layout
-def _variants(base: Workload, recompute: tuple[Recompute, ...], allowed: frozenset[str]) -> tuple[Workload, ...]:
-    return tuple(memory_variants(base, recompute, allowed))
+def _variants(
+    base: Workload, recompute: tuple[Recompute, ...], allowed: frozenset[str], expert_copies: bool
+) -> tuple[Workload, ...]:
+    return tuple(memory_variants(base, recompute, allowed, expert_copies))
 
 
 def _fit_memory(

@@ -42,6 +42,7 @@ from functools import lru_cache
 from disagmoe_ds.planner.attention_lanes import lane_refusal
 from disagmoe_ds.planner.cluster import Cluster, Rates
 from disagmoe_ds.planner.colocated_costs import ColocatedCosts, Shape, colocated_costs, tp_options
+from disagmoe_ds.planner.fp8_costs import experts_in_fp8
 from disagmoe_ds.planner.gemm_efficiency import MIN_ROWS_PER_RANK
 from disagmoe_ds.planner.grad_sync import baseline_sync_s, exposed_sync_s
 from disagmoe_ds.planner.memory import RankMemory, baseline_rank_memory
@@ -297,7 +298,7 @@ def colocated_candidates(
         if shape.vpp > 1:
             micro_batches = max(shape.pp, -(-micro_batches // shape.pp) * shape.pp)  # Megatron: a multiple of pp
         alive = _chunks_alive(shape, micro_batches)
-        for w in _memory_options(work, policies, zero2=kind == "deepspeed"):
+        for w in _memory_options(work, policies, zero2=kind == "deepspeed", expert_copies=experts_in_fp8(spec, work)):
             rc = w.recompute
             if shape.overlap == "paired" and not paired_allowed(shape, rc):
                 rejected["Megatron refuses the 1F1B a2a overlap here (full recompute, or PP > 1 without VPP)"] += 1
@@ -314,16 +315,18 @@ def colocated_candidates(
     return out, rejected
 
 
-def _memory_options(work: Workload, policies: Iterable[Recompute], *, zero2: bool = False) -> Iterator[Workload]:
+def _memory_options(
+    work: Workload, policies: Iterable[Recompute], *, zero2: bool = False, expert_copies: bool = True
+) -> Iterator[Workload]:
     """``work`` under each recompute policy, cheapest first, each followed by ZeRO-2 where ``zero2`` (DeepSpeed's:
-    gradients sharded too) and under FP8 by the variant without the step's FP8 weight copies
-    (``Workload.fp8_cast_per_call``)."""
+    gradients sharded too) and, where the step keeps FP8 copies of the expert weights (``expert_copies``), by the
+    variant without them (``Workload.fp8_cast_per_call``)."""
     stages = (work.zero_stage, 2) if zero2 and work.zero_stage < 2 else (work.zero_stage,)
     for rc in policies:
         for stage in stages:
             w = replace(work, recompute=rc, zero_stage=stage)
             yield w
-            if w.fp8_cast_once:
+            if w.fp8_cast_once and expert_copies:
                 yield replace(w, fp8_cast_per_call=True)
 
 

@@ -44,10 +44,13 @@ POLICIES: tuple[Recompute, ...] = ("none", "selective", "full")  # each saves wh
 OFFLOAD_STEP = 0.05  # offload shares are rounded up to this grid
 
 
-def memory_variants(base: Workload, recompute: Iterable[Recompute], allowed: frozenset[str]) -> list[Workload]:
+def memory_variants(
+    base: Workload, recompute: Iterable[Recompute], allowed: frozenset[str], expert_copies: bool = True
+) -> list[Workload]:
     """Every memory variant ``allowed`` permits, cheapest first (fewest savings switched on). Per-side policies
     (``per_side_recompute``) come without resend, under which the F side keeps nothing and re-runs its whole forward
-    whatever its policy: they would repeat the one-policy variants."""
+    whatever its policy: they would repeat the one-policy variants. ``expert_copies``: under FP8 the step keeps FP8
+    copies of the expert weights (``fp8_costs.experts_in_fp8``), so each variant comes again without them."""
     z = base.zero_stage
     ffn_stages = sorted({z} | ({max(z, 2)} if "zero2" in allowed else set()) | ({3} if "zero3" in allowed else set()))
     attention_stages = sorted({z} | ({max(z, 2)} if "zero2" in allowed else set()))
@@ -61,7 +64,7 @@ def memory_variants(base: Workload, recompute: Iterable[Recompute], allowed: fro
     sides = itertools.permutations(policies, 2) if "per_side_recompute" in allowed else ()
     for (a, f), fz, az in itertools.product(sides, ffn_stages, attention_stages):
         out.append(replace(base.with_recompute(a, f), resend=False, attention_zero_stage=az, ffn_zero_stage=fz))
-    if base.fp8_cast_once:  # each variant again without the step's FP8 weight copies
+    if base.fp8_cast_once and expert_copies:  # each variant again without the step's FP8 weight copies
         out += [replace(work, fp8_cast_per_call=True) for work in out]
     if "optimizer_offload" in allowed:  # ZeRO-Offload runs at stage 1 or 2 (the runtime refuses it at 3)
         out += [replace(work, ffn_optimizer_on_host=True) for work in out if work.zero_of("ffn") in (1, 2)]
