@@ -131,6 +131,9 @@ def test_the_planner_prices_fp8_experts_only_where_the_runtime_runs_them(name):
     )
     assert expert_lever(spec, Workload(4096, 1, fp8=True, fp8_expert_bf16_width=0), 8) is not None
     assert expert_lever(spec, Workload(4096, 1), 8) is None
+    from disagmoe_ds.planner.report import _fp8_text  # the plan's workload line says which
+
+    assert ("experts' GEMMs stay bf16" in _fp8_text(spec, work)) == (lever is None)
 
 
 def test_a_quantize_pass_reads_two_bytes_and_writes_one_per_element_at_hbm_bandwidth():

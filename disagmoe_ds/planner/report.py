@@ -4,14 +4,25 @@
 from __future__ import annotations
 
 from disagmoe_ds.planner.attention_lanes import data_lanes
+from disagmoe_ds.planner.fp8_costs import experts_in_fp8
 from disagmoe_ds.planner.lora import adapter_params
+from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.plans import AfPlan, PlanResult
 from disagmoe_ds.planner.verdict import baseline_name, verdict
+from disagmoe_ds.planner.workload import Workload
 
 GB = 1e9
 
 
-_FP8 = ", FP8 GEMMs and token dispatch (--fp8)"
+def _fp8_text(spec: ModelSpec, work: Workload) -> str:
+    """What ``--fp8`` puts in FP8 on this model, for the workload line (the runtime's shape rules)."""
+    if not work.fp8:
+        return ""
+    if experts_in_fp8(spec, work):
+        return ", FP8 GEMMs and token dispatch (--fp8)"
+    h, i = spec.hidden_size, spec.expert_intermediate
+    width = f"harmonic width {h * i / (h + i):,.0f} <= {work.fp8_expert_bf16_width:,}"
+    return f", FP8 token dispatch and wide projections (--fp8; the experts' GEMMs stay bf16: {width})"
 
 
 def to_text(result: PlanResult) -> str:
@@ -22,7 +33,7 @@ def to_text(result: PlanResult) -> str:
         f"model    {spec.name} ({spec.model_type}): {spec.num_layers} layers ({spec.num_moe_layers} MoE), "
         f"{spec.num_experts} experts top-{spec.top_k}, {spec.total_params() / 1e9:.1f}B parameters",
         f"workload seq {req.work.seq_len} x micro-batch {req.work.micro_batch_size} per lane, global batch "
-        f"{req.global_batch} sequences, ZeRO-{req.work.zero_stage} {req.work.precision}{_FP8 if req.work.fp8 else ''}",
+        f"{req.global_batch} sequences, ZeRO-{req.work.zero_stage} {req.work.precision}{_fp8_text(spec, req.work)}",
         *_lora_lines(result),
         f"cluster  {cl.nodes} x {cl.gpus_per_node} {cl.name} = {cl.world_size} GPUs, {cl.total_nics} NICs x "
         f"{cl.nic_bw / GB:.3g} GB/s; rates from {req.rates.source}",
