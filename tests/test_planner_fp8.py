@@ -22,6 +22,7 @@ from disagmoe_ds.planner.lora import LoRA
 from disagmoe_ds.planner.model import load_model_spec
 from disagmoe_ds.planner.part_times import attention_call_s, attention_wgrad_s, expert_call_s, expert_wgrad_s
 from disagmoe_ds.planner.plans import AfPlan, BaselinePlan
+from disagmoe_ds.planner.report import _fp8_text
 from disagmoe_ds.planner.workload import Workload
 
 MODELS = Path(__file__).resolve().parent.parent / "hf_models"
@@ -131,9 +132,7 @@ def test_the_planner_prices_fp8_experts_only_where_the_runtime_runs_them(name):
     )
     assert expert_lever(spec, Workload(4096, 1, fp8=True, fp8_expert_bf16_width=0), 8) is not None
     assert expert_lever(spec, Workload(4096, 1), 8) is None
-    from disagmoe_ds.planner.report import _fp8_text  # the plan's workload line says which
-
-    assert ("experts' GEMMs stay bf16" in _fp8_text(spec, work)) == (lever is None)
+    assert ("experts' GEMMs stay bf16" in _fp8_text(spec, work)) == (lever is None)  # the plan's workload line
 
 
 def test_a_quantize_pass_reads_two_bytes_and_writes_one_per_element_at_hbm_bandwidth():
