@@ -112,6 +112,11 @@ class FamilyFacts:
     mask_types: tuple[tuple[str, str], ...] = ()
     not_with: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def expert_width_field(self) -> str:
+        """The config field holding a routed expert's intermediate size (``moe_intermediate``)."""
+        return "moe_intermediate_size" if self.moe_intermediate else "intermediate_size"
+
     def mask_type(self, layer_type: str) -> str:
         """The layer type whose mask a layer of ``layer_type`` takes (itself, unless ``mask_types`` says another)."""
         return dict(self.mask_types).get(layer_type, layer_type)

@@ -42,7 +42,12 @@ def fp8_pays(in_features: int, out_features: int, bf16_width: int = BF16_WIDTH) 
     return aligned and min(in_features, out_features) > bf16_width
 
 
+def harmonic_width(hidden: int, intermediate: int) -> float:
+    """``hidden * intermediate / (hidden + intermediate)``: the experts' measure of ``experts_fp8_pay``."""
+    return hidden * intermediate / (hidden + intermediate)
+
+
 def experts_fp8_pay(hidden: int, intermediate: int, bf16_width: int = EXPERT_BF16_WIDTH) -> bool:
     """Whether routed experts of hidden size ``hidden`` and width ``intermediate`` run their grouped GEMMs in FP8:
-    their harmonic width ``hidden * intermediate / (hidden + intermediate)`` past ``bf16_width`` (0: always)."""
+    their ``harmonic_width`` past ``bf16_width`` (0: always); compared in integers, as it is a ratio."""
     return hidden * intermediate > bf16_width * (hidden + intermediate)

@@ -22,9 +22,7 @@ def num_experts_of(config) -> int:
 
 def expert_widths(config) -> tuple[int, int]:
     """(H, I): the hidden size and a routed expert's intermediate size, from the HF config."""
-    facts = FACTS[config.model_type]
-    width = config.moe_intermediate_size if facts.moe_intermediate else config.intermediate_size
-    return config.hidden_size, width
+    return config.hidden_size, getattr(config, FACTS[config.model_type].expert_width_field)
 
 
 def residual_shape(config) -> tuple[int, int, int]:

@@ -101,6 +101,11 @@ def experts_in_fp8(spec: ModelSpec, work: Workload) -> bool:
     return work.fp8 and experts_fp8_pay(spec.hidden_size, spec.expert_intermediate, work.fp8_expert_bf16_width)
 
 
+def keeps_expert_copies(spec: ModelSpec, work: Workload) -> bool:
+    """Whether the step keeps FP8 copies of ``spec``'s expert weights: its experts run FP8, cast once a step."""
+    return work.fp8_cast_once and experts_in_fp8(spec, work)
+
+
 @dataclass(frozen=True)
 class Passes:
     """Seconds of a part call's quantize passes: in the forward, the backward's input-grad and its weight-grad."""

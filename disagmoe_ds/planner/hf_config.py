@@ -134,7 +134,7 @@ def _experts(cfg: dict[str, Any], facts: FamilyFacts) -> dict[str, Any]:
     top_k = _int(cfg, "num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk")
     if not 1 <= top_k <= num_experts:
         raise ConfigError(f"num_experts_per_tok ({top_k}) must be between 1 and the expert count ({num_experts})")
-    expert_i = _int(cfg, "moe_intermediate_size" if facts.moe_intermediate else "intermediate_size")
+    expert_i = _int(cfg, facts.expert_width_field)
     shared = 0
     if facts.shared_experts == "gated":  # one sigmoid-gated shared expert of its own size
         shared = _int(cfg, "shared_expert_intermediate_size", default=0)

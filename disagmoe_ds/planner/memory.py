@@ -22,7 +22,7 @@ from functools import lru_cache
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import data_lanes, rank_params, rank_tokens
 from disagmoe_ds.planner.colocated_costs import Shape
-from disagmoe_ds.planner.fp8_costs import CAST_COPIES, cast_expert_weights, experts_in_fp8
+from disagmoe_ds.planner.fp8_costs import CAST_COPIES, cast_expert_weights, experts_in_fp8, keeps_expert_copies
 from disagmoe_ds.planner.lora import (
     FULL,
     LoRA,
@@ -273,5 +273,4 @@ def _fp8_rows_saving(spec: ModelSpec, work: Workload) -> float:
 
 def _fp8_copies(spec: ModelSpec, experts: Params, work: Workload) -> float:
     """Under FP8, the bytes of the FP8 copies of a rank's expert weights, kept for the step (``fp8.weight_cache``)."""
-    cast_once = work.fp8_cast_once and experts_in_fp8(spec, work)
-    return cast_expert_weights(experts, work.lora) * CAST_COPIES if cast_once else 0.0
+    return cast_expert_weights(experts, work.lora) * CAST_COPIES if keeps_expert_copies(spec, work) else 0.0

@@ -28,7 +28,7 @@ from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.attention_lanes import param_replicas, rank_params
 from disagmoe_ds.planner.cluster import HBM_BW_H200, Efficiency, Rates
 from disagmoe_ds.planner.colocated_costs import Shape
-from disagmoe_ds.planner.fp8_costs import cast_expert_weights, experts_in_fp8, weight_cast_s
+from disagmoe_ds.planner.fp8_costs import cast_expert_weights, keeps_expert_copies, weight_cast_s
 from disagmoe_ds.planner.lora import Params
 from disagmoe_ds.planner.model import ModelSpec
 from disagmoe_ds.planner.training_state import HOST_GRAD_BYTES, baseline_stage_params, busiest_group_params
@@ -100,8 +100,7 @@ def af_optimizer_s(spec: ModelSpec, layout: Layout, work: Workload, rates: Rates
 def _expert_casts_s(spec: ModelSpec, experts: Params, work: Workload, rates: Rates) -> float:
     """Under FP8, the step's casts of a rank's expert weights (``fp8_costs.weight_cast_s``), paid once a step like
     the optimizer step (at the first micro-batch; priced here, with it)."""
-    cast_once = work.fp8_cast_once and experts_in_fp8(spec, work)
-    return weight_cast_s(cast_expert_weights(experts, work.lora), rates) if cast_once else 0.0
+    return weight_cast_s(cast_expert_weights(experts, work.lora), rates) if keeps_expert_copies(spec, work) else 0.0
 
 
 def baseline_optimizer_s(spec: ModelSpec, work: Workload, shape: Shape, *, world_size: int, rates: Rates) -> float:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from disagmoe_ds.fp8.shapes import harmonic_width
 from disagmoe_ds.planner.attention_lanes import data_lanes
 from disagmoe_ds.planner.fp8_costs import experts_in_fp8
 from disagmoe_ds.planner.lora import adapter_params
@@ -20,8 +21,8 @@ def _fp8_text(spec: ModelSpec, work: Workload) -> str:
         return ""
     if experts_in_fp8(spec, work):
         return ", FP8 GEMMs and token dispatch (--fp8)"
-    h, i = spec.hidden_size, spec.expert_intermediate
-    width = f"harmonic width {h * i / (h + i):,.0f} <= {work.fp8_expert_bf16_width:,}"
+    width = f"harmonic width {harmonic_width(spec.hidden_size, spec.expert_intermediate):,.0f}"
+    width += f" <= {work.fp8_expert_bf16_width:,}"
     return f", FP8 token dispatch and wide projections (--fp8; the experts' GEMMs stay bf16: {width})"
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from tqdm import tqdm
 
 from disagmoe_ds.checkpoint.resume import ResumePoint
+from disagmoe_ds.fp8.shapes import harmonic_width
 from disagmoe_ds.models.aux_loss import balance_per_layer
 from disagmoe_ds.models.lora_settings import GROUPS
 from disagmoe_ds.models.model_facts import expert_widths
@@ -73,8 +74,7 @@ def _fp8_lines(args: TrainArgs, config) -> list[str]:
     cfg = args.cfg
     if not getattr(cfg, "fp8", False):
         return []
-    h, i = expert_widths(config)
-    width = f"harmonic width H*I/(H+I) = {h * i / (h + i):,.0f}"
+    width = f"harmonic width H*I/(H+I) = {harmonic_width(*expert_widths(config)):,.0f}"
     experts = (
         f"in FP8 ({width} > {cfg.fp8_expert_bf16_width:,})"
         if experts_in_fp8(config, cfg.fp8_expert_bf16_width)
