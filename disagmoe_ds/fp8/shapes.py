@@ -14,7 +14,7 @@ size H and expert width I (a grouped GEMM's FLOPs per row grow with H x I, the q
 measured on seven models' layers (performance-log section 33, one H100, one GPU's experts at 1 x 4,096 tokens, the
 FP8 layer against bf16): FP8 paid at DeepSeek-V3's 1,593 (1.20x) and Mixtral-8x7B's 3,186 (1.13x) and lost at every
 width below, Qwen3-235B-A22B's 1,117 (0.98x), GLM-4.5-Air's 1,048 (0.99x), DeepSeek-MoE-16B's 834 (0.90x),
-Qwen3-30B-A3B's 559 (0.80x) and Qwen3.5-35B-A3B's 410 (0.93x). No width between 1,117 and 1,593 was measured;
+Qwen3-30B-A3B's 559 (0.73x) and Qwen3.5-35B-A3B's 410 (0.93x). No width between 1,117 and 1,593 was measured;
 ``EXPERT_BF16_WIDTH`` keeps the experts bf16 up to 1,536, short of the smallest width seen paying. Under expert
 parallelism each expert sees ep times more rows, where FP8's grouped GEMMs gain more (section 26): the rule is
 conservative there.
