@@ -15,12 +15,10 @@ from disagmoe_ds.planner import Efficiency, Rates
 from disagmoe_ds.planner.allocator import (
     AfPlan,
     PlanRequest,
-    _family,
-    _rank_key,
     af_candidates,
     best_af,
     best_tokens_per_s,
-    shortlist,
+    to_simulate,
 )
 from disagmoe_ds.planner.ring_sim import RingRun, cap_bound_s, run_ring
 from disagmoe_ds.planner.simulate import simulate_af
@@ -96,10 +94,7 @@ def _reference_plan(req: PlanRequest, c, splits: tuple[bool, ...], exposed: bool
 def _reference_best_af(req: PlanRequest) -> AfPlan | None:
     """Every shortlisted family simulated (no stop on the bound), through the generator."""
     candidates, _ = af_candidates(req)
-    families: dict[tuple, object] = {}
-    for c in sorted(candidates, key=_rank_key):
-        families.setdefault(_family(c), c)
-    listed = shortlist(sorted(families.values(), key=_rank_key), req.simulate_per_variant_set)
+    listed = to_simulate(candidates, req.simulate_per_variant_set)
     splits = (False, True) if "split_backward" in req.af_variants else (False,)
     best = None
     for c in sorted(listed, key=lambda c: -best_tokens_per_s(c)):
@@ -179,7 +174,8 @@ def test_the_bounds_skip_simulations_here(monkeypatch):
     monkeypatch.setattr(af_simulation, "_simulate", lambda *a, **kw: calls.append(1) or simulate(*a, **kw))
     best_af(_request(cluster={"hbm_bytes": 20e9, "nic_bw": 5e9}, simulate_per_variant_set=1))
     assert len(calls) < 2 * 2 * 2  # 2 families x 2 forms x 2 caps unpruned: the T* stop and the kept-plan skip fired
-    req = _request(cluster={"hbm_bytes": 30e9}, work=Workload(8192, 1), sequence_parallel=(1, 2), tensor_parallel=(1,))
+    cluster = {"hbm_bytes": 30e9, "nic_bw": 25e9}
+    req = _request(cluster=cluster, work=Workload(8192, 1), sequence_parallel=(1, 2), tensor_parallel=(1,))
     best, _ = best_af(req)
     assert best is not None
     candidates, _ = af_candidates(req)
@@ -225,7 +221,7 @@ def test_simulation_order_keeps_the_first_of_equally_fast_plans(monkeypatch):
             return SimpleNamespace(tokens_per_s=c.rate, candidate=c)
 
         monkeypatch.setattr(allocator, "af_candidates", lambda req: ([], Counter()))
-        monkeypatch.setattr(allocator, "shortlist", lambda ranked, top, fakes=fakes: list(fakes))
+        monkeypatch.setattr(allocator, "to_simulate", lambda candidates, top, fakes=fakes: list(fakes))
         monkeypatch.setattr(allocator, "forms", lambda req, c, splits: c)
         monkeypatch.setattr(allocator, "bound_tokens_per_s", lambda c, shapes: c.bound)
         monkeypatch.setattr(allocator, "simulate_candidate", simulate)

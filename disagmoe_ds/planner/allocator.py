@@ -325,22 +325,37 @@ def shortlist(ranked: list[AfCandidate], top: int) -> list[AfCandidate]:
     return out
 
 
+def to_simulate(candidates: list[AfCandidate], per_variant_set: int) -> list[AfCandidate]:
+    """The shortlisted families' (``shortlist``, each ranked by its best candidate) near ties (``near_ties``)."""
+    families: dict[tuple, list[AfCandidate]] = {}
+    for c in sorted(candidates, key=_rank_key):
+        families.setdefault(_family(c), []).append(c)
+    ranked = sorted((members[0] for members in families.values()), key=_rank_key)
+    return [c for first in shortlist(ranked, per_variant_set) for c in near_ties(families[_family(first)])]
+
+
+NEAR_TIE = 0.01  # roofline steps this close apart are a tie the schedule breaks (a family's members differ in EDP and
+# NIC split, which move the per-micro-batch transfers the roofline's per-step sums do not see)
+
+
+def near_ties(members: list[AfCandidate]) -> list[AfCandidate]:
+    """A family's members (ranked) whose roofline step is within ``NEAR_TIE`` of its first's."""
+    first = _rank_key(members[0])[1]
+    return [c for c in members if _rank_key(c)[1] <= first * (1 + NEAR_TIE)]
+
+
 def best_tokens_per_s(c: AfCandidate) -> float:
     """An upper bound on any simulated plan of ``c``: its step is never below T* plus the sync and optimizer."""
     return c.tokens / (c.roofline.bottleneck_s + c.exposed_sync_s + c.optimizer_step_s)
 
 
 def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
-    """Best roofline candidate of each (depth, placement, A-lane, variant) family, simulated; highest throughput
-    wins, the earliest in ``best_tokens_per_s`` order on a tie. Families are simulated most promising first (by the
-    tighter bound of ``af_simulation``) and skipped once that bound cannot beat the best plan so far, which gives
-    the plan simulating all of them would."""
+    """The near ties of each (depth, placement, A-lane, variant) family's best roofline candidate, simulated
+    (``to_simulate``); highest throughput wins, the earliest in ``best_tokens_per_s`` order on a tie. Candidates are
+    simulated most promising first (by the tighter bound of ``af_simulation``) and skipped once that bound cannot
+    beat the best plan so far, which gives the plan simulating all of them would."""
     candidates, rejected = af_candidates(req)
-    families: dict[tuple, AfCandidate] = {}
-    for c in sorted(candidates, key=_rank_key):
-        families.setdefault(_family(c), c)
-    ranked = sorted(families.values(), key=_rank_key)
-    listed = sorted(shortlist(ranked, req.simulate_per_variant_set), key=lambda c: -best_tokens_per_s(c))
+    listed = sorted(to_simulate(candidates, req.simulate_per_variant_set), key=lambda c: -best_tokens_per_s(c))
     splits = (False, True) if "split_backward" in req.af_variants else (False,)  # the split changes the schedule only
     bounded = [(i, c, forms(req, c, splits)) for i, c in enumerate(listed)]
     bounded.sort(key=lambda entry: -bound_tokens_per_s(entry[1], entry[2]))
