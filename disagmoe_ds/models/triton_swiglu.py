@@ -10,7 +10,9 @@ loads): the fusion saved the gathers, but the GEMMs themselves ran 25-70% slower
 the H200 (``docs/performance.md`` section 10), so the GEMMs stay CUTLASS.
 
 Math as ``grouped_experts._gated_eager`` under ``torch.compile``: everything in fp32 from the bf16 (or fp32)
-inputs, one rounding at the output. Shape suffixes: P pairs, I expert intermediate, F = 2I (gate columns first).
+inputs, one rounding at the output; with DeepSeek-V4's clamp (``limit``) the gate and up values are clamped as they
+are loaded and their gradients masked as torch's clamp masks them (``grouped_experts.ClampedGate``'s math). Shape
+suffixes: P pairs, I expert intermediate, F = 2I (gate columns first).
 
 The FP8 experts' middle (``swiglu_fp8_forward`` / ``swiglu_fp8_backward``, used by ``models.fp8_experts``) computes
 the same rows without the routing weight and also writes them as the next GEMM's FP8 operand, what
@@ -61,6 +63,15 @@ if triton is not None:
         return d_act * up * sig * (1.0 + gate * (1.0 - sig)), d_act * act, act
 
     @triton.jit
+    def _clamp(gate, up, limit, CLAMP: tl.constexpr):
+        """DeepSeek-V4's clamp (``swiglu_limit``) where ``CLAMP``: the gate at most ``limit``, up within +-``limit``;
+        with the masks where each passes its gradient (torch's clamp: inside the bounds, inclusive)."""
+        if CLAMP:
+            gate_ok, up_ok = gate <= limit, (up >= -limit) & (up <= limit)
+            return tl.minimum(gate, limit), tl.minimum(tl.maximum(up, -limit), limit), gate_ok, up_ok
+        return gate, up, gate == gate, up == up  # the masks unused
+
+    @triton.jit
     def _gate_up_tile(gu_ptr, row_gu, pair_ok, cols, inter):
         """``(mask, gate, up)``: the gate and up columns ``cols`` of a block of pairs' gate/up rows (``row_gu``: their
         offsets), in fp32, 0 where masked."""
@@ -71,8 +82,8 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_forward_kernel(
-        gu_ptr, w_ptr, h_ptr, num_pairs, inter,
-        BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr,
+        gu_ptr, w_ptr, h_ptr, num_pairs, inter, limit,
+        BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr, CLAMP: tl.constexpr,
     ):  # fmt: skip
         pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
         cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -80,6 +91,7 @@ if triton is not None:
         gate_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * (2 * inter) + cols[None, :]
         gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+        gate, up, _, _ = _clamp(gate, up, limit, CLAMP)
         w = tl.load(w_ptr + pairs, mask=pairs < num_pairs, other=0.0).to(tl.float32)
         hidden = _silu_mul(gate, up) * w[:, None]
         h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * inter + cols[None, :]
@@ -87,8 +99,8 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_backward_kernel(
-        gu_ptr, w_ptr, dh_ptr, dgu_ptr, dw_ptr, num_pairs, inter,
-        BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr,
+        gu_ptr, w_ptr, dh_ptr, dgu_ptr, dw_ptr, num_pairs, inter, limit,
+        BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr, CLAMP: tl.constexpr,
     ):  # fmt: skip
         pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
         pair_ok = pairs < num_pairs
@@ -99,8 +111,11 @@ if triton is not None:
         for start in range(0, inter, BLOCK_I):
             cols = start + tl.arange(0, BLOCK_I)
             mask, gate, up = _gate_up_tile(gu_ptr, row_gu, pair_ok, cols, inter)
+            gate, up, gate_ok, up_ok = _clamp(gate, up, limit, CLAMP)
             d_hidden = tl.load(dh_ptr + row_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             d_gate, d_up, act = _swiglu_grads(gate, up, d_hidden * w[:, None])
+            if CLAMP:
+                d_gate, d_up = tl.where(gate_ok, d_gate, 0.0), tl.where(up_ok, d_up, 0.0)
             d_w += tl.sum(d_hidden * act * up, 1)
             tl.store(dgu_ptr + row_gu + cols[None, :], d_gate.to(dgu_ptr.dtype.element_ty), mask=mask)
             tl.store(dgu_ptr + row_gu + inter + cols[None, :], d_up.to(dgu_ptr.dtype.element_ty), mask=mask)
@@ -180,43 +195,55 @@ def _tiles(inter: int) -> dict:
     return {"BLOCK_P": 8, "BLOCK_I": 256, "num_warps": 4}
 
 
-def swiglu_forward(gate_up_PF: torch.Tensor, w_P: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
-    """``silu(gate) * up * w`` per pair, ``[P, I]`` in ``gate_up_PF``'s dtype."""
+def swiglu_forward(
+    gate_up_PF: torch.Tensor, w_P: torch.Tensor, tiles: dict | None = None, limit: float | None = None
+) -> torch.Tensor:
+    """``silu(gate) * up * w`` per pair, ``[P, I]`` in ``gate_up_PF``'s dtype; ``limit``: gate and up clamped first
+    (``grouped_experts.ClampedGate``)."""
     num_pairs, inter = gate_up_PF.shape[0], gate_up_PF.shape[1] // 2
     t = _tiles(inter) if tiles is None else tiles
     hidden_PI = gate_up_PF.new_empty(num_pairs, inter)
     grid = (triton.cdiv(num_pairs, t["BLOCK_P"]), triton.cdiv(inter, t["BLOCK_I"]))
-    _swiglu_forward_kernel[grid](gate_up_PF, w_P, hidden_PI, num_pairs, inter, **t)
+    clamp = {"limit": 0.0 if limit is None else limit, "CLAMP": limit is not None}
+    _swiglu_forward_kernel[grid](gate_up_PF, w_P, hidden_PI, num_pairs, inter, **clamp, **t)
     return hidden_PI
 
 
 def swiglu_backward(
-    gate_up_PF: torch.Tensor, w_P: torch.Tensor, d_hidden_PI: torch.Tensor, tiles: dict | None = None
+    gate_up_PF: torch.Tensor,
+    w_P: torch.Tensor,
+    d_hidden_PI: torch.Tensor,
+    tiles: dict | None = None,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d_gate_up_PF, d_w_P)`` of ``swiglu_forward`` for the gradient ``d_hidden_PI``."""
+    """``(d_gate_up_PF, d_w_P)`` of ``swiglu_forward`` (at the same ``limit``) for the gradient ``d_hidden_PI``."""
     num_pairs, inter = gate_up_PF.shape[0], gate_up_PF.shape[1] // 2
     t = _tiles(inter) if tiles is None else tiles
     d_gate_up_PF = torch.empty_like(gate_up_PF)
     d_w_P = torch.empty_like(w_P)
     grid = (triton.cdiv(num_pairs, t["BLOCK_P"]),)
-    _swiglu_backward_kernel[grid](gate_up_PF, w_P, d_hidden_PI.contiguous(), d_gate_up_PF, d_w_P, num_pairs, inter, **t)
+    clamp = {"limit": 0.0 if limit is None else limit, "CLAMP": limit is not None}
+    d_hidden_PI = d_hidden_PI.contiguous()
+    _swiglu_backward_kernel[grid](gate_up_PF, w_P, d_hidden_PI, d_gate_up_PF, d_w_P, num_pairs, inter, **clamp, **t)
     return d_gate_up_PF, d_w_P
 
 
 class SwiGLU(torch.autograd.Function):
-    """``swiglu_forward`` with ``swiglu_backward`` as its gradient; saves its two inputs."""
+    """``swiglu_forward`` with ``swiglu_backward`` as its gradient; saves its two inputs (the unclamped gate/up
+    rows: the clamp is recomputed in the backward, as its masks are)."""
 
     @staticmethod
-    def forward(ctx, gate_up_PF: torch.Tensor, w_P: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, gate_up_PF: torch.Tensor, w_P: torch.Tensor, limit: float | None = None) -> torch.Tensor:
         gate_up_PF, w_P = gate_up_PF.contiguous(), w_P.contiguous()
         ctx.save_for_backward(gate_up_PF, w_P)
-        return swiglu_forward(gate_up_PF, w_P)
+        ctx.limit = limit
+        return swiglu_forward(gate_up_PF, w_P, limit=limit)
 
     @staticmethod
     def backward(ctx, d_hidden_PI: torch.Tensor):
         gate_up_PF, w_P = ctx.saved_tensors
-        d_gate_up_PF, d_w_P = swiglu_backward(gate_up_PF, w_P, d_hidden_PI)
-        return d_gate_up_PF, d_w_P
+        d_gate_up_PF, d_w_P = swiglu_backward(gate_up_PF, w_P, d_hidden_PI, limit=ctx.limit)
+        return d_gate_up_PF, d_w_P, None
 
 
 def swiglu_fp8_forward(gate_up_PF: torch.Tensor, tiles: dict | None = None) -> tuple[torch.Tensor, Quantized]:
