@@ -52,8 +52,9 @@ streams, [B, S, hc, H], and a hash-routed layer gets random token ids) and times
 and prints tokens/s, TFLOP/s, MFU (model FLOPs, Megatron convention: active experts, causal attention,
 training = 3x forward; peak 989 TFLOP/s bf16 dense for H100/H200-class GPUs) and each path's tokens/s over
 hf-compiled's at the same model and sequence length (``vs_hf_compiled`` in the JSON; null, printed ``-``, when
-hf-compiled did not run), and on CUDA the peak memory of the path's steps and the activations one step holds for
-its backward (``HeldActivations``), and the share of the timed step the GPU sat idle waiting for the host
+hf-compiled did not run), and on CUDA the memory the built path holds (``built``: its weights, and for ours the HF
+layer it was split from, which a run does not keep), the peak memory of the path's steps and the activations one step
+holds for its backward (``HeldActivations``), and the share of the timed step the GPU sat idle waiting for the host
 (``idle``: against the same steps queued behind a GPU sleep, ``queued_ahead_seconds``). ``--json`` writes the
 rows, rewritten after every row so that a run cut short keeps what it measured; ``--profile`` prints the top CUDA
 kernels of every path (to compare them kernel by kernel).
@@ -433,16 +434,17 @@ def bench_model(
     for name in paths:
         row = {"model": model_name, "layer": layer, "seq_len": seq_len, "batch": batch, "path": name}
         row.update(ms=None, tokens_per_s=None, tflops=None, mfu=None, vs_hf_compiled=None, error=None)
-        row.update(peak_gib=None, held_gib=None, idle=None)
+        row.update(built_gib=None, peak_gib=None, held_gib=None, idle=None)
         step = args = None
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
         scope = cast_once_per_step() if name.startswith("ours-fp8-once") else contextlib.nullcontext()
         with scope:
             try:
                 step, args = build_path(
                     name, model_dir, spec, seq_len, batch, device=device, backend=backend, layer=layer
                 )
+                if device == "cuda":  # the steps' peak, not the building's (weights copied into stages)
+                    row["built_gib"] = torch.cuda.memory_allocated() / 2**30
+                    torch.cuda.reset_peak_memory_stats()
                 seconds = time_step(step, *args, warmup=warmup, iters=iters, device=device)
                 tflops = flops_per_token * tokens / seconds / 1e12
                 row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds, tflops=tflops, mfu=tflops / PEAK_TFLOPS)
@@ -530,7 +532,7 @@ def print_profile(step, args, step_ms: float | None = None, top: int = 25) -> No
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'model':<18}{'seq':>6}{'path':>19}{'ms':>10}{'tok/s':>12}{'TFLOP/s':>10}{'MFU':>7}{'vs hf-compiled':>16}"
-        f"{'peak GiB':>10}{'held GiB':>10}{'idle':>7}"
+        f"{'built GiB':>10}{'peak GiB':>10}{'held GiB':>10}{'idle':>7}"
     )
     print(header)
     for r in rows:
@@ -539,7 +541,8 @@ def print_table(rows: list[dict]) -> None:
             print(f"{prefix}  failed: {r['error']}")
             continue
         ratio = f"{r['vs_hf_compiled']:>15.2f}x" if r["vs_hf_compiled"] else f"{'-':>16}"
-        peak = "".join(f"{r[k]:>10.2f}" if r[k] is not None else f"{'-':>10}" for k in ("peak_gib", "held_gib"))
+        memory = ("built_gib", "peak_gib", "held_gib")
+        peak = "".join(f"{r[k]:>10.2f}" if r[k] is not None else f"{'-':>10}" for k in memory)
         idle = f"{r['idle']:>7.1%}" if r["idle"] is not None else f"{'-':>7}"
         print(
             f"{prefix}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.1f}{r['mfu']:>7.1%}{ratio}{peak}{idle}",
