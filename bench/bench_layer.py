@@ -422,6 +422,7 @@ def bench_model(
     iters: int,
     profile: bool,
     paths: list[str],
+    memory_peak: bool = False,
     backend: str = "inductor",
     layer: int = 0,
 ) -> Iterator[dict]:
@@ -456,6 +457,9 @@ def bench_model(
                 if profile and device == "cuda":
                     print(f"--- profile: {row['model']} {seq_len} {name}", flush=True)
                     print_profile(step, args, row["ms"])
+                if memory_peak and device == "cuda":
+                    print(f"--- memory: {row['model']} {seq_len} {name}", flush=True)
+                    print_memory_peak(step, args)
             except Exception as error:  # a path that cannot run is a row of the table, not the end of the run
                 traceback.print_exc()
                 row["error"] = first_line(error)
@@ -529,6 +533,56 @@ def print_profile(step, args, step_ms: float | None = None, top: int = 25) -> No
     sys.stdout.flush()
 
 
+def largest_at_peak(trace: list[dict], top: int = 10) -> tuple[int, list[dict]]:
+    """``(peak bytes, the ``top`` largest allocations alive then)`` of a CUDA allocator trace (the events of
+    ``torch.cuda.memory._snapshot()["device_traces"]``: ``alloc`` and ``free_completed`` with ``addr`` and ``size``),
+    counted from the trace's start."""
+    size = peak = peak_at = 0
+    live: dict[int, dict] = {}
+    for i, event in enumerate(trace):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            size += event["size"]
+        elif event["action"] == "free_completed" and live.pop(event["addr"], None) is not None:
+            size -= event["size"]
+        if size > peak:
+            peak, peak_at = size, i
+    live = {}
+    for event in trace[: peak_at + 1]:  # again, up to the peak
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    return peak, sorted(live.values(), key=lambda e: -e["size"])[:top]
+
+
+SOURCES = ("disagmoe_ds", "transformers", "bench")  # the frames print_memory_peak names an allocation by
+
+
+def print_memory_peak(step, args, top: int = 12) -> None:
+    """The largest allocations alive at one step's memory peak (above what the step started with), each with the
+    innermost frame of this project, HF or the bench that made it ("autograd" where no Python frame did: a backward)."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        step(*args)
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, largest = largest_at_peak(trace, top)
+    print(f"  memory peak {peak / 2**30:.2f} GiB above the step's start; the largest allocations alive then:")
+    for event in largest:
+        ours = [
+            f
+            for f in event.get("frames", [])
+            if any(k in f["filename"] for k in ("disagmoe_ds", "transformers", "bench"))
+        ]
+        where = f"{Path(ours[0]['filename']).name}:{ours[0]['line']} {ours[0]['name']}" if ours else "autograd"
+        print(f"  {event['size'] / 2**30:8.3f} GiB  {where}")
+    sys.stdout.flush()
+
+
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'model':<18}{'seq':>6}{'path':>19}{'ms':>10}{'tok/s':>12}{'TFLOP/s':>10}{'MFU':>7}{'vs hf-compiled':>16}"
@@ -564,6 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda: bf16; cpu: fp32")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of every path")
     p.add_argument(
+        "--memory-peak", action="store_true", help="print the largest allocations alive at each path's memory peak"
+    )
+    p.add_argument(
         "--paths",
         nargs="+",
         choices=PATHS,
@@ -593,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
                 iters=a.iters,
                 profile=a.profile,
                 paths=a.paths,
+                memory_peak=a.memory_peak,
                 backend=a.compile_backend,
                 layer=a.layer,
             ):

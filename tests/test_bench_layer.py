@@ -136,6 +136,20 @@ def test_profile_classes_kernels_by_the_op_that_launched_them(op, kernel, cls):
     assert bench_layer.kernel_class(op, kernel) == cls
 
 
+def test_memory_peak_replays_the_allocator_trace_to_its_peak():
+    def alloc(addr, size):
+        return {"action": "alloc", "addr": addr, "size": size}
+
+    def free(addr, size):
+        return {"action": "free_completed", "addr": addr, "size": size}
+
+    # 1 and 2 alive (30), 1 freed, 3 and 4 made (20 + 15 + 5 = 40: the peak), then all freed; a block from before
+    # the trace is freed in it and counts nothing
+    trace = [alloc(1, 10), alloc(2, 20), free(9, 99), free(1, 10), alloc(3, 15), alloc(4, 5), free(2, 20), free(3, 15)]
+    peak, largest = bench_layer.largest_at_peak(trace, top=2)
+    assert peak == 40 and [e["addr"] for e in largest] == [2, 3]
+
+
 def test_the_floor_refuses_experts_it_cannot_time(tmp_path, capsys):
     out_json = tmp_path / "layer.json"
     argv = ["--model", str(ROOT / "hf_models" / "tiny-gpt-oss"), "--seq-len", "8", "--paths", "floor"]
