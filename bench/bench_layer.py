@@ -573,11 +573,7 @@ def print_memory_peak(step, args, top: int = 12) -> None:
     peak, largest = largest_at_peak(trace, top)
     print(f"  memory peak {peak / 2**30:.2f} GiB above the step's start; the largest allocations alive then:")
     for event in largest:
-        ours = [
-            f
-            for f in event.get("frames", [])
-            if any(k in f["filename"] for k in ("disagmoe_ds", "transformers", "bench"))
-        ]
+        ours = [f for f in event.get("frames", []) if any(k in f["filename"] for k in SOURCES)]
         where = f"{Path(ours[0]['filename']).name}:{ours[0]['line']} {ours[0]['name']}" if ours else "autograd"
         print(f"  {event['size'] / 2**30:8.3f} GiB  {where}")
     sys.stdout.flush()
