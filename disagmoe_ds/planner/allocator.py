@@ -334,8 +334,9 @@ def to_simulate(candidates: list[AfCandidate], per_variant_set: int) -> list[AfC
     return [c for first in shortlist(ranked, per_variant_set) for c in near_ties(families[_family(first)])]
 
 
-NEAR_TIE = 0.01  # roofline steps this close apart are a tie the schedule breaks (a family's members differ in EDP and
-# NIC split, which move the per-micro-batch transfers the roofline's per-step sums do not see)
+# Roofline steps this close apart are a tie only the schedule breaks: a family's members differ in M:N, expert-DP and
+# NIC split, which move per-micro-batch transfers that the roofline's per-step sums do not see (planner.md 18).
+NEAR_TIE = 0.01
 
 
 def near_ties(members: list[AfCandidate]) -> list[AfCandidate]:
