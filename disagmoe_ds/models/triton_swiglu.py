@@ -195,6 +195,11 @@ def _tiles(inter: int) -> dict:
     return {"BLOCK_P": 8, "BLOCK_I": 256, "num_warps": 4}
 
 
+def _clamp_args(limit: float | None) -> dict:
+    """The bf16 kernels' clamp arguments: ``limit`` (unused without one) and the ``CLAMP`` switch."""
+    return {"limit": 0.0 if limit is None else limit, "CLAMP": limit is not None}
+
+
 def swiglu_forward(
     gate_up_PF: torch.Tensor, w_P: torch.Tensor, tiles: dict | None = None, limit: float | None = None
 ) -> torch.Tensor:
@@ -204,7 +209,7 @@ def swiglu_forward(
     t = _tiles(inter) if tiles is None else tiles
     hidden_PI = gate_up_PF.new_empty(num_pairs, inter)
     grid = (triton.cdiv(num_pairs, t["BLOCK_P"]), triton.cdiv(inter, t["BLOCK_I"]))
-    clamp = {"limit": 0.0 if limit is None else limit, "CLAMP": limit is not None}
+    clamp = _clamp_args(limit)
     _swiglu_forward_kernel[grid](gate_up_PF, w_P, hidden_PI, num_pairs, inter, **clamp, **t)
     return hidden_PI
 
@@ -222,7 +227,7 @@ def swiglu_backward(
     d_gate_up_PF = torch.empty_like(gate_up_PF)
     d_w_P = torch.empty_like(w_P)
     grid = (triton.cdiv(num_pairs, t["BLOCK_P"]),)
-    clamp = {"limit": 0.0 if limit is None else limit, "CLAMP": limit is not None}
+    clamp = _clamp_args(limit)
     d_hidden_PI = d_hidden_PI.contiguous()
     _swiglu_backward_kernel[grid](gate_up_PF, w_P, d_hidden_PI, d_gate_up_PF, d_w_P, num_pairs, inter, **clamp, **t)
     return d_gate_up_PF, d_w_P
