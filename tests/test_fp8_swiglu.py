@@ -81,8 +81,8 @@ from disagmoe_ds.models import fp8_experts, grouped_experts as ge, triton_swiglu
 triton_swiglu.runs_on = lambda t: True  # the Triton middle on CPU rows, through the interpreter
 middle = ge.Elementwise(ge.TritonSwiGLUOr(ge._gated_eager), ge._sum_slots_eager)
 fused_calls = []
-original = fp8_experts.fp8_swiglu_experts
-ge.fp8_swiglu_experts = lambda *a: fused_calls.append(1) or original(*a)
+original = fp8_experts.fp8_routed_experts
+ge.fp8_routed_experts = lambda *a: fused_calls.append(1) or original(*a)
 unfused = lambda *a: False
 
 def run(dtype, recompute, fused, split):

@@ -49,6 +49,12 @@ class Quantized:
         """The transpose of a 2-D value (a view: ``torch._scaled_mm`` wants its second operand column-major)."""
         return Quantized(self.data.t(), self.scale.t())
 
+    def rows(self, index: torch.Tensor) -> Quantized:
+        """The rows ``index`` of a rowwise value, its bytes and scales (gathered as bytes: not every backend gathers
+        e4m3)."""
+        data = self.data.view(torch.uint8).index_select(0, index).view(self.data.dtype)
+        return Quantized(data, self.scale.index_select(0, index))
+
 
 def fused_on_cuda(fn: F) -> F:
     """``fn`` compiled (dynamic shapes, on first use) where its first argument is a CUDA tensor and nothing is being
@@ -103,9 +109,15 @@ def cast(x: torch.Tensor, scale: torch.Tensor) -> Quantized:
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The tensor ``q`` stands for, in ``dtype``: exact in float32 and bfloat16 (3 mantissa bits times a power of
-    two), so it is computed in ``dtype`` itself."""
+    two), so it is computed in ``dtype`` itself (on CUDA one kernel: eagerly a cast and a multiply, each as slow as
+    a pass over a wider tensor)."""
     exact = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
-    return (q.data.to(exact) * q.scale.to(exact)).to(dtype)
+    return _scaled(q.data, q.scale, exact).to(dtype)
+
+
+@fused_on_cuda
+def _scaled(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return data.to(dtype) * scale.to(dtype)
 
 
 def round_trip(x: torch.Tensor) -> torch.Tensor:

@@ -1,19 +1,26 @@
-"""The routed experts' FP8 projections with the SwiGLU middle between them as one autograd node, whose Triton middle
-writes the FP8 operands of the GEMMs after it (``triton_swiglu.swiglu_fp8_forward`` / ``_backward``).
+"""The routed experts in FP8 from rows to rows as one autograd node: the permutation, both projections with the
+SwiGLU middle between them, and the weighted un-permute, where the Triton middle writes the FP8 operands of the GEMMs
+after it (``triton_swiglu.swiglu_fp8_forward`` / ``_backward``).
 
-The same recipe as ``_projected_experts``' FP8 path (``fp8.projections.fp8_grouped_mm`` twice, the Triton SwiGLU
-between them, the routing weight after the down projection), with two quantization passes gone: the down GEMM's
-input ``hidden_PI`` and the gate/up input-gradient GEMM's ``d_gate_up_PF`` are quantized rowwise by the kernels that
-produce them, which compute the row (its amax) and then its e4m3 values in one launch instead of an inductor reduction
-and a cast reading them back (0.84 ms of quantizations in the FP8 step of performance-log section 26, five of them;
-these were two). The values are those of the separate passes, bit for bit: the same bf16 rows, the same power-of-two
-scales, e4m3 rounded to nearest even. What autograd keeps is unchanged: the routed rows as their e4m3 bytes, the
-gate/up output for the middle's backward, the bf16 ``hidden_PI`` for the down weight's gradient (high precision, as
-``fp8.gemm.grouped_weight_grad`` computes every expert dW and as the FP8 reference does).
+The same recipe as ``grouped_experts``' unfused FP8 path (``_Permute``, ``fp8.projections.fp8_grouped_mm`` twice, the
+Triton SwiGLU, ``_WeightedUnpermute``: the routing weight after the down projection), its values bit for bit, with
+the passes over the P pair rows that the split into nodes made:
 
-``recompute``: keep the routed rows (e4m3) and ``hidden_PI`` only and re-run the gate/up GEMM in the backward, as the
-unfused path's ``torch.utils.checkpoint`` around it does. Shape suffixes: P pairs, H hidden, I intermediate, F = 2I,
-e experts.
+- the routed rows are quantized as the R rows they are (a pair row is a copy of its row, and a rowwise quantization
+  commutes with copying rows), and their e4m3 bytes and scales are gathered into pair order: no rowwise reduction over
+  the K-times larger pair rows, half the gather's bytes;
+- autograd keeps the R rows' bytes for the gate/up weight's gradient, which gathers and dequantizes them in the
+  backward (one pass each), instead of every pair's bytes;
+- the down GEMM's input ``hidden_PI`` and the gate/up input-gradient GEMM's ``d_gate_up_PF`` are quantized by the
+  Triton kernels that produce them (the row's amax, then its e4m3 values, in one launch), and the down
+  input-gradient GEMM's ``d_out_PH`` by the compiled kernel that makes it from the rows' gradient
+  (``weighted_pair_grads``).
+
+What else autograd keeps: the gate/up output for the middle's backward, the bf16 ``hidden_PI`` for the down weight's
+gradient (high precision, as ``fp8.gemm.grouped_weight_grad`` computes every expert dW and as the FP8 reference does),
+the unweighted outputs for the routing weights' gradient. ``recompute``: not the gate/up output, which the backward
+re-runs from the kept rows, as the unfused path's ``torch.utils.checkpoint`` around it does. Shape suffixes: R rows,
+P pairs, H hidden, I intermediate, F = 2I, e experts.
 """
 
 from __future__ import annotations
@@ -24,47 +31,76 @@ import torch
 
 from disagmoe_ds.fp8.gemm import grouped_weight_grad, scaled_grouped_mm
 from disagmoe_ds.fp8.projections import viewed, wanted
-from disagmoe_ds.fp8.quantize import Quantized, dequantize, quantize
+from disagmoe_ds.fp8.quantize import Quantized, dequantize, fused_on_cuda, quantize
 from disagmoe_ds.fp8.weight_cache import quantized_weight
 from disagmoe_ds.models import triton_swiglu
 
 
-def fp8_swiglu_experts(
-    x_PH: torch.Tensor, gate_up_eFH: torch.Tensor, down_eHI: torch.Tensor, offsets_e: torch.Tensor, recompute: bool
+def fp8_routed_experts(
+    x_RH: torch.Tensor,
+    w_P: torch.Tensor,
+    w_RK: torch.Tensor,
+    gate_up_eFH: torch.Tensor,
+    down_eHI: torch.Tensor,
+    offsets_e: torch.Tensor,
+    slots: Any,
+    recompute: bool,
 ) -> torch.Tensor:
-    """``fp8_grouped_mm(silu(gate) * up, down)`` of ``gate_up = fp8_grouped_mm(x_PH, gate_up_eFH, fp8_rows=True)``
-    per expert group (HF's fused layouts ``[e, 2I, H]`` and ``[e, H, I]``), without the routing weight; ``x_PH``'s
-    rows are FP8 values (the routed tokens as the lever sends them)."""
-    return _Fp8SwiGLUExperts.apply(*viewed(x_PH, gate_up_eFH, down_eHI), offsets_e, recompute)
+    """Each row's sum over its pairs of ``w_P * fp8_grouped_mm(silu(gate) * up, down)``, ``gate_up =
+    fp8_grouped_mm(x_PH, gate_up_eFH)`` per expert group (HF's fused layouts ``[e, 2I, H]`` and ``[e, H, I]``), the
+    pairs ``slots``' (``grouped_experts._Slots``: ``rows_P`` and ``sum_slots``), the sum's coefficients ``w_RK``
+    (``w_P`` per row and choice, detached, zero where a pair is dropped)."""
+    x_RH, w_P, gate_up_eFH, down_eHI = viewed(x_RH, w_P, gate_up_eFH, down_eHI)
+    return _Fp8RoutedExperts.apply(x_RH, w_P, gate_up_eFH, down_eHI, offsets_e, w_RK, slots, recompute)
 
 
-class _Fp8SwiGLUExperts(torch.autograd.Function):
+class _Fp8RoutedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x_PH, gate_up_eFH, down_eHI, offsets_e, recompute: bool) -> torch.Tensor:
-        x_q = quantize(x_PH, -1)  # FP8 values already: the same values, kept as their bytes
-        gate_up_PF = scaled_grouped_mm(x_q, quantized_weight(gate_up_eFH), offsets_e, x_PH.dtype)
+    def forward(ctx: Any, x_RH, w_P, gate_up_eFH, down_eHI, offsets_e, w_RK, slots, recompute: bool) -> torch.Tensor:
+        x_R = quantize(x_RH, -1)
+        gate_up_PF = scaled_grouped_mm(x_R.rows(slots.rows_P), quantized_weight(gate_up_eFH), offsets_e, x_RH.dtype)
         hidden_PI, hidden_q = triton_swiglu.swiglu_fp8_forward(gate_up_PF)
+        y_PH = scaled_grouped_mm(hidden_q, quantized_weight(down_eHI), offsets_e, x_RH.dtype)
         kept = () if recompute else (gate_up_PF,)
-        ctx.save_for_backward(gate_up_eFH, down_eHI, offsets_e, x_q.data, x_q.scale, hidden_PI, *kept)
-        ctx.dtype = x_PH.dtype
-        return scaled_grouped_mm(hidden_q, quantized_weight(down_eHI), offsets_e, x_PH.dtype)
+        ctx.save_for_backward(gate_up_eFH, down_eHI, offsets_e, x_R.data, x_R.scale, hidden_PI, y_PH, w_P, *kept)
+        ctx.slots = slots
+        return slots.sum_slots(y_PH, w_RK)
 
     @staticmethod
-    def backward(ctx: Any, d_out_PH: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        gate_up_eFH, down_eHI, offsets_e, x_data, x_scale, hidden_PI, *kept = ctx.saved_tensors
-        need_x, need_gate_up, need_down = (wanted(ctx, i) for i in range(3))
-        x_q, dtype = Quantized(x_data, x_scale), ctx.dtype
-        d_x = d_gate_up = d_down = None
+    def backward(ctx: Any, grad_RH: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gate_up_eFH, down_eHI, offsets_e, x_data, x_scale, hidden_PI, y_PH, w_P, *kept = ctx.saved_tensors
+        need_x, need_w, need_gate_up, need_down = (wanted(ctx, i) for i in range(4))
+        rows_P, dtype = ctx.slots.rows_P, y_PH.dtype
+        d_x = d_w = d_gate_up = d_down = None
+        d_out_PH, d_out_data, d_out_scale, d_w = weighted_pair_grads(grad_RH, rows_P, y_PH, w_P, True)
         if need_down:
             d_down = grouped_weight_grad(d_out_PH, hidden_PI, offsets_e).to(down_eHI.dtype)
         if need_x or need_gate_up:
+            x_q = Quantized(x_data, x_scale).rows(rows_P)
             gate_up_PF = kept[0] if kept else scaled_grouped_mm(x_q, quantized_weight(gate_up_eFH), offsets_e, dtype)
-            down_t = quantized_weight(down_eHI, transposed=True)
-            d_hidden_PI = scaled_grouped_mm(quantize(d_out_PH, -1), down_t, offsets_e, dtype)
+            d_out_q = Quantized(d_out_data, d_out_scale)
+            d_hidden_PI = scaled_grouped_mm(d_out_q, quantized_weight(down_eHI, transposed=True), offsets_e, dtype)
             d_gate_up_PF, d_gate_up_q = triton_swiglu.swiglu_fp8_backward(gate_up_PF, d_hidden_PI, quantized=need_x)
             if d_gate_up_q is not None:
-                d_x = scaled_grouped_mm(d_gate_up_q, quantized_weight(gate_up_eFH, transposed=True), offsets_e, dtype)
+                gate_up_t = quantized_weight(gate_up_eFH, transposed=True)
+                d_x = ctx.slots.sum_slots(scaled_grouped_mm(d_gate_up_q, gate_up_t, offsets_e, dtype))
             if need_gate_up:
-                x_PH = dequantize(x_q, dtype)
-                d_gate_up = grouped_weight_grad(d_gate_up_PF, x_PH, offsets_e).to(gate_up_eFH.dtype)
-        return d_x, d_gate_up, d_down, None, None
+                d_gate_up = grouped_weight_grad(d_gate_up_PF, dequantize(x_q, dtype), offsets_e)
+                d_gate_up = d_gate_up.to(gate_up_eFH.dtype)
+        return d_x, d_w if need_w else None, d_gate_up, d_down, None, None, None, None
+
+
+@fused_on_cuda
+def weighted_pair_grads(
+    grad_RH: torch.Tensor, rows_P: torch.Tensor, y_PH: torch.Tensor, w_P: torch.Tensor, quantized: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of ``sum_k w y`` for each pair: its row's gradient times its weight (in ``y_PH``'s dtype), where
+    ``quantized`` followed by its rowwise e4m3 bytes and scales, and the dot product of that gradient with its output
+    (float32; one gather and one reduction, the quantization with them, fused on CUDA)."""
+    g_PH = grad_RH.index_select(0, rows_P).float()
+    d_y_PH = (g_PH * w_P.unsqueeze(1)).to(y_PH.dtype)
+    d_w_P = (g_PH * y_PH.float()).sum(-1).to(w_P.dtype)
+    if not quantized:
+        return d_y_PH, d_w_P
+    d_y_q = quantize(d_y_PH, -1)
+    return d_y_PH, d_y_q.data, d_y_q.scale, d_w_P

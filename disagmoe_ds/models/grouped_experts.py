@@ -38,9 +38,8 @@ from transformers.activations import SiLUActivation
 from disagmoe_ds.capabilities.facts import FACTS
 from disagmoe_ds.fp8.blocks import BlockScaled, block_grouped_mm
 from disagmoe_ds.fp8.projections import fp8_grouped_mm
-from disagmoe_ds.fp8.quantize import fused_on_cuda
 from disagmoe_ds.models import triton_swiglu
-from disagmoe_ds.models.fp8_experts import fp8_swiglu_experts
+from disagmoe_ds.models.fp8_experts import fp8_routed_experts, weighted_pair_grads
 from disagmoe_ds.models.lora import ExpertAdapters
 
 GatedFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]  # (gate_up_PF, w_P, act_fn) -> hidden_PI
@@ -118,16 +117,19 @@ def grouped_gated_experts(
         return x_RH * 0  # nothing routed here; keeps the autograd edge to x
     slots = _Slots.of(order_P, num_pairs, K, x_RH.dtype, elementwise.sum_slots, kept=kept)
     order_P = order_P[:num_pairs]
-    x_PH = _Permute.apply(x_RH, slots)
     w_P = w_RK.reshape(-1).index_select(0, order_P)
     if kept is not None:  # the slots past the real pairs: no weight, so no weight gradient from their garbage rows
         w_P = torch.where(torch.arange(num_pairs, device=w_P.device) < kept, w_P, 0)
+    weights = gate_up_eFH, down_eHI
+    trained = isinstance(gate_up_eFH, torch.Tensor) and isinstance(down_eHI, torch.Tensor)  # no frozen FP8 base
+    if fp8 and trained and adapters is None and fused_fp8_middle(elementwise, act_fn, x_RH):
+        w_sum_RK = slots.coefficients(w_RK)
+        return fp8_routed_experts(x_RH, w_P, w_sum_RK, *weights, offsets_e, slots, recompute)  # type: ignore[arg-type]
+    x_PH = _Permute.apply(x_RH, slots)
     if adapters is not None or fp8 or isinstance(gate_up_eFH, BlockScaled) or isinstance(down_eHI, BlockScaled):
-        weights = gate_up_eFH, down_eHI
         out_PH = _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapters, recompute, fp8)
         if fp8:  # the routing weight scales each pair's output in the un-permute's sum
-            w_RK = w_RK.detach() if slots.keep_RK is None else w_RK.detach() * slots.keep_RK
-            return _WeightedUnpermute.apply(out_PH, w_P, w_RK, slots)
+            return _WeightedUnpermute.apply(out_PH, w_P, slots.coefficients(w_RK), slots)
     elif recompute:
         out_PH = _RecomputedMiddle.apply(x_PH, w_P, gate_up_eFH, down_eHI, offsets_e, act_fn, elementwise.gated)
     else:
@@ -146,8 +148,6 @@ def _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapt
     the reference's, a non-power-of-two w changing which e4m3 value each element lands on). The output returned is
     then unweighted: the caller's un-permute applies the weight in its sum (``_WeightedUnpermute``)."""
     gate_up_eFH, down_eHI = weights
-    if fp8 and adapters is None and fused_fp8_middle(elementwise, act_fn, x_PH, weights):
-        return fp8_swiglu_experts(x_PH, gate_up_eFH, down_eHI, offsets_e, recompute)
     gate_up, down = (None, None) if adapters is None else (adapters.gate_up, adapters.down)
     scaling = 0.0 if adapters is None else adapters.scaling
 
@@ -163,13 +163,12 @@ def _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapt
     return _adapted_mm(hidden_PI, down_eHI, down, scaling, offsets_e, fp8)
 
 
-def fused_fp8_middle(elementwise: Elementwise, act_fn: nn.Module, x_PH: torch.Tensor, weights: tuple) -> bool:
-    """Whether the FP8 experts run ``fp8_experts.fp8_swiglu_experts`` (the Triton middle writing the GEMMs' FP8
-    operands): where the unfused path would run the Triton SwiGLU (``TritonSwiGLUOr``: SiLU, no clamp, Triton on the
-    rows' device) between two FP8 grouped GEMMs of trained weights (no frozen block-scaled base)."""
-    plain = not any(isinstance(w, BlockScaled) for w in weights)
+def fused_fp8_middle(elementwise: Elementwise, act_fn: nn.Module, x_RH: torch.Tensor) -> bool:
+    """Whether FP8 experts of trained weights run ``fp8_experts.fp8_routed_experts`` (one node from rows to rows, the
+    Triton middle writing the GEMMs' FP8 operands): where the unfused path would run the Triton SwiGLU
+    (``TritonSwiGLUOr``: SiLU, no clamp, Triton on the rows' device) between its two FP8 grouped GEMMs."""
     gated = elementwise.gated
-    return plain and isinstance(gated, TritonSwiGLUOr) and gated.limit is None and gated.applies(act_fn, x_PH)
+    return isinstance(gated, TritonSwiGLUOr) and gated.limit is None and gated.applies(act_fn, x_RH)
 
 
 def _adapted_mm(x_PD, w_eND, factors, scaling, offsets_e, fp8=False, fp8_rows=False):
@@ -238,6 +237,10 @@ class _Slots:
         any_kept = kept > 0 if isinstance(kept, torch.Tensor) else None
         return cls(rows_P, torch.where(keep, slot, 0).view(-1, K), keep.to(dtype).view(-1, K), sum_fn, any_kept)
 
+    def coefficients(self, w_RK: torch.Tensor) -> torch.Tensor:
+        """``w_RK`` as a weighted sum's coefficients: detached, zero where a pair is dropped."""
+        return w_RK.detach() if self.keep_RK is None else w_RK.detach() * self.keep_RK
+
     def sum_slots(self, y_PH: torch.Tensor, weight_RK: torch.Tensor | None = None) -> torch.Tensor:
         """Row r's sum over its kept pairs of ``y_PH[slot]``, each times ``weight_RK`` where given (which must then
         be zero where a pair is dropped)."""
@@ -290,18 +293,8 @@ class _WeightedUnpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RH: torch.Tensor):
         y_PH, w_P = ctx.saved_tensors
-        d_y_PH, d_w_P = _weighted_pair_grads(grad_RH, ctx.slots.rows_P, y_PH, w_P)
+        d_y_PH, d_w_P = weighted_pair_grads(grad_RH, ctx.slots.rows_P, y_PH, w_P)
         return d_y_PH, d_w_P, None, None
-
-
-@fused_on_cuda
-def _weighted_pair_grads(
-    grad_RH: torch.Tensor, rows_P: torch.Tensor, y_PH: torch.Tensor, w_P: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of ``sum_k w y`` for each pair: its row's gradient times its weight, and the dot product of that
-    gradient with its output (float32; one gather and one reduction, fused on CUDA)."""
-    g_PH = grad_RH.index_select(0, rows_P).float()
-    return (g_PH * w_P.unsqueeze(1)).to(y_PH.dtype), (g_PH * y_PH.float()).sum(-1).to(w_P.dtype)
 
 
 class _RecomputedMiddle(torch.autograd.Function):
