@@ -9,8 +9,8 @@ the passes over the P pair rows that the split into nodes made:
 - the routed rows are quantized as the R rows they are (a pair row is a copy of its row, and a rowwise quantization
   commutes with copying rows), and their e4m3 bytes and scales are gathered into pair order: no rowwise reduction over
   the K-times larger pair rows, half the gather's bytes;
-- autograd keeps the R rows' bytes for the gate/up weight's gradient, which gathers and dequantizes them in the
-  backward (one pass each), instead of every pair's bytes;
+- autograd keeps the R rows' bytes for the gate/up weight's gradient, which dequantizes them in the backward and
+  gathers the pairs' rows from them, instead of every pair's bytes (and a dequantization K times as large);
 - the down GEMM's input ``hidden_PI`` and the gate/up input-gradient GEMM's ``d_gate_up_PF`` are quantized by the
   Triton kernels that produce them (the row's amax, then its e4m3 values, in one launch), and the down
   input-gradient GEMM's ``d_out_PH`` by the compiled kernel that makes it from the rows' gradient
@@ -76,8 +76,11 @@ class _Fp8RoutedExperts(torch.autograd.Function):
         if need_down:
             d_down = grouped_weight_grad(d_out_PH, hidden_PI, offsets_e).to(down_eHI.dtype)
         if need_x or need_gate_up:
-            x_q = Quantized(x_data, x_scale).rows(rows_P)
-            gate_up_PF = kept[0] if kept else scaled_grouped_mm(x_q, quantized_weight(gate_up_eFH), offsets_e, dtype)
+            x_R = Quantized(x_data, x_scale)
+            if kept:
+                (gate_up_PF,) = kept
+            else:
+                gate_up_PF = scaled_grouped_mm(x_R.rows(rows_P), quantized_weight(gate_up_eFH), offsets_e, dtype)
             d_out_q = Quantized(d_out_data, d_out_scale)
             d_hidden_PI = scaled_grouped_mm(d_out_q, quantized_weight(down_eHI, transposed=True), offsets_e, dtype)
             d_gate_up_PF, d_gate_up_q = triton_swiglu.swiglu_fp8_backward(gate_up_PF, d_hidden_PI, quantized=need_x)
@@ -85,8 +88,8 @@ class _Fp8RoutedExperts(torch.autograd.Function):
                 gate_up_t = quantized_weight(gate_up_eFH, transposed=True)
                 d_x = ctx.slots.sum_slots(scaled_grouped_mm(d_gate_up_q, gate_up_t, offsets_e, dtype))
             if need_gate_up:
-                d_gate_up = grouped_weight_grad(d_gate_up_PF, dequantize(x_q, dtype), offsets_e)
-                d_gate_up = d_gate_up.to(gate_up_eFH.dtype)
+                x_PH = dequantize(x_R, dtype).index_select(0, rows_P)  # the R rows, then the K-times more pairs
+                d_gate_up = grouped_weight_grad(d_gate_up_PF, x_PH, offsets_e).to(gate_up_eFH.dtype)
         return d_x, d_w if need_w else None, d_gate_up, d_down, None, None, None, None
 
 

@@ -132,12 +132,11 @@ def ffn_rank_memory(spec: ModelSpec, layout: Layout, work: Workload, in_flight: 
     gathered copies and every expert tensor) is working memory.
     """
     zero, lora, recompute = work.zero_of("ffn"), work.lora, work.recompute_of("ffn")
-    per_assignment = (
-        spec.f_side_activation_bytes_per_assignment() + expert_adapter_bytes(spec, lora) - _fp8_rows_saving(spec, work)
-    )
     tokens_per_replica = data_lanes(layout, work) * work.tokens_per_micro_batch / layout.expert_data_parallel
     assignments = tokens_per_replica * spec.top_k / layout.ep_size
     received = tokens_per_replica * spec.distinct_ranks_per_token(layout.ep_size) / layout.ep_size
+    fp8_saving = _fp8_rows_saving(spec, work, received / assignments)
+    per_assignment = spec.f_side_activation_bytes_per_assignment() + expert_adapter_bytes(spec, lora) - fp8_saving
     if layout.node_dedup > 1:  # a gateway keeps its lanes' rows of the node besides the rows it computes
         received += tokens_per_replica * spec.distinct_ranks_per_token(layout.exchange_peers) / layout.ep_size
     worst: RankMemory | None = None
@@ -262,13 +261,14 @@ def _gathered(layer_params: float, zero_stage: int, precision: str) -> float:
     return 2 * layer_params * Precision.named(precision).param if zero_stage >= 3 else 0.0
 
 
-def _fp8_rows_saving(spec: ModelSpec, work: Workload) -> float:
-    """Bytes per assignment the FP8 lever saves on the F side: the gate/up input is kept for dW as its e4m3 rows and
-    their scales (``fp8.projections.fp8_grouped_mm``'s ``fp8_rows``), H + 4 bytes instead of 2H, unless LoRA's adapter
-    GEMMs, a selective recompute's checkpoint or bf16 expert GEMMs (the shape rule) keep the bf16 rows anyway."""
-    if not experts_in_fp8(spec, work) or work.lora.enabled or work.recompute_of("ffn") == "selective":
+def _fp8_rows_saving(spec: ModelSpec, work: Workload, rows_per_assignment: float) -> float:
+    """Bytes per assignment the FP8 lever saves on the F side: the experts' one FP8 node (``models.fp8_experts``)
+    keeps the gate/up input for dW as the received rows' e4m3 bytes and scales, H + 4 bytes a received row
+    (``rows_per_assignment`` of them per assignment) instead of 2H a pair, unless LoRA's adapter GEMMs (the unfused
+    path) or bf16 expert GEMMs (the shape rule) keep the pairs' bf16 rows."""
+    if not experts_in_fp8(spec, work) or work.lora.enabled:
         return 0.0
-    return ACT_BYTES * spec.hidden_size - (spec.hidden_size + FP8_ROW_SCALE_BYTES)
+    return ACT_BYTES * spec.hidden_size - (spec.hidden_size + FP8_ROW_SCALE_BYTES) * rows_per_assignment
 
 
 def _fp8_copies(spec: ModelSpec, experts: Params, work: Workload) -> float:
