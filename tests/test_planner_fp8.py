@@ -73,7 +73,8 @@ def test_the_expert_gemms_drop_by_the_tables_factors_and_their_weight_grads_do_n
     wgrad = expert_wgrad_s(spec, rates, layer=layer, tokens=tokens)
     wgrad8 = expert_wgrad_s(spec, rates, layer=layer, tokens=tokens, fp8=fp8)
     assert (fwd8 - passes.fwd) / fwd == pytest.approx(share)
-    assert passes.wgrad == 0 and wgrad8 == pytest.approx(wgrad)  # the experts' dW stays bf16: no passes
+    assert passes.wgrad == pytest.approx(passes.dgrad)  # the experts' dW stays bf16: its input dequantized, H a row
+    assert wgrad8 == pytest.approx(wgrad + passes.wgrad)
     assert (bwd8 - passes.bwd - wgrad) / (bwd - wgrad) == pytest.approx(share)  # input grads at the forward's factor
 
 
@@ -141,12 +142,15 @@ def test_a_quantize_pass_reads_two_bytes_and_writes_one_per_element_at_hbm_bandw
     assert PASS_BYTES == 3
     one, two = (expert_passes(spec, rates, assignments=a, fp8=Fp8(4)) for a in (1.0, 2.0))
     # per assignment: the received row dequantized and gate_up's input quantized (2H); down's input comes out of the
-    # SwiGLU middle in FP8 (models.fp8_experts), and in the input-grad only down's output grad is quantized (H)
+    # SwiGLU middle in FP8 (models.fp8_experts); in the input-grad only down's output grad is quantized (H), and the
+    # weight-grad dequantizes gate_up's input (H)
     assert one.fwd * rates.hbm_bw == pytest.approx(3 * 2 * h)  # no weights: they are cast once a step
-    assert one.bwd * rates.hbm_bw == pytest.approx(3 * h)
+    assert (one.dgrad * rates.hbm_bw, one.wgrad * rates.hbm_bw) == pytest.approx((3 * h, 3 * h))
     # LoRA on the experts takes the unfused path: the middle's quantizations are passes of their own (I, 2I)
     adapted = expert_passes(spec, rates, assignments=1.0, fp8=Fp8(4), lora=LoRA(rank=8))
-    assert (adapted.fwd * rates.hbm_bw, adapted.bwd * rates.hbm_bw) == pytest.approx((3 * (2 * h + i), 3 * (h + 2 * i)))
+    assert (adapted.fwd * rates.hbm_bw, adapted.bwd * rates.hbm_bw) == pytest.approx(
+        (3 * (2 * h + i), 3 * (2 * h + 2 * i))
+    )
 
 
 def test_the_expert_weights_are_cast_once_a_step_and_their_copies_held_for_it():

@@ -10,7 +10,7 @@ What the lever (``"disagmoe": {"fp8": true}``, ``disagmoe_ds.fp8``) computes in 
   pay (``fp8.shapes.experts_fp8_pay`` at ``Workload.fp8_expert_bf16_width``: ``expert_lever``); narrower experts are
   priced in bf16 (their rows still travel in FP8: the received rows' dequantize, one pass, is not priced). Their
   weight-grad GEMMs run in bf16 on the high-precision operands (``fp8.gemm.grouped_weight_grad``), so they are priced
-  at its rate, with no passes.
+  at its rate, with one pass: gate_up's input dequantized.
 
 An FP8 GEMM costs its bf16 time over its class's factor: its FLOPs enter the same time models (shape table or
 profile) divided by the factor, as bf16-equivalent FLOPs. The token exchange's bytes are ``ModelSpec.wire_bytes_per_
@@ -23,7 +23,8 @@ prices the lever's worst case. The routed experts' weights are cast once per opt
 runtime's ``fp8.weight_cache``: ``weight_cast_s``, with the optimizer step), and their two FP8 copies
 (``CAST_COPIES`` bytes a parameter) stay for the step (``memory.py``); the attention side's run inside its compiled
 parts, where they are cast in every call. Master weights, gradients and optimizer state keep their dtype, autograd
-keeps the high-precision inputs, and the activations' FP8 operands are transient.
+keeps the high-precision inputs but the routed experts' received rows (in e4m3: ``memory._fp8_rows_saving``), and
+the activations' other FP8 operands are transient.
 
 >>> fp8_speedup("projection"), fp8_speedup("gate_up", 768), fp8_speedup("down", 1536), fp8_speedup("down", 14336)
 (1.77, 1.27, 1.34, 1.34)
@@ -197,9 +198,10 @@ def expert_passes(
     spec: ModelSpec, rates: Rates, *, assignments: float, fp8: Fp8 | None, lora: LoRA | None = None
 ) -> Passes:
     """The quantize passes of one expert call of ``assignments`` (token, expert) rows: the forward dequantizes the
-    received e4m3 rows (one per assignment: exact for Megatron's dispatcher, an upper bound where a token comes once
-    per rank) and quantizes gate_up's input (H), the input-grad down's output grad (H); the weight-grad runs in bf16
-    and quantizes nothing. The SwiGLU middle writes down's input and gate_up's output grad in FP8 itself
+    received e4m3 rows and quantizes gate_up's input (H each), the input-grad down's output grad (H), the weight-grad
+    dequantizes gate_up's input again (H, its GEMMs in bf16). Per assignment: exact for Megatron's dispatcher, an
+    upper bound where a token comes once per rank (the experts' FP8 node, ``models.fp8_experts``, quantizes and keeps
+    each received row once). The SwiGLU middle writes down's input and gate_up's output grad in FP8 itself
     (``models.fp8_experts``), except under LoRA adapters on the experts, whose path quantizes them in passes of their
     own (I forward, 2I input-grad). The rank's E/ep experts' weights are cast once a step (``weight_cast_s``), or with
     ``per_call`` in every call, for the forward and again for the input-grad."""
@@ -208,7 +210,8 @@ def expert_passes(
     h, i = spec.hidden_size, spec.expert_intermediate
     middle = i if lora is not None and lora.enabled and "experts" in lora.targets else 0
     weights = spec.num_experts / fp8.shards * 3 * h * i if fp8.per_call else 0.0
-    return _seconds(rates, assignments * (2 * h + middle) + weights, assignments * (h + 2 * middle) + weights, 0.0)
+    fwd, dgrad = assignments * (2 * h + middle) + weights, assignments * (h + 2 * middle) + weights
+    return _seconds(rates, fwd, dgrad, assignments * h)
 
 
 def cast_expert_weights(experts: Params, lora: LoRA) -> float:
