@@ -230,3 +230,27 @@ def test_simulation_order_keeps_the_first_of_equally_fast_plans(monkeypatch):
         expected = max(order, key=lambda c: c.rate)  # the first of the fastest
         assert plan.candidate.name == expected.name
         assert len(set(simulated[:-1])) == len(simulated) - 1  # each simulated once, then the kept one again
+
+
+@pytest.mark.parametrize("kind", ["strongest", "ep", "deepspeed"])
+@pytest.mark.parametrize("seq_len", [1024, 8192])
+def test_the_baseline_search_skips_only_what_cannot_win(kind, seq_len):
+    """Each co-located candidate's ``bound_s`` is at most its simulated step, and the pruned search finds the plan
+    that simulating every candidate finds, simulating fewer."""
+    from disagmoe_ds.planner.allocator import BaselinePlan, baseline_candidates, best_baseline
+    from disagmoe_ds.planner.colocated import simulate_colocated
+
+    cluster = small_cluster(nodes=4)
+    req = PlanRequest(mid_model(), cluster, Rates.from_cluster(cluster, Efficiency()), Workload(seq_len, 1), 64)
+    req = replace(req, baseline=kind)
+    candidates, _ = baseline_candidates(req)
+    every = [
+        BaselinePlan(c, simulate_colocated(c.costs, shape=c.shape, micro_batches=c.micro_batches)) for c in candidates
+    ]
+    assert len(every) > 6  # more than the old search's six
+    for p in every:
+        assert p.candidate.bound_s <= p.step_time_s * (1 + 1e-12), p.candidate.shape
+    best, _ = best_baseline(req)
+    assert best is not None and best.tokens_per_s == max(p.tokens_per_s for p in every)
+    skipped = sum(best.tokens_per_s >= c.tokens / c.bound_s for c in candidates)
+    assert skipped > 0

@@ -23,7 +23,7 @@ from disagmoe_ds.errors import LayoutError
 from disagmoe_ds.layout import Layout
 from disagmoe_ds.planner.af_simulation import Memo, bound_tokens_per_s, forms, simulate_candidate
 from disagmoe_ds.planner.attention_lanes import data_lanes, lane_spans
-from disagmoe_ds.planner.colocated import colocated_candidates, divisors, simulate_colocated
+from disagmoe_ds.planner.colocated import ColocatedCandidate, colocated_candidates, divisors, simulate_colocated
 from disagmoe_ds.planner.colocated_costs import Shape
 from disagmoe_ds.planner.fp8_costs import experts_in_fp8
 from disagmoe_ds.planner.grad_sync import af_sync_s
@@ -379,9 +379,23 @@ def best_af(req: PlanRequest) -> tuple[AfPlan | None, Counter]:
 
 # ----- co-located baseline search (colocated.py) -----
 def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
-    """The fastest simulated co-located configuration among the best few by closed-form estimate: plain
-    EP+DP interleaved 1F1B (``req.baseline == "ep"``) or the strongest Megatron configuration."""
-    candidates, rejected = colocated_candidates(
+    """The fastest simulated co-located configuration: plain EP+DP interleaved 1F1B (``req.baseline == "ep"``) or
+    the strongest Megatron configuration. Every candidate counts; those whose lower bound (``bound_s``) cannot beat
+    the fastest simulated so far are skipped, trying them in the order of their closed-form estimate."""
+    candidates, rejected = baseline_candidates(req)
+    best: BaselinePlan | None = None
+    for c in sorted(candidates, key=lambda c: c.estimate_s / c.tokens):
+        if best is not None and c.tokens / c.bound_s <= best.tokens_per_s:
+            continue
+        plan = BaselinePlan(c, simulate_colocated(c.costs, shape=c.shape, micro_batches=c.micro_batches))
+        if best is None or plan.tokens_per_s > best.tokens_per_s:
+            best = plan
+    return best, rejected
+
+
+def baseline_candidates(req: PlanRequest) -> tuple[list[ColocatedCandidate], Counter]:
+    """The request's co-located configurations that divide and fit, and what rejected the others."""
+    return colocated_candidates(
         req.spec,
         req.cluster,
         req.baseline_rates,
@@ -394,9 +408,6 @@ def best_baseline(req: PlanRequest) -> tuple[BaselinePlan | None, Counter]:
         only=req.baseline_layout,
         recompute=req.baseline_recompute,
     )
-    ranked = sorted(candidates, key=lambda c: c.estimate_s / c.tokens)[: req.simulate_top]
-    plans = [BaselinePlan(c, simulate_colocated(c.costs, shape=c.shape, micro_batches=c.micro_batches)) for c in ranked]
-    return (max(plans, key=lambda p: p.tokens_per_s) if plans else None), rejected
 
 
 RUNNABLE_VPP = (1, 2, 3, 4)  # the virtual stages per stage best_runnable_colocated tries

@@ -186,6 +186,27 @@ class ColocatedCandidate:
         return exposed_sync_s(self.sync_s, self.micro_batches * sum(self.costs.bwd_compute) / self.shape.pp)
 
     @property
+    def bound_s(self) -> float:
+        """A lower bound on the simulated step (``BaselinePlan.step_time_s``): the busiest pipeline rank's units run
+        one after another, each op at least its compute and, fused into a pair, its exposed communication less the
+        most a pair hides of its all-to-all (``paired_unit_s``); plus sync and optimizer step."""
+        c, s = self.costs, self.shape
+        paired = s.overlap == "paired"
+        floor = [
+            c.fwd_compute[i]
+            + c.bwd_compute[i]
+            + min(
+                c.fwd_comm[i] + c.bwd_comm[i],
+                (c.fwd_other[i] + c.bwd_other[i] + (1 - A2A_HIDDEN_SHARE) * (c.fwd_a2a[i] + c.bwd_a2a[i]))
+                if paired
+                else float("inf"),
+            )
+            for i in range(len(c.fwd_compute))
+        ]
+        busiest = max(sum(floor[chunk * s.pp + r] for chunk in range(s.vpp)) for r in range(s.pp))
+        return self.micro_batches * busiest + self.exposed_sync_s + self.optimizer_step_s
+
+    @property
     def estimate_s(self) -> float:
         """(m v + pp - 1) x the slowest chunk's fwd+bwd unit, plus hops, sync and optimizer step: for ranking."""
         units = []

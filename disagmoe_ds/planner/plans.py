@@ -36,7 +36,6 @@ class PlanRequest:
         placement: "contiguous", "spread" or "auto" (both; see ``placement.py``).
         baseline_overlap: share of the co-located all-to-all hidden behind compute (besides shared experts).
         baseline_ep: pin the co-located expert-parallel size (None: search it).
-        simulate_top: how many roofline-best co-located candidates to simulate.
         simulate_per_variant_set: AF-Pipe families simulated per set of variants (``shortlist``).
         baseline: "strongest" (TP, CP, selective recompute, paired all-to-all overlap; ``colocated.py``) or
             "ep" (plain EP+DP interleaved 1F1B with partial overlap).
@@ -62,7 +61,6 @@ class PlanRequest:
     placement: str = "auto"
     baseline_overlap: float = 0.0
     baseline_ep: int | None = None
-    simulate_top: int = 6
     simulate_per_variant_set: int = 2
     baseline: Literal["strongest", "ep", "deepspeed"] = "strongest"
     af_variants: frozenset[str] = frozenset(VARIANTS)
