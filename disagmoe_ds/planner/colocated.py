@@ -191,18 +191,13 @@ class ColocatedCandidate:
         one after another, each op at least its compute and, fused into a pair, its exposed communication less the
         most a pair hides of its all-to-all (``paired_unit_s``); plus sync and optimizer step."""
         c, s = self.costs, self.shape
-        paired = s.overlap == "paired"
-        floor = [
-            c.fwd_compute[i]
-            + c.bwd_compute[i]
-            + min(
-                c.fwd_comm[i] + c.bwd_comm[i],
-                (c.fwd_other[i] + c.bwd_other[i] + (1 - A2A_HIDDEN_SHARE) * (c.fwd_a2a[i] + c.bwd_a2a[i]))
-                if paired
-                else float("inf"),
-            )
-            for i in range(len(c.fwd_compute))
-        ]
+        floor = []
+        for i in range(len(c.fwd_compute)):
+            comm = c.fwd_comm[i] + c.bwd_comm[i]
+            if s.overlap == "paired":
+                hidden = A2A_HIDDEN_SHARE * (c.fwd_a2a[i] + c.bwd_a2a[i])
+                comm = min(comm, c.fwd_other[i] + c.bwd_other[i] + c.fwd_a2a[i] + c.bwd_a2a[i] - hidden)
+            floor.append(c.fwd_compute[i] + c.bwd_compute[i] + comm)
         busiest = max(sum(floor[chunk * s.pp + r] for chunk in range(s.vpp)) for r in range(s.pp))
         return self.micro_batches * busiest + self.exposed_sync_s + self.optimizer_step_s
 
