@@ -121,10 +121,10 @@ def grouped_gated_experts(
     if kept is not None:  # the slots past the real pairs: no weight, so no weight gradient from their garbage rows
         w_P = torch.where(torch.arange(num_pairs, device=w_P.device) < kept, w_P, 0)
     weights = gate_up_eFH, down_eHI
-    trained = isinstance(gate_up_eFH, torch.Tensor) and isinstance(down_eHI, torch.Tensor)  # no frozen FP8 base
-    if fp8 and trained and adapters is None and fused_fp8_middle(elementwise, act_fn, x_RH):
-        w_sum_RK = slots.coefficients(w_RK)
-        return fp8_routed_experts(x_RH, w_P, w_sum_RK, *weights, offsets_e, slots, recompute)  # type: ignore[arg-type]
+    if fp8 and adapters is None and fused_fp8_middle(elementwise, act_fn, x_RH):
+        if isinstance(gate_up_eFH, torch.Tensor) and isinstance(down_eHI, torch.Tensor):  # not a frozen FP8 base
+            w_sum_RK = slots.coefficients(w_RK)
+            return fp8_routed_experts(x_RH, w_P, w_sum_RK, gate_up_eFH, down_eHI, offsets_e, slots, recompute)
     x_PH = _Permute.apply(x_RH, slots)
     if adapters is not None or fp8 or isinstance(gate_up_eFH, BlockScaled) or isinstance(down_eHI, BlockScaled):
         out_PH = _projected_experts(x_PH, w_P, weights, offsets_e, act_fn, elementwise, adapters, recompute, fp8)
