@@ -249,3 +249,26 @@ def test_each_fp8_memory_variant_comes_again_without_the_weight_copies_and_the_r
     section = {"attention_gpus": 1, "ffn_gpus": 1, "fp8": True, "fp8_cast_per_call": True}
     cfg = DisagMoEConfig.from_ds_config({"disagmoe": section})
     assert cfg.fp8 and not cfg.fp8_cast_once
+
+
+def test_the_co_located_plan_keeps_its_fp8_experts_rows_in_e4m3_too():
+    """Both systems are priced alike: a co-located rank's FP8 experts keep their permuted input for dW in e4m3, H + 4
+    bytes an assignment instead of 2H (TE's and our grouped GEMMs keep the FP8 operand), recompute none and
+    selective; nothing changes where the experts stay bf16 or full recompute keeps only layer inputs."""
+    from disagmoe_ds.planner.colocated_costs import Shape
+    from disagmoe_ds.planner.memory import baseline_rank_memory
+
+    spec = _spec("Qwen3-30B-A3B")
+    shape = Shape(pp=1, vpp=1, tp=1, cp=1, ep=8, overlap="partial")
+
+    def activations(**kw) -> float:
+        return baseline_rank_memory(
+            spec, Workload(4096, 1, **kw), shape, world_size=8, chunks_alive=1
+        ).activations_per_micro_batch
+
+    saving = 4096 * spec.top_k * (2 * 2048 - (2048 + 4)) * sum(spec.moe_layers)
+    for recompute in ("none", "selective"):
+        bf16 = activations(recompute=recompute)
+        assert bf16 - activations(recompute=recompute, fp8=True, fp8_expert_bf16_width=0) == pytest.approx(saving)
+        assert activations(recompute=recompute, fp8=True) == bf16  # the experts' rule keeps them bf16
+    assert activations(recompute="full", fp8=True, fp8_expert_bf16_width=0) == activations(recompute="full")

@@ -189,20 +189,24 @@ def _baseline_rank_memory(
     tokens = work.tokens_per_micro_batch / (tp * cp)
     chunks = chunk_layers(spec.num_layers, pp, vpp)
     assert chunks is not None, f"{spec.num_layers} layers do not split over PP {pp} x VPP {vpp}"
+    # FP8 experts keep their input rows for dW in e4m3, one per assignment (the grouped GEMM's permuted input)
+    fp8_rows = spec.top_k * _fp8_rows_saving(spec, work, rows_per_assignment=1.0)
+
+    def kept(i: int) -> float:  # per token of layer i
+        return _colocated_bytes(spec, i, lora) - (fp8_rows if spec.moe_layers[i] else 0.0)
+
     worst: RankMemory | None = None
     for stage in range(pp):
         layers, dense, experts = baseline_stage_params(spec, pp=pp, vpp=vpp, ep=ep, stage=stage, lora=lora)
-        full = [tokens * _colocated_bytes(spec, i, lora) for i in layers]
+        full = [tokens * kept(i) for i in layers]
         saved = [tokens * _colocated_saved_bytes(spec, i) for i in layers]
         mine = [c for k, c in enumerate(chunks) if k % pp == stage]  # the largest chunk bounds the activations
         if work.recompute == "full":
             act = tokens * spec.layer_input_bytes() * max(len(c) for c in mine)
         elif work.recompute == "selective":
-            act = max(
-                tokens * sum(_colocated_bytes(spec, i, lora) - _colocated_saved_bytes(spec, i) for i in c) for c in mine
-            )
+            act = max(tokens * sum(kept(i) - _colocated_saved_bytes(spec, i) for i in c) for c in mine)
         else:
-            act = max(tokens * sum(_colocated_bytes(spec, i, lora) for i in c) for c in mine)
+            act = max(tokens * sum(kept(i) for i in c) for c in mine)
         logits = tokens * spec.vocab_size * LOGIT_BYTES if stage == pp - 1 else 0
         state = baseline_state_bytes(
             precision,
