@@ -29,6 +29,9 @@ BUDGET_S=${BUDGET_S:-560}
 LOG=$OUT/session.txt
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
+# DeepSeek-V3's FP8 layer (67 GiB at its peak) ran out of an H100's memory to fragmentation after the other paths
+# in one process (performance-log section 35); expandable segments fit it
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, transformers, deepspeed, torchao; print(torch.__version__, transformers.__version__, deepspeed.__version__, torchao.__version__)"
 } > "$OUT/env.txt" 2>&1
