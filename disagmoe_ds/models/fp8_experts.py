@@ -16,7 +16,7 @@ the passes over the P pair rows that the split into nodes made:
   input-gradient GEMM's ``d_out_PH`` by the compiled kernel that makes it from the rows' gradient
   (``weighted_pair_grads``).
 
-(DeepSeek-V3's FP8 layer on an H100: 43.69 ms before, 41.64-42.57 with the node, 1.23-1.26x ours bf16:
+(DeepSeek-V3's FP8 layer on an H100: 43.69 ms before, 40.93-42.57 with the node, 1.23-1.26x ours bf16:
 docs/performance-log.md section 35.)
 
 What else autograd keeps: the gate/up output for the middle's backward, the bf16 ``hidden_PI`` for the down weight's
