@@ -266,10 +266,10 @@ def _gathered(layer_params: float, zero_stage: int, precision: str) -> float:
 
 
 def _fp8_rows_saving(spec: ModelSpec, work: Workload, rows_per_assignment: float) -> float:
-    """Bytes per assignment the FP8 lever saves on the F side: the experts' one FP8 node (``models.fp8_experts``)
-    keeps the gate/up input for dW as the received rows' e4m3 bytes and scales, H + 4 bytes a received row
-    (``rows_per_assignment`` of them per assignment) instead of 2H a pair, unless LoRA's adapter GEMMs (the unfused
-    path) or bf16 expert GEMMs (the shape rule) keep the pairs' bf16 rows."""
+    """Bytes per assignment the FP8 lever saves on an expert rank: the gate/up input is kept for dW as e4m3 rows and
+    scales, H + 4 bytes a row (``rows_per_assignment`` of them per assignment: the received rows, each once, in our
+    FP8 node, ``models.fp8_experts``; one a pair in Megatron's) instead of 2H a pair, unless LoRA's adapter GEMMs (the
+    unfused path) or bf16 expert GEMMs (the shape rule) keep the pairs' bf16 rows."""
     if not experts_in_fp8(spec, work) or work.lora.enabled:
         return 0.0
     return ACT_BYTES * spec.hidden_size - (spec.hidden_size + FP8_ROW_SCALE_BYTES) * rows_per_assignment
