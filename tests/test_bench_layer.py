@@ -186,3 +186,15 @@ def test_layer_out_of_range_is_refused():
     config = bench_layer.load_config(ROOT / "hf_models" / "tiny-qwen3.5-moe")
     with pytest.raises(ValueError, match="layer 9 is not one of the model's 4 layers"):
         bench_layer.one_layer_model(config, device="cpu", dtype=torch.float32, layer=9)
+
+
+def test_fp8_projections_lists_each_shape_the_lever_may_convert():
+    """bench/fp8_projections.py times the attention part's projections by shape: not the router, k and v once."""
+    import fp8_projections
+
+    assert fp8_projections.projections(str(ROOT / "hf_models/Qwen3-30B-A3B")) == {
+        (2048, 4096): ["q_proj"], (2048, 512): ["k_proj", "v_proj"], (4096, 2048): ["o_proj"],
+    }  # fmt: skip
+    deepseek = fp8_projections.projections(str(ROOT / "hf_models/DeepSeek-V3"))
+    assert deepseek[7168, 2048] == ["gate_proj", "up_proj"] and deepseek[16384, 7168] == ["o_proj"]
+    assert (7168, 256) not in deepseek  # the router
