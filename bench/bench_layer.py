@@ -345,7 +345,18 @@ def torchao_fp8(layer: torch.nn.Module) -> None:
     quantize_(layer, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: fqn in parts)
 
 
-def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, device: str, backend: str, layer: int = 0):
+def build_path(
+    name: str,
+    model_dir: str,
+    spec,
+    seq_len: int,
+    batch: int,
+    *,
+    device: str,
+    backend: str,
+    layer: int = 0,
+    fp8_bf16_width: int = BF16_WIDTH,
+):
     """``(step, args)`` of one path, compiled where its name says so. Every path gets the same weights and batch
     (the same seed), so the same routing: expert GEMM times depend on how evenly the tokens spread."""
     torch.manual_seed(0)
@@ -377,7 +388,7 @@ def build_path(name: str, model_dir: str, spec, seq_len: int, batch: int, *, dev
         expert_stage = ExpertStage(model, (0,), 0, spec.num_experts)
         if name.startswith("ours-fp8"):  # the widths past which a projection runs in FP8, and the experts
             widths = {"ours-fp8-once-all-compiled": 0, "ours-fp8-once-experts-compiled": 1 << 30}
-            fp8_stage(attention, widths.get(name, BF16_WIDTH))
+            fp8_stage(attention, widths.get(name, fp8_bf16_width))
             fp8_stage(expert_stage, expert_bf16_width=EXPERT_BF16_WIDTH if name == "ours-fp8-once-compiled" else 0)
         if name == "selective-compiled":
             apply_selective_recompute(attention)
@@ -425,6 +436,7 @@ def bench_model(
     memory_peak: bool = False,
     backend: str = "inductor",
     layer: int = 0,
+    fp8_bf16_width: int = BF16_WIDTH,
 ) -> Iterator[dict]:
     """One row per path, as each is measured (``vs_hf_compiled`` is filled in by ``add_ratios``); the model's
     layer ``layer`` (its attention type), named ``model:layer`` where it is not the first."""
@@ -434,6 +446,8 @@ def bench_model(
     model_name = Path(model_dir).name + (f":{layer}" if layer else "")
     for name in paths:
         row = {"model": model_name, "layer": layer, "seq_len": seq_len, "batch": batch, "path": name}
+        if name.startswith("ours-fp8"):
+            row["fp8_bf16_width"] = fp8_bf16_width
         row.update(ms=None, tokens_per_s=None, tflops=None, mfu=None, vs_hf_compiled=None, error=None)
         row.update(built_gib=None, peak_gib=None, held_gib=None, idle=None)
         step = args = None
@@ -441,8 +455,9 @@ def bench_model(
         with scope:
             try:
                 step, args = build_path(
-                    name, model_dir, spec, seq_len, batch, device=device, backend=backend, layer=layer
-                )
+                    name, model_dir, spec, seq_len, batch, device=device, backend=backend, layer=layer,
+                    fp8_bf16_width=fp8_bf16_width,
+                )  # fmt: skip
                 if device == "cuda":  # the steps' peak, not the building's (weights copied into stages)
                     row["built_gib"] = torch.cuda.memory_allocated() / 2**30
                     torch.cuda.reset_peak_memory_stats()
@@ -631,6 +646,13 @@ def main(argv: list[str] | None = None) -> int:
         help="which of the model's layers to build, for its attention type (config.layer_types: Qwen3.5's "
         "full_attention layers are 3, 7, ...); always made MoE. Default 0",
     )
+    p.add_argument(
+        "--fp8-bf16-width",
+        type=int,
+        default=BF16_WIDTH,
+        help="the FP8 paths' shape rule (the config's \"fp8_bf16_width\"): a projection with a side of at most this "
+        f"stays bf16 (default {BF16_WIDTH}; the -all and -experts paths fix their own)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
     a.paths = a.paths or paths_for(a.device)
@@ -649,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
                 memory_peak=a.memory_peak,
                 backend=a.compile_backend,
                 layer=a.layer,
+                fp8_bf16_width=a.fp8_bf16_width,
             ):
                 rows.append(row)
                 add_ratios(rows)
