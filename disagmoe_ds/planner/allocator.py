@@ -236,14 +236,12 @@ def _placed(
     """One candidate per placement and NIC split of ``layout`` under ``work``."""
     places = placements(req.cluster, layout.attention_gpus, req.placement, req.granularity)
     s, t = work.sequence_parallel, work.tensor_parallel
-    for spans, reason in (
-        (lambda pl: lane_spans(layout, pl, s, t)[1], "a TP group would span nodes"),
-        (lambda pl: _node_spans(layout, pl), "a node_dedup group would span nodes"),
-    ):
-        kept = [pl for pl in places if not spans(pl)]
-        if len(kept) < len(places):
-            rejected[reason] += 1
-        places = kept
+    if any(lane_spans(layout, pl, s, t)[1] for pl in places):
+        rejected["a TP group would span nodes"] += 1
+        places = [pl for pl in places if not lane_spans(layout, pl, s, t)[1]]
+    if any(_node_spans(layout, pl) for pl in places):
+        rejected["a node_dedup group would span nodes"] += 1
+        places = [pl for pl in places if not _node_spans(layout, pl)]
     options = [(pl, nics) for pl in places for nics in pl.nic_splits(req.cluster, layout.attention_gpus)]
     if not options:
         rejected["no placement gives each side a NIC (a shared node with one NIC)"] += 1
