@@ -16,17 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from disagmoe_ds.fp8.modules import aligned, fp8_eligible
-from disagmoe_ds.fp8.projections import fp8_linear
-from disagmoe_ds.fp8.shapes import fp8_pays, harmonic_width
-from disagmoe_ds.models.one_layer import one_layer_model
-from disagmoe_ds.models.parts import AttentionStage
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_grouped_gemms import timed_ms  # noqa: E402
+
+from disagmoe_ds.fp8.modules import fp8_eligible  # noqa: E402
+from disagmoe_ds.fp8.projections import fp8_linear  # noqa: E402
+from disagmoe_ds.fp8.shapes import fp8_pays, harmonic_width  # noqa: E402
+from disagmoe_ds.models.one_layer import one_layer_model  # noqa: E402
+from disagmoe_ds.models.parts import AttentionStage  # noqa: E402
 
 
 def projections(model_dir: str) -> dict[tuple[int, int], list[str]]:
@@ -38,7 +42,6 @@ def projections(model_dir: str) -> dict[tuple[int, int], list[str]]:
     shapes: dict[tuple[int, int], list[str]] = {}
     for name, sub in part.named_modules():
         if isinstance(sub, torch.nn.Linear) and id(sub) not in skipped and fp8_eligible(name, sub, bf16_width=0):
-            assert aligned(sub)
             shapes.setdefault((sub.in_features, sub.out_features), []).append(name.rsplit(".", 1)[-1])
     return shapes
 
@@ -55,16 +58,7 @@ def fwd_bwd_ms(fn, tokens: int, in_features: int, out_features: int, iters: int)
         x.grad = weight.grad = None
         compiled(x, weight).backward(dy)
 
-    for _ in range(3):
-        step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return timed_ms(step, iters)
 
 
 def main(argv: list[str] | None = None) -> None:
