@@ -345,6 +345,12 @@ def torchao_fp8(layer: torch.nn.Module) -> None:
     quantize_(layer, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: fqn in parts)
 
 
+def projection_bf16_width(name: str, fp8_bf16_width: int) -> int:
+    """The projections' shape rule an FP8 path runs: the -all path has every projection in FP8, the -experts path
+    none, the others ``fp8_bf16_width``."""
+    return {"ours-fp8-once-all-compiled": 0, "ours-fp8-once-experts-compiled": 1 << 30}.get(name, fp8_bf16_width)
+
+
 def build_path(
     name: str,
     model_dir: str,
@@ -387,8 +393,7 @@ def build_path(
         attention = AttentionStage(model, (0,), with_embedding=False, with_head=False)
         expert_stage = ExpertStage(model, (0,), 0, spec.num_experts)
         if name.startswith("ours-fp8"):  # the widths past which a projection runs in FP8, and the experts
-            widths = {"ours-fp8-once-all-compiled": 0, "ours-fp8-once-experts-compiled": 1 << 30}
-            fp8_stage(attention, widths.get(name, fp8_bf16_width))
+            fp8_stage(attention, projection_bf16_width(name, fp8_bf16_width))
             fp8_stage(expert_stage, expert_bf16_width=EXPERT_BF16_WIDTH if name == "ours-fp8-once-compiled" else 0)
         if name == "selective-compiled":
             apply_selective_recompute(attention)
@@ -447,7 +452,7 @@ def bench_model(
     for name in paths:
         row = {"model": model_name, "layer": layer, "seq_len": seq_len, "batch": batch, "path": name}
         if name.startswith("ours-fp8"):
-            row["fp8_bf16_width"] = fp8_bf16_width
+            row["fp8_bf16_width"] = projection_bf16_width(name, fp8_bf16_width)
         row.update(ms=None, tokens_per_s=None, tflops=None, mfu=None, vs_hf_compiled=None, error=None)
         row.update(built_gib=None, peak_gib=None, held_gib=None, idle=None)
         step = args = None
