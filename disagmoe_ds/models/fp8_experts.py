@@ -16,8 +16,8 @@ the passes over the P pair rows that the split into nodes made:
   input-gradient GEMM's ``d_out_PH`` by the compiled kernel that makes it from the rows' gradient
   (``weighted_pair_grads``).
 
-(DeepSeek-V3's FP8 layer on an H100: 43.69 ms before, 40.93-42.57 with the node, 1.23-1.26x ours bf16:
-docs/performance-log.md section 35.)
+(DeepSeek-V3's FP8 layer on an H100 at 1 x 4,096 tokens: 43.69 ms before, 40.93-42.57 with the node, 1.23-1.26x
+ours bf16, docs/performance-log.md section 35; at 2 x 4,096 1.12x, section 36.)
 
 What else autograd keeps: the gate/up output for the middle's backward, the bf16 ``hidden_PI`` for the down weight's
 gradient (high precision, as ``fp8.gemm.grouped_weight_grad`` computes every expert dW and as the FP8 reference does),
