@@ -7,7 +7,8 @@ Measured at one shape only (performance-log section 26, one H100, Qwen3-30B-A3B'
 tokens a micro-batch: q 2,048 -> 4,096, k and v 2,048 -> 512, o 4,096 -> 2,048): its 12 FP8 GEMMs (forward and both
 backward of the four projections) took 0.87 ms against bf16's 0.60. ``BF16_WIDTH`` keeps exactly such projections, with
 an input or output width of at most 2,048, in bf16, and nothing wider. Checked on DeepSeek-V3's layer (section 36):
-its q_a, q_b and shared-expert projections (a side of 1,536 or 2,048) in FP8 as well made the layer 0.6% slower.
+its q_a, q_b and shared-expert projections (a side of 1,536 or 2,048) in FP8 as well made the layer 0.6% slower at
+1 x 4,096 tokens and no faster at 2 x 4,096.
 
 The routed experts follow the same reasoning with their own measure, the harmonic width ``H I / (H + I)`` of hidden
 size H and expert width I (a grouped GEMM's FLOPs per row grow with H x I, the quantizations around it with H + I),
